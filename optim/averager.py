@@ -1,0 +1,55 @@
+"""The transport an outer optimizer averages through.
+
+An :class:`Averager` takes this peer's tensors and a weight, and replaces the tensors in place
+by the weighted mean over the group of peers it found. Implementations: :class:`LocalAverager`
+(a swarm of one, for tests and single-machine runs) and ``swarm.averaging.SwarmAverager``
+(hivemind's decentralized all-reduce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(kw_only=True)
+class RoundReport:
+    """What one averaging round did, as seen by this peer."""
+
+    group_size: int
+    """Peers whose tensors went into the mean, this one included (1 = averaged alone)."""
+    bytes_sent: int = 0
+    """Bytes this peer sent during the round (payload, after compression)."""
+    bytes_received: int = 0
+    """Bytes this peer received during the round (payload, after compression)."""
+    seconds: float = 0.0
+    """Wall time of the round, matchmaking included."""
+    group_info: list[dict[str, Any]] = field(default_factory=list)
+    """The ``info`` every group member sent (this peer's included), for consistency checks."""
+    error: str | None = None
+    """Why the round fell back to a local step, when it did."""
+
+    @property
+    def averaged_alone(self) -> bool:
+        return self.group_size <= 1
+
+
+class Averager(Protocol):
+    """Replace ``tensors`` in place by their weighted mean over a group of peers."""
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
+    ) -> RoundReport: ...
+
+
+class LocalAverager:
+    """A swarm of one: leaves the tensors as they are. DiLoCo over it is DiLoCo with k=1."""
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
+    ) -> RoundReport:
+        assert weight > 0, f"{weight=}"
+        return RoundReport(group_size=1, group_info=[dict(info or {})])

@@ -1,0 +1,219 @@
+"""DiLoCo: Distributed Low-Communication training of language models.
+
+Douillard et al., 2023, https://arxiv.org/abs/2311.08105
+
+Every peer starts a round from the same global parameters θ, runs H steps of its own inner
+optimizer (AdamW; its state never leaves the peer), then the peers average their
+pseudo-gradients Δ = θ − θ_local and an outer SGD with Nesterov momentum updates θ with the
+mean Δ. With outer lr 1 and no momentum this is FedAvg / local SGD.
+
+Phases of one round, each a method below:
+``save_global_params`` (once, at wrap time) → H × inner step (the user's loop) →
+``compute_pseudo_gradients`` → ``average`` (the :class:`~optim.averager.Averager`) →
+``apply_outer_step`` → ``restore_parameters`` (global θ copied into the model).
+
+The user's loop stays plain PyTorch::
+
+    outer = DiLoCo(model, inner_opt, averager, DiLoCoConfig(inner_steps=50))
+    for x, y in batches:
+        loss = model(x, y)[1]; loss.backward(); inner_opt.step(); inner_opt.zero_grad()
+        report = outer.step(samples=len(x))   # a RoundReport after every H-th step, else None
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from optim.averager import Averager, RoundReport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class DiLoCoConfig:
+    """Outer-loop settings; defaults follow the paper and OpenDiLoCo."""
+
+    inner_steps: int = 50
+    """H: inner optimizer steps between two averaging rounds."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD applied to the mean pseudo-gradient."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD (0 disables it)."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer SGD, as in the paper."""
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1 (got {self.inner_steps}); try 50")
+        if not 0 < self.outer_lr <= 10:
+            raise ValueError(f"outer_lr must be in (0, 10] (got {self.outer_lr}); DiLoCo uses 0.7")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1) (got {self.outer_momentum}); DiLoCo uses 0.9")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=False")
+
+
+@dataclass(kw_only=True)
+class OuterState:
+    """Everything a new peer needs to continue the run: global θ, outer momentum, step."""
+
+    outer_step: int
+    params: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+
+
+class DiLoCo:
+    """Wraps ``model`` and its inner optimizer; averages pseudo-gradients every H steps."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        averager: Averager,
+        config: DiLoCoConfig,
+    ) -> None:
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.averager = averager
+        self.config = config
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters: nothing for DiLoCo to average")
+        self.outer_step_count = 0
+        """Completed outer rounds (the run's clock: peers at the same step hold the same θ)."""
+        self.inner_step_count = 0
+        """Inner steps done in the current round."""
+        self.samples_this_round = 0
+        # Held while θ or the momentum change, so a state download served from another thread
+        # (hivemind calls get_current_state in a background thread) never sees half a step.
+        self.lock = threading.Lock()
+        self.save_global_params()
+
+    # --- phases -------------------------------------------------------------------------
+
+    def save_global_params(self) -> None:
+        """Keep θ in fp32 on the CPU, apart from the model, with its own outer SGD."""
+        self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        self.outer_optimizer = torch.optim.SGD(
+            self.global_params,
+            lr=self.config.outer_lr,
+            momentum=self.config.outer_momentum,
+            nesterov=self.config.nesterov,
+        )
+
+    @torch.no_grad()
+    def compute_pseudo_gradients(self) -> list[torch.Tensor]:
+        """Δ = θ − θ_local, one fp32 CPU tensor per parameter (same shapes as the params)."""
+        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.params)]
+
+    def average(self, deltas: list[torch.Tensor], info: dict[str, Any] | None) -> RoundReport:
+        """Replace ``deltas`` by the group's weighted mean; fall back to ours on any failure."""
+        start = time.monotonic()
+        weight = float(max(self.samples_this_round, 1))
+        try:
+            report = self.averager.all_reduce(deltas, weight=weight, info=info)
+        except Exception as error:  # the transport failed: this round is a local step
+            logger.warning("averaging failed (%s); applying this peer's own update", error)
+            report = RoundReport(group_size=1, error=str(error), group_info=[dict(info or {})])
+        report.seconds = time.monotonic() - start
+        return report
+
+    @torch.no_grad()
+    def apply_outer_step(self, mean_deltas: list[torch.Tensor]) -> None:
+        """θ ← OuterSGD(θ, mean Δ). Refuses a non-finite update rather than poison θ."""
+        if not all(torch.isfinite(d).all() for d in mean_deltas):
+            raise FloatingPointError(
+                f"round {self.outer_step_count}: the averaged update holds NaN/Inf; the global params "
+                "were left unchanged (a peer diverged: lower the inner learning rate)"
+            )
+        with self.lock:
+            for g, d in zip(self.global_params, mean_deltas):
+                g.grad = d
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
+            self.outer_step_count += 1
+
+    @torch.no_grad()
+    def restore_parameters(self) -> None:
+        """Copy θ into the model so the next round starts from the global params."""
+        for p, g in zip(self.params, self.global_params):
+            p.copy_(g.to(p.device, p.dtype))
+
+    # --- the user's hook ------------------------------------------------------------------
+
+    def step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None:
+        """Call after every inner optimizer step; runs a round after the H-th. ``samples``
+        is how many sequences this step trained on (the round's averaging weight)."""
+        self.note_inner_step(samples=samples)
+        if self.inner_step_count < self.config.inner_steps:
+            return None
+        return self.sync(info=info)
+
+    def note_inner_step(self, *, samples: int) -> None:
+        """Count an inner step without syncing (for loops that decide when to sync)."""
+        self.inner_step_count += 1
+        self.samples_this_round += samples
+
+    def sync(self, *, info: dict[str, Any] | None = None) -> RoundReport:
+        """Run one outer round now, whatever the inner step count."""
+        deltas = self.compute_pseudo_gradients()
+        report = self.average(deltas, info)
+        try:
+            self.apply_outer_step(deltas)
+        except FloatingPointError as error:
+            logger.error("%s", error)
+            report.error = str(error)
+        self.restore_parameters()
+        self.inner_step_count = 0
+        self.samples_this_round = 0
+        return report
+
+    # --- state for late joiners and checkpoints -------------------------------------------
+
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        """The outer SGD's momentum, zeros where it has none yet (before the first round)."""
+        buffers = []
+        for g in self.global_params:
+            buf = self.outer_optimizer.state.get(g, {}).get("momentum_buffer")
+            buffers.append(torch.zeros_like(g) if buf is None else buf)
+        return buffers
+
+    def outer_state(self) -> OuterState:
+        """A consistent copy of the global state (safe to call from another thread)."""
+        with self.lock:
+            return OuterState(
+                outer_step=self.outer_step_count,
+                params=[g.clone() for g in self.global_params],
+                momentum=[m.clone() for m in self.momentum_buffers()],
+            )
+
+    @torch.no_grad()
+    def load_outer_state(self, state: OuterState) -> None:
+        """Adopt a downloaded global state and restart the current round from it."""
+        shapes = [tuple(g.shape) for g in self.global_params]
+        got = [tuple(t.shape) for t in state.params]
+        if got != shapes or [tuple(t.shape) for t in state.momentum] != shapes:
+            raise ValueError(
+                f"the downloaded state does not fit this model ({len(got)} tensors vs {len(shapes)}); "
+                "every peer of a run must use the same model settings"
+            )
+        with self.lock:
+            for g, p in zip(self.global_params, state.params):
+                g.copy_(p)
+            for g, m in zip(self.global_params, state.momentum):
+                self.outer_optimizer.state[g]["momentum_buffer"] = m.clone().to(torch.float32)
+            self.outer_step_count = state.outer_step
+        self.restore_parameters()
+        self.inner_step_count = 0
+        self.samples_this_round = 0
+
+    def fingerprint(self) -> list[float]:
+        """Per-tensor L2 norms of θ: peers on the same trajectory agree to ~1e-6 relative."""
+        with self.lock:
+            return [float(g.double().norm()) for g in self.global_params]

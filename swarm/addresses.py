@@ -1,0 +1,98 @@
+"""Peer addresses: parse and check multiaddrs before hivemind ever sees them.
+
+A join address is a multiaddr that ends in the peer's id, e.g.
+``/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...``. hivemind itself fails on a bad one with a
+traceback from deep inside its daemon, or waits; here every mistake gets a one-line
+:class:`AddressError` that says what to fix.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Sequence
+
+from multiaddr import Multiaddr
+
+from swarm.errors import SwarmError
+
+EXAMPLE = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+_NETWORK = {"ip4", "ip6", "dns", "dns4", "dns6"}
+_TRANSPORT = {"tcp", "udp"}
+
+
+class AddressError(SwarmError):
+    """A multiaddr given by the user is malformed or unusable."""
+
+
+def parse_peer_address(text: str) -> Multiaddr:
+    """Parse one bootstrap address; it must name a host, a port and the peer's id."""
+    text = text.strip()
+    if not text:
+        raise AddressError(f"empty peer address; paste the full multiaddr the first peer printed, e.g. {EXAMPLE}")
+    if not text.startswith("/"):
+        hint = ""
+        if ":" in text and "/" not in text:
+            host, _, port = text.rpartition(":")
+            hint = f" (for {text} write /ip4/{host}/tcp/{port}/p2p/<peer id>)"
+        raise AddressError(f"'{text}' is not a multiaddr{hint}; it must look like {EXAMPLE}")
+    try:
+        address = Multiaddr(text)
+    except Exception as error:  # py-multiaddr raises several ParseError/ValueError subclasses
+        reason = str(error).split(": ", 1)[-1].split(" (string:")[0]
+        raise AddressError(f"malformed multiaddr '{text}': {reason}; expected e.g. {EXAMPLE}") from None
+    names = [protocol.name for protocol in address.protocols()]
+    if not names or names[0] not in _NETWORK:
+        raise AddressError(f"'{text}' does not start with a host (/ip4/, /ip6/ or /dns/); e.g. {EXAMPLE}")
+    if not _TRANSPORT & set(names):
+        raise AddressError(f"'{text}' has no port (/tcp/PORT or /udp/PORT/quic); e.g. {EXAMPLE}")
+    if "p2p" not in names:
+        raise AddressError(
+            f"'{text}' lacks the peer id: append /p2p/<peer id> as printed by `workbench start` "
+            "(hivemind only connects to a peer it can authenticate)"
+        )
+    if names[-1] != "p2p":
+        raise AddressError(f"'{text}' has parts after /p2p/<peer id>; the peer id must come last")
+    if "tcp" in names and int(address.value_for_protocol("tcp")) == 0:
+        raise AddressError(f"'{text}' has port 0; use the port the running peer printed")
+    return address
+
+
+def parse_peer_addresses(texts: Iterable[str]) -> list[Multiaddr]:
+    """Parse several bootstrap addresses; at least one is needed to join."""
+    addresses = [parse_peer_address(text) for text in texts]
+    if not addresses:
+        raise AddressError(f"give at least one peer address to join, e.g. workbench join {EXAMPLE}")
+    return addresses
+
+
+def listen_address(host: str, port: int) -> str:
+    """The multiaddr hivemind should listen on for ``--host``/``--port``."""
+    if not 0 <= port < 65536:
+        raise AddressError(f"--port must be in 0..65535 (got {port}); 0 picks a free port")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise AddressError(
+            f"--host must be an IP address to listen on (got '{host}'); use 0.0.0.0 for all interfaces"
+        ) from None
+    return f"/ip{ip.version}/{ip}/tcp/{port}"
+
+
+def parse_announce_addresses(texts: Sequence[str]) -> list[str]:
+    """``--announce`` addresses: public host and port others should dial (no peer id)."""
+    result = []
+    for text in texts:
+        try:
+            address = Multiaddr(text)
+        except Exception as error:
+            reason = str(error).split(": ", 1)[-1].split(" (string:")[0]
+            raise AddressError(
+                f"malformed --announce multiaddr '{text}': {reason}; e.g. /ip4/203.0.113.7/tcp/31337"
+            ) from None
+        names = [protocol.name for protocol in address.protocols()]
+        if "p2p" in names:
+            raise AddressError(f"--announce '{text}' must not include /p2p/: the peer id is added for you")
+        if not names or names[0] not in _NETWORK or not _TRANSPORT & set(names):
+            raise AddressError(f"--announce '{text}' needs a host and a port, e.g. /ip4/203.0.113.7/tcp/31337")
+        result.append(str(address))
+    return result

@@ -1,0 +1,255 @@
+"""Averaging pseudo-gradients over a real swarm with hivemind's DecentralizedAverager.
+
+One round, as :meth:`SwarmAverager.all_reduce` runs it:
+
+1. **Barrier.** Announce "waiting" and wait (at most ``round_wait`` seconds) until every live
+   peer at the same outer step has finished its inner steps. Without it the first peer to
+   finish would average with whoever happens to be matchmaking and the swarm would split
+   into groups holding different global params.
+2. **Matchmaking + all-reduce.** ``step(scheduled_time=now + matchmaking_time)``: peers that
+   passed the barrier within that window form one group; the weighted mean replaces the
+   tensors. Each member's ``info`` (outer step, fingerprint of θ) is all-gathered.
+3. **Fallback.** No group (a lone peer) or a failed round: keep this peer's own tensors and
+   say so in the report; the outer step is then a local one.
+
+Serving state to late joiners: hivemind calls :meth:`get_current_state` in a background
+thread of this process; the ``state_provider`` must return a consistent copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+
+from optim.averager import RoundReport
+from optim.diloco import OuterState
+from swarm.averaging_config import CODEC_BYTES, AveragingConfig
+from swarm.errors import SwarmError
+from swarm.progress import ProgressBoard
+from swarm.records import Stage
+
+logger = logging.getLogger(__name__)
+
+# wire codec name -> hivemind codec
+CODECS: dict[str, Callable[[], Any]] = {
+    "none": NoCompression,
+    "fp16": Float16Compression,
+    "int8": Uniform8BitQuantization,
+}
+assert set(CODECS) == set(CODEC_BYTES), f"{set(CODECS)=} {set(CODEC_BYTES)=}"
+
+
+class _StateServingAverager(DecentralizedAverager):
+    """DecentralizedAverager whose downloadable state is DiLoCo's global state."""
+
+    def __init__(self, *args: Any, state_provider: Callable[[], OuterState], **kwargs: Any) -> None:
+        self._state_provider = state_provider
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self):
+        state = self._state_provider()
+        metadata = dict(outer_step=state.outer_step, num_params=len(state.params))
+        return metadata, [*state.params, *state.momentum], None
+
+
+class SwarmAverager:
+    """An :class:`optim.Averager` over hivemind; also downloads and serves the global state."""
+
+    def __init__(
+        self,
+        dht,
+        *,
+        run_id: str,
+        tensors_like: Sequence[torch.Tensor],
+        board: ProgressBoard,
+        beat: Callable[[Stage], None],
+        state_provider: Callable[[], OuterState],
+        config: AveragingConfig,
+        client_mode: bool = False,
+    ) -> None:
+        self.dht = dht
+        self.board = board
+        self.beat = beat
+        self.config = config
+        self.peer_id = dht.peer_id.to_base58()
+        codec, self.bytes_per_element = CODECS[config.compression], CODEC_BYTES[config.compression]
+        buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in tensors_like]
+        self.numel = sum(b.numel() for b in buffers)
+        handler = signal.getsignal(signal.SIGINT)
+        self.averager = _StateServingAverager(
+            buffers,
+            dht,
+            prefix=f"{run_id}_diloco",
+            state_provider=state_provider,
+            min_matchmaking_time=config.matchmaking_time,
+            request_timeout=max(3.0, config.matchmaking_time),
+            allreduce_timeout=config.averaging_timeout,
+            next_chunk_timeout=min(10.0, config.averaging_timeout),
+            compression=codec(),
+            state_compression=NoCompression(),
+            client_mode=client_mode,
+            allow_state_sharing=not client_mode,
+            declare_state_period=10,
+            shutdown_timeout=3,
+            start=False,
+        )
+        try:
+            # hivemind makes the calling process ignore SIGINT here (averager.py: signal(SIGINT,
+            # SIG_IGN)) and would leave Ctrl+C dead for the rest of the run: restore it.
+            self.averager.run_in_background(await_ready=True, timeout=30)
+        finally:
+            signal.signal(signal.SIGINT, handler)
+
+    # --- one round --------------------------------------------------------------------------
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
+    ) -> RoundReport:
+        info = dict(info or {}, peer=self.peer_id)
+        if not self.wait_for_round_mates(int(info.get("outer_step", 0))):
+            return self._alone(info, "no other peer in this round")
+        self.beat(Stage.AVERAGING)
+        with self.averager.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, tensors):
+                buffer.copy_(tensor)
+        from hivemind.utils import get_dht_time
+
+        control = self.averager.step(
+            gather=info,
+            weight=weight,
+            scheduled_time=get_dht_time() + self.config.matchmaking_time,
+            timeout=self.config.averaging_timeout,
+            wait=False,
+        )
+        try:
+            # Poll rather than block, so heartbeats continue and Ctrl+C lands here.
+            hard_deadline = time.monotonic() + self.config.averaging_timeout + 10.0
+            while not control.done():
+                self.beat(Stage.AVERAGING)
+                if time.monotonic() > hard_deadline:  # hivemind missed its own deadline
+                    control.cancel()
+                    return self._alone(info, f"averaging did not finish in {self.config.averaging_timeout:.0f} s")
+                time.sleep(0.05)
+            gathered = control.result()
+        except KeyboardInterrupt:
+            control.cancel()
+            raise
+        except Exception as error:
+            return self._alone(info, f"averaging failed: {type(error).__name__}: {error}")
+        if not gathered:
+            return self._alone(info, "could not find a group")
+        # Success: the buffers now hold the group's weighted mean.
+        with self.averager.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, tensors):
+                tensor.copy_(buffer)
+        group = len(gathered)
+        payload = self.numel * self.bytes_per_element
+        # Butterfly all-reduce: each peer sends (n-1)/n of its vector and receives (n-1)/n of
+        # each partner's part (reduce-scatter), then the same again for the results (all-gather).
+        moved = int(2 * payload * (group - 1) / group)
+        return RoundReport(
+            group_size=group,
+            bytes_sent=moved,
+            bytes_received=moved,
+            group_info=[data for data in gathered.values() if isinstance(data, dict)],
+        )
+
+    def _alone(self, info: dict[str, Any], reason: str) -> RoundReport:
+        logger.info("round %s: %s; continuing alone with this peer's own update", info.get("outer_step"), reason)
+        return RoundReport(group_size=1, group_info=[info], error=reason)
+
+    def wait_for_round_mates(self, outer_step: int) -> bool:
+        """The barrier: wait until no live peer of this round is still training it.
+
+        Returns False when no other live peer is in this round (nobody to average with)."""
+        deadline = time.monotonic() + self.config.round_wait
+        waited_for: list[str] = []
+        while True:
+            self.beat(Stage.WAITING)
+            peers = self.board.fetch()
+            mates = [p for p in peers.values() if p.peer_id != self.peer_id and p.outer_step == outer_step]
+            if not mates:
+                return False
+            busy = [
+                p.name
+                for p in peers.values()
+                if p.peer_id != self.peer_id
+                and p.outer_step == outer_step
+                and p.stage in (Stage.JOINING, Stage.DOWNLOADING, Stage.TRAINING)
+            ]
+            if not busy:
+                return True
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "round %d: not waiting longer than %.0f s for %s", outer_step, self.config.round_wait, busy
+                )
+                return True
+            if busy != waited_for:
+                logger.debug("round %d: waiting for %s", outer_step, ", ".join(busy))
+                waited_for = busy
+            time.sleep(0.2)
+
+    # --- state for late joiners ---------------------------------------------------------------
+
+    def set_state_priority(self, outer_step: int) -> None:
+        """Joiners download from the peer with the highest outer step."""
+        if self.averager.allow_state_sharing:
+            self.averager.state_sharing_priority = float(outer_step)
+
+    def download_state(self, *, timeout: float = 30.0) -> OuterState | None:
+        """The global state of the most advanced peer, or None if nobody serves it."""
+        result = self.averager.load_state_from_peers(timeout=timeout)
+        if result is None:
+            return None
+        metadata, tensors = result
+        count = int(metadata.get("num_params", -1)) if isinstance(metadata, dict) else -1
+        if count < 1 or len(tensors) != 2 * count:
+            raise SwarmError(
+                f"a peer served a malformed state ({len(tensors)} tensors for {count} params); "
+                "it may run another version of workbench"
+            )
+        return OuterState(
+            outer_step=int(metadata["outer_step"]),
+            params=[t.float() for t in tensors[:count]],
+            momentum=[t.float() for t in tensors[count:]],
+        )
+
+    def shutdown(self) -> None:
+        self.averager.shutdown()
+
+
+def diverged_from_group(mine: dict[str, Any], group: list[dict[str, Any]], *, rel_tol: float = 1e-5) -> str | None:
+    """Why this peer's global params before the round differ from the group's, or None.
+
+    Members of one round must start it from the same θ. If this peer was behind (a lower
+    outer step) or on another trajectory (e.g. it stepped alone while others averaged), its θ
+    is now wrong and it must download the state. Among members at the same step, the
+    trajectory held by most members wins; ties go to the lowest peer id.
+    """
+    others = [g for g in group if isinstance(g, dict) and g.get("peer") != mine.get("peer")]
+    if not others:
+        return None
+    top = max(int(g.get("outer_step", -1)) for g in [mine, *others])
+    if int(mine.get("outer_step", -1)) < top:
+        return f"behind the group (outer step {mine.get('outer_step')} < {top})"
+    same = [g for g in [mine, *others] if int(g.get("outer_step", -1)) == top]
+
+    def close(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        fa, fb = a.get("fingerprint") or [], b.get("fingerprint") or []
+        return len(fa) == len(fb) and all(abs(x - y) <= rel_tol * max(abs(x), abs(y), 1e-12) for x, y in zip(fa, fb))
+
+    def rank(member: dict[str, Any]) -> tuple[int, str]:
+        agreeing = [g for g in same if close(member, g)]
+        return len(agreeing), min(str(g.get("peer")) for g in agreeing)  # more agree, then lower id
+
+    best = max(same, key=lambda m: (rank(m)[0], [-ord(c) for c in rank(m)[1]]))
+    if close(mine, best):
+        return None
+    return f"its global params differ from the group's ({rank(best)[0]} of {len(same)} peers agree on another state)"

@@ -1,0 +1,131 @@
+"""Starting a hivemind DHT node with errors a user can act on.
+
+hivemind listens on 127.0.0.1 only unless told otherwise (``--host 0.0.0.0`` and
+``--announce`` for real networks), and reports an unreachable bootstrap peer as a daemon
+traceback; :func:`start_dht` turns both into :class:`~swarm.errors.SwarmError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+from swarm.addresses import listen_address, parse_announce_addresses, parse_peer_addresses
+from swarm.errors import SwarmError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class NetworkConfig:
+    """How this peer reaches the swarm and is reached by it."""
+
+    initial_peers: list[str] = field(default_factory=list)
+    """Multiaddrs of running peers (empty: start a new swarm)."""
+    host: str = "127.0.0.1"
+    """IP to listen on; 0.0.0.0 for every interface (needed beyond this machine)."""
+    port: int = 0
+    """TCP port to listen on; 0 picks a free one."""
+    announce: list[str] = field(default_factory=list)
+    """Public multiaddrs others should dial (e.g. behind NAT with a forwarded port)."""
+    client_mode: bool = False
+    """Accept no inbound connections (for peers behind NAT); such a peer cannot serve state."""
+    identity_path: str | None = None
+    """File holding this peer's private key, so its peer id survives restarts."""
+    connect_timeout: float = 20.0
+    """Seconds to wait for the bootstrap peers before giving up."""
+
+    def __post_init__(self) -> None:
+        parse_peer_addresses(self.initial_peers) if self.initial_peers else None
+        listen_address(self.host, self.port)
+        parse_announce_addresses(self.announce)
+        if not 1 <= self.connect_timeout <= 600:
+            raise SwarmError(f"connect timeout must be within 1..600 s (got {self.connect_timeout})")
+
+
+def start_dht(config: NetworkConfig):  # -> hivemind.DHT
+    """Start a DHT node in a child process; returns once it is connected to the swarm."""
+    import hivemind  # heavy import (~2 s), kept out of `workbench --help`
+
+    handler = signal.getsignal(signal.SIGINT)
+    kwargs = dict(
+        initial_peers=[str(a) for a in parse_peer_addresses(config.initial_peers)] if config.initial_peers else [],
+        host_maddrs=[listen_address(config.host, config.port)],
+        announce_maddrs=parse_announce_addresses(config.announce) or None,
+        client_mode=config.client_mode,
+        startup_timeout=config.connect_timeout,
+        start=False,
+    )
+    if config.identity_path:
+        kwargs["identity_path"] = config.identity_path
+    dht = hivemind.DHT(**kwargs)
+    try:
+        dht.run_in_background(await_ready=True, timeout=config.connect_timeout + 5)
+    except Exception as error:
+        dht.shutdown() if dht.is_alive() else None
+        raise SwarmError(_explain_start_failure(error, config)) from None
+    finally:
+        signal.signal(signal.SIGINT, handler)  # hivemind sets SIG_IGN; keep Ctrl+C working
+    return dht
+
+
+def _explain_start_failure(error: BaseException, config: NetworkConfig) -> str:
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    if config.initial_peers and ("bootstrap" in text or "connect" in text or isinstance(error, TimeoutError)):
+        peers = " ".join(config.initial_peers)
+        return (
+            f"could not reach any bootstrap peer ({peers}) within {config.connect_timeout:.0f} s: check that "
+            "the peer is running, the address and peer id are exactly what it printed, and its port is open"
+        )
+    if "address already in use" in text.lower():
+        return f"port {config.port} on {config.host} is already in use: pick another --port or use 0"
+    return f"could not start the DHT node: {text}"
+
+
+def wait_for(future, timeout: float, what: str):
+    """The result of a hivemind MPFuture, or SwarmError after ``timeout`` seconds.
+
+    hivemind 1.1.12's DHT process runs each call as an asyncio task it keeps no reference to;
+    now and then one is garbage-collected while pending ("Task was destroyed but it is
+    pending!") and a plain ``result()`` would wait forever. Every DHT call here has a deadline.
+    """
+    try:
+        return future.result(timeout=timeout)
+    except TimeoutError:
+        future.cancel()
+        raise SwarmError(f"the DHT did not answer {what} within {timeout:.0f} s") from None
+
+
+def visible_addresses(dht, *, timeout: float = 10.0, attempts: int = 3) -> list[str]:
+    """The multiaddrs (with /p2p/ id) others can paste to join, public ones first."""
+    from hivemind import DHT
+
+    for attempt in range(attempts):
+        future = dht.run_coroutine(partial(DHT._get_visible_maddrs, latest=attempt > 0), return_future=True)
+        try:
+            addresses = [str(a) for a in wait_for(future, timeout, "with this peer's addresses")]
+            return sorted(set(addresses), key=lambda a: ("/127." in a or "/::1/" in a, a))
+        except SwarmError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def dht_time() -> float:
+    from hivemind.utils import get_dht_time
+
+    return get_dht_time()
+
+
+def shutdown_quietly(*nodes: Sequence[object]) -> None:
+    """Shut down averagers, then DHTs (the other order prints connection-reset tracebacks)."""
+    for node in nodes:
+        if node is None:
+            continue
+        try:
+            node.shutdown()
+        except Exception as error:  # shutting down must never raise over the real error
+            logger.debug("shutdown of %s failed: %s", type(node).__name__, error)

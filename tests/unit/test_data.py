@@ -1,0 +1,232 @@
+"""Unit tests for workbench.data: loading, splitting, batching, evaluation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench.data import ByteCorpus, DataConfig, DataError, evaluate, stdlib_sources
+from workbench.model import build_model, tiny
+
+
+def _text(seed: int, n: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    words = ["alpha", "beta", "gamma", "delta", "swarm", "peer", "average", "step"]
+    picks = torch.randint(0, len(words), (n,), generator=g).tolist()
+    return " ".join(words[i] for i in picks) + "\n"
+
+
+@pytest.fixture(scope="module")
+def stdlib_corpus() -> ByteCorpus:
+    return ByteCorpus.load(DataConfig(max_bytes=2_000_000))
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> ByteCorpus:
+    """A single 40 kB file: split by bytes into a 38 kB train and a 2 kB val stream."""
+    path = tmp_path / "words.txt"
+    path.write_text(_text(0, 7_000))
+    return ByteCorpus.load(DataConfig(path=str(path)))
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def test_stdlib_sources_clean() -> None:
+    files = stdlib_sources()
+    assert len(files) > 100
+    assert files == sorted(files)
+    for f in files:
+        assert f.suffix == ".py"
+        assert "site-packages" not in f.parts and "test" not in f.parts and "idle_test" not in f.parts
+
+
+def test_stdlib_corpus(stdlib_corpus: ByteCorpus) -> None:
+    c = stdlib_corpus
+    assert c.train.dtype == torch.uint8 and c.train.dim() == 1 and len(c.train) > 0
+    assert c.val.dtype == torch.uint8 and c.val.dim() == 1 and len(c.val) > 0
+    assert "stdlib" in c.source
+    assert c.num_files > 10
+    assert len(c.train) + len(c.val) <= 2_000_000 + c.num_files  # cap plus one separator per file
+
+
+def test_folder(tmp_path: Path) -> None:
+    for i in range(40):
+        (tmp_path / f"doc{i:02d}.txt").write_text(_text(i, 200))
+    nested = tmp_path / "nested" / "deeper"
+    nested.mkdir(parents=True)
+    (nested / "code.py").write_text("print('hello from nested')\n")
+    (tmp_path / "blob.txt").write_bytes(b"abc\x00def")  # binary despite the suffix
+    (tmp_path / "data.bin").write_bytes(b"\x00\x01\x02" * 100)
+    (tmp_path / "notes.csv").write_text("ignored,by,extension\n")
+    c = ByteCorpus.load(DataConfig(path=str(tmp_path)))
+    assert c.num_files == 41
+    everything = bytes(c.train.tolist()) + bytes(c.val.tolist())
+    assert b"hello from nested" in everything
+    assert b"\x00" not in everything and b"ignored" not in everything
+    assert len(c.val) > 0 and len(c.train) > len(c.val)
+    assert str(tmp_path) in c.source and "41 files" in c.source
+    # The split depends only on the files, so loading again gives the same streams.
+    again = ByteCorpus.load(DataConfig(path=str(tmp_path)))
+    assert torch.equal(c.train, again.train) and torch.equal(c.val, again.val)
+
+
+def test_single_file_falls_back_to_byte_split(tmp_path: Path) -> None:
+    path = tmp_path / "one.md"
+    data = _text(3, 2_000).encode()
+    path.write_bytes(data)
+    c = ByteCorpus.load(DataConfig(path=str(path), eval_fraction=0.1))
+    assert c.num_files == 1
+    assert bytes(c.train.tolist()) + bytes(c.val.tolist()) == data
+    assert len(c.val) == int(len(data) * 0.1)
+
+
+def test_max_bytes_caps_reading(tmp_path: Path) -> None:
+    for i in range(10):
+        (tmp_path / f"f{i}.txt").write_text("x" * 1000)
+    c = ByteCorpus.load(DataConfig(path=str(tmp_path), max_bytes=2500))
+    assert c.num_files == 3
+    assert (c.train == ord("x")).sum() + (c.val == ord("x")).sum() == 2500
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist; pass an existing"):
+        ByteCorpus.load(DataConfig(path=str(tmp_path / "nope")))
+
+
+def test_empty_folder(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"no files ending in \.py, \.txt.*extensions"):
+        ByteCorpus.load(DataConfig(path=str(tmp_path)))
+
+
+def test_folder_with_other_extensions(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("a,b\n")
+    (tmp_path / "b.json").write_text("{}")
+    with pytest.raises(DataError, match=r"\.md, \.rst.*widen DataConfig\.extensions"):
+        ByteCorpus.load(DataConfig(path=str(tmp_path)))
+    c = ByteCorpus.load(DataConfig(path=str(tmp_path), extensions=(".csv", ".json")))
+    assert c.num_files == 2
+
+
+def test_all_files_empty(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("")
+    (tmp_path / "b.py").write_text("")
+    with pytest.raises(DataError, match="empty or binary"):
+        ByteCorpus.load(DataConfig(path=str(tmp_path)))
+
+
+def test_data_error_is_value_error() -> None:
+    assert issubclass(DataError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        ({"batch_size": 0}, "try 16"),
+        ({"eval_fraction": 0.0}, "try 0.05"),
+        ({"eval_fraction": 0.5}, "try 0.05"),
+        ({"max_bytes": 100}, "try 16_000_000"),
+        ({"extensions": ()}, "e.g."),
+    ],
+)
+def test_config_validation(kwargs: dict[str, object], fix: str) -> None:
+    with pytest.raises(ValueError, match=fix):
+        DataConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_too_short_for_block(tmp_path: Path) -> None:
+    path = tmp_path / "short.txt"
+    path.write_text("x" * 100)  # 95 B train, 5 B val
+    c = ByteCorpus.load(DataConfig(path=str(path)))
+    with pytest.raises(DataError, match=r"has 5 bytes but a batch needs at least 65"):
+        c.check_fits(64)
+    with pytest.raises(DataError, match=r"has 95 bytes but a batch needs at least 129.*smaller block_size"):
+        c.batches(block_size=128, batch_size=2, seed=0)
+    with pytest.raises(DataError, match=r"fewer shards"):
+        c.batches(block_size=32, batch_size=2, seed=0, shard=0, num_shards=4)
+    with pytest.raises(DataError, match="val split"):
+        c.eval_batches(block_size=8, batch_size=2)
+
+
+# --- batching ---------------------------------------------------------------------------------
+
+
+def test_batches_shapes_and_shift(corpus: ByteCorpus) -> None:
+    x, y = next(corpus.batches(block_size=32, batch_size=5, seed=0))
+    assert x.shape == y.shape == (5, 32)
+    assert x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    windows = corpus.train.long().unfold(0, 33, 1)  # (N-32, 33): every window of T+1 bytes
+    for row_x, row_y in zip(x, y):
+        # Each row is a contiguous window of train, and y is the next byte of each x.
+        assert (windows == torch.cat([row_x, row_y[-1:]])).all(dim=1).any()
+
+
+def test_batches_deterministic_per_seed_and_shard(corpus: ByteCorpus) -> None:
+    def take(seed: int, shard: int) -> list[torch.Tensor]:
+        it = corpus.batches(block_size=16, batch_size=4, seed=seed, shard=shard, num_shards=2)
+        return [next(it)[0] for _ in range(3)]
+
+    a, b = take(0, 0), take(0, 0)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert not all(torch.equal(p, q) for p, q in zip(a, take(1, 0)))
+    assert not all(torch.equal(p, q) for p, q in zip(a, take(0, 1)))
+
+
+def test_shards_draw_from_disjoint_slices(tmp_path: Path) -> None:
+    # Train bytes rise with position, so a byte's value tells which slice it came from.
+    path = tmp_path / "ramp.txt"
+    path.write_bytes(bytes(range(1, 201)))  # NUL-free; tail goes to val
+    c = ByteCorpus.load(DataConfig(path=str(path), eval_fraction=0.02, max_bytes=1024))
+    n = len(c.train)
+    num_shards = 3
+    seen: list[set[int]] = []
+    for shard in range(num_shards):
+        lo, hi = n * shard // num_shards, n * (shard + 1) // num_shards
+        allowed = set(c.train[lo:hi].tolist())
+        it = c.batches(block_size=8, batch_size=8, seed=0, shard=shard, num_shards=num_shards)
+        values: set[int] = set()
+        for _ in range(20):
+            x, y = next(it)
+            values |= set(x.flatten().tolist()) | set(y.flatten().tolist())
+        assert values <= allowed
+        seen.append(values)
+    for i in range(num_shards):
+        for j in range(i + 1, num_shards):
+            assert not seen[i] & seen[j]
+
+
+def test_bad_shard(corpus: ByteCorpus) -> None:
+    with pytest.raises(DataError, match="0 <= shard < num_shards"):
+        corpus.batches(block_size=8, batch_size=2, seed=0, shard=2, num_shards=2)
+
+
+def test_eval_batches_fixed(corpus: ByteCorpus) -> None:
+    a = corpus.eval_batches(block_size=32, batch_size=4, num_batches=3)
+    b = corpus.eval_batches(block_size=32, batch_size=4, num_batches=3)
+    assert len(a) == 3
+    for (xa, ya), (xb, yb) in zip(a, b):
+        assert xa.shape == (4, 32) and xa.dtype == torch.int64
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert torch.equal(xa[:, 1:], ya[:, :-1])
+    # Evenly spaced over val: the first window starts at 0, the last ends at the final byte.
+    val = corpus.val.long()
+    assert torch.equal(a[0][0][0], val[:32])
+    assert torch.equal(a[-1][1][-1], val[-32:])
+
+
+# --- evaluation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_evaluate_untrained(corpus: ByteCorpus, training: bool) -> None:
+    model = build_model(tiny(), seed=0)
+    model.train(training)
+    batches = corpus.eval_batches(block_size=64, batch_size=4, num_batches=2)
+    loss = evaluate(model, batches, torch.device("cpu"))
+    assert isinstance(loss, float) and math.isfinite(loss)
+    assert abs(loss - math.log(256)) < 0.3
+    assert model.training is training

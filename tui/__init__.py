@@ -1,0 +1,1 @@
+"""The Textual live monitor and steering console (see the TUI issue); nothing here yet."""

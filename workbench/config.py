@@ -1,0 +1,113 @@
+"""The config tree of a run: one dataclass per component, one tree for CLI, TUI and notebooks.
+
+Every component checks its own values where it is built (``__post_init__``) and raises
+``ValueError`` (or ``SwarmError``) with the fix; :func:`presets` are small functions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from optim.diloco import DiLoCoConfig
+from swarm.averaging_config import AveragingConfig
+from swarm.dht import NetworkConfig
+from swarm.records import check_run_id
+from workbench.data import DataConfig
+from workbench.model import ModelConfig
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The inner loop: AdamW on each peer's own data (its state never leaves the peer)."""
+
+    inner_lr: float = 1e-3
+    """Peak AdamW learning rate (OpenDiLoCo uses 4e-4 at 150M params; tiny models like 1e-3)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 20
+    """Linear warmup of the inner lr over this many steps, then cosine decay to 10% when the run
+    has a known length, else constant."""
+    grad_clip: float = 1.0
+    """Clip each inner step's gradient norm to this (0 disables)."""
+    threads: int = 0
+    """torch CPU threads (0: torch's default). Local multi-peer demos use 1 per peer."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.inner_lr < 1:
+            raise ValueError(f"inner lr must be in (0, 1) (got {self.inner_lr}); try 1e-3")
+        if not 0 <= self.weight_decay < 1:
+            raise ValueError(f"weight decay must be in [0, 1) (got {self.weight_decay}); try 0.1")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(f"{name} must be in [0, 1) (got {value})")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup steps must be >= 0 (got {self.warmup_steps})")
+        if self.grad_clip < 0:
+            raise ValueError(f"grad clip must be >= 0 (got {self.grad_clip}); 0 disables clipping")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (got {self.threads}); 0 lets torch decide")
+
+    def lr_factor(self, step: int, total_steps: int | None) -> float:
+        """Multiplier of ``inner_lr`` at inner step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if not total_steps or total_steps <= self.warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / (total_steps - self.warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass(kw_only=True)
+class PeerConfig:
+    """This peer's place in the run."""
+
+    run_id: str = "workbench"
+    """Names the run in the DHT; every peer of a run uses the same id."""
+    name: str | None = None
+    """Shown in monitors; defaults to the start of the peer id."""
+    rounds: int = 0
+    """Stop after this many outer rounds (0: run until Ctrl+C)."""
+    min_peers: int = 1
+    """Wait for this many peers (this one included) before the first round."""
+    wait_timeout: float = 120.0
+    """At most this many seconds waiting for ``min_peers``; then train with who is there."""
+    eval_every: int = 1
+    """Evaluate the global params every this many rounds."""
+    eval_batches: int = 8
+    """Held-out batches per evaluation."""
+    seed: int = 0
+    """Seeds the model init (identical on every peer) and this peer's data order."""
+    device: str = "auto"
+    """auto (CUDA when present, with bf16 autocast), cpu, or cuda[:N]."""
+    run_dir: str | None = None
+    """Where to write metrics.jsonl and the final global params (none: write nothing)."""
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if self.name is not None and not 0 < len(self.name) <= 64:
+            raise ValueError(f"peer name must be 1-64 characters (got {len(self.name)})")
+        if self.rounds < 0:
+            raise ValueError(f"rounds must be >= 0 (got {self.rounds}); 0 runs until Ctrl+C")
+        if not 1 <= self.min_peers <= 1024:
+            raise ValueError(f"min peers must be within 1..1024 (got {self.min_peers})")
+        if self.wait_timeout < 0:
+            raise ValueError(f"wait timeout must be >= 0 (got {self.wait_timeout})")
+        if self.eval_every < 1 or self.eval_batches < 1:
+            raise ValueError("eval every and eval batches must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one peer needs; the CLI, the launcher and notebooks build this tree."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    peer: PeerConfig = field(default_factory=PeerConfig)

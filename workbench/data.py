@@ -1,0 +1,289 @@
+"""Byte-level text corpora for the workbench: load, split, batch, evaluate.
+
+Phases: ``DataConfig`` -> ``ByteCorpus.load`` (read files as raw bytes, hold some files out
+for evaluation) -> ``ByteCorpus.batches`` (random training windows; each peer samples its own
+shard) / ``ByteCorpus.eval_batches`` (fixed windows, identical in every process) ->
+``evaluate``.
+
+With no path the corpus is the Python standard library's own source, found at run time, so a
+swarm can train with no download and every peer sees the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sysconfig
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from workbench.model import autocast_context
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ByteCorpus", "DataConfig", "DataError", "evaluate", "stdlib_sources"]
+
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
+"""Folder names skipped when collecting the standard library's sources."""
+
+
+class DataError(ValueError):
+    """The corpus cannot be built or is too small; the message says how to fix it."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the bytes come from and how they are batched."""
+
+    path: str | None = None
+    """A text file, or a folder searched recursively; None = the Python stdlib's source."""
+    batch_size: int = 16
+    """Sequences per batch (B)."""
+    eval_fraction: float = 0.05
+    """Fraction of files held out for evaluation, chosen by a stable hash of each path."""
+    max_bytes: int = 16_000_000
+    """Stop reading files after this many bytes in total; keeps start-up fast."""
+    extensions: tuple[str, ...] = (".py", ".txt", ".md", ".rst")
+    """File suffixes a folder contributes (a single file is read whatever its suffix)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` saying what is wrong and how to fix it."""
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"DataConfig.batch_size={self.batch_size!r} must be an integer >= 1; try 16.")
+        if not 0.0 < self.eval_fraction < 0.5:
+            raise ValueError(
+                f"DataConfig.eval_fraction={self.eval_fraction!r} must be in (0, 0.5); try 0.05 (5% held out)."
+            )
+        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 1024:
+            raise ValueError(
+                f"DataConfig.max_bytes={self.max_bytes!r} must be an integer >= 1024; try 16_000_000."
+            )
+        if not self.extensions or not all(isinstance(e, str) and e.startswith(".") for e in self.extensions):
+            raise ValueError(
+                f"DataConfig.extensions={self.extensions!r} must be a non-empty tuple of suffixes "
+                f"starting with '.', e.g. ('.py', '.txt')."
+            )
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's ``.py`` files, sorted, without site-packages and test folders."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if p.is_file() and not _EXCLUDED_DIRS & set(p.relative_to(root).parts[:-1])
+    )
+    if not files:
+        raise DataError(
+            f"found no Python standard library sources under {root}; "
+            f"pass a text file or folder with --data PATH instead."
+        )
+    return files
+
+
+def _folder_files(root: Path, extensions: tuple[str, ...]) -> list[Path]:
+    """Files under ``root`` with a matching suffix, sorted; hidden files and folders skipped."""
+    suffixes = {e.lower() for e in extensions}
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.suffix.lower() in suffixes
+        and p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+
+
+def _is_eval_file(relative: str, eval_fraction: float) -> bool:
+    """Stable across processes and Python versions (unlike ``hash``)."""
+    return zlib.crc32(relative.encode("utf-8", "surrogateescape")) % 10_000 < eval_fraction * 10_000
+
+
+class ByteCorpus:
+    """A train and a validation byte stream (uint8, 1-D), each file separated by ``b"\\n"``."""
+
+    def __init__(self, *, train: Tensor, val: Tensor, source: str, num_files: int) -> None:
+        assert train.dtype == torch.uint8 and train.dim() == 1, f"{train.dtype=} {train.shape=}"
+        assert val.dtype == torch.uint8 and val.dim() == 1, f"{val.dtype=} {val.shape=}"
+        self.train = train  # (N_train,) uint8
+        self.val = val  # (N_val,) uint8
+        self.source = source
+        self.num_files = num_files
+
+    def __repr__(self) -> str:
+        return f"ByteCorpus({self.source}: train={len(self.train)} B, val={len(self.val)} B)"
+
+    # --- loading ------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, config: DataConfig) -> ByteCorpus:
+        """Read the files named by ``config`` and split them into train and val."""
+        if config.path is None:
+            root = Path(sysconfig.get_paths()["stdlib"])
+            files, label = stdlib_sources(), "python stdlib"
+        else:
+            root = Path(config.path).expanduser()
+            label = str(config.path)
+            if not root.exists():
+                raise DataError(
+                    f"data path {str(root)!r} does not exist; pass an existing text file or folder."
+                )
+            if root.is_dir():
+                files = _folder_files(root, config.extensions)
+                if not files:
+                    raise DataError(
+                        f"folder {str(root)!r} has no files ending in {', '.join(config.extensions)}; "
+                        f"add such files, point at another folder, or widen DataConfig.extensions."
+                    )
+            else:
+                files, root = [root], root.parent
+
+        train_parts: list[bytes] = []
+        val_parts: list[bytes] = []
+        total = 0
+        for i, path in enumerate(files):
+            if total >= config.max_bytes:
+                logger.debug(
+                    "max_bytes=%d reached; not reading %d more files", config.max_bytes, len(files) - i
+                )
+                break
+            try:
+                data = path.read_bytes()
+            except OSError as exc:
+                logger.debug("skipping unreadable file %s: %s", path, exc)
+                continue
+            if not data:
+                continue
+            if b"\x00" in data:
+                logger.debug("skipping binary file %s (contains NUL bytes)", path)
+                continue
+            data = data[: config.max_bytes - total]
+            total += len(data)
+            relative = path.relative_to(root).as_posix()
+            (val_parts if _is_eval_file(relative, config.eval_fraction) else train_parts).append(data)
+
+        num_files = len(train_parts) + len(val_parts)
+        if num_files == 0:
+            raise DataError(
+                f"all {len(files)} candidate files under {label!r} are empty or binary; "
+                f"point --data at non-empty text files."
+            )
+        if train_parts and val_parts:
+            train_bytes, val_bytes = b"\n".join(train_parts), b"\n".join(val_parts)
+        else:
+            # Too few files for a split by file (e.g. a single file): hold out the tail instead.
+            stream = b"\n".join(train_parts + val_parts)
+            cut = len(stream) - max(1, int(len(stream) * config.eval_fraction))
+            train_bytes, val_bytes = stream[:cut], stream[cut:]
+            logger.debug("split by bytes instead of by file (%d files)", num_files)
+
+        source = f"{label} ({num_files} files, {total / 1e6:.1f} MB)"
+        logger.info("loaded corpus %s: train=%d B, val=%d B", source, len(train_bytes), len(val_bytes))
+        return cls(
+            train=_to_tensor(train_bytes), val=_to_tensor(val_bytes), source=source, num_files=num_files
+        )
+
+    # --- batching -----------------------------------------------------------------------------
+
+    def check_fits(self, block_size: int) -> None:
+        """Raise :class:`DataError` unless both splits hold at least one window of ``block_size``."""
+        for split, data in (("train", self.train), ("val", self.val)):
+            _check_length(len(data), block_size, f"the {split} split of {self.source}")
+
+    def batches(
+        self, *, block_size: int, batch_size: int, seed: int, shard: int = 0, num_shards: int = 1
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """Endless random ``(x, y)`` int64 batches ``(B, T)`` from train; ``y`` is ``x`` shifted by one.
+
+        Shard ``shard`` samples only from its own contiguous ``1/num_shards`` slice of train,
+        so peers read different data; the stream is fixed by ``(seed, shard)``.
+        """
+        if num_shards < 1 or not 0 <= shard < num_shards:
+            raise DataError(
+                f"shard={shard} is out of range for num_shards={num_shards}; use 0 <= shard < num_shards."
+            )
+        _check_positive(block_size=block_size, batch_size=batch_size)
+        n = len(self.train)
+        lo, hi = n * shard // num_shards, n * (shard + 1) // num_shards
+        _check_length(
+            hi - lo, block_size, f"shard {shard}/{num_shards} of the train split of {self.source}", num_shards
+        )
+        return self._sample(lo, hi, block_size=block_size, batch_size=batch_size, seed=seed, shard=shard)
+
+    def _sample(
+        self, lo: int, hi: int, *, block_size: int, batch_size: int, seed: int, shard: int
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        generator = torch.Generator()
+        # Mix seed and shard so shards draw unrelated offsets, not the same ones shifted.
+        generator.manual_seed((seed * 0x9E3779B97F4A7C15 + shard * 0xBF58476D1CE4E5B9) % 2**63)
+        offsets = torch.arange(block_size + 1)  # (T+1,)
+        while True:
+            starts = torch.randint(lo, hi - block_size, (batch_size,), generator=generator)  # (B,)
+            yield _windows(self.train, starts, offsets)
+
+    def eval_batches(
+        self, *, block_size: int, batch_size: int, num_batches: int = 8
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``num_batches`` fixed ``(x, y)`` batches from val at evenly spaced positions.
+
+        Depends only on the corpus and the arguments, so every call and every peer evaluates on
+        exactly the same bytes.
+        """
+        _check_positive(block_size=block_size, batch_size=batch_size, num_batches=num_batches)
+        _check_length(len(self.val), block_size, f"the val split of {self.source}")
+        last_start = len(self.val) - block_size - 1
+        starts = torch.linspace(0, last_start, num_batches * batch_size, dtype=torch.float64).long()  # (N*B,)
+        offsets = torch.arange(block_size + 1)  # (T+1,)
+        return [_windows(self.val, chunk, offsets) for chunk in starts.split(batch_size)]
+
+
+def _to_tensor(data: bytes) -> Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _windows(data: Tensor, starts: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """Cut ``len(starts)`` windows of T+1 bytes; return inputs and next-byte targets."""
+    chunk = data[starts[:, None] + offsets[None, :]].long()  # (B, T+1)
+    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()  # (B, T), (B, T)
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise DataError(f"{name}={value} must be >= 1; pass a positive value.")
+
+
+def _check_length(found: int, block_size: int, what: str, num_shards: int = 1) -> None:
+    needed = block_size + 1  # one window of T inputs plus the target of the last one
+    if found < needed:
+        hint = " or use fewer shards" if num_shards > 1 else ""
+        raise DataError(
+            f"{what} has {found} bytes but a batch needs at least {needed} (block_size + 1); "
+            f"use more or larger files, a smaller block_size{hint}, or raise max_bytes."
+        )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: torch.device) -> float:
+    """Mean loss of ``model(x, y)`` over ``batches``; the model's train/eval mode is restored."""
+    if not batches:
+        raise ValueError(
+            "evaluate() got no batches; pass ByteCorpus.eval_batches(...) with num_batches >= 1."
+        )
+    was_training = model.training
+    model.eval()
+    try:
+        total = 0.0
+        for x, y in batches:
+            with autocast_context(device):
+                _, loss = model(x.to(device), y.to(device))
+            total += float(loss)
+        return total / len(batches)
+    finally:
+        model.train(was_training)

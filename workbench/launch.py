@@ -1,0 +1,269 @@
+"""`workbench demo`: N real peers as separate processes on 127.0.0.1, watched until done.
+
+Each peer is the public CLI (`workbench start` for the first, `workbench join ADDR` for the
+rest), so what the demo runs is exactly what a user would type; the commands are written to
+``<run_dir>/commands.txt``. Peers report through ``<run_dir>/<peer>/metrics.jsonl``; their
+logs go to ``<run_dir>/<peer>/peer.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarm.errors import SwarmError
+from workbench.config import RunConfig
+from workbench.model import PRESETS
+
+
+class LaunchError(SwarmError):
+    """A local peer failed to start or died; the message carries its last log lines."""
+
+
+@dataclass
+class LocalPeer:
+    """One peer process of the demo and what it has reported so far."""
+
+    name: str
+    directory: Path
+    process: subprocess.Popen
+    events: list[dict[str, Any]] = field(default_factory=list)
+    _offset: int = 0
+
+    @property
+    def metrics(self) -> Path:
+        return self.directory / "metrics.jsonl"
+
+    def poll_events(self) -> list[dict[str, Any]]:
+        """New complete lines of metrics.jsonl since the last call."""
+        if not self.metrics.exists():
+            return []
+        with open(self.metrics, "rb") as file:
+            file.seek(self._offset)
+            chunk = file.read()
+        end = chunk.rfind(b"\n") + 1
+        self._offset += end
+        new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        self.events.extend(new)
+        return new
+
+    def last(self, event: str) -> dict[str, Any] | None:
+        return next((e for e in reversed(self.events) if e["event"] == event), None)
+
+    def log_tail(self, lines: int = 8) -> str:
+        log = self.directory / "peer.log"
+        text = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+        return "\n".join(f"    {line}" for line in text[-lines:])
+
+
+def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
+    """CLI flags that rebuild ``config`` for one local peer."""
+    preset_name = next((n for n, make in PRESETS.items() if make() == config.model), None)
+    if preset_name is None:
+        raise LaunchError("the demo launches model presets only; pick one with --model")
+    args = [
+        "--model", preset_name,
+        "--batch-size", str(config.data.batch_size),
+        "--device", config.peer.device,
+        "--seed", str(config.peer.seed),
+        "--threads", str(config.train.threads),
+        "--inner-steps", str(config.diloco.inner_steps),
+        "--inner-lr", repr(config.train.inner_lr),
+        "--outer-lr", repr(config.diloco.outer_lr),
+        "--outer-momentum", repr(config.diloco.outer_momentum),
+        "--rounds", str(config.peer.rounds),
+        "--codec", config.averaging.compression,
+        "--matchmaking-time", repr(config.averaging.matchmaking_time),
+        "--averaging-timeout", repr(config.averaging.averaging_timeout),
+        "--run-id", config.peer.run_id,
+        "--name", name,
+        "--min-peers", str(config.peer.min_peers),
+        "--run-dir", str(run_dir / name),
+    ]
+    if config.data.path:
+        args += ["--data", config.data.path]
+    return args
+
+
+class LocalSwarm:
+    """Starts, watches and stops N local peers."""
+
+    def __init__(self, config: RunConfig, *, peers: int, run_dir: Path) -> None:
+        if not 1 <= peers <= 64:
+            raise LaunchError(f"--peers must be within 1..64 on one machine (got {peers})")
+        self.config = config
+        self.count = peers
+        self.run_dir = run_dir
+        self.peers: list[LocalPeer] = []
+
+    def _spawn(self, command: str, name: str, extra: list[str]) -> LocalPeer:
+        directory = self.run_dir / name
+        directory.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "workbench", command, *extra,
+                *peer_arguments(self.config, name=name, run_dir=self.run_dir)]
+        with open(self.run_dir / "commands.txt", "a") as file:
+            file.write(" ".join(["workbench", *argv[3:]]) + "\n")
+        log = open(directory / "peer.log", "wb")  # noqa: SIM115 - the child owns it
+        # A new session: Ctrl+C in the demo's terminal reaches the launcher only, which then
+        # stops each peer itself (in order, with a deadline).
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        log.close()
+        peer = LocalPeer(name=name, directory=directory, process=process)
+        self.peers.append(peer)
+        return peer
+
+    def start(self, timeout: float = 120.0) -> None:
+        first = self._spawn("start", "peer-0", [])
+        deadline = time.monotonic() + timeout
+        while (started := first.last("started")) is None:
+            first.poll_events()
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise LaunchError(f"peer-0 did not start within {timeout:.0f} s:\n{first.log_tail()}")
+            time.sleep(0.2)
+        address = started["addresses"][0]
+        for index in range(1, self.count):
+            self._spawn("join", f"peer-{index}", [address])
+
+    def check_alive(self) -> None:
+        for peer in self.peers:
+            code = peer.process.poll()
+            if code not in (None, 0):
+                raise LaunchError(f"{peer.name} exited with status {code}:\n{peer.log_tail()}")
+
+    def poll(self) -> list[dict[str, Any]]:
+        return list(itertools.chain.from_iterable(peer.poll_events() for peer in self.peers))
+
+    def finished(self) -> bool:
+        return len(self.peers) == self.count and all(p.process.poll() == 0 and p.last("done") for p in self.peers)
+
+    def stop(self, grace: float = 8.0) -> None:
+        """SIGINT every peer (they announce leaving and shut down), then SIGKILL stragglers."""
+        for peer in self.peers:
+            if peer.process.poll() is None:
+                peer.process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + grace
+        for peer in self.peers:
+            try:
+                peer.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(peer.process.pid, signal.SIGKILL)
+                peer.process.wait()
+
+    def result(self, seconds: float) -> dict[str, Any]:
+        """The demo's JSON contract, from what every peer reported."""
+        done = [peer.last("done") for peer in self.peers]
+        initial = [e["eval_loss"] for p in self.peers for e in p.events if e["event"] == "initial_eval"]
+        params = [torch.load(p.directory / "global_params.pt") for p in self.peers]
+        diff = 0.0
+        for a, b in itertools.combinations(params, 2):
+            diff = max(diff, max(float((x - y).abs().max()) for x, y in zip(a, b)))
+        rounds = [e for p in self.peers for e in p.events if e["event"] == "round"]
+        return {
+            "peers": self.count,
+            "outer_rounds": min(d["outer_rounds"] for d in done),
+            "initial_loss": max(initial),
+            "final_loss": sum(d["final_eval_loss"] for d in done) / len(done),
+            "params_max_abs_diff": diff,
+            "bytes_sent": sum(d["bytes_sent"] for d in done),
+            "seconds": round(seconds, 2),
+            "rounds_alone": sum(1 for e in rounds if e["group_size"] <= 1),
+            "mean_group_size": sum(e["group_size"] for e in rounds) / max(1, len(rounds)),
+            "run_dir": str(self.run_dir),
+        }
+
+
+def _describe(event: dict[str, Any]) -> str | None:
+    if event["event"] == "round":
+        alone = f"  alone: {event['alone_reason']}" if event.get("alone_reason") else ""
+        return (f"{event['peer']:>8}  round {event['outer_step']:>3}  loss {event['loss']:.3f}  "
+                f"eval {event['eval_loss']:.3f}  group {event['group_size']}  "
+                f"{event['samples_per_second']:.0f} samples/s{alone}")
+    if event["event"] == "started":
+        return f"{event['peer']:>8}  started on {event['device']} ({event['params']:,} params)"
+    if event["event"] == "state_downloaded":
+        return f"{event['peer']:>8}  downloaded the global state at outer step {event['outer_step']}"
+    if event["event"] == "initial_eval":
+        return f"{event['peer']:>8}  initial eval loss {event['eval_loss']:.3f}"
+    if event["event"] == "done":
+        return f"{event['peer']:>8}  done: eval loss {event['initial_eval_loss']:.3f} -> {event['final_eval_loss']:.3f}"
+    return None
+
+
+def run_demo(config: RunConfig, *, peers: int, run_dir: Path, timeout: float, show) -> dict[str, Any]:
+    """Run the demo to the end; ``show(event)`` is called for every peer event."""
+    swarm = LocalSwarm(config, peers=peers, run_dir=run_dir)
+    started = time.monotonic()
+    # `timeout` and service managers stop with SIGTERM: stop the peers then too, not only on Ctrl+C.
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        swarm.start()
+        for event in (e for p in swarm.peers for e in p.events):
+            show(event)
+        while not swarm.finished():
+            for event in swarm.poll():
+                show(event)
+            swarm.check_alive()
+            if time.monotonic() - started > timeout:
+                raise LaunchError(f"the demo did not finish within {timeout:.0f} s (see {run_dir})")
+            time.sleep(0.25)
+        for event in swarm.poll():
+            show(event)
+        return swarm.result(time.monotonic() - started)
+    finally:
+        swarm.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
+    """`workbench demo`: progress on stderr, the JSON result on stdout with --json."""
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    if config.peer.rounds < 1:
+        raise LaunchError("the demo needs --rounds >= 1")
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="workbench-demo-"))
+    config = replace(config, peer=replace(config.peer, run_id=f"demo-{uuid.uuid4().hex[:8]}", min_peers=args.peers))
+    console = Console(stderr=True)
+    headless = args.headless or args.json or not sys.stdout.isatty()
+    console.print(
+        f"[bold]workbench demo[/]: {args.peers} peers on 127.0.0.1, {config.peer.rounds} rounds of "
+        f"H={config.diloco.inner_steps} inner steps, model {args.model}; logs in {run_dir}"
+        + ("" if headless else "  (the live monitor UI arrives with the TUI; showing progress lines)"),
+        soft_wrap=True,
+    )
+
+    def show(event: dict[str, Any]) -> None:
+        line = _describe(event)
+        if line:
+            console.print(line, highlight=False, soft_wrap=True)
+
+    result = run_demo(config, peers=args.peers, run_dir=run_dir, timeout=args.timeout, show=show)
+    console.print(
+        f"[bold]done[/] in {result['seconds']:.0f} s: eval loss {result['initial_loss']:.3f} -> "
+        f"{result['final_loss']:.3f}, params agree to {result['params_max_abs_diff']:.1e}, "
+        f"{result['bytes_sent'] / 1e6:.1f} MB sent in all",
+        soft_wrap=True,
+    )
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0

@@ -1,0 +1,329 @@
+"""One peer of a run: the DiLoCo training loop over a real hivemind swarm.
+
+Life of a peer (each stage is published in its heartbeat, see ``swarm.records.Stage``):
+
+    joining      connect to the DHT; a joiner checks the run exists
+    downloading  a joiner fetches θ, outer momentum and outer step from the most advanced peer
+    joining      wait (bounded) until ``min_peers`` peers are present
+    training     H inner AdamW steps on this peer's own shard of the data
+    waiting      the round barrier: wait for the others of this round to finish theirs
+    averaging    all-reduce of pseudo-gradients, outer Nesterov step, θ copied into the model
+    leaving      Ctrl+C or the last round: say so in the DHT, shut down averager then DHT
+
+Everything it does also goes to ``<run_dir>/metrics.jsonl`` (one JSON object per line) and,
+at the end, the global params to ``<run_dir>/global_params.pt``; the demo launcher reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from optim.diloco import DiLoCo
+from swarm.dht import shutdown_quietly, start_dht, visible_addresses
+from swarm.errors import SwarmError
+from swarm.records import PeerHeartbeat, Stage
+from workbench.config import RunConfig
+from workbench.data import ByteCorpus, evaluate
+from workbench.model import autocast_context, build_model, pick_device
+
+logger = logging.getLogger(__name__)
+
+
+class Peer:
+    """Builds the model, data and swarm connection for ``config`` and trains until done."""
+
+    def __init__(self, config: RunConfig, *, on_started: Callable[[list[str]], None] | None = None) -> None:
+        self.config = config
+        self.on_started = on_started
+        self.stage = Stage.JOINING
+        self.dht = None
+        self.averager = None
+        self.board = None
+        self.peer_id = ""
+        self.name = config.peer.name or "peer"
+        self.last_loss: float | None = None
+        self.samples_per_second = 0.0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.metrics_file = None
+        run_dir = config.peer.run_dir
+        self.run_dir = Path(run_dir) if run_dir else None
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.config
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.device = pick_device(cfg.peer.device)
+        self.corpus = ByteCorpus.load(cfg.data)
+        self.corpus.check_fits(cfg.model.block_size)
+        self.eval_set = self.corpus.eval_batches(
+            block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, num_batches=cfg.peer.eval_batches
+        )
+        # Same seed on every peer: identical θ at round 0 even before any state download.
+        self.model = build_model(cfg.model, seed=cfg.peer.seed).to(self.device)
+        self.inner_optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.train.inner_lr,
+            weight_decay=cfg.train.weight_decay,
+            betas=(cfg.train.beta1, cfg.train.beta2),
+        )
+        self.dht = start_dht(cfg.network)
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.name = cfg.peer.name or f"peer-{self.peer_id[-6:]}"
+        if self.run_dir:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics_file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+
+        from swarm.averaging import SwarmAverager
+        from swarm.progress import ProgressBoard
+
+        self.board = ProgressBoard(self.dht, cfg.peer.run_id)
+        if cfg.network.initial_peers:
+            self._check_run_exists()
+        self.diloco = DiLoCo(self.model, self.inner_optimizer, averager=None, config=cfg.diloco)  # type: ignore[arg-type]
+        self.averager = SwarmAverager(
+            self.dht,
+            run_id=cfg.peer.run_id,
+            tensors_like=self.diloco.global_params,
+            board=self.board,
+            beat=self.beat,
+            state_provider=self.diloco.outer_state,
+            config=cfg.averaging,
+            client_mode=cfg.network.client_mode,
+        )
+        self.diloco.averager = self.averager
+        self.beat(Stage.JOINING)
+        addresses = visible_addresses(self.dht)
+        self.emit("started", peer_id=self.peer_id, addresses=addresses, device=str(self.device),
+                  params=self.model.num_params(), data=self.corpus.source)
+        if self.on_started:
+            self.on_started(addresses)
+
+    def _check_run_exists(self, timeout: float = 10.0) -> None:
+        """A joiner must find at least one live peer of the run, or the run id is wrong."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.board.fetch():
+                return
+            time.sleep(0.3)
+        raise SwarmError(
+            f"connected to the swarm, but no live peer of run '{self.config.peer.run_id}' answered within "
+            f"{timeout:.0f} s: check --run-id matches the command `workbench start` printed"
+        )
+
+    # --- heartbeats and events ---------------------------------------------------------------
+
+    def beat(self, stage: Stage) -> None:
+        """Publish this peer's heartbeat (throttled; immediately when the stage changes)."""
+        changed = stage is not self.stage
+        self.stage = stage
+        if self.board is None or not self.peer_id:
+            return
+        self.board.publish(self.heartbeat(), force=changed)
+
+    def heartbeat(self) -> PeerHeartbeat:
+        from hivemind.utils import get_dht_time
+
+        diloco = getattr(self, "diloco", None)
+        return PeerHeartbeat(
+            peer_id=self.peer_id,
+            name=self.name,
+            stage=self.stage,
+            outer_step=diloco.outer_step_count if diloco else 0,
+            inner_step=diloco.inner_step_count if diloco else 0,
+            inner_steps=self.config.diloco.inner_steps,
+            loss=self.last_loss,
+            samples_per_second=self.samples_per_second,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            device=str(getattr(self, "device", "cpu")),
+            time=get_dht_time(),
+        )
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "time": time.time(), "peer": self.name, **fields}
+        if self.metrics_file:
+            self.metrics_file.write(json.dumps(record) + "\n")
+
+    # --- the run ----------------------------------------------------------------------------
+
+    def download_state(self, reason: str) -> bool:
+        """Adopt the global state of the most advanced peer; False if nobody could serve it."""
+        self.beat(Stage.DOWNLOADING)
+        started = time.monotonic()
+        for attempt in range(3):
+            state = self.averager.download_state(timeout=30)
+            if state is not None:
+                self.diloco.load_outer_state(state)
+                self.averager.set_state_priority(state.outer_step)
+                seconds = time.monotonic() - started
+                logger.info("%s: downloaded the global state at outer step %d (%s, %.1f s)",
+                            self.name, state.outer_step, reason, seconds)
+                self.emit("state_downloaded", outer_step=state.outer_step, reason=reason, seconds=seconds)
+                return True
+            logger.info("%s: no peer served the state yet (attempt %d of 3)", self.name, attempt + 1)
+            time.sleep(1.0)
+        return False
+
+    def wait_for_peers(self) -> None:
+        wanted, timeout = self.config.peer.min_peers, self.config.peer.wait_timeout
+        if wanted <= 1:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            self.beat(Stage.JOINING)
+            present = len(self.board.fetch())
+            if present >= wanted:
+                return
+            if time.monotonic() > deadline:
+                logger.warning("%s: only %d of %d peers after %.0f s; starting anyway", self.name, present, wanted, timeout)
+                return
+            time.sleep(0.3)
+
+    def steps_this_round(self) -> int:
+        """H, or fewer for a peer that joined mid-round, so it reaches the barrier with the others."""
+        H = self.config.diloco.inner_steps
+        mates = [
+            p.inner_step
+            for p in self.board.fetch().values()
+            if p.peer_id != self.peer_id and p.outer_step == self.diloco.outer_step_count and p.stage is Stage.TRAINING
+        ]
+        return max(1, H - max(mates)) if mates else H
+
+    def run(self) -> dict[str, Any]:
+        """Train until ``rounds`` outer rounds are done (or forever); returns a summary."""
+        cfg = self.config
+        self.setup()
+        if cfg.network.initial_peers and not self.download_state("joining"):
+            logger.warning("%s: no peer could serve the global state; starting from the seed's init", self.name)
+        self.wait_for_peers()
+        initial_eval = evaluate(self.model, self.eval_set, self.device)
+        self.emit("initial_eval", outer_step=self.diloco.outer_step_count, eval_loss=initial_eval)
+        logger.info("%s: eval loss %.4f at outer step %d", self.name, initial_eval, self.diloco.outer_step_count)
+        total_inner = cfg.peer.rounds * cfg.diloco.inner_steps if cfg.peer.rounds else None
+        batches = self._batches()
+        inner_step = 0
+        eval_loss = initial_eval
+        while not cfg.peer.rounds or self.diloco.outer_step_count < cfg.peer.rounds:
+            round_start = time.monotonic()
+            samples = 0
+            for _ in range(self.steps_this_round()):
+                self.beat(Stage.TRAINING)
+                for group in self.inner_optimizer.param_groups:
+                    group["lr"] = cfg.train.inner_lr * cfg.train.lr_factor(inner_step, total_inner)
+                x, y = next(batches)
+                self.last_loss = self.inner_step(x, y)
+                self.diloco.note_inner_step(samples=len(x))
+                samples += len(x)
+                inner_step += 1
+            self.samples_per_second = samples / max(time.monotonic() - round_start, 1e-9)
+            info = dict(outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint())
+            report = self.diloco.sync(info=info)
+            self.bytes_sent += report.bytes_sent
+            self.bytes_received += report.bytes_received
+            self.averager.set_state_priority(self.diloco.outer_step_count)
+            resync = None
+            if report.group_size > 1:
+                from swarm.averaging import diverged_from_group
+
+                resync = diverged_from_group(info | {"peer": self.peer_id}, report.group_info)
+            if self.diloco.outer_step_count % cfg.peer.eval_every == 0 or (
+                cfg.peer.rounds and self.diloco.outer_step_count >= cfg.peer.rounds
+            ):
+                eval_loss = evaluate(self.model, self.eval_set, self.device)
+            self.emit(
+                "round", outer_step=self.diloco.outer_step_count, loss=self.last_loss, eval_loss=eval_loss,
+                group_size=report.group_size, bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
+                round_seconds=time.monotonic() - round_start, averaging_seconds=report.seconds,
+                alone_reason=report.error, samples_per_second=self.samples_per_second,
+            )
+            logger.info(
+                "%s: round %d  loss %.4f  eval %.4f  group %d%s",
+                self.name, self.diloco.outer_step_count, self.last_loss, eval_loss, report.group_size,
+                f"  (alone: {report.error})" if report.error else "",
+            )
+            if resync:
+                logger.warning("%s: %s; downloading the global state", self.name, resync)
+                self.download_state(resync)
+        final_eval = evaluate(self.model, self.eval_set, self.device)
+        summary = dict(
+            peer_id=self.peer_id, outer_rounds=self.diloco.outer_step_count, initial_eval_loss=initial_eval,
+            final_eval_loss=final_eval, bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+        )
+        if self.run_dir:
+            torch.save(self.diloco.outer_state().params, self.run_dir / "global_params.pt")
+        self.emit("done", **summary)
+        return summary
+
+    def _batches(self):
+        cfg = self.config
+        # Each peer draws from its own stream: seed mixed with the peer id.
+        seed = (cfg.peer.seed * 1_000_003 + int.from_bytes(self.peer_id.encode()[-8:], "little")) % 2**62
+        return self.corpus.batches(block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, seed=seed)
+
+    def inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.model.train()
+        with autocast_context(self.device):
+            _, loss = self.model(x, y)
+        loss.backward()
+        if self.config.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
+        self.inner_optimizer.step()
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        if not torch.isfinite(torch.tensor(value)):
+            raise FloatingPointError(
+                f"inner loss became {value} at outer step {self.diloco.outer_step_count}: lower --inner-lr"
+            )
+        return value
+
+    # --- shutdown -----------------------------------------------------------------------------
+
+    def close(self, reason: str) -> None:
+        """Announce departure (best effort), then shut down the averager before the DHT."""
+        if self.board is not None and self.peer_id:
+            self.stage = Stage.LEAVING
+            try:
+                self.board.publish_now(self.heartbeat(), timeout=2.0)
+            except Exception as error:
+                logger.debug("could not announce leaving: %s", error)
+        self.emit("left", reason=reason)
+        shutdown_quietly(self.averager, self.dht)
+        self.averager = self.dht = None
+        if self.metrics_file:
+            self.metrics_file.close()
+            self.metrics_file = None
+
+
+def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
+    """Run a peer in the main thread; Ctrl+C (or SIGTERM) stops it cleanly within seconds."""
+    peer = Peer(config, on_started=on_started)
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        summary = peer.run()
+        peer.close("finished")
+        return summary
+    except KeyboardInterrupt:
+        peer.close("interrupted")
+        raise
+    except BaseException:
+        peer.close("error")
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
