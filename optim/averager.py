@@ -31,6 +31,12 @@ class RoundReport:
     """The ``info`` every group member sent (this peer's included), for consistency checks."""
     error: str | None = None
     """Why the round fell back to a local step, when it did."""
+    local_norm: float = 0.0
+    """L2 norm of this peer's own pseudo-gradient before averaging."""
+    mean_norm: float = 0.0
+    """L2 norm of the averaged pseudo-gradient the outer step applied."""
+    stale: bool = False
+    """This peer's global state is known to be behind the group's: fetch it before going on."""
 
     @property
     def averaged_alone(self) -> bool:

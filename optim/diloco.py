@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -66,6 +66,13 @@ class OuterState:
     outer_step: int
     params: list[torch.Tensor]
     momentum: list[torch.Tensor]
+    inner: list[torch.Tensor] = field(default_factory=list)
+    """The inner optimizer's per-parameter tensors at the end of the last round (see
+    :meth:`DiLoCo.inner_state_tensors`). A joiner that starts AdamW from zero takes steps of
+    ±lr on every coordinate and its first pseudo-gradients derail the round (measured here:
+    eval loss 3.2 -> 5.7 on the round after a join), so the state travels with θ."""
+    inner_keys: list[list[Any]] = field(default_factory=list)
+    """(param index, state key) for each tensor in ``inner``."""
 
 
 class DiLoCo:
@@ -116,10 +123,13 @@ class DiLoCo:
         """Replace ``deltas`` by the group's weighted mean; fall back to ours on any failure."""
         start = time.monotonic()
         weight = float(max(self.samples_this_round, 1))
+        backup = [d.clone() for d in deltas]  # a transport may fail after writing half a mean
         try:
             report = self.averager.all_reduce(deltas, weight=weight, info=info)
         except Exception as error:  # the transport failed: this round is a local step
             logger.warning("averaging failed (%s); applying this peer's own update", error)
+            for d, b in zip(deltas, backup):
+                d.copy_(b)
             report = RoundReport(group_size=1, error=str(error), group_info=[dict(info or {})])
         report.seconds = time.monotonic() - start
         return report
@@ -163,7 +173,9 @@ class DiLoCo:
     def sync(self, *, info: dict[str, Any] | None = None) -> RoundReport:
         """Run one outer round now, whatever the inner step count."""
         deltas = self.compute_pseudo_gradients()
+        local_norm = _global_norm(deltas)
         report = self.average(deltas, info)
+        report.local_norm, report.mean_norm = local_norm, _global_norm(deltas)
         try:
             self.apply_outer_step(deltas)
         except FloatingPointError as error:
@@ -172,7 +184,19 @@ class DiLoCo:
         self.restore_parameters()
         self.inner_step_count = 0
         self.samples_this_round = 0
+        self.snapshot_inner_state()
         return report
+
+    def snapshot_inner_state(self) -> None:
+        """Copy the inner optimizer's tensor state for serving (the loop keeps mutating it)."""
+        keys, tensors = [], []
+        for index, state in sorted(self.inner_optimizer.state_dict()["state"].items()):
+            for key, value in sorted(state.items()):
+                if isinstance(value, torch.Tensor):
+                    keys.append([int(index), str(key)])
+                    tensors.append(value.detach().to("cpu", copy=True))
+        with self.lock:
+            self._inner_snapshot = (keys, tensors)
 
     # --- state for late joiners and checkpoints -------------------------------------------
 
@@ -187,10 +211,13 @@ class DiLoCo:
     def outer_state(self) -> OuterState:
         """A consistent copy of the global state (safe to call from another thread)."""
         with self.lock:
+            keys, tensors = getattr(self, "_inner_snapshot", ([], []))
             return OuterState(
                 outer_step=self.outer_step_count,
                 params=[g.clone() for g in self.global_params],
                 momentum=[m.clone() for m in self.momentum_buffers()],
+                inner=list(tensors),
+                inner_keys=[list(k) for k in keys],
             )
 
     @torch.no_grad()
@@ -210,10 +237,33 @@ class DiLoCo:
                 self.outer_optimizer.state[g]["momentum_buffer"] = m.clone().to(torch.float32)
             self.outer_step_count = state.outer_step
         self.restore_parameters()
+        self._load_inner_state(state)
         self.inner_step_count = 0
         self.samples_this_round = 0
+
+    def _load_inner_state(self, state: OuterState) -> None:
+        """Adopt the donor's inner optimizer statistics when they fit; else keep ours."""
+        if not state.inner:
+            return
+        current = self.inner_optimizer.state_dict()
+        per_param: dict[int, dict[str, torch.Tensor]] = {}
+        for (index, key), tensor in zip(state.inner_keys, state.inner):
+            per_param.setdefault(int(index), {})[str(key)] = tensor.clone()
+        fits = all(
+            0 <= index < len(self.params)
+            and all(t.dim() == 0 or t.shape == self.params[index].shape for t in entry.values())
+            for index, entry in per_param.items()
+        )
+        if not fits:
+            logger.warning("the donor's inner optimizer state does not fit this model; starting it fresh")
+            return
+        self.inner_optimizer.load_state_dict({"state": per_param, "param_groups": current["param_groups"]})
 
     def fingerprint(self) -> list[float]:
         """Per-tensor L2 norms of θ: peers on the same trajectory agree to ~1e-6 relative."""
         with self.lock:
             return [float(g.double().norm()) for g in self.global_params]
+
+
+def _global_norm(tensors: list[torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])))

@@ -10,4 +10,11 @@ from swarm.addresses import AddressError, parse_peer_address, parse_peer_address
 from swarm.errors import SwarmError
 from swarm.records import PeerHeartbeat, Stage
 
-__all__ = ["AddressError", "PeerHeartbeat", "SwarmError", "Stage", "parse_peer_address", "parse_peer_addresses"]
+__all__ = [
+    "AddressError",
+    "PeerHeartbeat",
+    "SwarmError",
+    "Stage",
+    "parse_peer_address",
+    "parse_peer_addresses",
+]

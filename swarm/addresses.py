@@ -28,17 +28,21 @@ def parse_peer_address(text: str) -> Multiaddr:
     """Parse one bootstrap address; it must name a host, a port and the peer's id."""
     text = text.strip()
     if not text:
-        raise AddressError(f"empty peer address; paste the full multiaddr the first peer printed, e.g. {EXAMPLE}")
+        raise AddressError(
+            f"empty peer address; paste the full multiaddr the first peer printed, e.g. {EXAMPLE}"
+        )
     if not text.startswith("/"):
         hint = ""
         if ":" in text and "/" not in text:
             host, _, port = text.rpartition(":")
-            hint = f" (for {text} write /ip4/{host}/tcp/{port}/p2p/<peer id>)"
+            hint = f" (for {text} write {_host_part(host.strip('[]'))}/tcp/{port}/p2p/<peer id>)"
         raise AddressError(f"'{text}' is not a multiaddr{hint}; it must look like {EXAMPLE}")
     try:
         address = Multiaddr(text)
     except Exception as error:  # py-multiaddr raises several ParseError/ValueError subclasses
         reason = str(error).split(": ", 1)[-1].split(" (string:")[0]
+        if "/p2p/" in text and "CID" in reason:
+            reason = f"the peer id after /p2p/ is not valid ({reason})"
         raise AddressError(f"malformed multiaddr '{text}': {reason}; expected e.g. {EXAMPLE}") from None
     names = [protocol.name for protocol in address.protocols()]
     if not names or names[0] not in _NETWORK:
@@ -52,9 +56,18 @@ def parse_peer_address(text: str) -> Multiaddr:
         )
     if names[-1] != "p2p":
         raise AddressError(f"'{text}' has parts after /p2p/<peer id>; the peer id must come last")
-    if "tcp" in names and int(address.value_for_protocol("tcp")) == 0:
-        raise AddressError(f"'{text}' has port 0; use the port the running peer printed")
+    for transport in _TRANSPORT & set(names):
+        if int(address.value_for_protocol(transport)) == 0:
+            raise AddressError(f"'{text}' has port 0; use the port the running peer printed")
     return address
+
+
+def _host_part(host: str) -> str:
+    """/ip4/H, /ip6/H or /dns4/H for a host written without a protocol."""
+    try:
+        return f"/ip{ipaddress.ip_address(host).version}/{host}"
+    except ValueError:
+        return f"/dns4/{host}"
 
 
 def parse_peer_addresses(texts: Iterable[str]) -> list[Multiaddr]:
@@ -93,6 +106,8 @@ def parse_announce_addresses(texts: Sequence[str]) -> list[str]:
         if "p2p" in names:
             raise AddressError(f"--announce '{text}' must not include /p2p/: the peer id is added for you")
         if not names or names[0] not in _NETWORK or not _TRANSPORT & set(names):
-            raise AddressError(f"--announce '{text}' needs a host and a port, e.g. /ip4/203.0.113.7/tcp/31337")
+            raise AddressError(
+                f"--announce '{text}' needs a host and a port, e.g. /ip4/203.0.113.7/tcp/31337"
+            )
         result.append(str(address))
     return result

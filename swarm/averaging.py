@@ -18,7 +18,9 @@ thread of this process; the ``state_provider`` must return a consistent copy.
 
 from __future__ import annotations
 
+import enum
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +48,14 @@ CODECS: dict[str, Callable[[], Any]] = {
 assert set(CODECS) == set(CODEC_BYTES), f"{set(CODECS)=} {set(CODEC_BYTES)=}"
 
 
+class _Verdict(enum.Enum):
+    """What the round barrier decided."""
+
+    AVERAGE = "average"  # the others of this round are ready: matchmaking now
+    ALONE = "no other peer in this round"  # step with this peer's own update
+    BEHIND = "other peers are past this round"  # this peer fell behind: fetch the state
+
+
 class _StateServingAverager(DecentralizedAverager):
     """DecentralizedAverager whose downloadable state is DiLoCo's global state."""
 
@@ -55,8 +65,10 @@ class _StateServingAverager(DecentralizedAverager):
 
     def get_current_state(self):
         state = self._state_provider()
-        metadata = dict(outer_step=state.outer_step, num_params=len(state.params))
-        return metadata, [*state.params, *state.momentum], None
+        metadata = dict(
+            outer_step=state.outer_step, num_params=len(state.params), inner_keys=state.inner_keys
+        )
+        return metadata, [*state.params, *state.momentum, *state.inner], None
 
 
 class SwarmAverager:
@@ -113,8 +125,11 @@ class SwarmAverager:
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
     ) -> RoundReport:
         info = dict(info or {}, peer=self.peer_id)
-        if not self.wait_for_round_mates(int(info.get("outer_step", 0))):
-            return self._alone(info, "no other peer in this round")
+        verdict = self.wait_for_round_mates(int(info.get("outer_step", 0)))
+        if verdict is not _Verdict.AVERAGE:
+            report = self._alone(info, verdict.value)
+            report.stale = verdict is _Verdict.BEHIND
+            return report
         self.beat(Stage.AVERAGING)
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
@@ -135,16 +150,18 @@ class SwarmAverager:
                 self.beat(Stage.AVERAGING)
                 if time.monotonic() > hard_deadline:  # hivemind missed its own deadline
                     control.cancel()
-                    return self._alone(info, f"averaging did not finish in {self.config.averaging_timeout:.0f} s")
+                    return self._failed(
+                        info, f"averaging did not finish in {self.config.averaging_timeout:.0f} s"
+                    )
                 time.sleep(0.05)
             gathered = control.result()
         except KeyboardInterrupt:
             control.cancel()
             raise
         except Exception as error:
-            return self._alone(info, f"averaging failed: {type(error).__name__}: {error}")
+            return self._failed(info, f"averaging failed: {type(error).__name__}: {error}")
         if not gathered:
-            return self._alone(info, "could not find a group")
+            return self._failed(info, "could not find a group")
         # Success: the buffers now hold the group's weighted mean.
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
@@ -161,40 +178,63 @@ class SwarmAverager:
             group_info=[data for data in gathered.values() if isinstance(data, dict)],
         )
 
+    def _failed(self, info: dict[str, Any], reason: str) -> RoundReport:
+        """The others of this round were ready but the round failed for this peer: they may
+        have averaged without it, so after its local step its θ is presumed stale."""
+        report = self._alone(info, reason)
+        report.stale = True
+        return report
+
     def _alone(self, info: dict[str, Any], reason: str) -> RoundReport:
-        logger.info("round %s: %s; continuing alone with this peer's own update", info.get("outer_step"), reason)
+        logger.info(
+            "round %s: %s; continuing alone with this peer's own update", info.get("outer_step"), reason
+        )
         return RoundReport(group_size=1, group_info=[info], error=reason)
 
-    def wait_for_round_mates(self, outer_step: int) -> bool:
-        """The barrier: wait until no live peer of this round is still training it.
+    def wait_for_round_mates(self, outer_step: int) -> _Verdict:
+        """The barrier: wait until every other live peer has finished this round's inner steps.
 
-        Returns False when no other live peer is in this round (nobody to average with)."""
+        Heartbeats lag by up to a second, so a peer whose heartbeat still shows it averaging the
+        previous round counts as "about to train this one". A peer further behind is a
+        straggler: not waited for, it will fetch the state. A peer already past this round
+        means this one fell behind and must fetch the state instead of averaging.
+        """
         deadline = time.monotonic() + self.config.round_wait
         waited_for: list[str] = []
         while True:
             self.beat(Stage.WAITING)
-            peers = self.board.fetch()
-            mates = [p for p in peers.values() if p.peer_id != self.peer_id and p.outer_step == outer_step]
-            if not mates:
-                return False
+            others = [p for p in self.board.fetch().values() if p.peer_id != self.peer_id]
+            if not others:
+                return _Verdict.ALONE
+            if any(p.outer_step > outer_step for p in others):
+                return _Verdict.BEHIND
             busy = [
                 p.name
-                for p in peers.values()
-                if p.peer_id != self.peer_id
-                and p.outer_step == outer_step
-                and p.stage in (Stage.JOINING, Stage.DOWNLOADING, Stage.TRAINING)
+                for p in others
+                if p.stage is Stage.DOWNLOADING  # a joiner: it will land on this round
+                or (p.outer_step == outer_step and p.stage in (Stage.JOINING, Stage.TRAINING))
+                # a heartbeat from just before its last round ended: it is about to train this one
+                or (p.outer_step == outer_step - 1 and p.stage in (Stage.WAITING, Stage.AVERAGING))
             ]
             if not busy:
-                return True
+                return _Verdict.AVERAGE
             if time.monotonic() > deadline:
                 logger.warning(
-                    "round %d: not waiting longer than %.0f s for %s", outer_step, self.config.round_wait, busy
+                    "round %d: not waiting longer than %.0f s for %s",
+                    outer_step,
+                    self.config.round_wait,
+                    busy,
                 )
-                return True
+                ready = [
+                    p
+                    for p in others
+                    if p.outer_step == outer_step and p.stage in (Stage.WAITING, Stage.AVERAGING)
+                ]
+                return _Verdict.AVERAGE if ready else _Verdict.ALONE
             if busy != waited_for:
                 logger.debug("round %d: waiting for %s", outer_step, ", ".join(busy))
                 waited_for = busy
-            time.sleep(0.2)
+            time.sleep(0.1)
 
     # --- state for late joiners ---------------------------------------------------------------
 
@@ -210,7 +250,8 @@ class SwarmAverager:
             return None
         metadata, tensors = result
         count = int(metadata.get("num_params", -1)) if isinstance(metadata, dict) else -1
-        if count < 1 or len(tensors) != 2 * count:
+        inner_keys = metadata.get("inner_keys") or [] if isinstance(metadata, dict) else []
+        if count < 1 or len(tensors) != 2 * count + len(inner_keys):
             raise SwarmError(
                 f"a peer served a malformed state ({len(tensors)} tensors for {count} params); "
                 "it may run another version of workbench"
@@ -218,14 +259,18 @@ class SwarmAverager:
         return OuterState(
             outer_step=int(metadata["outer_step"]),
             params=[t.float() for t in tensors[:count]],
-            momentum=[t.float() for t in tensors[count:]],
+            momentum=[t.float() for t in tensors[count : 2 * count]],
+            inner=list(tensors[2 * count :]),
+            inner_keys=[list(k) for k in inner_keys],
         )
 
     def shutdown(self) -> None:
         self.averager.shutdown()
 
 
-def diverged_from_group(mine: dict[str, Any], group: list[dict[str, Any]], *, rel_tol: float = 1e-5) -> str | None:
+def diverged_from_group(
+    mine: dict[str, Any], group: list[dict[str, Any]], *, rel_tol: float = 1e-5
+) -> str | None:
     """Why this peer's global params before the round differ from the group's, or None.
 
     Members of one round must start it from the same θ. If this peer was behind (a lower
@@ -233,23 +278,41 @@ def diverged_from_group(mine: dict[str, Any], group: list[dict[str, Any]], *, re
     is now wrong and it must download the state. Among members at the same step, the
     trajectory held by most members wins; ties go to the lowest peer id.
     """
-    others = [g for g in group if isinstance(g, dict) and g.get("peer") != mine.get("peer")]
+    # Other peers' info is untrusted input: skip members whose info does not parse.
+    others = [g for g in map(_parse_info, group) if g is not None and g["peer"] != mine.get("peer")]
+    mine = _parse_info(mine) or {"peer": str(mine.get("peer")), "outer_step": -1, "fingerprint": []}
     if not others:
         return None
-    top = max(int(g.get("outer_step", -1)) for g in [mine, *others])
-    if int(mine.get("outer_step", -1)) < top:
-        return f"behind the group (outer step {mine.get('outer_step')} < {top})"
-    same = [g for g in [mine, *others] if int(g.get("outer_step", -1)) == top]
+    top = max(g["outer_step"] for g in [mine, *others])
+    if mine["outer_step"] < top:
+        return f"behind the group (outer step {mine['outer_step']} < {top})"
+    same = [g for g in [mine, *others] if g["outer_step"] == top]
 
     def close(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        fa, fb = a.get("fingerprint") or [], b.get("fingerprint") or []
-        return len(fa) == len(fb) and all(abs(x - y) <= rel_tol * max(abs(x), abs(y), 1e-12) for x, y in zip(fa, fb))
+        fa, fb = a["fingerprint"], b["fingerprint"]
+        return len(fa) == len(fb) and all(
+            abs(x - y) <= rel_tol * max(abs(x), abs(y), 1e-12) for x, y in zip(fa, fb)
+        )
 
     def rank(member: dict[str, Any]) -> tuple[int, str]:
         agreeing = [g for g in same if close(member, g)]
-        return len(agreeing), min(str(g.get("peer")) for g in agreeing)  # more agree, then lower id
+        return -len(agreeing), min(g["peer"] for g in agreeing)  # most agreeing first, then lowest id
 
-    best = max(same, key=lambda m: (rank(m)[0], [-ord(c) for c in rank(m)[1]]))
+    best = min(same, key=rank)
     if close(mine, best):
         return None
-    return f"its global params differ from the group's ({rank(best)[0]} of {len(same)} peers agree on another state)"
+    return f"its global params differ from the group's ({-rank(best)[0]} of {len(same)} peers agree on another state)"
+
+
+def _parse_info(info: Any) -> dict[str, Any] | None:
+    """A group member's info as {peer: str, outer_step: int, fingerprint: [float]}, or None."""
+    if not isinstance(info, dict):
+        return None
+    step, fingerprint = info.get("outer_step"), info.get("fingerprint") or []
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(fingerprint, list):
+        return None
+    if not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fingerprint
+    ):
+        return None
+    return {"peer": str(info.get("peer")), "outer_step": step, "fingerprint": [float(x) for x in fingerprint]}

@@ -52,7 +52,9 @@ def start_dht(config: NetworkConfig):  # -> hivemind.DHT
 
     handler = signal.getsignal(signal.SIGINT)
     kwargs = dict(
-        initial_peers=[str(a) for a in parse_peer_addresses(config.initial_peers)] if config.initial_peers else [],
+        initial_peers=[str(a) for a in parse_peer_addresses(config.initial_peers)]
+        if config.initial_peers
+        else [],
         host_maddrs=[listen_address(config.host, config.port)],
         announce_maddrs=parse_announce_addresses(config.announce) or None,
         client_mode=config.client_mode,

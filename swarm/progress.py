@@ -64,7 +64,9 @@ class ProgressBoard:
     def fetch(self, *, include_leaving: bool = False) -> dict[str, PeerHeartbeat]:
         """Live peers by peer id (this one included once it has published)."""
         try:
-            found = wait_for(self.dht.get(self.key, latest=True, return_future=True), self.timeout, "a heartbeat query")
+            found = wait_for(
+                self.dht.get(self.key, latest=True, return_future=True), self.timeout, "a heartbeat query"
+            )
         except SwarmError as error:
             logger.warning("%s; using the last known peers", error)
             return dict(self._last_fetch)
@@ -83,7 +85,9 @@ class ProgressBoard:
                 logger.debug("dropping a malformed heartbeat under %r: %s", subkey, error)
                 continue
             if heartbeat.peer_id != subkey:
-                logger.debug("dropping a heartbeat whose peer id %r differs from its subkey", heartbeat.peer_id)
+                logger.debug(
+                    "dropping a heartbeat whose peer id %r differs from its subkey", heartbeat.peer_id
+                )
                 continue
             if heartbeat.stage is Stage.LEAVING and not include_leaving:
                 continue

@@ -19,7 +19,7 @@ RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 def check_run_id(run_id: str) -> str:
     """Run ids prefix DHT keys and averaging groups: letters, digits, '-' and '_' only."""
-    if not RUN_ID_PATTERN.match(run_id):
+    if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
         raise SwarmError(
             f"invalid run id '{run_id}': use 1-64 letters, digits, '-' or '_', starting with a letter or digit"
         )

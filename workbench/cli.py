@@ -33,24 +33,50 @@ EPILOG = """examples:
 
 def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and data")
-    group.add_argument("--model", default="small", choices=sorted(PRESETS), help="model preset (default: small, ~1.9M params)")
-    group.add_argument("--data", metavar="PATH", help="text file or folder to train on (default: the Python stdlib's source)")
+    group.add_argument(
+        "--model",
+        default="small",
+        choices=sorted(PRESETS),
+        help="model preset (default: small, ~1.9M params)",
+    )
+    group.add_argument(
+        "--data", metavar="PATH", help="text file or folder to train on (default: the Python stdlib's source)"
+    )
     group.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default: 16)")
-    group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: auto = CUDA when present)")
+    group.add_argument(
+        "--device", default="auto", help="auto, cpu or cuda[:N] (default: auto = CUDA when present)"
+    )
     group.add_argument("--seed", type=int, default=0, help="model init and data order seed (default: 0)")
     group.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch decides)")
 
     group = parser.add_argument_group("DiLoCo")
-    group.add_argument("--inner-steps", type=int, default=50, metavar="H", help="inner steps per round (default: 50)")
-    group.add_argument("--inner-lr", type=float, default=1e-3, help="inner AdamW learning rate (default: 1e-3)")
-    group.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD learning rate (default: 0.7)")
+    group.add_argument(
+        "--inner-steps", type=int, default=50, metavar="H", help="inner steps per round (default: 50)"
+    )
+    group.add_argument(
+        "--inner-lr", type=float, default=1e-3, help="inner AdamW learning rate (default: 1e-3)"
+    )
+    group.add_argument(
+        "--outer-lr", type=float, default=0.7, help="outer Nesterov SGD learning rate (default: 0.7)"
+    )
     group.add_argument("--outer-momentum", type=float, default=0.9, help="outer momentum (default: 0.9)")
-    group.add_argument("--rounds", type=int, default=0, help="stop after this many outer rounds (default: 0 = never)")
+    group.add_argument(
+        "--rounds", type=int, default=0, help="stop after this many outer rounds (default: 0 = never)"
+    )
 
     group = parser.add_argument_group("averaging")
-    group.add_argument("--codec", default="none", choices=sorted(CODEC_BYTES), help="pseudo-gradient wire codec")
-    group.add_argument("--matchmaking-time", type=float, default=2.0, help="seconds a round's group stays open (default: 2)")
-    group.add_argument("--averaging-timeout", type=float, default=30.0, help="seconds before a round falls back to a local step")
+    group.add_argument(
+        "--codec", default="none", choices=sorted(CODEC_BYTES), help="pseudo-gradient wire codec"
+    )
+    group.add_argument(
+        "--matchmaking-time", type=float, default=2.0, help="seconds a round's group stays open (default: 2)"
+    )
+    group.add_argument(
+        "--averaging-timeout",
+        type=float,
+        default=30.0,
+        help="seconds before a round falls back to a local step",
+    )
 
 
 def _add_peer_options(parser: argparse.ArgumentParser) -> None:
@@ -58,15 +84,32 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("network")
     group.add_argument("--run-id", default="workbench", help="the run's name in the DHT (default: workbench)")
     group.add_argument("--name", help="this peer's display name")
-    group.add_argument("--host", default="127.0.0.1", help="IP to listen on (default: 127.0.0.1; 0.0.0.0 for a real network)")
+    group.add_argument(
+        "--host", default="127.0.0.1", help="IP to listen on (default: 127.0.0.1; 0.0.0.0 for a real network)"
+    )
     group.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
-    group.add_argument("--announce", nargs="+", default=[], metavar="MULTIADDR",
-                       help="public address(es) others dial, e.g. /ip4/203.0.113.7/tcp/31337")
-    group.add_argument("--client-mode", action="store_true", help="accept no inbound connections (behind NAT)")
-    group.add_argument("--identity", metavar="FILE", help="private key file, for a peer id that survives restarts")
-    group.add_argument("--connect-timeout", type=float, default=20.0, help="seconds to reach the bootstrap peers")
-    group.add_argument("--min-peers", type=int, default=1, help="wait for this many peers before the first round")
-    group.add_argument("--run-dir", metavar="DIR", help="write metrics.jsonl and the final global params here")
+    group.add_argument(
+        "--announce",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="public address others dial, e.g. /ip4/203.0.113.7/tcp/31337 (repeatable)",
+    )
+    group.add_argument(
+        "--client-mode", action="store_true", help="accept no inbound connections (behind NAT)"
+    )
+    group.add_argument(
+        "--identity", metavar="FILE", help="private key file, for a peer id that survives restarts"
+    )
+    group.add_argument(
+        "--connect-timeout", type=float, default=20.0, help="seconds to reach the bootstrap peers"
+    )
+    group.add_argument(
+        "--min-peers", type=int, default=1, help="wait for this many peers before the first round"
+    )
+    group.add_argument(
+        "--run-dir", metavar="DIR", help="write metrics.jsonl and the final global params here"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,22 +122,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-vv for hivemind's)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    start = commands.add_parser("start", help="start the first peer of a new run and print the join command",
-                                description="Start the first peer of a new run; prints the command others paste to join.")
+    start = commands.add_parser(
+        "start",
+        help="start the first peer of a new run and print the join command",
+        description="Start the first peer of a new run; prints the command others paste to join.",
+    )
     _add_peer_options(start)
 
-    join = commands.add_parser("join", help="join a running swarm through one or more of its peers",
-                               description="Join a run through the multiaddr(s) its peers printed.")
-    join.add_argument("peers", nargs="+", metavar="MULTIADDR", help="e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...")
+    join = commands.add_parser(
+        "join",
+        help="join a running swarm through one or more of its peers",
+        description="Join a run through the multiaddr(s) its peers printed.",
+    )
+    join.add_argument(
+        "peers", nargs="+", metavar="MULTIADDR", help="e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
+    )
     _add_peer_options(join)
 
-    demo = commands.add_parser("demo", help="run N peers on this machine (127.0.0.1) and watch them train",
-                               description="Launch N real peers as separate processes on 127.0.0.1.")
+    demo = commands.add_parser(
+        "demo",
+        help="run N peers on this machine (127.0.0.1) and watch them train",
+        description="Launch N real peers as separate processes on 127.0.0.1.",
+    )
     demo.add_argument("--peers", type=int, default=4, help="number of peers (default: 4)")
-    demo.add_argument("--headless", action="store_true", help="show progress lines instead of a UI (automatic without a terminal)")
+    demo.add_argument(
+        "--headless",
+        action="store_true",
+        help="show progress lines instead of a UI (automatic without a terminal)",
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON result object on stdout at the end")
-    demo.add_argument("--run-dir", metavar="DIR", help="keep each peer's metrics and logs here (default: a temp dir)")
-    demo.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default: 900)")
+    demo.add_argument(
+        "--run-dir", metavar="DIR", help="keep each peer's metrics and logs here (default: a temp dir)"
+    )
+    demo.add_argument(
+        "--timeout", type=float, default=900.0, help="give up after this many seconds (default: 900)"
+    )
     _add_training_options(demo)
     demo.set_defaults(inner_steps=20, rounds=8, threads=1, model="small")
     return parser
@@ -106,10 +168,17 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         model=preset(args.model),
         data=DataConfig(path=args.data, batch_size=args.batch_size),
         train=TrainConfig(inner_lr=args.inner_lr, threads=args.threads),
-        diloco=DiLoCoConfig(inner_steps=args.inner_steps, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
-                            nesterov=args.outer_momentum > 0),
-        averaging=AveragingConfig(matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
-                                  compression=args.codec),
+        diloco=DiLoCoConfig(
+            inner_steps=args.inner_steps,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            nesterov=args.outer_momentum > 0,
+        ),
+        averaging=AveragingConfig(
+            matchmaking_time=args.matchmaking_time,
+            averaging_timeout=args.averaging_timeout,
+            compression=args.codec,
+        ),
         network=NetworkConfig(
             initial_peers=list(getattr(args, "peers", None) or []) if args.command == "join" else [],
             host=getattr(args, "host", "127.0.0.1"),
@@ -138,11 +207,22 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
         parts += ["--run-id", config.peer.run_id]
     defaults = RunConfig()
     if config.model != defaults.model:
-        parts += ["--model", next(name for name, make in PRESETS.items() if make() == config.model)]
-    if config.diloco.inner_steps != defaults.diloco.inner_steps:
-        parts += ["--inner-steps", str(config.diloco.inner_steps)]
-    if config.averaging.compression != defaults.averaging.compression:
-        parts += ["--codec", config.averaging.compression]
+        name = next((name for name, make in PRESETS.items() if make() == config.model), None)
+        if name is None:
+            raise ValueError(
+                "join_command covers model presets only; share the model config with joiners yourself"
+            )
+        parts += ["--model", name]
+    # Settings every peer must share, or their global params drift apart round after round.
+    for flag, value, default in (
+        ("--inner-steps", config.diloco.inner_steps, defaults.diloco.inner_steps),
+        ("--inner-lr", config.train.inner_lr, defaults.train.inner_lr),
+        ("--outer-lr", config.diloco.outer_lr, defaults.diloco.outer_lr),
+        ("--outer-momentum", config.diloco.outer_momentum, defaults.diloco.outer_momentum),
+        ("--codec", config.averaging.compression, defaults.averaging.compression),
+    ):
+        if value != default:
+            parts += [flag, str(value)]
     return " ".join(parts + list(addresses))
 
 
@@ -167,7 +247,10 @@ def _print_join_command(config: RunConfig, addresses: list[str]) -> None:
     if len(public) > 1:
         print("Other addresses of this peer: " + " ".join(public[1:]) + "\n", flush=True)
     if config.network.host == "127.0.0.1":
-        print("(listening on 127.0.0.1 only: use --host 0.0.0.0 and --announce for other machines)\n", flush=True)
+        print(
+            "(listening on 127.0.0.1 only: use --host 0.0.0.0 and --announce for other machines)\n",
+            flush=True,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -186,7 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_demo_command(config, args)
         from workbench.peer import run_peer
 
-        on_started = (lambda addresses: _print_join_command(config, addresses)) if args.command == "start" else None
+        on_started = (
+            (lambda addresses: _print_join_command(config, addresses)) if args.command == "start" else None
+        )
         run_peer(config, on_started=on_started)
         return 0
     except (SwarmError, DataError) as error:

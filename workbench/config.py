@@ -46,7 +46,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be in [0, 1) (got {value})")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup steps must be >= 0 (got {self.warmup_steps})")
-        if self.grad_clip < 0:
+        if not self.grad_clip >= 0:  # written so that NaN fails too
             raise ValueError(f"grad clip must be >= 0 (got {self.grad_clip}); 0 disables clipping")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (got {self.threads}); 0 lets torch decide")
@@ -94,10 +94,12 @@ class PeerConfig:
             raise ValueError(f"rounds must be >= 0 (got {self.rounds}); 0 runs until Ctrl+C")
         if not 1 <= self.min_peers <= 1024:
             raise ValueError(f"min peers must be within 1..1024 (got {self.min_peers})")
-        if self.wait_timeout < 0:
+        if not self.wait_timeout >= 0:  # written so that NaN fails too
             raise ValueError(f"wait timeout must be >= 0 (got {self.wait_timeout})")
-        if self.eval_every < 1 or self.eval_batches < 1:
-            raise ValueError("eval every and eval batches must be >= 1")
+        if self.eval_every < 1:
+            raise ValueError(f"eval every must be >= 1 round (got {self.eval_every})")
+        if self.eval_batches < 1:
+            raise ValueError(f"eval batches must be >= 1 (got {self.eval_batches})")
 
 
 @dataclass(kw_only=True)

@@ -75,23 +75,40 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
     if preset_name is None:
         raise LaunchError("the demo launches model presets only; pick one with --model")
     args = [
-        "--model", preset_name,
-        "--batch-size", str(config.data.batch_size),
-        "--device", config.peer.device,
-        "--seed", str(config.peer.seed),
-        "--threads", str(config.train.threads),
-        "--inner-steps", str(config.diloco.inner_steps),
-        "--inner-lr", repr(config.train.inner_lr),
-        "--outer-lr", repr(config.diloco.outer_lr),
-        "--outer-momentum", repr(config.diloco.outer_momentum),
-        "--rounds", str(config.peer.rounds),
-        "--codec", config.averaging.compression,
-        "--matchmaking-time", repr(config.averaging.matchmaking_time),
-        "--averaging-timeout", repr(config.averaging.averaging_timeout),
-        "--run-id", config.peer.run_id,
-        "--name", name,
-        "--min-peers", str(config.peer.min_peers),
-        "--run-dir", str(run_dir / name),
+        "--model",
+        preset_name,
+        "--batch-size",
+        str(config.data.batch_size),
+        "--device",
+        config.peer.device,
+        "--seed",
+        str(config.peer.seed),
+        "--threads",
+        str(config.train.threads),
+        "--inner-steps",
+        str(config.diloco.inner_steps),
+        "--inner-lr",
+        repr(config.train.inner_lr),
+        "--outer-lr",
+        repr(config.diloco.outer_lr),
+        "--outer-momentum",
+        repr(config.diloco.outer_momentum),
+        "--rounds",
+        str(config.peer.rounds),
+        "--codec",
+        config.averaging.compression,
+        "--matchmaking-time",
+        repr(config.averaging.matchmaking_time),
+        "--averaging-timeout",
+        repr(config.averaging.averaging_timeout),
+        "--run-id",
+        config.peer.run_id,
+        "--name",
+        name,
+        "--min-peers",
+        str(config.peer.min_peers),
+        "--run-dir",
+        str(run_dir / name),
     ]
     if config.data.path:
         args += ["--data", config.data.path]
@@ -112,15 +129,27 @@ class LocalSwarm:
     def _spawn(self, command: str, name: str, extra: list[str]) -> LocalPeer:
         directory = self.run_dir / name
         directory.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "workbench", command, *extra,
-                *peer_arguments(self.config, name=name, run_dir=self.run_dir)]
+        argv = [
+            sys.executable,
+            "-m",
+            "workbench",
+            command,
+            *extra,
+            *peer_arguments(self.config, name=name, run_dir=self.run_dir),
+        ]
         with open(self.run_dir / "commands.txt", "a") as file:
             file.write(" ".join(["workbench", *argv[3:]]) + "\n")
         log = open(directory / "peer.log", "wb")  # noqa: SIM115 - the child owns it
         # A new session: Ctrl+C in the demo's terminal reaches the launcher only, which then
         # stops each peer itself (in order, with a deadline).
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        process = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         log.close()
         peer = LocalPeer(name=name, directory=directory, process=process)
         self.peers.append(peer)
@@ -149,7 +178,9 @@ class LocalSwarm:
         return list(itertools.chain.from_iterable(peer.poll_events() for peer in self.peers))
 
     def finished(self) -> bool:
-        return len(self.peers) == self.count and all(p.process.poll() == 0 and p.last("done") for p in self.peers)
+        return len(self.peers) == self.count and all(
+            p.process.poll() == 0 and p.last("done") for p in self.peers
+        )
 
     def stop(self, grace: float = 8.0) -> None:
         """SIGINT every peer (they announce leaving and shut down), then SIGKILL stragglers."""
@@ -190,9 +221,11 @@ class LocalSwarm:
 def _describe(event: dict[str, Any]) -> str | None:
     if event["event"] == "round":
         alone = f"  alone: {event['alone_reason']}" if event.get("alone_reason") else ""
-        return (f"{event['peer']:>8}  round {event['outer_step']:>3}  loss {event['loss']:.3f}  "
-                f"eval {event['eval_loss']:.3f}  group {event['group_size']}  "
-                f"{event['samples_per_second']:.0f} samples/s{alone}")
+        return (
+            f"{event['peer']:>8}  round {event['outer_step']:>3}  loss {event['loss']:.3f}  "
+            f"eval {event['eval_loss']:.3f}  group {event['group_size']}  "
+            f"{event['samples_per_second']:.0f} samples/s{alone}"
+        )
     if event["event"] == "started":
         return f"{event['peer']:>8}  started on {event['device']} ({event['params']:,} params)"
     if event["event"] == "state_downloaded":
@@ -241,8 +274,12 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
 
     if config.peer.rounds < 1:
         raise LaunchError("the demo needs --rounds >= 1")
+    if not 1 <= args.peers <= 64:
+        raise LaunchError(f"--peers must be within 1..64 on one machine (got {args.peers})")
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="workbench-demo-"))
-    config = replace(config, peer=replace(config.peer, run_id=f"demo-{uuid.uuid4().hex[:8]}", min_peers=args.peers))
+    config = replace(
+        config, peer=replace(config.peer, run_id=f"demo-{uuid.uuid4().hex[:8]}", min_peers=args.peers)
+    )
     console = Console(stderr=True)
     headless = args.headless or args.json or not sys.stdout.isatty()
     console.print(

@@ -102,10 +102,18 @@ class Peer:
             client_mode=cfg.network.client_mode,
         )
         self.diloco.averager = self.averager
-        self.beat(Stage.JOINING)
+        # A joiner's first word is "downloading": the others' round barrier waits for a peer in
+        # that stage, but not for one still "joining" at outer step 0.
+        self.beat(Stage.DOWNLOADING if cfg.network.initial_peers else Stage.JOINING)
         addresses = visible_addresses(self.dht)
-        self.emit("started", peer_id=self.peer_id, addresses=addresses, device=str(self.device),
-                  params=self.model.num_params(), data=self.corpus.source)
+        self.emit(
+            "started",
+            peer_id=self.peer_id,
+            addresses=addresses,
+            device=str(self.device),
+            params=self.model.num_params(),
+            data=self.corpus.source,
+        )
         if self.on_started:
             self.on_started(addresses)
 
@@ -167,8 +175,13 @@ class Peer:
                 self.diloco.load_outer_state(state)
                 self.averager.set_state_priority(state.outer_step)
                 seconds = time.monotonic() - started
-                logger.info("%s: downloaded the global state at outer step %d (%s, %.1f s)",
-                            self.name, state.outer_step, reason, seconds)
+                logger.info(
+                    "%s: downloaded the global state at outer step %d (%s, %.1f s)",
+                    self.name,
+                    state.outer_step,
+                    reason,
+                    seconds,
+                )
                 self.emit("state_downloaded", outer_step=state.outer_step, reason=reason, seconds=seconds)
                 return True
             logger.info("%s: no peer served the state yet (attempt %d of 3)", self.name, attempt + 1)
@@ -186,7 +199,13 @@ class Peer:
             if present >= wanted:
                 return
             if time.monotonic() > deadline:
-                logger.warning("%s: only %d of %d peers after %.0f s; starting anyway", self.name, present, wanted, timeout)
+                logger.warning(
+                    "%s: only %d of %d peers after %.0f s; starting anyway",
+                    self.name,
+                    present,
+                    wanted,
+                    timeout,
+                )
                 return
             time.sleep(0.3)
 
@@ -196,7 +215,9 @@ class Peer:
         mates = [
             p.inner_step
             for p in self.board.fetch().values()
-            if p.peer_id != self.peer_id and p.outer_step == self.diloco.outer_step_count and p.stage is Stage.TRAINING
+            if p.peer_id != self.peer_id
+            and p.outer_step == self.diloco.outer_step_count
+            and p.stage is Stage.TRAINING
         ]
         return max(1, H - max(mates)) if mates else H
 
@@ -205,34 +226,41 @@ class Peer:
         cfg = self.config
         self.setup()
         if cfg.network.initial_peers and not self.download_state("joining"):
-            logger.warning("%s: no peer could serve the global state; starting from the seed's init", self.name)
+            logger.warning(
+                "%s: no peer could serve the global state; starting from the seed's init", self.name
+            )
         self.wait_for_peers()
         initial_eval = evaluate(self.model, self.eval_set, self.device)
         self.emit("initial_eval", outer_step=self.diloco.outer_step_count, eval_loss=initial_eval)
-        logger.info("%s: eval loss %.4f at outer step %d", self.name, initial_eval, self.diloco.outer_step_count)
+        logger.info(
+            "%s: eval loss %.4f at outer step %d", self.name, initial_eval, self.diloco.outer_step_count
+        )
         total_inner = cfg.peer.rounds * cfg.diloco.inner_steps if cfg.peer.rounds else None
         batches = self._batches()
-        inner_step = 0
         eval_loss = initial_eval
         while not cfg.peer.rounds or self.diloco.outer_step_count < cfg.peer.rounds:
             round_start = time.monotonic()
             samples = 0
             for _ in range(self.steps_this_round()):
                 self.beat(Stage.TRAINING)
+                # The schedule follows the run's clock, not this peer's: a late joiner must not
+                # restart warmup (or the cosine) and push updates far larger than the others'.
+                run_step = (
+                    self.diloco.outer_step_count * cfg.diloco.inner_steps + self.diloco.inner_step_count
+                )
                 for group in self.inner_optimizer.param_groups:
-                    group["lr"] = cfg.train.inner_lr * cfg.train.lr_factor(inner_step, total_inner)
+                    group["lr"] = cfg.train.inner_lr * cfg.train.lr_factor(run_step, total_inner)
                 x, y = next(batches)
                 self.last_loss = self.inner_step(x, y)
                 self.diloco.note_inner_step(samples=len(x))
                 samples += len(x)
-                inner_step += 1
             self.samples_per_second = samples / max(time.monotonic() - round_start, 1e-9)
             info = dict(outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint())
             report = self.diloco.sync(info=info)
             self.bytes_sent += report.bytes_sent
             self.bytes_received += report.bytes_received
             self.averager.set_state_priority(self.diloco.outer_step_count)
-            resync = None
+            resync = f"out of step with the swarm ({report.error})" if report.stale else None
             if report.group_size > 1:
                 from swarm.averaging import diverged_from_group
 
@@ -242,14 +270,27 @@ class Peer:
             ):
                 eval_loss = evaluate(self.model, self.eval_set, self.device)
             self.emit(
-                "round", outer_step=self.diloco.outer_step_count, loss=self.last_loss, eval_loss=eval_loss,
-                group_size=report.group_size, bytes_sent=report.bytes_sent, bytes_received=report.bytes_received,
-                round_seconds=time.monotonic() - round_start, averaging_seconds=report.seconds,
-                alone_reason=report.error, samples_per_second=self.samples_per_second,
+                "round",
+                outer_step=self.diloco.outer_step_count,
+                loss=self.last_loss,
+                eval_loss=eval_loss,
+                group_size=report.group_size,
+                bytes_sent=report.bytes_sent,
+                bytes_received=report.bytes_received,
+                round_seconds=time.monotonic() - round_start,
+                averaging_seconds=report.seconds,
+                alone_reason=report.error,
+                samples_per_second=self.samples_per_second,
+                local_update_norm=report.local_norm,
+                mean_update_norm=report.mean_norm,
             )
             logger.info(
                 "%s: round %d  loss %.4f  eval %.4f  group %d%s",
-                self.name, self.diloco.outer_step_count, self.last_loss, eval_loss, report.group_size,
+                self.name,
+                self.diloco.outer_step_count,
+                self.last_loss,
+                eval_loss,
+                report.group_size,
                 f"  (alone: {report.error})" if report.error else "",
             )
             if resync:
@@ -257,8 +298,12 @@ class Peer:
                 self.download_state(resync)
         final_eval = evaluate(self.model, self.eval_set, self.device)
         summary = dict(
-            peer_id=self.peer_id, outer_rounds=self.diloco.outer_step_count, initial_eval_loss=initial_eval,
-            final_eval_loss=final_eval, bytes_sent=self.bytes_sent, bytes_received=self.bytes_received,
+            peer_id=self.peer_id,
+            outer_rounds=self.diloco.outer_step_count,
+            initial_eval_loss=initial_eval,
+            final_eval_loss=final_eval,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
         )
         if self.run_dir:
             torch.save(self.diloco.outer_state().params, self.run_dir / "global_params.pt")
@@ -326,4 +371,3 @@ def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | Non
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-

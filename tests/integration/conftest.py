@@ -1,0 +1,118 @@
+"""Real peers, each a `python -m workbench ...` process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+# A tiny model and short rounds: a round takes a second or two on one core.
+FAST = [
+    "--model",
+    "tiny",
+    "--inner-steps",
+    "5",
+    "--batch-size",
+    "8",
+    "--threads",
+    "1",
+    "--matchmaking-time",
+    "1.0",
+]
+
+
+class PeerProcess:
+    def __init__(self, name: str, args: list[str], run_dir: Path) -> None:
+        self.name = name
+        self.directory = run_dir / name
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.stdout_path = self.directory / "stdout.txt"
+        self.stderr_path = self.directory / "stderr.txt"
+        self.argv = [sys.executable, "-m", "workbench", *args]
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.process = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    @property
+    def metrics(self) -> Path:
+        return self.directory / "metrics.jsonl"
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        if not self.metrics.exists():
+            return []
+        lines = self.metrics.read_text().splitlines()
+        events = [json.loads(line) for line in lines if line.endswith("}")]
+        return [e for e in events if kind is None or e["event"] == kind]
+
+    def wait_event(
+        self, kind: str, predicate: Callable[[dict[str, Any]], bool] = lambda e: True, timeout: float = 90.0
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for event in self.events(kind):
+                if predicate(event):
+                    return event
+            if self.process.poll() not in (None, 0):
+                pytest.fail(f"{self.name} exited with {self.process.returncode}:\n{self.stderr()[-3000:]}")
+            time.sleep(0.2)
+        pytest.fail(f"{self.name}: no '{kind}' event within {timeout} s:\n{self.stderr()[-3000:]}")
+
+    def wait(self, timeout: float = 120.0) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.name} still running after {timeout} s:\n{self.stderr()[-3000:]}")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def address(self) -> str:
+        return self.wait_event("started", timeout=60)["addresses"][0]
+
+    def global_params(self) -> list[torch.Tensor]:
+        return torch.load(self.directory / "global_params.pt")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path):
+    """spawn(name, *args) starts `workbench args... --name name --run-dir tmp/name`."""
+    started: list[PeerProcess] = []
+
+    def _spawn(name: str, *args: str) -> PeerProcess:
+        peer = PeerProcess(name, [*args, "--name", name, "--run-dir", str(tmp_path / name)], tmp_path)
+        started.append(peer)
+        return peer
+
+    yield _spawn
+    for peer in started:  # never leave peers (and their p2p daemons) behind
+        peer.kill()
+
+
+def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert len(a) == len(b)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))

@@ -1,0 +1,69 @@
+"""`workbench join` with a bad or unreachable address: one line, non-zero, bounded time."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+
+
+def join(*args: str, timeout: float = 60.0) -> tuple[int, str, float]:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "workbench", "join", *args, "--model", "tiny", "--connect-timeout", "5"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    return result.returncode, result.stderr, time.monotonic() - started
+
+
+@pytest.mark.parametrize(
+    ("address", "hint"),
+    [
+        ("not-an-address", "not a multiaddr"),
+        ("127.0.0.1:31337", "/ip4/127.0.0.1/tcp/31337"),
+        ("/ip4/999.1.1.1/tcp/31337/p2p/" + PEER_ID, "malformed multiaddr"),
+        ("/ip4/127.0.0.1/tcp/31337", "/p2p/<peer id>"),
+        ("/ip4/127.0.0.1/tcp/31337/p2p/notapeerid", "malformed multiaddr"),
+        ("/ip4/127.0.0.1/tcp/0/p2p/" + PEER_ID, "port 0"),
+    ],
+)
+def test_malformed_address_is_one_line_error(address, hint):
+    code, stderr, seconds = join(address)
+    assert code == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert hint in lines[0]
+    assert seconds < 15
+
+
+@pytest.mark.integration
+def test_unreachable_peer_is_one_line_error():
+    """A well-formed address where nobody listens: error names the address, exits in bounded time."""
+    address = f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}"  # port 9 (discard): nothing listens here
+    code, stderr, seconds = join(address)
+    assert code == 2, stderr
+    errors = [line for line in stderr.strip().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr
+    assert "could not reach any bootstrap peer" in errors[0] and address in errors[0]
+    assert "Traceback" not in stderr
+    assert seconds < 30
+
+
+@pytest.mark.integration
+def test_wrong_run_id_is_one_line_error(spawn):
+    """Reachable peer, but another run: say so instead of training alone."""
+    peer = spawn(
+        "a", "start", "--model", "tiny", "--threads", "1", "--run-id", "right-run", "--min-peers", "2"
+    )
+    code, stderr, seconds = join(peer.address(), "--run-id", "wrong-run")
+    assert code == 2, stderr
+    errors = [line for line in stderr.strip().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "no live peer of run 'wrong-run'" in errors[0], stderr
+    assert seconds < 40

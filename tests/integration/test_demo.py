@@ -1,0 +1,61 @@
+"""The scripting contract of `workbench demo --json`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_demo_json_contract(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workbench",
+            "demo",
+            "--peers",
+            "2",
+            "--rounds",
+            "2",
+            "--headless",
+            "--json",
+            "--model",
+            "tiny",
+            "--inner-steps",
+            "5",
+            "--batch-size",
+            "8",
+            "--matchmaking-time",
+            "1.0",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout  # stdout holds the JSON object and nothing else
+    data = json.loads(lines[0])
+    for key in (
+        "peers",
+        "outer_rounds",
+        "initial_loss",
+        "final_loss",
+        "params_max_abs_diff",
+        "bytes_sent",
+        "seconds",
+    ):
+        assert key in data, key
+    assert data["peers"] == 2 and data["outer_rounds"] == 2
+    assert data["final_loss"] < data["initial_loss"]
+    assert data["params_max_abs_diff"] <= 1e-5
+    assert data["bytes_sent"] > 0 and data["seconds"] > 0
+    assert (tmp_path / "commands.txt").read_text().count("workbench ") == 2

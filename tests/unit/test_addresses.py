@@ -1,0 +1,181 @@
+"""Unit tests for swarm.addresses: every user mistake is one line that says what to write."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.addresses import (
+    EXAMPLE,
+    AddressError,
+    listen_address,
+    parse_announce_addresses,
+    parse_peer_address,
+    parse_peer_addresses,
+)
+from swarm.errors import SwarmError
+
+PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+VALID = f"/ip4/127.0.0.1/tcp/31337/p2p/{PEER_ID}"
+
+
+def error_of(call, *args) -> str:
+    """The message of the AddressError ``call(*args)`` raises; checks it is one line."""
+    with pytest.raises(AddressError) as info:
+        call(*args)
+    message = str(info.value)
+    assert message, "an empty error message helps nobody"
+    assert "\n" not in message, f"not one line: {message!r}"
+    return message
+
+
+def test_address_error_is_a_swarm_error() -> None:
+    """The CLI prints SwarmError as one line; AddressError must be one of them."""
+    assert issubclass(AddressError, SwarmError)
+
+
+# --- parse_peer_address -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        VALID,
+        f"/ip4/203.0.113.7/tcp/4000/p2p/{PEER_ID}",
+        f"/ip6/::1/tcp/31337/p2p/{PEER_ID}",
+        f"/ip6/2001:db8::7/tcp/31337/p2p/{PEER_ID}",
+        f"/dns4/example.com/tcp/31337/p2p/{PEER_ID}",
+        f"/dns/peer.example.org/tcp/31337/p2p/{PEER_ID}",
+        f"/ip4/203.0.113.7/udp/31337/quic/p2p/{PEER_ID}",
+        EXAMPLE,
+    ],
+)
+def test_valid_peer_addresses_parse(text: str) -> None:
+    address = parse_peer_address(text)
+    assert str(address) == text
+    assert address.value_for_protocol("p2p") == PEER_ID or text == EXAMPLE
+
+
+def test_surrounding_whitespace_of_a_pasted_address_is_ignored() -> None:
+    assert str(parse_peer_address(f"  {VALID}\n")) == VALID
+
+
+@pytest.mark.parametrize(
+    ("text", "hints"),
+    [
+        pytest.param("", ["empty", EXAMPLE], id="empty"),
+        pytest.param("   ", ["empty"], id="blank"),
+        pytest.param("hello", ["'hello'", "not a multiaddr", EXAMPLE], id="word"),
+        pytest.param("127.0.0.1:31337", ["/ip4/127.0.0.1/tcp/31337"], id="host:port"),
+        pytest.param(f"/ip4/999.1.1.1/tcp/31337/p2p/{PEER_ID}", ["999.1.1.1", "malformed"], id="bad-ipv4"),
+        pytest.param(f"/ip4/1.2.3.4/tcp/99999/p2p/{PEER_ID}", ["99999", "malformed"], id="port-too-big"),
+        pytest.param("/ip4/1.2.3.4/tcp/31337", ["peer id", "/p2p/"], id="no-peer-id"),
+        pytest.param("/ip4/1.2.3.4/tcp/31337/p2p/xyz", ["xyz", "malformed"], id="bad-peer-id"),
+        pytest.param(
+            f"/ip4/1.2.3.4/tcp/31337/p2p/{PEER_ID}/tcp/5", ["after /p2p/", "last"], id="parts-after-id"
+        ),
+        pytest.param(f"/ip4/1.2.3.4/tcp/0/p2p/{PEER_ID}", ["port 0"], id="port-0"),
+        pytest.param(f"/p2p/{PEER_ID}", ["host", "/ip4/"], id="no-host"),
+        pytest.param(f"/ip4/1.2.3.4/p2p/{PEER_ID}", ["no port", "/tcp/"], id="no-port"),
+        pytest.param(f"/tcp/31337/p2p/{PEER_ID}", ["host"], id="transport-first"),
+        pytest.param("/nonsense/1", ["malformed"], id="unknown-protocol"),
+    ],
+)
+def test_bad_peer_addresses_get_a_one_line_hint(text: str, hints: list[str]) -> None:
+    message = error_of(parse_peer_address, text)
+    for hint in hints:
+        assert hint in message, f"{hint!r} not in {message!r}"
+    assert "Traceback" not in message
+
+
+@pytest.mark.parametrize(
+    ("text", "hint"),
+    [
+        pytest.param("[::1]:31337", "/ip6/::1/tcp/31337", id="ipv6"),
+        pytest.param("localhost:31337", "/dns4/localhost/tcp/31337", id="hostname"),
+    ],
+)
+def test_host_port_hint_names_the_right_protocol(text: str, hint: str) -> None:
+    message = error_of(parse_peer_address, text)
+    assert hint in message
+    assert "/ip4/[" not in message and "/ip4/localhost" not in message
+
+
+def test_udp_port_zero_is_rejected_too() -> None:
+    assert "port 0" in error_of(parse_peer_address, f"/ip4/1.2.3.4/udp/0/quic/p2p/{PEER_ID}")
+
+
+# --- parse_peer_addresses -----------------------------------------------------------------------
+
+
+def test_parse_peer_addresses_parses_each() -> None:
+    texts = [VALID, f"/ip6/::1/tcp/4000/p2p/{PEER_ID}"]
+    assert [str(a) for a in parse_peer_addresses(texts)] == texts
+    assert [str(a) for a in parse_peer_addresses(iter(texts))] == texts  # any iterable
+
+
+def test_parse_peer_addresses_needs_at_least_one() -> None:
+    message = error_of(parse_peer_addresses, [])
+    assert "at least one" in message and "workbench join" in message
+
+
+def test_parse_peer_addresses_reports_the_bad_one() -> None:
+    message = error_of(parse_peer_addresses, [VALID, "/ip4/1.2.3.4/tcp/4000"])
+    assert "/ip4/1.2.3.4/tcp/4000" in message and "peer id" in message
+
+
+# --- listen_address -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "expected"),
+    [
+        ("0.0.0.0", 31337, "/ip4/0.0.0.0/tcp/31337"),
+        ("127.0.0.1", 0, "/ip4/127.0.0.1/tcp/0"),
+        ("::", 31337, "/ip6/::/tcp/31337"),
+        ("::1", 65535, "/ip6/::1/tcp/65535"),
+    ],
+)
+def test_listen_address(host: str, port: int, expected: str) -> None:
+    assert listen_address(host, port) == expected
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "hints"),
+    [
+        pytest.param("localhost", 31337, ["localhost", "0.0.0.0"], id="hostname"),
+        pytest.param("1.2.3", 31337, ["1.2.3", "IP address"], id="short-ipv4"),
+        pytest.param("0.0.0.0", 70000, ["70000", "--port"], id="port-too-big"),
+        pytest.param("0.0.0.0", 65536, ["65536"], id="port-65536"),
+        pytest.param("0.0.0.0", -1, ["-1", "--port"], id="negative-port"),
+    ],
+)
+def test_listen_address_rejects_bad_values(host: str, port: int, hints: list[str]) -> None:
+    message = error_of(listen_address, host, port)
+    for hint in hints:
+        assert hint in message, f"{hint!r} not in {message!r}"
+
+
+# --- parse_announce_addresses -------------------------------------------------------------------
+
+
+def test_announce_addresses_parse() -> None:
+    texts = ["/ip4/203.0.113.7/tcp/31337", "/ip6/2001:db8::7/tcp/31337", "/dns4/example.com/tcp/31337"]
+    assert parse_announce_addresses(texts) == texts
+    assert parse_announce_addresses([]) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "hints"),
+    [
+        pytest.param(f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER_ID}", ["/p2p/", "--announce"], id="with-peer-id"),
+        pytest.param("/ip4/203.0.113.7", ["host and a port"], id="no-port"),
+        pytest.param("/tcp/31337", ["host and a port"], id="no-host"),
+        pytest.param("garbage", ["garbage", "malformed"], id="garbage"),
+        pytest.param("/ip4/203.0.113.7/tcp/x", ["malformed", "/ip4/203.0.113.7/tcp/x"], id="bad-port"),
+        pytest.param("/ip4/999.0.0.1/tcp/1", ["999.0.0.1"], id="bad-ipv4"),
+    ],
+)
+def test_bad_announce_addresses_get_a_one_line_hint(text: str, hints: list[str]) -> None:
+    message = error_of(parse_announce_addresses, [text])
+    for hint in hints:
+        assert hint in message, f"{hint!r} not in {message!r}"

@@ -1,0 +1,286 @@
+"""Unit tests for the `workbench` command line: flags -> config tree, user errors -> one line.
+
+No test here starts hivemind: every bad value must be refused at config time, and the
+``no_peers`` fixture turns any attempt to start a peer, a DHT or a demo swarm into a failure.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+import swarm.dht
+import workbench.launch
+import workbench.peer
+from swarm.errors import SwarmError
+from workbench.cli import EXIT_USER_ERROR, build_config, build_parser, join_command, main
+from workbench.config import PeerConfig, RunConfig
+from workbench.data import ByteCorpus, DataConfig, DataError
+from workbench.model import small, tiny
+
+PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+ADDRESS = f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER_ID}"
+
+
+class WouldStartPeers(AssertionError):
+    """Raised by the fakes below: a unit test reached code that starts real peers."""
+
+
+@pytest.fixture(autouse=True)
+def no_peers(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise WouldStartPeers("a CLI unit test tried to start a peer, a DHT or a demo swarm")
+
+    monkeypatch.setattr(workbench.peer, "run_peer", refuse)
+    monkeypatch.setattr(workbench.peer, "start_dht", refuse)
+    monkeypatch.setattr(swarm.dht, "start_dht", refuse)
+    monkeypatch.setattr(workbench.launch, "run_demo", refuse)
+    monkeypatch.setattr(workbench.launch, "LocalSwarm", refuse)
+    # main() configures logging and sets HIVEMIND_LOGLEVEL with setdefault: keep it test-local.
+    monkeypatch.setenv("HIVEMIND_LOGLEVEL", "CRITICAL")
+
+
+def config_of(*argv: str) -> RunConfig:
+    return build_config(build_parser().parse_args(list(argv)))
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
+    assert lines[0].startswith("error: "), lines[0]
+    assert out == "", f"nothing on stdout for a user error, got {out!r}"
+    return lines[0]
+
+
+# --- defaults -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["start"], ["join", ADDRESS]])
+def test_peer_defaults_are_the_documented_ones(argv: list[str]) -> None:
+    config = config_of(*argv)
+    assert config.diloco.inner_steps == 50
+    assert config.diloco.outer_lr == 0.7
+    assert config.diloco.outer_momentum == 0.9
+    assert config.diloco.nesterov is True
+    assert config.model == small()
+    assert config.averaging.compression == "none"
+    assert config.averaging.matchmaking_time == 2.0 and config.averaging.averaging_timeout == 30.0
+    assert config.data.path is None and config.data.batch_size == 16
+    assert config.train.inner_lr == 1e-3 and config.train.threads == 0
+    assert config.peer.run_id == "workbench" and config.peer.rounds == 0 and config.peer.min_peers == 1
+    assert config.network.host == "127.0.0.1" and config.network.port == 0
+    assert config.network.announce == [] and config.network.client_mode is False
+    assert config.network.connect_timeout == 20.0
+
+
+def test_start_has_no_bootstrap_peers_and_join_has_them() -> None:
+    assert config_of("start").network.initial_peers == []
+    other = f"/ip6/::1/tcp/4000/p2p/{PEER_ID}"
+    assert config_of("join", ADDRESS, other).network.initial_peers == [ADDRESS, other]
+
+
+def test_demo_defaults() -> None:
+    args = build_parser().parse_args(["demo"])
+    assert (args.inner_steps, args.rounds, args.threads, args.peers, args.model) == (20, 8, 1, 4, "small")
+    assert args.headless is False and args.json is False and args.timeout == 900.0
+    config = build_config(args)
+    assert config.diloco.inner_steps == 20 and config.peer.rounds == 8 and config.train.threads == 1
+    assert config.model == small()
+    assert config.network.initial_peers == [] and config.network.host == "127.0.0.1"
+    assert config.peer.run_id == "workbench"
+
+
+def test_flags_reach_the_config() -> None:
+    config = config_of(
+        "start",
+        "--model", "tiny", "--batch-size", "8", "--seed", "3", "--threads", "2", "--inner-steps", "10",
+        "--inner-lr", "0.002", "--outer-lr", "0.5", "--outer-momentum", "0", "--rounds", "4",
+        "--codec", "int8", "--matchmaking-time", "1", "--averaging-timeout", "10", "--run-id", "exp-2",
+        "--name", "alice", "--host", "0.0.0.0", "--port", "31337", "--announce", "/ip4/203.0.113.7/tcp/31337",
+        "--client-mode", "--connect-timeout", "5", "--min-peers", "3",
+    )  # fmt: skip
+    assert config.model == tiny()
+    assert (config.data.batch_size, config.peer.seed, config.train.threads) == (8, 3, 2)
+    assert (config.diloco.inner_steps, config.diloco.outer_lr, config.diloco.outer_momentum) == (10, 0.5, 0.0)
+    assert config.diloco.nesterov is False  # no momentum: no Nesterov
+    assert config.train.inner_lr == 0.002 and config.peer.rounds == 4
+    assert config.averaging.compression == "int8"
+    assert (config.averaging.matchmaking_time, config.averaging.averaging_timeout) == (1.0, 10.0)
+    assert (config.peer.run_id, config.peer.name, config.peer.min_peers) == ("exp-2", "alice", 3)
+    assert (config.network.host, config.network.port) == ("0.0.0.0", 31337)
+    assert config.network.announce == ["/ip4/203.0.113.7/tcp/31337"]
+    assert config.network.client_mode is True and config.network.connect_timeout == 5.0
+
+
+# --- user errors: one line, exit status 2, no traceback, no peer started ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        pytest.param(["start", "--inner-steps", "0"], "inner_steps", id="inner-steps-0"),
+        pytest.param(["start", "--outer-lr", "-1"], "outer_lr", id="outer-lr-negative"),
+        pytest.param(["start", "--outer-lr", "11"], "outer_lr", id="outer-lr-11"),
+        pytest.param(["start", "--outer-momentum", "1"], "outer_momentum", id="momentum-1"),
+        pytest.param(["start", "--run-id", "a.b"], "a.b", id="run-id"),
+        pytest.param(["join", "not-an-address"], "not-an-address", id="join-garbage"),
+        pytest.param(["join", "/ip4/127.0.0.1/tcp/4000"], "peer id", id="join-no-peer-id"),
+        pytest.param(["join", "127.0.0.1:4000"], "/ip4/127.0.0.1/tcp/4000", id="join-host-port"),
+        pytest.param(["start", "--host", "localhost"], "localhost", id="host-name"),
+        pytest.param(["start", "--port", "70000"], "70000", id="port"),
+        pytest.param(["start", "--announce", "/ip4/1.2.3.4"], "/ip4/1.2.3.4", id="announce-no-port"),
+        pytest.param(
+            ["start", "--announce", f"/ip4/1.2.3.4/tcp/1/p2p/{PEER_ID}"], "/p2p/", id="announce-peer-id"
+        ),
+        pytest.param(["start", "--batch-size", "0"], "batch_size", id="batch-size-0"),
+        pytest.param(["start", "--threads", "-1"], "threads", id="threads"),
+        pytest.param(["start", "--rounds", "-1"], "rounds", id="rounds"),
+        pytest.param(["start", "--min-peers", "0"], "min peers", id="min-peers"),
+        pytest.param(["start", "--connect-timeout", "0"], "connect timeout", id="connect-timeout"),
+        pytest.param(
+            ["start", "--matchmaking-time", "40", "--averaging-timeout", "30"], "timeout", id="timeouts"
+        ),
+        pytest.param(["start", "--inner-lr", "2"], "inner lr", id="inner-lr"),
+        pytest.param(["demo", "--inner-steps", "0"], "inner_steps", id="demo-inner-steps"),
+        pytest.param(["demo", "--rounds", "0", "--run-dir", "{tmp}"], "--rounds", id="demo-rounds-0"),
+    ],
+)
+def test_bad_values_exit_2_with_one_error_line(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) == EXIT_USER_ERROR
+    line = one_error_line(capsys)
+    assert hint in line, f"{hint!r} not in {line!r}"
+
+
+@pytest.mark.parametrize("peers", ["0", "-1", "2000"])
+def test_demo_with_a_bad_peer_count_exits_2(
+    peers: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["demo", "--peers", peers, "--run-dir", str(tmp_path)]) == EXIT_USER_ERROR
+    assert "peers" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        pytest.param(["start", "--codec", "zstd"], "invalid choice", id="codec"),
+        pytest.param(["start", "--model", "huge"], "invalid choice", id="model"),
+        pytest.param(["start", "--inner-steps", "ten"], "invalid int value", id="not-an-int"),
+        pytest.param(["join"], "required", id="join-without-address"),
+        pytest.param([], "required", id="no-command"),
+    ],
+)
+def test_argparse_rejects_malformed_flags(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == EXIT_USER_ERROR
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and out == ""
+    assert hint in err
+    assert err.strip().splitlines()[-1].startswith("workbench")  # argparse's "prog: error: ..." line
+
+
+def test_a_data_error_when_the_peer_starts_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--data is checked when the peer loads its corpus (after build_config); main still prints one line."""
+
+    def fake_run_peer(config: RunConfig, *, on_started=None) -> dict:
+        ByteCorpus.load(config.data)  # what the real peer does first with --data
+        raise WouldStartPeers("the corpus should not have loaded")
+
+    monkeypatch.setattr(workbench.peer, "run_peer", fake_run_peer)
+    assert main(["start", "--data", "/nonexistent/path"]) == EXIT_USER_ERROR
+    assert "/nonexistent/path" in one_error_line(capsys)
+
+
+def test_a_missing_data_path_is_a_data_error() -> None:
+    with pytest.raises(DataError) as info:
+        ByteCorpus.load(DataConfig(path="/nonexistent/path"))
+    message = str(info.value)
+    assert "/nonexistent/path" in message and "\n" not in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_build_config_raises_value_or_swarm_errors() -> None:
+    with pytest.raises(ValueError):
+        config_of("start", "--inner-steps", "0")
+    with pytest.raises(SwarmError):
+        config_of("join", "nope")
+
+
+# --- join_command ---------------------------------------------------------------------------------
+
+
+def test_join_command_of_the_default_config_is_short() -> None:
+    assert join_command(RunConfig(), [ADDRESS]) == f"workbench join {ADDRESS}"
+    assert join_command(config_of("start"), [ADDRESS]) == f"workbench join {ADDRESS}"
+
+
+def test_join_command_names_every_non_default_setting() -> None:
+    config = RunConfig(
+        model=tiny(),
+        peer=PeerConfig(run_id="exp-2"),
+        diloco=config_of("start", "--inner-steps", "10").diloco,
+        averaging=config_of("start", "--codec", "int8").averaging,
+    )
+    command = join_command(config, [ADDRESS])
+    assert command == f"workbench join --run-id exp-2 --model tiny --inner-steps 10 --codec int8 {ADDRESS}"
+
+
+def test_join_command_with_several_addresses() -> None:
+    other = f"/ip6/::1/tcp/31337/p2p/{PEER_ID}"
+    assert join_command(RunConfig(), [ADDRESS, other]) == f"workbench join {ADDRESS} {other}"
+
+
+def _round_trip(start_flags: list[str]) -> tuple[RunConfig, RunConfig]:
+    """(the starter's config, the config of a peer that pastes the printed join command)."""
+    starter = config_of("start", *start_flags)
+    argv = shlex.split(join_command(starter, [ADDRESS]))
+    assert argv[:2] == ["workbench", "join"]
+    return starter, config_of(*argv[1:])
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        [],
+        ["--run-id", "exp-2"],
+        ["--model", "tiny"],
+        ["--model", "medium"],
+        ["--inner-steps", "10"],
+        ["--codec", "int8"],
+        ["--codec", "fp16", "--model", "tiny", "--run-id", "r_1", "--inner-steps", "7"],
+    ],
+    ids=lambda flags: " ".join(flags) or "defaults",
+)
+def test_join_command_round_trips_through_the_parser(flags: list[str]) -> None:
+    starter, joiner = _round_trip(flags)
+    assert joiner.network.initial_peers == [ADDRESS]
+    assert joiner.peer.run_id == starter.peer.run_id
+    assert joiner.model == starter.model
+    assert joiner.diloco.inner_steps == starter.diloco.inner_steps
+    assert joiner.averaging.compression == starter.averaging.compression
+
+
+@pytest.mark.parametrize(
+    "flags", [["--outer-lr", "0.5"], ["--outer-momentum", "0"], ["--outer-momentum", "0.5"]], ids=" ".join
+)
+def test_join_command_carries_the_outer_optimizer(flags: list[str]) -> None:
+    starter, joiner = _round_trip(flags)
+    assert joiner.diloco == starter.diloco
+
+
+def test_join_command_is_one_line_of_shell_words() -> None:
+    config = RunConfig(model=tiny(), peer=PeerConfig(run_id="exp-2"))
+    command = join_command(config, [ADDRESS])
+    assert "\n" not in command
+    assert shlex.split(command) == command.split()

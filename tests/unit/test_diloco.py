@@ -1,0 +1,524 @@
+"""Unit tests for optim.diloco.DiLoCo over fake averagers: no hivemind, no peers, no clock.
+
+Expected global params are computed by hand with the formulas of the paper's outer step
+(Nesterov SGD on the mean pseudo-gradient Δ = θ − θ_local):
+
+    buf = Δ                      (first round)
+    buf = m * buf + Δ            (later rounds)
+    update = Δ + m * buf         (Nesterov; plain momentum would use buf)
+    θ ← θ − lr * update
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from optim.averager import LocalAverager, RoundReport
+from optim.diloco import DiLoCo, DiLoCoConfig, OuterState
+
+ATOL = 1e-6
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def make_model(seed: int = 0, in_features: int = 3, out_features: int = 2) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features)
+
+
+def batches(seed: int, count: int, batch: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` batches of (x (B, 3), y (B, 2)) from their own generator."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, generator=g), torch.randn(batch, 2, generator=g)) for _ in range(count)]
+
+
+def inner_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone().float() for p in model.parameters()]
+
+
+def assert_all_close(
+    actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor], atol: float = ATOL
+) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.detach().float(), e.detach().float(), atol=atol, rtol=0)
+
+
+def train_round(
+    outer: DiLoCo,
+    opt: torch.optim.Optimizer,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    samples: int = 4,
+) -> tuple[list[torch.Tensor], RoundReport]:
+    """H inner steps through ``outer.step``; returns (local params before the sync, report)."""
+    H = outer.config.inner_steps
+    assert len(data) == H, f"{len(data)=} {H=}"
+    for i, (x, y) in enumerate(data):
+        inner_step(outer.model, opt, x, y)
+        if i < H - 1:
+            assert outer.step(samples=samples) is None, f"step {i + 1} of {H} must not sync"
+    local = params_of(outer.model)  # θ_local after the H-th inner step, before the sync
+    report = outer.step(samples=samples)
+    assert isinstance(report, RoundReport)
+    return local, report
+
+
+def sgd_outer(model: nn.Module, config: DiLoCoConfig | None = None) -> DiLoCo:
+    """DiLoCo over LocalAverager with a stateless inner SGD."""
+    return DiLoCo(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), LocalAverager(), config or DiLoCoConfig()
+    )
+
+
+class FailingAverager:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.calls = 0
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
+    ) -> RoundReport:
+        self.calls += 1
+        raise self.error
+
+
+class NaNAverager:
+    """Pretends another peer diverged: the 'mean' holds a NaN."""
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
+    ) -> RoundReport:
+        tensors[0].view(-1)[0] = float("nan")
+        return RoundReport(group_size=2, group_info=[dict(info or {}), {"peer": "other"}])
+
+
+class FakeGroup:
+    """An in-process all-reduce for ``size`` peers, each calling from its own thread.
+
+    Every peer deposits its tensors and weight, waits for the others, then gets the weighted
+    mean written into its tensors in place, as hivemind's DecentralizedAverager would do."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=10)
+        self.lock = threading.Lock()
+        self.deposits: dict[int, tuple[list[torch.Tensor], float, dict[str, Any]]] = {}
+
+    def member(self, index: int) -> _GroupMember:
+        return _GroupMember(self, index)
+
+
+class _GroupMember:
+    def __init__(self, group: FakeGroup, index: int) -> None:
+        self.group, self.index = group, index
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
+    ) -> RoundReport:
+        with self.group.lock:
+            self.group.deposits[self.index] = ([t.clone() for t in tensors], weight, dict(info or {}))
+        self.group.barrier.wait()  # everyone has deposited
+        deposits = [self.group.deposits[i] for i in range(self.group.size)]
+        total = sum(w for _, w, _ in deposits)
+        for j, tensor in enumerate(tensors):
+            tensor.copy_(sum(w * ts[j] for ts, w, _ in deposits) / total)
+        self.group.barrier.wait()  # nobody leaves (and may start a new round) before all have read
+        return RoundReport(group_size=self.group.size, group_info=[i for _, _, i in deposits])
+
+
+# --- LocalAverager: DiLoCo with k = 1 --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("H", [1, 3, 5])
+def test_step_returns_none_until_the_h_th_step(H: int) -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    outer = DiLoCo(model, opt, LocalAverager(), DiLoCoConfig(inner_steps=H))
+    for round_index in range(2):
+        _, report = train_round(outer, opt, batches(round_index, H))
+        assert report.group_size == 1 and report.averaged_alone
+        assert report.error is None
+        assert outer.outer_step_count == round_index + 1
+        assert outer.inner_step_count == 0 and outer.samples_this_round == 0
+
+
+def test_fedavg_with_one_peer_adopts_the_local_params() -> None:
+    """outer lr 1, no momentum: θ ← θ − (θ − θ_local) = θ_local."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    config = DiLoCoConfig(inner_steps=4, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    outer = DiLoCo(model, opt, LocalAverager(), config)
+    theta0 = [g.clone() for g in outer.global_params]
+    local, _ = train_round(outer, opt, batches(1, 4))
+    assert any(not torch.allclose(a, b) for a, b in zip(local, theta0)), "training must move the params"
+    assert_all_close(outer.global_params, local)
+    assert_all_close(params_of(model), local)
+
+
+def test_outer_nesterov_update_matches_hand_computation_over_two_rounds() -> None:
+    lr, m = 0.7, 0.9
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    outer = DiLoCo(model, opt, LocalAverager(), DiLoCoConfig(inner_steps=3, outer_lr=lr, outer_momentum=m))
+
+    theta = [g.clone() for g in outer.global_params]
+    buf: list[torch.Tensor] | None = None
+    for round_index in range(2):
+        local, report = train_round(outer, opt, batches(10 + round_index, 3))
+        assert report.error is None
+        delta = [t - loc for t, loc in zip(theta, local)]
+        buf = list(delta) if buf is None else [m * b + d for b, d in zip(buf, delta)]
+        update = [d + m * b for d, b in zip(delta, buf)]
+        theta = [t - lr * u for t, u in zip(theta, update)]
+
+        assert outer.outer_step_count == round_index + 1
+        assert_all_close(outer.global_params, theta)
+        assert_all_close(outer.momentum_buffers(), buf)
+        assert_all_close(params_of(model), theta)  # the next round starts from θ
+
+
+def test_global_params_are_fp32_cpu_copies_apart_from_the_model() -> None:
+    model = make_model()
+    outer = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), LocalAverager(), DiLoCoConfig())
+    for g, p in zip(outer.global_params, model.parameters()):
+        assert g.dtype == torch.float32 and g.device.type == "cpu"
+        assert g.data_ptr() != p.data_ptr()
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert not torch.equal(outer.global_params[0], next(model.parameters()))
+
+
+def test_a_model_without_trainable_params_is_rejected() -> None:
+    model = make_model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        DiLoCo(
+            model,
+            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
+            LocalAverager(),
+            DiLoCoConfig(),
+        )
+
+
+# --- two peers through an in-process all-reduce --------------------------------------------------
+
+
+@pytest.mark.parametrize("samples", [(4, 4), (3, 1), (1, 7)])
+def test_two_peers_end_with_the_weighted_mean_update(samples: tuple[int, int]) -> None:
+    H, lr, m = 3, 0.7, 0.9
+    base = make_model(seed=5)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    opts = [torch.optim.AdamW(model.parameters(), lr=0.05) for model in models]
+    group = FakeGroup(2)
+    config = DiLoCoConfig(inner_steps=H, outer_lr=lr, outer_momentum=m)
+    peers = [DiLoCo(models[i], opts[i], group.member(i), config) for i in range(2)]
+    theta0 = [g.clone() for g in peers[0].global_params]
+    data = [batches(100, H), batches(200, H)]  # different data per peer
+
+    # H−1 inner steps each, then the H-th inner step; the H-th outer.step runs the round.
+    locals_: list[list[torch.Tensor]] = []
+    for i in range(2):
+        for x, y in data[i][: H - 1]:
+            inner_step(models[i], opts[i], x, y)
+            assert peers[i].step(samples=samples[i]) is None
+        inner_step(models[i], opts[i], *data[i][H - 1])
+        locals_.append(params_of(models[i]))
+    reports: list[RoundReport | None] = [None, None]
+    errors: list[BaseException] = []
+
+    def sync(i: int) -> None:
+        try:
+            reports[i] = peers[i].step(samples=samples[i], info={"peer": f"p{i}"})
+        except BaseException as error:  # surfaced below; a thread must not swallow it
+            errors.append(error)
+
+    threads = [threading.Thread(target=sync, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not errors, errors
+    assert all(r is not None and r.group_size == 2 and r.error is None for r in reports), reports
+    assert sorted(d["peer"] for d in reports[0].group_info) == ["p0", "p1"]
+
+    # The weights DiLoCo passed are the samples of the round.
+    assert [group.deposits[i][1] for i in range(2)] == [float(H * s) for s in samples]
+
+    w = [H * s for s in samples]
+    deltas = [[t - loc for t, loc in zip(theta0, local)] for local in locals_]
+    mean = [(w[0] * a + w[1] * b) / (w[0] + w[1]) for a, b in zip(*deltas)]
+    expected = [t - lr * (1 + m) * d for t, d in zip(theta0, mean)]  # first round: buf = Δ
+    for i in range(2):
+        assert_all_close(peers[i].global_params, expected)
+        assert_all_close(params_of(models[i]), expected)
+    assert peers[0].fingerprint() == peers[1].fingerprint()
+
+    if samples[0] != samples[1]:  # the weights matter: the plain mean gives another θ
+        plain = [(a + b) / 2 for a, b in zip(*deltas)]
+        unweighted = [t - lr * (1 + m) * d for t, d in zip(theta0, plain)]
+        assert any(not torch.allclose(g, u, atol=1e-4) for g, u in zip(peers[0].global_params, unweighted))
+
+
+# --- failures are the normal path -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "error", [RuntimeError("peer vanished"), TimeoutError("no group"), OSError("socket")]
+)
+def test_a_failing_averager_falls_back_to_this_peers_own_update(error: Exception) -> None:
+    lr, m = 0.7, 0.9
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    averager = FailingAverager(error)
+    outer = DiLoCo(model, opt, averager, DiLoCoConfig(inner_steps=2, outer_lr=lr, outer_momentum=m))
+    theta0 = [g.clone() for g in outer.global_params]
+
+    local, report = train_round(outer, opt, batches(3, 2))
+    assert averager.calls == 1
+    assert report.group_size == 1 and report.averaged_alone
+    assert report.error is not None and str(error) in report.error
+    assert report.seconds >= 0
+    expected = [t - lr * (1 + m) * (t - loc) for t, loc in zip(theta0, local)]
+    assert_all_close(outer.global_params, expected)
+    assert_all_close(params_of(model), expected)
+    assert outer.outer_step_count == 1
+
+    # Training continues: the next round runs (and falls back) the same way.
+    _, report = train_round(outer, opt, batches(4, 2))
+    assert report.group_size == 1 and outer.outer_step_count == 2
+    assert all(torch.isfinite(g).all() for g in outer.global_params)
+
+
+class PartialWriteThenFailAverager:
+    """Overwrites part of the tensors with another peer's data, then fails mid-round."""
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
+    ) -> RoundReport:
+        tensors[0].fill_(123.0)
+        raise ConnectionError("peer dropped during all-reduce")
+
+
+def test_a_failing_averager_that_wrote_into_the_tensors_still_gives_our_own_update() -> None:
+    lr, m = 0.7, 0.9
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    outer = DiLoCo(
+        model, opt, PartialWriteThenFailAverager(), DiLoCoConfig(inner_steps=2, outer_lr=lr, outer_momentum=m)
+    )
+    theta0 = [g.clone() for g in outer.global_params]
+    local, report = train_round(outer, opt, batches(3, 2))
+    assert report.error is not None
+    expected = [t - lr * (1 + m) * (t - loc) for t, loc in zip(theta0, local)]
+    assert_all_close(outer.global_params, expected)
+
+
+def test_a_nan_from_the_averager_leaves_the_global_params_unchanged() -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    outer = DiLoCo(model, opt, NaNAverager(), DiLoCoConfig(inner_steps=2))
+    theta0 = [g.clone() for g in outer.global_params]
+    momentum0 = [b.clone() for b in outer.momentum_buffers()]
+
+    local, report = train_round(outer, opt, batches(7, 2))
+    assert any(not torch.allclose(a, b) for a, b in zip(local, theta0))
+    assert report.error is not None and "NaN" in report.error
+    assert "\n" not in report.error
+    assert all(torch.isfinite(g).all() for g in outer.global_params)
+    assert_all_close(outer.global_params, theta0, atol=0)
+    assert_all_close(outer.momentum_buffers(), momentum0, atol=0)
+    assert outer.outer_step_count == 0  # the round did not count
+    assert_all_close(params_of(model), theta0, atol=0)  # the model restarts from the unchanged θ
+    assert outer.inner_step_count == 0 and outer.samples_this_round == 0
+
+
+def test_a_nan_in_this_peers_own_params_does_not_poison_theta() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = DiLoCo(model, opt, LocalAverager(), DiLoCoConfig(inner_steps=1))
+    theta0 = [g.clone() for g in outer.global_params]
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    report = outer.step(samples=1)
+    assert report is not None and report.error is not None and "NaN" in report.error
+    assert_all_close(outer.global_params, theta0, atol=0)
+    assert_all_close(params_of(model), theta0, atol=0)
+
+
+# --- state for late joiners and checkpoints -------------------------------------------------------
+
+
+def test_outer_state_round_trips_into_a_fresh_diloco() -> None:
+    H = 2
+    config = DiLoCoConfig(inner_steps=H, outer_lr=0.7, outer_momentum=0.9)
+    model_a = make_model(seed=0)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1)  # stateless inner optimizer: see below
+    a = DiLoCo(model_a, opt_a, LocalAverager(), config)
+    for r in range(2):
+        train_round(a, opt_a, batches(20 + r, H))
+    state = a.outer_state()
+    assert isinstance(state, OuterState) and state.outer_step == 2
+    assert_all_close(state.params, a.global_params, atol=0)
+    assert_all_close(state.momentum, a.momentum_buffers(), atol=0)
+
+    # The state is a copy: changing it does not touch the peer serving it.
+    state_copy = OuterState(
+        outer_step=state.outer_step,
+        params=[t.clone() for t in state.params],
+        momentum=[t.clone() for t in state.momentum],
+    )
+    state.params[0].add_(1.0)
+    assert_all_close(a.global_params, state_copy.params, atol=0)
+
+    model_b = make_model(seed=99)  # another init: everything must come from the state
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+    b = DiLoCo(model_b, opt_b, LocalAverager(), config)
+    b.note_inner_step(samples=3)  # a round in progress is restarted by the load
+    b.load_outer_state(state_copy)
+    assert b.outer_step_count == 2
+    assert b.inner_step_count == 0 and b.samples_this_round == 0
+    assert_all_close(b.global_params, state_copy.params, atol=0)
+    assert_all_close(b.momentum_buffers(), state_copy.momentum, atol=0)
+    assert_all_close(params_of(model_b), state_copy.params, atol=0)
+    assert b.fingerprint() == a.fingerprint()
+
+    # Both continue on the same data: the loaded momentum is really used by the next step.
+    data = batches(30, H)
+    train_round(a, opt_a, data)
+    train_round(b, opt_b, data)
+    assert a.outer_step_count == b.outer_step_count == 3
+    assert_all_close(b.global_params, a.global_params)
+
+
+def test_loading_a_state_from_step_zero_matches_a_fresh_start() -> None:
+    """Zero momentum buffers loaded at step 0 must act like no momentum yet (buf = Δ)."""
+    config = DiLoCoConfig(inner_steps=2)
+    a = sgd_outer(make_model(), config)
+    b = sgd_outer(make_model(seed=3), config)
+    b.load_outer_state(a.outer_state())
+    c = sgd_outer(make_model(), config)
+    data = batches(40, 2)
+    train_round(b, b.inner_optimizer, data)
+    train_round(c, c.inner_optimizer, data)
+    assert_all_close(b.global_params, c.global_params)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        pytest.param(lambda: nn.Linear(4, 2), id="other-shapes"),
+        pytest.param(lambda: nn.Linear(3, 2, bias=False), id="fewer-tensors"),
+        pytest.param(lambda: nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)), id="more-tensors"),
+    ],
+)
+def test_load_outer_state_rejects_a_state_of_another_model(other) -> None:
+    source = sgd_outer(make_model())
+    target = sgd_outer(other())
+    before = [g.clone() for g in target.global_params]
+    with pytest.raises(ValueError, match="same model") as info:
+        target.load_outer_state(source.outer_state())
+    assert "\n" not in str(info.value)
+    assert_all_close(target.global_params, before, atol=0)  # nothing was half-loaded
+
+
+def test_load_outer_state_rejects_momentum_of_the_wrong_shape() -> None:
+    target = sgd_outer(make_model())
+    state = target.outer_state()
+    bad = OuterState(outer_step=1, params=state.params, momentum=[torch.zeros(5) for _ in state.momentum])
+    with pytest.raises(ValueError, match="same model"):
+        target.load_outer_state(bad)
+
+
+def test_fingerprint_is_equal_for_equal_states_and_changes_after_a_step() -> None:
+    model_a, model_b = make_model(seed=1), make_model(seed=1)
+    opt_a = torch.optim.AdamW(model_a.parameters(), lr=0.05)
+    a = DiLoCo(model_a, opt_a, LocalAverager(), DiLoCoConfig(inner_steps=2))
+    b = DiLoCo(
+        model_b,
+        torch.optim.AdamW(model_b.parameters(), lr=0.05),
+        LocalAverager(),
+        DiLoCoConfig(inner_steps=2),
+    )
+    fa = a.fingerprint()
+    assert fa == b.fingerprint()
+    assert len(fa) == len(list(model_a.parameters()))
+    assert all(isinstance(x, float) and math.isfinite(x) for x in fa)
+    expected = [float(p.detach().double().norm()) for p in model_a.parameters()]
+    assert fa == pytest.approx(expected, rel=1e-6)
+
+    # Training alone does not change θ (only a sync does).
+    for x, y in batches(50, 1):
+        inner_step(model_a, opt_a, x, y)
+    assert a.fingerprint() == fa
+    train_round(a, opt_a, batches(51, 2))
+    assert a.fingerprint() != fa
+    assert b.fingerprint() == fa
+
+
+# --- config validation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        pytest.param(dict(inner_steps=0), ["inner_steps", "0", "try"], id="inner_steps=0"),
+        pytest.param(dict(inner_steps=-5), ["inner_steps", "-5"], id="inner_steps<0"),
+        pytest.param(dict(outer_lr=0.0), ["outer_lr", "0.0", "0.7"], id="outer_lr=0"),
+        pytest.param(dict(outer_lr=-1.0), ["outer_lr", "-1.0", "0.7"], id="outer_lr<0"),
+        pytest.param(dict(outer_lr=11.0), ["outer_lr", "11.0", "0.7"], id="outer_lr=11"),
+        pytest.param(dict(outer_lr=float("nan")), ["outer_lr", "nan"], id="outer_lr=nan"),
+        pytest.param(dict(outer_momentum=1.0), ["outer_momentum", "1.0", "0.9"], id="momentum=1"),
+        pytest.param(dict(outer_momentum=-0.1), ["outer_momentum", "-0.1"], id="momentum<0"),
+        pytest.param(
+            dict(outer_momentum=0.0, nesterov=True), ["nesterov", "outer_momentum"], id="nesterov-no-momentum"
+        ),
+    ],
+)
+def test_diloco_config_rejects_bad_values_with_a_fix(kwargs: dict[str, Any], names: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        DiLoCoConfig(**kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    for name in names:
+        assert name in message, f"{name!r} not in {message!r}"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(inner_steps=1, outer_lr=10.0),
+        dict(outer_lr=1.0, outer_momentum=0.0, nesterov=False),
+        dict(outer_momentum=0.99),
+    ],
+)
+def test_diloco_config_accepts_sensible_values(kwargs: dict[str, Any]) -> None:
+    DiLoCoConfig(**kwargs)
+
+
+def test_diloco_config_defaults_follow_the_paper() -> None:
+    config = DiLoCoConfig()
+    assert (config.inner_steps, config.outer_lr, config.outer_momentum, config.nesterov) == (
+        50,
+        0.7,
+        0.9,
+        True,
+    )

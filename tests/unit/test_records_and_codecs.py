@@ -1,0 +1,307 @@
+"""Unit tests for DHT records (swarm.records), the group-consistency check and the wire codecs.
+
+Importing swarm.averaging imports hivemind (no DHT or averager is started here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hivemind.compression import CompressionInfo
+from pydantic import ValidationError
+
+from swarm.averaging import CODECS, diverged_from_group
+from swarm.averaging_config import CODEC_BYTES
+from swarm.records import PeerHeartbeat, Stage
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# Two real-looking peer ids; ID_A < ID_B as strings.
+ID_A = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+ID_B = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
+ID_C = "12D3KooWRAaoUUiDeqzh1ssh3jcWmuBvh8m4jEvD6PWCGpCHdP4M"
+
+
+# --- PeerHeartbeat ----------------------------------------------------------------------------------
+
+
+def heartbeat(**overrides: Any) -> dict[str, Any]:
+    record = dict(
+        peer_id=ID_A,
+        name="peer-0",
+        stage="training",
+        outer_step=3,
+        inner_step=7,
+        inner_steps=50,
+        loss=2.5,
+        samples_per_second=120.5,
+        bytes_sent=1024,
+        bytes_received=2048,
+        device="cpu",
+        time=1_700_000_000.25,
+    )
+    record.update(overrides)
+    return record
+
+
+def test_stage_values_are_the_documented_strings() -> None:
+    assert [s.value for s in Stage] == [
+        "joining",
+        "downloading",
+        "training",
+        "waiting",
+        "averaging",
+        "leaving",
+    ]
+    assert Stage("averaging") is Stage.AVERAGING
+    assert Stage.TRAINING == "training"  # a str enum: stored in the DHT as plain text
+
+
+def test_heartbeat_round_trips_through_json() -> None:
+    beat = PeerHeartbeat.model_validate(heartbeat())
+    dumped = beat.model_dump(mode="json")
+    assert dumped["stage"] == "training" and isinstance(dumped["stage"], str)
+    assert dumped == heartbeat()
+    again = PeerHeartbeat.model_validate(dumped)
+    assert again == beat
+    assert again.stage is Stage.TRAINING
+
+
+@pytest.mark.parametrize("stage", list(Stage))
+def test_every_stage_round_trips(stage: Stage) -> None:
+    beat = PeerHeartbeat.model_validate(heartbeat(stage=stage.value))
+    assert PeerHeartbeat.model_validate(beat.model_dump(mode="json")).stage is stage
+
+
+def test_heartbeat_optional_fields_default() -> None:
+    minimal = {
+        k: v
+        for k, v in heartbeat().items()
+        if k in {"peer_id", "name", "stage", "outer_step", "inner_step", "inner_steps", "time"}
+    }
+    beat = PeerHeartbeat.model_validate(minimal)
+    assert beat.loss is None and beat.samples_per_second == 0.0 and beat.device == "cpu"
+    assert beat.bytes_sent == 0 and beat.bytes_received == 0
+
+
+def test_heartbeat_is_frozen() -> None:
+    beat = PeerHeartbeat.model_validate(heartbeat())
+    with pytest.raises(ValidationError):
+        beat.outer_step = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(dict(extra_field=1), id="extra-field"),
+        pytest.param(dict(outer_step=-1), id="negative-outer-step"),
+        pytest.param(dict(inner_step=-1), id="negative-inner-step"),
+        pytest.param(dict(inner_steps=0), id="zero-inner-steps"),
+        pytest.param(dict(stage="dancing"), id="unknown-stage"),
+        pytest.param(dict(name="x" * 65), id="name-too-long"),
+        pytest.param(dict(peer_id="x" * 129), id="peer-id-too-long"),
+        pytest.param(dict(device="x" * 33), id="device-too-long"),
+        pytest.param(dict(samples_per_second=-1.0), id="negative-speed"),
+        pytest.param(dict(bytes_sent=-5), id="negative-bytes"),
+        pytest.param(dict(outer_step="many"), id="outer-step-not-a-number"),
+        pytest.param(dict(time=None), id="no-time"),
+    ],
+)
+def test_malformed_heartbeats_are_rejected(overrides: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        PeerHeartbeat.model_validate(heartbeat(**overrides))
+
+
+@pytest.mark.parametrize(
+    "missing", ["peer_id", "name", "stage", "outer_step", "inner_step", "inner_steps", "time"]
+)
+def test_heartbeat_requires_its_core_fields(missing: str) -> None:
+    record = heartbeat()
+    del record[missing]
+    with pytest.raises(ValidationError):
+        PeerHeartbeat.model_validate(record)
+
+
+# --- diverged_from_group -------------------------------------------------------------------------------
+
+
+def member(peer: str, outer_step: int, fingerprint: list[float]) -> dict[str, Any]:
+    return {"peer": peer, "outer_step": outer_step, "fingerprint": fingerprint}
+
+
+FP = [1.25, 3.5, 0.75]
+OTHER_FP = [1.5, 3.0, 0.5]
+
+
+def test_alone_is_never_diverged() -> None:
+    mine = member(ID_A, 4, FP)
+    assert diverged_from_group(mine, [mine]) is None
+    assert diverged_from_group(mine, []) is None
+
+
+def test_a_peer_behind_the_group_must_download() -> None:
+    mine = member(ID_A, 3, FP)
+    reason = diverged_from_group(mine, [mine, member(ID_B, 4, FP)])
+    assert reason is not None and "behind" in reason
+    assert "3" in reason and "4" in reason
+
+
+def test_a_peer_ahead_of_the_group_keeps_its_state() -> None:
+    mine = member(ID_B, 4, FP)
+    assert diverged_from_group(mine, [member(ID_A, 3, OTHER_FP), mine]) is None
+
+
+def test_same_step_and_same_fingerprint_is_consistent() -> None:
+    group = [member(ID_A, 5, FP), member(ID_B, 5, list(FP)), member(ID_C, 5, list(FP))]
+    for mine in group:
+        assert diverged_from_group(mine, group) is None
+
+
+def test_the_odd_one_out_must_download() -> None:
+    odd = member(ID_A, 5, OTHER_FP)  # lowest id, but outvoted
+    group = [odd, member(ID_B, 5, FP), member(ID_C, 5, FP)]
+    reason = diverged_from_group(odd, group)
+    assert reason is not None and "differ" in reason and "2 of 3" in reason
+    assert diverged_from_group(group[1], group) is None
+    assert diverged_from_group(group[2], group) is None
+
+
+@pytest.mark.parametrize("order", [(ID_A, ID_B), (ID_B, ID_A)])
+def test_a_one_to_one_tie_goes_to_the_lower_peer_id(order: tuple[str, str]) -> None:
+    group = [member(order[0], 2, FP), member(order[1], 2, OTHER_FP)]
+    verdicts = {m["peer"]: diverged_from_group(m, group) for m in group}
+    told = [peer for peer, reason in verdicts.items() if reason is not None]
+    assert told == [max(ID_A, ID_B)], verdicts  # exactly one downloads: the higher id
+    assert verdicts[min(ID_A, ID_B)] is None
+
+
+def test_a_tie_goes_to_the_lower_peer_id_even_when_one_id_is_a_prefix() -> None:
+    short, long = "peerA", "peerAB"  # "peerA" < "peerAB"
+    group = [member(short, 2, FP), member(long, 2, OTHER_FP)]
+    assert diverged_from_group(group[0], group) is None
+    assert diverged_from_group(group[1], group) is not None
+
+
+def test_tiny_relative_differences_count_as_equal() -> None:
+    nudged = [x * (1 + 1e-9) for x in FP]
+    group = [member(ID_A, 1, FP), member(ID_B, 1, nudged)]
+    assert diverged_from_group(group[0], group) is None
+    assert diverged_from_group(group[1], group) is None
+
+
+def test_differences_above_the_tolerance_count() -> None:
+    nudged = [x * (1 + 1e-3) for x in FP]
+    group = [member(ID_A, 1, FP), member(ID_B, 1, nudged)]
+    assert (diverged_from_group(group[0], group) is None) != (diverged_from_group(group[1], group) is None)
+
+
+def test_fingerprints_of_another_length_differ() -> None:
+    group = [member(ID_A, 1, FP), member(ID_B, 1, FP[:2]), member(ID_C, 1, FP)]
+    assert diverged_from_group(group[1], group) is not None
+    assert diverged_from_group(group[0], group) is None
+
+
+def test_only_members_at_the_top_step_vote() -> None:
+    """A straggler at a lower step does not make the leaders' tie a majority."""
+    group = [member(ID_A, 5, FP), member(ID_B, 5, OTHER_FP), member(ID_C, 4, OTHER_FP)]
+    assert diverged_from_group(group[0], group) is None
+    assert diverged_from_group(group[1], group) is not None
+    assert "behind" in (diverged_from_group(group[2], group) or "")
+
+
+def test_my_own_entry_need_not_be_in_the_group() -> None:
+    mine = member(ID_B, 2, OTHER_FP)
+    assert diverged_from_group(mine, [member(ID_A, 2, FP)]) is not None
+    assert diverged_from_group(member(ID_A, 2, FP), [mine]) is None
+
+
+def test_non_dict_group_entries_are_ignored() -> None:
+    mine = member(ID_A, 2, FP)
+    assert diverged_from_group(mine, [mine, None, "junk", 3]) is None  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param({"peer": ID_B, "outer_step": "x", "fingerprint": FP}, id="outer-step-str"),
+        pytest.param({"peer": ID_B, "outer_step": None, "fingerprint": FP}, id="outer-step-none"),
+        pytest.param({"peer": ID_B, "outer_step": 2, "fingerprint": ["a", "b", "c"]}, id="fingerprint-str"),
+    ],
+)
+def test_a_malformed_member_does_not_crash_the_check(bad: dict[str, Any]) -> None:
+    mine = member(ID_A, 2, FP)
+    assert diverged_from_group(mine, [mine, bad, member(ID_C, 2, FP)]) is None
+
+
+# --- wire codecs -----------------------------------------------------------------------------------
+
+
+def test_codecs_match_the_config_names() -> None:
+    assert set(CODECS) == set(CODEC_BYTES) == {"none", "fp16", "int8"}
+
+
+def round_trip(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    codec = CODECS[name]()
+    serialized = codec.compress(tensor, CompressionInfo.from_tensor(tensor))
+    return codec.extract(serialized), len(serialized.buffer)
+
+
+@pytest.fixture
+def uniform() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.rand(10_000, generator=g, dtype=torch.float32) * 2 - 1  # (10000,) in [-1, 1)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch deprecates quantize_per_tensor, used by int8
+@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+def test_codec_round_trip_error_is_bounded(name: str, uniform: torch.Tensor) -> None:
+    """Regression test for hivemind 1.1.12's 8-bit codec, which crashes on numpy >= 2.4."""
+    restored, size = round_trip(name, uniform)
+    assert restored.shape == uniform.shape and restored.dtype == torch.float32
+    error = (restored - uniform).abs().max().item()
+    scale = uniform.abs().max().item()
+    if name == "none":
+        assert error == 0.0
+    elif name == "fp16":
+        torch.testing.assert_close(restored, uniform, rtol=1e-2, atol=1e-6)
+        assert error <= 1e-2 * scale
+    else:
+        assert error <= 0.05 * scale, f"int8 error {error} > 5% of max |x| {scale}"
+    # the payload is about CODEC_BYTES per element (int8 adds a 256-entry codebook)
+    assert size == pytest.approx(CODEC_BYTES[name] * uniform.numel(), rel=0.15)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_int8_is_accurate_within_three_sigma_of_gaussian_data() -> None:
+    """hivemind's Uniform8BitQuantization spans ±3σ around the mean: values beyond are clipped
+    (for N(0, 1) data the error at a 4σ outlier is about 1σ), those within are within a bin."""
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(10_000, generator=g, dtype=torch.float32)
+    restored, _ = round_trip("int8", t)
+    inside = (t - t.mean()).abs() <= 2.9 * t.std()
+    error_inside = (restored - t)[inside].abs().max().item()
+    assert error_inside <= 0.05 * t.abs().max().item()
+    assert torch.isfinite(restored).all()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+def test_codecs_handle_a_2d_tensor_and_zeros(name: str) -> None:
+    t = torch.zeros(7, 5)  # (7, 5)
+    t[0, 0] = 1.0
+    restored, _ = round_trip(name, t)
+    assert restored.shape == (7, 5)
+    assert torch.isfinite(restored).all()
+
+
+def test_numpy_is_below_2_4_for_hiveminds_int8_codec() -> None:
+    major, minor = (int(part) for part in np.__version__.split(".")[:2])
+    assert (major, minor) < (2, 4), (
+        f"numpy {np.__version__} breaks hivemind 1.1.12's 8-bit codecs (int() on an array); "
+        "keep the numpy<2.4 pin in pyproject.toml"
+    )
+    assert '"numpy>=1.26,<2.4"' in (REPO_ROOT / "pyproject.toml").read_text()
