@@ -226,9 +226,12 @@ class DiLoCo:
         shapes = [tuple(g.shape) for g in self.global_params]
         got = [tuple(t.shape) for t in state.params]
         if got != shapes or [tuple(t.shape) for t in state.momentum] != shapes:
+            mismatch = next(
+                (f"tensor {i}: {a} vs {b}" for i, (a, b) in enumerate(zip(got, shapes)) if a != b), ""
+            )
             raise ValueError(
-                f"the downloaded state does not fit this model ({len(got)} tensors vs {len(shapes)}); "
-                "every peer of a run must use the same model settings"
+                f"the downloaded state does not fit this model ({len(got)} tensors vs this model's {len(shapes)}"
+                f"{'; first mismatch ' + mismatch if mismatch else ''}); every peer of a run must use the same model"
             )
         with self.lock:
             for g, p in zip(self.global_params, state.params):

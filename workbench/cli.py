@@ -277,6 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SwarmError, DataError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except FloatingPointError as error:  # training diverged: the message says what to lower
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("stopped.", file=sys.stderr)
         return 0

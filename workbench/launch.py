@@ -218,6 +218,58 @@ class LocalSwarm:
         }
 
 
+class DemoTable:
+    """A live per-peer table for `workbench demo` in a terminal (until the TUI lands)."""
+
+    def __init__(self, *, peers: int, rounds: int) -> None:
+        self.rounds = rounds
+        self.rows: dict[str, dict[str, Any]] = {f"peer-{i}": {"stage": "starting"} for i in range(peers)}
+        self.started = time.monotonic()
+
+    def update(self, event: dict[str, Any]) -> None:
+        row = self.rows.setdefault(event["peer"], {})
+        kind = event["event"]
+        if kind == "started":
+            row.update(stage="joining", device=event["device"])
+        elif kind == "state_downloaded":
+            row.update(stage=f"synced @ {event['outer_step']}")
+        elif kind == "initial_eval":
+            row.update(stage="training", eval=event["eval_loss"])
+        elif kind == "round":
+            row.update(
+                stage="training",
+                round=event["outer_step"],
+                loss=event["loss"],
+                eval=event["eval_loss"],
+                group=event["group_size"],
+                speed=event["samples_per_second"],
+                sent=row.get("sent", 0) + event["bytes_sent"],
+            )
+        elif kind == "done":
+            row.update(stage="done")
+
+    def render(self):
+        from rich.table import Table
+
+        done = min((row.get("round", 0) for row in self.rows.values()), default=0)
+        title = f"round {done}/{self.rounds}   {time.monotonic() - self.started:.0f} s"
+        table = Table(title=title, title_justify="left", expand=False)
+        for column in ("peer", "stage", "round", "loss", "eval loss", "group", "samples/s", "MB sent"):
+            table.add_column(column, justify="left" if column in ("peer", "stage") else "right")
+        for name, row in self.rows.items():
+            table.add_row(
+                name,
+                row.get("stage", ""),
+                str(row.get("round", "")),
+                f"{row['loss']:.3f}" if "loss" in row else "",
+                f"{row['eval']:.3f}" if "eval" in row else "",
+                str(row.get("group", "")),
+                f"{row['speed']:.0f}" if "speed" in row else "",
+                f"{row.get('sent', 0) / 1e6:.1f}",
+            )
+        return table
+
+
 def _describe(event: dict[str, Any]) -> str | None:
     if event["event"] == "round":
         alone = f"  alone: {event['alone_reason']}" if event.get("alone_reason") else ""
@@ -281,20 +333,31 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
         config, peer=replace(config.peer, run_id=f"demo-{uuid.uuid4().hex[:8]}", min_peers=args.peers)
     )
     console = Console(stderr=True)
-    headless = args.headless or args.json or not sys.stdout.isatty()
+    headless = args.headless or not (sys.stdout.isatty() and sys.stderr.isatty())
     console.print(
         f"[bold]workbench demo[/]: {args.peers} peers on 127.0.0.1, {config.peer.rounds} rounds of "
-        f"H={config.diloco.inner_steps} inner steps, model {args.model}; logs in {run_dir}"
-        + ("" if headless else "  (the live monitor UI arrives with the TUI; showing progress lines)"),
+        f"H={config.diloco.inner_steps} inner steps, model {args.model}; logs in {run_dir}",
         soft_wrap=True,
     )
+    if headless:
 
-    def show(event: dict[str, Any]) -> None:
-        line = _describe(event)
-        if line:
-            console.print(line, highlight=False, soft_wrap=True)
+        def show(event: dict[str, Any]) -> None:
+            line = _describe(event)
+            if line:
+                console.print(line, highlight=False, soft_wrap=True)
 
-    result = run_demo(config, peers=args.peers, run_dir=run_dir, timeout=args.timeout, show=show)
+        result = run_demo(config, peers=args.peers, run_dir=run_dir, timeout=args.timeout, show=show)
+    else:
+        from rich.live import Live
+
+        table = DemoTable(peers=args.peers, rounds=config.peer.rounds)
+        with Live(table.render(), console=console, refresh_per_second=4) as live:
+
+            def show(event: dict[str, Any]) -> None:
+                table.update(event)
+                live.update(table.render())
+
+            result = run_demo(config, peers=args.peers, run_dir=run_dir, timeout=args.timeout, show=show)
     console.print(
         f"[bold]done[/] in {result['seconds']:.0f} s: eval loss {result['initial_loss']:.3f} -> "
         f"{result['final_loss']:.3f}, params agree to {result['params_max_abs_diff']:.1e}, "

@@ -172,7 +172,13 @@ class Peer:
         for attempt in range(3):
             state = self.averager.download_state(timeout=30)
             if state is not None:
-                self.diloco.load_outer_state(state)
+                try:
+                    self.diloco.load_outer_state(state)
+                except ValueError as error:
+                    raise SwarmError(
+                        f"run '{self.config.peer.run_id}' trains another model: {error} "
+                        "(use the --model and flags from the run's join command)"
+                    ) from None
                 self.averager.set_state_priority(state.outer_step)
                 seconds = time.monotonic() - started
                 logger.info(

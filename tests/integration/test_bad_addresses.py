@@ -67,3 +67,34 @@ def test_wrong_run_id_is_one_line_error(spawn):
     errors = [line for line in stderr.strip().splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "no live peer of run 'wrong-run'" in errors[0], stderr
     assert seconds < 40
+
+
+@pytest.mark.integration
+def test_joiner_with_another_model_is_refused(spawn):
+    """A peer whose model differs from the run's stops with one line naming the mismatch."""
+    peer = spawn(
+        "a", "start", "--model", "tiny", "--threads", "1", "--run-id", "model-check", "--min-peers", "2"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workbench",
+            "join",
+            peer.address(),
+            "--model",
+            "small",
+            "--run-id",
+            "model-check",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "trains another model" in errors[0] and "--model" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,104 @@
+"""The demo launcher's pieces that need no processes: flags round trip, progress rendering."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from workbench.cli import build_config, build_parser
+from workbench.launch import DemoTable, LaunchError, _describe, peer_arguments
+
+
+def test_peer_arguments_rebuild_the_same_config(tmp_path: Path) -> None:
+    """What a demo peer runs is exactly the config the demo was given."""
+    args = build_parser().parse_args(
+        [
+            "demo",
+            "--model",
+            "tiny",
+            "--inner-steps",
+            "7",
+            "--inner-lr",
+            "0.002",
+            "--outer-lr",
+            "0.5",
+            "--outer-momentum",
+            "0.8",
+            "--codec",
+            "fp16",
+            "--rounds",
+            "3",
+            "--batch-size",
+            "4",
+            "--seed",
+            "5",
+            "--matchmaking-time",
+            "1.5",
+            "--averaging-timeout",
+            "20",
+            "--data",
+            str(tmp_path),
+        ]
+    )
+    config = build_config(args)
+    config = replace(config, peer=replace(config.peer, run_id="demo-x", min_peers=3))
+    flags = peer_arguments(config, name="peer-1", run_dir=tmp_path)
+    rebuilt = build_config(build_parser().parse_args(["start", *flags]))
+    assert rebuilt.model == config.model
+    assert rebuilt.data == config.data
+    assert rebuilt.diloco == config.diloco
+    assert rebuilt.averaging == config.averaging
+    assert rebuilt.train == config.train
+    assert rebuilt.peer.run_id == "demo-x" and rebuilt.peer.min_peers == 3 and rebuilt.peer.rounds == 3
+    assert rebuilt.peer.run_dir == str(tmp_path / "peer-1") and rebuilt.peer.name == "peer-1"
+
+
+def test_peer_arguments_need_a_preset(tmp_path: Path) -> None:
+    config = build_config(build_parser().parse_args(["demo"]))
+    config = replace(config, model=replace(config.model, n_layer=3))
+    with pytest.raises(LaunchError, match="presets"):
+        peer_arguments(config, name="peer-0", run_dir=tmp_path)
+
+
+def test_demo_table_tracks_rounds_and_bytes() -> None:
+    table = DemoTable(peers=2, rounds=4)
+    table.update({"peer": "peer-0", "event": "started", "device": "cpu"})
+    for step in (1, 2):
+        table.update(
+            {
+                "peer": "peer-0",
+                "event": "round",
+                "outer_step": step,
+                "loss": 3.0,
+                "eval_loss": 2.5,
+                "group_size": 2,
+                "samples_per_second": 30.0,
+                "bytes_sent": 2_000_000,
+            }
+        )
+    assert table.rows["peer-0"]["round"] == 2 and table.rows["peer-0"]["sent"] == 4_000_000
+    console = Console(width=120, record=True)
+    console.print(table.render())
+    text = console.export_text()
+    assert "round 0/4" in text  # peer-1 has not finished a round yet
+    assert "peer-1" in text and "starting" in text and "4.0" in text
+
+
+def test_describe_round_mentions_a_lone_round() -> None:
+    line = _describe(
+        {
+            "peer": "peer-2",
+            "event": "round",
+            "outer_step": 3,
+            "loss": 2.0,
+            "eval_loss": 2.1,
+            "group_size": 1,
+            "samples_per_second": 10.0,
+            "alone_reason": "no other peer in this round",
+        }
+    )
+    assert "round   3" in line and "group 1" in line and "alone: no other peer" in line
+    assert _describe({"peer": "p", "event": "left", "reason": "finished"}) is None
