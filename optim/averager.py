@@ -25,6 +25,9 @@ class RoundReport:
     """Bytes this peer sent during the round (payload, after compression)."""
     bytes_received: int = 0
     """Bytes this peer received during the round (payload, after compression)."""
+    payload_bytes: int = 0
+    """Bytes of this peer's own contribution as encoded (the per-peer upload of one round,
+    independent of the transport; what the optimizer benchmarks compare)."""
     seconds: float = 0.0
     """Wall time of the round, matchmaking included."""
     group_info: list[dict[str, Any]] = field(default_factory=list)

@@ -102,8 +102,8 @@ class Codec(abc.ABC):
 
 
 def _finite_fp32(tensor: Tensor) -> Tensor:
-    if not (tensor.is_floating_point() or tensor.dtype in (torch.int8, torch.int16, torch.int32)):
-        raise ValueError(f"codecs take real tensors (got dtype {tensor.dtype}): pass the fp32 update")
+    if not tensor.is_floating_point():
+        raise ValueError(f"codecs take floating-point tensors (got {tensor.dtype}): pass the fp32 update")
     x = tensor.detach().to(torch.float32)
     if not torch.isfinite(x).all():
         raise ValueError(
@@ -286,7 +286,13 @@ class TopKCodec(Codec):
             return max(n, 1), (1 if n else 0), _top_count(self.density, n), 0, index_dtype
         index_dtype = torch.int16 if self.chunk <= 2**15 else torch.int32
         full, tail = divmod(n, self.chunk)
-        return self.chunk, full, _top_count(self.density, self.chunk), _top_count(self.density, tail), index_dtype
+        return (
+            self.chunk,
+            full,
+            _top_count(self.density, self.chunk),
+            _top_count(self.density, tail),
+            index_dtype,
+        )
 
     def _encode_flat(self, x: Tensor) -> dict[str, Tensor]:
         length, full, k, k_tail, index_dtype = self._layout(x.numel())

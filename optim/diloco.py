@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from optim.averager import Averager, RoundReport
+from optim.codecs import Codec, ErrorFeedback, encoded_nbytes, make_codec
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,12 @@ class DiLoCoConfig:
     """Momentum of the outer SGD (0 disables it)."""
     nesterov: bool = True
     """Nesterov momentum for the outer SGD, as in the paper."""
+    codec: str = "none"
+    """Pseudo-gradient codec (optim.codecs: none, fp16, bf16, int8, int4, topk)."""
+    topk_density: float = 0.01
+    """Fraction of entries the topk codec keeps."""
+    error_feedback: bool = False
+    """Keep what the codec dropped and add it to the next round's pseudo-gradient."""
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
@@ -57,6 +64,33 @@ class DiLoCoConfig:
             raise ValueError(f"outer_momentum must be in [0, 1) (got {self.outer_momentum}); DiLoCo uses 0.9")
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=False")
+        if not 0 < self.topk_density <= 1:
+            raise ValueError(f"topk density must be in (0, 1] (got {self.topk_density}); SparseLoCo uses 0.01-0.03")
+        self.make_codec()  # raises ValueError for an unknown codec
+
+    def make_codec(self) -> Codec:
+        options = {"density": self.topk_density} if self.codec == "topk" else {}
+        return make_codec(self.codec, **options)
+
+
+def sparseloco(*, inner_steps: int = 50, density: float = 0.01) -> DiLoCoConfig:
+    """SparseLoCo-style (https://arxiv.org/abs/2508.15706): top-k pseudo-gradients with error
+    feedback in place of outer momentum; outer lr 1 applies the sparse mean as it is."""
+    return DiLoCoConfig(
+        inner_steps=inner_steps,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        nesterov=False,
+        codec="topk",
+        topk_density=density,
+        error_feedback=True,
+    )
+
+
+def local_sgd(*, inner_steps: int = 50) -> DiLoCoConfig:
+    """FedAvg / local SGD (McMahan et al. 2017): plain parameter averaging every H steps,
+    i.e. DiLoCo's outer SGD with lr 1 and no momentum."""
+    return DiLoCoConfig(inner_steps=inner_steps, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
 
 
 @dataclass(kw_only=True)
@@ -100,6 +134,9 @@ class DiLoCo:
         # Held while θ or the momentum change, so a state download served from another thread
         # (hivemind calls get_current_state in a background thread) never sees half a step.
         self.lock = threading.Lock()
+        self.codec = config.make_codec()
+        # What compression dropped, per peer, added back next round (never lost; see codecs).
+        self.feedback = ErrorFeedback(self.codec) if config.error_feedback else None
         self.save_global_params()
 
     # --- phases -------------------------------------------------------------------------
@@ -118,6 +155,14 @@ class DiLoCo:
     def compute_pseudo_gradients(self) -> list[torch.Tensor]:
         """Δ = θ − θ_local, one fp32 CPU tensor per parameter (same shapes as the params)."""
         return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.params)]
+
+    def compress(self, deltas: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        """Encode Δ as the group will receive it; returns the decoded Δ and the payload bytes."""
+        if self.feedback is not None:
+            encoded, decoded = self.feedback.compress(deltas)
+            return decoded, encoded_nbytes(encoded)
+        encoded = [self.codec.encode(d) for d in deltas]
+        return [self.codec.decode(e) for e in encoded], encoded_nbytes(encoded)
 
     def average(self, deltas: list[torch.Tensor], info: dict[str, Any] | None) -> RoundReport:
         """Replace ``deltas`` by the group's weighted mean; fall back to ours on any failure."""
@@ -157,6 +202,14 @@ class DiLoCo:
 
     # --- the user's hook ------------------------------------------------------------------
 
+    def before_inner_step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None:
+        """Nothing to do before an inner step (data-parallel averages gradients here)."""
+        return None
+
+    def after_inner_step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None:
+        """The common hook name; same as :meth:`step`."""
+        return self.step(samples=samples, info=info)
+
     def step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None:
         """Call after every inner optimizer step; runs a round after the H-th. ``samples``
         is how many sequences this step trained on (the round's averaging weight)."""
@@ -174,8 +227,19 @@ class DiLoCo:
         """Run one outer round now, whatever the inner step count."""
         deltas = self.compute_pseudo_gradients()
         local_norm = _global_norm(deltas)
+        if not all(torch.isfinite(d).all() for d in deltas):
+            # This peer diverged: sending its update would poison everyone's θ. Drop the
+            # round's local work, go back to θ, and let the transport's state sync catch up.
+            logger.error("round %d: this peer's pseudo-gradient holds NaN/Inf; not sent", self.outer_step_count)
+            self.restore_parameters()
+            self.inner_step_count = 0
+            self.samples_this_round = 0
+            return RoundReport(group_size=1, stale=True, error="this peer's pseudo-gradient holds NaN/Inf: not sent, "
+                               "local steps of this round dropped (lower the inner learning rate)")
+        deltas, payload_bytes = self.compress(deltas)
         report = self.average(deltas, info)
         report.local_norm, report.mean_norm = local_norm, _global_norm(deltas)
+        report.payload_bytes = payload_bytes
         try:
             self.apply_outer_step(deltas)
         except FloatingPointError as error:

@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_training_options(demo)
     demo.set_defaults(inner_steps=20, rounds=8, threads=1, model="small")
+
+    from workbench.simulate import add_simulate_parser
+
+    add_simulate_parser(commands)
     return parser
 
 
@@ -257,6 +261,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
+    if args.command == "simulate":
+        from workbench.data import DataError as _DataError
+        from workbench.simulate import run_simulate_command
+
+        try:
+            return run_simulate_command(args)
+        except (ValueError, _DataError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_USER_ERROR
     try:
         config = build_config(args)
     except (ValueError, SwarmError) as error:

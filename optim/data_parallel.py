@@ -1,0 +1,52 @@
+"""Synchronous data-parallel training: the reference every low-communication method is
+measured against. Gradients are averaged across peers before every inner step, so all peers
+take the same optimizer step and hold the same parameters.
+
+Hook it between ``backward()`` and ``inner_optimizer.step()``::
+
+    loss.backward()
+    dp.before_inner_step(samples=len(x))   # all-reduce of gradients (weighted by samples)
+    inner_optimizer.step(); inner_optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from optim.averager import Averager, RoundReport
+
+
+class DataParallel:
+    """All-reduce gradients every step through an :class:`~optim.averager.Averager`."""
+
+    def __init__(
+        self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, averager: Averager
+    ) -> None:
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.averager = averager
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.outer_step_count = 0
+        """Completed all-reduces (one per inner step)."""
+
+    def before_inner_step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport:
+        start = time.monotonic()
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to("cpu", torch.float32)
+            for p in self.params
+        ]
+        report = self.averager.all_reduce(grads, weight=float(samples), info=info)
+        if not all(torch.isfinite(g).all() for g in grads):
+            raise FloatingPointError("the averaged gradient holds NaN/Inf: lower the learning rate")
+        for p, g in zip(self.params, grads):
+            p.grad = g.to(p.device, p.dtype)
+        report.payload_bytes = sum(g.numel() * 4 for g in grads)
+        report.seconds = time.monotonic() - start
+        self.outer_step_count += 1
+        return report
+
+    def after_inner_step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None:
+        return None

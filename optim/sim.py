@@ -1,0 +1,254 @@
+"""A simulated swarm: N virtual peers in one process running the exact optimizer code.
+
+Each virtual peer is a thread with its own model copy, inner optimizer, data shard and outer
+optimizer (:class:`~optim.diloco.DiLoCo`, :class:`~optim.data_parallel.DataParallel`, ...);
+their averagers meet in an :class:`InProcessSwarm`, an exact all-reduce: every peer waits at
+a barrier, then every peer sums the contributions in rank order (the same float operations on
+every peer, so they agree bit for bit and the run is deterministic for a seed).
+
+Faults, decided by a seeded generator so a run replays exactly:
+- **stragglers**: a peer runs only a fraction of the inner steps of each round (its weight,
+  the samples it saw, shrinks with it);
+- **dropouts**: with probability ``dropout`` a peer misses a round's all-reduce: it sends
+  nothing and afterwards adopts the group's result, as a real peer downloads the state.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from optim.averager import RoundReport
+
+
+@dataclass(kw_only=True)
+class SimConfig:
+    """The simulated swarm's shape and faults."""
+
+    peers: int = 4
+    """Virtual peers."""
+    steps: int = 200
+    """Inner steps per peer (a straggler runs fewer)."""
+    stragglers: dict[int, float] = field(default_factory=dict)
+    """Rank -> fraction of each round's inner steps it runs, e.g. {3: 0.5}."""
+    dropout: float = 0.0
+    """Probability that a peer misses a round's all-reduce (never all peers at once)."""
+    seed: int = 0
+    """Seeds model init (shared), each peer's data order and the fault schedule."""
+    eval_every: int = 0
+    """Evaluate every this many rounds for the history (0: only at the start and the end)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.peers <= 1024:
+            raise ValueError(f"peers must be within 1..1024 (got {self.peers})")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1 (got {self.steps})")
+        for rank, fraction in self.stragglers.items():
+            if not 0 <= rank < self.peers or not 0 < fraction <= 1:
+                raise ValueError(
+                    f"straggler {rank}: {fraction} must name a rank < {self.peers} and a fraction in (0, 1]"
+                )
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1) (got {self.dropout})")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (got {self.eval_every})")
+
+
+class InProcessSwarm:
+    """The all-reduce of N virtual peers (threads) in one process."""
+
+    def __init__(self, peers: int, *, dropout: float = 0.0, seed: int = 0, timeout: float = 600.0) -> None:
+        self.peers = peers
+        self.dropout = dropout
+        self.seed = seed
+        self._barrier = threading.Barrier(peers, timeout=timeout)
+        self._slots: list[tuple[list[torch.Tensor], float] | None] = [None] * peers
+        self._rounds = [0] * peers
+
+    def averager(self, rank: int) -> _PeerAverager:
+        assert 0 <= rank < self.peers, f"{rank=}"
+        return _PeerAverager(self, rank)
+
+    def dropped(self, round_index: int) -> set[int]:
+        """Ranks that miss this round (deterministic; at least one peer always stays)."""
+        if not self.dropout or self.peers == 1:
+            return set()
+        rng = random.Random(self.seed * 1_000_003 + round_index)
+        out = {rank for rank in range(self.peers) if rng.random() < self.dropout}
+        return out if len(out) < self.peers else out - {min(out)}
+
+    def abort(self) -> None:
+        """Release every waiting peer (one peer failed: the others must not hang)."""
+        self._barrier.abort()
+
+    def _all_reduce(self, rank: int, tensors: Sequence[torch.Tensor], weight: float) -> RoundReport:
+        round_index = self._rounds[rank]
+        self._rounds[rank] += 1
+        dropped = self.dropped(round_index)
+        self._slots[rank] = ([t.detach().clone() for t in tensors], 0.0 if rank in dropped else weight)
+        self._barrier.wait()  # every peer has written its slot
+        slots = list(self._slots)
+        self._barrier.wait()  # every peer has read the slots: the next round may overwrite them
+        total = sum(w for _, w in slots)  # type: ignore[misc]
+        for index, tensor in enumerate(tensors):
+            mean = torch.zeros_like(tensor, dtype=torch.float32)
+            for contribution, w in slots:  # type: ignore[misc]
+                if w:
+                    mean.add_(contribution[index].float(), alpha=w / total)
+            tensor.copy_(mean)
+        group = self.peers - len(dropped)
+        return RoundReport(
+            group_size=group,
+            group_info=[],
+            error="dropped out of this round" if rank in dropped else None,
+        )
+
+
+class _PeerAverager:
+    """One virtual peer's handle on the swarm; an :class:`optim.Averager`."""
+
+    def __init__(self, swarm: InProcessSwarm, rank: int) -> None:
+        self.swarm = swarm
+        self.rank = rank
+
+    def all_reduce(
+        self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
+    ) -> RoundReport:
+        return self.swarm._all_reduce(self.rank, tensors, weight)
+
+
+class OuterMethod(Protocol):
+    """What the simulator drives: the two hooks around an inner optimizer step."""
+
+    outer_step_count: int
+
+    def before_inner_step(self, *, samples: int) -> RoundReport | None: ...
+    def after_inner_step(self, *, samples: int) -> RoundReport | None: ...
+
+
+@dataclass(kw_only=True)
+class VirtualPeer:
+    """Everything one virtual peer trains with; built by the caller's factory."""
+
+    model: torch.nn.Module
+    inner_optimizer: torch.optim.Optimizer
+    outer: OuterMethod
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    inner_steps: int
+    """Steps per round of the method (1 for data-parallel): stragglers run a fraction of it."""
+    set_lr: Callable[[int], None] = lambda step: None
+    """Called with the run's step before each inner step (the schedule)."""
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    peers: int
+    steps: int
+    initial_eval_loss: float
+    final_eval_loss: float
+    bytes_per_peer: int
+    """Payload bytes peer 0 sent over the run (see RoundReport.payload_bytes)."""
+    peak_bytes_per_sync: int
+    """Largest single contribution peer 0 sent."""
+    rounds: int
+    seconds: float
+    params_max_abs_diff: float
+    """Largest difference between any peer's parameters and peer 0's at the end."""
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def simulate(
+    make_peer: Callable[[int, InProcessSwarm], VirtualPeer],
+    evaluate: Callable[[torch.nn.Module], float],
+    config: SimConfig,
+) -> SimResult:
+    """Run ``config.peers`` virtual peers in threads for ``config.steps`` inner steps each."""
+    swarm = InProcessSwarm(config.peers, dropout=config.dropout, seed=config.seed)
+    peers = [make_peer(rank, swarm) for rank in range(config.peers)]
+    initial = evaluate(peers[0].model)
+    bytes_sent = [0] * config.peers
+    peak = [0] * config.peers
+    history: list[dict[str, float]] = []
+    errors: list[BaseException] = []
+    start = time.monotonic()
+
+    def run(rank: int) -> None:
+        peer = peers[rank]
+        fraction = config.stragglers.get(rank, 1.0)
+        rounds = -(-config.steps // peer.inner_steps)  # ceil
+        try:
+            for round_index in range(rounds):
+                todo = min(peer.inner_steps, config.steps - round_index * peer.inner_steps)
+                todo = max(1, round(todo * fraction)) if peer.inner_steps > 1 else todo
+                for i in range(todo):
+                    peer.set_lr(round_index * peer.inner_steps + i)
+                    x, y = next(peer.batches)
+                    peer.model.train()
+                    _, loss = peer.model(x, y)
+                    loss.backward()
+                    report = peer.outer.before_inner_step(samples=len(x))
+                    _account(rank, report)
+                    peer.inner_optimizer.step()
+                    peer.inner_optimizer.zero_grad(set_to_none=True)
+                    if i < todo - 1 or peer.inner_steps == 1:
+                        report = peer.outer.after_inner_step(samples=len(x))
+                    else:  # the last step of a (possibly short) round: sync now
+                        peer.outer.note_inner_step(samples=len(x))  # type: ignore[attr-defined]
+                        report = peer.outer.sync()  # type: ignore[attr-defined]
+                    _account(rank, report)
+                if rank == 0 and config.eval_every and (round_index + 1) % config.eval_every == 0:
+                    history.append(
+                        {
+                            "round": round_index + 1,
+                            "step": (round_index + 1) * peer.inner_steps,
+                            "eval_loss": evaluate(peer.model),
+                        }
+                    )
+        except threading.BrokenBarrierError:
+            pass  # another peer failed; its error is reported
+        except BaseException as error:
+            errors.append(error)
+            swarm.abort()
+
+    def _account(rank: int, report: RoundReport | None) -> None:
+        if report is not None:
+            bytes_sent[rank] += report.payload_bytes
+            peak[rank] = max(peak[rank], report.payload_bytes)
+
+    threads = [
+        threading.Thread(target=run, args=(rank,), name=f"virtual-peer-{rank}")
+        for rank in range(config.peers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    reference = list(peers[0].model.parameters())
+    diff = max(
+        (
+            float((a.detach() - b.detach()).abs().max())
+            for p in peers[1:]
+            for a, b in zip(reference, p.model.parameters())
+        ),
+        default=0.0,
+    )
+    return SimResult(
+        peers=config.peers,
+        steps=config.steps,
+        initial_eval_loss=initial,
+        final_eval_loss=evaluate(peers[0].model),
+        bytes_per_peer=bytes_sent[0],
+        peak_bytes_per_sync=peak[0],
+        rounds=peers[0].outer.outer_step_count,
+        seconds=time.monotonic() - start,
+        params_max_abs_diff=diff,
+        history=history,
+    )

@@ -1,0 +1,168 @@
+"""The simulated swarm and the data-parallel baseline, against values worked out by hand."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from optim.data_parallel import DataParallel
+from optim.diloco import DiLoCo, DiLoCoConfig
+from optim.sim import InProcessSwarm, SimConfig, VirtualPeer, simulate
+
+
+class Regression(nn.Module):
+    """A model with the workbench's forward contract: (inputs, targets) -> (output, loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.linear(x)
+        return out, ((out - y) ** 2).mean()
+
+
+def init_model(seed: int = 0) -> Regression:
+    torch.manual_seed(seed)
+    return Regression()
+
+
+def stream(rank: int, batch: int = 8):
+    """Peer ``rank``'s endless, deterministic batches: y = x·w + noise."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    w = torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    while True:
+        x = torch.randn(batch, 4, generator=generator)
+        yield x, x @ w + 0.01 * torch.randn(batch, 1, generator=generator)
+
+
+def mse(model: nn.Module) -> float:
+    x, y = next(stream(99, batch=256))
+    with torch.no_grad():
+        return float(model(x, y)[1])
+
+
+def factory(
+    method: str,
+    *,
+    H: int = 5,
+    lr: float = 0.05,
+    outer_lr: float = 0.7,
+    momentum: float = 0.9,
+    sgd: bool = False,
+):
+    def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
+        model = init_model()
+        inner = (
+            torch.optim.SGD(model.parameters(), lr=lr)
+            if sgd
+            else torch.optim.AdamW(model.parameters(), lr=lr)
+        )
+        if method == "dp":
+            outer = DataParallel(model, inner, swarm.averager(rank))
+            steps = 1
+        else:
+            config = DiLoCoConfig(
+                inner_steps=H, outer_lr=outer_lr, outer_momentum=momentum, nesterov=momentum > 0
+            )
+            outer = DiLoCo(model, inner, swarm.averager(rank), config)
+            steps = H
+        return VirtualPeer(
+            model=model, inner_optimizer=inner, outer=outer, batches=stream(rank), inner_steps=steps
+        )
+
+    return make_peer
+
+
+def test_data_parallel_equals_one_model_on_the_union_of_batches():
+    """Mean of per-peer mean-loss gradients = gradient of the mean loss over all batches."""
+    result_peers = 3
+    steps = 6
+    swarm_result = simulate(factory("dp", sgd=True), mse, SimConfig(peers=result_peers, steps=steps))
+
+    model = init_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    streams = [stream(rank) for rank in range(result_peers)]
+    for _ in range(steps):
+        batches = [next(s) for s in streams]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        model(x, y)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert swarm_result.final_eval_loss == pytest.approx(mse(model), rel=1e-5)
+    assert swarm_result.params_max_abs_diff == 0.0
+    assert swarm_result.bytes_per_peer == steps * 5 * 4  # 5 fp32 parameters per step
+
+
+def test_diloco_with_h1_lr1_no_momentum_equals_data_parallel_with_sgd():
+    """With inner SGD, mean(θ − (θ − lr·g_i)) = lr·mean(g_i): one DiLoCo round is one DP step."""
+    dp = simulate(factory("dp", sgd=True), mse, SimConfig(peers=4, steps=5))
+    diloco = simulate(
+        factory("diloco", H=1, outer_lr=1.0, momentum=0.0, sgd=True), mse, SimConfig(peers=4, steps=5)
+    )
+    assert diloco.final_eval_loss == pytest.approx(dp.final_eval_loss, rel=1e-5)
+
+
+def test_fedavg_with_one_peer_equals_local_training():
+    result = simulate(factory("diloco", H=4, outer_lr=1.0, momentum=0.0), mse, SimConfig(peers=1, steps=12))
+    model = init_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for x, y in itertools.islice(stream(0), 12):
+        model(x, y)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert result.final_eval_loss == pytest.approx(mse(model), rel=1e-5)
+    assert result.rounds == 3
+
+
+def test_simulation_is_deterministic_and_peers_agree():
+    config = SimConfig(peers=4, steps=20, stragglers={2: 0.4}, dropout=0.3, seed=7)
+    first = simulate(factory("diloco"), mse, config)
+    second = simulate(factory("diloco"), mse, config)
+    assert first.final_eval_loss == second.final_eval_loss
+    assert first.params_max_abs_diff == 0.0  # dropped peers adopt the group's result
+    assert first.final_eval_loss < first.initial_eval_loss
+    assert first.rounds == 4
+
+
+def test_dropout_schedule_keeps_one_peer_and_replays():
+    swarm = InProcessSwarm(3, dropout=0.9, seed=1)
+    schedules = [swarm.dropped(r) for r in range(50)]
+    assert all(len(d) < 3 for d in schedules)
+    assert any(schedules)
+    assert schedules == [InProcessSwarm(3, dropout=0.9, seed=1).dropped(r) for r in range(50)]
+
+
+def test_a_failing_peer_stops_the_run_without_hanging():
+    def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
+        peer = factory("diloco", H=2)(rank, swarm)
+        if rank == 1:
+
+            def broken():
+                yield next(stream(1))
+                raise RuntimeError("disk on fire")
+
+            peer.batches = broken()
+        return peer
+
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        simulate(make_peer, mse, SimConfig(peers=3, steps=6))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(peers=0), "peers"),
+        (dict(steps=0), "steps"),
+        (dict(stragglers={5: 0.5}), "straggler"),
+        (dict(stragglers={0: 0.0}), "straggler"),
+        (dict(dropout=1.0), "dropout"),
+    ],
+)
+def test_sim_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SimConfig(**kwargs)

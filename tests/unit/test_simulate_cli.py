@@ -1,0 +1,79 @@
+"""`workbench simulate --json`: the scripting contract, on a small corpus made here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import main
+
+KEYS = ("method", "peers", "inner_steps", "codec", "steps", "final_eval_loss", "bytes_per_peer", "seconds")
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    text = "".join(f"def function_{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(3000))
+    (tmp_path / "a.py").write_text(text)
+    (tmp_path / "b.txt").write_text(text[::-1])
+    return tmp_path
+
+
+def run(capsys, *args: str) -> dict:
+    code = main(["simulate", "--model", "tiny", "--batch-size", "4", "--json", *args])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0 and len(out) == 1, out
+    return json.loads(out[0])
+
+
+def test_simulate_json_contract(capsys, corpus: Path) -> None:
+    data = run(
+        capsys,
+        "--data",
+        str(corpus),
+        "--method",
+        "diloco",
+        "--peers",
+        "3",
+        "--inner-steps",
+        "4",
+        "--codec",
+        "int8",
+        "--steps",
+        "8",
+    )
+    for key in KEYS:
+        assert key in data, key
+    assert data["method"] == "diloco" and data["peers"] == 3 and data["inner_steps"] == 4
+    assert data["codec"] == "int8" and data["steps"] == 8 and data["outer_rounds"] == 2
+    assert data["final_eval_loss"] < data["initial_eval_loss"]
+    assert data["params_max_abs_diff"] == 0.0
+
+
+def test_bytes_follow_the_method_and_codec(capsys, corpus: Path) -> None:
+    common = ["--data", str(corpus), "--peers", "2", "--steps", "8", "--inner-steps", "4"]
+    dp = run(capsys, *common, "--method", "dp")
+    diloco = run(capsys, *common, "--method", "diloco")
+    int8 = run(capsys, *common, "--method", "diloco", "--codec", "int8")
+    sparse = run(capsys, *common, "--method", "sparseloco", "--density", "0.01")
+    assert dp["bytes_per_peer"] == 4 * diloco["bytes_per_peer"]  # 8 syncs vs 2, same fp32 payload
+    assert 3.5 < diloco["bytes_per_peer"] / int8["bytes_per_peer"] < 4  # 1 B + a 4 B scale per 64
+    assert diloco["bytes_per_peer"] / sparse["bytes_per_peer"] > 50  # 1 % of entries, 6 B each
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "dp", "--codec", "int8"], "fp32 gradients"),
+        (["--straggler", "x"], "RANK:FRACTION"),
+        (["--straggler", "9:0.5"], "straggler"),
+        (["--peers", "0"], "peers"),
+        (["--density", "0"], "density"),
+    ],
+)
+def test_bad_simulate_input_is_one_line(capsys, corpus: Path, args: list[str], message: str) -> None:
+    code = main(["simulate", "--model", "tiny", "--data", str(corpus), "--steps", "2", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

@@ -1,0 +1,207 @@
+"""`workbench simulate`: the optimizer family on N virtual peers in this process.
+
+Wires the built-in model and corpus into :func:`optim.sim.simulate`. Every virtual peer
+starts from the same init (same seed), reads its own shard of the training split, and runs
+the same outer-optimizer code a real peer runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, replace
+
+import torch
+
+from optim.codecs import CODECS
+from optim.data_parallel import DataParallel
+from optim.diloco import DiLoCo, DiLoCoConfig, local_sgd, sparseloco
+from optim.sim import InProcessSwarm, SimConfig, SimResult, VirtualPeer, simulate
+from workbench.config import TrainConfig
+from workbench.data import ByteCorpus, DataConfig, evaluate
+from workbench.model import ModelConfig, build_model, preset
+
+METHODS = ("dp", "local_sgd", "diloco", "sparseloco")
+
+
+@dataclass(kw_only=True)
+class MethodSpec:
+    """Which outer method, and its DiLoCo settings where it has any."""
+
+    method: str = "diloco"
+    """dp (data-parallel, the baseline), local_sgd (FedAvg), diloco or sparseloco."""
+    diloco: DiLoCoConfig
+    """Inner steps, outer lr/momentum, codec and error feedback (diloco; H and codec for the rest)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method '{self.method}'; choose one of: {', '.join(METHODS)}")
+        if self.method == "dp" and self.diloco.codec != "none":
+            raise ValueError(
+                "the data-parallel baseline sends fp32 gradients; use --codec none with --method dp"
+            )
+
+    def outer_config(self) -> DiLoCoConfig:
+        d = self.diloco
+        if self.method == "local_sgd":
+            return replace(
+                local_sgd(inner_steps=d.inner_steps), codec=d.codec, error_feedback=d.error_feedback
+            )
+        if self.method == "sparseloco":
+            return sparseloco(inner_steps=d.inner_steps, density=d.topk_density)
+        return d
+
+
+def run_simulation(
+    spec: MethodSpec,
+    *,
+    model: ModelConfig,
+    data: DataConfig,
+    train: TrainConfig,
+    sim: SimConfig,
+    eval_batches: int = 8,
+) -> SimResult:
+    corpus = ByteCorpus.load(data)
+    corpus.check_fits(model.block_size)
+    held_out = corpus.eval_batches(
+        block_size=model.block_size, batch_size=data.batch_size, num_batches=eval_batches
+    )
+    device = torch.device("cpu")
+    H = 1 if spec.method == "dp" else spec.outer_config().inner_steps
+    total = sim.steps
+
+    def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
+        net = build_model(model, seed=sim.seed)
+        inner = torch.optim.AdamW(
+            net.parameters(),
+            lr=train.inner_lr,
+            weight_decay=train.weight_decay,
+            betas=(train.beta1, train.beta2),
+        )
+        averager = swarm.averager(rank)
+        outer = (
+            DataParallel(net, inner, averager)
+            if spec.method == "dp"
+            else DiLoCo(net, inner, averager, spec.outer_config())
+        )
+
+        def set_lr(step: int) -> None:
+            for group in inner.param_groups:
+                group["lr"] = train.inner_lr * train.lr_factor(step, total)
+
+        batches = corpus.batches(
+            block_size=model.block_size,
+            batch_size=data.batch_size,
+            seed=sim.seed,
+            shard=rank,
+            num_shards=sim.peers,
+        )
+        return VirtualPeer(
+            model=net, inner_optimizer=inner, outer=outer, batches=batches, inner_steps=H, set_lr=set_lr
+        )
+
+    return simulate(make_peer, lambda net: evaluate(net, held_out, device), sim)
+
+
+def add_simulate_parser(commands) -> None:
+    parser = commands.add_parser(
+        "simulate",
+        help="compare outer optimizers on N virtual peers in this process",
+        description="Run an outer optimizer on N virtual peers in one process (exact, deterministic for a seed).",
+    )
+    parser.add_argument("--method", default="diloco", choices=METHODS, help="outer method (default: diloco)")
+    parser.add_argument("--peers", type=int, default=4, help="virtual peers (default: 4)")
+    parser.add_argument(
+        "--inner-steps", type=int, default=50, metavar="H", help="inner steps per round (default: 50)"
+    )
+    parser.add_argument("--steps", type=int, default=200, help="inner steps per peer (default: 200)")
+    parser.add_argument(
+        "--codec",
+        default="none",
+        choices=sorted(CODECS),
+        help="pseudo-gradient codec from optim.codecs (default: none)",
+    )
+    parser.add_argument(
+        "--error-feedback", action="store_true", help="keep what the codec drops for the next round"
+    )
+    parser.add_argument(
+        "--density", type=float, default=0.01, help="fraction kept by the topk codec (default: 0.01)"
+    )
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--inner-lr", type=float, default=1e-3)
+    parser.add_argument("--model", default="small", help="model preset (default: small)")
+    parser.add_argument(
+        "--data", metavar="PATH", help="text file or folder (default: the Python stdlib's source)"
+    )
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--straggler",
+        action="append",
+        default=[],
+        metavar="RANK:FRACTION",
+        help="a peer that runs only FRACTION of each round's steps, e.g. 3:0.5 (repeatable)",
+    )
+    parser.add_argument("--dropout", type=float, default=0.0, help="probability a peer misses a round")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default: 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def run_simulate_command(args: argparse.Namespace) -> int:
+    stragglers = {}
+    for text in args.straggler:
+        rank, _, fraction = text.partition(":")
+        try:
+            stragglers[int(rank)] = float(fraction)
+        except ValueError:
+            raise ValueError(f"--straggler '{text}' must look like RANK:FRACTION, e.g. 3:0.5") from None
+    spec = MethodSpec(
+        method=args.method,
+        diloco=DiLoCoConfig(
+            inner_steps=args.inner_steps,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            nesterov=args.outer_momentum > 0,
+            codec=args.codec,
+            topk_density=args.density,
+            error_feedback=args.error_feedback,
+        ),
+    )
+    sim = SimConfig(
+        peers=args.peers, steps=args.steps, stragglers=stragglers, dropout=args.dropout, seed=args.seed
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run_simulation(
+        spec,
+        model=preset(args.model),
+        data=DataConfig(path=args.data, batch_size=args.batch_size),
+        train=TrainConfig(inner_lr=args.inner_lr),
+        sim=sim,
+    )
+    summary = {
+        "method": args.method,
+        "peers": args.peers,
+        "inner_steps": 1 if args.method == "dp" else args.inner_steps,
+        "codec": "topk" if args.method == "sparseloco" else args.codec,
+        "steps": args.steps,
+        "final_eval_loss": result.final_eval_loss,
+        "bytes_per_peer": result.bytes_per_peer,
+        "seconds": round(result.seconds, 2),
+        "initial_eval_loss": result.initial_eval_loss,
+        "outer_rounds": result.rounds,
+        "peak_bytes_per_sync": result.peak_bytes_per_sync,
+        "params_max_abs_diff": result.params_max_abs_diff,
+    }
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print(
+            f"{args.method} on {args.peers} virtual peers, {args.steps} steps: eval loss "
+            f"{result.initial_eval_loss:.3f} -> {result.final_eval_loss:.3f}, "
+            f"{result.bytes_per_peer / 1e6:.1f} MB sent per peer, {result.seconds:.0f} s",
+            file=sys.stderr,
+        )
+    return 0
