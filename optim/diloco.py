@@ -54,6 +54,9 @@ class DiLoCoConfig:
     """Fraction of entries the topk codec keeps."""
     error_feedback: bool = False
     """Keep what the codec dropped and add it to the next round's pseudo-gradient."""
+    delay: int = 0
+    """Apply each round's averaged Δ this many rounds later (0: at once; 1: one-step delay,
+    which lets the all-reduce overlap the next round's inner steps)."""
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
@@ -64,8 +67,12 @@ class DiLoCoConfig:
             raise ValueError(f"outer_momentum must be in [0, 1) (got {self.outer_momentum}); DiLoCo uses 0.9")
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=False")
+        if self.delay not in (0, 1, 2):
+            raise ValueError(f"delay must be 0, 1 or 2 rounds (got {self.delay}); 1 is the one-step delay")
         if not 0 < self.topk_density <= 1:
-            raise ValueError(f"topk density must be in (0, 1] (got {self.topk_density}); SparseLoCo uses 0.01-0.03")
+            raise ValueError(
+                f"topk density must be in (0, 1] (got {self.topk_density}); SparseLoCo uses 0.01-0.03"
+            )
         self.make_codec()  # raises ValueError for an unknown codec
 
     def make_codec(self) -> Codec:
@@ -135,6 +142,7 @@ class DiLoCo:
         # (hivemind calls get_current_state in a background thread) never sees half a step.
         self.lock = threading.Lock()
         self.codec = config.make_codec()
+        self._pending: list[list[torch.Tensor]] = []  # averaged Δ waiting to be applied (delay > 0)
         # What compression dropped, per peer, added back next round (never lost; see codecs).
         self.feedback = ErrorFeedback(self.codec) if config.error_feedback else None
         self.save_global_params()
@@ -194,6 +202,22 @@ class DiLoCo:
             self.outer_optimizer.zero_grad(set_to_none=True)
             self.outer_step_count += 1
 
+    def apply_delayed(self, mean_deltas: list[torch.Tensor]) -> None:
+        """One-step-delayed outer step (DiLoCoX, https://arxiv.org/abs/2506.21263; eager
+        updates, https://arxiv.org/abs/2502.12996): round r applies the mean Δ of round r − delay,
+        so on a real network that all-reduce has the whole next round of inner steps to finish.
+        The first ``delay`` rounds apply nothing; the outer step still counts rounds."""
+        if not all(torch.isfinite(d).all() for d in mean_deltas):
+            raise FloatingPointError(
+                f"round {self.outer_step_count}: the averaged update holds NaN/Inf; it was dropped"
+            )
+        self._pending.append([d.clone() for d in mean_deltas])
+        if len(self._pending) > self.config.delay:
+            self.apply_outer_step(self._pending.pop(0))
+        else:
+            with self.lock:
+                self.outer_step_count += 1
+
     @torch.no_grad()
     def restore_parameters(self) -> None:
         """Copy θ into the model so the next round starts from the global params."""
@@ -230,18 +254,27 @@ class DiLoCo:
         if not all(torch.isfinite(d).all() for d in deltas):
             # This peer diverged: sending its update would poison everyone's θ. Drop the
             # round's local work, go back to θ, and let the transport's state sync catch up.
-            logger.error("round %d: this peer's pseudo-gradient holds NaN/Inf; not sent", self.outer_step_count)
+            logger.error(
+                "round %d: this peer's pseudo-gradient holds NaN/Inf; not sent", self.outer_step_count
+            )
             self.restore_parameters()
             self.inner_step_count = 0
             self.samples_this_round = 0
-            return RoundReport(group_size=1, stale=True, error="this peer's pseudo-gradient holds NaN/Inf: not sent, "
-                               "local steps of this round dropped (lower the inner learning rate)")
+            return RoundReport(
+                group_size=1,
+                stale=True,
+                error="this peer's pseudo-gradient holds NaN/Inf: not sent, "
+                "local steps of this round dropped (lower the inner learning rate)",
+            )
         deltas, payload_bytes = self.compress(deltas)
         report = self.average(deltas, info)
         report.local_norm, report.mean_norm = local_norm, _global_norm(deltas)
         report.payload_bytes = payload_bytes
         try:
-            self.apply_outer_step(deltas)
+            if self.config.delay:
+                self.apply_delayed(deltas)
+            else:
+                self.apply_outer_step(deltas)
         except FloatingPointError as error:
             logger.error("%s", error)
             report.error = str(error)

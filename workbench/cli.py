@@ -11,8 +11,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
-from optim.diloco import DiLoCoConfig
+from optim.codecs import CODECS as UPDATE_CODECS
+from optim.diloco import DiLoCoConfig, local_sgd, sparseloco
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.dht import NetworkConfig
 from swarm.errors import SwarmError
@@ -57,9 +59,28 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         "--inner-lr", type=float, default=1e-3, help="inner AdamW learning rate (default: 1e-3)"
     )
     group.add_argument(
-        "--outer-lr", type=float, default=0.7, help="outer Nesterov SGD learning rate (default: 0.7)"
+        "--method",
+        default="diloco",
+        choices=METHOD_PRESETS,
+        help="outer method preset: diloco, local_sgd (FedAvg) or sparseloco (top-k + error feedback)",
     )
-    group.add_argument("--outer-momentum", type=float, default=0.9, help="outer momentum (default: 0.9)")
+    group.add_argument("--outer-lr", type=float, help="outer SGD learning rate (diloco: 0.7)")
+    group.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (diloco: 0.9)")
+    group.add_argument(
+        "--update-codec",
+        choices=sorted(UPDATE_CODECS),
+        help="codec for pseudo-gradients inside the optimizer (sparseloco: topk)",
+    )
+    group.add_argument("--topk-density", type=float, help="fraction the topk codec keeps (default: 0.01)")
+    group.add_argument(
+        "--error-feedback",
+        action="store_true",
+        default=None,
+        help="keep what the update codec drops for the next round",
+    )
+    group.add_argument(
+        "--delay", type=int, choices=(0, 1), help="apply each round's mean one round later (default: 0)"
+    )
     group.add_argument(
         "--rounds", type=int, default=0, help="stop after this many outer rounds (default: 0 = never)"
     )
@@ -166,18 +187,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+METHOD_PRESETS = ("diloco", "local_sgd", "sparseloco")
+
+
+def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
+    """The method's preset, then every outer flag given explicitly on top of it."""
+    H = args.inner_steps
+    base = {
+        "diloco": DiLoCoConfig(inner_steps=H),
+        "local_sgd": local_sgd(inner_steps=H),
+        "sparseloco": sparseloco(inner_steps=H),
+    }[args.method]
+    overrides = {
+        name: value
+        for name, value in (
+            ("outer_lr", args.outer_lr),
+            ("outer_momentum", args.outer_momentum),
+            ("codec", args.update_codec),
+            ("topk_density", args.topk_density),
+            ("error_feedback", args.error_feedback),
+            ("delay", args.delay),
+        )
+        if value is not None
+    }
+    momentum = overrides.get("outer_momentum", base.outer_momentum)
+    nesterov = momentum > 0 and (base.nesterov or "outer_momentum" in overrides)
+    return replace(base, **overrides, nesterov=nesterov)
+
+
 def build_config(args: argparse.Namespace) -> RunConfig:
     """The config tree from parsed flags; raises ValueError/SwarmError on a bad value."""
     return RunConfig(
         model=preset(args.model),
         data=DataConfig(path=args.data, batch_size=args.batch_size),
         train=TrainConfig(inner_lr=args.inner_lr, threads=args.threads),
-        diloco=DiLoCoConfig(
-            inner_steps=args.inner_steps,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
-            nesterov=args.outer_momentum > 0,
-        ),
+        diloco=outer_config(args),
         averaging=AveragingConfig(
             matchmaking_time=args.matchmaking_time,
             averaging_timeout=args.averaging_timeout,
@@ -223,10 +267,15 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
         ("--inner-lr", config.train.inner_lr, defaults.train.inner_lr),
         ("--outer-lr", config.diloco.outer_lr, defaults.diloco.outer_lr),
         ("--outer-momentum", config.diloco.outer_momentum, defaults.diloco.outer_momentum),
+        ("--update-codec", config.diloco.codec, defaults.diloco.codec),
+        ("--topk-density", config.diloco.topk_density, defaults.diloco.topk_density),
+        ("--delay", config.diloco.delay, defaults.diloco.delay),
         ("--codec", config.averaging.compression, defaults.averaging.compression),
     ):
         if value != default:
             parts += [flag, str(value)]
+    if config.diloco.error_feedback:
+        parts.append("--error-feedback")
     return " ".join(parts + list(addresses))
 
 

@@ -93,6 +93,12 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         repr(config.diloco.outer_lr),
         "--outer-momentum",
         repr(config.diloco.outer_momentum),
+        "--update-codec",
+        config.diloco.codec,
+        "--topk-density",
+        repr(config.diloco.topk_density),
+        "--delay",
+        str(config.diloco.delay),
         "--rounds",
         str(config.peer.rounds),
         "--codec",
@@ -110,6 +116,8 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         "--run-dir",
         str(run_dir / name),
     ]
+    if config.diloco.error_feedback:
+        args.append("--error-feedback")
     if config.data.path:
         args += ["--data", config.data.path]
     return args

@@ -59,3 +59,50 @@ def test_demo_json_contract(tmp_path):
     assert data["params_max_abs_diff"] <= 1e-5
     assert data["bytes_sent"] > 0 and data["seconds"] > 0
     assert (tmp_path / "commands.txt").read_text().count("workbench ") == 2
+
+
+@pytest.mark.parametrize(
+    ("method_flags", "peer_flags"),
+    [
+        (["--method", "sparseloco", "--topk-density", "0.05"], ["--update-codec topk", "--error-feedback"]),
+        (["--update-codec", "int8", "--delay", "1"], ["--update-codec int8", "--delay 1"]),
+    ],
+    ids=["sparseloco", "int8-delayed"],
+)
+def test_demo_runs_other_methods_over_the_real_swarm(tmp_path, method_flags, peer_flags):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workbench",
+            "demo",
+            "--peers",
+            "2",
+            "--rounds",
+            "3",
+            "--headless",
+            "--json",
+            "--model",
+            "tiny",
+            "--inner-steps",
+            "5",
+            "--batch-size",
+            "8",
+            "--matchmaking-time",
+            "1.0",
+            "--run-dir",
+            str(tmp_path),
+            *method_flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["outer_rounds"] == 3 and data["rounds_alone"] == 0
+    assert data["params_max_abs_diff"] <= 1e-5
+    assert data["final_loss"] < data["initial_loss"]
+    commands = (tmp_path / "commands.txt").read_text()
+    assert all(flag in commands for flag in peer_flags), commands

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from workbench.cli import build_config, build_parser
+from workbench.cli import build_config, build_parser, join_command
 from workbench.launch import DemoTable, LaunchError, _describe, peer_arguments
 
 
@@ -102,3 +102,39 @@ def test_describe_round_mentions_a_lone_round() -> None:
     )
     assert "round   3" in line and "group 1" in line and "alone: no other peer" in line
     assert _describe({"peer": "p", "event": "left", "reason": "finished"}) is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (
+            [],
+            dict(
+                outer_lr=0.7, outer_momentum=0.9, nesterov=True, codec="none", error_feedback=False, delay=0
+            ),
+        ),
+        (["--method", "local_sgd"], dict(outer_lr=1.0, outer_momentum=0.0, nesterov=False, codec="none")),
+        (
+            ["--method", "sparseloco"],
+            dict(outer_lr=1.0, outer_momentum=0.0, codec="topk", error_feedback=True),
+        ),
+        (
+            ["--method", "sparseloco", "--outer-lr", "0.5", "--topk-density", "0.03"],
+            dict(outer_lr=0.5, codec="topk", topk_density=0.03),
+        ),
+        (["--method", "local_sgd", "--outer-momentum", "0.5"], dict(outer_momentum=0.5, nesterov=True)),
+        (["--outer-momentum", "0"], dict(outer_momentum=0.0, nesterov=False)),
+        (["--delay", "1", "--update-codec", "int8"], dict(delay=1, codec="int8")),
+    ],
+)
+def test_method_presets_and_overrides(flags: list[str], expected: dict, tmp_path: Path) -> None:
+    config = build_config(build_parser().parse_args(["start", *flags]))
+    for name, value in expected.items():
+        assert getattr(config.diloco, name) == value, name
+    # A demo peer (and a joiner from the printed command) rebuilds the same outer config.
+    rebuilt = build_config(
+        build_parser().parse_args(["start", *peer_arguments(config, name="p", run_dir=tmp_path)])
+    )
+    assert rebuilt.diloco == config.diloco
+    command = join_command(config, ["/ip4/127.0.0.1/tcp/1/p2p/x"]).split()[2:-1]
+    assert build_config(build_parser().parse_args(["start", *command])).diloco == config.diloco

@@ -53,6 +53,7 @@ def factory(
     outer_lr: float = 0.7,
     momentum: float = 0.9,
     sgd: bool = False,
+    delay: int = 0,
 ):
     def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
         model = init_model()
@@ -66,7 +67,7 @@ def factory(
             steps = 1
         else:
             config = DiLoCoConfig(
-                inner_steps=H, outer_lr=outer_lr, outer_momentum=momentum, nesterov=momentum > 0
+                inner_steps=H, outer_lr=outer_lr, outer_momentum=momentum, nesterov=momentum > 0, delay=delay
             )
             outer = DiLoCo(model, inner, swarm.averager(rank), config)
             steps = H
@@ -166,3 +167,43 @@ def test_a_failing_peer_stops_the_run_without_hanging():
 def test_sim_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SimConfig(**kwargs)
+
+
+def test_one_step_delay_applies_the_previous_rounds_mean():
+    """delay=1: round r applies round r-1's mean Δ; with lr 1 and no momentum θ after round 2 is
+    θ0 − Δ_0, where Δ_0 is the first round's pseudo-gradient (computed from θ0)."""
+    model = init_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = DiLoCoConfig(inner_steps=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False, delay=1)
+    from optim.averager import LocalAverager
+
+    outer = DiLoCo(model, inner, LocalAverager(), config)
+    theta0 = [g.clone() for g in outer.global_params]
+    data = stream(0)
+
+    def run_round() -> list[torch.Tensor]:
+        for _ in range(2):
+            x, y = next(data)
+            model(x, y)[1].backward()
+            inner.step()
+            inner.zero_grad()
+            outer.note_inner_step(samples=len(x))
+        delta = outer.compute_pseudo_gradients()
+        outer.sync()
+        return delta
+
+    delta0 = run_round()
+    assert outer.outer_step_count == 1
+    assert all(torch.equal(g, t) for g, t in zip(outer.global_params, theta0))  # nothing applied yet
+    run_round()
+    assert outer.outer_step_count == 2
+    for g, t, d in zip(outer.global_params, theta0, delta0):
+        torch.testing.assert_close(g, t - d)
+
+
+def test_delayed_diloco_trains_in_the_simulator():
+    result = simulate(
+        factory("diloco", H=3, outer_lr=0.7, momentum=0.9, delay=1), mse, SimConfig(peers=2, steps=30)
+    )
+    assert result.final_eval_loss < result.initial_eval_loss
+    assert result.rounds == 10 and result.params_max_abs_diff == 0.0
