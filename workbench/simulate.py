@@ -18,11 +18,12 @@ from optim.codecs import CODECS
 from optim.data_parallel import DataParallel
 from optim.diloco import DiLoCo, DiLoCoConfig, local_sgd, sparseloco
 from optim.sim import InProcessSwarm, SimConfig, SimResult, VirtualPeer, simulate
+from optim.streaming import StreamingConfig, StreamingDiLoCo
 from workbench.config import TrainConfig
 from workbench.data import ByteCorpus, DataConfig, evaluate
 from workbench.model import ModelConfig, build_model, preset
 
-METHODS = ("dp", "local_sgd", "diloco", "sparseloco")
+METHODS = ("dp", "local_sgd", "diloco", "sparseloco", "streaming")
 
 
 @dataclass(kw_only=True)
@@ -33,6 +34,26 @@ class MethodSpec:
     """dp (data-parallel, the baseline), local_sgd (FedAvg), diloco or sparseloco."""
     diloco: DiLoCoConfig
     """Inner steps, outer lr/momentum, codec and error feedback (diloco; H and codec for the rest)."""
+    fragments: int = 4
+    """streaming: fragments synced on staggered schedules."""
+    sync_delay: int = 0
+    """streaming: inner steps between a fragment's reduction and its merge (τ)."""
+    alpha: float = 0.0
+    """streaming: weight of the local fragment at the merge."""
+
+    def streaming_config(self) -> StreamingConfig:
+        d = self.diloco
+        return StreamingConfig(
+            inner_steps=d.inner_steps,
+            fragments=self.fragments,
+            sync_delay=self.sync_delay,
+            alpha=self.alpha,
+            outer_lr=d.outer_lr,
+            outer_momentum=d.outer_momentum,
+            nesterov=d.nesterov,
+            codec=d.codec,
+            error_feedback=d.error_feedback,
+        )
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -41,6 +62,8 @@ class MethodSpec:
             raise ValueError(
                 "the data-parallel baseline sends fp32 gradients; use --codec none with --method dp"
             )
+        if self.method == "streaming":
+            self.streaming_config()  # raises ValueError for a bad fragment setting
 
     def outer_config(self) -> DiLoCoConfig:
         d = self.diloco
@@ -68,7 +91,8 @@ def run_simulation(
         block_size=model.block_size, batch_size=data.batch_size, num_batches=eval_batches
     )
     device = torch.device("cpu")
-    H = 1 if spec.method == "dp" else spec.outer_config().inner_steps
+    # dp syncs every step; streaming decides inside after_inner_step which fragment syncs when
+    H = 1 if spec.method in ("dp", "streaming") else spec.outer_config().inner_steps
     total = sim.steps
 
     def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
@@ -80,11 +104,12 @@ def run_simulation(
             betas=(train.beta1, train.beta2),
         )
         averager = swarm.averager(rank)
-        outer = (
-            DataParallel(net, inner, averager)
-            if spec.method == "dp"
-            else DiLoCo(net, inner, averager, spec.outer_config())
-        )
+        if spec.method == "dp":
+            outer = DataParallel(net, inner, averager)
+        elif spec.method == "streaming":
+            outer = StreamingDiLoCo(net, inner, averager, spec.streaming_config())
+        else:
+            outer = DiLoCo(net, inner, averager, spec.outer_config())
 
         def set_lr(step: int) -> None:
             for group in inner.param_groups:
@@ -144,6 +169,11 @@ def add_simulate_parser(commands) -> None:
         help="a peer that runs only FRACTION of each round's steps, e.g. 3:0.5 (repeatable)",
     )
     parser.add_argument("--dropout", type=float, default=0.0, help="probability a peer misses a round")
+    parser.add_argument("--fragments", type=int, default=4, help="streaming: fragments (default: 4)")
+    parser.add_argument(
+        "--sync-delay", type=int, default=0, help="streaming: steps from reduction to merge (τ)"
+    )
+    parser.add_argument("--alpha", type=float, default=0.0, help="streaming: local weight at the merge")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default: 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -168,6 +198,9 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             topk_density=args.density,
             error_feedback=args.error_feedback,
         ),
+        fragments=args.fragments,
+        sync_delay=args.sync_delay,
+        alpha=args.alpha,
     )
     sim = SimConfig(
         peers=args.peers, steps=args.steps, stragglers=stragglers, dropout=args.dropout, seed=args.seed
@@ -185,6 +218,9 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         "method": args.method,
         "peers": args.peers,
         "inner_steps": 1 if args.method == "dp" else args.inner_steps,
+        **(
+            {"fragments": args.fragments, "sync_delay": args.sync_delay} if args.method == "streaming" else {}
+        ),
         "codec": "topk" if args.method == "sparseloco" else args.codec,
         "steps": args.steps,
         "final_eval_loss": result.final_eval_loss,

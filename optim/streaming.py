@@ -1,0 +1,184 @@
+"""Streaming DiLoCo: sync one fragment of the model at a time, on staggered schedules.
+
+Douillard et al., 2025, "Streaming DiLoCo with overlapping communication",
+https://arxiv.org/abs/2501.18512 (see also torchft's ``torchft/local_sgd.py``).
+
+The parameters are split into F contiguous fragments of about equal size. Fragment f is
+synced every H inner steps like DiLoCo, but at its own offset ``(f + 1)·H/F``, so at any time
+at most one fragment is on the wire: peak bytes per sync drop F-fold. Its reduction starts at
+step t and is *merged* τ steps later (``sync_delay``), so on a real network the all-reduce
+overlaps τ inner steps; the merge mixes ``alpha·θ_local + (1 − alpha)·θ_global`` for the
+fragment (alpha = 0 replaces the local fragment by the global one, as plain DiLoCo does).
+
+Phases for one fragment: ``begin_sync`` (pseudo-gradient of the fragment, codec, average)
+→ τ inner steps → ``merge`` (outer SGD on the fragment's θ, then mix into the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from optim.averager import Averager, RoundReport
+from optim.codecs import ErrorFeedback, encoded_nbytes, make_codec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class StreamingConfig:
+    """Streaming DiLoCo's settings; outer SGD defaults as DiLoCo's."""
+
+    inner_steps: int = 50
+    """H: inner steps between two syncs of the same fragment."""
+    fragments: int = 4
+    """F: how many fragments the parameters are split into (contiguous, about equal bytes)."""
+    sync_delay: int = 0
+    """τ: inner steps between the start of a fragment's reduction and its merge (< H/F)."""
+    alpha: float = 0.0
+    """Merge mixing: weight of the local fragment (0 = take the global fragment)."""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    codec: str = "none"
+    """Pseudo-gradient codec (optim.codecs); the paper sends 4-bit floats."""
+    error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1 or self.fragments < 1:
+            raise ValueError(
+                f"inner_steps and fragments must be >= 1 (got {self.inner_steps}, {self.fragments})"
+            )
+        if self.fragments > self.inner_steps:
+            raise ValueError(
+                f"fragments ({self.fragments}) must not exceed inner_steps ({self.inner_steps}): each fragment "
+                "needs its own step in the round"
+            )
+        if not 0 <= self.sync_delay < self.inner_steps // self.fragments:
+            raise ValueError(
+                f"sync_delay must be in [0, H/F) = [0, {self.inner_steps // self.fragments}) "
+                f"(got {self.sync_delay}): a fragment must merge before the next one starts"
+            )
+        if not 0 <= self.alpha < 1:
+            raise ValueError(f"alpha must be in [0, 1) (got {self.alpha}); the paper uses 0.5 or less")
+        if not 0 < self.outer_lr <= 10 or not 0 <= self.outer_momentum < 1:
+            raise ValueError("outer_lr must be in (0, 10] and outer_momentum in [0, 1)")
+        if self.nesterov and self.outer_momentum == 0:
+            raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=False")
+        make_codec(self.codec)
+
+
+def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
+    """Contiguous groups of parameter indices with about ``sum(sizes)/fragments`` elements each."""
+    if fragments > len(sizes):
+        raise ValueError(f"{fragments} fragments but the model has only {len(sizes)} parameter tensors")
+    total, groups, current, filled = sum(sizes), [], [], 0
+    for index, size in enumerate(sizes):
+        current.append(index)
+        filled += size
+        remaining_groups = fragments - len(groups) - 1
+        remaining_tensors = len(sizes) - index - 1
+        if remaining_groups and (
+            filled >= total * (len(groups) + 1) / fragments or remaining_tensors == remaining_groups
+        ):
+            groups.append(current)
+            current = []
+    groups.append(current)
+    assert len(groups) == fragments and all(groups), f"{groups=}"
+    return groups
+
+
+class StreamingDiLoCo:
+    """Wraps ``model`` and its inner optimizer; syncs one fragment at a time."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        averager: Averager,
+        config: StreamingConfig,
+    ) -> None:
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.averager = averager
+        self.config = config
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.fragments = split_fragments([p.numel() for p in self.params], config.fragments)
+        self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        self.outer_optimizer = torch.optim.SGD(
+            self.global_params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov
+        )
+        self.codec = make_codec(config.codec)
+        self.feedback = [ErrorFeedback(self.codec) if config.error_feedback else None for _ in self.fragments]
+        self.step_count = 0
+        """Inner steps taken."""
+        self.syncs = 0
+        """Fragment syncs merged."""
+        self.samples_since = [0] * len(self.fragments)
+        self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}  # merge step -> (fragment, mean Δ)
+
+    @property
+    def outer_step_count(self) -> int:
+        """Whole-model rounds completed: every fragment merged once per round."""
+        return self.syncs // len(self.fragments)
+
+    def before_inner_step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None:
+        return None
+
+    def after_inner_step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None:
+        """Call after every inner step; returns the report of a fragment sync started now."""
+        self.step_count += 1
+        self.samples_since = [s + samples for s in self.samples_since]
+        report = None
+        due = self._pending.pop(self.step_count, None)
+        if due is not None:
+            self.merge(*due)
+        H, F = self.config.inner_steps, len(self.fragments)
+        offset = self.step_count % H
+        for f in range(F):
+            if offset == ((f + 1) * H // F) % H:
+                report = self.begin_sync(f, info)
+                if self.config.sync_delay == 0:
+                    self.merge(*self._pending.pop(self.step_count))
+        return report
+
+    step = after_inner_step
+
+    @torch.no_grad()
+    def begin_sync(self, f: int, info: dict[str, Any] | None) -> RoundReport:
+        """Pseudo-gradient of fragment ``f`` → codec → averager; merged ``sync_delay`` steps later."""
+        start = time.monotonic()
+        indices = self.fragments[f]
+        deltas = [self.global_params[i] - self.params[i].detach().to("cpu", torch.float32) for i in indices]
+        if self.feedback[f] is not None:
+            encoded, deltas = self.feedback[f].compress(deltas)
+        else:
+            encoded = [self.codec.encode(d) for d in deltas]
+            deltas = [self.codec.decode(e) for e in encoded]
+        report = self.averager.all_reduce(deltas, weight=float(max(self.samples_since[f], 1)), info=info)
+        self.samples_since[f] = 0
+        report.payload_bytes = encoded_nbytes(encoded)
+        report.seconds = time.monotonic() - start
+        self._pending[self.step_count + self.config.sync_delay] = (f, deltas)
+        return report
+
+    @torch.no_grad()
+    def merge(self, f: int, mean_deltas: list[torch.Tensor]) -> None:
+        """Outer SGD on the fragment's θ, then mix it into the model's fragment."""
+        indices = self.fragments[f]
+        if not all(torch.isfinite(d).all() for d in mean_deltas):
+            logger.error("fragment %d: the averaged update holds NaN/Inf; left unchanged", f)
+            return
+        for i, d in zip(indices, mean_deltas):
+            self.global_params[i].grad = d
+        self.outer_optimizer.step()  # params without .grad are skipped
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        alpha = self.config.alpha
+        for i in indices:
+            p, g = self.params[i], self.global_params[i].to(self.params[i].device, self.params[i].dtype)
+            p.copy_(alpha * p + (1 - alpha) * g)
+        self.syncs += 1

@@ -1,0 +1,121 @@
+"""Streaming DiLoCo: fragments, schedules, and equality with DiLoCo where they must agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from optim.averager import LocalAverager
+from optim.diloco import DiLoCo, DiLoCoConfig
+from optim.sim import InProcessSwarm, SimConfig, VirtualPeer, simulate
+from optim.streaming import StreamingConfig, StreamingDiLoCo, split_fragments
+from tests.unit.test_sim import init_model, mse, stream
+
+
+@pytest.mark.parametrize(
+    ("sizes", "fragments"), [([10] * 8, 4), ([100, 1, 1, 1, 1, 100], 3), ([5, 5], 2), ([7], 1)]
+)
+def test_split_fragments_is_contiguous_and_covers_everything(sizes, fragments):
+    groups = split_fragments(sizes, fragments)
+    assert len(groups) == fragments and all(groups)
+    assert [i for g in groups for i in g] == list(range(len(sizes)))
+
+
+def test_split_fragments_balances_equal_tensors():
+    assert split_fragments([10] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_more_fragments_than_tensors_is_an_error():
+    with pytest.raises(ValueError, match="only 2 parameter tensors"):
+        split_fragments([1, 2], 3)
+
+
+def make(method: str, **config):
+    def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
+        model = init_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+        if method == "diloco":
+            outer = DiLoCo(model, inner, swarm.averager(rank), DiLoCoConfig(**config))
+            steps = config["inner_steps"]
+        else:
+            outer = StreamingDiLoCo(model, inner, swarm.averager(rank), StreamingConfig(**config))
+            steps = 1
+        return VirtualPeer(
+            model=model, inner_optimizer=inner, outer=outer, batches=stream(rank), inner_steps=steps
+        )
+
+    return make_peer
+
+
+def test_one_fragment_without_delay_is_diloco():
+    diloco = simulate(make("diloco", inner_steps=4), mse, SimConfig(peers=3, steps=16))
+    streaming = simulate(make("streaming", inner_steps=4, fragments=1), mse, SimConfig(peers=3, steps=16))
+    assert streaming.final_eval_loss == diloco.final_eval_loss
+    assert streaming.bytes_per_peer == diloco.bytes_per_peer and streaming.rounds == diloco.rounds == 4
+
+
+def test_fragments_cut_the_peak_bytes_and_keep_the_total():
+    one = simulate(make("streaming", inner_steps=4, fragments=1), mse, SimConfig(peers=2, steps=16))
+    two = simulate(make("streaming", inner_steps=4, fragments=2), mse, SimConfig(peers=2, steps=16))
+    # Linear(4, 1): weight 4 floats, bias 1 float -> fragments of 16 B and 4 B.
+    assert one.peak_bytes_per_sync == 20 and two.peak_bytes_per_sync == 16
+    assert two.bytes_per_peer == one.bytes_per_peer
+    assert two.final_eval_loss < two.initial_eval_loss
+
+
+def test_fragments_sync_on_staggered_schedules_and_merge_after_the_delay():
+    model = init_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = StreamingDiLoCo(
+        model,
+        inner,
+        LocalAverager(),
+        StreamingConfig(
+            inner_steps=4, fragments=2, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False
+        ),
+    )
+    started = []
+    data = stream(0)
+    for step in range(1, 9):
+        x, y = next(data)
+        model(x, y)[1].backward()
+        inner.step()
+        inner.zero_grad()
+        before = outer.syncs
+        if outer.after_inner_step(samples=len(x)) is not None:
+            started.append(step)
+        if step in (3, 5, 7):  # one step after each start: that fragment merged
+            assert outer.syncs == before + 1
+    assert started == [2, 4, 6, 8]  # fragment 0 at H/2, fragment 1 at H, alternating
+
+
+def test_alpha_mixes_local_and_global_fragments():
+    model = init_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = StreamingConfig(
+        inner_steps=1, fragments=1, alpha=0.25, outer_lr=1.0, outer_momentum=0.0, nesterov=False
+    )
+    outer = StreamingDiLoCo(model, inner, LocalAverager(), config)
+    x, y = next(stream(0))
+    model(x, y)[1].backward()
+    inner.step()
+    local = [p.detach().clone() for p in model.parameters()]
+    outer.after_inner_step(samples=len(x))
+    # lr 1, no momentum, one peer: the global fragment becomes the local one, so the mix is local.
+    for p, q in zip(model.parameters(), local):
+        torch.testing.assert_close(p.detach(), q)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(inner_steps=3, fragments=4), "must not exceed"),
+        (dict(inner_steps=8, fragments=4, sync_delay=2), "sync_delay"),
+        (dict(alpha=1.0), "alpha"),
+        (dict(codec="zip"), "zip"),
+        (dict(fragments=0), ">= 1"),
+    ],
+)
+def test_streaming_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StreamingConfig(**kwargs)
