@@ -144,6 +144,8 @@ class VirtualPeer:
     """Steps per round of the method (1 for data-parallel): stragglers run a fraction of it."""
     set_lr: Callable[[int], None] = lambda step: None
     """Called with the run's step before each inner step (the schedule)."""
+    grad_clip: float = 0.0
+    """Clip the (averaged, for data-parallel) gradient norm to this before the step (0: off)."""
 
 
 @dataclass(kw_only=True)
@@ -161,6 +163,8 @@ class SimResult:
     params_max_abs_diff: float
     """Largest difference between any peer's parameters and peer 0's at the end."""
     history: list[dict[str, float]] = field(default_factory=list)
+    final_params: list[torch.Tensor] = field(default_factory=list)
+    """Peer 0's model parameters at the end (for DiLoCo: the global params after the last round)."""
 
 
 def simulate(
@@ -194,6 +198,8 @@ def simulate(
                     loss.backward()
                     report = peer.outer.before_inner_step(samples=len(x))
                     _account(rank, report)
+                    if peer.grad_clip:
+                        torch.nn.utils.clip_grad_norm_(peer.model.parameters(), peer.grad_clip)
                     peer.inner_optimizer.step()
                     peer.inner_optimizer.zero_grad(set_to_none=True)
                     if i < todo - 1 or peer.inner_steps == 1:
@@ -251,4 +257,5 @@ def simulate(
         seconds=time.monotonic() - start,
         params_max_abs_diff=diff,
         history=history,
+        final_params=[p.detach().to("cpu", torch.float32, copy=True) for p in peers[0].model.parameters()],
     )

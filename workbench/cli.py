@@ -49,6 +49,7 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         "--device", default="auto", help="auto, cpu or cuda[:N] (default: auto = CUDA when present)"
     )
     group.add_argument("--seed", type=int, default=0, help="model init and data order seed (default: 0)")
+    group.add_argument("--shard", metavar="I/N", help="read only shard I of N slices of the data (e.g. 0/4)")
     group.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch decides)")
 
     group = parser.add_argument_group("DiLoCo")
@@ -215,6 +216,17 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
     return replace(base, **overrides, nesterov=nesterov)
 
 
+def parse_shard(text: str | None) -> tuple[int | None, int]:
+    """``--shard I/N`` as (I, N); (None, 1) when not given."""
+    if text is None:
+        return None, 1
+    index, _, count = text.partition("/")
+    try:
+        return int(index), int(count)
+    except ValueError:
+        raise ValueError(f"--shard '{text}' must look like I/N, e.g. 0/4 for the first of 4 shards") from None
+
+
 def build_config(args: argparse.Namespace) -> RunConfig:
     """The config tree from parsed flags; raises ValueError/SwarmError on a bad value."""
     return RunConfig(
@@ -242,6 +254,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             rounds=args.rounds,
             min_peers=getattr(args, "min_peers", 1),
             seed=args.seed,
+            shard=parse_shard(getattr(args, "shard", None))[0],
+            num_shards=parse_shard(getattr(args, "shard", None))[1],
             device=args.device,
             run_dir=getattr(args, "run_dir", None),
         ),

@@ -81,6 +81,10 @@ class PeerConfig:
     """Held-out batches per evaluation."""
     seed: int = 0
     """Seeds the model init (identical on every peer) and this peer's data order."""
+    shard: int | None = None
+    """Read only shard ``shard`` of ``num_shards`` contiguous slices of the training split
+    (None: the whole split, in an order seeded by this peer's id)."""
+    num_shards: int = 1
     device: str = "auto"
     """auto (CUDA when present, with bf16 autocast), cpu, or cuda[:N]."""
     run_dir: str | None = None
@@ -96,6 +100,8 @@ class PeerConfig:
             raise ValueError(f"min peers must be within 1..1024 (got {self.min_peers})")
         if not self.wait_timeout >= 0:  # written so that NaN fails too
             raise ValueError(f"wait timeout must be >= 0 (got {self.wait_timeout})")
+        if self.shard is not None and not 0 <= self.shard < self.num_shards:
+            raise ValueError(f"shard must be in 0..{self.num_shards - 1} for {self.num_shards} shards (got {self.shard})")
         if self.eval_every < 1:
             raise ValueError(f"eval every must be >= 1 round (got {self.eval_every})")
         if self.eval_batches < 1:

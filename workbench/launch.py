@@ -118,6 +118,8 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
     ]
     if config.diloco.error_feedback:
         args.append("--error-feedback")
+    if config.peer.shard is not None:
+        args += ["--shard", f"{config.peer.shard}/{config.peer.num_shards}"]
     if config.data.path:
         args += ["--data", config.data.path]
     return args
@@ -164,7 +166,8 @@ class LocalSwarm:
         return peer
 
     def start(self, timeout: float = 120.0) -> None:
-        first = self._spawn("start", "peer-0", [])
+        # Each peer reads its own slice of the data, as the simulator's virtual peers do.
+        first = self._spawn("start", "peer-0", ["--shard", f"0/{self.count}"])
         deadline = time.monotonic() + timeout
         while (started := first.last("started")) is None:
             first.poll_events()
@@ -174,7 +177,7 @@ class LocalSwarm:
             time.sleep(0.2)
         address = started["addresses"][0]
         for index in range(1, self.count):
-            self._spawn("join", f"peer-{index}", [address])
+            self._spawn("join", f"peer-{index}", [address, "--shard", f"{index}/{self.count}"])
 
     def check_alive(self) -> None:
         for peer in self.peers:
