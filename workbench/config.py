@@ -101,7 +101,9 @@ class PeerConfig:
         if not self.wait_timeout >= 0:  # written so that NaN fails too
             raise ValueError(f"wait timeout must be >= 0 (got {self.wait_timeout})")
         if self.shard is not None and not 0 <= self.shard < self.num_shards:
-            raise ValueError(f"shard must be in 0..{self.num_shards - 1} for {self.num_shards} shards (got {self.shard})")
+            raise ValueError(
+                f"shard must be in 0..{self.num_shards - 1} for {self.num_shards} shards (got {self.shard})"
+            )
         if self.eval_every < 1:
             raise ValueError(f"eval every must be >= 1 round (got {self.eval_every})")
         if self.eval_batches < 1:

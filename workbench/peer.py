@@ -319,8 +319,13 @@ class Peer:
     def _batches(self):
         cfg = self.config
         if cfg.peer.shard is not None:  # the same stream optim.sim gives virtual peer `shard`
-            return self.corpus.batches(block_size=cfg.model.block_size, batch_size=cfg.data.batch_size,
-                                       seed=cfg.peer.seed, shard=cfg.peer.shard, num_shards=cfg.peer.num_shards)
+            return self.corpus.batches(
+                block_size=cfg.model.block_size,
+                batch_size=cfg.data.batch_size,
+                seed=cfg.peer.seed,
+                shard=cfg.peer.shard,
+                num_shards=cfg.peer.num_shards,
+            )
         # Each peer draws from its own stream: seed mixed with the peer id.
         seed = (cfg.peer.seed * 1_000_003 + int.from_bytes(self.peer_id.encode()[-8:], "little")) % 2**62
         return self.corpus.batches(block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, seed=seed)

@@ -123,7 +123,12 @@ def run_simulation(
             num_shards=sim.peers,
         )
         return VirtualPeer(
-            model=net, inner_optimizer=inner, outer=outer, batches=batches, inner_steps=H, set_lr=set_lr,
+            model=net,
+            inner_optimizer=inner,
+            outer=outer,
+            batches=batches,
+            inner_steps=H,
+            set_lr=set_lr,
             grad_clip=train.grad_clip,
         )
 
