@@ -18,7 +18,7 @@ from optim.diloco import DiLoCoConfig, local_sgd, sparseloco
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.dht import NetworkConfig
 from swarm.errors import SwarmError
-from workbench.config import PeerConfig, RunConfig, TrainConfig
+from workbench.config import PeerConfig, RunConfig, TrainConfig, data_parallel_state
 from workbench.data import DataConfig, DataError
 from workbench.model import PRESETS, preset
 
@@ -63,7 +63,8 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         "--method",
         default="diloco",
         choices=METHOD_PRESETS,
-        help="outer method preset: diloco, local_sgd (FedAvg) or sparseloco (top-k + error feedback)",
+        help="outer method preset: diloco, local_sgd (FedAvg), sparseloco (top-k + error feedback) or dp "
+        "(data-parallel: gradients averaged every step, the baseline)",
     )
     group.add_argument("--outer-lr", type=float, help="outer SGD learning rate (diloco: 0.7)")
     group.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (diloco: 0.9)")
@@ -188,12 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-METHOD_PRESETS = ("diloco", "local_sgd", "sparseloco")
+METHOD_PRESETS = ("diloco", "local_sgd", "sparseloco", "dp")
 
 
 def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
     """The method's preset, then every outer flag given explicitly on top of it."""
     H = args.inner_steps
+    if args.method == "dp":  # gradients every step; --inner-steps and the outer flags do not apply
+        return data_parallel_state()
     base = {
         "diloco": DiLoCoConfig(inner_steps=H),
         "local_sgd": local_sgd(inner_steps=H),
@@ -230,6 +233,7 @@ def parse_shard(text: str | None) -> tuple[int | None, int]:
 def build_config(args: argparse.Namespace) -> RunConfig:
     """The config tree from parsed flags; raises ValueError/SwarmError on a bad value."""
     return RunConfig(
+        method="dp" if args.method == "dp" else "diloco",
         model=preset(args.model),
         data=DataConfig(path=args.data, batch_size=args.batch_size),
         train=TrainConfig(inner_lr=args.inner_lr, threads=args.threads),
@@ -265,6 +269,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     """The exact command another machine pastes to join this run."""
     parts = ["workbench", "join"]
+    if config.method == "dp":
+        parts += ["--method", "dp"]
     if config.peer.run_id != "workbench":
         parts += ["--run-id", config.peer.run_id]
     defaults = RunConfig()

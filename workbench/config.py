@@ -114,6 +114,9 @@ class PeerConfig:
 class RunConfig:
     """Everything one peer needs; the CLI, the launcher and notebooks build this tree."""
 
+    method: str = "diloco"
+    """diloco (the family: its settings are in ``diloco``) or dp (data-parallel: gradients
+    averaged every step; ``diloco`` then only keeps the state, with H=1)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -121,3 +124,21 @@ class RunConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
+
+    def __post_init__(self) -> None:
+        if self.method not in ("diloco", "dp"):
+            raise ValueError(f"unknown method '{self.method}'; choose diloco or dp")
+        if self.method == "dp" and (
+            self.diloco.inner_steps,
+            self.diloco.outer_lr,
+            self.diloco.outer_momentum,
+        ) != (1, 1.0, 0.0):
+            raise ValueError(
+                "data-parallel keeps its state with DiLoCo(H=1, outer lr 1, no momentum): use data_parallel_state()"
+            )
+
+
+def data_parallel_state() -> DiLoCoConfig:
+    """The DiLoCo settings under which DiLoCo's state keeping equals plain data-parallel:
+    one step per round, θ_global ← θ_local (outer SGD with lr 1, no momentum, own Δ)."""
+    return DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)

@@ -118,6 +118,8 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
     ]
     if config.diloco.error_feedback:
         args.append("--error-feedback")
+    if config.method == "dp":
+        args += ["--method", "dp"]
     if config.peer.shard is not None:
         args += ["--shard", f"{config.peer.shard}/{config.peer.num_shards}"]
     if config.data.path:

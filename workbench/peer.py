@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from optim.averager import LocalAverager
+from optim.data_parallel import DataParallel
 from optim.diloco import DiLoCo
 from swarm.dht import shutdown_quietly, start_dht, visible_addresses
 from swarm.errors import SwarmError
@@ -101,7 +103,14 @@ class Peer:
             config=cfg.averaging,
             client_mode=cfg.network.client_mode,
         )
-        self.diloco.averager = self.averager
+        if cfg.method == "dp":
+            # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
+            # swarm of one then just keeps θ, the step clock and the state served to joiners.
+            self.dp = DataParallel(self.model, self.inner_optimizer, self.averager)
+            self.diloco.averager = LocalAverager()
+        else:
+            self.dp = None
+            self.diloco.averager = self.averager
         # A joiner's first word is "downloading": the others' round barrier waits for a peer in
         # that stage, but not for one still "joining" at outer step 0.
         self.beat(Stage.DOWNLOADING if cfg.network.initial_peers else Stage.JOINING)
@@ -257,12 +266,16 @@ class Peer:
                 for group in self.inner_optimizer.param_groups:
                     group["lr"] = cfg.train.inner_lr * cfg.train.lr_factor(run_step, total_inner)
                 x, y = next(batches)
-                self.last_loss = self.inner_step(x, y)
+                info = dict(outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint())
+                self.last_loss, dp_report = self.inner_step(x, y, info)
                 self.diloco.note_inner_step(samples=len(x))
                 samples += len(x)
             self.samples_per_second = samples / max(time.monotonic() - round_start, 1e-9)
-            info = dict(outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint())
-            report = self.diloco.sync(info=info)
+            if self.dp is not None:
+                self.diloco.sync()  # commit: θ_global ← θ_local, step clock + 1, state snapshot
+                report = dp_report
+            else:
+                report = self.diloco.sync(info=info)
             self.bytes_sent += report.bytes_sent
             self.bytes_received += report.bytes_received
             self.averager.set_state_priority(self.diloco.outer_step_count)
@@ -330,12 +343,14 @@ class Peer:
         seed = (cfg.peer.seed * 1_000_003 + int.from_bytes(self.peer_id.encode()[-8:], "little")) % 2**62
         return self.corpus.batches(block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, seed=seed)
 
-    def inner_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+    def inner_step(self, x: torch.Tensor, y: torch.Tensor, info: dict[str, Any]) -> tuple[float, Any]:
+        """One AdamW step; for data-parallel, with the swarm's mean gradient (and its report)."""
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.model.train()
         with autocast_context(self.device):
             _, loss = self.model(x, y)
         loss.backward()
+        report = self.dp.before_inner_step(samples=len(x), info=info) if self.dp is not None else None
         if self.config.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
         self.inner_optimizer.step()
@@ -345,7 +360,7 @@ class Peer:
             raise FloatingPointError(
                 f"inner loss became {value} at outer step {self.diloco.outer_step_count}: lower --inner-lr"
             )
-        return value
+        return value, report
 
     # --- shutdown -----------------------------------------------------------------------------
 

@@ -104,6 +104,16 @@ def test_describe_round_mentions_a_lone_round() -> None:
     assert _describe({"peer": "p", "event": "left", "reason": "finished"}) is None
 
 
+def test_data_parallel_method_round_trips(tmp_path: Path) -> None:
+    config = build_config(build_parser().parse_args(["start", "--method", "dp", "--inner-steps", "30"]))
+    assert config.method == "dp" and config.diloco.inner_steps == 1 and config.diloco.outer_lr == 1.0
+    rebuilt = build_config(
+        build_parser().parse_args(["start", *peer_arguments(config, name="p", run_dir=tmp_path)])
+    )
+    assert rebuilt.method == "dp" and rebuilt.diloco == config.diloco
+    assert "--method dp" in join_command(config, ["ADDR"])
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
