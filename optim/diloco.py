@@ -55,8 +55,9 @@ class DiLoCoConfig:
     error_feedback: bool = False
     """Keep what the codec dropped and add it to the next round's pseudo-gradient."""
     delay: int = 0
-    """Apply each round's averaged Δ this many rounds later (0: at once; 1: one-step delay,
-    which lets the all-reduce overlap the next round's inner steps)."""
+    """Apply each round's averaged Δ this many rounds later (0: at once; 1: one-step delay, the
+    schedule that lets an asynchronous all-reduce overlap the next round's inner steps; the
+    transports here still block, so today it changes the math, not the wall time)."""
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
@@ -114,6 +115,8 @@ class OuterState:
     eval loss 3.2 -> 5.7 on the round after a join), so the state travels with θ."""
     inner_keys: list[list[Any]] = field(default_factory=list)
     """(param index, state key) for each tensor in ``inner``."""
+    pending: list[list[torch.Tensor]] = field(default_factory=list)
+    """With ``delay``: averaged updates not applied yet, oldest first (one list per round)."""
 
 
 class DiLoCo:
@@ -172,13 +175,18 @@ class DiLoCo:
         encoded = [self.codec.encode(d) for d in deltas]
         return [self.codec.decode(e) for e in encoded], encoded_nbytes(encoded)
 
-    def average(self, deltas: list[torch.Tensor], info: dict[str, Any] | None) -> RoundReport:
+    def average(
+        self, deltas: list[torch.Tensor], info: dict[str, Any] | None, *, weight: float | None = None
+    ) -> RoundReport:
         """Replace ``deltas`` by the group's weighted mean; fall back to ours on any failure."""
         start = time.monotonic()
-        weight = float(max(self.samples_this_round, 1))
+        if weight is None:
+            weight = float(max(self.samples_this_round, 1))
         backup = [d.clone() for d in deltas]  # a transport may fail after writing half a mean
         try:
             report = self.averager.all_reduce(deltas, weight=weight, info=info)
+        except threading.BrokenBarrierError:
+            raise  # the in-process swarm lost a peer: stop, do not train on alone
         except Exception as error:  # the transport failed: this round is a local step
             logger.warning("averaging failed (%s); applying this peer's own update", error)
             for d, b in zip(deltas, backup):
@@ -251,23 +259,25 @@ class DiLoCo:
         """Run one outer round now, whatever the inner step count."""
         deltas = self.compute_pseudo_gradients()
         local_norm = _global_norm(deltas)
-        if not all(torch.isfinite(d).all() for d in deltas):
-            # This peer diverged: sending its update would poison everyone's θ. Drop the
-            # round's local work, go back to θ, and let the transport's state sync catch up.
+        diverged = not all(torch.isfinite(d).all() for d in deltas)
+        if diverged:
+            # This peer diverged: sending its update would poison everyone's θ. It contributes
+            # nothing (weight 0) and adopts the group's mean, so it stays on the swarm's θ and
+            # every other peer's all-reduce still finds it (no barrier left waiting).
             logger.error(
                 "round %d: this peer's pseudo-gradient holds NaN/Inf; not sent", self.outer_step_count
             )
-            self.restore_parameters()
-            self.inner_step_count = 0
-            self.samples_this_round = 0
-            return RoundReport(
-                group_size=1,
-                stale=True,
-                error="this peer's pseudo-gradient holds NaN/Inf: not sent, "
-                "local steps of this round dropped (lower the inner learning rate)",
+            deltas = [torch.zeros_like(g) for g in self.global_params]
+            payload_bytes = 0
+            self.inner_optimizer.state.clear()  # its moments are likely NaN too: start them afresh
+        else:
+            deltas, payload_bytes = self.compress(deltas)
+        report = self.average(deltas, info, weight=0.0 if diverged else None)
+        if diverged:
+            report.error = (
+                "this peer's pseudo-gradient held NaN/Inf: not sent; it took the group's update "
+                "(lower the inner learning rate)"
             )
-        deltas, payload_bytes = self.compress(deltas)
-        report = self.average(deltas, info)
         report.local_norm, report.mean_norm = local_norm, _global_norm(deltas)
         report.payload_bytes = payload_bytes
         try:
@@ -315,6 +325,7 @@ class DiLoCo:
                 momentum=[m.clone() for m in self.momentum_buffers()],
                 inner=list(tensors),
                 inner_keys=[list(k) for k in keys],
+                pending=[[d.clone() for d in update] for update in self._pending],
             )
 
     @torch.no_grad()
@@ -336,6 +347,8 @@ class DiLoCo:
             for g, m in zip(self.global_params, state.momentum):
                 self.outer_optimizer.state[g]["momentum_buffer"] = m.clone().to(torch.float32)
             self.outer_step_count = state.outer_step
+            # The group's queued updates replace ours (ours was computed from a stale θ).
+            self._pending = [[d.clone().float() for d in update] for update in state.pending]
         self.restore_parameters()
         self._load_inner_state(state)
         self.inner_step_count = 0

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from optim.averager import Averager, RoundReport
-from optim.codecs import ErrorFeedback, encoded_nbytes, make_codec
+from optim.codecs import Codec, ErrorFeedback, encoded_nbytes, make_codec
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class StreamingConfig:
     nesterov: bool = True
     codec: str = "none"
     """Pseudo-gradient codec (optim.codecs); the paper sends 4-bit floats."""
+    topk_density: float = 0.01
+    """Fraction the topk codec keeps."""
     error_feedback: bool = False
 
     def __post_init__(self) -> None:
@@ -69,7 +71,10 @@ class StreamingConfig:
             raise ValueError("outer_lr must be in (0, 10] and outer_momentum in [0, 1)")
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=False")
-        make_codec(self.codec)
+        self.make_codec()
+
+    def make_codec(self) -> Codec:
+        return make_codec(self.codec, **({"density": self.topk_density} if self.codec == "topk" else {}))
 
 
 def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
@@ -112,7 +117,7 @@ class StreamingDiLoCo:
         self.outer_optimizer = torch.optim.SGD(
             self.global_params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov
         )
-        self.codec = make_codec(config.codec)
+        self.codec = config.make_codec()
         self.feedback = [ErrorFeedback(self.codec) if config.error_feedback else None for _ in self.fragments]
         self.step_count = 0
         """Inner steps taken."""

@@ -66,9 +66,13 @@ class _StateServingAverager(DecentralizedAverager):
     def get_current_state(self):
         state = self._state_provider()
         metadata = dict(
-            outer_step=state.outer_step, num_params=len(state.params), inner_keys=state.inner_keys
+            outer_step=state.outer_step,
+            num_params=len(state.params),
+            num_pending=len(state.pending),
+            inner_keys=state.inner_keys,
         )
-        return metadata, [*state.params, *state.momentum, *state.inner], None
+        queued = [t for update in state.pending for t in update]
+        return metadata, [*state.params, *state.momentum, *queued, *state.inner], None
 
 
 class SwarmAverager:
@@ -130,38 +134,28 @@ class SwarmAverager:
             report = self._alone(info, verdict.value)
             report.stale = verdict is _Verdict.BEHIND
             return report
-        self.beat(Stage.AVERAGING)
-        with self.averager.get_tensors() as buffers:
-            for buffer, tensor in zip(buffers, tensors):
-                buffer.copy_(tensor)
-        from hivemind.utils import get_dht_time
-
-        control = self.averager.step(
-            gather=info,
-            weight=weight,
-            scheduled_time=get_dht_time() + self.config.matchmaking_time,
-            timeout=self.config.averaging_timeout,
-            wait=False,
-        )
-        try:
-            # Poll rather than block, so heartbeats continue and Ctrl+C lands here.
-            hard_deadline = time.monotonic() + self.config.averaging_timeout + 10.0
-            while not control.done():
-                self.beat(Stage.AVERAGING)
-                if time.monotonic() > hard_deadline:  # hivemind missed its own deadline
-                    control.cancel()
-                    return self._failed(
-                        info, f"averaging did not finish in {self.config.averaging_timeout:.0f} s"
-                    )
-                time.sleep(0.05)
-            gathered = control.result()
-        except KeyboardInterrupt:
-            control.cancel()
-            raise
-        except Exception as error:
-            return self._failed(info, f"averaging failed: {type(error).__name__}: {error}")
-        if not gathered:
-            return self._failed(info, "could not find a group")
+        deadline = time.monotonic() + self.config.averaging_timeout
+        attempt = 0
+        while True:
+            attempt += 1
+            gathered, error = self._attempt(tensors, weight, info, deadline)
+            if gathered:
+                break
+            # We retry here rather than let hivemind do it: hivemind retries on the buffers as a
+            # failed all-reduce left them (half averaged) and would report a wrong mean as a
+            # success. Each attempt starts from this peer's own Δ; retry only while the others
+            # of this round are still averaging, and while time is left.
+            outer_step = int(info.get("outer_step", 0))
+            mates = [
+                p
+                for p in self.board.fetch().values()
+                if p.peer_id != self.peer_id
+                and p.outer_step == outer_step
+                and p.stage in (Stage.WAITING, Stage.AVERAGING)
+            ]
+            if not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
+                return self._failed(info, error)
+            logger.debug("round %d: attempt %d failed (%s); retrying", outer_step, attempt, error)
         # Success: the buffers now hold the group's weighted mean.
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
@@ -177,6 +171,41 @@ class SwarmAverager:
             bytes_received=moved,
             group_info=[data for data in gathered.values() if isinstance(data, dict)],
         )
+
+    def _attempt(
+        self, tensors: Sequence[torch.Tensor], weight: float, info: dict[str, Any], deadline: float
+    ) -> tuple[dict[Any, Any] | None, str]:
+        """One matchmaking + all-reduce from this peer's own tensors; (gathered, why it failed)."""
+        from hivemind.utils import get_dht_time
+
+        self.beat(Stage.AVERAGING)
+        with self.averager.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, tensors):
+                buffer.copy_(tensor)
+        control = self.averager.step(
+            allow_retries=False,  # see all_reduce
+            gather=info,
+            weight=weight,
+            scheduled_time=get_dht_time() + self.config.matchmaking_time,
+            timeout=max(self.config.matchmaking_time + 0.5, deadline - time.monotonic()),
+            wait=False,
+        )
+        try:
+            # Poll rather than block, so heartbeats continue and Ctrl+C lands here.
+            hard_deadline = deadline + 10.0
+            while not control.done():
+                self.beat(Stage.AVERAGING)
+                if time.monotonic() > hard_deadline:  # hivemind missed its own deadline
+                    control.cancel()
+                    return None, f"averaging did not finish in {self.config.averaging_timeout:.0f} s"
+                time.sleep(0.05)
+            gathered = control.result()
+        except KeyboardInterrupt:
+            control.cancel()
+            raise
+        except Exception as error:
+            return None, f"averaging failed: {type(error).__name__}: {error}"
+        return (gathered, "") if gathered else (None, "could not find a group")
 
     def _failed(self, info: dict[str, Any], reason: str) -> RoundReport:
         """The others of this round were ready but the round failed for this peer: they may
@@ -243,29 +272,63 @@ class SwarmAverager:
         if self.averager.allow_state_sharing:
             self.averager.state_sharing_priority = float(outer_step)
 
-    def download_state(self, *, timeout: float = 30.0) -> OuterState | None:
-        """The global state of the most advanced peer, or None if nobody serves it."""
-        result = self.averager.load_state_from_peers(timeout=timeout)
+    def download_state(self, *, timeout: float = 60.0) -> OuterState | None:
+        """The global state of the most advanced peer, or None if nobody served it in time.
+
+        Polls rather than blocks so that this peer's heartbeat ("downloading") stays alive:
+        the others' round barrier waits for a downloading peer only while it can see it.
+        """
+        future = self.averager.load_state_from_peers(wait=False, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            while not future.done():
+                self.beat(Stage.DOWNLOADING)
+                if time.monotonic() > deadline:
+                    future.cancel()
+                    logger.warning("no peer served the state within %.0f s", timeout)
+                    return None
+                time.sleep(0.1)
+            result = future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
+        except Exception as error:  # a donor died mid-download, a timeout inside hivemind, ...
+            logger.warning("state download failed: %s: %s", type(error).__name__, error)
+            return None
         if result is None:
             return None
         metadata, tensors = result
-        count = int(metadata.get("num_params", -1)) if isinstance(metadata, dict) else -1
-        inner_keys = metadata.get("inner_keys") or [] if isinstance(metadata, dict) else []
-        if count < 1 or len(tensors) != 2 * count + len(inner_keys):
-            raise SwarmError(
-                f"a peer served a malformed state ({len(tensors)} tensors for {count} params); "
-                "it may run another version of workbench"
-            )
-        return OuterState(
-            outer_step=int(metadata["outer_step"]),
-            params=[t.float() for t in tensors[:count]],
-            momentum=[t.float() for t in tensors[count : 2 * count]],
-            inner=list(tensors[2 * count :]),
-            inner_keys=[list(k) for k in inner_keys],
-        )
+        try:
+            return _parse_state(metadata, tensors)
+        except (SwarmError, KeyError, TypeError, ValueError) as error:
+            logger.warning("a peer served a malformed state (%s); will try again", error)
+            return None
 
     def shutdown(self) -> None:
         self.averager.shutdown()
+
+
+def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:
+    """Rebuild an OuterState from what _StateServingAverager.get_current_state sent."""
+    if not isinstance(metadata, dict):
+        raise SwarmError("the state's metadata is not a dict")
+    count = int(metadata.get("num_params", -1))
+    inner_keys = metadata.get("inner_keys") or []
+    pending = int(metadata.get("num_pending", 0))
+    if count < 1 or len(tensors) != (2 + pending) * count + len(inner_keys):
+        raise SwarmError(
+            f"{len(tensors)} tensors for {count} params; the donor may run another version of workbench"
+        )
+    rest = tensors[2 * count :]
+    queued = [[t.float() for t in rest[i * count : (i + 1) * count]] for i in range(pending)]
+    return OuterState(
+        outer_step=int(metadata["outer_step"]),
+        params=[t.float() for t in tensors[:count]],
+        momentum=[t.float() for t in tensors[count : 2 * count]],
+        pending=queued,
+        inner=list(rest[pending * count :]),
+        inner_keys=[list(k) for k in inner_keys],
+    )
 
 
 def diverged_from_group(

@@ -7,6 +7,7 @@ traceback; :func:`start_dht` turns both into :class:`~swarm.errors.SwarmError`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import signal
 from collections.abc import Sequence
@@ -96,7 +97,7 @@ def wait_for(future, timeout: float, what: str):
     """
     try:
         return future.result(timeout=timeout)
-    except TimeoutError:
+    except (TimeoutError, concurrent.futures.TimeoutError):  # distinct classes before Python 3.11
         future.cancel()
         raise SwarmError(f"the DHT did not answer {what} within {timeout:.0f} s") from None
 

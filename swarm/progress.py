@@ -39,7 +39,9 @@ class ProgressBoard:
         self._last_publish = now
         from hivemind.utils import get_dht_time
 
-        ttl = 3.0 if heartbeat.stage is Stage.LEAVING else self.ttl
+        # Same TTL for "leaving": hivemind keeps a subkey's value with the later expiration, so a
+        # shorter one would be ignored and the peer would look alive until its last beat expired.
+        ttl = self.ttl
         self.dht.store(
             self.key,
             subkey=heartbeat.peer_id,
@@ -56,10 +58,11 @@ class ProgressBoard:
             self.key,
             subkey=heartbeat.peer_id,
             value=heartbeat.model_dump(mode="json"),
-            expiration_time=get_dht_time() + (3.0 if heartbeat.stage is Stage.LEAVING else self.ttl),
+            expiration_time=get_dht_time() + self.ttl,
             return_future=True,
         )
-        wait_for(future, timeout, "the leaving heartbeat")
+        if not wait_for(future, timeout, "the leaving heartbeat"):
+            logger.debug("the DHT kept an older heartbeat over this one")
 
     def fetch(self, *, include_leaving: bool = False) -> dict[str, PeerHeartbeat]:
         """Live peers by peer id (this one included once it has published)."""

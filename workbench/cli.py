@@ -296,6 +296,8 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
             parts += [flag, str(value)]
     if config.diloco.error_feedback:
         parts.append("--error-feedback")
+    if config.peer.rounds:  # the inner lr schedule (cosine to the end) depends on the run's length
+        parts += ["--rounds", str(config.peer.rounds)]
     return " ".join(parts + list(addresses))
 
 
@@ -358,6 +360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except (SwarmError, DataError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except (ValueError, OSError) as error:  # e.g. --device cuda without a GPU, an unwritable --run-dir
+        if args.verbose:
+            raise
+        print(f"error: {error} (run with -v for details)", file=sys.stderr)
         return EXIT_USER_ERROR
     except FloatingPointError as error:  # training diverged: the message says what to lower
         print(f"error: {error}", file=sys.stderr)

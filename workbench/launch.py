@@ -9,6 +9,7 @@ logs go to ``<run_dir>/<peer>/peer.log``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -141,6 +142,8 @@ class LocalSwarm:
     def _spawn(self, command: str, name: str, extra: list[str]) -> LocalPeer:
         directory = self.run_dir / name
         directory.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.jsonl", "global_params.pt"):  # a reused --run-dir: start clean
+            (directory / stale).unlink(missing_ok=True)
         argv = [
             sys.executable,
             "-m",
@@ -168,6 +171,8 @@ class LocalSwarm:
         return peer
 
     def start(self, timeout: float = 120.0) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "commands.txt").write_text("")
         # Each peer reads its own slice of the data, as the simulator's virtual peers do.
         first = self._spawn("start", "peer-0", ["--shard", f"0/{self.count}"])
         deadline = time.monotonic() + timeout
@@ -184,8 +189,13 @@ class LocalSwarm:
     def check_alive(self) -> None:
         for peer in self.peers:
             code = peer.process.poll()
-            if code not in (None, 0):
-                raise LaunchError(f"{peer.name} exited with status {code}:\n{peer.log_tail()}")
+            if code is not None and (code != 0 or not peer.last("done")):
+                peer.poll_events()
+                if code == 0 and peer.last("done"):
+                    continue
+                raise LaunchError(
+                    f"{peer.name} exited with status {code} before finishing:\n{peer.log_tail()}"
+                )
 
     def poll(self) -> list[dict[str, Any]]:
         return list(itertools.chain.from_iterable(peer.poll_events() for peer in self.peers))
@@ -205,7 +215,8 @@ class LocalSwarm:
             try:
                 peer.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(peer.process.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it exited meanwhile
+                    os.killpg(peer.process.pid, signal.SIGKILL)
                 peer.process.wait()
 
     def result(self, seconds: float) -> dict[str, Any]:
@@ -339,6 +350,8 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
 
     if config.peer.rounds < 1:
         raise LaunchError("the demo needs --rounds >= 1")
+    if config.peer.shard is not None:
+        raise LaunchError("the demo gives each peer its own shard (I/N for peer I); drop --shard")
     if not 1 <= args.peers <= 64:
         raise LaunchError(f"--peers must be within 1..64 on one machine (got {args.peers})")
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="workbench-demo-"))

@@ -179,7 +179,7 @@ class Peer:
         self.beat(Stage.DOWNLOADING)
         started = time.monotonic()
         for attempt in range(3):
-            state = self.averager.download_state(timeout=30)
+            state = self.averager.download_state()
             if state is not None:
                 try:
                     self.diloco.load_outer_state(state)
@@ -278,12 +278,13 @@ class Peer:
                 report = self.diloco.sync(info=info)
             self.bytes_sent += report.bytes_sent
             self.bytes_received += report.bytes_received
-            self.averager.set_state_priority(self.diloco.outer_step_count)
             resync = f"out of step with the swarm ({report.error})" if report.stale else None
             if report.group_size > 1:
                 from swarm.averaging import diverged_from_group
 
                 resync = diverged_from_group(info | {"peer": self.peer_id}, report.group_info)
+            # A peer known to be out of date must not serve its θ at the top priority.
+            self.averager.set_state_priority(self.diloco.outer_step_count - (0.5 if resync else 0.0))
             if self.diloco.outer_step_count % cfg.peer.eval_every == 0 or (
                 cfg.peer.rounds and self.diloco.outer_step_count >= cfg.peer.rounds
             ):

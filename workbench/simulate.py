@@ -52,6 +52,7 @@ class MethodSpec:
             outer_momentum=d.outer_momentum,
             nesterov=d.nesterov,
             codec=d.codec,
+            topk_density=d.topk_density,
             error_feedback=d.error_feedback,
         )
 
@@ -69,7 +70,10 @@ class MethodSpec:
         d = self.diloco
         if self.method == "local_sgd":
             return replace(
-                local_sgd(inner_steps=d.inner_steps), codec=d.codec, error_feedback=d.error_feedback
+                local_sgd(inner_steps=d.inner_steps),
+                codec=d.codec,
+                topk_density=d.topk_density,
+                error_feedback=d.error_feedback,
             )
         if self.method == "sparseloco":
             return sparseloco(inner_steps=d.inner_steps, density=d.topk_density)
@@ -211,6 +215,10 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     sim = SimConfig(
         peers=args.peers, steps=args.steps, stragglers=stragglers, dropout=args.dropout, seed=args.seed
     )
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (got {args.threads}); 0 lets torch decide")
+    if stragglers and args.method in ("dp", "streaming"):
+        raise ValueError(f"--straggler applies to round-based methods; {args.method} syncs every step")
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run_simulation(

@@ -522,3 +522,23 @@ def test_diloco_config_defaults_follow_the_paper() -> None:
         0.9,
         True,
     )
+
+
+def test_delayed_updates_travel_with_the_state() -> None:
+    """With delay=1 a joiner must receive the queued update, or it skips one the others apply."""
+    from optim.averager import LocalAverager as _Local
+
+    config = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False, delay=1)
+    model_a = make_model(seed=0)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1)
+    a = DiLoCo(model_a, opt_a, _Local(), config)
+    train_round(a, opt_a, batches(1, 1))
+    state = a.outer_state()
+    assert len(state.pending) == 1
+    model_b = make_model(seed=5)
+    b = DiLoCo(model_b, torch.optim.SGD(model_b.parameters(), lr=0.1), _Local(), config)
+    b.load_outer_state(state)
+    zero = [torch.zeros_like(g) for g in a.global_params]
+    a.apply_delayed([z.clone() for z in zero])
+    b.apply_delayed([z.clone() for z in zero])
+    assert_all_close(a.global_params, b.global_params, atol=0)

@@ -305,3 +305,23 @@ def test_numpy_is_below_2_4_for_hiveminds_int8_codec() -> None:
         "keep the numpy<2.4 pin in pyproject.toml"
     )
     assert '"numpy>=1.26,<2.4"' in (REPO_ROOT / "pyproject.toml").read_text()
+
+
+def test_served_state_round_trips_with_queued_updates() -> None:
+    """What _StateServingAverager sends, _parse_state rebuilds (params, momentum, queue, inner)."""
+    from swarm.averaging import _parse_state
+    from swarm.errors import SwarmError
+
+    params = [torch.randn(3, 2), torch.randn(4)]
+    momentum = [torch.randn(3, 2), torch.randn(4)]
+    queued = [[torch.randn(3, 2), torch.randn(4)]]
+    inner = [torch.randn(3, 2)]
+    metadata = {"outer_step": 7, "num_params": 2, "num_pending": 1, "inner_keys": [[0, "exp_avg"]]}
+    state = _parse_state(metadata, [*params, *momentum, *queued[0], *inner])
+    assert state.outer_step == 7
+    assert all(torch.equal(a, b) for a, b in zip(state.params, params))
+    assert all(torch.equal(a, b) for a, b in zip(state.momentum, momentum))
+    assert all(torch.equal(a, b) for a, b in zip(state.pending[0], queued[0]))
+    assert torch.equal(state.inner[0], inner[0]) and state.inner_keys == [[0, "exp_avg"]]
+    with pytest.raises(SwarmError, match="tensors for 2 params"):
+        _parse_state(metadata, [*params, *momentum])

@@ -207,3 +207,25 @@ def test_delayed_diloco_trains_in_the_simulator():
     )
     assert result.final_eval_loss < result.initial_eval_loss
     assert result.rounds == 10 and result.params_max_abs_diff == 0.0
+
+
+def test_a_diverged_virtual_peer_sends_nothing_and_keeps_the_swarm_in_step():
+    """A peer whose update is NaN contributes weight 0 and takes the group's mean: no barrier
+    waits for it, and its θ stays the swarm's."""
+
+    def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
+        peer = factory("diloco", H=2)(rank, swarm)
+        if rank == 1:
+            clean = stream(1)
+
+            def poisoned():
+                for index, (x, y) in enumerate(clean):
+                    yield (x * float("nan"), y) if index == 2 else (x, y)
+
+            peer.batches = poisoned()
+        return peer
+
+    result = simulate(make_peer, mse, SimConfig(peers=3, steps=8))
+    assert result.rounds == 4
+    assert result.params_max_abs_diff == 0.0
+    assert result.final_eval_loss < result.initial_eval_loss
