@@ -33,6 +33,7 @@ test-integration: bootstrap
 
 bench: bootstrap
 	$(BIN)/python -m benchmarks.train_step
+	$(BIN)/python -m benchmarks.optimizers --quick
 
 lint: bootstrap
 	$(BIN)/ruff check .

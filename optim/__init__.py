@@ -8,6 +8,26 @@ optimizer, call ``outer.step()`` after every inner step, and give it an :class:`
 from __future__ import annotations
 
 from optim.averager import Averager, LocalAverager, RoundReport
+from optim.codecs import CODECS, ErrorFeedback, make_codec
+from optim.data_parallel import DataParallel
 from optim.diloco import DiLoCo, DiLoCoConfig, OuterState
+from optim.local_sgd import local_sgd
+from optim.sparseloco import sparseloco
+from optim.streaming import StreamingConfig, StreamingDiLoCo
 
-__all__ = ["Averager", "DiLoCo", "DiLoCoConfig", "LocalAverager", "OuterState", "RoundReport"]
+__all__ = [
+    "CODECS",
+    "Averager",
+    "DataParallel",
+    "DiLoCo",
+    "DiLoCoConfig",
+    "ErrorFeedback",
+    "LocalAverager",
+    "OuterState",
+    "RoundReport",
+    "StreamingConfig",
+    "StreamingDiLoCo",
+    "local_sgd",
+    "make_codec",
+    "sparseloco",
+]

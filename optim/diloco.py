@@ -81,26 +81,6 @@ class DiLoCoConfig:
         return make_codec(self.codec, **options)
 
 
-def sparseloco(*, inner_steps: int = 50, density: float = 0.01) -> DiLoCoConfig:
-    """SparseLoCo-style (https://arxiv.org/abs/2508.15706): top-k pseudo-gradients with error
-    feedback in place of outer momentum; outer lr 1 applies the sparse mean as it is."""
-    return DiLoCoConfig(
-        inner_steps=inner_steps,
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        nesterov=False,
-        codec="topk",
-        topk_density=density,
-        error_feedback=True,
-    )
-
-
-def local_sgd(*, inner_steps: int = 50) -> DiLoCoConfig:
-    """FedAvg / local SGD (McMahan et al. 2017): plain parameter averaging every H steps,
-    i.e. DiLoCo's outer SGD with lr 1 and no momentum."""
-    return DiLoCoConfig(inner_steps=inner_steps, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
-
-
 @dataclass(kw_only=True)
 class OuterState:
     """Everything a new peer needs to continue the run: global θ, outer momentum, step."""

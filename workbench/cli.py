@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from optim.codecs import CODECS as UPDATE_CODECS
-from optim.diloco import DiLoCoConfig, local_sgd, sparseloco
+from optim.diloco import DiLoCoConfig
+from optim.local_sgd import local_sgd
+from optim.sparseloco import sparseloco
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.dht import NetworkConfig
 from swarm.errors import SwarmError

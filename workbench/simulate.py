@@ -16,8 +16,10 @@ import torch
 
 from optim.codecs import CODECS
 from optim.data_parallel import DataParallel
-from optim.diloco import DiLoCo, DiLoCoConfig, local_sgd, sparseloco
+from optim.diloco import DiLoCo, DiLoCoConfig
+from optim.local_sgd import local_sgd
 from optim.sim import InProcessSwarm, SimConfig, SimResult, VirtualPeer, simulate
+from optim.sparseloco import sparseloco
 from optim.streaming import StreamingConfig, StreamingDiLoCo
 from workbench.config import TrainConfig
 from workbench.data import ByteCorpus, DataConfig, evaluate
