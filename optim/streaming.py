@@ -17,7 +17,9 @@ Phases for one fragment: ``begin_sync`` (pseudo-gradient of the fragment, codec,
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 
 from optim.averager import Averager, RoundReport
 from optim.codecs import Codec, ErrorFeedback, encoded_nbytes, make_codec
+from optim.diloco import OuterState
 
 logger = logging.getLogger(__name__)
 
@@ -104,15 +107,20 @@ class StreamingDiLoCo:
         self,
         model: torch.nn.Module,
         inner_optimizer: torch.optim.Optimizer,
-        averager: Averager,
+        averager: Averager | Sequence[Averager],
         config: StreamingConfig,
     ) -> None:
         self.model = model
         self.inner_optimizer = inner_optimizer
-        self.averager = averager
         self.config = config
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.fragments = split_fragments([p.numel() for p in self.params], config.fragments)
+        # One transport for every fragment (the simulator), or one per fragment (a real swarm,
+        # where each fragment is its own hivemind averaging group with its own tensor shapes).
+        self.averagers = (
+            list(averager) if isinstance(averager, Sequence) else [averager] * len(self.fragments)
+        )
+        assert len(self.averagers) == len(self.fragments), f"{len(self.averagers)=} {len(self.fragments)=}"
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self.outer_optimizer = torch.optim.SGD(
             self.global_params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov
@@ -164,7 +172,7 @@ class StreamingDiLoCo:
         else:
             encoded = [self.codec.encode(d) for d in deltas]
             deltas = [self.codec.decode(e) for e in encoded]
-        report = self.averager.all_reduce(deltas, weight=float(max(self.samples_since[f], 1)), info=info)
+        report = self.averagers[f].all_reduce(deltas, weight=float(max(self.samples_since[f], 1)), info=info)
         self.samples_since[f] = 0
         report.payload_bytes = encoded_nbytes(encoded)
         report.seconds = time.monotonic() - start
@@ -187,3 +195,98 @@ class StreamingDiLoCo:
             p, g = self.params[i], self.global_params[i].to(self.params[i].device, self.params[i].dtype)
             p.copy_(alpha * p + (1 - alpha) * g)
         self.syncs += 1
+
+
+class StreamingRounds:
+    """Streaming DiLoCo for round-driven loops (a real peer): one "round" = the inner steps up to
+    the next fragment sync (H/F), then that fragment's sync. Presents the surface a peer uses on
+    :class:`~optim.diloco.DiLoCo` (clock, ``note_inner_step``, ``sync``, state for joiners);
+    the clock ``outer_step_count`` counts fragment syncs.
+    """
+
+    def __init__(self, streaming: StreamingDiLoCo) -> None:
+        config = streaming.config
+        if config.inner_steps % config.fragments or config.sync_delay:
+            raise ValueError(
+                f"on real peers streaming needs H ({config.inner_steps}) divisible by the fragments "
+                f"({config.fragments}) and sync_delay 0 (got {config.sync_delay}): e.g. H=48 with 4 fragments"
+            )
+        self.streaming = streaming
+        self.steps_per_round = config.inner_steps // config.fragments
+        self.inner_step_count = 0
+        self.lock = threading.Lock()
+        self.global_params = streaming.global_params
+        self._inner_snapshot: tuple[list[list[Any]], list[torch.Tensor]] = ([], [])
+
+    @property
+    def outer_step_count(self) -> int:
+        return self.streaming.syncs
+
+    def note_inner_step(self, *, samples: int) -> None:
+        self.inner_step_count += 1
+        self.streaming.step_count += 1
+        self.streaming.samples_since = [s + samples for s in self.streaming.samples_since]
+
+    def sync(self, *, info: dict[str, Any] | None = None) -> RoundReport:
+        """Sync the fragment whose turn it is, and merge it at once."""
+        s = self.streaming
+        fragment = s.syncs % len(s.fragments)
+        report = s.begin_sync(fragment, info)
+        with self.lock:
+            s.merge(*s._pending.pop(s.step_count))
+        self.inner_step_count = 0
+        self.snapshot_inner_state()
+        return report
+
+    def snapshot_inner_state(self) -> None:
+        keys, tensors = [], []
+        for index, state in sorted(self.streaming.inner_optimizer.state_dict()["state"].items()):
+            for key, value in sorted(state.items()):
+                if isinstance(value, torch.Tensor):
+                    keys.append([int(index), str(key)])
+                    tensors.append(value.detach().to("cpu", copy=True))
+        with self.lock:
+            self._inner_snapshot = (keys, tensors)
+
+    def fingerprint(self) -> list[float]:
+        with self.lock:
+            return [float(g.double().norm()) for g in self.global_params]
+
+    def _momentum(self) -> list[torch.Tensor]:
+        state = self.streaming.outer_optimizer.state
+        return [state.get(g, {}).get("momentum_buffer", torch.zeros_like(g)) for g in self.global_params]
+
+    def outer_state(self) -> OuterState:
+        with self.lock:
+            keys, tensors = self._inner_snapshot
+            return OuterState(
+                outer_step=self.streaming.syncs,
+                params=[g.clone() for g in self.global_params],
+                momentum=[m.clone() for m in self._momentum()],
+                inner=list(tensors),
+                inner_keys=[list(k) for k in keys],
+            )
+
+    @torch.no_grad()
+    def load_outer_state(self, state: OuterState) -> None:
+        s = self.streaming
+        if [tuple(t.shape) for t in state.params] != [tuple(g.shape) for g in self.global_params]:
+            raise ValueError(
+                "the downloaded state does not fit this model; every peer of a run must use the same model"
+            )
+        with self.lock:
+            for g, p, m in zip(self.global_params, state.params, state.momentum):
+                g.copy_(p)
+                s.outer_optimizer.state[g]["momentum_buffer"] = m.clone().float()
+            s.syncs = state.outer_step
+            s.step_count = state.outer_step * self.steps_per_round
+            s.samples_since = [0] * len(s.fragments)
+            for p, g in zip(s.params, self.global_params):
+                p.copy_(g.to(p.device, p.dtype))
+        if state.inner:
+            per_param: dict[int, dict[str, torch.Tensor]] = {}
+            for (index, key), tensor in zip(state.inner_keys, state.inner):
+                per_param.setdefault(int(index), {})[str(key)] = tensor.clone()
+            groups = s.inner_optimizer.state_dict()["param_groups"]
+            s.inner_optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+        self.inner_step_count = 0

@@ -89,6 +89,8 @@ class SwarmAverager:
         state_provider: Callable[[], OuterState],
         config: AveragingConfig,
         client_mode: bool = False,
+        group: str = "diloco",
+        serve_state: bool = True,
     ) -> None:
         self.dht = dht
         self.board = board
@@ -102,7 +104,7 @@ class SwarmAverager:
         self.averager = _StateServingAverager(
             buffers,
             dht,
-            prefix=f"{run_id}_diloco",
+            prefix=f"{run_id}_{group}",  # peers average only with the same group name and shapes
             state_provider=state_provider,
             min_matchmaking_time=config.matchmaking_time,
             request_timeout=max(3.0, config.matchmaking_time),
@@ -111,7 +113,7 @@ class SwarmAverager:
             compression=codec(),
             state_compression=NoCompression(),
             client_mode=client_mode,
-            allow_state_sharing=not client_mode,
+            allow_state_sharing=serve_state and not client_mode,
             declare_state_period=10,
             shutdown_timeout=3,
             start=False,

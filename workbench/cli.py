@@ -83,6 +83,9 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         help="keep what the update codec drops for the next round",
     )
     group.add_argument(
+        "--fragments", type=int, default=4, help="streaming: fragments synced in turn (default: 4)"
+    )
+    group.add_argument(
         "--delay", type=int, choices=(0, 1), help="apply each round's mean one round later (default: 0)"
     )
     group.add_argument(
@@ -191,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-METHOD_PRESETS = ("diloco", "local_sgd", "sparseloco", "dp")
+METHOD_PRESETS = ("diloco", "local_sgd", "sparseloco", "dp", "streaming")
 
 
 def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
@@ -201,6 +204,7 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
         return data_parallel_state()
     base = {
         "diloco": DiLoCoConfig(inner_steps=H),
+        "streaming": DiLoCoConfig(inner_steps=H),  # DiLoCo's outer step, one fragment at a time
         "local_sgd": local_sgd(inner_steps=H),
         "sparseloco": sparseloco(inner_steps=H),
     }[args.method]
@@ -235,7 +239,8 @@ def parse_shard(text: str | None) -> tuple[int | None, int]:
 def build_config(args: argparse.Namespace) -> RunConfig:
     """The config tree from parsed flags; raises ValueError/SwarmError on a bad value."""
     return RunConfig(
-        method="dp" if args.method == "dp" else "diloco",
+        method=args.method if args.method in ("dp", "streaming") else "diloco",
+        fragments=args.fragments,
         model=preset(args.model),
         data=DataConfig(path=args.data, batch_size=args.batch_size),
         train=TrainConfig(inner_lr=args.inner_lr, threads=args.threads),
@@ -273,6 +278,8 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     parts = ["workbench", "join"]
     if config.method == "dp":
         parts += ["--method", "dp"]
+    if config.method == "streaming":
+        parts += ["--method", "streaming", "--fragments", str(config.fragments)]
     if config.peer.run_id != "workbench":
         parts += ["--run-id", config.peer.run_id]
     defaults = RunConfig()

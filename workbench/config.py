@@ -115,8 +115,12 @@ class RunConfig:
     """Everything one peer needs; the CLI, the launcher and notebooks build this tree."""
 
     method: str = "diloco"
-    """diloco (the family: its settings are in ``diloco``) or dp (data-parallel: gradients
-    averaged every step; ``diloco`` then only keeps the state, with H=1)."""
+    """diloco (the family: its settings are in ``diloco``), dp (data-parallel: gradients
+    averaged every step; ``diloco`` then only keeps the state, with H=1) or streaming
+    (Streaming DiLoCo: ``fragments`` synced one at a time, every H/F steps, with ``diloco``'s
+    outer settings)."""
+    fragments: int = 4
+    """streaming: how many fragments the parameters are split into."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -126,8 +130,15 @@ class RunConfig:
     peer: PeerConfig = field(default_factory=PeerConfig)
 
     def __post_init__(self) -> None:
-        if self.method not in ("diloco", "dp"):
-            raise ValueError(f"unknown method '{self.method}'; choose diloco or dp")
+        if self.method not in ("diloco", "dp", "streaming"):
+            raise ValueError(f"unknown method '{self.method}'; choose diloco, dp or streaming")
+        if self.method == "streaming" and (
+            self.fragments < 1 or self.diloco.inner_steps % self.fragments or self.diloco.delay
+        ):
+            raise ValueError(
+                f"streaming on real peers needs --inner-steps ({self.diloco.inner_steps}) divisible by "
+                f"--fragments ({self.fragments}) and no --delay; e.g. --inner-steps 48 --fragments 4"
+            )
         if self.method == "dp" and (
             self.diloco.inner_steps,
             self.diloco.outer_lr,

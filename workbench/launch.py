@@ -121,6 +121,8 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         args.append("--error-feedback")
     if config.method == "dp":
         args += ["--method", "dp"]
+    if config.method == "streaming":
+        args += ["--method", "streaming", "--fragments", str(config.fragments)]
     if config.peer.shard is not None:
         args += ["--shard", f"{config.peer.shard}/{config.peer.num_shards}"]
     if config.data.path:

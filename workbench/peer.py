@@ -29,6 +29,7 @@ import torch
 from optim.averager import LocalAverager
 from optim.data_parallel import DataParallel
 from optim.diloco import DiLoCo
+from optim.streaming import StreamingConfig, StreamingDiLoCo, StreamingRounds, split_fragments
 from swarm.dht import shutdown_quietly, start_dht, visible_addresses
 from swarm.errors import SwarmError
 from swarm.records import PeerHeartbeat, Stage
@@ -92,6 +93,9 @@ class Peer:
         self.board = ProgressBoard(self.dht, cfg.peer.run_id)
         if cfg.network.initial_peers:
             self._check_run_exists()
+        if cfg.method == "streaming":
+            self._setup_streaming(SwarmAverager)
+            return self._announce()
         self.diloco = DiLoCo(self.model, self.inner_optimizer, averager=None, config=cfg.diloco)  # type: ignore[arg-type]
         self.averager = SwarmAverager(
             self.dht,
@@ -111,6 +115,50 @@ class Peer:
         else:
             self.dp = None
             self.diloco.averager = self.averager
+        self._announce()
+
+    def _setup_streaming(self, SwarmAverager) -> None:  # noqa: N803 - the class, imported late
+        """One hivemind averaging group per fragment (own shapes); fragment 0's serves the state."""
+        cfg = self.config
+        d = cfg.diloco
+        config = StreamingConfig(
+            inner_steps=d.inner_steps,
+            fragments=cfg.fragments,
+            outer_lr=d.outer_lr,
+            outer_momentum=d.outer_momentum,
+            nesterov=d.nesterov,
+            codec=d.codec,
+            topk_density=d.topk_density,
+            error_feedback=d.error_feedback,
+        )
+        fragments = split_fragments(
+            [p.numel() for p in self.model.parameters() if p.requires_grad], cfg.fragments
+        )
+        shapes = [p.detach().float().cpu() for p in self.model.parameters() if p.requires_grad]
+        rounds: list[StreamingRounds] = []  # filled below; the state provider reads it lazily
+        self.fragment_averagers = [
+            SwarmAverager(
+                self.dht,
+                run_id=cfg.peer.run_id,
+                tensors_like=[shapes[i] for i in indices],
+                board=self.board,
+                beat=self.beat,
+                state_provider=lambda: rounds[0].outer_state(),
+                config=cfg.averaging,
+                client_mode=cfg.network.client_mode,
+                group=f"fragment{f}",
+                serve_state=f == 0,
+            )
+            for f, indices in enumerate(fragments)
+        ]
+        streaming = StreamingDiLoCo(self.model, self.inner_optimizer, self.fragment_averagers, config)
+        rounds.append(StreamingRounds(streaming))
+        self.diloco = rounds[0]  # the peer drives it like DiLoCo, one fragment sync per round
+        self.averager = self.fragment_averagers[0]
+        self.dp = None
+
+    def _announce(self) -> None:
+        cfg = self.config
         # A joiner's first word is "downloading": the others' round barrier waits for a peer in
         # that stage, but not for one still "joining" at outer step 0.
         self.beat(Stage.DOWNLOADING if cfg.network.initial_peers else Stage.JOINING)
@@ -158,7 +206,7 @@ class Peer:
             stage=self.stage,
             outer_step=diloco.outer_step_count if diloco else 0,
             inner_step=diloco.inner_step_count if diloco else 0,
-            inner_steps=self.config.diloco.inner_steps,
+            inner_steps=self.round_steps,
             loss=self.last_loss,
             samples_per_second=self.samples_per_second,
             bytes_sent=self.bytes_sent,
@@ -224,9 +272,23 @@ class Peer:
                 return
             time.sleep(0.3)
 
+    @property
+    def round_steps(self) -> int:
+        """Inner steps between two syncs: H, or H/F for streaming (one fragment per sync)."""
+        cfg = self.config
+        return (
+            cfg.diloco.inner_steps // cfg.fragments if cfg.method == "streaming" else cfg.diloco.inner_steps
+        )
+
+    @property
+    def total_rounds(self) -> int:
+        """Syncs in a run of ``--rounds``: streaming syncs every fragment once per round."""
+        cfg = self.config
+        return cfg.peer.rounds * (cfg.fragments if cfg.method == "streaming" else 1)
+
     def steps_this_round(self) -> int:
         """H, or fewer for a peer that joined mid-round, so it reaches the barrier with the others."""
-        H = self.config.diloco.inner_steps
+        H = self.round_steps
         mates = [
             p.inner_step
             for p in self.board.fetch().values()
@@ -250,19 +312,17 @@ class Peer:
         logger.info(
             "%s: eval loss %.4f at outer step %d", self.name, initial_eval, self.diloco.outer_step_count
         )
-        total_inner = cfg.peer.rounds * cfg.diloco.inner_steps if cfg.peer.rounds else None
+        total_inner = self.total_rounds * self.round_steps if cfg.peer.rounds else None
         batches = self._batches()
         eval_loss = initial_eval
-        while not cfg.peer.rounds or self.diloco.outer_step_count < cfg.peer.rounds:
+        while not cfg.peer.rounds or self.diloco.outer_step_count < self.total_rounds:
             round_start = time.monotonic()
             samples = 0
             for _ in range(self.steps_this_round()):
                 self.beat(Stage.TRAINING)
                 # The schedule follows the run's clock, not this peer's: a late joiner must not
                 # restart warmup (or the cosine) and push updates far larger than the others'.
-                run_step = (
-                    self.diloco.outer_step_count * cfg.diloco.inner_steps + self.diloco.inner_step_count
-                )
+                run_step = self.diloco.outer_step_count * self.round_steps + self.diloco.inner_step_count
                 for group in self.inner_optimizer.param_groups:
                     group["lr"] = cfg.train.inner_lr * cfg.train.lr_factor(run_step, total_inner)
                 x, y = next(batches)
@@ -286,7 +346,7 @@ class Peer:
             # A peer known to be out of date must not serve its θ at the top priority.
             self.averager.set_state_priority(self.diloco.outer_step_count - (0.5 if resync else 0.0))
             if self.diloco.outer_step_count % cfg.peer.eval_every == 0 or (
-                cfg.peer.rounds and self.diloco.outer_step_count >= cfg.peer.rounds
+                cfg.peer.rounds and self.diloco.outer_step_count >= self.total_rounds
             ):
                 eval_loss = evaluate(self.model, self.eval_set, self.device)
             self.emit(
@@ -319,7 +379,9 @@ class Peer:
         final_eval = evaluate(self.model, self.eval_set, self.device)
         summary = dict(
             peer_id=self.peer_id,
-            outer_rounds=self.diloco.outer_step_count,
+            # whole-model rounds (streaming syncs one fragment per sync: F syncs make a round)
+            outer_rounds=self.diloco.outer_step_count // (cfg.fragments if cfg.method == "streaming" else 1),
+            syncs=self.diloco.outer_step_count,
             initial_eval_loss=initial_eval,
             final_eval_loss=final_eval,
             bytes_sent=self.bytes_sent,
@@ -374,8 +436,9 @@ class Peer:
             except Exception as error:
                 logger.debug("could not announce leaving: %s", error)
         self.emit("left", reason=reason)
-        shutdown_quietly(self.averager, self.dht)
+        shutdown_quietly(*(getattr(self, "fragment_averagers", None) or [self.averager]), self.dht)
         self.averager = self.dht = None
+        self.fragment_averagers = []
         if self.metrics_file:
             self.metrics_file.close()
             self.metrics_file = None

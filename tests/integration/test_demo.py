@@ -67,8 +67,12 @@ def test_demo_json_contract(tmp_path):
         (["--method", "sparseloco", "--topk-density", "0.05"], ["--update-codec topk", "--error-feedback"]),
         (["--update-codec", "int8", "--delay", "1"], ["--update-codec int8", "--delay 1"]),
         (["--method", "dp"], ["--method dp"]),
+        (
+            ["--method", "streaming", "--inner-steps", "8", "--fragments", "4"],
+            ["--method streaming --fragments 4"],
+        ),
     ],
-    ids=["sparseloco", "int8-delayed", "data-parallel"],
+    ids=["sparseloco", "int8-delayed", "data-parallel", "streaming"],
 )
 def test_demo_runs_other_methods_over_the_real_swarm(tmp_path, method_flags, peer_flags):
     result = subprocess.run(

@@ -148,3 +148,21 @@ def test_method_presets_and_overrides(flags: list[str], expected: dict, tmp_path
     assert rebuilt.diloco == config.diloco
     command = join_command(config, ["/ip4/127.0.0.1/tcp/1/p2p/x"]).split()[2:-1]
     assert build_config(build_parser().parse_args(["start", *command])).diloco == config.diloco
+
+
+def test_streaming_method_round_trips_and_checks_its_schedule(tmp_path: Path) -> None:
+    config = build_config(
+        build_parser().parse_args(["start", "--method", "streaming", "--inner-steps", "48"])
+    )
+    assert config.method == "streaming" and config.fragments == 4 and config.diloco.outer_lr == 0.7
+    rebuilt = build_config(
+        build_parser().parse_args(["start", *peer_arguments(config, name="p", run_dir=tmp_path)])
+    )
+    assert rebuilt.method == "streaming" and rebuilt.fragments == 4 and rebuilt.diloco == config.diloco
+    assert "--method streaming --fragments 4" in join_command(config, ["ADDR"])
+    with pytest.raises(ValueError, match="divisible"):
+        build_config(
+            build_parser().parse_args(
+                ["start", "--method", "streaming", "--inner-steps", "50", "--fragments", "3"]
+            )
+        )

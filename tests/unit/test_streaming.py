@@ -119,3 +119,62 @@ def test_alpha_mixes_local_and_global_fragments():
 def test_streaming_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StreamingConfig(**kwargs)
+
+
+def test_streaming_rounds_syncs_fragments_in_turn_and_round_trips_its_state():
+    """The round-driven face real peers use: fragment f = sync % F, state for joiners."""
+    from optim.streaming import StreamingRounds
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def all_reduce(self, tensors, *, weight, info=None):
+            from optim.averager import RoundReport
+
+            self.calls.append(len(tensors))
+            return RoundReport(group_size=1)
+
+    model = init_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    recorders = [Recorder(), Recorder()]
+    rounds = StreamingRounds(
+        StreamingDiLoCo(model, inner, recorders, StreamingConfig(inner_steps=4, fragments=2))
+    )
+    assert rounds.steps_per_round == 2
+    data = stream(0)
+    for _ in range(3):
+        for _ in range(rounds.steps_per_round):
+            x, y = next(data)
+            model(x, y)[1].backward()
+            inner.step()
+            inner.zero_grad()
+            rounds.note_inner_step(samples=len(x))
+        rounds.sync(info={})
+    assert rounds.outer_step_count == 3
+    assert [len(r.calls) for r in recorders] == [2, 1]  # fragments 0, 1, 0
+
+    state = rounds.outer_state()
+    joiner_model = init_model(seed=9)
+    joiner_inner = torch.optim.AdamW(joiner_model.parameters(), lr=0.05)
+    joiner = StreamingRounds(
+        StreamingDiLoCo(
+            joiner_model, joiner_inner, [Recorder(), Recorder()], StreamingConfig(inner_steps=4, fragments=2)
+        )
+    )
+    joiner.load_outer_state(state)
+    assert joiner.outer_step_count == 3 and joiner.streaming.step_count == 6
+    assert joiner.fingerprint() == rounds.fingerprint()
+    assert all(torch.equal(a.detach(), b) for a, b in zip(joiner_model.parameters(), state.params))
+    assert joiner_inner.state_dict()["state"], "the inner AdamW statistics travel with the state"
+
+
+def test_streaming_rounds_refuse_uneven_schedules():
+    from optim.streaming import StreamingRounds
+
+    model = init_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="divisible"):
+        StreamingRounds(
+            StreamingDiLoCo(model, inner, LocalAverager(), StreamingConfig(inner_steps=5, fragments=2))
+        )
