@@ -81,21 +81,35 @@ class StreamingConfig:
 
 
 def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
-    """Contiguous groups of parameter indices with about ``sum(sizes)/fragments`` elements each."""
+    """Split parameter indices into ``fragments`` contiguous groups whose largest total size is
+    as small as it can be (binary search on that size, then greedy packing), so the peak
+    bytes per sync is as close to 1/F of the model as whole tensors allow."""
     if fragments > len(sizes):
         raise ValueError(f"{fragments} fragments but the model has only {len(sizes)} parameter tensors")
-    total, groups, current, filled = sum(sizes), [], [], 0
-    for index, size in enumerate(sizes):
-        current.append(index)
-        filled += size
-        remaining_groups = fragments - len(groups) - 1
-        remaining_tensors = len(sizes) - index - 1
-        if remaining_groups and (
-            filled >= total * (len(groups) + 1) / fragments or remaining_tensors == remaining_groups
-        ):
-            groups.append(current)
-            current = []
-    groups.append(current)
+
+    def pack(capacity: int) -> list[list[int]]:
+        groups: list[list[int]] = [[]]
+        filled = 0
+        for index, size in enumerate(sizes):
+            if groups[-1] and filled + size > capacity:
+                groups.append([])
+                filled = 0
+            groups[-1].append(index)
+            filled += size
+        return groups
+
+    low, high = max(sizes), sum(sizes)
+    while low < high:
+        middle = (low + high) // 2
+        if len(pack(middle)) <= fragments:
+            high = middle
+        else:
+            low = middle + 1
+    groups = pack(low)
+    while len(groups) < fragments:  # fewer groups than asked: split the largest splittable one
+        total = lambda group: sum(sizes[i] for i in group)  # noqa: E731
+        at = max((i for i, g in enumerate(groups) if len(g) > 1), key=lambda i: total(groups[i]))
+        groups[at : at + 1] = [groups[at][:-1], groups[at][-1:]]
     assert len(groups) == fragments and all(groups), f"{groups=}"
     return groups
 
