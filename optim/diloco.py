@@ -276,14 +276,9 @@ class DiLoCo:
 
     def snapshot_inner_state(self) -> None:
         """Copy the inner optimizer's tensor state for serving (the loop keeps mutating it)."""
-        keys, tensors = [], []
-        for index, state in sorted(self.inner_optimizer.state_dict()["state"].items()):
-            for key, value in sorted(state.items()):
-                if isinstance(value, torch.Tensor):
-                    keys.append([int(index), str(key)])
-                    tensors.append(value.detach().to("cpu", copy=True))
+        snapshot = inner_state_tensors(self.inner_optimizer)
         with self.lock:
-            self._inner_snapshot = (keys, tensors)
+            self._inner_snapshot = snapshot
 
     # --- state for late joiners and checkpoints -------------------------------------------
 
@@ -335,22 +330,7 @@ class DiLoCo:
         self.samples_this_round = 0
 
     def _load_inner_state(self, state: OuterState) -> None:
-        """Adopt the donor's inner optimizer statistics when they fit; else keep ours."""
-        if not state.inner:
-            return
-        current = self.inner_optimizer.state_dict()
-        per_param: dict[int, dict[str, torch.Tensor]] = {}
-        for (index, key), tensor in zip(state.inner_keys, state.inner):
-            per_param.setdefault(int(index), {})[str(key)] = tensor.clone()
-        fits = all(
-            0 <= index < len(self.params)
-            and all(t.dim() == 0 or t.shape == self.params[index].shape for t in entry.values())
-            for index, entry in per_param.items()
-        )
-        if not fits:
-            logger.warning("the donor's inner optimizer state does not fit this model; starting it fresh")
-            return
-        self.inner_optimizer.load_state_dict({"state": per_param, "param_groups": current["param_groups"]})
+        load_inner_state(self.inner_optimizer, self.params, state)
 
     def fingerprint(self) -> list[float]:
         """Per-tensor L2 norms of θ: peers on the same trajectory agree to ~1e-6 relative."""
@@ -360,3 +340,33 @@ class DiLoCo:
 
 def _global_norm(tensors: list[torch.Tensor]) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])))
+
+
+def inner_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], list[torch.Tensor]]:
+    """The optimizer's per-parameter tensors as ([param index, key] list, CPU copies)."""
+    keys, tensors = [], []
+    for index, state in sorted(optimizer.state_dict()["state"].items()):
+        for key, value in sorted(state.items()):
+            if isinstance(value, torch.Tensor):
+                keys.append([int(index), str(key)])
+                tensors.append(value.detach().to("cpu", copy=True))
+    return keys, tensors
+
+
+def load_inner_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], state: OuterState) -> None:
+    """Adopt a donor's inner optimizer statistics when they fit ``params``; else keep ours."""
+    if not state.inner:
+        return
+    per_param: dict[int, dict[str, torch.Tensor]] = {}
+    for (index, key), tensor in zip(state.inner_keys, state.inner):
+        per_param.setdefault(int(index), {})[str(key)] = tensor.clone()
+    fits = all(
+        0 <= index < len(params)
+        and all(t.dim() == 0 or t.shape == params[index].shape for t in entry.values())
+        for index, entry in per_param.items()
+    )
+    if not fits:
+        logger.warning("the donor's inner optimizer state does not fit this model; starting it fresh")
+        return
+    groups = optimizer.state_dict()["param_groups"]
+    optimizer.load_state_dict({"state": per_param, "param_groups": groups})

@@ -27,7 +27,7 @@ import torch
 
 from optim.averager import Averager, RoundReport
 from optim.codecs import Codec, ErrorFeedback, encoded_nbytes, make_codec
-from optim.diloco import OuterState
+from optim.diloco import OuterState, inner_state_tensors, load_inner_state
 
 logger = logging.getLogger(__name__)
 
@@ -253,14 +253,9 @@ class StreamingRounds:
         return report
 
     def snapshot_inner_state(self) -> None:
-        keys, tensors = [], []
-        for index, state in sorted(self.streaming.inner_optimizer.state_dict()["state"].items()):
-            for key, value in sorted(state.items()):
-                if isinstance(value, torch.Tensor):
-                    keys.append([int(index), str(key)])
-                    tensors.append(value.detach().to("cpu", copy=True))
+        snapshot = inner_state_tensors(self.streaming.inner_optimizer)
         with self.lock:
-            self._inner_snapshot = (keys, tensors)
+            self._inner_snapshot = snapshot
 
     def fingerprint(self) -> list[float]:
         with self.lock:
@@ -297,10 +292,5 @@ class StreamingRounds:
             s.samples_since = [0] * len(s.fragments)
             for p, g in zip(s.params, self.global_params):
                 p.copy_(g.to(p.device, p.dtype))
-        if state.inner:
-            per_param: dict[int, dict[str, torch.Tensor]] = {}
-            for (index, key), tensor in zip(state.inner_keys, state.inner):
-                per_param.setdefault(int(index), {})[str(key)] = tensor.clone()
-            groups = s.inner_optimizer.state_dict()["param_groups"]
-            s.inner_optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+        load_inner_state(s.inner_optimizer, s.params, state)
         self.inner_step_count = 0
