@@ -83,3 +83,16 @@ def test_ctrl_c_while_waiting_for_peers(spawn):
     started = time.monotonic()
     assert peer.wait(timeout=15) == 0, peer.stderr()
     assert time.monotonic() - started < 5.0
+
+
+def test_identity_file_keeps_the_peer_id_across_restarts(spawn, tmp_path):
+    """--identity FILE: created on first start, and the same peer id after a restart."""
+    key = tmp_path / "peer.key"
+    first = spawn("a", "start", *FAST, "--run-id", "identity", "--identity", str(key), "--min-peers", "2")
+    first_id = first.wait_event("started", timeout=60)["peer_id"]
+    assert key.exists()
+    first.process.send_signal(signal.SIGINT)
+    assert first.wait(timeout=15) == 0, first.stderr()
+    again = spawn("b", "start", *FAST, "--run-id", "identity", "--identity", str(key), "--min-peers", "2")
+    assert again.wait_event("started", timeout=60)["peer_id"] == first_id
+    assert first_id in again.address()
