@@ -32,6 +32,8 @@ EPILOG = """examples:
   workbench demo --peers 2 --rounds 3 --json      one JSON object for scripts
   workbench start --host 0.0.0.0 --announce /ip4/203.0.113.7/tcp/31337 --port 31337
   workbench join /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...
+  workbench status /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... --json
+  workbench simulate --method diloco --peers 4 --codec int8 --steps 400 --json
 """
 
 
@@ -191,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     from workbench.simulate import add_simulate_parser
 
     add_simulate_parser(commands)
+
+    from workbench.status import add_status_parser
+
+    add_status_parser(commands)
     return parser
 
 
@@ -341,6 +347,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
+    if args.command == "status":
+        from workbench.status import run_status_command
+
+        try:
+            return run_status_command(args)
+        except SwarmError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except KeyboardInterrupt:
+            return 0
     if args.command == "simulate":
         from workbench.data import DataError as _DataError
         from workbench.simulate import run_simulate_command

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -98,3 +99,34 @@ def test_joiner_with_another_model_is_refused(spawn):
     errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "trains another model" in errors[0] and "--model" in errors[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.integration
+def test_status_lists_the_live_peers(spawn):
+    """`workbench status ADDR --json` reads the run's heartbeats as a client."""
+    peer = spawn(
+        "a", "start", "--model", "tiny", "--threads", "1", "--run-id", "status-run", "--min-peers", "3"
+    )
+    address = peer.address()
+    result = subprocess.run(
+        [sys.executable, "-m", "workbench", "status", address, "--run-id", "status-run", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["run_id"] == "status-run"
+    [row] = data["peers"]
+    assert row["name"] == "a" and row["stage"] == "joining" and row["outer_step"] == 0
+    assert row["peer_id"] in address and row["seconds_since_heartbeat"] < 10
+    # Another run id: no peers, exit status 1 and a hint.
+    other = subprocess.run(
+        [sys.executable, "-m", "workbench", "status", address, "--run-id", "nobody"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert other.returncode == 1 and "no live peer of run 'nobody'" in other.stderr
