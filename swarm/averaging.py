@@ -195,11 +195,24 @@ class SwarmAverager:
         try:
             # Poll rather than block, so heartbeats continue and Ctrl+C lands here.
             hard_deadline = deadline + 10.0
+            outer_step, next_check = int(info.get("outer_step", 0)), time.monotonic() + 1.0
             while not control.done():
                 self.beat(Stage.AVERAGING)
                 if time.monotonic() > hard_deadline:  # hivemind missed its own deadline
                     control.cancel()
                     return None, f"averaging did not finish in {self.config.averaging_timeout:.0f} s"
+                if time.monotonic() > next_check:
+                    # Came too late for this round's group (e.g. a joiner that downloaded the
+                    # state while the others were averaging): they are past this round and wait
+                    # at their next barrier for us, so stop now rather than at the timeout.
+                    next_check = time.monotonic() + 1.0
+                    if any(
+                        p.outer_step > outer_step
+                        for p in self.board.fetch().values()
+                        if p.peer_id != self.peer_id
+                    ):
+                        control.cancel()
+                        return None, "the others finished this round without this peer"
                 time.sleep(0.05)
             gathered = control.result()
         except KeyboardInterrupt:
