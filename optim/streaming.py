@@ -20,43 +20,42 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from optim.averager import Averager, RoundReport
-from optim.codecs import Codec, ErrorFeedback, encoded_nbytes, make_codec
-from optim.diloco import OuterState, inner_state_tensors, load_inner_state
+from optim.codecs import ErrorFeedback, encoded_nbytes
+from optim.diloco import DiLoCoConfig, OuterState, inner_state_tensors, load_inner_state
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
 class StreamingConfig:
-    """Streaming DiLoCo's settings; outer SGD defaults as DiLoCo's."""
+    """Streaming DiLoCo's settings: DiLoCo's outer step (``outer``) plus the fragment schedule."""
 
-    inner_steps: int = 50
-    """H: inner steps between two syncs of the same fragment."""
+    outer: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    """H, outer SGD, codec and error feedback, exactly as DiLoCo takes them (``delay`` unused)."""
     fragments: int = 4
     """F: how many fragments the parameters are split into (contiguous, about equal bytes)."""
     sync_delay: int = 0
     """τ: inner steps between the start of a fragment's reduction and its merge (< H/F)."""
     alpha: float = 0.0
     """Merge mixing: weight of the local fragment (0 = take the global fragment)."""
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    codec: str = "none"
-    """Pseudo-gradient codec (optim.codecs); the paper sends 4-bit floats."""
-    topk_density: float = 0.01
-    """Fraction the topk codec keeps."""
-    error_feedback: bool = False
+
+    @property
+    def inner_steps(self) -> int:
+        """H: inner steps between two syncs of the same fragment."""
+        return self.outer.inner_steps
 
     def __post_init__(self) -> None:
-        if self.inner_steps < 1 or self.fragments < 1:
+        if self.fragments < 1:
+            raise ValueError(f"fragments must be >= 1 (got {self.fragments})")
+        if self.outer.delay:
             raise ValueError(
-                f"inner_steps and fragments must be >= 1 (got {self.inner_steps}, {self.fragments})"
+                "streaming delays merges with sync_delay (in steps), not the outer delay (in rounds)"
             )
         if self.fragments > self.inner_steps:
             raise ValueError(
@@ -70,14 +69,6 @@ class StreamingConfig:
             )
         if not 0 <= self.alpha < 1:
             raise ValueError(f"alpha must be in [0, 1) (got {self.alpha}); the paper uses 0.5 or less")
-        if not 0 < self.outer_lr <= 10 or not 0 <= self.outer_momentum < 1:
-            raise ValueError("outer_lr must be in (0, 10] and outer_momentum in [0, 1)")
-        if self.nesterov and self.outer_momentum == 0:
-            raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=False")
-        self.make_codec()
-
-    def make_codec(self) -> Codec:
-        return make_codec(self.codec, **({"density": self.topk_density} if self.codec == "topk" else {}))
 
 
 def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
@@ -137,10 +128,15 @@ class StreamingDiLoCo:
         assert len(self.averagers) == len(self.fragments), f"{len(self.averagers)=} {len(self.fragments)=}"
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self.outer_optimizer = torch.optim.SGD(
-            self.global_params, lr=config.outer_lr, momentum=config.outer_momentum, nesterov=config.nesterov
+            self.global_params,
+            lr=config.outer.outer_lr,
+            momentum=config.outer.outer_momentum,
+            nesterov=config.outer.nesterov,
         )
-        self.codec = config.make_codec()
-        self.feedback = [ErrorFeedback(self.codec) if config.error_feedback else None for _ in self.fragments]
+        self.codec = config.outer.make_codec()
+        self.feedback = [
+            ErrorFeedback(self.codec) if config.outer.error_feedback else None for _ in self.fragments
+        ]
         self.step_count = 0
         """Inner steps taken."""
         self.syncs = 0

@@ -120,17 +120,7 @@ class Peer:
     def _setup_streaming(self, SwarmAverager) -> None:  # noqa: N803 - the class, imported late
         """One hivemind averaging group per fragment (own shapes); fragment 0's serves the state."""
         cfg = self.config
-        d = cfg.diloco
-        config = StreamingConfig(
-            inner_steps=d.inner_steps,
-            fragments=cfg.fragments,
-            outer_lr=d.outer_lr,
-            outer_momentum=d.outer_momentum,
-            nesterov=d.nesterov,
-            codec=d.codec,
-            topk_density=d.topk_density,
-            error_feedback=d.error_feedback,
-        )
+        config = StreamingConfig(outer=cfg.diloco, fragments=cfg.fragments)
         fragments = split_fragments(
             [p.numel() for p in self.model.parameters() if p.requires_grad], cfg.fragments
         )

@@ -44,18 +44,8 @@ class MethodSpec:
     """streaming: weight of the local fragment at the merge."""
 
     def streaming_config(self) -> StreamingConfig:
-        d = self.diloco
         return StreamingConfig(
-            inner_steps=d.inner_steps,
-            fragments=self.fragments,
-            sync_delay=self.sync_delay,
-            alpha=self.alpha,
-            outer_lr=d.outer_lr,
-            outer_momentum=d.outer_momentum,
-            nesterov=d.nesterov,
-            codec=d.codec,
-            topk_density=d.topk_density,
-            error_feedback=d.error_feedback,
+            outer=self.diloco, fragments=self.fragments, sync_delay=self.sync_delay, alpha=self.alpha
         )
 
     def __post_init__(self) -> None:

@@ -8,38 +8,22 @@ import sys
 
 import pytest
 
+from tests.integration.conftest import FAST
+
 pytestmark = pytest.mark.integration
 
 
+def demo(tmp_path, *flags: str) -> subprocess.CompletedProcess:
+    """`workbench demo` with 2 peers and the integration tests' fast settings; later flags win."""
+    return subprocess.run(
+        [sys.executable, "-m", "workbench", "demo", "--peers", "2", "--headless", "--json", *FAST,
+         "--run-dir", str(tmp_path), *flags],
+        capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
 def test_demo_json_contract(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "workbench",
-            "demo",
-            "--peers",
-            "2",
-            "--rounds",
-            "2",
-            "--headless",
-            "--json",
-            "--model",
-            "tiny",
-            "--inner-steps",
-            "5",
-            "--batch-size",
-            "8",
-            "--matchmaking-time",
-            "1.0",
-            "--run-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
-    )
+    result = demo(tmp_path, "--rounds", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1, result.stdout  # stdout holds the JSON object and nothing else
@@ -75,35 +59,7 @@ def test_demo_json_contract(tmp_path):
     ids=["sparseloco", "int8-delayed", "data-parallel", "streaming"],
 )
 def test_demo_runs_other_methods_over_the_real_swarm(tmp_path, method_flags, peer_flags):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "workbench",
-            "demo",
-            "--peers",
-            "2",
-            "--rounds",
-            "3",
-            "--headless",
-            "--json",
-            "--model",
-            "tiny",
-            "--inner-steps",
-            "5",
-            "--batch-size",
-            "8",
-            "--matchmaking-time",
-            "1.0",
-            "--run-dir",
-            str(tmp_path),
-            *method_flags,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        stdin=subprocess.DEVNULL,
-    )
+    result = demo(tmp_path, "--rounds", "3", *method_flags)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout.strip().splitlines()[-1])
     assert data["outer_rounds"] == 3 and data["rounds_alone"] == 0

@@ -30,6 +30,13 @@ def test_more_fragments_than_tensors_is_an_error():
         split_fragments([1, 2], 3)
 
 
+def streaming(*, fragments: int = 4, sync_delay: int = 0, alpha: float = 0.0, **outer) -> StreamingConfig:
+    """A StreamingConfig from flat keywords: the schedule's own, the rest DiLoCo's."""
+    return StreamingConfig(
+        outer=DiLoCoConfig(**outer), fragments=fragments, sync_delay=sync_delay, alpha=alpha
+    )
+
+
 def make(method: str, **config):
     def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
         model = init_model()
@@ -38,7 +45,7 @@ def make(method: str, **config):
             outer = DiLoCo(model, inner, swarm.averager(rank), DiLoCoConfig(**config))
             steps = config["inner_steps"]
         else:
-            outer = StreamingDiLoCo(model, inner, swarm.averager(rank), StreamingConfig(**config))
+            outer = StreamingDiLoCo(model, inner, swarm.averager(rank), streaming(**config))
             steps = 1
         return VirtualPeer(
             model=model, inner_optimizer=inner, outer=outer, batches=stream(rank), inner_steps=steps
@@ -70,9 +77,7 @@ def test_fragments_sync_on_staggered_schedules_and_merge_after_the_delay():
         model,
         inner,
         LocalAverager(),
-        StreamingConfig(
-            inner_steps=4, fragments=2, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False
-        ),
+        streaming(inner_steps=4, fragments=2, sync_delay=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False),
     )
     started = []
     data = stream(0)
@@ -92,7 +97,7 @@ def test_fragments_sync_on_staggered_schedules_and_merge_after_the_delay():
 def test_alpha_mixes_local_and_global_fragments():
     model = init_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = StreamingConfig(
+    config = streaming(
         inner_steps=1, fragments=1, alpha=0.25, outer_lr=1.0, outer_momentum=0.0, nesterov=False
     )
     outer = StreamingDiLoCo(model, inner, LocalAverager(), config)
@@ -118,7 +123,7 @@ def test_alpha_mixes_local_and_global_fragments():
 )
 def test_streaming_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        StreamingConfig(**kwargs)
+        streaming(**kwargs)
 
 
 def test_streaming_rounds_syncs_fragments_in_turn_and_round_trips_its_state():
@@ -138,9 +143,7 @@ def test_streaming_rounds_syncs_fragments_in_turn_and_round_trips_its_state():
     model = init_model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.05)
     recorders = [Recorder(), Recorder()]
-    rounds = StreamingRounds(
-        StreamingDiLoCo(model, inner, recorders, StreamingConfig(inner_steps=4, fragments=2))
-    )
+    rounds = StreamingRounds(StreamingDiLoCo(model, inner, recorders, streaming(inner_steps=4, fragments=2)))
     assert rounds.steps_per_round == 2
     data = stream(0)
     for _ in range(3):
@@ -159,7 +162,7 @@ def test_streaming_rounds_syncs_fragments_in_turn_and_round_trips_its_state():
     joiner_inner = torch.optim.AdamW(joiner_model.parameters(), lr=0.05)
     joiner = StreamingRounds(
         StreamingDiLoCo(
-            joiner_model, joiner_inner, [Recorder(), Recorder()], StreamingConfig(inner_steps=4, fragments=2)
+            joiner_model, joiner_inner, [Recorder(), Recorder()], streaming(inner_steps=4, fragments=2)
         )
     )
     joiner.load_outer_state(state)
@@ -175,6 +178,4 @@ def test_streaming_rounds_refuse_uneven_schedules():
     model = init_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="divisible"):
-        StreamingRounds(
-            StreamingDiLoCo(model, inner, LocalAverager(), StreamingConfig(inner_steps=5, fragments=2))
-        )
+        StreamingRounds(StreamingDiLoCo(model, inner, LocalAverager(), streaming(inner_steps=5, fragments=2)))
