@@ -308,6 +308,9 @@ class Peer:
         while not cfg.peer.rounds or self.diloco.outer_step_count < self.total_rounds:
             round_start = time.monotonic()
             samples = 0
+            # θ_global only changes at a sync, so one fingerprint serves the whole round (for dp a
+            # round is one step); computing it per inner step would norm every tensor H times.
+            info = dict(outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint())
             for _ in range(self.steps_this_round()):
                 self.beat(Stage.TRAINING)
                 # The schedule follows the run's clock, not this peer's: a late joiner must not
@@ -316,7 +319,6 @@ class Peer:
                 for group in self.inner_optimizer.param_groups:
                     group["lr"] = cfg.train.inner_lr * cfg.train.lr_factor(run_step, total_inner)
                 x, y = next(batches)
-                info = dict(outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint())
                 self.last_loss, dp_report = self.inner_step(x, y, info)
                 self.diloco.note_inner_step(samples=len(x))
                 samples += len(x)
