@@ -337,6 +337,11 @@ class Peer:
                 resync = diverged_from_group(info | {"peer": self.peer_id}, report.group_info)
             # A peer known to be out of date must not serve its θ at the top priority.
             self.averager.set_state_priority(self.diloco.outer_step_count - (0.5 if resync else 0.0))
+            if resync:
+                # Adopt the group's θ before evaluating, so the round's eval loss is that of the
+                # params this peer carries on with (and matches the others').
+                logger.warning("%s: %s; downloading the global state", self.name, resync)
+                self.download_state(resync)
             if self.diloco.outer_step_count % cfg.peer.eval_every == 0 or (
                 cfg.peer.rounds and self.diloco.outer_step_count >= self.total_rounds
             ):
@@ -352,6 +357,7 @@ class Peer:
                 round_seconds=time.monotonic() - round_start,
                 averaging_seconds=report.seconds,
                 alone_reason=report.error,
+                resync=resync,
                 samples_per_second=self.samples_per_second,
                 local_update_norm=report.local_norm,
                 mean_update_norm=report.mean_norm,
@@ -365,9 +371,6 @@ class Peer:
                 report.group_size,
                 f"  (alone: {report.error})" if report.error else "",
             )
-            if resync:
-                logger.warning("%s: %s; downloading the global state", self.name, resync)
-                self.download_state(resync)
         final_eval = evaluate(self.model, self.eval_set, self.device)
         summary = dict(
             peer_id=self.peer_id,

@@ -51,12 +51,18 @@ def test_late_joiner_downloads_state_and_matches(spawn):
     # global params as the others: same eval loss at the same outer step (eval runs on θ).
     # (How soon depends on timing: a download during the others' all-reduce, or a matchmaking
     # hiccup under load, costs a round or two; what must hold is that it joins and then agrees.)
+    # A peer that finds itself out of step re-downloads θ before it evaluates, so every round's
+    # eval loss is that of the θ the peer carries on with.
     rounds = third.events("round")
     joined = next((r for r in rounds if r["group_size"] == 3), None)
     assert joined is not None, rounds
     others = {r["outer_step"]: r["eval_loss"] for r in first.events("round")}
+    resyncs = {
+        p.name: [(r["outer_step"], r["resync"]) for r in p.events("round") if r["resync"]]
+        for p in (first, second, third)
+    }
     for r in rounds[rounds.index(joined) :]:
-        assert abs(r["eval_loss"] - others[r["outer_step"]]) < 1e-4, (r, others)
+        assert abs(r["eval_loss"] - others[r["outer_step"]]) < 1e-4, (r, others, resyncs)
     params = [p.global_params() for p in (first, second, third)]
     assert max_abs_diff(params[0], params[1]) <= 1e-5
     assert max_abs_diff(params[0], params[2]) <= 1e-5
