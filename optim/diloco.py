@@ -22,6 +22,7 @@ The user's loop stays plain PyTorch::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -129,6 +130,31 @@ class DiLoCo:
         # What compression dropped, per peer, added back next round (never lost; see codecs).
         self.feedback = ErrorFeedback(self.codec) if config.error_feedback else None
         self.save_global_params()
+
+    def retune(
+        self, *, outer_lr: float | None = None, inner_steps: int | None = None, codec: str | None = None
+    ) -> dict[str, Any]:
+        """Change settings between rounds (steering); returns what changed. Validated first, so
+        a bad value raises ValueError and changes nothing. A new codec starts its error
+        feedback afresh (the old residual was in the old codec's terms and is dropped)."""
+        changes = {
+            k: v
+            for k, v in dict(outer_lr=outer_lr, inner_steps=inner_steps, codec=codec).items()
+            if v is not None and getattr(self.config, k) != v
+        }
+        if not changes:
+            return {}
+        checked = dataclasses.replace(self.config, **changes)  # runs __post_init__'s checks
+        for key, value in changes.items():
+            setattr(self.config, key, value)
+        if "outer_lr" in changes:
+            with self.lock:
+                for group in self.outer_optimizer.param_groups:
+                    group["lr"] = checked.outer_lr
+        if "codec" in changes:
+            self.codec = self.config.make_codec()
+            self.feedback = ErrorFeedback(self.codec) if self.config.error_feedback else None
+        return changes
 
     # --- phases -------------------------------------------------------------------------
 

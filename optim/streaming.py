@@ -16,6 +16,7 @@ Phases for one fragment: ``begin_sync`` (pseudo-gradient of the fragment, codec,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -231,6 +232,35 @@ class StreamingRounds:
     @property
     def outer_step_count(self) -> int:
         return self.streaming.syncs
+
+    def retune(
+        self, *, outer_lr: float | None = None, inner_steps: int | None = None, codec: str | None = None
+    ) -> dict[str, Any]:
+        """Change settings between syncs (steering), as :meth:`optim.diloco.DiLoCo.retune`;
+        a new H must stay divisible by the number of fragments."""
+        s, outer = self.streaming, self.streaming.config.outer
+        changes = {
+            k: v
+            for k, v in dict(outer_lr=outer_lr, inner_steps=inner_steps, codec=codec).items()
+            if v is not None and getattr(outer, k) != v
+        }
+        if not changes:
+            return {}
+        checked = dataclasses.replace(outer, **changes)
+        if checked.inner_steps % len(s.fragments):
+            raise ValueError(
+                f"H={checked.inner_steps} is not divisible by the {len(s.fragments)} fragments of this run"
+            )
+        for key, value in changes.items():
+            setattr(outer, key, value)
+        with self.lock:
+            for group in s.outer_optimizer.param_groups:
+                group["lr"] = outer.outer_lr
+        self.steps_per_round = outer.inner_steps // len(s.fragments)
+        if "codec" in changes:
+            s.codec = outer.make_codec()
+            s.feedback = [ErrorFeedback(s.codec) if outer.error_feedback else None for _ in s.fragments]
+        return changes
 
     def note_inner_step(self, *, samples: int) -> None:
         self.inner_step_count += 1

@@ -35,7 +35,7 @@ from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.errors import SwarmError
 from swarm.progress import ProgressBoard
-from swarm.records import Stage
+from swarm.records import RunKeys, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class SwarmAverager:
         self,
         dht,
         *,
-        run_id: str,
+        keys: RunKeys,
         tensors_like: Sequence[torch.Tensor],
         board: ProgressBoard,
         beat: Callable[[Stage], None],
@@ -104,7 +104,7 @@ class SwarmAverager:
         self.averager = _StateServingAverager(
             buffers,
             dht,
-            prefix=f"{run_id}_{group}",  # peers average only with the same group name and shapes
+            prefix=keys.group(group),  # peers average only with the same group name and shapes
             state_provider=state_provider,
             min_matchmaking_time=config.matchmaking_time,
             request_timeout=max(3.0, config.matchmaking_time),

@@ -47,8 +47,9 @@ class NetworkConfig:
             raise SwarmError(f"connect timeout must be within 1..600 s (got {self.connect_timeout})")
 
 
-def start_dht(config: NetworkConfig):  # -> hivemind.DHT
-    """Start a DHT node in a child process; returns once it is connected to the swarm."""
+def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> hivemind.DHT
+    """Start a DHT node in a child process; returns once it is connected to the swarm.
+    ``validators``: the run's record validators (see :func:`swarm.validators.record_validators`)."""
     import hivemind  # heavy import (~2 s), kept out of `workbench --help`
 
     handler = signal.getsignal(signal.SIGINT)
@@ -60,6 +61,7 @@ def start_dht(config: NetworkConfig):  # -> hivemind.DHT
         announce_maddrs=parse_announce_addresses(config.announce) or None,
         client_mode=config.client_mode,
         startup_timeout=config.connect_timeout,
+        record_validators=list(validators),
         start=False,
     )
     if config.identity_path:

@@ -1,8 +1,9 @@
 """The progress board: every peer's heartbeat under one DHT key of the run.
 
-Each peer stores a :class:`~swarm.records.PeerHeartbeat` under ``<run>_peers`` with its peer
-id as subkey and a short expiration, so a crashed peer vanishes from the board after ``ttl``
-seconds. Readers validate every entry and drop what does not parse.
+Each peer stores a :class:`~swarm.records.PeerHeartbeat` under ``<ns>_peers``, signed, with
+its public key as subkey and a short expiration, so a crashed peer vanishes from the board
+after ``ttl`` seconds. Readers drop every entry that does not parse or whose peer id is not
+the one its signing key belongs to: nobody can publish a heartbeat for another peer.
 """
 
 from __future__ import annotations
@@ -10,11 +11,9 @@ from __future__ import annotations
 import logging
 import time
 
-from pydantic import ValidationError
-
-from swarm.dht import wait_for
 from swarm.errors import SwarmError
-from swarm.records import PeerHeartbeat, Stage
+from swarm.records import PeerHeartbeat, RunKeys, Stage
+from swarm.store import SignedStore
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +21,14 @@ logger = logging.getLogger(__name__)
 class ProgressBoard:
     """Publish this peer's heartbeat and read everybody's (call from one thread)."""
 
-    def __init__(self, dht, run_id: str, *, ttl: float = 10.0, period: float = 1.0) -> None:
-        self.dht = dht
-        self.key = f"{run_id}_peers"
+    def __init__(self, store: SignedStore, keys: RunKeys, *, ttl: float = 10.0, period: float = 1.0) -> None:
+        self.store = store
+        self.key = keys.peers
         self.ttl = ttl
         self.period = period
         self._last_publish = 0.0
         self._last_fetch: dict[str, PeerHeartbeat] = {}
-        self.timeout = 5.0
+        self._peer_ids: dict[str, str | None] = {}  # public key -> peer id (RSA work, cached)
 
     def publish(self, heartbeat: PeerHeartbeat, *, force: bool = False) -> None:
         """Store the heartbeat; at most once per ``period`` unless ``force`` (a stage change)."""
@@ -37,62 +36,46 @@ class ProgressBoard:
         if not force and now - self._last_publish < self.period:
             return
         self._last_publish = now
-        from hivemind.utils import get_dht_time
-
         # Same TTL for "leaving": hivemind keeps a subkey's value with the later expiration, so a
         # shorter one would be ignored and the peer would look alive until its last beat expired.
-        ttl = self.ttl
-        self.dht.store(
-            self.key,
-            subkey=heartbeat.peer_id,
-            value=heartbeat.model_dump(mode="json"),
-            expiration_time=get_dht_time() + ttl,
-            return_future=True,  # fire and forget: never block a training step on the DHT
-        )
+        # Fire and forget: never block a training step on the DHT.
+        self.store.store(self.key, heartbeat, ttl=self.ttl)
 
     def publish_now(self, heartbeat: PeerHeartbeat, timeout: float = 3.0) -> None:
         """Store and wait until stored (used for the last word: leaving)."""
-        from hivemind.utils import get_dht_time
-
-        future = self.dht.store(
-            self.key,
-            subkey=heartbeat.peer_id,
-            value=heartbeat.model_dump(mode="json"),
-            expiration_time=get_dht_time() + self.ttl,
-            return_future=True,
-        )
-        if not wait_for(future, timeout, "the leaving heartbeat"):
-            logger.debug("the DHT kept an older heartbeat over this one")
+        try:
+            if not self.store.store(self.key, heartbeat, ttl=self.ttl, wait=True):
+                logger.debug("the DHT kept an older heartbeat over this one")
+        except SwarmError as error:
+            logger.debug("%s", error)
 
     def fetch(self, *, include_leaving: bool = False) -> dict[str, PeerHeartbeat]:
         """Live peers by peer id (this one included once it has published)."""
         try:
-            found = wait_for(
-                self.dht.get(self.key, latest=True, return_future=True), self.timeout, "a heartbeat query"
-            )
+            records = self.store.read(self.key, PeerHeartbeat)
         except SwarmError as error:
             logger.warning("%s; using the last known peers", error)
             return dict(self._last_fetch)
-        peers = self._read(found, include_leaving)
-        self._last_fetch = peers
-        return peers
-
-    def _read(self, found, include_leaving: bool) -> dict[str, PeerHeartbeat]:
-        if found is None or not isinstance(found.value, dict):
-            return {}
         peers = {}
-        for subkey, entry in found.value.items():
-            try:
-                heartbeat = PeerHeartbeat.model_validate(entry.value)
-            except (ValidationError, AttributeError, TypeError) as error:
-                logger.debug("dropping a malformed heartbeat under %r: %s", subkey, error)
-                continue
-            if heartbeat.peer_id != subkey:
-                logger.debug(
-                    "dropping a heartbeat whose peer id %r differs from its subkey", heartbeat.peer_id
+        for public_key, heartbeat in records.items():
+            if self.peer_id_of(public_key) != heartbeat.peer_id:
+                logger.warning(
+                    "dropping a heartbeat that claims peer id %s but is signed by another key (forged)",
+                    heartbeat.peer_id,
                 )
                 continue
             if heartbeat.stage is Stage.LEAVING and not include_leaving:
                 continue
-            peers[subkey] = heartbeat
+            peers[heartbeat.peer_id] = heartbeat
+        self._last_fetch = {k: v for k, v in peers.items() if v.stage is not Stage.LEAVING}
         return peers
+
+    def peer_id_of(self, public_key: str) -> str | None:
+        if public_key not in self._peer_ids:
+            from swarm.identity import peer_id_of
+
+            try:
+                self._peer_ids[public_key] = peer_id_of(public_key)
+            except (ValueError, TypeError):
+                self._peer_ids[public_key] = None
+        return self._peer_ids[public_key]

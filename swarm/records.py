@@ -1,16 +1,30 @@
 """Records peers publish in the DHT, as pydantic models.
 
-Stored under the run's prefix as plain dicts (``model_dump``) and validated on read, so a
-malformed record from a buggy or hostile peer is dropped, never trusted. Signing records
-(hivemind's RSASignatureValidator) comes with the swarm-records issue.
+Three keys per run (see :class:`RunKeys`), each a dictionary whose subkeys are the writers'
+public keys (``[owner:ssh-rsa ...]``):
+
+    <ns>_manifest   RunManifest   written once by the run's owner (``workbench start``)
+    <ns>_peers      PeerHeartbeat every peer, every second or so, short expiration
+    <ns>_control    ControlState  the owner's steering; anybody else's is ignored and logged
+
+Every DHT node of the run installs :func:`record_validators`: hivemind's
+``RSASignatureValidator`` (a record under a public key must be signed with its private key,
+so nobody writes under another peer's key), hivemind's ``SchemaValidator`` (values must
+parse as these models) and, for a private run, :class:`RunSecretValidator` (an HMAC with the
+run secret on every record). Readers validate again and check a heartbeat's peer id against
+its signer's key, so a record that slipped past a node without validators is still dropped.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import re
+from dataclasses import dataclass
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from swarm.errors import SwarmError
 
@@ -34,6 +48,7 @@ class Stage(str, enum.Enum):
     TRAINING = "training"  # running inner steps
     WAITING = "waiting"  # done with this round's inner steps, waiting for the others
     AVERAGING = "averaging"  # matchmaking and all-reduce of pseudo-gradients
+    PAUSED = "paused"  # the run's owner paused this peer (steering); it trains nothing
     LEAVING = "leaving"  # shutting down (Ctrl+C or end of run)
 
 
@@ -58,3 +73,115 @@ class PeerHeartbeat(BaseModel):
     device: str = Field(default="cpu", max_length=32)
     time: float
     """DHT time when published."""
+    last_round_seconds: float | None = Field(default=None, ge=0)
+    """Wall time of this peer's last outer round (inner steps + averaging)."""
+    group_size: int = Field(default=0, ge=0)
+    """How many peers averaged in this peer's last round (1: it stepped alone)."""
+    control_version: int = Field(default=0, ge=0)
+    """The run owner's ControlState version this peer has applied (0: none yet)."""
+    addresses: list[str] = Field(default_factory=list, max_length=16)
+    """Multiaddrs this peer can be dialed at (empty for a client-mode peer)."""
+
+
+class RunManifest(BaseModel):
+    """What a run is: written by its owner when it starts; joiners check their model against it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str = Field(max_length=64)
+    owner: str = Field(max_length=64)
+    """Hash of the owner's public key (:func:`swarm.identity.key_hash`)."""
+    fingerprint: str = Field(min_length=8, max_length=128)
+    """Hash of the model's architecture, parameter shapes and optimizer config."""
+    summary: str = Field(default="", max_length=512)
+    """The same in words, for error messages (e.g. "gpt small 1.85M params, diloco H=50")."""
+    created: float
+
+
+class ControlState(BaseModel):
+    """The run owner's steering, versioned; every field left None keeps the peers' setting."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: int = Field(ge=1)
+    from_step: int = Field(default=0, ge=0)
+    """Peers apply the settings at the start of this outer step, all at the same step (the outer
+    lr changes θ: peers applying it at different rounds would drift apart)."""
+    outer_lr: float | None = Field(default=None, gt=0, le=10)
+    inner_steps: int | None = Field(default=None, ge=1, le=100_000)
+    codec: str | None = Field(default=None, max_length=16)
+    """Codec of the pseudo-gradients (optim.codecs name: none, fp16, bf16, int8, int4, topk)."""
+    paused: list[str] = Field(default_factory=list, max_length=1024)
+    """Peer ids (or names) the owner paused; they idle until a later version drops them."""
+    checkpoint: int = Field(default=0, ge=0)
+    """Bumped to ask every peer to write a checkpoint now."""
+    time: float = 0.0
+    """DHT time when the owner published it."""
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, value: str | None) -> str | None:
+        from optim.codecs import CODECS
+
+        if value is not None and value not in CODECS:
+            raise ValueError(f"unknown codec '{value}' (choose from {', '.join(sorted(CODECS))})")
+        return value
+
+    def pauses(self, peer_id: str, name: str) -> bool:
+        return peer_id in self.paused or name in self.paused
+
+    def changes(self) -> dict[str, Any]:
+        """The settings this version sets (for logs and UIs)."""
+        return {
+            k: v
+            for k, v in self.model_dump().items()
+            if k not in ("version", "time", "from_step") and v not in (None, [], 0)
+        }
+
+
+# --- where records live ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The DHT names of one run. With a run secret, the names are derived from it, so peers
+    without the secret cannot find the run's records or its averaging groups."""
+
+    run_id: str
+    secret: str | None = None
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if self.secret is not None and len(self.secret) < 8:
+            raise SwarmError("a run secret must be at least 8 characters (use a long random one)")
+
+    @property
+    def namespace(self) -> str:
+        if not self.secret:
+            return self.run_id
+        tag = hmac.new(self.secret.encode(), f"workbench-run:{self.run_id}".encode(), hashlib.sha256)
+        return f"{self.run_id}_{tag.hexdigest()[:24]}"
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.namespace}_manifest"
+
+    @property
+    def peers(self) -> str:
+        return f"{self.namespace}_peers"
+
+    @property
+    def control(self) -> str:
+        return f"{self.namespace}_control"
+
+    def group(self, name: str) -> str:
+        """The prefix of an averaging group (hivemind matchmaking and state sharing keys)."""
+        return f"{self.namespace}_{name}"
+
+
+def parse_record(model: type[BaseModel], value: Any) -> BaseModel | None:
+    """``value`` as ``model``, or None if it does not parse (untrusted input is never raised on)."""
+    try:
+        return model.model_validate(value)
+    except (ValidationError, TypeError, ValueError):
+        return None

@@ -134,11 +134,27 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--connect-timeout", type=float, default=20.0, help="seconds to reach the bootstrap peers"
     )
+    add_run_access_options(group)
     group.add_argument(
         "--min-peers", type=int, default=1, help="wait for this many peers before the first round"
     )
     group.add_argument(
         "--run-dir", metavar="DIR", help="write metrics.jsonl and the final global params here"
+    )
+
+
+def add_run_access_options(group) -> None:
+    """--secret and --owner: which run to trust (shared by peers, status, steer, monitor)."""
+    group.add_argument(
+        "--secret",
+        default=os.environ.get("WORKBENCH_RUN_SECRET"),
+        help="private run: only peers with this secret find, join and write to it "
+        "(default: $WORKBENCH_RUN_SECRET)",
+    )
+    group.add_argument(
+        "--owner",
+        metavar="HASH",
+        help="trust only the manifest and steering of this owner key (printed by `workbench start`)",
     )
 
 
@@ -194,9 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(commands)
 
+    from workbench.doctor import add_doctor_parser
     from workbench.status import add_status_parser
+    from workbench.steer import add_steer_parser
 
     add_status_parser(commands)
+    add_steer_parser(commands)
+    add_doctor_parser(commands)
     return parser
 
 
@@ -275,6 +295,8 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             num_shards=parse_shard(getattr(args, "shard", None))[1],
             device=args.device,
             run_dir=getattr(args, "run_dir", None),
+            secret=getattr(args, "secret", None),
+            owner=getattr(args, "owner", None),
         ),
     )
 
@@ -313,6 +335,10 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
         parts.append("--error-feedback")
     if config.peer.rounds:  # the inner lr schedule (cosine to the end) depends on the run's length
         parts += ["--rounds", str(config.peer.rounds)]
+    if config.peer.owner:
+        parts += ["--owner", config.peer.owner]
+    if config.peer.secret:  # never print the secret itself: it is shared privately
+        parts += ["--secret", "SECRET"]
     return " ".join(parts + list(addresses))
 
 
@@ -336,6 +362,8 @@ def _print_join_command(config: RunConfig, addresses: list[str]) -> None:
     print(f"  {join_command(config, public[:1])}\n", flush=True)
     if len(public) > 1:
         print("Other addresses of this peer: " + " ".join(public[1:]) + "\n", flush=True)
+    if config.peer.secret:
+        print("This run is private: give joiners the run secret in place of SECRET, privately.\n", flush=True)
     if config.network.host == "127.0.0.1":
         print(
             "(listening on 127.0.0.1 only: use --host 0.0.0.0 and --announce for other machines)\n",
@@ -347,11 +375,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
-    if args.command == "status":
+    if args.command in ("status", "steer", "doctor"):
+        from workbench.doctor import run_doctor_command
         from workbench.status import run_status_command
+        from workbench.steer import run_steer_command
 
+        command = {"status": run_status_command, "steer": run_steer_command, "doctor": run_doctor_command}
         try:
-            return run_status_command(args)
+            return command[args.command](args)
         except SwarmError as error:
             print(f"error: {error}", file=sys.stderr)
             return EXIT_USER_ERROR

@@ -7,6 +7,7 @@ Every component checks its own values where it is built (``__post_init__``) and 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from optim.diloco import DiLoCoConfig
@@ -89,9 +90,19 @@ class PeerConfig:
     """auto (CUDA when present, with bf16 autocast), cpu, or cuda[:N]."""
     run_dir: str | None = None
     """Where to write metrics.jsonl and the final global params (none: write nothing)."""
+    secret: str | None = None
+    """Private run: peers without this secret can neither find, join nor write to the run."""
+    owner: str | None = None
+    """The run owner's key hash (printed by `workbench start`): trust only its manifest and steering."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        if self.secret is not None and len(self.secret) < 8:
+            raise ValueError("a run secret must be at least 8 characters (use a long random one)")
+        if self.owner is not None and not re.fullmatch(r"[0-9a-f]{16}", self.owner):
+            raise ValueError(
+                f"--owner takes the 16 hex digits `workbench start` printed (got '{self.owner}')"
+            )
         if self.name is not None and not 0 < len(self.name) <= 64:
             raise ValueError(f"peer name must be 1-64 characters (got {len(self.name)})")
         if self.rounds < 0:

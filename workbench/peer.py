@@ -16,8 +16,10 @@ at the end, the global params to ``<run_dir>/global_params.pt``; the demo launch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -30,9 +32,11 @@ from optim.averager import LocalAverager
 from optim.data_parallel import DataParallel
 from optim.diloco import DiLoCo
 from optim.streaming import StreamingConfig, StreamingDiLoCo, StreamingRounds, split_fragments
-from swarm.dht import shutdown_quietly, start_dht, visible_addresses
+from swarm.dht import NetworkConfig, visible_addresses
 from swarm.errors import SwarmError
-from swarm.records import PeerHeartbeat, Stage
+from swarm.manifest import model_fingerprint
+from swarm.records import PeerHeartbeat, RunKeys, RunManifest, Stage
+from swarm.session import connect
 from workbench.config import RunConfig
 from workbench.data import ByteCorpus, evaluate
 from workbench.model import autocast_context, build_model, pick_device
@@ -48,6 +52,7 @@ class Peer:
         self.on_started = on_started
         self.stage = Stage.JOINING
         self.dht = None
+        self.session = None
         self.averager = None
         self.board = None
         self.peer_id = ""
@@ -56,6 +61,14 @@ class Peer:
         self.samples_per_second = 0.0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.last_round_seconds: float | None = None
+        self.group_size = 0
+        self.control_version = 0
+        """The owner's ControlState version whose settings this peer applied."""
+        self.checkpoints = 0
+        self.addresses: list[str] = []
+        self.manifest = None
+        self.control = None
         self.metrics_file = None
         run_dir = config.peer.run_dir
         self.run_dir = Path(run_dir) if run_dir else None
@@ -80,26 +93,34 @@ class Peer:
             weight_decay=cfg.train.weight_decay,
             betas=(cfg.train.beta1, cfg.train.beta2),
         )
-        self.dht = start_dht(cfg.network)
-        self.peer_id = self.dht.peer_id.to_base58()
-        self.name = cfg.peer.name or f"peer-{self.peer_id[-6:]}"
+        self.keys = RunKeys(cfg.peer.run_id, cfg.peer.secret)
+        network = cfg.network
+        if not network.identity_path and self.run_dir:
+            # The peer's key lives with its run directory: same peer id after a restart.
+            network = NetworkConfig(
+                **{**network.__dict__, "identity_path": str(self.run_dir / "identity.key")}
+            )
         if self.run_dir:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.session = connect(network, self.keys)
+        self.dht, self.board, self.store = self.session.dht, self.session.board, self.session.store
+        self.peer_id = self.session.peer_id
+        self.name = cfg.peer.name or f"peer-{self.peer_id[-6:]}"
+        if self.run_dir:
             self.metrics_file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
 
         from swarm.averaging import SwarmAverager
-        from swarm.progress import ProgressBoard
 
-        self.board = ProgressBoard(self.dht, cfg.peer.run_id)
         if cfg.network.initial_peers:
             self._check_run_exists()
+        self._check_manifest()
         if cfg.method == "streaming":
             self._setup_streaming(SwarmAverager)
             return self._announce()
         self.diloco = DiLoCo(self.model, self.inner_optimizer, averager=None, config=cfg.diloco)  # type: ignore[arg-type]
         self.averager = SwarmAverager(
             self.dht,
-            run_id=cfg.peer.run_id,
+            keys=self.keys,
             tensors_like=self.diloco.global_params,
             board=self.board,
             beat=self.beat,
@@ -129,7 +150,7 @@ class Peer:
         self.fragment_averagers = [
             SwarmAverager(
                 self.dht,
-                run_id=cfg.peer.run_id,
+                keys=self.keys,
                 tensors_like=[shapes[i] for i in indices],
                 board=self.board,
                 beat=self.beat,
@@ -153,11 +174,14 @@ class Peer:
         # that stage, but not for one still "joining" at outer step 0.
         self.beat(Stage.DOWNLOADING if cfg.network.initial_peers else Stage.JOINING)
         addresses = visible_addresses(self.dht)
+        self.addresses = addresses
         self.emit(
             "started",
             peer_id=self.peer_id,
             addresses=addresses,
             device=str(self.device),
+            owner=self.manifest.owner if self.manifest else None,
+            fingerprint=self.fingerprint()[0],
             params=self.model.num_params(),
             data=self.corpus.source,
         )
@@ -175,6 +199,53 @@ class Peer:
             f"connected to the swarm, but no live peer of run '{self.config.peer.run_id}' answered within "
             f"{timeout:.0f} s: check --run-id matches the command `workbench start` printed"
         )
+
+    def fingerprint(self) -> tuple[str, str]:
+        """(fingerprint, summary) of this peer's model and the optimizer settings all peers share."""
+        cfg = self.config
+        optimizer = dict(
+            method=cfg.method,
+            fragments=cfg.fragments if cfg.method == "streaming" else None,
+            outer=dataclasses.asdict(cfg.diloco),
+            compression=cfg.averaging.compression,
+        )
+        summary = (
+            f"{type(self.model).__name__} {self.model.num_params() / 1e6:.2f}M params, {cfg.method} "
+            f"H={cfg.diloco.inner_steps} outer lr {cfg.diloco.outer_lr} codec {cfg.diloco.codec}"
+        )
+        return model_fingerprint(self.model, optimizer), summary
+
+    def _check_manifest(self) -> None:
+        """The first peer publishes the run manifest; a joiner refuses a run with another model."""
+        from swarm.identity import key_hash
+        from swarm.manifest import check_fingerprint, find_manifest, publish_manifest
+        from swarm.steering import ControlWatcher
+
+        cfg = self.config
+        fingerprint, summary = self.fingerprint()
+        if not cfg.network.initial_peers:
+            manifest = RunManifest(
+                run_id=cfg.peer.run_id,
+                owner=key_hash(self.store.public_key),
+                fingerprint=fingerprint,
+                summary=summary,
+                created=time.time(),
+            )
+            publish_manifest(self.store, self.keys, manifest)
+            cfg.peer.owner = manifest.owner  # the join command names it: joiners trust only this owner
+        else:
+            manifest = find_manifest(self.store, self.keys, owner=cfg.peer.owner)
+            if manifest is None:
+                logger.warning(
+                    "%s: run '%s' has no manifest in the DHT (its owner left?): cannot check the model "
+                    "fingerprint, and steering is off for this peer",
+                    self.name,
+                    cfg.peer.run_id,
+                )
+            else:
+                check_fingerprint(manifest, fingerprint, summary)
+        self.manifest = manifest
+        self.control = ControlWatcher(self.store, self.keys, manifest.owner) if manifest else None
 
     # --- heartbeats and events ---------------------------------------------------------------
 
@@ -203,6 +274,10 @@ class Peer:
             bytes_received=self.bytes_received,
             device=str(getattr(self, "device", "cpu")),
             time=get_dht_time(),
+            last_round_seconds=self.last_round_seconds,
+            group_size=self.group_size,
+            control_version=self.control_version,
+            addresses=[] if self.config.network.client_mode else self.addresses[:16],
         )
 
     def emit(self, event: str, **fields: Any) -> None:
@@ -310,8 +385,10 @@ class Peer:
             samples = 0
             # θ_global only changes at a sync, so one fingerprint serves the whole round (for dp a
             # round is one step); computing it per inner step would norm every tensor H times.
+            self.apply_control()
             info = dict(outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint())
             for _ in range(self.steps_this_round()):
+                self.wait_while_paused()
                 self.beat(Stage.TRAINING)
                 # The schedule follows the run's clock, not this peer's: a late joiner must not
                 # restart warmup (or the cosine) and push updates far larger than the others'.
@@ -330,6 +407,8 @@ class Peer:
                 report = self.diloco.sync(info=info)
             self.bytes_sent += report.bytes_sent
             self.bytes_received += report.bytes_received
+            self.group_size = report.group_size
+            self.last_round_seconds = time.monotonic() - round_start
             resync = f"out of step with the swarm ({report.error})" if report.stale else None
             if report.group_size > 1:
                 from swarm.averaging import diverged_from_group
@@ -387,6 +466,80 @@ class Peer:
         self.emit("done", **summary)
         return summary
 
+    # --- steering --------------------------------------------------------------------------------
+
+    def apply_control(self) -> None:
+        """At a round boundary: adopt the owner's newest settings once their step has come.
+
+        Every peer applies a version at the same outer step (``from_step``), so a new outer lr
+        changes θ the same way everywhere. A bad value is logged and skipped, never half-applied.
+        """
+        if self.control is None:
+            return
+        control = self.control.poll(force=True)
+        if control is None or control.version <= self.control_version:
+            return
+        if self.control_version == 0 and self.config.network.initial_peers:
+            self.checkpoints = control.checkpoint  # a joiner does not replay old checkpoint requests
+        if self.diloco.outer_step_count < control.from_step:
+            return
+        changes: dict[str, Any] = {}
+        if self.dp is None:
+            try:
+                changes = self.diloco.retune(
+                    outer_lr=control.outer_lr, inner_steps=control.inner_steps, codec=control.codec
+                )
+            except ValueError as error:
+                logger.error("%s: control v%d not applied: %s", self.name, control.version, error)
+                changes = {"error": str(error)}
+        elif control.outer_lr or control.inner_steps or control.codec:
+            logger.warning("%s: outer lr, H and codec do not apply to data-parallel; ignored", self.name)
+        if control.checkpoint > self.checkpoints:
+            self.checkpoints = control.checkpoint
+            changes["checkpoint"] = str(self.save_checkpoint())
+        self.control_version = control.version
+        self.emit(
+            "control_applied",
+            version=control.version,
+            outer_step=self.diloco.outer_step_count,
+            changes=changes,
+        )
+        logger.info("%s: applied control v%d: %s", self.name, control.version, changes or "no change")
+        self.board.publish(self.heartbeat(), force=True)
+
+    def wait_while_paused(self) -> None:
+        """Between inner steps: idle while the owner has this peer paused (heartbeats go on)."""
+        if self.control is None:
+            return
+        control = self.control.poll()
+        if control is None or not control.pauses(self.peer_id, self.name):
+            return
+        logger.info("%s: paused by the run owner (control v%d)", self.name, control.version)
+        self.emit("paused", version=control.version, outer_step=self.diloco.outer_step_count)
+        stage = self.stage
+        while control is not None and control.pauses(self.peer_id, self.name):
+            self.beat(Stage.PAUSED)
+            time.sleep(0.2)
+            control = self.control.poll()
+        logger.info("%s: resumed", self.name)
+        self.emit("resumed", outer_step=self.diloco.outer_step_count)
+        self.beat(stage)
+
+    def save_checkpoint(self) -> Path | None:
+        """Write the global state to ``<run_dir>/checkpoint.pt`` atomically (temp, fsync, rename)."""
+        if self.run_dir is None:
+            logger.warning("%s: a checkpoint was requested but this peer has no --run-dir", self.name)
+            return None
+        path = self.run_dir / "checkpoint.pt"
+        temporary = path.with_suffix(".tmp")
+        with open(temporary, "wb") as handle:
+            torch.save(dataclasses.asdict(self.diloco.outer_state()), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+        logger.info("%s: wrote checkpoint %s at outer step %d", self.name, path, self.diloco.outer_step_count)
+        return path
+
     def _batches(self):
         cfg = self.config
         if cfg.peer.shard is not None:  # the same stream optim.sim gives virtual peer `shard`
@@ -431,8 +584,10 @@ class Peer:
             except Exception as error:
                 logger.debug("could not announce leaving: %s", error)
         self.emit("left", reason=reason)
-        shutdown_quietly(*(getattr(self, "fragment_averagers", None) or [self.averager]), self.dht)
-        self.averager = self.dht = None
+        averagers = getattr(self, "fragment_averagers", None) or [self.averager]
+        if self.session is not None:
+            self.session.close(*averagers)
+        self.session = self.averager = self.dht = None
         self.fragment_averagers = []
         if self.metrics_file:
             self.metrics_file.close()

@@ -1,8 +1,9 @@
 """`workbench status MULTIADDR...`: who is in a run and what each peer is doing, without a UI.
 
-Joins the DHT as a client (no inbound connections, nothing trained or served), reads the
-run's heartbeats once (or every ``--watch`` seconds) and prints a table, or JSON with
-``--json``. The full monitor with history and events comes with the swarm-records issue.
+Joins the DHT as a client (no inbound connections, nothing trained or served) with the run's
+record validators, and prints the :class:`~swarm.monitor.SwarmSnapshot` of the run once (or
+every ``--watch`` seconds): a table, or JSON with ``--json``. ``--record FILE`` keeps every
+reading for ``workbench status --replay FILE`` (and the TUI's replay) later.
 """
 
 from __future__ import annotations
@@ -13,9 +14,17 @@ import sys
 import time
 from typing import Any
 
-from swarm.dht import NetworkConfig, dht_time, shutdown_quietly, start_dht
+from swarm.dht import NetworkConfig
 from swarm.errors import SwarmError
-from swarm.records import check_run_id
+from swarm.records import RunKeys
+
+
+def add_observer_options(parser: argparse.ArgumentParser) -> None:
+    from workbench.cli import add_run_access_options
+
+    parser.add_argument("--run-id", default="workbench", help="the run's name (default: workbench)")
+    parser.add_argument("--connect-timeout", type=float, default=20.0, help="seconds to reach the peers")
+    add_run_access_options(parser)
 
 
 def add_status_parser(commands) -> None:
@@ -23,88 +32,108 @@ def add_status_parser(commands) -> None:
         "status",
         help="print the peers of a running swarm (read-only)",
         description="Print the live peers of a run, read from the DHT as a client. Example:\n"
-        "  workbench status /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW... --json",
+        "  workbench status /ip4/127.0.0.1/tcp/31337/p2p/QmXyz... --json\n"
+        "  workbench status --replay run.jsonl --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("peers", nargs="+", metavar="MULTIADDR", help="any peer of the run")
-    parser.add_argument("--run-id", default="workbench", help="the run's name (default: workbench)")
+    parser.add_argument("peers", nargs="*", metavar="MULTIADDR", help="any peer of the run")
+    add_observer_options(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per read on stdout")
     parser.add_argument(
         "--watch", type=float, metavar="SECONDS", help="read again every SECONDS until Ctrl+C"
     )
-    parser.add_argument("--connect-timeout", type=float, default=20.0, help="seconds to reach the peers")
+    parser.add_argument("--record", metavar="FILE", help="append every reading to FILE (JSONL) for replay")
+    parser.add_argument("--replay", metavar="FILE", help="print a recorded run instead of a live one")
 
 
-def snapshot(board, run_id: str) -> dict[str, Any]:
-    """The run's live peers as plain data (the JSON shape of `workbench status --json`)."""
-    peers = sorted(board.fetch().values(), key=lambda p: p.name)
-    now = dht_time()
-    return {
-        "run_id": run_id,
-        "time": now,
-        "peers": [
-            {**p.model_dump(mode="json"), "seconds_since_heartbeat": round(now - p.time, 2)} for p in peers
-        ],
-    }
+def open_observer(args: argparse.Namespace, *, signing_key: str | None = None):
+    """(session, monitor reader) for a read-only client of the run named by ``args``."""
+    from swarm.monitor import dht_reader
+    from swarm.session import connect
+
+    if not args.peers:
+        raise SwarmError("give the multiaddr of any peer of the run (what `workbench start` printed)")
+    keys = RunKeys(args.run_id, args.secret)
+    network = NetworkConfig(
+        initial_peers=list(args.peers), client_mode=True, connect_timeout=args.connect_timeout
+    )
+    session = connect(network, keys, signing_key=signing_key)
+    return session, dht_reader(session.board, session.store, keys, owner=args.owner)
 
 
 def render(data: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"run {data['run_id']}: {len(data['peers'])} peers", title_justify="left")
-    for column in (
+    control = data.get("control") or {}
+    title = f"run {data['run_id']}: {len(data['peers'])} peers, round {data['outer_round']}" + (
+        f", control v{control['version']}" if control else ""
+    )
+    table = Table(title=title, title_justify="left")
+    columns = (
         "name",
         "stage",
-        "outer step",
-        "inner step",
+        "outer",
+        "inner",
         "loss",
         "samples/s",
         "MB sent",
+        "group",
+        "ctl",
         "device",
         "peer id",
-    ):
+    )
+    for column in columns:
         table.add_column(
             column, justify="left" if column in ("name", "stage", "device", "peer id") else "right"
         )
     for p in data["peers"]:
         table.add_row(
-            p["name"],
+            p["name"] + (" (lagging)" if p.get("lagging") else ""),
             p["stage"],
             str(p["outer_step"]),
             f"{p['inner_step']}/{p['inner_steps']}",
             "" if p["loss"] is None else f"{p['loss']:.3f}",
             f"{p['samples_per_second']:.0f}",
             f"{p['bytes_sent'] / 1e6:.1f}",
+            str(p.get("group_size", "")),
+            str(p.get("control_version", 0)),
             p["device"],
             p["peer_id"][-12:],
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for event in data.get("events", []):
+        console.print(f"  [dim]{event['kind']}[/dim] {event['message']}")
 
 
 def run_status_command(args: argparse.Namespace) -> int:
-    check_run_id(args.run_id)
     if args.watch is not None and not 0.5 <= args.watch <= 3600:
         raise SwarmError(f"--watch must be within 0.5..3600 s (got {args.watch})")
-    network = NetworkConfig(
-        initial_peers=list(args.peers), client_mode=True, connect_timeout=args.connect_timeout
-    )
-    dht = start_dht(network)
-    try:
-        from swarm.progress import ProgressBoard
+    show = (lambda data: print(json.dumps(data), flush=True)) if args.json else render
+    if args.replay:
+        from swarm.monitor import replay
 
-        board = ProgressBoard(dht, args.run_id)
+        for snapshot in replay(args.replay):
+            show(snapshot.to_json())
+        return 0
+    from swarm.monitor import SwarmMonitor
+
+    RunKeys(args.run_id, args.secret)  # a bad run id or secret fails before connecting
+    session, read = open_observer(args)
+    monitor = SwarmMonitor(read, record_to=args.record)
+    try:
         while True:
-            data = snapshot(board, args.run_id)
-            if args.json:
-                print(json.dumps(data), flush=True)
-            else:
-                render(data)
+            snapshot = monitor.poll()
+            show(snapshot.to_json())
             if args.watch is None:
-                if not data["peers"]:
-                    print(f"no live peer of run '{args.run_id}' (check --run-id)", file=sys.stderr)
+                if not snapshot.peers:
+                    print(
+                        f"no live peer of run '{args.run_id}' (check --run-id and --secret)", file=sys.stderr
+                    )
                     return 1
                 return 0
             time.sleep(args.watch)
     finally:
-        shutdown_quietly(dht)
+        monitor.close()
+        session.close()

@@ -34,7 +34,7 @@ def no_peers(monkeypatch: pytest.MonkeyPatch) -> None:
         raise WouldStartPeers("a CLI unit test tried to start a peer, a DHT or a demo swarm")
 
     monkeypatch.setattr(workbench.peer, "run_peer", refuse)
-    monkeypatch.setattr(workbench.peer, "start_dht", refuse)
+    monkeypatch.setattr(workbench.peer, "connect", refuse)
     monkeypatch.setattr(swarm.dht, "start_dht", refuse)
     monkeypatch.setattr(workbench.launch, "run_demo", refuse)
     monkeypatch.setattr(workbench.launch, "LocalSwarm", refuse)

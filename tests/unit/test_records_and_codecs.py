@@ -43,6 +43,10 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         bytes_received=2048,
         device="cpu",
         time=1_700_000_000.25,
+        last_round_seconds=3.5,
+        group_size=4,
+        control_version=2,
+        addresses=["/ip4/127.0.0.1/tcp/31337/p2p/" + ID_A],
     )
     record.update(overrides)
     return record
@@ -55,6 +59,7 @@ def test_stage_values_are_the_documented_strings() -> None:
         "training",
         "waiting",
         "averaging",
+        "paused",
         "leaving",
     ]
     assert Stage("averaging") is Stage.AVERAGING

@@ -1,0 +1,90 @@
+"""A peer's key: one RSA key is both its libp2p identity (peer id) and its record signature.
+
+hivemind writes libp2p identities as a protobuf ``PrivateKey`` holding an RSA key (DER). We
+load that same key into hivemind's ``RSASignatureValidator``, so a record signed by a peer
+is tied to its peer id: readers derive the peer id from the record's public key and drop a
+heartbeat that claims another id (see :func:`peer_id_of`). The run owner's key file (the
+``--identity`` of ``workbench start``) is what signs the run manifest and steering changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from swarm.errors import SwarmError
+
+
+def create_identity(path: str | Path) -> Path:
+    """Write a new key to ``path`` (mode 0400), creating parent folders."""
+    from hivemind.p2p import P2P
+
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    P2P.generate_identity(str(path))
+    return path
+
+
+def ephemeral_identity() -> Path:
+    """A fresh key in a temp file, for a peer that keeps no identity across restarts."""
+    handle, name = tempfile.mkstemp(prefix="workbench-identity-", suffix=".key")
+    os.close(handle)
+    os.unlink(name)
+    return create_identity(name)
+
+
+def load_private_key(path: str | Path):  # -> hivemind.utils.crypto.RSAPrivateKey
+    """The RSA key in a libp2p identity file, with an error that says what to do if it is bad."""
+    from cryptography.hazmat.primitives import serialization
+    from hivemind.proto import crypto_pb2
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    path = Path(path).expanduser()
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise SwarmError(f"cannot read the key file {path}: {error.strerror or error}") from None
+    try:
+        proto = crypto_pb2.PrivateKey.FromString(data)
+        if proto.key_type != crypto_pb2.KeyType.RSA:
+            raise ValueError("not an RSA key")
+        der = serialization.load_der_private_key(proto.data, password=None)
+    except Exception as error:
+        raise SwarmError(
+            f"{path} is not a workbench/hivemind key file ({type(error).__name__}): point --identity at the "
+            "file a peer created, or at a path that does not exist yet to create a new key"
+        ) from None
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key._private_key = der  # hivemind's class has no constructor from existing key material
+    return key
+
+
+def public_key_text(private_key) -> str:
+    """The OpenSSH form ("ssh-rsa AAAA...") that record subkeys carry."""
+    return private_key.get_public_key().to_bytes().decode()
+
+
+def peer_id_of(public_key: bytes | str) -> str:
+    """The libp2p peer id (base58) of an OpenSSH RSA public key; raises ValueError if malformed."""
+    import multihash
+    from cryptography.hazmat.primitives import serialization
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
+
+    if isinstance(public_key, str):
+        public_key = public_key.encode()
+    key = serialization.load_ssh_public_key(public_key)
+    der = key.public_bytes(
+        encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(multihash.encode(hashlib.sha256(encoded).digest(), "sha2-256")).to_base58()
+
+
+def key_hash(public_key: bytes | str) -> str:
+    """A short, stable name for a public key (what `--owner` takes): 16 hex digits."""
+    if isinstance(public_key, str):
+        public_key = public_key.encode()
+    return hashlib.sha256(public_key.strip()).hexdigest()[:16]

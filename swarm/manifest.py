@@ -1,0 +1,80 @@
+"""The run manifest: what a run trains, so a peer with another model is refused at the door.
+
+The owner (``workbench start``) publishes a :class:`~swarm.records.RunManifest` holding the
+model fingerprint: a hash of the architecture, the parameter names, shapes and dtypes, and
+the outer-optimizer settings every peer must share. A joiner computes its own fingerprint
+and compares before it downloads anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from swarm.errors import SwarmError
+from swarm.records import RunKeys, RunManifest
+from swarm.store import SignedStore
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_TTL = 7 * 24 * 3600.0  # the owner republishes it while it runs
+
+
+def model_fingerprint(model: torch.nn.Module, optimizer: dict[str, Any]) -> str:
+    """sha256 (first 16 hex digits) of the architecture, parameters and ``optimizer`` settings."""
+    digest = hashlib.sha256()
+    digest.update(repr(model).encode())  # module tree: layer types and their hyperparameters
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype}:{param.requires_grad};".encode())
+    digest.update(json.dumps(optimizer, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+def publish_manifest(store: SignedStore, keys: RunKeys, manifest: RunManifest) -> None:
+    if not store.store(keys.manifest, manifest, ttl=MANIFEST_TTL, wait=True):
+        raise SwarmError("could not store the run manifest in the DHT")
+
+
+def find_manifest(store: SignedStore, keys: RunKeys, *, owner: str | None = None, timeout: float = 10.0):
+    """The run's manifest (by owner hash if given), or None if the run has none in the DHT.
+
+    Several owners publishing a manifest for one run id means somebody else uses the same run
+    id (or is squatting it): without ``owner`` that is an error, since we cannot tell which is
+    the real run.
+    """
+    from swarm.identity import key_hash
+
+    deadline = time.monotonic() + timeout
+    while True:
+        manifests = [
+            m for key, m in store.read(keys.manifest, RunManifest).items() if key_hash(key) == m.owner
+        ]
+        if owner:
+            manifests = [m for m in manifests if m.owner == owner]
+        if manifests or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if not manifests:
+        return None
+    if len(manifests) > 1:
+        owners = ", ".join(sorted(m.owner for m in manifests))
+        raise SwarmError(
+            f"run '{keys.run_id}' has manifests from several owners ({owners}): pass --owner with the "
+            "one the run's `workbench start` printed"
+        )
+    return manifests[0]
+
+
+def check_fingerprint(manifest: RunManifest, fingerprint: str, summary: str) -> None:
+    """Refuse to join a run whose model differs from this peer's."""
+    if manifest.fingerprint != fingerprint:
+        raise SwarmError(
+            f"this peer's model does not match run '{manifest.run_id}': the run's fingerprint is "
+            f"{manifest.fingerprint} ({manifest.summary}), this peer's is {fingerprint} ({summary}); "
+            "use the --model and optimizer flags of the run's join command"
+        )

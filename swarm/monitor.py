@@ -1,0 +1,300 @@
+"""The swarm monitor: one truthful view of a run for every front end.
+
+:class:`SwarmMonitor` turns raw readings of the DHT (every peer's heartbeat, the manifest
+and the owner's control state) into a :class:`SwarmSnapshot`: live peers, per-metric history
+in ring buffers, and derived events (joined, left, round done, control applied, lagging).
+The TUI, the notebook widgets, ``workbench status`` and the tests all read snapshots.
+
+Readings can be recorded to a JSONL file and replayed: a replay feeds the recorded readings
+through the same derivation, so it yields the same snapshots the live monitor did.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import SwarmError
+from swarm.records import ControlState, PeerHeartbeat, RunManifest, Stage, parse_record
+
+logger = logging.getLogger(__name__)
+
+METRICS = ("loss", "samples_per_second", "bytes_sent", "bytes_received", "outer_step", "last_round_seconds")
+"""Per-peer heartbeat fields kept as history."""
+
+RECORD_FORMAT = "workbench-monitor/1"
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One raw observation of the run (what a recording stores, one JSON line each)."""
+
+    time: float
+    run_id: str
+    peers: dict[str, PeerHeartbeat]
+    """Every heartbeat found, "leaving" ones included, by peer id."""
+    manifest: RunManifest | None = None
+    control: ControlState | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "time": self.time,
+            "run_id": self.run_id,
+            "peers": [p.model_dump(mode="json") for p in self.peers.values()],
+            "manifest": self.manifest.model_dump(mode="json") if self.manifest else None,
+            "control": self.control.model_dump(mode="json") if self.control else None,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Reading:
+        peers = [parse_record(PeerHeartbeat, p) for p in data.get("peers") or []]
+        return cls(
+            time=float(data["time"]),
+            run_id=str(data["run_id"]),
+            peers={p.peer_id: p for p in peers if p is not None},
+            manifest=parse_record(RunManifest, data["manifest"]) if data.get("manifest") else None,
+            control=parse_record(ControlState, data["control"]) if data.get("control") else None,
+        )
+
+
+@dataclass(frozen=True)
+class MonitorEvent:
+    time: float
+    kind: str
+    """joined | left | round | control | lagging"""
+    message: str
+    peer_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"time": self.time, "kind": self.kind, "message": self.message, "peer_id": self.peer_id}
+
+
+@dataclass
+class SwarmSnapshot:
+    """The run as of one reading."""
+
+    time: float
+    run_id: str
+    peers: dict[str, PeerHeartbeat]
+    """Live peers by peer id (a leaving peer is gone)."""
+    history: dict[str, dict[str, list[tuple[float, float]]]]
+    """peer id -> metric -> [(time, value)], oldest first (ring buffers, see ``history``)."""
+    events: list[MonitorEvent]
+    """Recent events, oldest first."""
+    new_events: list[MonitorEvent]
+    """The events this reading produced."""
+    manifest: RunManifest | None = None
+    control: ControlState | None = None
+    outer_round: int = 0
+    """The most advanced live peer's outer step."""
+    lagging: list[str] = field(default_factory=list)
+    """Peer ids more than one round behind."""
+
+    @property
+    def samples_per_second(self) -> float:
+        return sum(p.samples_per_second for p in self.peers.values() if p.stage is not Stage.PAUSED)
+
+    @property
+    def mean_loss(self) -> float | None:
+        losses = [p.loss for p in self.peers.values() if p.loss is not None]
+        return sum(losses) / len(losses) if losses else None
+
+    def applied(self, version: int | None = None) -> tuple[int, int]:
+        """(live peers that applied the control ``version`` (default: the current one), live peers)."""
+        version = version if version is not None else (self.control.version if self.control else 0)
+        return sum(p.control_version >= version for p in self.peers.values()), len(self.peers)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON shape of `workbench status --json`."""
+        return {
+            "run_id": self.run_id,
+            "time": self.time,
+            "outer_round": self.outer_round,
+            "samples_per_second": self.samples_per_second,
+            "mean_loss": self.mean_loss,
+            "manifest": self.manifest.model_dump(mode="json") if self.manifest else None,
+            "control": self.control.model_dump(mode="json") if self.control else None,
+            "peers": [
+                {
+                    **p.model_dump(mode="json"),
+                    "seconds_since_heartbeat": round(self.time - p.time, 2),
+                    "lagging": p.peer_id in self.lagging,
+                }
+                for p in sorted(self.peers.values(), key=lambda p: p.name)
+            ],
+            "events": [e.to_json() for e in self.new_events],
+        }
+
+
+class SwarmMonitor:
+    """Derives snapshots from readings; reads the DHT through ``read`` (a callable returning a
+    :class:`Reading`) or is fed readings by :meth:`ingest` (replay, tests)."""
+
+    def __init__(
+        self,
+        read: Callable[[], Reading] | None = None,
+        *,
+        history: int = 512,
+        events: int = 200,
+        record_to: str | Path | None = None,
+    ) -> None:
+        self.read = read
+        self.history_length = history
+        self._history: dict[str, dict[str, deque[tuple[float, float]]]] = {}
+        self._events: deque[MonitorEvent] = deque(maxlen=events)
+        self._known: dict[str, PeerHeartbeat] = {}  # peers seen alive in the last reading
+        self._names: dict[str, str] = {}
+        self._lagging: set[str] = set()
+        self._round = 0
+        self._record = open(record_to, "a", buffering=1) if record_to else None  # noqa: SIM115
+        if self._record and self._record.tell() == 0:
+            self._record.write(json.dumps({"format": RECORD_FORMAT}) + "\n")
+
+    # --- live --------------------------------------------------------------------------------
+
+    def poll(self) -> SwarmSnapshot:
+        if self.read is None:
+            raise SwarmError("this monitor has no DHT reader (it replays a recording)")
+        return self.ingest(self.read())
+
+    def watch(
+        self, interval: float = 1.0, *, stop: Callable[[], bool] = lambda: False
+    ) -> Iterator[SwarmSnapshot]:
+        while not stop():
+            started = time.monotonic()
+            yield self.poll()
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def close(self) -> None:
+        if self._record:
+            self._record.close()
+            self._record = None
+
+    # --- derivation ----------------------------------------------------------------------------
+
+    def ingest(self, reading: Reading) -> SwarmSnapshot:
+        if self._record:
+            self._record.write(json.dumps(reading.to_json()) + "\n")
+        now, new = reading.time, []
+
+        def event(kind: str, message: str, peer_id: str | None = None) -> None:
+            new.append(MonitorEvent(now, kind, message, peer_id))
+
+        alive = {pid: p for pid, p in reading.peers.items() if p.stage is not Stage.LEAVING}
+        for pid, p in alive.items():
+            self._names[pid] = p.name
+            before = self._known.get(pid)
+            if before is None:
+                event("joined", f"{p.name} joined ({p.device}, outer step {p.outer_step})", pid)
+            elif p.control_version > before.control_version:
+                event("control", f"{p.name} applied control v{p.control_version}", pid)
+            self._remember(pid, p)
+        for pid, before in self._known.items():
+            if pid in alive:
+                continue
+            gone = reading.peers.get(pid)
+            how = (
+                "left"
+                if gone is not None and gone.stage is Stage.LEAVING
+                else "timed out (heartbeat expired)"
+            )
+            event("left", f"{before.name} {how} at outer step {before.outer_step}", pid)
+            self._lagging.discard(pid)
+        self._known = dict(alive)
+
+        top = max((p.outer_step for p in alive.values()), default=self._round)
+        if top > self._round and alive:
+            groups = sorted({p.group_size for p in alive.values() if p.outer_step == top and p.group_size})
+            self._round = top
+            at_top = sum(p.outer_step == top for p in alive.values())
+            event("round", f"round {top} done ({at_top}/{len(alive)} peers there, group {groups or '?'})")
+        lagging = {
+            pid
+            for pid, p in alive.items()
+            if p.outer_step < top - 1 and p.stage not in (Stage.DOWNLOADING, Stage.JOINING, Stage.PAUSED)
+        }
+        for pid in sorted(lagging - self._lagging):
+            event("lagging", f"{alive[pid].name} is {top - alive[pid].outer_step} rounds behind", pid)
+        self._lagging = lagging
+        self._events.extend(new)
+        return SwarmSnapshot(
+            time=now,
+            run_id=reading.run_id,
+            peers=alive,
+            history={
+                pid: {metric: list(buffer) for metric, buffer in metrics.items()}
+                for pid, metrics in self._history.items()
+            },
+            events=list(self._events),
+            new_events=new,
+            manifest=reading.manifest,
+            control=reading.control,
+            outer_round=self._round,
+            lagging=sorted(lagging),
+        )
+
+    def _remember(self, pid: str, p: PeerHeartbeat) -> None:
+        metrics = self._history.setdefault(pid, {})
+        for metric in METRICS:
+            value = getattr(p, metric)
+            if value is None:
+                continue
+            buffer = metrics.setdefault(metric, deque(maxlen=self.history_length))
+            if not buffer or buffer[-1][0] != p.time:  # one point per heartbeat, not per poll
+                buffer.append((p.time, float(value)))
+
+
+def replay(path: str | Path, **options: Any) -> Iterator[SwarmSnapshot]:
+    """The snapshots of a recorded run, as the live monitor derived them."""
+    monitor = SwarmMonitor(**options)
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise SwarmError(f"cannot read the recording {path}: {error.strerror or error}") from None
+    if not lines or json.loads(lines[0]).get("format") != RECORD_FORMAT:
+        raise SwarmError(
+            f"{path} is not a workbench monitor recording (record one with `workbench status --record`)"
+        )
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        try:
+            reading = Reading.from_json(json.loads(line))
+        except (ValueError, KeyError, TypeError) as error:
+            raise SwarmError(f"{path}:{number}: not a monitor reading ({error})") from None
+        yield monitor.ingest(reading)
+
+
+def dht_reader(board, store, keys, *, owner: str | None = None) -> Callable[[], Reading]:
+    """A :class:`Reading` source over a live DHT (heartbeats, manifest, owner's control)."""
+    from swarm.dht import dht_time
+    from swarm.manifest import find_manifest
+    from swarm.steering import ControlWatcher
+
+    state: dict[str, Any] = {"manifest": None, "watcher": None}
+
+    def read() -> Reading:
+        if state["manifest"] is None:
+            try:
+                state["manifest"] = find_manifest(store, keys, owner=owner, timeout=0.0)
+            except SwarmError as error:
+                logger.warning("%s", error)
+            if state["manifest"] is not None:
+                state["watcher"] = ControlWatcher(store, keys, state["manifest"].owner, period=0.0)
+        control = state["watcher"].poll() if state["watcher"] else None
+        return Reading(
+            time=dht_time(),
+            run_id=keys.run_id,
+            peers=board.fetch(include_leaving=True),
+            manifest=state["manifest"],
+            control=control,
+        )
+
+    return read

@@ -1,0 +1,164 @@
+"""Steering: the run owner changes a live run; peers check the signature and apply it.
+
+The owner publishes a versioned :class:`~swarm.records.ControlState` under ``<ns>_control``,
+signed with its key (the ``--identity`` file of ``workbench start``). Every peer polls it,
+accepts it only from the key whose hash the run manifest names as owner, applies it at its
+next safe point (between rounds; a pause between inner steps) and echoes the applied version
+in its heartbeat. A control record from anybody else is ignored and logged once.
+
+One API for every front end (CLI, TUI, notebook widgets)::
+
+    steering = Steering(store, keys, owner=manifest.owner)
+    steering.publish(outer_lr=0.5, inner_steps=20)      # -> ControlState(version=...)
+    steering.pause("peer-3"); steering.resume("peer-3")
+    steering.propagation(board.fetch())                  # -> (3, 4): 3 of 4 peers applied it
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from swarm.errors import SwarmError
+from swarm.records import ControlState, PeerHeartbeat, RunKeys
+from swarm.store import SignedStore
+
+logger = logging.getLogger(__name__)
+
+CONTROL_TTL = 7 * 24 * 3600.0
+
+
+class ControlWatcher:
+    """Peer side: the newest control state signed by the run's owner."""
+
+    def __init__(self, store: SignedStore, keys: RunKeys, owner: str, *, period: float = 2.0) -> None:
+        self.store = store
+        self.keys = keys
+        self.owner = owner
+        self.period = period
+        self.latest: ControlState | None = None
+        self._last_poll = 0.0
+        self._rejected: set[tuple[str, int]] = set()
+
+    def poll(self, *, force: bool = False) -> ControlState | None:
+        """The owner's newest ControlState (None before the first); reads the DHT at most once
+        per ``period`` seconds unless ``force``."""
+        from swarm.identity import key_hash
+
+        now = time.monotonic()
+        if not force and now - self._last_poll < self.period:
+            return self.latest
+        self._last_poll = now
+        try:
+            records = self.store.read(self.keys.control, ControlState)
+        except SwarmError as error:
+            logger.debug("control poll: %s", error)
+            return self.latest
+        for public_key, control in records.items():
+            writer = key_hash(public_key)
+            if writer != self.owner:
+                if (writer, control.version) not in self._rejected:
+                    self._rejected.add((writer, control.version))
+                    logger.warning(
+                        "ignored a steering change (version %d: %s) from %s: only the run owner %s can steer",
+                        control.version,
+                        control.changes(),
+                        writer,
+                        self.owner,
+                    )
+                continue
+            if self.latest is None or control.version > self.latest.version:
+                self.latest = control
+        return self.latest
+
+
+class Steering:
+    """Owner side: publish new versions of the run's ControlState."""
+
+    def __init__(self, store: SignedStore, keys: RunKeys, *, owner: str, board=None) -> None:
+        from swarm.identity import key_hash
+
+        self.board = board  # to pick the step a change takes effect at
+        self.store = store
+        self.keys = keys
+        self.owner = owner
+        self.key = key_hash(store.public_key)
+        self.watcher = ControlWatcher(store, keys, owner, period=0.0)
+
+    @property
+    def is_owner(self) -> bool:
+        return self.key == self.owner
+
+    def why_not(self) -> str | None:
+        """Why this key cannot steer the run (for UIs to show next to disabled controls)."""
+        if self.is_owner:
+            return None
+        return (
+            f"only the run owner ({self.owner}) can steer; this key is {self.key}: open the monitor "
+            "with the owner's key file (the --identity of `workbench start`)"
+        )
+
+    def current(self) -> ControlState | None:
+        return self.watcher.poll(force=True)
+
+    def publish(
+        self,
+        *,
+        outer_lr: float | None = None,
+        inner_steps: int | None = None,
+        codec: str | None = None,
+        paused: list[str] | None = None,
+        checkpoint: bool = False,
+        from_step: int | None = None,
+    ) -> ControlState:
+        """A new version with these changes on top of the current one; raises SwarmError for a
+        non-owner or a bad value (nothing is published then). Peers apply it at the start of
+        outer step ``from_step`` (default: two rounds after the most advanced live peer's, so
+        every peer has polled it by then)."""
+        from hivemind.utils import get_dht_time
+        from pydantic import ValidationError
+
+        reason = self.why_not()
+        if reason:
+            raise SwarmError(reason)
+        current = self.current()
+        base = current.model_dump() if current else {"version": 0}
+        updates = dict(outer_lr=outer_lr, inner_steps=inner_steps, codec=codec, paused=paused)
+        fields = {**base, **{k: v for k, v in updates.items() if v is not None}}
+        fields["version"] = base["version"] + 1
+        fields["checkpoint"] = base.get("checkpoint", 0) + (1 if checkpoint else 0)
+        fields["time"] = get_dht_time()
+        if from_step is None:
+            peers = self.board.fetch() if self.board is not None else {}
+            from_step = max((p.outer_step for p in peers.values()), default=0) + 2
+        fields["from_step"] = from_step
+        try:
+            control = ControlState.model_validate(fields)
+        except ValidationError as error:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+            raise SwarmError(f"invalid steering change: {problems}") from None
+        if not self.store.store(self.keys.control, control, ttl=CONTROL_TTL, wait=True):
+            raise SwarmError("the DHT did not take the steering change; try again")
+        self.watcher.latest = control
+        logger.info("published control version %d: %s", control.version, control.changes())
+        return control
+
+    def pause(self, peer: str) -> ControlState:
+        current = self.current()
+        paused = list(current.paused) if current else []
+        return self.publish(paused=[*paused, peer] if peer not in paused else paused)
+
+    def resume(self, peer: str) -> ControlState:
+        current = self.current()
+        paused = [p for p in (current.paused if current else []) if p != peer]
+        return self.publish(paused=paused)
+
+    @staticmethod
+    def propagation(peers: Mapping[str, PeerHeartbeat], version: int) -> tuple[int, int]:
+        """(peers that applied ``version`` or later, live peers); a paused peer applies nothing
+        until it is resumed, so it is not counted."""
+        from swarm.records import Stage
+
+        active = [p for p in peers.values() if p.stage is not Stage.PAUSED]
+        return sum(p.control_version >= version for p in active), len(active)

@@ -1,0 +1,108 @@
+"""The DHT record validators every node of a run installs (imports hivemind).
+
+hivemind applies them on every store a node receives and on every value it returns, in
+priority order: the run secret's HMAC (private runs), then the RSA signature, then the
+schema. A node without them cannot even read the run's signed keys (hivemind's get hangs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import re
+from typing import Any
+
+import pydantic.v1
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from pydantic import BaseModel
+
+from swarm.records import ControlState, PeerHeartbeat, RunKeys, RunManifest, parse_record
+
+
+def record_validators(keys: RunKeys, private_key) -> list[RecordValidatorBase]:
+    """Schema + signature (+ secret) validators for ``keys``' records; ``private_key`` signs
+    what this node stores under its own public key."""
+    schema = pydantic.v1.create_model(
+        "RunRecords",
+        manifest=(dict[BytesWithPublicKey, _dht_value(RunManifest)], None),
+        peers=(dict[BytesWithPublicKey, _dht_value(PeerHeartbeat)], None),
+        control=(dict[BytesWithPublicKey, _dht_value(ControlState)], None),
+    )
+    validators: list[RecordValidatorBase] = [
+        SchemaValidator(schema, allow_extra_keys=True, prefix=keys.namespace),
+        RSASignatureValidator(private_key),
+    ]
+    if keys.secret:
+        validators.append(RunSecretValidator(keys))
+    return validators
+
+
+def _dht_value(model: type[BaseModel]) -> type:
+    """A pydantic-v1 field type (what hivemind's SchemaValidator takes) checked by our v2 model.
+    The value comes back unchanged when it parses, so hivemind's no-conversion check holds."""
+
+    class Value:
+        @classmethod
+        def __get_validators__(cls):
+            yield cls.check
+
+        @classmethod
+        def check(cls, value: Any) -> Any:
+            if parse_record(model, value) is None:
+                raise ValueError(f"not a valid {model.__name__}")
+            return value
+
+    Value.__name__ = Value.__qualname__ = f"{model.__name__}Value"
+    return Value
+
+
+class RunSecretValidator(RecordValidatorBase):
+    """Private runs: every record under the run's keys carries an HMAC made with the run
+    secret; a node holding the secret refuses any store without a valid one. (The keys
+    themselves are derived from the secret too, see :class:`~swarm.records.RunKeys`.)"""
+
+    _TAG = re.compile(rb"\[run-hmac:([0-9a-f]{64})\]$")
+
+    def __init__(self, keys: RunKeys) -> None:
+        self.namespace = keys.namespace
+        self._secret = (keys.secret or "").encode()
+        self._protected = {
+            DHTID.generate(source=key).to_bytes() for key in (keys.manifest, keys.peers, keys.control)
+        }
+
+    def _mac(self, record: DHTRecord) -> bytes:
+        message = b"\x00".join(
+            [record.key, record.subkey or b"", record.value, repr(float(record.expiration_time)).encode()]
+        )
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest().encode()
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self._protected:
+            return True
+        found = self._TAG.search(record.value)
+        if found is None:
+            return False
+        stripped = dataclasses.replace(record, value=self.strip_value(record))
+        return hmac.compare_digest(found.group(1), self._mac(stripped))
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        if record.key not in self._protected:
+            return record.value
+        return record.value + b"[run-hmac:" + self._mac(record) + b"]"
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return self._TAG.sub(b"", record.value) if record.key in self._protected else record.value
+
+    @property
+    def priority(self) -> int:
+        return 20  # outermost: checked before the signature (which signs the value without it)
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, RunSecretValidator) and other.namespace == self.namespace
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)

@@ -1,0 +1,215 @@
+"""`workbench doctor MULTIADDR...`: why can't I join? Each check says what is wrong and the fix.
+
+Checks, in order: the addresses parse; each bootstrap peer's TCP port answers; the DHT
+bootstraps through them; what addresses this machine would announce (public, private or
+loopback only: reachable from outside, or only as a client / via a relay); the run (its
+manifest and live peers, with ``--run-id``); versions of workbench, hivemind and the record
+protocol. Exit status 0 when nothing failed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import socket
+from dataclasses import asdict, dataclass
+
+from swarm.errors import SwarmError
+
+PROTOCOL = "workbench-records/1"
+"""Version of the DHT record layout (swarm.records); peers with another one cannot see each other."""
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail | info
+    detail: str
+    fix: str = ""
+
+
+def add_doctor_parser(commands) -> None:
+    from workbench.status import add_observer_options
+
+    parser = commands.add_parser(
+        "doctor",
+        help="check the connection to a swarm and say how to fix what is wrong",
+        description="Diagnose joining a swarm: bootstrap peers, this peer's reachability, versions.",
+    )
+    parser.add_argument(
+        "peers", nargs="+", metavar="MULTIADDR", help="the bootstrap peers you would join through"
+    )
+    add_observer_options(parser)
+    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+
+
+def _tcp_target(address) -> tuple[str, int] | None:
+    host = port = None
+    for proto in address.protocols():
+        if proto.name in ("ip4", "ip6", "dns", "dns4", "dns6"):
+            host = address.value_for_protocol(proto.code)
+        if proto.name == "tcp":
+            port = int(address.value_for_protocol(proto.code))
+    return (host, port) if host and port else None
+
+
+def _kind(ip: str) -> str:
+    try:
+        parsed = ipaddress.ip_address(ip)
+    except ValueError:
+        return "name"
+    if parsed.is_loopback:
+        return "loopback"
+    return "private" if parsed.is_private else "public"
+
+
+def diagnose(args: argparse.Namespace) -> list[Check]:
+    import importlib.metadata
+
+    from swarm.addresses import parse_peer_addresses
+
+    checks: list[Check] = []
+    try:
+        version = importlib.metadata.version("swarm-workbench")
+    except importlib.metadata.PackageNotFoundError:
+        version = "source checkout"
+    checks.append(
+        Check("versions", "info", f"workbench {version}, hivemind {_hivemind_version()}, {PROTOCOL}")
+    )
+    try:
+        addresses = parse_peer_addresses(args.peers)
+    except SwarmError as error:
+        checks.append(
+            Check(
+                "addresses", "fail", str(error), "paste the address exactly as `workbench start` printed it"
+            )
+        )
+        return checks
+    checks.append(Check("addresses", "ok", f"{len(addresses)} well-formed multiaddr(s) with peer ids"))
+    for address in addresses:
+        target = _tcp_target(address)
+        if target is None:
+            checks.append(Check(f"port of {address}", "info", "not a TCP address; skipped"))
+            continue
+        try:
+            with socket.create_connection(target, timeout=5):
+                pass
+            checks.append(Check(f"port {target[0]}:{target[1]}", "ok", "the TCP port answers"))
+        except OSError as error:
+            fix = (
+                "the peer listens on 127.0.0.1 only: restart it with --host 0.0.0.0 (and --announce PUBLIC_ADDR)"
+                if _kind(target[0]) != "loopback"
+                else "is the peer running? check the port it printed"
+            )
+            checks.append(Check(f"port {target[0]}:{target[1]}", "fail", f"cannot connect: {error}", fix))
+    try:
+        session, read = _observer(args)
+    except SwarmError as error:
+        checks.append(
+            Check(
+                "bootstrap", "fail", str(error), "check the address and that the peer's firewall lets TCP in"
+            )
+        )
+        return checks
+    try:
+        checks.append(Check("bootstrap", "ok", "joined the DHT through the given peers"))
+        checks.extend(_reachability(session.dht))
+        checks.extend(_run_checks(args, session, read))
+    finally:
+        session.close()
+    return checks
+
+
+def _hivemind_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("hivemind")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _observer(args: argparse.Namespace):
+    from workbench.status import open_observer
+
+    return open_observer(args)
+
+
+def _reachability(dht) -> list[Check]:
+    from swarm.dht import visible_addresses
+
+    addresses = visible_addresses(dht)
+    kinds = set()
+    for text in addresses:
+        parts = text.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            kinds.add(_kind(parts[2]))
+    if "public" in kinds:
+        return [
+            Check("reachability", "ok", "this machine has a public address others can dial: " + addresses[0])
+        ]
+    if "private" in kinds:
+        return [
+            Check(
+                "reachability",
+                "warn",
+                "only private (LAN) addresses: peers outside your network cannot dial you",
+                "forward a port and pass --host 0.0.0.0 --port PORT --announce /ip4/PUBLIC_IP/tcp/PORT, "
+                "or join with --client-mode (you can average, but not serve state to newcomers); "
+                "hivemind relays connections through public peers when they allow it",
+            )
+        ]
+    return [
+        Check(
+            "reachability",
+            "warn",
+            "listening on loopback only: only peers on this machine can dial you",
+            "for other machines pass --host 0.0.0.0 and --announce /ip4/PUBLIC_IP/tcp/PORT, or use --client-mode",
+        )
+    ]
+
+
+def _run_checks(args: argparse.Namespace, session, read) -> list[Check]:
+    reading = read()
+    checks = []
+    if reading.manifest is None:
+        checks.append(
+            Check(
+                f"run '{args.run_id}'",
+                "fail" if not reading.peers else "warn",
+                "no manifest found" + ("" if reading.peers else " and no live peer"),
+                "check --run-id (and --secret for a private run) against the run's join command",
+            )
+        )
+    else:
+        m = reading.manifest
+        checks.append(
+            Check(f"run '{args.run_id}'", "ok", f"owner {m.owner}, model {m.fingerprint} ({m.summary})")
+        )
+    live = [p for p in reading.peers.values() if p.stage.value != "leaving"]
+    if live:
+        top = max(p.outer_step for p in live)
+        checks.append(Check("peers", "ok", f"{len(live)} live peer(s), outer round {top}"))
+    return checks
+
+
+def run_doctor_command(args: argparse.Namespace) -> int:
+    checks = diagnose(args)
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks]))
+    else:
+        marks = {
+            "ok": "[green]ok  [/green]",
+            "warn": "[yellow]warn[/yellow]",
+            "fail": "[red]FAIL[/red]",
+            "info": "info",
+        }
+        from rich.console import Console
+
+        console = Console(highlight=False)
+        for c in checks:
+            console.print(f"{marks[c.status]}  {c.name}: {c.detail}")
+            if c.fix:
+                console.print(f"      fix: {c.fix}")
+    return 1 if any(c.status == "fail" for c in checks) else 0

@@ -1,0 +1,103 @@
+"""`workbench steer MULTIADDR --key OWNER_KEY ...`: change a live run as its owner.
+
+Publishes a new version of the run's ControlState (signed with the owner's key file, the
+``--identity`` of `workbench start`, or ``<run-dir>/identity.key``), then follows its
+propagation until every live peer reports it applied ("3/4 peers applied v7").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from swarm.errors import SwarmError
+
+
+def add_steer_parser(commands) -> None:
+    from workbench.status import add_observer_options
+
+    parser = commands.add_parser(
+        "steer",
+        help="change a live run's outer lr, H or codec, pause/resume a peer (owner only)",
+        description="Publish a steering change to a live run, signed with the owner's key. Example:\n"
+        "  workbench steer /ip4/127.0.0.1/tcp/31337/p2p/QmXyz... --key run/identity.key --outer-lr 0.5",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("peers", nargs="+", metavar="MULTIADDR", help="any peer of the run")
+    add_observer_options(parser)
+    parser.add_argument("--key", required=True, metavar="FILE", help="the run owner's key file")
+    parser.add_argument("--outer-lr", type=float, help="new outer learning rate")
+    parser.add_argument("--inner-steps", type=int, metavar="H", help="new inner steps per round")
+    parser.add_argument(
+        "--update-codec", metavar="CODEC", help="new pseudo-gradient codec (none, fp16, int8, ...)"
+    )
+    parser.add_argument(
+        "--pause", action="append", default=[], metavar="PEER", help="pause a peer (id or name)"
+    )
+    parser.add_argument("--resume", action="append", default=[], metavar="PEER", help="resume a paused peer")
+    parser.add_argument("--checkpoint", action="store_true", help="ask every peer to write a checkpoint now")
+    parser.add_argument("--from-step", type=int, help="outer step to apply at (default: 2 rounds ahead)")
+    parser.add_argument(
+        "--wait", type=float, default=60.0, help="seconds to follow propagation (0: do not wait; default 60)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def run_steer_command(args: argparse.Namespace) -> int:
+    from swarm.manifest import find_manifest
+    from swarm.records import RunKeys
+    from swarm.steering import Steering
+    from workbench.status import open_observer
+
+    RunKeys(args.run_id, args.secret)
+    if not any(
+        [args.outer_lr, args.inner_steps, args.update_codec, args.pause, args.resume, args.checkpoint]
+    ):
+        raise SwarmError(
+            "nothing to change: give --outer-lr, --inner-steps, --update-codec, --pause, --resume or --checkpoint"
+        )
+    session, _ = open_observer(args, signing_key=args.key)
+    try:
+        manifest = find_manifest(session.store, session.keys, owner=args.owner)
+        if manifest is None:
+            raise SwarmError(
+                f"run '{args.run_id}' has no manifest in the DHT: is its first peer still running?"
+            )
+        steering = Steering(session.store, session.keys, owner=manifest.owner, board=session.board)
+        current = steering.current()
+        paused = list(current.paused) if current else []
+        paused = [p for p in paused if p not in args.resume] + [p for p in args.pause if p not in paused]
+        control = steering.publish(
+            outer_lr=args.outer_lr,
+            inner_steps=args.inner_steps,
+            codec=args.update_codec,
+            paused=paused if (args.pause or args.resume) else None,
+            checkpoint=args.checkpoint,
+            from_step=args.from_step,
+        )
+        if not args.json:
+            print(
+                f"published control v{control.version} (from outer step {control.from_step}): {control.changes()}"
+            )
+        deadline = time.monotonic() + args.wait
+        applied, total = 0, 0
+        while True:
+            peers = session.board.fetch()
+            applied, total = steering.propagation(peers, control.version)
+            if not args.json:
+                print(f"{applied}/{total} peers applied v{control.version}", flush=True)
+            if (total and applied == total) or time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        if args.json:
+            print(
+                json.dumps({"control": control.model_dump(mode="json"), "applied": applied, "peers": total})
+            )
+        if args.wait and total and applied < total:
+            print(f"not every peer applied v{control.version} within {args.wait:.0f} s", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        session.close()
