@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -97,7 +98,11 @@ def test_joiner_with_another_model_is_refused(spawn):
     )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "trains another model" in errors[0] and "--model" in errors[0], result.stderr
+    assert len(errors) == 1 and "does not match run 'model-check'" in errors[0], result.stderr
+    # Both fingerprints are named: the run's (from its manifest) and the joiner's.
+    run_fingerprint = peer.events("started")[0]["fingerprint"]
+    assert run_fingerprint in errors[0] and "--model" in errors[0]
+    assert len(set(re.findall(r"\b[0-9a-f]{16}\b", errors[0]))) == 2, errors[0]
     assert "Traceback" not in result.stderr
 
 

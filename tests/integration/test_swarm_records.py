@@ -1,0 +1,242 @@
+"""Signed records, private runs, steering and the monitor, with real peers on loopback.
+
+The "attacker" and the observers here are DHT nodes started in the test process with the same
+code a peer uses (swarm.session.connect), so they speak the real protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from swarm.dht import NetworkConfig, dht_time
+from swarm.monitor import SwarmMonitor, dht_reader, replay
+from swarm.records import ControlState, PeerHeartbeat, RunKeys, Stage
+from swarm.session import connect
+from swarm.store import SignedStore
+from tests.integration.conftest import FAST, max_abs_diff
+
+
+def observer(address: str, keys: RunKeys, **options):
+    return connect(NetworkConfig(initial_peers=[address], client_mode=True), keys, **options)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def workbench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "workbench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_forged_heartbeats_and_foreign_steering_are_rejected(spawn, tmp_path):
+    keys = RunKeys("forgery")
+    owner = spawn("a", "start", *FAST, "--run-id", "forgery", "--rounds", "40")
+    address = owner.address()
+    owner.wait_event("round")
+    victim_id = owner.events("started")[0]["peer_id"]
+    attacker = observer(address, keys)
+    try:
+        # 1. A heartbeat under the attacker's own key that claims the owner's peer id: stored, but
+        #    every reader drops it (its key does not belong to that peer id).
+        fake = PeerHeartbeat(
+            peer_id=victim_id,
+            name="a",
+            stage=Stage.LEAVING,
+            outer_step=0,
+            inner_step=0,
+            inner_steps=5,
+            time=dht_time(),
+        )
+        attacker.store.store(keys.peers, fake, ttl=30, wait=True)
+        # 2. The same under the owner's public key (signed with the attacker's key): refused.
+        from swarm.identity import load_private_key
+
+        impostor = SignedStore(attacker.dht, attacker.private_key)
+        impostor.subkey = b"[owner:" + _public_key(load_private_key(owner.directory / "identity.key")) + b"]"
+        assert not impostor.store(keys.peers, fake, ttl=30, wait=True)
+        # 3. A steering change signed by somebody who is not the owner: peers ignore it.
+        attacker.store.store(
+            keys.control, ControlState(version=7, outer_lr=5.0, from_step=0), ttl=60, wait=True
+        )
+
+        reader = observer(address, keys)
+        try:
+            peers = reader.board.fetch(include_leaving=True)
+            assert list(peers) == [victim_id] and peers[victim_id].stage is not Stage.LEAVING, peers
+        finally:
+            reader.close()
+        wait_until(
+            lambda: "ignored a steering change" in owner.stderr(), 20, "the owner to log the rejection"
+        )
+        assert owner.wait() == 0, owner.stderr()
+        assert not owner.events("control_applied")
+        assert all(r["eval_loss"] < 10 for r in owner.events("round"))  # outer lr 5 would have blown up
+    finally:
+        attacker.close()
+
+
+def _public_key(private_key) -> bytes:
+    from swarm.identity import public_key_text
+
+    return public_key_text(private_key).encode()
+
+
+def test_a_private_run_is_invisible_without_its_secret(spawn):
+    secret = "correct horse battery staple"
+    owner = spawn("a", "start", *FAST, "--run-id", "private", "--secret", secret, "--min-peers", "2")
+    address = owner.address()
+    assert "--secret SECRET" in owner.stdout() and secret not in owner.stdout()
+
+    # Without the secret: status sees nobody, join finds no run.
+    status = workbench("status", address, "--run-id", "private", "--json")
+    assert status.returncode == 1 and json.loads(status.stdout)["peers"] == [], status.stderr
+    joined = workbench("join", address, *FAST, "--run-id", "private", "--connect-timeout", "10")
+    assert joined.returncode == 2 and "no live peer of run 'private'" in joined.stderr, joined.stderr
+
+    # An outsider who somehow learned the key names still cannot write: no HMAC, no store.
+    keys = RunKeys("private", secret)
+    outsider = observer(address, RunKeys("private"))
+    try:
+        fake = PeerHeartbeat(
+            peer_id=outsider.peer_id,
+            name="x",
+            stage=Stage.TRAINING,
+            outer_step=0,
+            inner_step=0,
+            inner_steps=5,
+            time=dht_time(),
+        )
+        assert not outsider.store.store(keys.peers, fake, ttl=30, wait=True)
+    finally:
+        outsider.close()
+
+    # With it: visible, and a second peer joins and trains with the owner.
+    status = workbench("status", address, "--run-id", "private", "--secret", secret, "--json")
+    assert status.returncode == 0 and len(json.loads(status.stdout)["peers"]) == 1, status.stderr
+    second = spawn("b", "join", address, *FAST, "--run-id", "private", "--secret", secret, "--rounds", "2")
+    assert second.wait() == 0, second.stderr()
+    assert any(r["group_size"] == 2 for r in second.events("round"))
+    owner.kill()
+
+
+def test_steering_reaches_every_peer(spawn):
+    common = [*FAST, "--run-id", "steer", "--rounds", "30"]
+    first = spawn("a", "start", *common, "--min-peers", "2")
+    address = first.address()
+    second = spawn("b", "join", address, *common)
+    second.wait_event("round", lambda e: e["outer_step"] >= 2)
+    key = str(first.directory / "identity.key")
+
+    # Not the owner: refused before anything is published.
+    refused = workbench(
+        "steer",
+        address,
+        "--run-id",
+        "steer",
+        "--key",
+        str(second.directory / "identity.key"),
+        "--outer-lr",
+        "0.3",
+    )
+    assert refused.returncode == 2 and "only the run owner" in refused.stderr, refused.stderr
+
+    result = workbench(
+        "steer",
+        address,
+        "--run-id",
+        "steer",
+        "--key",
+        key,
+        "--outer-lr",
+        "0.35",
+        "--inner-steps",
+        "4",
+        "--json",
+        "--wait",
+        "60",
+    )
+    assert result.returncode == 0, result.stderr
+    published = json.loads(result.stdout)
+    assert published["applied"] == published["peers"] == 2
+    version, from_step = published["control"]["version"], published["control"]["from_step"]
+
+    for peer in (first, second):
+        assert peer.wait() == 0, peer.stderr()
+        applied = peer.events("control_applied")
+        assert [a["version"] for a in applied] == [version]
+        assert applied[0]["outer_step"] == from_step  # the same step on every peer
+        assert applied[0]["changes"] == {"outer_lr": 0.35, "inner_steps": 4}
+    # Both applied it at the same round, so they still agree on θ.
+    assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
+    assert not [r for r in second.events("round") if r["outer_step"] > from_step and r["resync"]]
+
+
+def test_a_killed_peer_shows_as_left_within_its_ttl(spawn, tmp_path):
+    common = [*FAST, "--run-id", "crash", "--rounds", "100"]
+    first = spawn("a", "start", *common, "--min-peers", "2")
+    address = first.address()
+    second = spawn("b", "join", address, *common)
+    second.wait_event("round")
+    keys = RunKeys("crash")
+    session = observer(address, keys)
+    recording = tmp_path / "crash.jsonl"
+    monitor = SwarmMonitor(dht_reader(session.board, session.store, keys), record_to=recording)
+    live = []
+    try:
+        live.append(monitor.poll())
+        assert len(live[-1].peers) == 2 and live[-1].manifest is not None
+        victim = second.events("started")[0]["peer_id"]
+        second.kill()  # SIGKILL: no leaving heartbeat
+        killed = time.monotonic()
+
+        def left() -> bool:
+            live.append(monitor.poll())
+            return any(e.kind == "left" and e.peer_id == victim for e in live[-1].new_events)
+
+        wait_until(left, 25, "the monitor to report the killed peer as left")
+        assert time.monotonic() - killed <= session.board.ttl + 5
+        assert victim not in live[-1].peers and len(live[-1].peers) == 1
+        # The survivor keeps training (alone) instead of waiting for the dead peer.
+        step = first.events("round")[-1]["outer_step"]
+        first.wait_event("round", lambda e: e["outer_step"] >= step + 2, timeout=60)
+    finally:
+        monitor.close()
+        session.close()
+    replayed = list(replay(recording))
+    assert [json.dumps(s.to_json()) for s in replayed] == [json.dumps(s.to_json()) for s in live]
+
+
+def test_status_needs_an_address():
+    result = workbench("status", "--run-id", "x")
+    assert result.returncode == 2 and "multiaddr" in result.stderr
+
+
+def test_doctor_reports_a_reachable_swarm_and_a_dead_port(spawn):
+    peer = spawn("a", "start", *FAST, "--run-id", "doctor", "--min-peers", "2")
+    address = peer.address()
+    result = workbench("doctor", address, "--run-id", "doctor", "--json")
+    checks = {c["name"]: c for c in json.loads(result.stdout)}
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert checks["bootstrap"]["status"] == "ok" and checks["run 'doctor'"]["status"] == "ok"
+    assert checks["reachability"]["status"] == "warn" and "--host 0.0.0.0" in checks["reachability"]["fix"]
+    dead = address.replace(address.split("/")[4], "1")  # port 1: nothing listens there
+    result = workbench("doctor", dead, "--run-id", "doctor", "--json", "--connect-timeout", "5")
+    checks = json.loads(result.stdout)
+    assert result.returncode == 1 and any(c["status"] == "fail" and c["fix"] for c in checks)

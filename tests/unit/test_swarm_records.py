@@ -1,0 +1,267 @@
+"""Unit tests for the run's records: keys, validators, identity, fingerprints, monitor, steering."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+import torch
+from hivemind.dht.validation import CompositeValidator, DHTRecord
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer
+
+from optim.averager import LocalAverager
+from optim.diloco import DiLoCo, DiLoCoConfig
+from swarm.errors import SwarmError
+from swarm.identity import create_identity, key_hash, load_private_key, peer_id_of, public_key_text
+from swarm.manifest import check_fingerprint, model_fingerprint
+from swarm.monitor import Reading, SwarmMonitor, replay
+from swarm.records import ControlState, PeerHeartbeat, RunKeys, RunManifest
+from swarm.steering import Steering
+from swarm.validators import RunSecretValidator, record_validators
+
+
+@pytest.fixture(scope="module")
+def key_file(tmp_path_factory: pytest.TempPathFactory):
+    return create_identity(tmp_path_factory.mktemp("keys") / "peer.key")
+
+
+@pytest.fixture(scope="module")
+def private_key(key_file):
+    return load_private_key(key_file)
+
+
+# --- keys and identity -----------------------------------------------------------------------------
+
+
+def test_run_keys_without_a_secret_use_the_run_id() -> None:
+    keys = RunKeys("my-run")
+    assert (keys.manifest, keys.peers, keys.control) == ("my-run_manifest", "my-run_peers", "my-run_control")
+    assert keys.group("diloco") == "my-run_diloco"
+
+
+def test_a_secret_hides_the_run_keys() -> None:
+    private, other = RunKeys("my-run", "correct horse battery"), RunKeys("my-run", "another secret!")
+    assert private.namespace != "my-run" and private.namespace != other.namespace
+    assert private.namespace == RunKeys("my-run", "correct horse battery").namespace  # deterministic
+    assert "correct" not in private.peers
+
+
+def test_a_short_secret_is_refused() -> None:
+    with pytest.raises(SwarmError, match="at least 8"):
+        RunKeys("my-run", "short")
+
+
+def test_peer_id_of_a_key_is_the_libp2p_peer_id(key_file, private_key) -> None:
+    assert peer_id_of(public_key_text(private_key)) == PeerID.from_identity(key_file.read_bytes()).to_base58()
+    assert len(key_hash(public_key_text(private_key))) == 16
+
+
+def test_a_garbage_key_file_gives_a_clear_error(tmp_path) -> None:
+    bad = tmp_path / "bad.key"
+    bad.write_bytes(b"not a key at all")
+    with pytest.raises(SwarmError, match="not a workbench/hivemind key file"):
+        load_private_key(bad)
+    with pytest.raises(SwarmError, match="cannot read"):
+        load_private_key(tmp_path / "missing.key")
+
+
+# --- validators --------------------------------------------------------------------------------------
+
+
+def record(key: str, subkey: bytes, value: Any, expiration: float = 1e10) -> DHTRecord:
+    from hivemind.dht.routing import DHTID
+
+    return DHTRecord(
+        key=DHTID.generate(source=key).to_bytes(),
+        subkey=MSGPackSerializer.dumps(subkey),
+        value=MSGPackSerializer.dumps(value),
+        expiration_time=expiration,
+    )
+
+
+def beat(peer_id: str, **overrides: Any) -> dict[str, Any]:
+    fields = dict(
+        peer_id=peer_id, name="a", stage="training", outer_step=1, inner_step=0, inner_steps=5, time=1.0
+    )
+    return PeerHeartbeat.model_validate({**fields, **overrides}).model_dump(mode="json")
+
+
+def composite(keys: RunKeys, private_key) -> CompositeValidator:
+    return CompositeValidator(record_validators(keys, private_key))
+
+
+@pytest.mark.parametrize("secret", [None, "a long run secret"])
+def test_a_signed_record_validates_and_a_tampered_one_does_not(private_key, secret) -> None:
+    keys = RunKeys("run", secret)
+    validator = composite(keys, private_key)
+    subkey = b"[owner:" + public_key_text(private_key).encode() + b"]"
+    plain = record(keys.peers, subkey, beat("QmX"))
+    signed = dataclasses.replace(plain, value=validator.sign_value(plain))
+    assert validator.validate(signed)
+    assert validator.strip_value(signed) == plain.value
+    tampered = dataclasses.replace(signed, value=signed.value.replace(b"training", b"averaging"))
+    assert not validator.validate(tampered)
+
+
+def test_a_record_under_another_key_cannot_be_signed(private_key, tmp_path) -> None:
+    """Stores under somebody else's public key stay unsigned, so every node refuses them."""
+    victim = load_private_key(create_identity(tmp_path / "victim.key"))
+    keys = RunKeys("run")
+    validator = composite(keys, private_key)
+    subkey = b"[owner:" + public_key_text(victim).encode() + b"]"
+    plain = record(keys.control, subkey, ControlState(version=3, outer_lr=0.1).model_dump(mode="json"))
+    assert not validator.validate(dataclasses.replace(plain, value=validator.sign_value(plain)))
+
+
+def test_the_schema_refuses_a_malformed_heartbeat(private_key) -> None:
+    keys = RunKeys("run")
+    validator = composite(keys, private_key)
+    subkey = b"[owner:" + public_key_text(private_key).encode() + b"]"
+    plain = record(keys.peers, subkey, {**beat("QmX"), "outer_step": -5})
+    assert not validator.validate(dataclasses.replace(plain, value=validator.sign_value(plain)))
+
+
+def test_without_the_secret_a_store_is_refused(private_key) -> None:
+    keys = RunKeys("run", "the real secret")
+    outsider = RunSecretValidator(RunKeys("run", "a wrong secret"))
+    insider = RunSecretValidator(keys)
+    plain = record(keys.peers, b"x", beat("QmX"))
+    assert not insider.validate(plain)  # no tag at all
+    forged = record(keys.peers, b"x", beat("QmX"))
+    # An outsider's tag is made with another secret (and for other key names).
+    forged = dataclasses.replace(forged, value=forged.value + b"[run-hmac:" + b"0" * 64 + b"]")
+    assert not insider.validate(forged)
+    assert insider.validate(dataclasses.replace(plain, value=insider.sign_value(plain)))
+    assert outsider.validate(record("someone-elses-key", b"x", 1))  # other keys are not its business
+
+
+# --- records -------------------------------------------------------------------------------------------
+
+
+def test_control_state_refuses_bad_values() -> None:
+    from pydantic import ValidationError
+
+    for bad in (
+        dict(version=0),
+        dict(version=1, codec="zip"),
+        dict(version=1, outer_lr=-1.0),
+        dict(version=1, inner_steps=0),
+    ):
+        with pytest.raises(ValidationError):
+            ControlState.model_validate(bad)
+    control = ControlState(version=2, outer_lr=0.5, paused=["peer-3"])
+    assert control.changes() == {"outer_lr": 0.5, "paused": ["peer-3"]}
+    assert control.pauses("Qm...", "peer-3") and not control.pauses("Qm...", "peer-4")
+
+
+# --- fingerprints -------------------------------------------------------------------------------------
+
+
+def test_the_fingerprint_covers_architecture_shapes_and_optimizer() -> None:
+    torch.manual_seed(0)
+    small, wide = torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)
+    base = model_fingerprint(small, {"outer_lr": 0.7})
+    assert base == model_fingerprint(torch.nn.Linear(4, 4), {"outer_lr": 0.7})  # weights do not matter
+    assert base != model_fingerprint(wide, {"outer_lr": 0.7})
+    assert base != model_fingerprint(small, {"outer_lr": 0.5})
+    assert base != model_fingerprint(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), {"outer_lr": 0.7}
+    )
+
+
+def test_a_fingerprint_mismatch_names_both() -> None:
+    manifest = RunManifest(
+        run_id="r", owner="0" * 16, fingerprint="aaaaaaaaaaaaaaaa", summary="tiny", created=1.0
+    )
+    check_fingerprint(manifest, "aaaaaaaaaaaaaaaa", "tiny")
+    with pytest.raises(SwarmError, match="aaaaaaaaaaaaaaaa.*bbbbbbbbbbbbbbbb"):
+        check_fingerprint(manifest, "bbbbbbbbbbbbbbbb", "small")
+
+
+# --- monitor -------------------------------------------------------------------------------------------
+
+
+def hb(peer_id: str, name: str, t: float, outer: int, **kw: Any) -> PeerHeartbeat:
+    fields = dict(peer_id=peer_id, name=name, stage="training", outer_step=outer, inner_step=1, inner_steps=5)
+    return PeerHeartbeat.model_validate({**fields, "time": t, "loss": 3.0 - outer / 10, **kw})
+
+
+def readings() -> list[Reading]:
+    control = ControlState(version=1, outer_lr=0.5)
+    return [
+        Reading(1.0, "r", {"A": hb("A", "a", 1.0, 0)}),
+        Reading(2.0, "r", {"A": hb("A", "a", 2.0, 1), "B": hb("B", "b", 2.0, 1)}),
+        Reading(3.0, "r", {"A": hb("A", "a", 3.0, 4), "B": hb("B", "b", 3.0, 1)}, control=control),
+        Reading(
+            4.0,
+            "r",
+            {"A": hb("A", "a", 4.0, 4, control_version=1), "B": hb("B", "b", 4.0, 1, stage="leaving")},
+        ),
+        Reading(5.0, "r", {"A": hb("A", "a", 5.0, 5, control_version=1)}),
+    ]
+
+
+def test_the_monitor_derives_events() -> None:
+    monitor = SwarmMonitor()
+    kinds = [[e.kind for e in monitor.ingest(r).new_events] for r in readings()]
+    assert kinds == [["joined"], ["joined", "round"], ["round", "lagging"], ["control", "left"], ["round"]]
+    snapshot = monitor.ingest(Reading(16.0, "r", {}))
+    assert [e.kind for e in snapshot.new_events] == ["left"] and "timed out" in snapshot.new_events[0].message
+    assert snapshot.peers == {} and snapshot.outer_round == 5
+
+
+def test_the_monitor_keeps_bounded_history() -> None:
+    monitor = SwarmMonitor(history=3)
+    for t in range(10):
+        snapshot = monitor.ingest(Reading(float(t), "r", {"A": hb("A", "a", float(t), t)}))
+    assert [v for _, v in snapshot.history["A"]["outer_step"]] == [7.0, 8.0, 9.0]
+    assert snapshot.applied() == (1, 1)
+
+
+def test_record_and_replay_round_trip(tmp_path) -> None:
+    path = tmp_path / "run.jsonl"
+    live = SwarmMonitor(record_to=path)
+    expected = [json.dumps(live.ingest(r).to_json()) for r in readings()]
+    live.close()
+    assert [json.dumps(s.to_json()) for s in replay(path)] == expected
+
+
+def test_replay_of_a_bad_file_says_what_it_is(tmp_path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("hello\n")
+    with pytest.raises((SwarmError, ValueError)):
+        list(replay(path))
+    with pytest.raises(SwarmError, match="cannot read"):
+        list(replay(tmp_path / "missing.jsonl"))
+
+
+def test_propagation_counts_active_peers() -> None:
+    peers = {
+        "A": hb("A", "a", 1.0, 3, control_version=2),
+        "B": hb("B", "b", 1.0, 3, control_version=1),
+        "C": hb("C", "c", 1.0, 3, stage="paused"),
+    }
+    assert Steering.propagation(peers, 2) == (1, 2)
+
+
+# --- retune (what steering calls) ---------------------------------------------------------------------
+
+
+def test_retune_changes_settings_between_rounds() -> None:
+    model = torch.nn.Linear(3, 3)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outer = DiLoCo(model, inner, LocalAverager(), DiLoCoConfig(inner_steps=5))
+    assert outer.retune(outer_lr=0.3, inner_steps=7, codec="int8") == {
+        "outer_lr": 0.3,
+        "inner_steps": 7,
+        "codec": "int8",
+    }
+    assert outer.outer_optimizer.param_groups[0]["lr"] == 0.3 and outer.config.inner_steps == 7
+    assert type(outer.codec).__name__.lower().startswith("int8")
+    assert outer.retune(outer_lr=0.3) == {}
+    with pytest.raises(ValueError):
+        outer.retune(outer_lr=-1.0, inner_steps=9)
+    assert outer.config.inner_steps == 7 and outer.outer_optimizer.param_groups[0]["lr"] == 0.3  # untouched
