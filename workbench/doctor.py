@@ -103,6 +103,10 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
                 else "is the peer running? check the port it printed"
             )
             checks.append(Check(f"port {target[0]}:{target[1]}", "fail", f"cannot connect: {error}", fix))
+    ports = [c for c in checks if c.name.startswith("port ")]
+    if ports and all(c.status == "fail" for c in ports):
+        checks.append(Check("bootstrap", "fail", "skipped: no bootstrap peer's port answers", ports[0].fix))
+        return checks
     try:
         session, read = _observer(args)
     except SwarmError as error:
