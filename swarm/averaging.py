@@ -247,7 +247,12 @@ class SwarmAverager:
         waited_for: list[str] = []
         while True:
             self.beat(Stage.WAITING)
-            others = [p for p in self.board.fetch().values() if p.peer_id != self.peer_id]
+            # A paused peer (steering) trains nothing and averages nothing: not a round mate.
+            others = [
+                p
+                for p in self.board.fetch().values()
+                if p.peer_id != self.peer_id and p.stage is not Stage.PAUSED
+            ]
             if not others:
                 return _Verdict.ALONE
             if any(p.outer_step > outer_step for p in others):

@@ -81,6 +81,12 @@ class PeerHeartbeat(BaseModel):
     """The run owner's ControlState version this peer has applied (0: none yet)."""
     addresses: list[str] = Field(default_factory=list, max_length=16)
     """Multiaddrs this peer can be dialed at (empty for a client-mode peer)."""
+    tokens_per_second: float = Field(default=0.0, ge=0)
+    dp_bytes: int = Field(default=0, ge=0)
+    """What data-parallel would have sent for this peer's inner steps so far (fp32 all-reduce of
+    the gradients every step, in the same group sizes): the yardstick for bytes saved."""
+    rounds: int = Field(default=0, ge=0)
+    """Outer rounds this peer will run (0: until stopped); with round times, the ETA."""
 
 
 class RunManifest(BaseModel):

@@ -63,6 +63,7 @@ class Peer:
         self.bytes_received = 0
         self.last_round_seconds: float | None = None
         self.group_size = 0
+        self.dp_bytes = 0
         self.control_version = 0
         """The owner's ControlState version whose settings this peer applied."""
         self.checkpoints = 0
@@ -278,6 +279,9 @@ class Peer:
             group_size=self.group_size,
             control_version=self.control_version,
             addresses=[] if self.config.network.client_mode else self.addresses[:16],
+            tokens_per_second=self.samples_per_second * self.config.model.block_size,
+            dp_bytes=self.dp_bytes,
+            rounds=self.total_rounds if self.config.peer.rounds else 0,
         )
 
     def emit(self, event: str, **fields: Any) -> None:
@@ -382,7 +386,7 @@ class Peer:
         eval_loss = initial_eval
         while not cfg.peer.rounds or self.diloco.outer_step_count < self.total_rounds:
             round_start = time.monotonic()
-            samples = 0
+            samples = steps = 0
             # θ_global only changes at a sync, so one fingerprint serves the whole round (for dp a
             # round is one step); computing it per inner step would norm every tensor H times.
             self.apply_control()
@@ -399,6 +403,7 @@ class Peer:
                 self.last_loss, dp_report = self.inner_step(x, y, info)
                 self.diloco.note_inner_step(samples=len(x))
                 samples += len(x)
+                steps += 1
             self.samples_per_second = samples / max(time.monotonic() - round_start, 1e-9)
             if self.dp is not None:
                 self.diloco.sync()  # commit: θ_global ← θ_local, step clock + 1, state snapshot
@@ -408,6 +413,9 @@ class Peer:
             self.bytes_sent += report.bytes_sent
             self.bytes_received += report.bytes_received
             self.group_size = report.group_size
+            # Data-parallel would have all-reduced fp32 gradients after each of these inner steps.
+            group = max(report.group_size, 1)
+            self.dp_bytes += int(steps * 2 * 4 * self.model.num_params() * (group - 1) / group)
             self.last_round_seconds = time.monotonic() - round_start
             resync = f"out of step with the swarm ({report.error})" if report.stale else None
             if report.group_size > 1:
@@ -597,6 +605,10 @@ class Peer:
 def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
     """Run a peer in the main thread; Ctrl+C (or SIGTERM) stops it cleanly within seconds."""
     peer = Peer(config, on_started=on_started)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started as a background job of a non-interactive shell (`cmd &`), which ignores SIGINT:
+        # a peer must still leave cleanly when told to, so take SIGINT back.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         summary = peer.run()

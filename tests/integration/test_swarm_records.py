@@ -137,7 +137,7 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
 
 
 def test_steering_reaches_every_peer(spawn):
-    common = [*FAST, "--run-id", "steer", "--rounds", "30"]
+    common = [*FAST, "--run-id", "steer", "--rounds", "60"]
     first = spawn("a", "start", *common, "--min-peers", "2")
     address = first.address()
     second = spawn("b", "join", address, *common)
@@ -177,15 +177,40 @@ def test_steering_reaches_every_peer(spawn):
     assert published["applied"] == published["peers"] == 2
     version, from_step = published["control"]["version"], published["control"]["from_step"]
 
+    # Pause the second peer: it idles (stage "paused") while the first trains on, then resumes
+    # and catches up by downloading the state. (In process: the first peer trains fast alone, and
+    # a CLI's start-up would let it finish the run before the resume.)
+    from swarm.steering import Steering
+
+    owner = observer(address, RunKeys("steer"), signing_key=key)
+    try:
+        manifest_owner = first.events("started")[0]["owner"]
+        steering = Steering(owner.store, owner.keys, owner=manifest_owner, board=owner.board)
+        steering.pause("b")
+        second.wait_event("paused", timeout=30)
+        stages = {p.name: p.stage for p in owner.board.fetch().values()}
+        assert stages["b"] is Stage.PAUSED, stages
+        step = first.events("round")[-1]["outer_step"]
+        first.wait_event("round", lambda e: e["outer_step"] >= step + 2)  # the others do not wait for it
+        steering.resume("b")
+        second.wait_event("resumed", timeout=30)
+    finally:
+        owner.close()
+
     for peer in (first, second):
         assert peer.wait() == 0, peer.stderr()
         applied = peer.events("control_applied")
-        assert [a["version"] for a in applied] == [version]
+        assert applied[0]["version"] == version
         assert applied[0]["outer_step"] == from_step  # the same step on every peer
         assert applied[0]["changes"] == {"outer_lr": 0.35, "inner_steps": 4}
-    # Both applied it at the same round, so they still agree on θ.
+        assert applied[-1]["version"] == version + 2  # the resume, applied by both
+    # Both applied the change at the same round, so they agreed on θ until the pause; the paused
+    # peer caught up by downloading the state, so they agree at the end too.
+    pause_step = second.events("paused")[0]["outer_step"]
+    assert not [
+        r for r in second.events("round") if from_step < r["outer_step"] <= pause_step and r["resync"]
+    ]
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
-    assert not [r for r in second.events("round") if r["outer_step"] > from_step and r["resync"]]
 
 
 def test_a_killed_peer_shows_as_left_within_its_ttl(spawn, tmp_path):
