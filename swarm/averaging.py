@@ -97,6 +97,8 @@ class SwarmAverager:
         self.beat = beat
         self.config = config
         self.peer_id = dht.peer_id.to_base58()
+        self.corrupt_next = False
+        """Testing: send NaN instead of this peer's update in the next round (a faulty peer)."""
         codec, self.bytes_per_element = CODECS[config.compression], CODEC_BYTES[config.compression]
         buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in tensors_like]
         self.numel = sum(b.numel() for b in buffers)
@@ -184,6 +186,11 @@ class SwarmAverager:
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
+            if self.corrupt_next:  # fault injection: behave like a faulty peer, once
+                self.corrupt_next = False
+                for buffer in buffers:
+                    buffer.fill_(float("nan"))
+                logger.warning("fault injection: sending a corrupt (NaN) update this round")
         control = self.averager.step(
             allow_retries=False,  # see all_reduce
             gather=info,

@@ -67,7 +67,7 @@ class Reading:
 class MonitorEvent:
     time: float
     kind: str
-    """joined | left | round | control | lagging"""
+    """joined | left | round | control | lagging | error"""
     message: str
     peer_id: str | None = None
 
@@ -194,6 +194,8 @@ class SwarmMonitor:
                 event("joined", f"{p.name} joined ({p.device}, outer step {p.outer_step})", pid)
             elif p.control_version > before.control_version:
                 event("control", f"{p.name} applied control v{p.control_version}", pid)
+            if p.last_error and (before is None or before.last_error != p.last_error):
+                event("error", f"{p.name}: {p.last_error}", pid)
             self._remember(pid, p)
         for pid, before in self._known.items():
             if pid in alive:

@@ -53,9 +53,12 @@ class Stage(str, enum.Enum):
 
 
 class PeerHeartbeat(BaseModel):
-    """One peer's progress, republished every second or so; expires when the peer dies."""
+    """One peer's progress, republished every second or so; expires when the peer dies.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Unknown fields are ignored, not refused: a newer peer's heartbeat (with fields this version
+    does not know) must still count as a live peer here, or a mixed-version run falls apart."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
     peer_id: str = Field(max_length=128)
     name: str = Field(max_length=64)
@@ -87,6 +90,8 @@ class PeerHeartbeat(BaseModel):
     the gradients every step, in the same group sizes): the yardstick for bytes saved."""
     rounds: int = Field(default=0, ge=0)
     """Outer rounds this peer will run (0: until stopped); with round times, the ETA."""
+    last_error: str | None = Field(default=None, max_length=300)
+    """Why this peer's last round went wrong (fell back to a local step, rejected update, ...)."""
 
 
 class RunManifest(BaseModel):

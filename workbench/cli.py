@@ -141,6 +141,11 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--run-dir", metavar="DIR", help="write metrics.jsonl and the final global params here"
     )
+    group.add_argument(
+        "--fault-file",
+        metavar="FILE",
+        help="testing: read injected faults (throttle, corrupt update) from FILE between steps",
+    )
 
 
 def add_run_access_options(group) -> None:
@@ -196,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show progress lines instead of a UI (automatic without a terminal)",
     )
+    demo.add_argument(
+        "--no-tui", action="store_true", help="a simple live table instead of the swarm monitor app"
+    )
     demo.add_argument("--json", action="store_true", help="print one JSON result object on stdout at the end")
     demo.add_argument(
         "--run-dir", metavar="DIR", help="keep each peer's metrics and logs here (default: a temp dir)"
@@ -217,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_status_parser(commands)
     add_steer_parser(commands)
     add_doctor_parser(commands)
+    from workbench.monitor_cli import add_monitor_parsers
+
+    add_monitor_parsers(commands)
     return parser
 
 
@@ -297,6 +308,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             run_dir=getattr(args, "run_dir", None),
             secret=getattr(args, "secret", None),
             owner=getattr(args, "owner", None),
+            fault_file=getattr(args, "fault_file", None),
         ),
     )
 
@@ -375,6 +387,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
+    if args.command in ("monitor", "replay"):
+        from workbench.monitor_cli import run_monitor_command
+
+        try:
+            return run_monitor_command(args, list(argv if argv is not None else sys.argv[1:]))
+        except SwarmError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        except KeyboardInterrupt:
+            return 0
     if args.command in ("status", "steer", "doctor"):
         from workbench.doctor import run_doctor_command
         from workbench.status import run_status_command

@@ -92,6 +92,9 @@ class PeerConfig:
     """Where to write metrics.jsonl and the final global params (none: write nothing)."""
     secret: str | None = None
     """Private run: peers without this secret can neither find, join nor write to the run."""
+    fault_file: str | None = None
+    """Testing: a JSON file of injected faults ({"throttle_ms": N, "corrupt_next": T}) read
+    between inner steps; the demo's fault-injection menu writes it."""
     owner: str | None = None
     """The run owner's key hash (printed by `workbench start`): trust only its manifest and steering."""
 

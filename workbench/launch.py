@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -63,6 +64,33 @@ class LocalPeer:
 
     def last(self, event: str) -> dict[str, Any] | None:
         return next((e for e in reversed(self.events) if e["event"] == event), None)
+
+    def kill(self) -> None:
+        """SIGKILL the peer (no goodbye): the others must notice by its heartbeat expiring."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def freeze(self, seconds: float) -> None:
+        """SIGSTOP the peer now and SIGCONT it ``seconds`` later: a straggler."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+        timer = threading.Timer(seconds, self._thaw)
+        timer.daemon = True
+        timer.start()
+
+    def _thaw(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGCONT)
+
+    @property
+    def fault_file(self) -> Path:
+        return self.directory / "faults.json"
+
+    def write_faults(self, **faults: Any) -> None:
+        """Merge ``faults`` into the file the peer reads between inner steps (``--fault-file``)."""
+        current = json.loads(self.fault_file.read_text()) if self.fault_file.exists() else {}
+        temporary = self.fault_file.with_suffix(".tmp")
+        temporary.write_text(json.dumps({**current, **faults}))
+        os.replace(temporary, self.fault_file)
 
     def log_tail(self, lines: int = 8) -> str:
         log = self.directory / "peer.log"
@@ -116,6 +144,8 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         str(config.peer.min_peers),
         "--run-dir",
         str(run_dir / name),
+        "--fault-file",
+        str(run_dir / name / "faults.json"),
     ]
     if config.diloco.error_feedback:
         args.append("--error-feedback")
@@ -144,7 +174,7 @@ class LocalSwarm:
     def _spawn(self, command: str, name: str, extra: list[str]) -> LocalPeer:
         directory = self.run_dir / name
         directory.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "global_params.pt"):  # a reused --run-dir: start clean
+        for stale in ("metrics.jsonl", "global_params.pt", "faults.json"):  # a reused --run-dir: start clean
             (directory / stale).unlink(missing_ok=True)
         argv = [
             sys.executable,
@@ -245,7 +275,7 @@ class LocalSwarm:
 
 
 class DemoTable:
-    """A live per-peer table for `workbench demo` in a terminal (until the TUI lands)."""
+    """A live per-peer table for `workbench demo --no-tui` in a terminal."""
 
     def __init__(self, *, peers: int, rounds: int) -> None:
         self.rounds = rounds
@@ -340,6 +370,65 @@ def run_demo(config: RunConfig, *, peers: int, run_dir: Path, timeout: float, sh
         signal.signal(signal.SIGTERM, previous)
 
 
+def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> int:
+    """`workbench demo` in a terminal: the swarm monitor over the local peers, with steering
+    (peer-0's key is the run's owner key) and fault injection. Quitting the app stops the peers."""
+    from swarm.dht import NetworkConfig
+    from swarm.records import RunKeys
+    from swarm.session import connect
+    from tui.app import SwarmApp
+    from workbench.sources import DemoSource
+
+    swarm = LocalSwarm(config, peers=peers, run_dir=run_dir)
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    source = None
+    try:
+        swarm.start()
+        address = swarm.peers[0].last("started")["addresses"][0]
+        session = connect(
+            NetworkConfig(initial_peers=[address], client_mode=True),
+            RunKeys(config.peer.run_id),
+            signing_key=run_dir / "peer-0" / "identity.key",
+        )
+        source = DemoSource(session, swarm)
+        app = SwarmApp(source)
+        stop = threading.Event()
+
+        def supervise() -> None:
+            """Collect the peers' events; tell the user when every peer has exited."""
+            while not stop.wait(0.5):
+                swarm.poll()
+                if all(peer.process.poll() is not None for peer in swarm.peers):
+                    done = sum(1 for peer in swarm.peers if peer.last("done"))
+                    app.call_from_thread(
+                        app.notify,
+                        f"all peers exited ({done} finished their rounds): press q to quit",
+                        timeout=30,
+                    )
+                    return
+
+        watcher = threading.Thread(target=supervise, daemon=True)
+        watcher.start()
+        app.run()
+        stop.set()
+    finally:
+        if source is not None:
+            source.close()
+        swarm.stop()
+        signal.signal(signal.SIGTERM, previous)
+    swarm.poll()
+    finals = [peer.last("done") for peer in swarm.peers if peer.last("done")]
+    if finals:
+        console.print(
+            f"[bold]done[/]: {len(finals)} of {peers} peers finished, eval loss "
+            f"{finals[0]['initial_eval_loss']:.3f} -> {finals[0]['final_eval_loss']:.3f}; logs in {run_dir}",
+            soft_wrap=True,
+        )
+    else:
+        console.print(f"stopped; logs in {run_dir}", soft_wrap=True)
+    return 0
+
+
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -375,7 +464,7 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
                 console.print(line, highlight=False, soft_wrap=True)
 
         result = run_demo(config, peers=args.peers, run_dir=run_dir, timeout=args.timeout, show=show)
-    else:
+    elif args.no_tui or args.json:
         from rich.live import Live
 
         table = DemoTable(peers=args.peers, rounds=config.peer.rounds)
@@ -386,6 +475,8 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
                 live.update(table.render())
 
             result = run_demo(config, peers=args.peers, run_dir=run_dir, timeout=args.timeout, show=show)
+    else:
+        return run_demo_tui(config, peers=args.peers, run_dir=run_dir, console=console)
     console.print(
         f"[bold]done[/] in {result['seconds']:.0f} s: eval loss {result['initial_loss']:.3f} -> "
         f"{result['final_loss']:.3f}, params agree to {result['params_max_abs_diff']:.1e}, "

@@ -64,6 +64,10 @@ class Peer:
         self.last_round_seconds: float | None = None
         self.group_size = 0
         self.dp_bytes = 0
+        self.last_error: str | None = None
+        self._faults_seen = 0.0  # mtime of the fault file last read
+        self.throttle = 0.0
+        self._corrupt_token = None
         self.control_version = 0
         """The owner's ControlState version whose settings this peer applied."""
         self.checkpoints = 0
@@ -282,6 +286,7 @@ class Peer:
             tokens_per_second=self.samples_per_second * self.config.model.block_size,
             dp_bytes=self.dp_bytes,
             rounds=self.total_rounds if self.config.peer.rounds else 0,
+            last_error=self.last_error[:300] if self.last_error else None,
         )
 
     def emit(self, event: str, **fields: Any) -> None:
@@ -393,6 +398,7 @@ class Peer:
             info = dict(outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint())
             for _ in range(self.steps_this_round()):
                 self.wait_while_paused()
+                self.read_faults()
                 self.beat(Stage.TRAINING)
                 # The schedule follows the run's clock, not this peer's: a late joiner must not
                 # restart warmup (or the cosine) and push updates far larger than the others'.
@@ -413,6 +419,7 @@ class Peer:
             self.bytes_sent += report.bytes_sent
             self.bytes_received += report.bytes_received
             self.group_size = report.group_size
+            self.last_error = report.error
             # Data-parallel would have all-reduced fp32 gradients after each of these inner steps.
             group = max(report.group_size, 1)
             self.dp_bytes += int(steps * 2 * 4 * self.model.num_params() * (group - 1) / group)
@@ -532,6 +539,28 @@ class Peer:
         logger.info("%s: resumed", self.name)
         self.emit("resumed", outer_step=self.diloco.outer_step_count)
         self.beat(stage)
+
+    def read_faults(self) -> None:
+        """Testing (``--fault-file``): apply faults injected by the demo's UI, between inner steps."""
+        path = self.config.peer.fault_file
+        if path is None:
+            return
+        try:
+            mtime = os.stat(path).st_mtime
+            if mtime != self._faults_seen:
+                self._faults_seen = mtime
+                faults = json.loads(Path(path).read_text())
+                self.throttle = max(0.0, float(faults.get("throttle_ms", 0))) / 1000
+                token = faults.get("corrupt_next")  # a new value asks for one more corrupt update
+                if token and token != self._corrupt_token and self.averager is not None:
+                    self._corrupt_token = token
+                    self.averager.corrupt_next = True
+                logger.warning("%s: fault injection: %s", self.name, faults)
+        except (OSError, ValueError, TypeError, AttributeError) as error:
+            if not isinstance(error, FileNotFoundError):
+                logger.warning("%s: unreadable fault file %s: %s", self.name, path, error)
+        if self.throttle:
+            time.sleep(self.throttle)
 
     def save_checkpoint(self) -> Path | None:
         """Write the global state to ``<run_dir>/checkpoint.pt`` atomically (temp, fsync, rename)."""

@@ -1,0 +1,66 @@
+"""Cost of one monitor refresh (summary, peers table in place, loss chart, sparklines).
+
+    python -m benchmarks.tui_refresh [--peers 256] [--refreshes 30]
+
+Baseline: the same refresh with 4 peers, measured in this run. Reported: mean and worst
+milliseconds per refresh for ``--peers`` peers (target: under 100 ms for 256), the ratio to
+the baseline, and the monitor's own derivation (SwarmMonitor.ingest) per reading. Runs the
+app headless (Textual's test driver). Writes benchmarks/results/tui_refresh.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+from tests.ui.fake import FakeSource
+from tui.app import SwarmApp
+
+RESULTS = Path(__file__).parent / "results"
+
+
+async def measure(peers: int, refreshes: int) -> dict:
+    started = time.perf_counter()
+    source = FakeSource(peers=peers, steps=refreshes + 2)
+    ingest_ms = (time.perf_counter() - started) * 1000 / len(source.snapshots)
+    app = SwarmApp(source, poll=False, clock=False)
+    times = []
+    async with app.run_test(size=(160, 50)) as pilot:
+        for snapshot in source.snapshots:
+            app.show(snapshot)
+            times.append(app.last_refresh_seconds * 1000)
+            await pilot.pause()  # let Textual paint, as it would between two polls
+    times = times[2:]  # the first refreshes build the rows
+    return {
+        "peers": peers,
+        "mean_ms": statistics.mean(times),
+        "max_ms": max(times),
+        "ingest_ms_per_reading": ingest_ms,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=256)
+    parser.add_argument("--refreshes", type=int, default=30)
+    args = parser.parse_args()
+    baseline = asyncio.run(measure(4, args.refreshes))
+    result = asyncio.run(measure(args.peers, args.refreshes))
+    result["ratio_to_4_peers"] = result["mean_ms"] / baseline["mean_ms"]
+    report = {"baseline": baseline, "result": result, "target_ms": 100, "met": result["max_ms"] < 100}
+    print(f"refresh, 4 peers (baseline): {baseline['mean_ms']:.1f} ms mean, {baseline['max_ms']:.1f} ms worst")
+    print(
+        f"refresh, {args.peers} peers: {result['mean_ms']:.1f} ms mean, {result['max_ms']:.1f} ms worst "
+        f"({result['ratio_to_4_peers']:.1f}x the baseline); target < 100 ms: {'met' if report['met'] else 'MISSED'}"
+    )
+    print(f"monitor derivation: {result['ingest_ms_per_reading']:.2f} ms per reading of {args.peers} peers")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "tui_refresh.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

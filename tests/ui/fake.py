@@ -1,0 +1,112 @@
+"""A deterministic snapshot source for UI tests: fixed peers, fixed clock, recorded commands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from swarm.errors import SwarmError
+from swarm.monitor import Reading, SwarmMonitor, SwarmSnapshot
+from swarm.records import ControlState, PeerHeartbeat
+
+NAMES = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot"]
+STAGES = ["training", "averaging", "training", "waiting", "downloading", "training"]
+
+
+def peer_id(index: int) -> str:
+    return f"QmPeer{index:03d}" + "x" * 40
+
+
+def heartbeat(index: int, t: float, step: int, **overrides: Any) -> PeerHeartbeat:
+    name = NAMES[index] if index < len(NAMES) else f"peer-{index:03d}"
+    fields = dict(
+        peer_id=peer_id(index),
+        name=name,
+        stage=STAGES[index % len(STAGES)],
+        outer_step=max(0, step - (2 if index == 3 else 0)),  # delta lags two rounds
+        inner_step=(7 * index + step) % 20,
+        inner_steps=20,
+        loss=round(3.2 - 0.05 * step + 0.03 * index, 4),
+        samples_per_second=20.0 + index,
+        tokens_per_second=(20.0 + index) * 128,
+        bytes_sent=3_700_000 * step,
+        bytes_received=3_700_000 * step,
+        dp_bytes=3_700_000 * step * 20,
+        device="cpu",
+        time=t,
+        last_round_seconds=14.0 + index / 2,
+        group_size=4,
+        control_version=0,
+        rounds=40,
+        addresses=[f"/ip4/127.0.0.1/tcp/{40000 + index}/p2p/{peer_id(index)}"] if index != 2 else [],
+    )
+    fields.update(overrides)
+    return PeerHeartbeat.model_validate(fields)
+
+
+class FakeFaults:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+
+    def reason(self, peer: str) -> str | None:
+        return None if peer != peer_id(2) else "this peer runs on another machine"
+
+    def _record(self, fault: str, peer: str, argument: Any = None) -> str:
+        self.calls.append((fault, peer, argument))
+        return f"{fault} {peer[:10]}"
+
+    def kill(self, peer: str) -> str:
+        return self._record("kill", peer)
+
+    def freeze(self, peer: str, seconds: float) -> str:
+        return self._record("freeze", peer, seconds)
+
+    def throttle(self, peer: str, milliseconds: int) -> str:
+        return self._record("throttle", peer, milliseconds)
+
+    def corrupt(self, peer: str) -> str:
+        return self._record("corrupt", peer)
+
+
+class FakeSource:
+    """``peers`` peers over ``steps`` readings at t = 1000, 1010, ...; poll() returns the next."""
+
+    interval = 0.05
+
+    def __init__(self, *, peers: int = 4, steps: int = 12, owner: bool = True, faults: bool = True) -> None:
+        self.title = "run fake-run"
+        self.owner = owner
+        self.faults = FakeFaults() if faults else None
+        self.published: list[dict[str, Any]] = []
+        self.control: ControlState | None = None
+        self.monitor = SwarmMonitor()
+        self.snapshots: list[SwarmSnapshot] = []
+        for step in range(1, steps + 1):
+            t = 1000.0 + 10 * step
+            beats = {peer_id(i): heartbeat(i, t, step) for i in range(min(peers, 3 if step < 3 else peers))}
+            self.snapshots.append(self.monitor.ingest(Reading(t, "fake-run", beats)))
+        self.position = 0
+        self.closed = False
+
+    def poll(self) -> SwarmSnapshot:
+        snapshot = self.snapshots[min(self.position, len(self.snapshots) - 1)]
+        self.position += 1
+        return snapshot
+
+    def steering_reason(self) -> str | None:
+        return (
+            None
+            if self.owner
+            else "only the run owner (0123456789abcdef) can steer; this key is fedcba9876543210"
+        )
+
+    def steer(self, **changes: Any) -> ControlState:
+        if not self.owner:
+            raise SwarmError(self.steering_reason())
+        self.published.append(changes)
+        version = len(self.published)
+        fields = {k: v for k, v in changes.items() if k != "checkpoint"}
+        self.control = ControlState(version=version, from_step=14, **fields)
+        return self.control
+
+    def close(self) -> None:
+        self.closed = True

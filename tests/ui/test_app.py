@@ -1,0 +1,193 @@
+"""Pilot tests of the swarm monitor on a deterministic fake source (no network)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from textual.widgets import Checkbox, DataTable, Input, Select, Static
+
+from tests.ui.fake import FakeSource, peer_id
+from tui.app import SwarmApp
+from tui.screens import FaultScreen, HelpScreen, PeerScreen, SteerScreen
+
+
+async def started(app: SwarmApp, pilot, readings: int | None = None) -> None:
+    """Feed the fake source's readings straight into the app (no poll thread: deterministic)."""
+    for snapshot in app.source.snapshots[:readings]:
+        app.show(snapshot)
+    await pilot.pause()
+
+
+def names(app: SwarmApp) -> list[str]:
+    table = app.query_one("#peers", DataTable)
+    return [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+
+
+@pytest.fixture
+def app() -> SwarmApp:
+    return SwarmApp(FakeSource(), poll=False)
+
+
+async def test_the_table_shows_every_live_peer_keyed_by_id(app) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot, readings=2)
+        assert names(app) == ["alpha", "bravo", "charlie"]
+        await started(app, pilot)
+        assert names(app) == ["alpha", "bravo", "charlie", "delta"]
+        table = app.query_one("#peers", DataTable)
+        assert [str(k.value) for k in table.rows] == [peer_id(i) for i in range(4)]
+        row = table.get_row(peer_id(3))
+        assert str(row[4]) == "2"  # delta lags two rounds
+        summary = str(app.query_one("#summary", Static).render())
+        assert "round 12" in summary and "peers 4" in summary and "1 lagging" in summary
+        assert "20x more" in summary  # bytes sent vs what data-parallel would have sent
+
+
+async def test_sort_by_any_column_and_reverse(app) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        app.sort_by("loss")
+        await pilot.pause()
+        assert names(app) == ["alpha", "bravo", "charlie", "delta"]  # loss rises with the index
+        app.sort_by("loss")
+        await pilot.pause()
+        assert names(app) == ["delta", "charlie", "bravo", "alpha"]
+        await pilot.press("s")  # next column after loss: samples/s
+        assert app.sort_column == "speed" and not app.sort_reverse
+        app.sort_by("lag")
+        app.sort_by("lag")
+        await pilot.pause()
+        assert names(app)[0] == "delta"
+
+
+async def test_filter_with_slash_and_clear_with_escape(app) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("slash")
+        assert app.query_one("#filter", Input).display
+        await pilot.press(*"wait")
+        assert names(app) == ["delta"]  # matches its stage, "waiting"
+        await pilot.press("enter", "escape")
+        assert names(app) == ["alpha", "bravo", "charlie", "delta"]
+        assert not app.query_one("#filter", Input).display
+
+
+async def test_enter_opens_the_peer_detail(app) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("down", "enter")
+        assert isinstance(app.screen, PeerScreen)
+        assert app.screen.peer_id == peer_id(1)
+        text = " ".join(str(w.render()) for w in app.screen.query(Static))
+        assert "bravo" in text and "/ip4/127.0.0.1/tcp/40001" in text and "joined" in text
+        await pilot.press("escape")
+        assert not isinstance(app.screen, PeerScreen)
+
+
+async def test_steering_form_confirms_then_publishes(app) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("e")
+        assert isinstance(app.screen, SteerScreen)
+        app.screen.query_one("#outer-lr", Input).value = "0.5"
+        app.screen.query_one("#inner-steps", Input).value = "25"
+        app.screen.query_one("#toggle-pause", Checkbox).value = True
+        app.screen.query_one("#codec", Select).value = "int8"
+        await pilot.click("#review")
+        assert "outer_lr = 0.5" in str(app.screen.query_one("#confirm").render())
+        assert app.source.published == []  # nothing before the confirmation
+        await pilot.click("#publish")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.source.published == [
+            {"outer_lr": 0.5, "inner_steps": 25, "codec": "int8", "paused": ["alpha"]}
+        ]
+        summary = str(app.query_one("#summary", Static).render())
+        assert "0/4 peers applied v1" in summary
+
+
+async def test_a_bad_steering_value_is_refused_in_the_form(app) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("e")
+        app.screen.query_one("#outer-lr", Input).value = "50"
+        await pilot.click("#review")
+        assert "outer lr must be in (0, 10]" in str(app.screen.query_one("#error").render())
+        assert app.screen.query_one("#publish").disabled
+
+
+async def test_steering_is_disabled_with_the_reason_for_non_owners() -> None:
+    app = SwarmApp(FakeSource(owner=False), poll=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("e")
+        assert "only the run owner" in str(app.screen.query_one("#reason").render())
+        assert app.screen.query_one("#outer-lr", Input).disabled
+        assert app.screen.query_one("#review").disabled
+
+
+async def test_fault_menu_reaches_the_injector(app) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("down", "f")
+        assert isinstance(app.screen, FaultScreen)
+        await pilot.click("#fault-1")  # freeze 30 s
+        await pilot.pause()
+        assert app.source.faults.calls == [("freeze", peer_id(1), 30.0)]
+
+
+async def test_fault_menu_is_disabled_for_remote_peers(app) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("down", "down", "f")  # charlie: "runs on another machine"
+        assert "another machine" in str(app.screen.query_one("#reason").render())
+        assert all(button.disabled for button in app.screen.query(".fault"))
+
+
+async def test_help_pause_window_export(app, tmp_path) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot, readings=6)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await pilot.press("p")
+        assert app.updates_paused
+        app.show(app.source.snapshots[-1])
+        await pilot.pause()
+        assert "round 6" in str(app.query_one("#summary", Static).render())  # frozen
+        await pilot.press("p")
+        assert "round 12" in str(app.query_one("#summary", Static).render())
+        window = app.window
+        await pilot.press("plus")
+        assert app.window == window + 1
+        path = app.action_export(str(tmp_path / "snap.json"))
+        assert json.loads(path.read_text())["outer_round"] == 12
+
+
+async def test_maximize_a_panel(app) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("m")
+        assert app.screen.maximized is app.query_one("#peers")
+        await pilot.press("escape")
+        assert app.screen.maximized is None
+
+
+async def test_the_poll_worker_feeds_the_app() -> None:
+    """With polling on, the worker thread reads the source and the table fills by itself."""
+    source = FakeSource()
+    app = SwarmApp(source)
+    async with app.run_test(size=(120, 40)) as pilot:
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if source.position >= 5:
+                break
+        assert source.position >= 5 and app.query_one("#peers", DataTable).row_count >= 3
+
+
+async def test_256_peers_render(app) -> None:
+    app = SwarmApp(FakeSource(peers=256, steps=4), poll=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        assert app.query_one("#peers", DataTable).row_count == 256

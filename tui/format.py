@@ -1,0 +1,105 @@
+"""Plain functions that turn snapshot values into short cell text (tested without a terminal)."""
+
+from __future__ import annotations
+
+import math
+
+from swarm.monitor import SwarmSnapshot
+from swarm.records import PeerHeartbeat, Stage
+
+STAGE_STYLE = {
+    Stage.JOINING: "dim",
+    Stage.DOWNLOADING: "cyan",
+    Stage.TRAINING: "green",
+    Stage.WAITING: "yellow",
+    Stage.AVERAGING: "magenta",
+    Stage.PAUSED: "bold yellow",
+    Stage.LEAVING: "dim",
+}
+
+
+def human_bytes(count: float) -> str:
+    """1234567 -> '1.2 MB' (decimal units, as network people count)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(count) < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    raise AssertionError("unreachable")
+
+
+def human_rate(per_second: float) -> str:
+    """12345.6 -> '12.3k'."""
+    if per_second >= 1e6:
+        return f"{per_second / 1e6:.1f}M"
+    if per_second >= 1e3:
+        return f"{per_second / 1e3:.1f}k"
+    return f"{per_second:.0f}"
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    seconds = max(0, int(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def eta_seconds(snapshot: SwarmSnapshot) -> float | None:
+    """Time left for the run's planned rounds, from the peers' round times (None: open-ended)."""
+    planned = [p.rounds for p in snapshot.peers.values() if p.rounds]
+    times = [p.last_round_seconds for p in snapshot.peers.values() if p.last_round_seconds]
+    if not planned or not times:
+        return None
+    return max(0, max(planned) - snapshot.outer_round) * sorted(times)[len(times) // 2]
+
+
+def bytes_saved(snapshot: SwarmSnapshot) -> tuple[int, int]:
+    """(bytes the live peers sent, bytes data-parallel would have sent for the same steps)."""
+    peers = snapshot.peers.values()
+    return sum(p.bytes_sent for p in peers), sum(p.dp_bytes for p in peers)
+
+
+def peer_row(p: PeerHeartbeat, top: int) -> dict[str, str]:
+    """The peers table's cells for one heartbeat (column key -> text)."""
+    return {
+        "name": p.name,
+        "stage": p.stage.value,
+        "inner": f"{p.inner_step}/{p.inner_steps}",
+        "outer": str(p.outer_step),
+        "lag": str(max(0, top - p.outer_step)),
+        "loss": "-" if p.loss is None else f"{p.loss:.3f}",
+        "speed": f"{p.samples_per_second:.1f}",
+        "sent": human_bytes(p.bytes_sent),
+        "received": human_bytes(p.bytes_received),
+        "round": "-" if p.last_round_seconds is None else f"{p.last_round_seconds:.1f}s",
+        "group": str(p.group_size or "-"),
+        "control": f"v{p.control_version}" if p.control_version else "-",
+    }
+
+
+def sort_key(p: PeerHeartbeat, column: str, top: int):
+    """A value to sort peers by ``column`` (numbers as numbers; missing values last)."""
+    numeric = {
+        "inner": p.inner_step,
+        "outer": p.outer_step,
+        "lag": top - p.outer_step,
+        "loss": p.loss if p.loss is not None else math.inf,
+        "speed": p.samples_per_second,
+        "sent": p.bytes_sent,
+        "received": p.bytes_received,
+        "round": p.last_round_seconds if p.last_round_seconds is not None else math.inf,
+        "group": p.group_size,
+        "control": p.control_version,
+    }
+    if column in numeric:
+        return (numeric[column], p.name)
+    return (str(getattr(p, column, p.name) if column != "stage" else p.stage.value), p.name)
+
+
+def matches(p: PeerHeartbeat, text: str) -> bool:
+    """The filter: a case-insensitive substring of the name, stage, device or peer id."""
+    text = text.strip().lower()
+    return not text or any(text in field.lower() for field in (p.name, p.stage.value, p.device, p.peer_id))

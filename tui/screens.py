@@ -1,0 +1,260 @@
+"""Modal screens: peer detail, steering form and confirmation, fault injection, help."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Checkbox, Input, Label, Markdown, Select, Static
+
+from optim.codecs import CODECS
+from swarm.monitor import SwarmSnapshot
+from tui.format import human_bytes, human_duration
+
+HELP = """\
+# Swarm monitor: keys
+
+| key | action |
+|---|---|
+| `↑` `↓` / mouse | move in the peers table |
+| `enter` | details of the highlighted peer |
+| `s` / click a header | sort by the next column / that column (again: reverse) |
+| `/` | filter peers by name, stage, device or id (`esc` clears) |
+| `e` | steer the run: outer lr, H, codec, pause/resume a peer (run owner only) |
+| `f` | inject a fault into the highlighted peer (peers this demo launched) |
+| `p` | pause / resume screen updates (polling goes on) |
+| `+` `-` | widen / narrow the loss chart's time window |
+| `m` | maximize the focused panel (`esc` restores) |
+| `x` | export the current snapshot as JSON |
+| `ctrl+p` | command palette: steer, export, screenshot, themes (ANSI fallback) |
+| `?` / `f1` | this help |
+| `q` | quit |
+
+The summary line: run, outer round, live peers (clients: peers that accept no inbound
+connections), tokens per second, bytes sent against what data-parallel training would have
+sent for the same steps, the estimated time left, and the steering state.
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark,f1", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="dialog"):
+            yield Markdown(HELP)
+            yield Button("Close", id="close", variant="primary")
+
+    @on(Button.Pressed, "#close")
+    def close(self) -> None:
+        self.dismiss()
+
+
+class PeerScreen(ModalScreen[None]):
+    """One peer: its latest heartbeat, addresses, history and recent events."""
+
+    BINDINGS = [Binding("escape,q", "dismiss", "Close")]
+
+    def __init__(self, snapshot: SwarmSnapshot, peer_id: str) -> None:
+        super().__init__()
+        self.snapshot = snapshot
+        self.peer_id = peer_id
+
+    def compose(self) -> ComposeResult:
+        p = self.snapshot.peers.get(self.peer_id)
+        with VerticalScroll(id="dialog"):
+            if p is None:
+                yield Label("This peer has left the run.")
+            else:
+                yield Static(Text.from_markup(f"[b]{p.name}[/b]  [dim]{p.peer_id}[/dim]"))
+                rows: list[tuple[str, Any]] = [
+                    ("stage", p.stage.value),
+                    ("device", p.device),
+                    ("outer step", p.outer_step),
+                    ("inner step", f"{p.inner_step}/{p.inner_steps}"),
+                    ("loss", "-" if p.loss is None else f"{p.loss:.4f}"),
+                    ("samples/s", f"{p.samples_per_second:.1f}"),
+                    ("tokens/s", f"{p.tokens_per_second:.0f}"),
+                    ("sent / received", f"{human_bytes(p.bytes_sent)} / {human_bytes(p.bytes_received)}"),
+                    ("data-parallel would have sent", human_bytes(p.dp_bytes)),
+                    ("last round", human_duration(p.last_round_seconds)),
+                    ("group size", p.group_size or "-"),
+                    ("control version", p.control_version or "-"),
+                    ("last problem", p.last_error or "-"),
+                    ("addresses", "\n".join(p.addresses) or "none (client mode)"),
+                ]
+                lines = []
+                for key, value in rows:
+                    text = str(value).replace("\n", "\n" + " " * 32)
+                    lines.append(f"[dim]{key:>30}[/]  {escape(text)}")
+                yield Static("\n".join(lines), id="facts")
+                history = self.snapshot.history.get(self.peer_id, {})
+                losses = [v for _, v in history.get("loss", [])][-60:]
+                if losses:
+                    yield Label(f"loss, last {len(losses)} heartbeats: {losses[0]:.3f} -> {losses[-1]:.3f}")
+                    from textual.widgets import Sparkline
+
+                    yield Sparkline(losses, id="peer-loss")
+            events = [e for e in self.snapshot.events if e.peer_id == self.peer_id][-12:]
+            yield Label("recent events" if events else "no events yet", classes="section")
+            for event in events:
+                yield Static(f"[dim]{event.kind:>8}[/dim] {event.message}")
+            yield Button("Close", id="close", variant="primary")
+
+    @on(Button.Pressed, "#close")
+    def close(self) -> None:
+        self.dismiss()
+
+
+class SteerScreen(ModalScreen[dict[str, Any] | None]):
+    """The steering form; returns the changes to publish (after a confirmation) or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(
+        self, *, reason: str | None, current: dict[str, Any], peer: tuple[str, str] | None, paused: list[str]
+    ) -> None:
+        super().__init__()
+        self.reason = reason
+        self.current = current
+        self.peer = peer  # (peer id, name) of the highlighted row
+        self.paused = paused
+        self.changes: dict[str, Any] = {}
+
+    def compose(self) -> ComposeResult:
+        disabled = self.reason is not None
+        with Vertical(id="dialog"):
+            yield Label("[b]Steer the run[/b]  (applied by every peer at the same outer step)")
+            if disabled:
+                yield Label(f"[b red]Disabled:[/b red] {self.reason}", id="reason")
+            with Grid(id="form"):
+                yield Label("outer lr")
+                yield Input(
+                    placeholder=str(self.current.get("outer_lr") or "unchanged"),
+                    id="outer-lr",
+                    type="number",
+                    disabled=disabled,
+                )
+                yield Label("inner steps H")
+                yield Input(
+                    placeholder=str(self.current.get("inner_steps") or "unchanged"),
+                    id="inner-steps",
+                    type="integer",
+                    disabled=disabled,
+                )
+                yield Label("codec")
+                yield Select(
+                    [(name, name) for name in sorted(CODECS)],
+                    prompt=str(self.current.get("codec") or "unchanged"),
+                    id="codec",
+                    disabled=disabled,
+                )
+                if self.peer is not None:
+                    peer_id, name = self.peer
+                    is_paused = peer_id in self.paused or name in self.paused
+                    yield Label("peer")
+                    yield Checkbox(
+                        f"{'resume' if is_paused else 'pause'} {name}", id="toggle-pause", disabled=disabled
+                    )
+                yield Label("checkpoint")
+                yield Checkbox("every peer writes one now", id="checkpoint", disabled=disabled)
+            yield Label("", id="error")
+            yield Label("", id="confirm")
+            with Horizontal(id="buttons"):
+                yield Button("Review", id="review", variant="primary", disabled=disabled)
+                yield Button("Publish", id="publish", variant="warning", disabled=True)
+                yield Button("Cancel", id="cancel")
+
+    def _read(self) -> dict[str, Any]:
+        changes: dict[str, Any] = {}
+        lr = self.query_one("#outer-lr", Input).value.strip()
+        if lr:
+            value = float(lr)
+            if not 0 < value <= 10:
+                raise ValueError(f"outer lr must be in (0, 10] (got {value})")
+            changes["outer_lr"] = value
+        steps = self.query_one("#inner-steps", Input).value.strip()
+        if steps:
+            value = int(steps)
+            if not 1 <= value <= 100_000:
+                raise ValueError(f"H must be within 1..100000 (got {value})")
+            changes["inner_steps"] = value
+        codec = self.query_one("#codec", Select).selection  # None while blank
+        if codec is not None:
+            changes["codec"] = codec
+        toggles = self.query("#toggle-pause")
+        if toggles and toggles.first(Checkbox).value and self.peer is not None:
+            peer_id, name = self.peer
+            if peer_id in self.paused or name in self.paused:
+                changes["paused"] = [p for p in self.paused if p not in (peer_id, name)]
+            else:
+                changes["paused"] = [*self.paused, name]
+        if self.query_one("#checkpoint", Checkbox).value:
+            changes["checkpoint"] = True
+        return changes
+
+    @on(Button.Pressed, "#review")
+    def review(self) -> None:
+        error, confirm = self.query_one("#error", Label), self.query_one("#confirm", Label)
+        try:
+            self.changes = self._read()
+        except ValueError as problem:
+            error.update(f"[red]{problem}[/red]")
+            return
+        error.update("")
+        if not self.changes:
+            confirm.update("Nothing to change.")
+            return
+        listed = ", ".join(f"{k} = {v}" for k, v in self.changes.items())
+        confirm.update(f"Publish a new control version with {listed}?")
+        self.query_one("#publish", Button).disabled = False
+        self.query_one("#publish", Button).focus()
+
+    @on(Button.Pressed, "#publish")
+    def publish(self) -> None:
+        self.dismiss(self.changes)
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class FaultScreen(ModalScreen[tuple[str, Any] | None]):
+    """Fault injection for one peer this machine launched; returns (fault, argument) or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    FAULTS = [
+        ("kill", None, "Kill (SIGKILL): the round falls back, the peer drops out of the monitor"),
+        ("freeze", 30.0, "Freeze 30 s (SIGSTOP): a straggler that catches up by downloading state"),
+        ("throttle", 500, "Throttle: 500 ms extra per inner step"),
+        ("throttle", 0, "Remove the throttle"),
+        ("corrupt", None, "Send a corrupt (NaN) update next round: the group rejects it"),
+    ]
+
+    def __init__(self, *, name: str, reason: str | None) -> None:
+        super().__init__()
+        self.peer_name = name
+        self.reason = reason
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label(f"[b]Inject a fault into {self.peer_name}[/b]")
+            if self.reason:
+                yield Label(f"[b red]Disabled:[/b red] {self.reason}", id="reason")
+            for index, (_, _, text) in enumerate(self.FAULTS):
+                yield Button(text, id=f"fault-{index}", disabled=self.reason is not None, classes="fault")
+            yield Button("Cancel", id="cancel")
+
+    @on(Button.Pressed, ".fault")
+    def chosen(self, event: Button.Pressed) -> None:
+        fault, argument, _ = self.FAULTS[int(str(event.button.id).split("-")[1])]
+        self.dismiss((fault, argument))
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,85 @@
+"""`workbench monitor`, `workbench replay`: the Textual swarm monitor over a live or recorded run.
+
+``--web`` serves the same app in a browser through textual-serve on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from swarm.errors import SwarmError
+
+
+def add_monitor_parsers(commands) -> None:
+    from workbench.status import add_observer_options
+
+    monitor = commands.add_parser(
+        "monitor",
+        help="open the live swarm monitor (terminal UI) on a running swarm",
+        description="Watch and steer a live run in a terminal UI. Example:\n"
+        "  workbench monitor /ip4/127.0.0.1/tcp/31337/p2p/QmXyz... --key run/identity.key",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    monitor.add_argument("peers", nargs="+", metavar="MULTIADDR", help="any peer of the run")
+    add_observer_options(monitor)
+    monitor.add_argument("--key", metavar="FILE", help="the run owner's key file: enables steering")
+    monitor.add_argument("--record", metavar="FILE", help="also record every reading to FILE (JSONL)")
+    _add_web_options(monitor)
+
+    replay = commands.add_parser(
+        "replay",
+        help="open the monitor on a recorded run (`workbench status --record FILE`)",
+        description="Replay a recorded run in the terminal UI.",
+    )
+    replay.add_argument("file", metavar="FILE", help="a recording made with --record")
+    replay.add_argument(
+        "--interval", type=float, default=0.5, help="seconds between two recorded readings (default 0.5)"
+    )
+    _add_web_options(replay)
+
+
+def _add_web_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--web", action="store_true", help="serve the app in a browser on 127.0.0.1")
+    parser.add_argument("--web-port", type=int, default=8000, help="port for --web (default 8000)")
+
+
+def run_monitor_command(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.web:
+        return _serve(argv, args.web_port)
+    from tui.app import run_app
+    from workbench.sources import LiveSource, ReplaySource
+
+    if args.command == "replay":
+        if not 0.01 <= args.interval <= 60:
+            raise SwarmError(f"--interval must be within 0.01..60 s (got {args.interval})")
+        source = ReplaySource(args.file, interval=args.interval)
+    else:
+        source = LiveSource.connect(
+            args.peers,
+            run_id=args.run_id,
+            secret=args.secret,
+            owner=args.owner,
+            key=args.key,
+            connect_timeout=args.connect_timeout,
+            record_to=args.record,
+        )
+    run_app(source)
+    return 0
+
+
+def _serve(argv: list[str], port: int) -> int:
+    """The same command without --web, served to a browser by textual-serve."""
+    from textual_serve.server import Server
+
+    if not 1 <= port <= 65535:
+        raise SwarmError(f"--web-port must be within 1..65535 (got {port})")
+    command = [arg for arg in argv if arg != "--web"]
+    if "--web-port" in command:
+        at = command.index("--web-port")
+        del command[at : at + 2]
+    shell = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "workbench", *command])
+    print(f"serving the monitor on http://127.0.0.1:{port} (Ctrl+C stops)", file=sys.stderr)
+    Server(shell, host="127.0.0.1", port=port, title="swarm workbench").serve()
+    return 0

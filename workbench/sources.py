@@ -1,0 +1,200 @@
+"""Where a monitor's snapshots come from: a live swarm, a recording, or peers this machine runs.
+
+The TUI and the notebook widgets only ever see a :class:`SnapshotSource`: ``poll()`` for the
+next :class:`~swarm.monitor.SwarmSnapshot`, steering through ``swarm.steering`` (with the
+reason when it is not allowed), and fault injection for peers this machine launched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from swarm.errors import SwarmError
+from swarm.monitor import SwarmMonitor, SwarmSnapshot, dht_reader, replay
+from swarm.records import ControlState, RunKeys
+
+logger = logging.getLogger(__name__)
+
+
+class FaultInjector(Protocol):
+    """Faults a front end can inject into peers this machine launched (``workbench demo``)."""
+
+    def reason(self, peer_id: str) -> str | None:
+        """Why faults cannot be injected into this peer (None: they can)."""
+
+    def kill(self, peer_id: str) -> str: ...
+    def freeze(self, peer_id: str, seconds: float) -> str: ...
+    def throttle(self, peer_id: str, milliseconds: int) -> str: ...
+    def corrupt(self, peer_id: str) -> str: ...
+
+
+class SnapshotSource(Protocol):
+    title: str
+    interval: float
+    """Seconds between two polls."""
+    faults: FaultInjector | None
+
+    def poll(self) -> SwarmSnapshot: ...
+    def steering_reason(self) -> str | None:
+        """Why this front end cannot steer (None: it can)."""
+
+    def steer(self, **changes: Any) -> ControlState: ...
+    def close(self) -> None: ...
+
+
+class LiveSource:
+    """A live run read from the DHT; steers when opened with the owner's key."""
+
+    interval = 1.0
+
+    def __init__(self, session, *, owner: str | None = None, record_to: str | Path | None = None) -> None:
+        self.session = session
+        self.keys: RunKeys = session.keys
+        self.title = f"run {self.keys.run_id}"
+        self.monitor = SwarmMonitor(
+            dht_reader(session.board, session.store, self.keys, owner=owner), record_to=record_to
+        )
+        self.faults: FaultInjector | None = None
+        self._steering = None
+        self._last: SwarmSnapshot | None = None
+        self._lock = threading.Lock()  # poll runs in the UI's worker thread, steer in the UI thread
+
+    @classmethod
+    def connect(
+        cls,
+        peers: list[str],
+        *,
+        run_id: str,
+        secret: str | None = None,
+        owner: str | None = None,
+        key: str | Path | None = None,
+        connect_timeout: float = 20.0,
+        record_to: str | Path | None = None,
+    ) -> LiveSource:
+        from swarm.dht import NetworkConfig
+        from swarm.session import connect
+
+        keys = RunKeys(run_id, secret)
+        network = NetworkConfig(initial_peers=list(peers), client_mode=True, connect_timeout=connect_timeout)
+        return cls(connect(network, keys, signing_key=key), owner=owner, record_to=record_to)
+
+    def poll(self) -> SwarmSnapshot:
+        with self._lock:
+            self._last = self.monitor.poll()
+            return self._last
+
+    def _steering_api(self):
+        from swarm.steering import Steering
+
+        if self._steering is None and self._last is not None and self._last.manifest is not None:
+            self._steering = Steering(
+                self.session.store, self.keys, owner=self._last.manifest.owner, board=self.session.board
+            )
+        return self._steering
+
+    def steering_reason(self) -> str | None:
+        steering = self._steering_api()
+        if steering is None:
+            return "the run's manifest was not found yet (its owner may have left): steering is off"
+        return steering.why_not()
+
+    def steer(self, **changes: Any) -> ControlState:
+        steering = self._steering_api()
+        if steering is None:
+            raise SwarmError(self.steering_reason() or "steering is off")
+        with self._lock:
+            return steering.publish(**changes)
+
+    def close(self) -> None:
+        self.monitor.close()
+        self.session.close()
+
+
+class ReplaySource:
+    """A recorded run (``workbench status --record``), replayed one reading per ``interval``."""
+
+    faults = None
+
+    def __init__(self, path: str | Path, *, interval: float = 0.5) -> None:
+        self.path = Path(path)
+        self.snapshots = list(replay(self.path))
+        if not self.snapshots:
+            raise SwarmError(f"{self.path} holds no readings")
+        self.title = f"replay of {self.snapshots[0].run_id} ({self.path.name})"
+        self.interval = interval
+        self.position = 0
+
+    def poll(self) -> SwarmSnapshot:
+        snapshot = self.snapshots[min(self.position, len(self.snapshots) - 1)]
+        self.position += 1
+        return snapshot
+
+    def steering_reason(self) -> str | None:
+        return "a recording cannot be steered"
+
+    def steer(self, **changes: Any) -> ControlState:
+        raise SwarmError(self.steering_reason())
+
+    def close(self) -> None:
+        pass
+
+
+class LocalFaults:
+    """Fault injection into the peers of a :class:`~workbench.launch.LocalSwarm` (this machine's)."""
+
+    def __init__(self, swarm) -> None:
+        self.swarm = swarm
+
+    def _peer(self, peer_id: str):
+        for peer in self.swarm.peers:
+            started = peer.last("started")
+            if started and started.get("peer_id") == peer_id:
+                return peer
+        return None
+
+    def reason(self, peer_id: str) -> str | None:
+        peer = self._peer(peer_id)
+        if peer is None:
+            return "this peer runs on another machine: faults only go to peers this demo launched"
+        if peer.process.poll() is not None:
+            return f"{peer.name} is not running"
+        return None
+
+    def _checked(self, peer_id: str):
+        reason = self.reason(peer_id)
+        if reason:
+            raise SwarmError(reason)
+        return self._peer(peer_id)
+
+    def kill(self, peer_id: str) -> str:
+        peer = self._checked(peer_id)
+        peer.kill()
+        return f"killed {peer.name} (SIGKILL): watch the others fall back and carry on"
+
+    def freeze(self, peer_id: str, seconds: float) -> str:
+        peer = self._checked(peer_id)
+        peer.freeze(seconds)
+        return f"froze {peer.name} for {seconds:.0f} s (SIGSTOP): a straggler; it catches up by downloading state"
+
+    def throttle(self, peer_id: str, milliseconds: int) -> str:
+        peer = self._checked(peer_id)
+        peer.write_faults(throttle_ms=milliseconds)
+        return f"{peer.name} now sleeps {milliseconds} ms per inner step"
+
+    def corrupt(self, peer_id: str) -> str:
+        peer = self._checked(peer_id)
+        peer.write_faults(corrupt_next=time.time())
+        return f"{peer.name} will send a corrupt (NaN) update next round: the group must reject it"
+
+
+class DemoSource(LiveSource):
+    """The live view of a ``workbench demo``: steering with peer-0's key, faults for every peer."""
+
+    def __init__(self, session, swarm) -> None:
+        super().__init__(session)
+        self.title = f"demo {self.keys.run_id} ({swarm.count} local peers)"
+        self.faults = LocalFaults(swarm)
