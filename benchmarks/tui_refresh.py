@@ -52,7 +52,9 @@ def main() -> None:
     result = asyncio.run(measure(args.peers, args.refreshes))
     result["ratio_to_4_peers"] = result["mean_ms"] / baseline["mean_ms"]
     report = {"baseline": baseline, "result": result, "target_ms": 100, "met": result["max_ms"] < 100}
-    print(f"refresh, 4 peers (baseline): {baseline['mean_ms']:.1f} ms mean, {baseline['max_ms']:.1f} ms worst")
+    print(
+        f"refresh, 4 peers (baseline): {baseline['mean_ms']:.1f} ms mean, {baseline['max_ms']:.1f} ms worst"
+    )
     print(
         f"refresh, {args.peers} peers: {result['mean_ms']:.1f} ms mean, {result['max_ms']:.1f} ms worst "
         f"({result['ratio_to_4_peers']:.1f}x the baseline); target < 100 ms: {'met' if report['met'] else 'MISSED'}"

@@ -265,3 +265,23 @@ def test_doctor_reports_a_reachable_swarm_and_a_dead_port(spawn):
     result = workbench("doctor", dead, "--run-id", "doctor", "--json", "--connect-timeout", "5")
     checks = json.loads(result.stdout)
     assert result.returncode == 1 and any(c["status"] == "fail" and c["fix"] for c in checks)
+
+
+def test_an_injected_corrupt_update_is_rejected_by_the_group(spawn, tmp_path):
+    """The demo's "corrupt update" fault: one peer sends NaN; every member refuses the mean,
+    no θ becomes NaN, and the peers still agree at the end."""
+    faults = tmp_path / "faults.json"
+    common = [*FAST, "--run-id", "corrupt", "--rounds", "8"]
+    first = spawn("a", "start", *common, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common, "--fault-file", str(faults))
+    second.wait_event("round", lambda e: e["outer_step"] >= 2)
+    faults.write_text(json.dumps({"corrupt_next": 1}))
+    for peer in (first, second):
+        assert peer.wait() == 0, peer.stderr()
+    for peer in (first, second):
+        rounds = peer.events("round")
+        rejected = [r for r in rounds if r["alone_reason"] and "NaN" in r["alone_reason"]]
+        assert len(rejected) == 1, rounds
+        assert all(r["eval_loss"] == r["eval_loss"] for r in rounds)  # never NaN
+    assert "sending a corrupt (NaN) update" in second.stderr()
+    assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
