@@ -43,6 +43,9 @@ class SimConfig:
     """Seeds model init (shared), each peer's data order and the fault schedule."""
     eval_every: int = 0
     """Evaluate every this many rounds for the history (0: only at the start and the end)."""
+    on_round: Callable[[dict[str, float]], None] | None = None
+    """Called from each virtual peer's thread after each of its rounds with {"rank", "round",
+    "step", "loss" (last inner loss), "bytes" (its payload bytes so far)}: live progress."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.peers <= 1024:
@@ -208,12 +211,23 @@ def simulate(
                         peer.outer.note_inner_step(samples=len(x))  # type: ignore[attr-defined]
                         report = peer.outer.sync()  # type: ignore[attr-defined]
                     _account(rank, report)
+                if config.on_round is not None:
+                    config.on_round(
+                        {
+                            "rank": rank,
+                            "round": round_index + 1,
+                            "step": round_index * peer.inner_steps + todo,
+                            "loss": float(loss.detach()),
+                            "bytes": bytes_sent[rank],
+                        }
+                    )
                 if rank == 0 and config.eval_every and (round_index + 1) % config.eval_every == 0:
                     history.append(
                         {
                             "round": round_index + 1,
                             "step": (round_index + 1) * peer.inner_steps,
                             "eval_loss": evaluate(peer.model),
+                            "bytes_per_peer": bytes_sent[0],
                         }
                     )
         except threading.BrokenBarrierError:

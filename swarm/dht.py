@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import signal
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -52,7 +53,10 @@ def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> h
     ``validators``: the run's record validators (see :func:`swarm.validators.record_validators`)."""
     import hivemind  # heavy import (~2 s), kept out of `workbench --help`
 
-    handler = signal.getsignal(signal.SIGINT)
+    # Signal handlers can only be read and set from the main thread (a notebook's Experiment
+    # starts its observer from a background thread, where there is nothing to restore).
+    in_main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if in_main else None
     kwargs = dict(
         initial_peers=[str(a) for a in parse_peer_addresses(config.initial_peers)]
         if config.initial_peers
@@ -73,7 +77,8 @@ def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> h
         dht.shutdown() if dht.is_alive() else None
         raise SwarmError(_explain_start_failure(error, config)) from None
     finally:
-        signal.signal(signal.SIGINT, handler)  # hivemind sets SIG_IGN; keep Ctrl+C working
+        if in_main:
+            signal.signal(signal.SIGINT, handler)  # hivemind sets SIG_IGN; keep Ctrl+C working
     return dht
 
 

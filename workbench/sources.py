@@ -198,3 +198,77 @@ class DemoSource(LiveSource):
         super().__init__(session)
         self.title = f"demo {self.keys.run_id} ({swarm.count} local peers)"
         self.faults = LocalFaults(swarm)
+
+
+class SimSource:
+    """The live view of a simulated swarm (``Experiment(backend="sim")``): each virtual peer's
+    progress as a heartbeat, through the same monitor as a real run. Nothing to steer."""
+
+    interval = 0.5
+    faults = None
+
+    def __init__(self, title: str, peers: int, *, inner_steps: int) -> None:
+        from swarm.records import PeerHeartbeat, Stage
+
+        self.title = f"simulation: {title}"
+        self.monitor = SwarmMonitor()
+        self._lock = threading.Lock()
+        self._beats = {
+            rank: PeerHeartbeat(
+                peer_id=f"sim-{rank}",
+                name=f"virtual-{rank}",
+                stage=Stage.JOINING,
+                outer_step=0,
+                inner_step=0,
+                inner_steps=inner_steps,
+                device="cpu (simulated)",
+                time=time.time(),
+            )
+            for rank in range(peers)
+        }
+        self._done = False
+
+    def update(self, info: dict[str, float]) -> None:
+        """Called from a virtual peer's thread after each of its rounds (SimConfig.on_round)."""
+        from swarm.records import Stage
+
+        rank = int(info["rank"])
+        with self._lock:
+            beat = self._beats[rank]
+            self._beats[rank] = beat.model_copy(
+                update=dict(
+                    stage=Stage.TRAINING,
+                    outer_step=int(info["round"]),
+                    loss=float(info["loss"]),
+                    bytes_sent=int(info["bytes"]),
+                    bytes_received=int(info["bytes"]),
+                    group_size=len(self._beats),
+                    time=time.time(),
+                )
+            )
+
+    def finish(self) -> None:
+        from swarm.records import Stage
+
+        with self._lock:
+            self._done = True
+            self._beats = {
+                r: b.model_copy(update=dict(stage=Stage.LEAVING, time=time.time()))
+                for r, b in self._beats.items()
+            }
+
+    def poll(self) -> SwarmSnapshot:
+        from swarm.monitor import Reading
+
+        with self._lock:
+            beats = {b.peer_id: b for b in self._beats.values()}
+            return self.monitor.ingest(Reading(time.time(), "simulation", beats))
+
+    def steering_reason(self) -> str | None:
+        return "a simulated run is not steered live (change its settings and run it again)"
+
+    def steer(self, **changes: Any) -> ControlState:
+        raise SwarmError(self.steering_reason())
+
+    def close(self) -> None:
+        pass

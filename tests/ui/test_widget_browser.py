@@ -1,0 +1,98 @@
+"""The widget's JS in a real headless browser (Debian's chromium through Playwright; never a
+downloaded browser): it renders the peers, and a click reaches the Python widget.
+
+The page loads the packaged widget.js with a minimal anywidget model whose state lives in the
+Python SwarmWidget of this test: reads and save_changes() go through functions the test
+exposes to the page, i.e. the same set_state path Jupyter's comm messages take.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.ui.fake import FakeSource
+from workbench.widget import SwarmWidget
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium); never a downloaded browser"
+)
+
+SYNCED = ("title", "snapshot", "loss_series", "steer_reason", "message", "command")
+
+PAGE = """<!doctype html><html><body><div id="root"></div><script type="module">
+import widget from "/widget.js";
+const state = JSON.parse(await window.pyGetState());
+const handlers = {};
+const model = {
+  get: (key) => state[key],
+  set: (key, value) => { state[key] = value; },
+  on: (event, callback) => { (handlers[event] ||= []).push(callback); },
+  save_changes: async () => {
+    const fresh = JSON.parse(await window.pySetState(JSON.stringify({ command: state.command })));
+    for (const [key, value] of Object.entries(fresh)) {
+      state[key] = value;
+      (handlers["change:" + key] || []).forEach((callback) => callback());
+    }
+  },
+};
+widget.render({ model, el: document.getElementById("root") });
+window.rendered = true;
+</script></body></html>"""
+
+
+def test_the_widget_renders_peers_and_a_click_reaches_python() -> None:
+    from playwright.sync_api import sync_playwright
+
+    source = FakeSource()
+    source.position = len(source.snapshots) - 1
+    widget = SwarmWidget(source, autostart=False)
+    script = Path(__file__).parents[2] / "workbench" / "widget.js"
+
+    def state() -> str:
+        return json.dumps({k: v for k, v in widget.get_state().items() if k in SYNCED})
+
+    def set_state(changes: str) -> str:
+        widget.set_state(json.loads(changes))
+        return state()
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.expose_function("pyGetState", state)
+            page.expose_function("pySetState", set_state)
+            page.route(
+                "http://widget.test/widget.js",
+                lambda route: route.fulfill(body=script.read_text(), content_type="text/javascript"),
+            )
+            page.route(
+                "http://widget.test/", lambda route: route.fulfill(body=PAGE, content_type="text/html")
+            )
+            errors: list[str] = []
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.goto("http://widget.test/")
+            page.wait_for_function("window.rendered === true", timeout=10_000)
+            names = page.locator("table.swb-peers tr[data-peer] td:first-child").all_inner_texts()
+            assert names == ["alpha", "bravo", "charlie", "delta"], errors
+            assert page.locator("svg.swb-chart polyline").count() == 4
+
+            page.locator("tr[data-peer] >> nth=1").locator("button.swb-pause").click()
+            page.wait_for_function(
+                "document.querySelector('.swb-message').textContent.startsWith('published')", timeout=10_000
+            )
+            assert source.published == [{"paused": ["bravo"]}]
+
+            page.fill("input.swb-lr", "0.45")
+            page.click("button.swb-steer")
+            page.wait_for_function(
+                "document.querySelector('.swb-message').textContent.includes('v2')", timeout=10_000
+            )
+            assert source.published[-1] == {"outer_lr": 0.45}
+            assert not errors, errors
+        finally:
+            browser.close()

@@ -1,0 +1,382 @@
+"""`Experiment`: one object for a run on the simulator, on local peers, or on a real swarm.
+
+Built from the same config tree as the CLI (keyword arguments are the CLI's flags)::
+
+    from workbench import Experiment, compare
+
+    dp = Experiment(backend="sim", method="dp", peers=4, steps=200, model="tiny").run()
+    diloco = Experiment(backend="sim", method="diloco", inner_steps=20, peers=4, steps=200, model="tiny")
+    diloco.run()          # returns at once: training runs in a background thread
+    diloco.widget()       # live view in the notebook (works while the run goes on)
+    diloco.wait()
+    diloco.history()      # a pandas DataFrame: step, tokens, bytes_per_peer, loss, eval_loss, ...
+    compare([dp, diloco], x="bytes")
+
+Backends:
+
+- ``"sim"``: N virtual peers in this process (``optim.sim``), deterministic for a seed;
+- ``"local"``: N real peers as processes on 127.0.0.1 (what ``workbench demo`` runs); steerable;
+- ``"swarm"``: one real peer of a run on the network: ``initial_peers=[...]`` joins one, none
+  starts one (then you are its owner and can steer it).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from swarm.errors import SwarmError
+from workbench.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("sim", "local", "swarm")
+
+
+def config_from_flags(command: str = "demo", **flags: Any) -> tuple[RunConfig, Any]:
+    """A RunConfig parsed from CLI flags given as keyword arguments (inner_steps=20 is
+    ``--inner-steps 20``; True is a bare flag), with the CLI's checks and error messages."""
+    from workbench.cli import build_config, build_parser
+
+    argv = [command]
+    for key, value in flags.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:
+        raise ValueError(
+            f"bad settings for a run: {' '.join(argv[1:])} (see `workbench {command} --help`)"
+        ) from None
+    return build_config(args), args
+
+
+class Experiment:
+    """A training run you start, watch and steer from Python (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        backend: str = "sim",
+        peers: int = 4,
+        steps: int | None = None,
+        rounds: int | None = None,
+        name: str | None = None,
+        initial_peers: list[str] | None = None,
+        run_dir: str | Path | None = None,
+        **flags: Any,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
+        self.backend = backend
+        self.peers = peers
+        self.flags = dict(flags)
+        self.method = flags.get("method", "diloco")
+        self.config, self.args = config_from_flags("demo", **flags)
+        H = self.config.diloco.inner_steps
+        if steps is None and rounds is None:
+            rounds = 8
+        self.rounds = rounds if rounds is not None else max(1, -(-steps // H))  # type: ignore[operator]
+        self.steps = steps if steps is not None else self.rounds * H
+        self.name = name or f"{self.method} ({backend})"
+        self.initial_peers = list(initial_peers or [])
+        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="workbench-experiment-"))
+        self.error: BaseException | None = None
+        self.result: Any = None
+        self._rows: list[dict[str, Any]] = []
+        self._thread: threading.Thread | None = None
+        self._source = None
+        self._sim_readings = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = (
+            "running" if self.running else ("failed" if self.error else ("done" if self.result else "ready"))
+        )
+        return f"Experiment({self.name!r}, backend={self.backend!r}, peers={self.peers}, {state})"
+
+    # --- running ---------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def run(self) -> Experiment:
+        """Start in a background thread (the notebook stays responsive); returns self."""
+        if self._thread is not None:
+            raise RuntimeError("this experiment already ran; make a new Experiment to run again")
+        target = {"sim": self._run_sim, "local": self._run_local, "swarm": self._run_swarm}[self.backend]
+
+        def guarded() -> None:
+            try:
+                target()
+            except BaseException as error:  # shown by wait() and repr, never lost in the thread
+                self.error = error
+                logger.error("%s failed: %s", self.name, error)
+
+        self._thread = threading.Thread(target=guarded, name=f"experiment-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> Experiment:
+        """Block until the run ends; re-raises its error."""
+        if self._thread is None:
+            raise RuntimeError("call run() first")
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"{self.name} still running after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def stop(self) -> None:
+        """Stop a local or swarm run early (its peers leave cleanly)."""
+        self._stop.set()
+
+    # --- results --------------------------------------------------------------------------------
+
+    def history(self):
+        """One row per outer round (pandas DataFrame): round, step, tokens, bytes_per_peer,
+        loss (mean inner loss), eval_loss (where evaluated), seconds, experiment."""
+        import pandas as pd
+
+        with self._lock:
+            rows = [dict(r, experiment=self.name) for r in self._rows]
+        columns = ["experiment", "round", "step", "tokens", "bytes_per_peer", "loss", "eval_loss", "seconds"]
+        return pd.DataFrame(rows, columns=columns)
+
+    def _add(self, **row: Any) -> None:
+        with self._lock:
+            self._rows.append(row)
+
+    # --- live view --------------------------------------------------------------------------------
+
+    def source(self):
+        """The :class:`~workbench.sources.SnapshotSource` the widget and the TUI read."""
+        deadline = time.monotonic() + 120
+        while self._source is None:
+            if self.error is not None:
+                raise self.error
+            if self._thread is None:
+                raise RuntimeError("call run() first")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} has no live view yet")
+            time.sleep(0.1)
+        return self._source
+
+    def widget(self, **options: Any):
+        """A live Jupyter widget over this run (summary, peers, loss chart, steering)."""
+        from workbench.widget import SwarmWidget
+
+        return SwarmWidget(self.source(), **options)
+
+    # --- backends ----------------------------------------------------------------------------------
+
+    def _tokens(self, step: int) -> int:
+        return step * self.peers * self.config.data.batch_size * self.config.model.block_size
+
+    def _run_sim(self) -> None:
+        from optim.sim import SimConfig
+        from workbench.simulate import MethodSpec, run_simulation
+        from workbench.sources import SimSource
+
+        spec = MethodSpec(
+            method=self.method,
+            diloco=self.config.diloco,
+            fragments=self.flags.get("fragments", 4) or 4,
+        )
+        H = 1 if self.method in ("dp", "streaming") else spec.outer_config().inner_steps
+        source = SimSource(self.name, self.peers, inner_steps=H)
+        self._source = source
+        started = time.monotonic()
+        evals_wanted = min(self.steps // H, 24) or 1  # ~24 evaluations whatever H is
+        every = max(1, (self.steps // H) // evals_wanted)
+        losses: dict[int, dict[int, float]] = {}
+
+        def on_round(info: dict[str, float]) -> None:
+            source.update(info)
+            losses.setdefault(int(info["round"]), {})[int(info["rank"])] = info["loss"]
+
+        result = run_simulation(
+            spec,
+            model=self.config.model,
+            data=self.config.data,
+            train=self.config.train,
+            sim=SimConfig(
+                peers=self.peers,
+                steps=self.steps,
+                seed=self.config.peer.seed,
+                eval_every=every,
+                on_round=on_round,
+            ),
+        )
+        self.result = result
+        self._add(
+            round=0,
+            step=0,
+            tokens=0,
+            bytes_per_peer=0,
+            loss=None,
+            eval_loss=result.initial_eval_loss,
+            seconds=0.0,
+        )
+        for entry in result.history:
+            at = losses.get(int(entry["round"]), {})
+            self._add(
+                round=int(entry["round"]),
+                step=int(entry["step"]),
+                tokens=self._tokens(int(entry["step"])),
+                bytes_per_peer=int(entry["bytes_per_peer"]),
+                loss=sum(at.values()) / len(at) if at else None,
+                eval_loss=entry["eval_loss"],
+                seconds=None,
+            )
+        last = self._rows[-1] if self._rows else None
+        if last is None or last["step"] != self.steps:
+            self._add(
+                round=result.rounds,
+                step=self.steps,
+                tokens=self._tokens(self.steps),
+                bytes_per_peer=result.bytes_per_peer,
+                loss=None,
+                eval_loss=result.final_eval_loss,
+                seconds=time.monotonic() - started,
+            )
+        source.finish()
+
+    def _local_config(self) -> RunConfig:
+        run_id = f"nb-{uuid.uuid4().hex[:8]}"
+        return replace(
+            self.config,
+            peer=replace(self.config.peer, run_id=run_id, rounds=self.rounds, min_peers=self.peers),
+        )
+
+    def _run_local(self) -> None:
+        from swarm.dht import NetworkConfig
+        from swarm.records import RunKeys
+        from swarm.session import connect
+        from workbench.launch import LocalSwarm
+        from workbench.sources import DemoSource
+
+        config = self._local_config()
+        swarm = LocalSwarm(config, peers=self.peers, run_dir=self.run_dir)
+        try:
+            swarm.start()
+            address = swarm.peers[0].last("started")["addresses"][0]
+            session = connect(
+                NetworkConfig(initial_peers=[address], client_mode=True),
+                RunKeys(config.peer.run_id),
+                signing_key=self.run_dir / "peer-0" / "identity.key",
+            )
+            self._source = DemoSource(session, swarm)
+            self._follow(swarm.peers[0], lambda: all(p.process.poll() is not None for p in swarm.peers))
+            swarm.check_alive()
+        finally:
+            swarm.stop()
+            if self._source is not None:
+                self._source.close()
+
+    def _run_swarm(self) -> None:
+        """One real peer: joins ``initial_peers`` (or starts a run), as `workbench join/start`."""
+        from workbench.launch import LaunchError, LocalSwarm
+        from workbench.sources import LiveSource
+
+        config = self._local_config()
+        config = replace(
+            config, peer=replace(config.peer, min_peers=1, run_id=self.flags.get("run_id", "workbench"))
+        )
+        swarm = LocalSwarm(config, peers=1, run_dir=self.run_dir)
+        swarm.run_dir.mkdir(parents=True, exist_ok=True)
+        command, extra = ("join", list(self.initial_peers)) if self.initial_peers else ("start", [])
+        peer = swarm._spawn(command, "peer", extra)  # noqa: SLF001 - one peer, no shard
+        try:
+            deadline = time.monotonic() + 120
+            while (started := peer.last("started")) is None:
+                peer.poll_events()
+                if peer.process.poll() is not None:
+                    raise LaunchError(f"the peer exited before starting:\n{peer.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"the peer did not start within 120 s:\n{peer.log_tail()}")
+                time.sleep(0.2)
+            owner_key = self.run_dir / "peer" / "identity.key"
+            self._source = LiveSource.connect(
+                self.initial_peers or started["addresses"][:1],
+                run_id=config.peer.run_id,
+                key=owner_key if not self.initial_peers else None,
+            )
+            self._follow(peer, lambda: peer.process.poll() is not None)
+        finally:
+            swarm.stop()
+            if self._source is not None:
+                self._source.close()
+
+    def _follow(self, peer, finished) -> None:
+        """Turn a real peer's round events into history rows until the run ends."""
+        started = time.monotonic()
+        sent = 0
+        while True:
+            for event in peer.poll_events():
+                if event["event"] == "initial_eval":
+                    self._add(
+                        round=event["outer_step"],
+                        step=0,
+                        tokens=0,
+                        bytes_per_peer=0,
+                        loss=None,
+                        eval_loss=event["eval_loss"],
+                        seconds=0.0,
+                    )
+                if event["event"] == "round":
+                    sent += event["bytes_sent"]
+                    step = event["outer_step"] * self.config.diloco.inner_steps
+                    self._add(
+                        round=event["outer_step"],
+                        step=step,
+                        tokens=self._tokens(step),
+                        bytes_per_peer=sent,
+                        loss=event["loss"],
+                        eval_loss=event["eval_loss"],
+                        seconds=time.monotonic() - started,
+                    )
+                if event["event"] == "done":
+                    self.result = event
+            if finished():
+                peer.poll_events()
+                return
+            if self._stop.is_set():
+                raise SwarmError(f"{self.name} was stopped")
+            time.sleep(0.3)
+
+
+def compare(experiments: list[Experiment], *, x: str = "tokens", ax=None):
+    """Eval loss of several runs against tokens trained (``x="tokens"``) or bytes each peer sent
+    (``x="bytes"``), on one matplotlib axis; returns the axis."""
+    import matplotlib.pyplot as plt
+
+    if x not in ("tokens", "bytes"):
+        raise ValueError("x must be 'tokens' or 'bytes'")
+    column = "tokens" if x == "tokens" else "bytes_per_peer"
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    for experiment in experiments:
+        frame = experiment.history().dropna(subset=["eval_loss"])
+        if x == "bytes":
+            frame = frame[frame[column] > 0]
+        ax.plot(frame[column], frame["eval_loss"], marker="o", markersize=3, label=experiment.name)
+    if x == "bytes":
+        ax.set_xscale("log")
+    ax.set_xlabel("tokens trained (all peers)" if x == "tokens" else "bytes sent per peer (log)")
+    ax.set_ylabel("eval loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return ax

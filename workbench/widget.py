@@ -1,0 +1,160 @@
+"""`SwarmWidget`: the live swarm view in Jupyter (anywidget; JS in widget.js, shipped here).
+
+Python side: a thread polls a :class:`~workbench.sources.SnapshotSource` and syncs the
+snapshot to the front end; the front end sends commands (pause/resume a peer, steer outer lr
+and H) by setting the ``command`` trait, handled here through the same steering API the
+terminal UI uses. Where no widget front end runs (nbconvert, GitHub), the notebook shows a
+static HTML table of the last snapshot instead.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import anywidget
+import traitlets
+
+from swarm.errors import SwarmError
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmWidget(anywidget.AnyWidget):
+    _esm = Path(__file__).with_name("widget.js")
+
+    title = traitlets.Unicode("").tag(sync=True)
+    snapshot = traitlets.Dict().tag(sync=True)
+    """SwarmSnapshot.to_json() of the latest reading."""
+    loss_series = traitlets.Dict().tag(sync=True)
+    """Peer name (and "mean") -> [[seconds ago, loss], ...] for the chart."""
+    steer_reason = traitlets.Unicode(None, allow_none=True).tag(sync=True)
+    """Why the controls are disabled (None: this notebook can steer)."""
+    message = traitlets.Unicode("").tag(sync=True)
+    """The outcome of the last command, shown under the controls."""
+    command = traitlets.Dict().tag(sync=True)
+    """Set by the front end: {"action": "pause"|"resume"|"steer", ...}."""
+
+    def __init__(
+        self, source, *, interval: float | None = None, autostart: bool = True, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.source = source
+        self.title = source.title
+        self.interval = interval or source.interval
+        self.last = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.observe(self._on_command, names="command")
+        self.refresh()
+        if autostart:
+            self.start()
+
+    # --- polling ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="swarm-widget", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.refresh()
+            except Exception as error:  # a poll hiccup: keep the last view, say so
+                self.message = f"poll failed: {error}"
+
+    def refresh(self) -> None:
+        """Read the source once and sync the view."""
+        snapshot = self.source.poll()
+        self.last = snapshot
+        self.steer_reason = self.source.steering_reason()
+        series: dict[str, list[list[float]]] = {}
+        for peer_id, peer in snapshot.peers.items():
+            points = snapshot.history.get(peer_id, {}).get("loss", [])[-120:]
+            if points:
+                series[peer.name] = [[round(t - snapshot.time, 2), v] for t, v in points]
+        self.loss_series = series
+        self.snapshot = snapshot.to_json()
+
+    # --- commands ----------------------------------------------------------------------------------
+
+    def _on_command(self, change: dict[str, Any]) -> None:
+        command = dict(change["new"] or {})
+        if not command:
+            return
+        try:
+            self.message = self.handle(command)
+        except (SwarmError, ValueError, TypeError) as error:
+            self.message = f"refused: {error}"
+
+    def handle(self, command: dict[str, Any]) -> str:
+        """Run one front-end command; returns what to tell the user."""
+        action = command.get("action")
+        control = self.last.control if self.last is not None else None
+        paused = list(control.paused) if control else []
+        if action == "pause":
+            peer = str(command["peer"])
+            result = self.source.steer(paused=[*paused, peer] if peer not in paused else paused)
+        elif action == "resume":
+            peer = str(command["peer"])
+            result = self.source.steer(paused=[p for p in paused if p != peer])
+        elif action == "steer":
+            changes = {
+                k: command[k] for k in ("outer_lr", "inner_steps", "codec") if command.get(k) is not None
+            }
+            if not changes:
+                raise ValueError("nothing to change: give an outer lr or H")
+            result = self.source.steer(**changes)
+        else:
+            raise ValueError(f"unknown command {action!r}")
+        return f"published control v{result.version} (applied from outer step {result.from_step})"
+
+    def steer(self, **changes: Any) -> str:
+        """The same path as the widget's steer button, from Python."""
+        return self.handle({"action": "steer", **changes})
+
+    # --- static fallback ------------------------------------------------------------------------------
+
+    def _repr_mimebundle_(self, **kwargs: Any):
+        bundle = super()._repr_mimebundle_(**kwargs)
+        data, metadata = bundle if isinstance(bundle, tuple) else (bundle, {})
+        data = dict(data or {})
+        data["text/html"] = self.static_html()
+        return data, metadata
+
+    def static_html(self) -> str:
+        """The last snapshot as a plain HTML table (what nbconvert and GitHub show)."""
+        snap = self.snapshot or {}
+        rows = "".join(
+            "<tr>"
+            + "".join(
+                f"<td>{html.escape(str(v))}</td>"
+                for v in (
+                    p["name"],
+                    p["stage"],
+                    p["outer_step"],
+                    f"{p['inner_step']}/{p['inner_steps']}",
+                    "-" if p["loss"] is None else f"{p['loss']:.3f}",
+                    f"{p['samples_per_second']:.1f}",
+                    p["bytes_sent"],
+                )
+            )
+            + "</tr>"
+            for p in snap.get("peers", [])
+        )
+        head = "".join(
+            f"<th>{h}</th>" for h in ("name", "stage", "outer", "inner", "loss", "samples/s", "bytes sent")
+        )
+        return (
+            f"<div><b>{html.escape(self.title)}</b>: round {snap.get('outer_round', 0)}, "
+            f"{len(snap.get('peers', []))} peers (static view: run the notebook for the live widget)"
+            f"<table><tr>{head}</tr>{rows}</table></div>"
+        )
