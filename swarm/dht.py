@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -52,6 +53,11 @@ def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> h
     """Start a DHT node in a child process; returns once it is connected to the swarm.
     ``validators``: the run's record validators (see :func:`swarm.validators.record_validators`)."""
     import hivemind  # heavy import (~2 s), kept out of `workbench --help`
+
+    if "HIVEMIND_LOGLEVEL" not in os.environ:
+        # Used as a library (a notebook, the monitor): hivemind's INFO lines ("Checking that
+        # identity ... is not used") are noise there; the CLI sets its level with -v.
+        logging.getLogger("hivemind").setLevel(logging.WARNING)
 
     # Signal handlers can only be read and set from the main thread (a notebook's Experiment
     # starts its observer from a background thread, where there is nothing to restore).
