@@ -1,0 +1,68 @@
+"""`workbench replay` / `workbench monitor` from the command line: errors, and --web serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+RECORDING = Path(__file__).parents[2] / "notebooks" / "data" / "sample_run.jsonl"
+
+
+def workbench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "workbench", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_replay_of_a_missing_or_bad_file_is_one_line(tmp_path) -> None:
+    result = workbench("replay", str(tmp_path / "missing.jsonl"))
+    assert result.returncode == 2 and result.stderr.startswith("error: cannot read the recording")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"hello": 1}\n')
+    result = workbench("replay", str(bad))
+    assert result.returncode == 2 and "not a workbench monitor recording" in result.stderr
+
+
+def test_monitor_needs_a_valid_address() -> None:
+    result = workbench("monitor", "/ip4/127.0.0.1/tcp/1", "--connect-timeout", "2")
+    assert result.returncode == 2 and "lacks the peer id" in result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_web_serves_the_app_on_localhost() -> None:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "workbench", "replay", str(RECORDING), "--web", "--web-port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).read().decode()
+                break
+            except OSError:
+                assert process.poll() is None, process.stderr.read().decode()
+                assert time.monotonic() < deadline, "the web monitor did not come up"
+                time.sleep(0.3)
+        assert "textual" in page.lower() and f"127.0.0.1:{port}" in page
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
