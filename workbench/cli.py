@@ -142,6 +142,18 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
         "--run-dir", metavar="DIR", help="write metrics.jsonl and the final global params here"
     )
     group.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="write <run-dir>/checkpoint.pt every ROUNDS outer rounds (default 0: on request only)",
+    )
+    group.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from the checkpoint in DIR (a stopped peer's --run-dir; also the default --run-dir)",
+    )
+    group.add_argument(
         "--fault-file",
         metavar="FILE",
         help="testing: read injected faults (throttle, corrupt update) from FILE between steps",
@@ -305,10 +317,12 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             shard=parse_shard(getattr(args, "shard", None))[0],
             num_shards=parse_shard(getattr(args, "shard", None))[1],
             device=args.device,
-            run_dir=getattr(args, "run_dir", None),
+            run_dir=getattr(args, "run_dir", None) or getattr(args, "resume", None),
             secret=getattr(args, "secret", None),
             owner=getattr(args, "owner", None),
             fault_file=getattr(args, "fault_file", None),
+            checkpoint_every=getattr(args, "checkpoint_every", 0),
+            resume=getattr(args, "resume", None),
         ),
     )
 

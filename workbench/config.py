@@ -92,6 +92,11 @@ class PeerConfig:
     """Where to write metrics.jsonl and the final global params (none: write nothing)."""
     secret: str | None = None
     """Private run: peers without this secret can neither find, join nor write to the run."""
+    checkpoint_every: int = 0
+    """Write ``<run_dir>/checkpoint.pt`` every this many outer rounds (0: only when the owner
+    asks, through steering)."""
+    resume: str | None = None
+    """Continue from the checkpoint in this folder (a stopped peer's --run-dir)."""
     fault_file: str | None = None
     """Testing: a JSON file of injected faults ({"throttle_ms": N, "corrupt_next": T}) read
     between inner steps; the demo's fault-injection menu writes it."""
@@ -117,6 +122,10 @@ class PeerConfig:
         if self.shard is not None and not 0 <= self.shard < self.num_shards:
             raise ValueError(
                 f"shard must be in 0..{self.num_shards - 1} for {self.num_shards} shards (got {self.shard})"
+            )
+        if self.checkpoint_every < 0:
+            raise ValueError(
+                f"checkpoint every must be >= 0 rounds (got {self.checkpoint_every}); 0 turns it off"
             )
         if self.eval_every < 1:
             raise ValueError(f"eval every must be >= 1 round (got {self.eval_every})")

@@ -218,14 +218,13 @@ class ByteCorpus:
 
     def _sample(
         self, lo: int, hi: int, *, block_size: int, batch_size: int, seed: int, shard: int
-    ) -> Iterator[tuple[Tensor, Tensor]]:
+    ) -> BatchStream:
         generator = torch.Generator()
         # Mix seed and shard so shards draw unrelated offsets, not the same ones shifted.
         generator.manual_seed((seed * 0x9E3779B97F4A7C15 + shard * 0xBF58476D1CE4E5B9) % 2**63)
-        offsets = torch.arange(block_size + 1)  # (T+1,)
-        while True:
-            starts = torch.randint(lo, hi - block_size, (batch_size,), generator=generator)  # (B,)
-            yield _windows(self.train, starts, offsets)
+        return BatchStream(
+            self.train, lo, hi, block_size=block_size, batch_size=batch_size, generator=generator
+        )
 
     def eval_batches(
         self, *, block_size: int, batch_size: int, num_batches: int = 8
@@ -245,6 +244,42 @@ class ByteCorpus:
 
 def _to_tensor(data: bytes) -> Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+class BatchStream:
+    """An endless stream of random training windows whose position can be saved and restored
+    (checkpoints): ``state_dict()`` holds the random generator's state and the batches drawn."""
+
+    def __init__(
+        self, data: Tensor, lo: int, hi: int, *, block_size: int, batch_size: int, generator
+    ) -> None:
+        self.data, self.lo, self.hi = data, lo, hi
+        self.block_size, self.batch_size = block_size, batch_size
+        self.generator = generator
+        self.offsets = torch.arange(block_size + 1)  # (T+1,)
+        self.drawn = 0
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> tuple[Tensor, Tensor]:
+        starts = torch.randint(
+            self.lo, self.hi - self.block_size, (self.batch_size,), generator=self.generator
+        )
+        self.drawn += 1
+        return _windows(self.data, starts, self.offsets)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.generator.get_state(), "drawn": self.drawn, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("batch_size") != self.batch_size:
+            raise DataError(
+                f"the checkpoint's data position is for batch size {state.get('batch_size')}, "
+                f"this peer uses {self.batch_size}: resume with the same --batch-size"
+            )
+        self.generator.set_state(state["rng"])
+        self.drawn = int(state["drawn"])
 
 
 def _windows(data: Tensor, starts: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:

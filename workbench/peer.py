@@ -75,6 +75,7 @@ class Peer:
         self.manifest = None
         self.control = None
         self.metrics_file = None
+        self.batches = None
         run_dir = config.peer.run_dir
         self.run_dir = Path(run_dir) if run_dir else None
 
@@ -376,6 +377,9 @@ class Peer:
         """Train until ``rounds`` outer rounds are done (or forever); returns a summary."""
         cfg = self.config
         self.setup()
+        self.batches = self._batches()
+        if cfg.peer.resume:
+            self.resume(cfg.peer.resume)
         if cfg.network.initial_peers and not self.download_state("joining"):
             logger.warning(
                 "%s: no peer could serve the global state; starting from the seed's init", self.name
@@ -387,7 +391,6 @@ class Peer:
             "%s: eval loss %.4f at outer step %d", self.name, initial_eval, self.diloco.outer_step_count
         )
         total_inner = self.total_rounds * self.round_steps if cfg.peer.rounds else None
-        batches = self._batches()
         eval_loss = initial_eval
         while not cfg.peer.rounds or self.diloco.outer_step_count < self.total_rounds:
             round_start = time.monotonic()
@@ -405,7 +408,7 @@ class Peer:
                 run_step = self.diloco.outer_step_count * self.round_steps + self.diloco.inner_step_count
                 for group in self.inner_optimizer.param_groups:
                     group["lr"] = cfg.train.inner_lr * cfg.train.lr_factor(run_step, total_inner)
-                x, y = next(batches)
+                x, y = next(self.batches)
                 self.last_loss, dp_report = self.inner_step(x, y, info)
                 self.diloco.note_inner_step(samples=len(x))
                 samples += len(x)
@@ -431,6 +434,9 @@ class Peer:
                 resync = diverged_from_group(info | {"peer": self.peer_id}, report.group_info)
             # A peer known to be out of date must not serve its θ at the top priority.
             self.averager.set_state_priority(self.diloco.outer_step_count - (0.5 if resync else 0.0))
+            every = cfg.peer.checkpoint_every
+            if every and self.diloco.outer_step_count % every == 0:
+                self.save_checkpoint()
             if resync:
                 # Adopt the group's θ before evaluating, so the round's eval loss is that of the
                 # params this peer carries on with (and matches the others').
@@ -563,19 +569,71 @@ class Peer:
             time.sleep(self.throttle)
 
     def save_checkpoint(self) -> Path | None:
-        """Write the global state to ``<run_dir>/checkpoint.pt`` atomically (temp, fsync, rename)."""
+        """Everything needed to continue, atomically, in ``<run_dir>/checkpoint.pt``."""
+        from workbench import checkpoint
+
         if self.run_dir is None:
             logger.warning("%s: a checkpoint was requested but this peer has no --run-dir", self.name)
             return None
-        path = self.run_dir / "checkpoint.pt"
-        temporary = path.with_suffix(".tmp")
-        with open(temporary, "wb") as handle:
-            torch.save(dataclasses.asdict(self.diloco.outer_state()), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
+        feedback = getattr(self.diloco, "feedback", None)
+        if isinstance(feedback, list):  # streaming: one residual memory per fragment
+            residuals = [f.residuals if f is not None else None for f in feedback]
+        else:
+            residuals = feedback.residuals if feedback is not None else None
+        path = checkpoint.save(
+            self.run_dir,
+            {
+                "run_id": self.config.peer.run_id,
+                "fingerprint": self.fingerprint()[0],
+                "name": self.name,
+                "outer": dataclasses.asdict(self.diloco.outer_state()),
+                "model": self.model.state_dict(),
+                "inner_optimizer": self.inner_optimizer.state_dict(),
+                "feedback": residuals,
+                "data": self.batches.state_dict() if self.batches is not None else None,
+                "bytes": [self.bytes_sent, self.bytes_received, self.dp_bytes],
+                "control_version": self.control_version,
+            },
+        )
         logger.info("%s: wrote checkpoint %s at outer step %d", self.name, path, self.diloco.outer_step_count)
+        self.emit("checkpoint", path=str(path), outer_step=self.diloco.outer_step_count)
         return path
+
+    def resume(self, directory: str) -> None:
+        """Continue from the checkpoint in ``directory`` (``--resume``): refuses another run or model."""
+        from optim.diloco import OuterState
+        from workbench import checkpoint
+
+        payload, path = checkpoint.load(directory)
+        fingerprint = self.fingerprint()[0]
+        if payload.get("run_id") != self.config.peer.run_id:
+            raise checkpoint.CheckpointError(
+                f"{path} belongs to run '{payload.get('run_id')}', not '{self.config.peer.run_id}': pass --run-id "
+                f"{payload.get('run_id')}"
+            )
+        if payload.get("fingerprint") != fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{path} was written for model fingerprint {payload.get('fingerprint')}, this peer's is "
+                f"{fingerprint}: resume with the flags the peer ran with"
+            )
+        self.model.load_state_dict(payload["model"])
+        self.inner_optimizer.load_state_dict(payload["inner_optimizer"])
+        self.diloco.load_outer_state(OuterState(**payload["outer"]))
+        self.inner_optimizer.load_state_dict(payload["inner_optimizer"])  # load_outer_state may reset it
+        feedback = getattr(self.diloco, "feedback", None)
+        if isinstance(feedback, list):
+            for memory, residuals in zip(feedback, payload.get("feedback") or []):
+                if memory is not None:
+                    memory.residuals = residuals
+        elif feedback is not None:
+            feedback.residuals = payload.get("feedback")
+        if payload.get("data") is not None:
+            self.batches.load_state_dict(payload["data"])
+        self.bytes_sent, self.bytes_received, self.dp_bytes = payload.get("bytes", [0, 0, 0])
+        self.control_version = int(payload.get("control_version", 0))
+        self.averager.set_state_priority(self.diloco.outer_step_count)
+        logger.info("%s: resumed from %s at outer step %d", self.name, path, self.diloco.outer_step_count)
+        self.emit("resumed_checkpoint", path=str(path), outer_step=self.diloco.outer_step_count)
 
     def _batches(self):
         cfg = self.config

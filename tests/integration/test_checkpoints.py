@@ -1,0 +1,39 @@
+"""A peer killed with SIGKILL continues from its last checkpoint (`--resume DIR`)."""
+
+from __future__ import annotations
+
+from tests.integration.conftest import FAST
+
+
+def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
+    common = [*FAST, "--run-id", "resume"]
+    first = spawn("a", "start", *common, "--rounds", "40", "--checkpoint-every", "2")
+    first.wait_event("checkpoint", lambda e: e["outer_step"] >= 4)
+    first.kill()  # SIGKILL: no goodbye, no final save
+    saved = first.events("checkpoint")[-1]["outer_step"]
+    evals = {r["outer_step"]: r["eval_loss"] for r in first.events("round")}
+
+    again = spawn("b", "start", *common, "--rounds", str(saved + 3), "--resume", str(first.directory))
+    assert again.wait() == 0, again.stderr()
+    assert again.events("resumed_checkpoint")[0]["outer_step"] == saved
+    initial = again.events("initial_eval")[0]
+    assert initial["outer_step"] == saved
+    assert abs(initial["eval_loss"] - evals[saved]) < 1e-5  # the same global params
+    assert [r["outer_step"] for r in again.events("round")] == [saved + 1, saved + 2, saved + 3]
+
+    # The newest checkpoint truncated (a crash mid-copy, a full disk): the previous one is used.
+    newest = first.directory / "checkpoint.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    fallback = spawn("c", "start", *common, "--rounds", str(saved + 1), "--resume", str(first.directory))
+    assert fallback.wait() == 0, fallback.stderr()
+    assert "resuming from the previous checkpoint" in fallback.stderr()
+    assert fallback.events("resumed_checkpoint")[0]["outer_step"] == saved - 2
+
+    # Nothing usable: one clear line, exit status 2.
+    (first.directory / "checkpoint.prev.pt").write_bytes(b"not a checkpoint")
+    broken = spawn("d", "start", *common, "--rounds", "2", "--resume", str(first.directory))
+    assert broken.wait() == 2
+    errors = [line for line in broken.stderr().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "cannot resume" in errors[0] and "checkpoint.prev.pt" in errors[0], (
+        broken.stderr()
+    )

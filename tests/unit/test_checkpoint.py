@@ -1,0 +1,61 @@
+"""Atomic checkpoints: what is written, what survives a crash, and clear errors for bad files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench import checkpoint
+from workbench.checkpoint import CheckpointError
+from workbench.data import ByteCorpus, DataConfig, DataError
+
+
+def test_save_then_load_round_trips(tmp_path) -> None:
+    checkpoint.save(tmp_path, {"run_id": "r", "weights": torch.arange(4.0)})
+    payload, path = checkpoint.load(tmp_path)
+    assert path.name == "checkpoint.pt" and payload["run_id"] == "r"
+    assert torch.equal(payload["weights"], torch.arange(4.0))
+    assert not list(tmp_path.glob("*.tmp"))  # the temp file was renamed into place
+
+
+def test_the_previous_checkpoint_is_kept_and_used_when_the_newest_is_corrupt(tmp_path) -> None:
+    checkpoint.save(tmp_path, {"step": 1})
+    checkpoint.save(tmp_path, {"step": 2})
+    assert checkpoint.load(tmp_path)[0]["step"] == 2
+    newest = tmp_path / "checkpoint.pt"
+    newest.write_bytes(newest.read_bytes()[: len(newest.read_bytes()) // 2])  # truncated
+    payload, path = checkpoint.load(tmp_path)
+    assert payload["step"] == 1 and path.name == "checkpoint.prev.pt"
+
+
+def test_no_good_checkpoint_names_both_problems(tmp_path) -> None:
+    (tmp_path / "checkpoint.pt").write_bytes(b"garbage")
+    (tmp_path / "checkpoint.prev.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="checkpoint.pt is truncated or corrupt.*checkpoint.prev.pt"):
+        checkpoint.load(tmp_path)
+
+
+def test_missing_folder_and_foreign_files(tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="no such folder"):
+        checkpoint.load(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.load(tmp_path)
+    torch.save({"just": "a dict"}, tmp_path / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="not a workbench checkpoint"):
+        checkpoint.load(tmp_path)
+
+
+def test_the_data_position_resumes_the_same_stream() -> None:
+    corpus = ByteCorpus.load(DataConfig(max_bytes=200_000))
+    stream = corpus.batches(block_size=16, batch_size=2, seed=3)
+    for _ in range(5):
+        next(stream)
+    state = stream.state_dict()
+    expected = [next(stream)[0] for _ in range(3)]
+    again = corpus.batches(block_size=16, batch_size=2, seed=3)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, next(again)[0]) for a in expected)
+    assert again.drawn == 8
+    other = corpus.batches(block_size=16, batch_size=4, seed=3)
+    with pytest.raises(DataError, match="same --batch-size"):
+        other.load_state_dict(state)
