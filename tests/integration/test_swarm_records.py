@@ -7,6 +7,7 @@ code a peer uses (swarm.session.connect), so they speak the real protocol.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -47,7 +48,7 @@ def workbench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
 
 def test_forged_heartbeats_and_foreign_steering_are_rejected(spawn, tmp_path):
     keys = RunKeys("forgery")
-    owner = spawn("a", "start", *FAST, "--run-id", "forgery", "--rounds", "40")
+    owner = spawn("a", "start", *FAST, "--run-id", "forgery")  # until stopped: alone, rounds are fast
     address = owner.address()
     owner.wait_event("round")
     victim_id = owner.events("started")[0]["peer_id"]
@@ -85,6 +86,7 @@ def test_forged_heartbeats_and_foreign_steering_are_rejected(spawn, tmp_path):
         wait_until(
             lambda: "ignored a steering change" in owner.stderr(), 20, "the owner to log the rejection"
         )
+        owner.process.send_signal(signal.SIGINT)
         assert owner.wait() == 0, owner.stderr()
         assert not owner.events("control_applied")
         assert all(r["eval_loss"] < 10 for r in owner.events("round"))  # outer lr 5 would have blown up
