@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PEERS ?= 4
 ROUNDS ?= 8
 
-.PHONY: demo test test-unit test-integration bench lint bootstrap clean
+.PHONY: demo test test-unit test-integration faults bench lint bootstrap clean
 
 bootstrap: $(VENV)/.installed
 
@@ -23,7 +23,11 @@ demo: bootstrap
 	$(BIN)/workbench demo --peers $(PEERS) --rounds $(ROUNDS)
 
 test: bootstrap
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not faults"
+
+# Slow fault scenarios (a frozen straggler, ...), each printing what it survived.
+faults: bootstrap
+	$(BIN)/python -m pytest -q -m faults -rA
 
 test-unit: bootstrap
 	$(BIN)/python -m pytest -q tests/unit
