@@ -147,6 +147,27 @@ def test_flags_reach_the_config() -> None:
         pytest.param(["start", "--inner-lr", "2"], "inner lr", id="inner-lr"),
         pytest.param(["demo", "--inner-steps", "0"], "inner_steps", id="demo-inner-steps"),
         pytest.param(["demo", "--rounds", "0", "--run-dir", "{tmp}"], "--rounds", id="demo-rounds-0"),
+        pytest.param(["start", "--topk-density", "0"], "topk density", id="topk-density-0"),
+        pytest.param(["start", "--shard", "5/4"], "shard", id="shard-out-of-range"),
+        pytest.param(["start", "--shard", "x"], "I/N", id="shard-garbage"),
+        pytest.param(["start", "--secret", "short"], "at least 8", id="secret-short"),
+        pytest.param(
+            ["join", f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}", "--owner", "xyz"], "16 hex", id="owner"
+        ),
+        pytest.param(["start", "--checkpoint-every", "-1"], "checkpoint every", id="checkpoint-every"),
+        pytest.param(["status", "--run-id", "x"], "multiaddr", id="status-no-address"),
+        pytest.param(
+            ["status", f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}", "--watch", "0.1"], "--watch", id="watch"
+        ),
+        pytest.param(
+            ["steer", f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}", "--key", "k"],
+            "nothing to change",
+            id="steer-nothing",
+        ),
+        pytest.param(["replay", "{tmp}/missing.jsonl"], "cannot read the recording", id="replay-missing"),
+        pytest.param(
+            ["status", "--replay", "{tmp}/missing.jsonl"], "cannot read", id="status-replay-missing"
+        ),
     ],
 )
 def test_bad_values_exit_2_with_one_error_line(
@@ -170,6 +191,8 @@ def test_demo_with_a_bad_peer_count_exits_2(
     ("argv", "hint"),
     [
         pytest.param(["start", "--codec", "zstd"], "invalid choice", id="codec"),
+        pytest.param(["start", "--update-codec", "zip"], "invalid choice", id="update-codec"),
+        pytest.param(["start", "--delay", "3"], "invalid choice", id="delay-3"),
         pytest.param(["start", "--model", "huge"], "invalid choice", id="model"),
         pytest.param(["start", "--inner-steps", "ten"], "invalid int value", id="not-an-int"),
         pytest.param(["join"], "required", id="join-without-address"),
