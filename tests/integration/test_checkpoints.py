@@ -29,6 +29,14 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     assert "resuming from the previous checkpoint" in fallback.stderr()
     assert fallback.events("resumed_checkpoint")[0]["outer_step"] == saved - 2
 
+    # Another run, or another model: refused with what to pass instead.
+    other = spawn("e", "start", *FAST, "--run-id", "other", "--rounds", "2", "--resume", str(first.directory))
+    assert other.wait() == 2 and "belongs to run 'resume'" in other.stderr(), other.stderr()
+    bigger = spawn(
+        "f", "start", *common, "--model", "small", "--rounds", "2", "--resume", str(first.directory)
+    )
+    assert bigger.wait() == 2 and "written for model fingerprint" in bigger.stderr(), bigger.stderr()
+
     # Nothing usable: one clear line, exit status 2.
     (first.directory / "checkpoint.prev.pt").write_bytes(b"not a checkpoint")
     broken = spawn("d", "start", *common, "--rounds", "2", "--resume", str(first.directory))
