@@ -33,6 +33,7 @@ import torch
 
 from optim.averager import Averager, RoundReport
 from optim.codecs import Codec, ErrorFeedback, encoded_nbytes, make_codec
+from optim.robust import check_round
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,12 @@ class DiLoCoConfig:
     """Fraction of entries the topk codec keeps."""
     error_feedback: bool = False
     """Keep what the codec dropped and add it to the next round's pseudo-gradient."""
+    outlier_ratio: float = 10.0
+    """Refuse a round's mean when one member's update norm exceeds this many times the median
+    of the others', or when the mean is larger than the reported norms allow (0: no check).
+    See :mod:`optim.robust`."""
+    clip_norm: float = 0.0
+    """Scale this peer's pseudo-gradient down to this global norm before sending (0: never)."""
     delay: int = 0
     """Apply each round's averaged Δ this many rounds later (0: at once; 1: one-step delay, the
     schedule that lets an asynchronous all-reduce overlap the next round's inner steps; the
@@ -69,6 +76,12 @@ class DiLoCoConfig:
             raise ValueError(f"outer_momentum must be in [0, 1) (got {self.outer_momentum}); DiLoCo uses 0.9")
         if self.nesterov and self.outer_momentum == 0:
             raise ValueError("nesterov needs outer_momentum > 0: set outer_momentum or nesterov=False")
+        if self.outlier_ratio < 0 or self.clip_norm < 0:
+            raise ValueError("outlier_ratio and clip_norm must be >= 0 (0 turns each off)")
+        if 0 < self.outlier_ratio < 2:
+            raise ValueError(
+                f"outlier_ratio {self.outlier_ratio} would refuse honest rounds; use >= 2 (default 10)"
+            )
         if self.delay not in (0, 1, 2):
             raise ValueError(f"delay must be 0, 1 or 2 rounds (got {self.delay}); 1 is the one-step delay")
         if not 0 < self.topk_density <= 1:
@@ -277,8 +290,13 @@ class DiLoCo:
             payload_bytes = 0
             self.inner_optimizer.state.clear()  # its moments are likely NaN too: start them afresh
         else:
+            if self.config.clip_norm and local_norm > self.config.clip_norm:
+                deltas = [d * (self.config.clip_norm / local_norm) for d in deltas]
             deltas, payload_bytes = self.compress(deltas)
-        report = self.average(deltas, info, weight=0.0 if diverged else None)
+        weight = 0.0 if diverged else float(max(self.samples_this_round, 1))
+        # What the robust check of every member reads: this peer's declared norm and weight.
+        info = dict(info or {}, norm=_global_norm(deltas), weight=weight)
+        report = self.average(deltas, info, weight=weight)
         if diverged:
             report.error = (
                 "this peer's pseudo-gradient held NaN/Inf: not sent; it took the group's update "
@@ -286,7 +304,12 @@ class DiLoCo:
             )
         report.local_norm, report.mean_norm = local_norm, _global_norm(deltas)
         report.payload_bytes = payload_bytes
+        refused = check_round(report.mean_norm, report.group_info, ratio=self.config.outlier_ratio)
         try:
+            if refused and report.group_size > 1:
+                raise FloatingPointError(
+                    f"round {self.outer_step_count}: {refused}; the global params were left unchanged"
+                )
             if self.config.delay:
                 self.apply_delayed(deltas)
             else:

@@ -71,7 +71,7 @@ class InProcessSwarm:
         self.dropout = dropout
         self.seed = seed
         self._barrier = threading.Barrier(peers, timeout=timeout)
-        self._slots: list[tuple[list[torch.Tensor], float] | None] = [None] * peers
+        self._slots: list[tuple[list[torch.Tensor], float, dict[str, Any]] | None] = [None] * peers
         self._rounds = [0] * peers
 
     def averager(self, rank: int) -> _PeerAverager:
@@ -90,25 +90,32 @@ class InProcessSwarm:
         """Release every waiting peer (one peer failed: the others must not hang)."""
         self._barrier.abort()
 
-    def _all_reduce(self, rank: int, tensors: Sequence[torch.Tensor], weight: float) -> RoundReport:
+    def _all_reduce(
+        self, rank: int, tensors: Sequence[torch.Tensor], weight: float, info: dict[str, Any] | None = None
+    ) -> RoundReport:
         round_index = self._rounds[rank]
         self._rounds[rank] += 1
         dropped = self.dropped(round_index)
-        self._slots[rank] = ([t.detach().clone() for t in tensors], 0.0 if rank in dropped else weight)
+        self._slots[rank] = (
+            [t.detach().clone() for t in tensors],
+            0.0 if rank in dropped else weight,
+            dict(info or {}, peer=f"sim-{rank}"),
+        )
         self._barrier.wait()  # every peer has written its slot
         slots = list(self._slots)
         self._barrier.wait()  # every peer has read the slots: the next round may overwrite them
-        total = sum(w for _, w in slots)  # type: ignore[misc]
+        total = sum(w for _, w, _ in slots)  # type: ignore[misc]
         for index, tensor in enumerate(tensors):
             mean = torch.zeros_like(tensor, dtype=torch.float32)
-            for contribution, w in slots:  # type: ignore[misc]
+            for contribution, w, _ in slots:  # type: ignore[misc]
                 if w:
                     mean.add_(contribution[index].float(), alpha=w / total)
             tensor.copy_(mean)
         group = self.peers - len(dropped)
         return RoundReport(
             group_size=group,
-            group_info=[],
+            # Like hivemind's gather: what every member of the group declared this round.
+            group_info=[slot_info for _, w, slot_info in slots if w],  # type: ignore[misc]
             error="dropped out of this round" if rank in dropped else None,
         )
 
@@ -123,7 +130,7 @@ class _PeerAverager:
     def all_reduce(
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
     ) -> RoundReport:
-        return self.swarm._all_reduce(self.rank, tensors, weight)
+        return self.swarm._all_reduce(self.rank, tensors, weight, info)
 
 
 class OuterMethod(Protocol):

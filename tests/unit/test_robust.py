@@ -1,0 +1,88 @@
+"""Robust aggregation: every member refuses the same outsized round, so no θ drifts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from optim.diloco import DiLoCo, DiLoCoConfig
+from optim.robust import check_round
+from optim.sim import InProcessSwarm
+
+
+def member(peer: str, norm: float, weight: float = 8.0) -> dict:
+    return {"peer": peer, "norm": norm, "weight": weight}
+
+
+def test_an_outlier_is_named() -> None:
+    verdict = check_round(1.0, [member("a", 1.0), member("b", 1.2), member("evil", 50.0)], ratio=10)
+    assert verdict is not None and "evil" in verdict and "45x" in verdict
+
+
+def test_honest_rounds_pass() -> None:
+    group = [member("a", 1.0), member("b", 3.0), member("c", 2.0)]
+    assert check_round(1.5, group, ratio=10) is None
+    assert check_round(1.5, group, ratio=0) is None  # off
+    assert check_round(5.0, [member("a", 5.0)], ratio=10) is None  # alone: nothing to compare
+
+
+def test_a_mean_larger_than_the_declared_norms_is_a_misreport() -> None:
+    verdict = check_round(30.0, [member("a", 1.0), member("b", 1.2)], ratio=10)
+    assert verdict is not None and "more than it declared" in verdict
+
+
+def test_diverged_members_and_garbage_info_are_ignored() -> None:
+    group = [member("a", 1.0), member("b", 1.1), member("nan", 1e9, weight=0.0), {"norm": "x"}, None]
+    assert check_round(1.0, group, ratio=10) is None
+
+
+@pytest.mark.parametrize("bad_rank", [0, 2])
+def test_three_simulated_peers_refuse_one_outsized_update_together(bad_rank: int) -> None:
+    swarm = InProcessSwarm(3)
+    models = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        models.append(torch.nn.Linear(4, 4))
+    outers = [
+        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), swarm.averager(rank), DiLoCoConfig(inner_steps=1))
+        for rank, m in enumerate(models)
+    ]
+    before = [p.detach().clone() for p in models[0].parameters()]
+    reports = [None] * 3
+
+    def run(rank: int) -> None:
+        with torch.no_grad():
+            for p in models[rank].parameters():
+                p.add_(1000.0 if rank == bad_rank else 0.01 * (rank + 1))
+        outers[rank].note_inner_step(samples=8)
+        reports[rank] = outers[rank].sync()
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rank in range(3):
+        assert "refused" in reports[rank].error and f"sim-{bad_rank}" in reports[rank].error
+        assert outers[rank].outer_step_count == 0  # the round did not count
+        for g, b in zip(outers[rank].global_params, before):
+            assert torch.equal(g, b)  # θ unchanged, on every peer
+
+
+def test_clip_norm_scales_the_own_update_before_sending() -> None:
+    swarm = InProcessSwarm(1)
+    model = torch.nn.Linear(4, 4)
+    outer = DiLoCo(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        swarm.averager(0),
+        DiLoCoConfig(inner_steps=1, clip_norm=0.5, outer_lr=1.0, outer_momentum=0.0, nesterov=False),
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(3.0)
+    outer.note_inner_step(samples=1)
+    report = outer.sync()
+    assert report.local_norm > 0.5 and abs(report.mean_norm - 0.5) < 1e-5
