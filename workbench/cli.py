@@ -91,6 +91,17 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         "--delay", type=int, choices=(0, 1), help="apply each round's mean one round later (default: 0)"
     )
     group.add_argument(
+        "--outlier-ratio",
+        type=float,
+        help="refuse a round whose update from one peer is this many times the others' median norm, "
+        "or larger than declared (default: 10; 0 turns it off)",
+    )
+    group.add_argument(
+        "--clip-norm",
+        type=float,
+        help="clip this peer's pseudo-gradient to this norm before sending (default: off)",
+    )
+    group.add_argument(
         "--rounds", type=int, default=0, help="stop after this many outer rounds (default: 0 = never)"
     )
 
@@ -266,6 +277,8 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
             ("topk_density", args.topk_density),
             ("error_feedback", args.error_feedback),
             ("delay", args.delay),
+            ("outlier_ratio", getattr(args, "outlier_ratio", None)),
+            ("clip_norm", getattr(args, "clip_norm", None)),
         )
         if value is not None
     }
@@ -353,6 +366,8 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
         ("--update-codec", config.diloco.codec, defaults.diloco.codec),
         ("--topk-density", config.diloco.topk_density, defaults.diloco.topk_density),
         ("--delay", config.diloco.delay, defaults.diloco.delay),
+        ("--outlier-ratio", config.diloco.outlier_ratio, defaults.diloco.outlier_ratio),
+        ("--clip-norm", config.diloco.clip_norm, defaults.diloco.clip_norm),
         ("--codec", config.averaging.compression, defaults.averaging.compression),
     ):
         if value != default:
