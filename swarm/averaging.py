@@ -99,6 +99,8 @@ class SwarmAverager:
         self.peer_id = dht.peer_id.to_base58()
         self.corrupt_next = False
         """Testing: send NaN instead of this peer's update in the next round (a faulty peer)."""
+        self.scale_next = 0.0
+        """Testing: multiply the next update sent by this factor (a peer lying about its update)."""
         codec, self.bytes_per_element = CODECS[config.compression], CODEC_BYTES[config.compression]
         buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in tensors_like]
         self.numel = sum(b.numel() for b in buffers)
@@ -191,6 +193,11 @@ class SwarmAverager:
                 for buffer in buffers:
                     buffer.fill_(float("nan"))
                 logger.warning("fault injection: sending a corrupt (NaN) update this round")
+            if self.scale_next:  # fault injection: a lying peer (1000x what it declared), once
+                factor, self.scale_next = self.scale_next, 0.0
+                for buffer in buffers:
+                    buffer.mul_(factor)
+                logger.warning("fault injection: sending %gx this round's update", factor)
         control = self.averager.step(
             allow_retries=False,  # see all_reduce
             gather=info,

@@ -234,6 +234,7 @@ class FaultScreen(ModalScreen[tuple[str, Any] | None]):
         ("throttle", 500, "Throttle: 500 ms extra per inner step"),
         ("throttle", 0, "Remove the throttle"),
         ("corrupt", None, "Send a corrupt (NaN) update next round: the group rejects it"),
+        ("oversize", None, "Send 1000x the update it declares next round: the group refuses the round"),
     ]
 
     def __init__(self, *, name: str, reason: str | None) -> None:

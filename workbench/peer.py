@@ -68,6 +68,7 @@ class Peer:
         self._faults_seen = 0.0  # mtime of the fault file last read
         self.throttle = 0.0
         self._corrupt_token = None
+        self._oversize_token = None
         self.control_version = 0
         """The owner's ControlState version whose settings this peer applied."""
         self.checkpoints = 0
@@ -561,6 +562,10 @@ class Peer:
                 if token and token != self._corrupt_token and self.averager is not None:
                     self._corrupt_token = token
                     self.averager.corrupt_next = True
+                token = faults.get("oversize_next")  # likewise, one update 1000x larger than declared
+                if token and token != self._oversize_token and self.averager is not None:
+                    self._oversize_token = token
+                    self.averager.scale_next = 1000.0
                 logger.warning("%s: fault injection: %s", self.name, faults)
         except (OSError, ValueError, TypeError, AttributeError) as error:
             if not isinstance(error, FileNotFoundError):

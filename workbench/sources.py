@@ -30,6 +30,7 @@ class FaultInjector(Protocol):
     def freeze(self, peer_id: str, seconds: float) -> str: ...
     def throttle(self, peer_id: str, milliseconds: int) -> str: ...
     def corrupt(self, peer_id: str) -> str: ...
+    def oversize(self, peer_id: str) -> str: ...
 
 
 class SnapshotSource(Protocol):
@@ -189,6 +190,13 @@ class LocalFaults:
         peer = self._checked(peer_id)
         peer.write_faults(corrupt_next=time.time())
         return f"{peer.name} will send a corrupt (NaN) update next round: the group must reject it"
+
+    def oversize(self, peer_id: str) -> str:
+        peer = self._checked(peer_id)
+        peer.write_faults(oversize_next=time.time())
+        return (
+            f"{peer.name} will send 1000x the update it declares next round: the group must refuse the round"
+        )
 
 
 class DemoSource(LiveSource):

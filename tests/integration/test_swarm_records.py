@@ -273,17 +273,24 @@ def test_an_injected_corrupt_update_is_rejected_by_the_group(spawn, tmp_path):
     """The demo's "corrupt update" fault: one peer sends NaN; every member refuses the mean,
     no θ becomes NaN, and the peers still agree at the end."""
     faults = tmp_path / "faults.json"
-    common = [*FAST, "--run-id", "corrupt", "--rounds", "8"]
+    common = [*FAST, "--run-id", "corrupt", "--rounds", "10"]
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common, "--fault-file", str(faults))
     second.wait_event("round", lambda e: e["outer_step"] >= 2)
     faults.write_text(json.dumps({"corrupt_next": 1}))
+    second.wait_event("round", lambda e: e["alone_reason"] and "NaN" in e["alone_reason"])
+    # Then a lying peer: 1000x the update it declares. The mean is larger than the declared
+    # norms allow, so every member refuses the round (optim.robust).
+    faults.write_text(json.dumps({"corrupt_next": 1, "oversize_next": 1}))
     for peer in (first, second):
         assert peer.wait() == 0, peer.stderr()
     for peer in (first, second):
         rounds = peer.events("round")
         rejected = [r for r in rounds if r["alone_reason"] and "NaN" in r["alone_reason"]]
         assert len(rejected) == 1, rounds
+        refused = [r for r in rounds if r["alone_reason"] and "more than it declared" in r["alone_reason"]]
+        assert len(refused) == 1, rounds
         assert all(r["eval_loss"] == r["eval_loss"] for r in rounds)  # never NaN
     assert "sending a corrupt (NaN) update" in second.stderr()
+    assert "sending 1000x this round's update" in second.stderr()
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5

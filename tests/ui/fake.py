@@ -66,6 +66,9 @@ class FakeFaults:
     def corrupt(self, peer: str) -> str:
         return self._record("corrupt", peer)
 
+    def oversize(self, peer: str) -> str:
+        return self._record("oversize", peer)
+
 
 class FakeSource:
     """``peers`` peers over ``steps`` readings at t = 1000, 1010, ...; poll() returns the next."""
