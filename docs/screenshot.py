@@ -14,9 +14,6 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from swarm.dht import NetworkConfig
-from swarm.records import RunKeys
-from swarm.session import connect
 from tui.app import SwarmApp
 from workbench.config import RunConfig
 from workbench.launch import LocalSwarm
@@ -37,13 +34,7 @@ async def main(seconds: float, out: Path) -> None:
     swarm = LocalSwarm(config, peers=4, run_dir=run_dir)
     swarm.start()
     try:
-        address = swarm.peers[0].last("started")["addresses"][0]
-        session = connect(
-            NetworkConfig(initial_peers=[address], client_mode=True),
-            RunKeys(config.peer.run_id),
-            signing_key=run_dir / "peer-0" / "identity.key",
-        )
-        source = DemoSource(session, swarm)
+        source = DemoSource.of(swarm)
         app = SwarmApp(source, clock=False)
         async with app.run_test(size=(150, 42)) as pilot:
             await pilot.pause(seconds)

@@ -262,9 +262,6 @@ class Experiment:
         )
 
     def _run_local(self) -> None:
-        from swarm.dht import NetworkConfig
-        from swarm.records import RunKeys
-        from swarm.session import connect
         from workbench.launch import LocalSwarm
         from workbench.sources import DemoSource
 
@@ -272,13 +269,7 @@ class Experiment:
         swarm = LocalSwarm(config, peers=self.peers, run_dir=self.run_dir)
         try:
             swarm.start()
-            address = swarm.peers[0].last("started")["addresses"][0]
-            session = connect(
-                NetworkConfig(initial_peers=[address], client_mode=True),
-                RunKeys(config.peer.run_id),
-                signing_key=self.run_dir / "peer-0" / "identity.key",
-            )
-            self._source = DemoSource(session, swarm)
+            self._source = DemoSource.of(swarm)
             self._follow(swarm.peers[0], lambda: all(p.process.poll() is not None for p in swarm.peers))
             swarm.check_alive()
         finally:

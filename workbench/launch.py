@@ -377,9 +377,6 @@ def run_demo(config: RunConfig, *, peers: int, run_dir: Path, timeout: float, sh
 def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> int:
     """`workbench demo` in a terminal: the swarm monitor over the local peers, with steering
     (peer-0's key is the run's owner key) and fault injection. Quitting the app stops the peers."""
-    from swarm.dht import NetworkConfig
-    from swarm.records import RunKeys
-    from swarm.session import connect
     from tui.app import SwarmApp
     from workbench.sources import DemoSource
 
@@ -388,13 +385,7 @@ def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> in
     source = None
     try:
         swarm.start()
-        address = swarm.peers[0].last("started")["addresses"][0]
-        session = connect(
-            NetworkConfig(initial_peers=[address], client_mode=True),
-            RunKeys(config.peer.run_id),
-            signing_key=run_dir / "peer-0" / "identity.key",
-        )
-        source = DemoSource(session, swarm)
+        source = DemoSource.of(swarm)
         app = SwarmApp(source)
         stop = threading.Event()
 

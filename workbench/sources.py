@@ -207,6 +207,21 @@ class DemoSource(LiveSource):
         self.title = f"demo {self.keys.run_id} ({swarm.count} local peers)"
         self.faults = LocalFaults(swarm)
 
+    @classmethod
+    def of(cls, swarm) -> DemoSource:
+        """Connect to a started :class:`~workbench.launch.LocalSwarm` as a client, signing with
+        peer-0's key (the run's owner key: the demo owns the run)."""
+        from swarm.dht import NetworkConfig
+        from swarm.session import connect
+
+        address = swarm.peers[0].last("started")["addresses"][0]
+        session = connect(
+            NetworkConfig(initial_peers=[address], client_mode=True),
+            RunKeys(swarm.config.peer.run_id),
+            signing_key=swarm.run_dir / "peer-0" / "identity.key",
+        )
+        return cls(session, swarm)
+
 
 class SimSource:
     """The live view of a simulated swarm (``Experiment(backend="sim")``): each virtual peer's

@@ -39,6 +39,7 @@ def test_a_frozen_straggler_is_not_waited_for_and_catches_up(spawn):
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
 
 
+@pytest.mark.faults
 def test_a_peer_killed_mid_run_does_not_stall_the_others(spawn):
     """SIGKILL one of three peers while they train and average: the two others finish every
     round (falling back or regrouping within one averaging timeout), agree, and never see NaN."""

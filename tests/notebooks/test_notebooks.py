@@ -13,9 +13,9 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
 SMALL = {
-    "01_quickstart": 'STEPS = 40\nPEERS = 2\nINNER_STEPS = 10\nMODEL = "tiny"',
-    "02_optimizers": 'STEPS = 40\nPEERS = 2\nINNER_STEPS = 10\nMODEL = "tiny"',
-    "03_real_swarm": 'PEERS = 2\nROUNDS = 8\nINNER_STEPS = 5\nMODEL = "tiny"',
+    "01_quickstart": 'STEPS = 20\nPEERS = 2\nINNER_STEPS = 10\nMODEL = "tiny"',
+    "02_optimizers": 'STEPS = 20\nPEERS = 2\nINNER_STEPS = 10\nMODEL = "tiny"',
+    "03_real_swarm": 'PEERS = 2\nROUNDS = 10\nINNER_STEPS = 5\nMODEL = "tiny"',
     "04_replay": 'RECORDING = "data/sample_run.jsonl"',
 }
 WIDGET = "application/vnd.jupyter.widget-view+json"
