@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PEERS ?= 4
 ROUNDS ?= 8
 
-.PHONY: demo test test-unit test-integration faults bench lint bootstrap clean
+.PHONY: demo test test-unit test-integration faults soak bench lint bootstrap clean
 
 bootstrap: $(VENV)/.installed
 
@@ -23,11 +23,16 @@ demo: bootstrap
 	$(BIN)/workbench demo --peers $(PEERS) --rounds $(ROUNDS)
 
 test: bootstrap
-	$(BIN)/python -m pytest -q -m "not faults"
+	$(BIN)/python -m pytest -q -m "not faults and not soak"
 
-# Slow fault scenarios (a frozen straggler, ...), each printing what it survived.
+# Slow fault scenarios (a frozen straggler, a killed donor, ...), each with a summary line:
+# survived or not, rounds lost, seconds to recover (also kept in benchmarks/results/faults.json).
 faults: bootstrap
-	$(BIN)/python -m pytest -q -m faults -rA
+	WORKBENCH_FAULTS_REPORT=benchmarks/results/faults.json $(BIN)/python -m pytest -q -m faults -rA
+
+# Churn soak: peers leave and join at random every ~20 s for SOAK_SECONDS (default 240).
+soak: bootstrap
+	WORKBENCH_FAULTS_REPORT=benchmarks/results/soak.json $(BIN)/python -m pytest -q -m soak -rA -s
 
 test-unit: bootstrap
 	$(BIN)/python -m pytest -q tests/unit

@@ -18,17 +18,21 @@ thread of this process; the ``state_provider`` must return a consistent copy.
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import json
 import logging
 import math
 import signal
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's name to detect streams
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
 from optim.averager import RoundReport
 from optim.diloco import OuterState
@@ -59,9 +63,29 @@ class _Verdict(enum.Enum):
 class _StateServingAverager(DecentralizedAverager):
     """DecentralizedAverager whose downloadable state is DiLoCo's global state."""
 
-    def __init__(self, *args: Any, state_provider: Callable[[], OuterState], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        state_provider: Callable[[], OuterState],
+        fault_file: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         self._state_provider = state_provider
+        self._fault_file = fault_file
         super().__init__(*args, **kwargs)
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        # Runs in hivemind's averager process. Testing: a fault file's ``serve_delay_ms`` slows
+        # the stream down part by part, so that a test can kill this donor mid-download.
+        delay = _serve_delay(self._fault_file)
+        if delay:
+            logger.warning("serving the state slowly (fault injection: %.0f ms per part)", delay * 1000)
+        async for message in super().rpc_download_state(request, context):
+            yield message
+            if delay:
+                await asyncio.sleep(delay)
 
     def get_current_state(self):
         state = self._state_provider()
@@ -91,6 +115,7 @@ class SwarmAverager:
         client_mode: bool = False,
         group: str = "diloco",
         serve_state: bool = True,
+        fault_file: str | None = None,
     ) -> None:
         self.dht = dht
         self.board = board
@@ -110,6 +135,7 @@ class SwarmAverager:
             dht,
             prefix=keys.group(group),  # peers average only with the same group name and shapes
             state_provider=state_provider,
+            fault_file=fault_file,
             min_matchmaking_time=config.matchmaking_time,
             request_timeout=max(3.0, config.matchmaking_time),
             allreduce_timeout=config.averaging_timeout,
@@ -335,11 +361,21 @@ class SwarmAverager:
         try:
             return _parse_state(metadata, tensors)
         except (SwarmError, KeyError, TypeError, ValueError) as error:
-            logger.warning("a peer served a malformed state (%s); will try again", error)
+            logger.warning("a peer served an incomplete or malformed state (%s); will try again", error)
             return None
 
     def shutdown(self) -> None:
         self.averager.shutdown()
+
+
+def _serve_delay(fault_file: str | None) -> float:
+    """Seconds to sleep per streamed state part, from a fault file's ``serve_delay_ms``."""
+    if not fault_file:
+        return 0.0
+    try:
+        return max(0.0, float(json.loads(open(fault_file).read()).get("serve_delay_ms", 0))) / 1000
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0  # no fault file yet, or a half-written one: serve at full speed
 
 
 def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:
@@ -351,7 +387,8 @@ def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:
     pending = int(metadata.get("num_pending", 0))
     if count < 1 or len(tensors) != (2 + pending) * count + len(inner_keys):
         raise SwarmError(
-            f"{len(tensors)} tensors for {count} params; the donor may run another version of workbench"
+            f"{len(tensors)} tensors for {count} params: the donor left mid-download (hivemind ends a "
+            "broken stream as if it were complete) or runs another version of workbench"
         )
     rest = tensors[2 * count :]
     queued = [[t.float() for t in rest[i * count : (i + 1) * count]] for i in range(pending)]

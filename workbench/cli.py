@@ -38,6 +38,12 @@ EPILOG = """examples:
 
 
 def _add_training_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read settings from this TOML file (keys are the flags' names: inner_steps = 20); "
+        "flags given here override it, WORKBENCH_* variables sit below it",
+    )
     group = parser.add_argument_group("model and data")
     group.add_argument(
         "--model",
@@ -251,7 +257,31 @@ def build_parser() -> argparse.ArgumentParser:
     from workbench.monitor_cli import add_monitor_parsers
 
     add_monitor_parsers(commands)
+    from workbench.config_cli import add_config_parser
+
+    add_config_parser(commands)
     return parser
+
+
+PEER_COMMANDS = ("start", "join", "demo")
+
+
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[command]
+
+
+def apply_settings(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]
+) -> dict[str, str]:
+    """Layer the --config file and WORKBENCH_* variables under the flags of a peer command
+    (see workbench.configfile); returns where each setting came from."""
+    from workbench.configfile import layer, settings_of
+
+    command = args.command
+    rest = list(argv)[list(argv).index(command) + 1 :]
+    known = {key for name in PEER_COMMANDS for key in settings_of(subparser(parser, name))}
+    return layer(args, subparser(parser, command), rest, known_elsewhere=known)
 
 
 METHOD_PRESETS = ("diloco", "local_sgd", "sparseloco", "dp", "streaming")
@@ -383,6 +413,17 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     return " ".join(parts + list(addresses))
 
 
+def _where_from(message: str, sources: dict[str, str]) -> str:
+    """' (inner_lr from file run.toml)' when the bad value named in ``message`` was not a flag."""
+    text = message.lower()
+    named = [
+        f"{key} from {source}"
+        for key, source in sources.items()
+        if source not in ("flag", "default") and (key.replace("_", " ") in text or key in text)
+    ]
+    return f" ({'; '.join(named)})" if named else ""
+
+
 def _configure_logging(verbose: int) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
@@ -413,14 +454,31 @@ def _print_join_command(config: RunConfig, addresses: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `workbench ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(argv if argv is not None else sys.argv[1:])
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
+    if args.command == "config":
+        from workbench.config_cli import run_config_command
+
+        try:
+            return run_config_command(parser, args, argv)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_USER_ERROR
     if args.command in ("monitor", "replay"):
         from workbench.monitor_cli import run_monitor_command
 
         try:
-            return run_monitor_command(args, list(argv if argv is not None else sys.argv[1:]))
+            return run_monitor_command(args, argv)
         except SwarmError as error:
             print(f"error: {error}", file=sys.stderr)
             return EXIT_USER_ERROR
@@ -448,10 +506,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, _DataError) as error:
             print(f"error: {error}", file=sys.stderr)
             return EXIT_USER_ERROR
+    sources: dict[str, str] = {}
     try:
+        sources = apply_settings(parser, args, argv)
         config = build_config(args)
     except (ValueError, SwarmError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}{_where_from(str(error), sources)}", file=sys.stderr)
         return EXIT_USER_ERROR
     try:
         if args.command == "demo":

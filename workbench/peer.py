@@ -134,6 +134,7 @@ class Peer:
             state_provider=self.diloco.outer_state,
             config=cfg.averaging,
             client_mode=cfg.network.client_mode,
+            fault_file=cfg.peer.fault_file,
         )
         if cfg.method == "dp":
             # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
@@ -166,6 +167,7 @@ class Peer:
                 client_mode=cfg.network.client_mode,
                 group=f"fragment{f}",
                 serve_state=f == 0,
+                fault_file=cfg.peer.fault_file,
             )
             for f, indices in enumerate(fragments)
         ]

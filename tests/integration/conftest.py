@@ -33,7 +33,9 @@ FAST = [
 
 
 class PeerProcess:
-    def __init__(self, name: str, args: list[str], run_dir: Path) -> None:
+    def __init__(
+        self, name: str, args: list[str], run_dir: Path, wrap: Callable[[list[str]], list[str]] = list
+    ) -> None:
         self.name = name
         self.directory = run_dir / name
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -42,7 +44,7 @@ class PeerProcess:
         self.argv = [sys.executable, "-m", "workbench", *args]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.process = subprocess.Popen(
-                self.argv,
+                wrap(self.argv),  # e.g. run inside a network namespace
                 stdout=out,
                 stderr=err,
                 stdin=subprocess.DEVNULL,
@@ -111,6 +113,55 @@ def spawn(tmp_path: Path):
     yield _spawn
     for peer in started:  # never leave peers (and their p2p daemons) behind
         peer.kill()
+
+
+# --- the fault-scenario report (`make faults`, `make soak`) -----------------------------------
+
+_SCENARIO = pytest.StashKey[dict]()
+SCENARIOS: list[dict[str, Any]] = []
+
+
+@pytest.fixture
+def scenario(request):
+    """A fault scenario's figures; the test fills them, the outcome says whether it survived.
+
+    ``rounds_lost``: rounds that some peer did not contribute to the swarm's average because of
+    the fault (fallbacks to a local step, rounds skipped by a state download). ``recover_seconds``:
+    from the fault to the first moment the swarm trains together again.
+    """
+    record: dict[str, Any] = {"scenario": request.node.name, "rounds_lost": None, "recover_seconds": None}
+    request.node.stash[_SCENARIO] = record
+    return record
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    record = item.stash.get(_SCENARIO, None)
+    if record is not None and report.when == "call":
+        SCENARIOS.append({**record, "survived": report.passed, "test_seconds": round(report.duration, 1)})
+    return report
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not SCENARIOS:
+        return
+    terminalreporter.write_sep("=", "fault scenarios")
+    for r in SCENARIOS:
+        lost = "?" if r["rounds_lost"] is None else r["rounds_lost"]
+        recover = "?" if r["recover_seconds"] is None else f"{r['recover_seconds']:.1f} s"
+        extra = "".join(f", {k} {v}" for k, v in r.items() if k not in _SUMMARY_KEYS)
+        terminalreporter.write_line(
+            f"{r['scenario']}: {'survived' if r['survived'] else 'FAILED'}, rounds lost {lost}, "
+            f"recovered in {recover}{extra} (test {r['test_seconds']} s)"
+        )
+    path = os.environ.get("WORKBENCH_FAULTS_REPORT")
+    if path:  # `make faults` keeps the figures for docs/reliability.md
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(SCENARIOS, indent=1) + "\n")
+
+
+_SUMMARY_KEYS = {"scenario", "survived", "rounds_lost", "recover_seconds", "test_seconds"}
 
 
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -1,7 +1,10 @@
-"""Faults survived by real peers on loopback: a frozen straggler, a peer killed mid-run."""
+"""Faults survived by real peers on loopback: a frozen straggler, a peer killed mid-run, a state
+donor killed mid-download. Each fills a `scenario` report: `make faults` prints a summary line
+per scenario (survived, rounds lost, seconds to recover)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -12,35 +15,49 @@ import pytest
 from tests.integration.conftest import FAST, max_abs_diff
 
 
+def _after(events: list[dict], moment: float) -> list[dict]:
+    return [e for e in events if e["time"] >= moment]
+
+
 @pytest.mark.faults
-def test_a_frozen_straggler_is_not_waited_for_and_catches_up(spawn):
-    """SIGSTOP one peer for 12 s: the other keeps training; after SIGCONT the straggler finds
+def test_a_frozen_straggler_is_not_waited_for_and_catches_up(spawn, scenario):
+    """SIGSTOP one peer for 30 s: the other keeps training; after SIGCONT the straggler finds
     itself behind, downloads the state and ends with the same global params."""
-    common = [*FAST, "--run-id", "straggler", "--rounds", "30", "--averaging-timeout", "8"]
+    common = [*FAST, "--run-id", "straggler", "--rounds", "40", "--averaging-timeout", "8"]
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common)
     second.wait_event("round", lambda e: e["outer_step"] >= 3)
     os.killpg(second.process.pid, signal.SIGSTOP)
-    frozen_at = first.events("round")[-1]["outer_step"]
+    frozen_at = second.events("round")[-1]["outer_step"]
+    first_at = first.events("round")[-1]["outer_step"]
     started = time.monotonic()
     try:
         # The other peer is not held up: it keeps completing rounds while the straggler sleeps.
-        first.wait_event("round", lambda e: e["outer_step"] >= frozen_at + 3, timeout=40)
+        first.wait_event("round", lambda e: e["outer_step"] >= first_at + 3, timeout=40)
         progress_seconds = time.monotonic() - started
+        time.sleep(max(0.0, 30 - (time.monotonic() - started)))
     finally:
         os.killpg(second.process.pid, signal.SIGCONT)
+    resumed = time.time()
     for peer in (first, second):
         assert peer.wait() == 0, peer.stderr()
     assert progress_seconds < 30  # within the barrier's wait plus one averaging timeout
-    reasons = [d["reason"] for d in second.events("state_downloaded")]
-    assert len(reasons) >= 2, reasons  # joining, then catching up after the freeze
+    downloads = second.events("state_downloaded")
+    assert len(downloads) >= 2, downloads  # joining, then catching up after the freeze
+    catch_up = _after(downloads, resumed)[0]
+    together = [e for e in _after(second.events("round"), resumed) if e["group_size"] >= 2]
+    scenario.update(
+        rounds_lost=catch_up["outer_step"] - frozen_at,  # rounds the straggler skipped by downloading
+        recover_seconds=together[0]["time"] - resumed,  # SIGCONT -> averaging with the other again
+        frozen_seconds=30,
+    )
     for peer in (first, second):
         assert all(math.isfinite(r["eval_loss"]) for r in peer.events("round"))
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
 
 
 @pytest.mark.faults
-def test_a_peer_killed_mid_run_does_not_stall_the_others(spawn):
+def test_a_peer_killed_mid_run_does_not_stall_the_others(spawn, scenario):
     """SIGKILL one of three peers while they train and average: the two others finish every
     round (falling back or regrouping within one averaging timeout), agree, and never see NaN."""
     common = [*FAST, "--run-id", "kill9", "--rounds", "14", "--averaging-timeout", "8"]
@@ -49,11 +66,65 @@ def test_a_peer_killed_mid_run_does_not_stall_the_others(spawn):
     victim = spawn("c", "join", first.address(), *common, "--min-peers", "3")
     victim.wait_event("round", lambda e: e["outer_step"] >= 3)
     victim.kill()
-    killed = time.monotonic()
+    killed, killed_at = time.monotonic(), time.time()
     step = first.events("round")[-1]["outer_step"]
     first.wait_event("round", lambda e: e["outer_step"] >= step + 2, timeout=60)
     assert time.monotonic() - killed < 8 + 12  # one averaging timeout plus the heartbeat TTL
     for peer in (first, second):
         assert peer.wait() == 0, peer.stderr()
         assert all(math.isfinite(r["eval_loss"]) for r in peer.events("round"))
+    after = [e for peer in (first, second) for e in _after(peer.events("round"), killed_at)]
+    together = sorted(e["time"] for e in after if e["group_size"] >= 2 and not e["alone_reason"])
+    scenario.update(
+        rounds_lost=sum(1 for e in after if e["alone_reason"]),  # survivors' local fallbacks
+        recover_seconds=together[0] - killed_at,
+    )
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
+
+
+_SERVING = "serving the state slowly"
+
+
+@pytest.mark.faults
+def test_a_donor_killed_mid_download_the_joiner_takes_another(spawn, scenario, tmp_path):
+    """Two donors serve the state slowly (fault injection: 150 ms per streamed part); a joiner
+    starts downloading; the donor serving it is SIGKILLed mid-stream. The joiner's download
+    falls over to the other donor; it joins with the right state and agrees at the end."""
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"serve_delay_ms": 150}))
+    common = [*FAST, "--run-id", "donors", "--rounds", "16", "--averaging-timeout", "8"]
+    slow = [*common, "--fault-file", str(faults)]
+    first = spawn("a", "start", *slow, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *slow, "--min-peers", "2")
+    second.wait_event("round", lambda e: e["outer_step"] >= 2)
+    served = {peer.name: peer.stderr().count(_SERVING) for peer in (first, second)}  # b's join
+    joiner = spawn("c", "join", first.address(), second.address(), *common)
+    # Whoever hivemind picked logs that it serves; kill it while the stream is still running.
+    deadline = time.monotonic() + 60
+    donor = None
+    while donor is None and time.monotonic() < deadline:
+        for peer in (first, second):
+            if peer.stderr().count(_SERVING) > served[peer.name]:
+                donor = peer
+                break
+        time.sleep(0.05)
+    assert donor is not None, joiner.stderr()[-3000:]
+    time.sleep(0.5)  # a few parts in
+    assert not joiner.events("state_downloaded"), "the download finished before the kill"
+    donor.kill()
+    killed_at = time.time()
+    faults.write_text("{}")  # the surviving donor serves the retry at full speed
+    other = second if donor is first else first
+    joined = joiner.wait_event("state_downloaded", timeout=90)
+    assert joined["reason"] == "joining"
+    for peer in (other, joiner):
+        assert peer.wait() == 0, peer.stderr()
+        assert all(math.isfinite(r["eval_loss"]) for r in peer.events("round"))
+    together = [e for e in joiner.events("round") if e["group_size"] >= 2]
+    scenario.update(
+        rounds_lost=0,
+        recover_seconds=joined["time"] - killed_at,
+        download_seconds=round(joined["seconds"], 1),
+    )
+    assert together, "the joiner never averaged with the surviving donor"
+    assert max_abs_diff(other.global_params(), joiner.global_params()) <= 1e-5

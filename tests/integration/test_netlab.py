@@ -1,0 +1,73 @@
+"""Peers in their own network namespaces behind links capped with tc (workbench.netlab).
+
+Skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.conftest import FAST, PeerProcess
+from workbench import netlab
+
+pytestmark = pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+
+RECEIVE = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], 47001)); print("ready", flush=True)
+connection, _ = server.accept(); total = len(connection.recv(1 << 20)); started = time.monotonic()
+while chunk := connection.recv(1 << 20): total += len(chunk)
+print(total, time.monotonic() - started, flush=True)
+"""
+SEND = """
+import socket, sys
+connection = socket.create_connection((sys.argv[1], 47001)); block = bytes(1 << 20)
+for _ in range(int(sys.argv[2])): connection.sendall(block)
+connection.close()
+"""
+
+
+def test_a_capped_link_carries_no_more_than_its_rate():
+    with netlab.NetLab(2, rate="40mbit") as lab:
+        receiver = subprocess.Popen(
+            lab.command(1, [sys.executable, "-c", RECEIVE, lab.address(1)]), stdout=subprocess.PIPE, text=True
+        )
+        assert receiver.stdout.readline().strip() == "ready"
+        subprocess.run(lab.command(0, [sys.executable, "-c", SEND, lab.address(1), "8"]), check=True)
+        total, seconds = receiver.communicate(timeout=30)[0].split()
+    assert int(total) == 8 << 20
+    megabits_per_second = 8 * int(total) / 1e6 / float(seconds)
+    # Timed at the receiver, from the first chunk to the last: the cap, give or take tbf's burst.
+    assert 0.5 * 40 < megabits_per_second < 1.1 * 40, megabits_per_second
+
+
+@pytest.mark.faults
+def test_peers_train_over_capped_links(tmp_path):
+    """Two peers, each in its own namespace behind 20 Mbit/s: they find each other across the
+    bridge, average every round, and each all-reduce takes at least what the cap allows."""
+    rate_mbit = 20
+    with netlab.NetLab(2, rate=f"{rate_mbit}mbit") as lab:
+        common = [*FAST, "--run-id", "capped", "--rounds", "4", "--averaging-timeout", "20"]
+        peers: list[PeerProcess] = []
+        try:
+            peers.append(_start(lab, 0, tmp_path, "a", ["start", *common, "--min-peers", "2"]))
+            address = peers[0].address()
+            peers.append(_start(lab, 1, tmp_path, "b", ["join", address, *common]))
+            for peer in peers:
+                assert peer.wait(timeout=180) == 0, peer.stderr()[-3000:]
+        finally:
+            for peer in peers:
+                peer.kill()
+    for peer in peers:
+        rounds = peer.events("round")
+        assert [r["group_size"] for r in rounds] == [2] * 4, rounds
+        for r in rounds:
+            floor = 8 * r["bytes_sent"] / (rate_mbit * 1e6)
+            assert r["averaging_seconds"] >= 0.9 * floor, (r["averaging_seconds"], floor)
+
+
+def _start(lab: netlab.NetLab, i: int, tmp_path, name: str, args: list[str]) -> PeerProcess:
+    where = ["--host", lab.address(i), "--name", name, "--run-dir", str(tmp_path / name)]
+    return PeerProcess(name, [*args, *where], tmp_path, wrap=lambda argv: lab.command(i, argv))

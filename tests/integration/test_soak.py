@@ -1,0 +1,92 @@
+"""Churn soak (`make soak`, several minutes): real peers leave and join at random every ~20 s.
+
+At the end no process crashed, every live peer holds the same global params, and the eval loss
+fell. `SOAK_SECONDS` sets the churn time (default 240); the seed of the churn is printed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from tests.integration.conftest import FAST, PeerProcess, max_abs_diff
+
+CHURN_SECONDS = float(os.environ.get("SOAK_SECONDS", "240"))
+SEED = int(os.environ.get("SOAK_SEED", "7"))
+
+
+@pytest.mark.soak
+def test_churn_soak(spawn, scenario):
+    rng = random.Random(SEED)
+    # Rounds take 1.5-3 s here; size the run so that churn ends a little before the last round.
+    rounds = max(30, int(CHURN_SECONDS / 1.8))
+    common = [*FAST, "--run-id", "soak", "--rounds", str(rounds), "--averaging-timeout", "8"]
+    live: list[PeerProcess] = [spawn("p0", "start", *common, "--min-peers", "2")]
+    for i in (1, 2, 3):
+        live.append(spawn(f"p{i}", "join", live[0].address(), *common))
+    everyone = list(live)
+    left: dict[str, str] = {}  # name -> how it left
+    log: list[str] = []
+    started = time.monotonic()
+    next_name = 4
+
+    def step() -> int:
+        return max((e["outer_step"] for p in live for e in p.events("round")[-1:]), default=0)
+
+    while time.monotonic() - started < CHURN_SECONDS and step() < rounds - 6:
+        time.sleep(rng.uniform(15, 25))
+        for peer in list(live):
+            if peer.process.poll() is not None:
+                pytest.fail(
+                    f"{peer.name} exited on its own with {peer.process.returncode}:\n{peer.stderr()[-3000:]}"
+                )
+        leave = len(live) >= 5 or (len(live) > 2 and rng.random() < 0.5)
+        if leave:
+            victim = rng.choice(live)
+            how = rng.choice(["SIGKILL", "SIGINT"])
+            if how == "SIGKILL":
+                victim.kill()
+            else:
+                os.killpg(victim.process.pid, signal.SIGINT)
+                victim.wait(timeout=30)
+            live.remove(victim)
+            left[victim.name] = how
+            log.append(f"{time.monotonic() - started:5.0f} s  step {step():3d}  {victim.name} left ({how})")
+        else:
+            addresses = [p.address() for p in live[:2]]
+            joiner = spawn(f"p{next_name}", "join", *addresses, *common)
+            next_name += 1
+            live.append(joiner)
+            everyone.append(joiner)
+            log.append(f"{time.monotonic() - started:5.0f} s  step {step():3d}  {joiner.name} joined")
+    churn_seconds = time.monotonic() - started
+    print(f"churn (seed {SEED}, {churn_seconds:.0f} s, {rounds} rounds):\n  " + "\n  ".join(log))
+
+    for peer in live:
+        assert peer.wait(timeout=300) == 0, peer.stderr()[-3000:]
+    for peer in everyone:  # whoever left by Ctrl+C left cleanly; nobody crashed
+        if left.get(peer.name) == "SIGINT":
+            assert peer.process.returncode == 0, peer.stderr()[-3000:]
+        assert "Traceback" not in peer.stderr(), peer.stderr()[-3000:]
+        assert all(math.isfinite(r["eval_loss"]) for r in peer.events("round"))
+    final = [p.global_params() for p in live]
+    for params in final[1:]:
+        assert max_abs_diff(final[0], params) <= 1e-5
+    first_eval = everyone[0].events("initial_eval")[0]["eval_loss"]
+    last_eval = live[0].events("round")[-1]["eval_loss"]
+    assert last_eval < first_eval - 0.5, (first_eval, last_eval)
+
+    rounds_seen = [e for p in everyone for e in p.events("round")]
+    together = sorted(e["time"] for e in rounds_seen if e["group_size"] >= 2)
+    scenario.update(
+        rounds_lost=sum(1 for e in rounds_seen if e["alone_reason"]),
+        recover_seconds=max(b - a for a, b in zip(together, together[1:])),  # the longest stall
+        churn_events=len(log),
+        churn_seconds=round(churn_seconds),
+        eval_loss=f"{first_eval:.2f}->{last_eval:.2f}",
+    )

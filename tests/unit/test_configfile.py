@@ -1,0 +1,172 @@
+"""Config files and WORKBENCH_* variables under the CLI's flags (workbench.configfile)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.errors import SwarmError
+from workbench.cli import apply_settings, build_config, build_parser, main
+from workbench.configfile import ConfigError, read_file
+
+
+def resolve(argv: list[str], monkeypatch=None, **environ: str):
+    """(RunConfig, sources) for `workbench argv...` with only ``environ`` as WORKBENCH_* vars."""
+    if monkeypatch is not None:
+        for key in [k for k in __import__("os").environ if k.startswith("WORKBENCH_")]:
+            monkeypatch.delenv(key)
+        for key, value in environ.items():
+            monkeypatch.setenv(key, value)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sources = apply_settings(parser, args, argv)
+    return build_config(args), sources
+
+
+@pytest.fixture
+def run_toml(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'model = "tiny"\n'
+        "rounds = 7\n"
+        "[diloco]\ninner_steps = 20\nouter_lr = 0.5\nerror_feedback = true\n"
+        '[network]\nannounce = ["/ip4/203.0.113.7/tcp/31337"]\n'
+        "peers = 8  # the demo's: ignored by start\n"
+    )
+    return path
+
+
+def test_flag_beats_file_beats_env_beats_default(run_toml, monkeypatch):
+    config, sources = resolve(
+        ["start", "--config", str(run_toml), "--outer-lr", "0.3"],
+        monkeypatch,
+        WORKBENCH_INNER_STEPS="99",  # below the file: loses
+        WORKBENCH_INNER_LR="0.002",  # nothing above it: wins
+    )
+    assert config.diloco.outer_lr == 0.3 and sources["outer_lr"] == "flag"
+    assert config.diloco.inner_steps == 20 and sources["inner_steps"] == f"file {run_toml}"
+    assert config.train.inner_lr == 0.002 and sources["inner_lr"] == "env WORKBENCH_INNER_LR"
+    assert config.averaging.matchmaking_time == 2.0 and sources["matchmaking_time"] == "default"
+    assert config.diloco.error_feedback is True
+    assert config.network.announce == ["/ip4/203.0.113.7/tcp/31337"]
+    assert config.peer.rounds == 7
+
+
+def test_env_alone_and_switches(monkeypatch):
+    config, sources = resolve(["start"], monkeypatch, WORKBENCH_ROUNDS="4", WORKBENCH_ERROR_FEEDBACK="yes")
+    assert config.peer.rounds == 4 and config.diloco.error_feedback is True
+    assert sources["rounds"] == "env WORKBENCH_ROUNDS"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("inner_step = 3\n", "unknown key 'inner_step' (did you mean inner_steps?)"),
+        ('inner_steps = "3"\n', "inner_steps must be an integer (like --inner-steps), got str '3'"),
+        ("inner_steps = 2.5\n", "inner_steps must be an integer"),
+        ("outer_lr = true\n", "outer_lr must be a number"),
+        ('error_feedback = "yes"\n', "error_feedback must be true or false"),
+        ('codec = "zip"\n', "codec = 'zip' is not one of fp16, int8, none"),
+        ('model = "huge"\n', "model = 'huge' is not one of"),
+        ("inner_steps = \n", "is not valid TOML"),
+        ("[a.b]\nc = 1\n", "nested too deep"),
+        ("rounds = 1\n[peer]\nrounds = 2\n", "'rounds' is set twice"),
+        ("zzzz = 1\n", "unknown key 'zzzz' (see `workbench config keys`)"),
+    ],
+)
+def test_file_errors_name_the_file_key_and_fix(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=None) as caught:
+        resolve(["start", "--config", str(path)])
+    assert message in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_file(tmp_path / "missing.toml")
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        read_file(tmp_path / "binary.toml")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        read_file(tmp_path)  # a folder
+
+
+def test_bad_environment_values(monkeypatch):
+    with pytest.raises(ConfigError, match="WORKBENCH_INNER_STEPS='many' must be an integer"):
+        resolve(["start"], monkeypatch, WORKBENCH_INNER_STEPS="many")
+    with pytest.raises(ConfigError, match="WORKBENCH_CLIENT_MODE='maybe': use 1/0"):
+        resolve(["start"], monkeypatch, WORKBENCH_CLIENT_MODE="maybe")
+
+
+def test_a_range_error_names_where_the_value_came_from(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "run.toml"
+    path.write_text("inner_lr = 5\n")
+    assert main(["start", "--config", str(path)]) == 2
+    assert f"(inner_lr from file {path})" in capsys.readouterr().err
+
+
+def test_config_show_sources_and_json(run_toml, capsys, monkeypatch):
+    monkeypatch.delenv("WORKBENCH_INNER_LR", raising=False)
+    assert main(["config", "show", "--config", str(run_toml), "--rounds", "3", "--sources"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("inner_steps = 20") and line.endswith(f"# file {run_toml}") for line in lines)
+    assert any(line.startswith("rounds = 3") and line.endswith("# flag") for line in lines)
+    assert main(["config", "show", "--config", str(run_toml), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["settings"]["outer_lr"] == 0.5 and shown["sources"]["model"] == f"file {run_toml}"
+
+
+def test_config_show_output_is_a_config_file(run_toml, tmp_path, capsys):
+    """`workbench config show > resolved.toml` round-trips to the same settings."""
+    assert main(["config", "show", "--config", str(run_toml)]) == 0
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(capsys.readouterr().out)
+    first, _ = resolve(["start", "--config", str(run_toml)])
+    again, _ = resolve(["start", "--config", str(resolved)])
+    assert first == again
+
+
+def test_config_keys_lists_every_setting(capsys):
+    assert main(["config", "keys", "--json"]) == 0
+    keys = json.loads(capsys.readouterr().out)
+    assert keys["inner_steps"]["flag"] == "--inner-steps"
+    assert keys["peers"]["commands"] == ["demo"]
+
+
+_values = st.one_of(
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.booleans(),
+    st.text(max_size=20),
+    st.lists(st.text(max_size=5), max_size=3),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["inner_steps", "outer_lr", "codec", "announce", "error_feedback", "x"]), _values
+    )
+)
+def test_fuzz_file_values_parse_or_raise_config_errors(tmp_path_factory, values):
+    from workbench.configfile import to_toml
+
+    path = tmp_path_factory.mktemp("fuzz") / "run.toml"
+    path.write_text(to_toml(values))
+    # ConfigError, the config tree's range checks, a bad address: nothing else
+    with contextlib.suppress(ValueError, SwarmError):
+        resolve(["start", "--config", str(path)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=80))
+def test_fuzz_toml_text_parses_or_raises_config_error(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("fuzz") / "run.toml"
+    path.write_text(text, encoding="utf-8")
+    with contextlib.suppress(ConfigError):
+        read_file(path)

@@ -1,0 +1,100 @@
+"""`workbench config show` and `workbench config keys`: what a run would use, and from where."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from workbench.configfile import layer, settings_of, to_toml
+
+EPILOG = """examples:
+  workbench config show --config run.toml --sources      every setting and where it came from
+  workbench config show --config run.toml --inner-steps 20 > resolved.toml
+  WORKBENCH_INNER_STEPS=20 workbench config show --json
+  workbench config keys                                  every key a run.toml may hold
+"""
+
+
+def add_config_parser(commands) -> None:
+    from workbench.cli import _add_peer_options
+
+    config = commands.add_parser(
+        "config",
+        help="show the settings a run would use (flags > --config file > WORKBENCH_* > defaults)",
+        description="Resolve and show run settings, or list the keys a config file may hold.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = actions.add_parser(
+        "show",
+        help="the settings `workbench start` would use with these flags, file and environment",
+        description="Print the resolved settings of `workbench start` (and join: the same keys) as "
+        "TOML; takes every flag start takes.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    show.add_argument("--sources", action="store_true", help="say where each setting came from")
+    show.add_argument("--json", action="store_true", help="one JSON object: settings and sources")
+    _add_peer_options(show)
+    keys = actions.add_parser("keys", help="every key a config file may hold, with its flag and meaning")
+    keys.add_argument("--json", action="store_true", help="as JSON")
+
+
+def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from workbench.cli import PEER_COMMANDS, _where_from, build_config, subparser
+
+    config_parser = subparser(parser, "config")
+    actions = next(a for a in config_parser._actions if isinstance(a, argparse._SubParsersAction))
+    if args.config_command == "keys":
+        return _print_keys(parser, args.json)
+    show = actions.choices["show"]
+    rest = list(argv)[list(argv).index("show") + 1 :]
+    known = {key for name in PEER_COMMANDS for key in settings_of(subparser(parser, name))}
+    sources = layer(args, show, rest, known_elsewhere=known)
+    args.command = "start"
+    try:
+        build_config(args)  # the same checks a run makes: a bad value fails here, not at start time
+    except ValueError as error:
+        raise ValueError(f"{error}{_where_from(str(error), sources)}") from None
+    settings = {key: getattr(args, key) for key in settings_of(show)}
+    if args.json:
+        json.dump({"settings": settings, "sources": sources}, sys.stdout, indent=2)
+        print()
+        return 0
+    if not args.sources:
+        sys.stdout.write(to_toml(settings))
+        return 0
+    width = max(len(line) for line in to_toml(settings).splitlines())
+    for key, line in zip(settings, to_toml(settings).splitlines()):
+        print(f"{line:<{width}}  # {sources[key]}")
+    return 0
+
+
+def _print_keys(parser: argparse.ArgumentParser, as_json: bool) -> int:
+    from workbench.cli import PEER_COMMANDS, subparser
+
+    rows: dict[str, dict] = {}
+    for command in PEER_COMMANDS:
+        for key, action in settings_of(subparser(parser, command)).items():
+            row = rows.setdefault(
+                key,
+                dict(
+                    flag=action.option_strings[-1],
+                    default=action.default,
+                    help=action.help or "",
+                    commands=[],
+                ),
+            )
+            row["commands"].append(command)
+    if as_json:
+        json.dump(rows, sys.stdout, indent=2, default=str)
+        print()
+        return 0
+    width = max(map(len, rows))
+    for key, row in rows.items():
+        where = "" if len(row["commands"]) == len(PEER_COMMANDS) else f" [{', '.join(row['commands'])}]"
+        print(f"{key:<{width}}  {row['flag']}: {row['help']}{where}")
+    return 0

@@ -1,0 +1,220 @@
+"""Settings from a TOML file and ``WORKBENCH_*`` environment variables, under the CLI's flags.
+
+Precedence, highest first: a flag on the command line, the ``--config`` file, an environment
+variable ``WORKBENCH_<KEY>`` (``WORKBENCH_INNER_STEPS=20``), the built-in default.
+
+A file's keys are the long flags' names with ``_`` (``inner_steps = 20`` is ``--inner-steps
+20``). Tables only group keys and may be named freely: ``[diloco] outer_lr = 0.5`` is
+``outer_lr = 0.5``. Values keep TOML's types (an integer, a float, true/false, a string, a list
+of strings for a repeatable flag); each is checked the way its flag is (type, choices), and an
+unknown key or a wrong type is an error naming the file, the key and the fix. Keys of the other
+peer commands (``peers`` is the demo's) are accepted and ignored, so that one file serves
+``start``, ``join`` and ``demo`` alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+ENV_PREFIX = "WORKBENCH_"
+# Options that are not settings of a run: where the file is, and how loudly to log.
+NOT_SETTINGS = {"help", "config", "verbose", "command", "json", "sources"}
+
+
+class ConfigError(ValueError):
+    """A config file or WORKBENCH_* variable the workbench cannot use; the message says why."""
+
+
+def settings_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The parser's settable options by key (dest), positional arguments excluded."""
+    return {
+        action.dest: action
+        for action in parser._actions
+        if action.option_strings and action.dest not in NOT_SETTINGS and action.dest != argparse.SUPPRESS
+    }
+
+
+def read_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A TOML file's keys, tables flattened (``[diloco] outer_lr`` -> ``outer_lr``)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist (check the path given to --config)") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read config file {path}: {error}") from None
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    flat: dict[str, Any] = {}
+    for key, value in document.items():
+        entries = value.items() if isinstance(value, dict) else [(key, value)]
+        for name, item in entries:
+            if isinstance(item, dict):
+                raise ConfigError(f"{path}: table [{key}.{name}] is nested too deep; use one level of tables")
+            name = name.replace("-", "_")
+            if name in flat:
+                raise ConfigError(f"{path}: '{name}' is set twice")
+            flat[name] = item
+    return flat
+
+
+def _check(action: argparse.Action, key: str, value: Any, origin: str) -> Any:
+    """A file's value for ``action``, checked like the flag would be."""
+    flag = action.option_strings[-1]
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ConfigError(
+                f"{origin}: {key} must be true or false (it is the switch {flag}), got {value!r}"
+            )
+        return value if isinstance(action, argparse._StoreTrueAction) else not value
+    if isinstance(action, argparse._AppendAction):
+        items = value if isinstance(value, list) else [value]
+        return [_scalar(action, key, item, origin, flag) for item in items]
+    return _scalar(action, key, value, origin, flag)
+
+
+def _scalar(action: argparse.Action, key: str, value: Any, origin: str, flag: str) -> Any:
+    kind = action.type or str
+    if isinstance(value, (bool, list, dict)):
+        ok = False
+    elif kind is int:
+        ok = isinstance(value, int)
+    elif kind is float:
+        ok, value = (
+            isinstance(value, (int, float)),
+            float(value) if isinstance(value, (int, float)) else value,
+        )
+    else:
+        ok = isinstance(value, str)
+        if ok and kind is not str:
+            try:
+                value = kind(value)
+            except (TypeError, ValueError) as error:
+                raise ConfigError(f"{origin}: {key} = {value!r}: {error}") from None
+    if not ok:
+        expected = {int: "an integer", float: "a number"}.get(kind, "a string")
+        raise ConfigError(
+            f"{origin}: {key} must be {expected} (like {flag}), got {type(value).__name__} {value!r}"
+        )
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{origin}: {key} = {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def _from_env(action: argparse.Action, key: str, text: str, variable: str) -> Any:
+    """An environment variable's text for ``action``, converted like the flag's argument."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        truth = {
+            "1": True,
+            "true": True,
+            "yes": True,
+            "on": True,
+            "0": False,
+            "false": False,
+            "no": False,
+            "off": False,
+        }
+        if text.strip().lower() not in truth:
+            raise ConfigError(f"{variable}={text!r}: use 1/0, true/false, yes/no or on/off")
+        value = truth[text.strip().lower()]
+        return value if isinstance(action, argparse._StoreTrueAction) else not value
+    if isinstance(action, argparse._AppendAction):
+        return [_env_scalar(action, item, variable) for item in text.split()]
+    return _env_scalar(action, text, variable)
+
+
+def _env_scalar(action: argparse.Action, text: str, variable: str) -> Any:
+    try:
+        value = (action.type or str)(text)
+    except (TypeError, ValueError):
+        kind = {int: "an integer", float: "a number"}.get(action.type, "a value")
+        raise ConfigError(f"{variable}={text!r} must be {kind}") from None
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{variable}={text!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
+
+
+def explicit_keys(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The keys set by a flag in ``argv`` (parsed again with every default suppressed)."""
+    saved = [(action, action.default) for action in parser._actions]
+    saved_defaults = dict(parser._defaults)
+    try:
+        for action in parser._actions:
+            action.default = argparse.SUPPRESS
+        parser._defaults.clear()
+        namespace, _ = parser.parse_known_args(list(argv))
+    finally:
+        for action, default in saved:
+            action.default = default
+        parser._defaults.update(saved_defaults)
+    return set(vars(namespace))
+
+
+def layer(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    *,
+    known_elsewhere: set[str] = frozenset(),
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Fill ``args`` (parsed from ``argv`` by the command's ``parser``) with the ``--config``
+    file's and the environment's values where no flag was given. Returns each key's source:
+    ``flag``, ``file PATH``, ``env NAME`` or ``default``."""
+    environ = os.environ if environ is None else environ
+    actions = settings_of(parser)
+    given = explicit_keys(parser, argv) & set(actions)
+    sources = {key: "flag" if key in given else "default" for key in actions}
+    # Lowest first, so that a higher layer overwrites.
+    for key, action in actions.items():
+        variable = ENV_PREFIX + key.upper()
+        if key not in given and variable in environ:
+            setattr(args, key, _from_env(action, key, environ[variable], variable))
+            sources[key] = f"env {variable}"
+    path = getattr(args, "config", None)
+    if path:
+        for key, value in read_file(path).items():
+            if key not in actions:
+                if key in known_elsewhere:
+                    continue  # another command's setting (a file shared by start, join and demo)
+                close = difflib.get_close_matches(key, [*actions, *known_elsewhere], n=1)
+                hint = f" (did you mean {close[0]}?)" if close else " (see `workbench config keys`)"
+                raise ConfigError(f"{path}: unknown key '{key}'{hint}")
+            if key not in given:
+                setattr(args, key, _check(actions[key], key, value, str(path)))
+                sources[key] = f"file {path}"
+    return sources
+
+
+def to_toml(values: Mapping[str, Any]) -> str:
+    """``key = value`` lines a config file can hold (None values are left out as comments)."""
+    lines = []
+    for key, value in values.items():
+        if value is None:
+            lines.append(f"# {key} =")
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'

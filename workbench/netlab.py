@@ -1,0 +1,112 @@
+"""A slow network on one machine: peers in their own Linux network namespaces, each link capped.
+
+    with NetLab(peers=4, rate="100mbit") as lab:
+        subprocess.Popen(lab.command(0, ["workbench", "start", "--host", lab.address(0), ...]))
+
+Layout: one bridge on the host (``10.<subnet>.0.1/24``); namespace ``i`` holds ``10.<subnet>.0.<i+2>``
+behind a veth pair. Each veth end gets a ``tc tbf`` qdisc, so a peer's upload (its namespace's
+egress) and download (the bridge's egress towards it) are each capped at ``rate``, like a home
+link. tbf, not netem: netem is missing from some kernels (this development machine's among them).
+
+Needs root (or CAP_NET_ADMIN) and iproute2; :func:`unavailable` says why a machine cannot, so
+tests and benchmarks skip with that message.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+
+class NetLabError(RuntimeError):
+    pass
+
+
+def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    argv = ["ip", *(["netns", "exec", netns, "ip"] if netns else []), *args]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if check and done.returncode:
+        raise NetLabError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+    return done
+
+
+def _tc(*args: str, netns: str | None = None) -> None:
+    argv = [*(["ip", "netns", "exec", netns] if netns else []), "tc", *args]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        raise NetLabError(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+
+
+def unavailable() -> str | None:
+    """Why network namespaces with tc caps cannot be made here, or None if they can."""
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "iproute2 (`ip`, `tc`) is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root (or CAP_NET_ADMIN)"
+    probe = f"wbprobe{os.getpid() % 100000}"
+    done = _ip("netns", "add", probe, check=False)
+    if done.returncode:
+        return f"cannot create a network namespace: {done.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+class NetLab:
+    """``peers`` network namespaces on one bridge, every link capped at ``rate`` (tc syntax:
+    ``100mbit``, ``20mbit``, ``1gbit``); ``rate=None`` leaves the links uncapped."""
+
+    def __init__(self, peers: int, rate: str | None = "100mbit", *, burst: str = "64kb") -> None:
+        if peers < 1:
+            raise ValueError(f"a lab needs at least one peer, got {peers}")
+        self.peers, self.rate, self.burst = peers, rate, burst
+        tag = os.getpid() % 10000
+        self.subnet = 100 + tag % 150  # 10.<subnet>.0.0/24, away from the usual 10.0.x.x
+        self.bridge = f"wbbr{tag}"
+        self.namespaces = [f"wb{tag}n{i}" for i in range(peers)]
+        self._made: list[str] = []
+
+    def address(self, i: int) -> str:
+        return f"10.{self.subnet}.0.{i + 2}"
+
+    def command(self, i: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside namespace ``i``."""
+        return ["ip", "netns", "exec", self.namespaces[i], *argv]
+
+    def __enter__(self) -> NetLab:
+        reason = unavailable()
+        if reason:
+            raise NetLabError(reason)
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            self._made.append("bridge")
+            _ip("addr", "add", f"10.{self.subnet}.0.1/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for i, ns in enumerate(self.namespaces):
+                host_end, ns_end = f"{ns}h", f"{ns}p"
+                _ip("netns", "add", ns)
+                self._made.append(ns)
+                _ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+                _ip("link", "set", ns_end, "netns", ns)
+                _ip("link", "set", host_end, "master", self.bridge)
+                _ip("link", "set", host_end, "up")
+                _ip("addr", "add", f"{self.address(i)}/24", "dev", ns_end, netns=ns)
+                _ip("link", "set", ns_end, "up", netns=ns)
+                _ip("link", "set", "lo", "up", netns=ns)
+                if self.rate:
+                    tbf = ["root", "tbf", "rate", self.rate, "burst", self.burst, "latency", "100ms"]
+                    _tc("qdisc", "add", "dev", host_end, *tbf)  # the peer's download
+                    _tc("qdisc", "add", "dev", ns_end, *tbf, netns=ns)  # its upload
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in reversed(self._made):
+            if name == "bridge":
+                _ip("link", "del", self.bridge, check=False)
+            else:
+                _ip("netns", "del", name, check=False)  # takes its veth pair along
+        self._made.clear()
