@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 import logging
 import math
+import multiprocessing as mp
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -30,13 +32,16 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's n
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import enter_asynchronously
 
 from optim.averager import RoundReport
 from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
+from swarm.dataplane import DIRECT_CODECS, DirectPlane, free_port
 from swarm.errors import SwarmError
 from swarm.progress import ProgressBoard
 from swarm.records import RunKeys, Stage
@@ -60,19 +65,86 @@ class _Verdict(enum.Enum):
     BEHIND = "other peers are past this round"  # this peer fell behind: fetch the state
 
 
+_PLANE, _WEIGHT, _USER = "dataplane", "weight", "user"  # gathered data, around the caller's own
+
+
+def _unwrap(data: Any) -> Any:
+    return data[_USER] if isinstance(data, dict) and _USER in data else data
+
+
 class _StateServingAverager(DecentralizedAverager):
     """DecentralizedAverager whose downloadable state is DiLoCo's global state."""
 
     def __init__(
         self,
         *args: Any,
-        state_provider: Callable[[], OuterState],
+        state_provider: Callable[[], OuterState] | None,
         fault_file: str | None = None,
+        data_plane: str = "hivemind",
+        plane_host: str = "127.0.0.1",
+        plane_advertise: str | None = None,
+        codec: str = "none",
         **kwargs: Any,
     ) -> None:
         self._state_provider = state_provider
         self._fault_file = fault_file
+        self._codec = codec
+        self._plane: DirectPlane | None = None
+        self._plane_address: str | None = None
+        self._plane_used = False
+        # Cleared in the averager process when a ring fails; read here before each step.
+        self._plane_enabled = mp.Value("b", 0)
+        reachable = plane_advertise or (plane_host if plane_host != "0.0.0.0" else None)
+        if data_plane == "direct" and codec in DIRECT_CODECS and not kwargs.get("client_mode") and reachable:
+            port = free_port(plane_host)
+            self._plane_address = f"{reachable}:{port}"
+            self._plane = DirectPlane(plane_host, port, self._plane_address)
+            self._plane_enabled.value = 1
         super().__init__(*args, **kwargs)
+
+    def step(self, gather: Any = None, **kwargs: Any):
+        """hivemind's step; this member's data-plane address travels with its gathered info."""
+        address = self._plane_address if self._plane_enabled.value else None
+        weight = kwargs.get("weight")
+        weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
+        return super().step(gather={_PLANE: address, _WEIGHT: weight, _USER: gather}, **kwargs)
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):
+        # In hivemind's averager process, once the group is formed (and triggered).
+        members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
+        addresses = [m.get(_PLANE) if isinstance(m, dict) and _USER in m else None for m in members]
+        if self._plane is not None and all(addresses) and len(set(addresses)) == len(addresses):
+            ring = functools.partial(
+                self._plane.all_reduce,
+                group_id=group_info.group_id,
+                addresses=addresses,
+                rank=list(group_info.peer_ids).index(self.peer_id),
+                weight=kwargs["weight"],
+                total=sum(float(m.get(_WEIGHT, 0.0)) for m in members),
+                codec=self._codec,
+                timeout=self._allreduce_timeout or 60.0,
+            )
+            try:
+                async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                    await asyncio.get_running_loop().run_in_executor(None, ring, local_tensors)
+            except Exception as error:
+                self._plane_enabled.value = 0
+                logger.warning(
+                    "direct data plane failed (%s: %s); this peer uses hivemind's all-reduce from now "
+                    "on (a firewall in front of its plane port? --data-plane hivemind avoids the try)",
+                    type(error).__name__,
+                    error,
+                )
+                raise AllreduceException(f"direct data plane failed: {error}") from None
+            if not self._plane_used:
+                self._plane_used = True
+                logger.info("averaging over the direct data plane (a gloo ring of %d)", len(addresses))
+            running = self._running_groups.get(group_info.group_id)
+            if running is not None and not running.done():
+                running.set_result(None)  # no hivemind runner for this group: nothing to wait for
+            return {peer: _unwrap(m) for peer, m in zip(group_info.peer_ids, members)}
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        return {peer: _unwrap(data) for peer, data in gathered.items()}
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -116,6 +188,8 @@ class SwarmAverager:
         group: str = "diloco",
         serve_state: bool = True,
         fault_file: str | None = None,
+        plane_host: str = "127.0.0.1",
+        plane_advertise: str | None = None,
     ) -> None:
         self.dht = dht
         self.board = board
@@ -136,6 +210,10 @@ class SwarmAverager:
             prefix=keys.group(group),  # peers average only with the same group name and shapes
             state_provider=state_provider,
             fault_file=fault_file,
+            data_plane=config.data_plane,
+            plane_host=plane_host,
+            plane_advertise=plane_advertise,
+            codec=config.compression,
             min_matchmaking_time=config.matchmaking_time,
             request_timeout=max(3.0, config.matchmaking_time),
             allreduce_timeout=config.averaging_timeout,

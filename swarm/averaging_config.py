@@ -23,6 +23,10 @@ class AveragingConfig:
     """At most this many seconds waiting at the barrier for peers still training the same round."""
     compression: str = "none"
     """Wire codec for pseudo-gradients: none, fp16 or int8."""
+    data_plane: str = "direct"
+    """direct: a formed group whose members all accept connections moves its tensors over its
+    own gloo ring (hivemind still finds the group; see swarm.dataplane); hivemind: always
+    hivemind's butterfly all-reduce through its p2p daemon (slower, but relayed through NAT)."""
 
     def __post_init__(self) -> None:
         if self.compression not in CODEC_BYTES:
@@ -34,5 +38,7 @@ class AveragingConfig:
                 f"averaging timeout ({self.averaging_timeout} s) must exceed the matchmaking time "
                 f"({self.matchmaking_time} s) and be at most 3600 s"
             )
+        if self.data_plane not in ("direct", "hivemind"):
+            raise SwarmError(f"unknown data plane '{self.data_plane}'; choose direct or hivemind")
         if not 0 <= self.round_wait <= 3600:
             raise SwarmError(f"round wait must be within 0..3600 s (got {self.round_wait})")

@@ -124,6 +124,14 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds before a round falls back to a local step",
     )
+    group.add_argument(
+        "--data-plane",
+        default="direct",
+        choices=("direct", "hivemind"),
+        help="direct (default): a group whose members all accept connections moves its tensors over "
+        "its own gloo ring, ~10x hivemind's speed; hivemind: always hivemind's all-reduce (relayed "
+        "through NAT, slower)",
+    )
 
 
 def _add_peer_options(parser: argparse.ArgumentParser) -> None:
@@ -341,6 +349,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             matchmaking_time=args.matchmaking_time,
             averaging_timeout=args.averaging_timeout,
             compression=args.codec,
+            data_plane=args.data_plane,
         ),
         network=NetworkConfig(
             initial_peers=list(getattr(args, "peers", None) or []) if args.command == "join" else [],

@@ -140,6 +140,8 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         repr(config.averaging.matchmaking_time),
         "--averaging-timeout",
         repr(config.averaging.averaging_timeout),
+        "--data-plane",
+        config.averaging.data_plane,
         "--run-id",
         config.peer.run_id,
         "--name",

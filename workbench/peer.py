@@ -135,6 +135,7 @@ class Peer:
             config=cfg.averaging,
             client_mode=cfg.network.client_mode,
             fault_file=cfg.peer.fault_file,
+            **self._plane_location(),
         )
         if cfg.method == "dp":
             # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
@@ -168,6 +169,7 @@ class Peer:
                 group=f"fragment{f}",
                 serve_state=f == 0,
                 fault_file=cfg.peer.fault_file,
+                **self._plane_location(),
             )
             for f, indices in enumerate(fragments)
         ]
@@ -176,6 +178,18 @@ class Peer:
         self.diloco = rounds[0]  # the peer drives it like DiLoCo, one fragment sync per round
         self.averager = self.fragment_averagers[0]
         self.dp = None
+
+    def _plane_location(self) -> dict[str, Any]:
+        """Where this peer's direct data plane listens, and the host others dial for it (the
+        first --announce's IP, else --host; none for 0.0.0.0 without --announce)."""
+        network = self.config.network
+        advertise = None
+        for address in network.announce:
+            parts = address.split("/")
+            if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+                advertise = parts[2]
+                break
+        return dict(plane_host=network.host, plane_advertise=advertise)
 
     def _announce(self) -> None:
         cfg = self.config

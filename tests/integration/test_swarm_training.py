@@ -10,12 +10,14 @@ from tests.integration.conftest import FAST, max_abs_diff
 
 
 def test_two_peers_agree_and_learn(spawn):
-    """2 peers, 4 outer rounds: identical global params at the end and falling eval loss."""
+    """2 peers, 4 outer rounds: identical global params at the end and falling eval loss.
+    One of them asks for hivemind's data plane, so the group takes hivemind's all-reduce."""
     common = [*FAST, "--rounds", "4", "--min-peers", "2", "--run-id", "two-peers"]
     first = spawn("a", "start", *common)
-    second = spawn("b", "join", first.address(), *common)
+    second = spawn("b", "join", first.address(), *common, "--data-plane", "hivemind")
     assert first.wait() == 0, first.stderr()
     assert second.wait() == 0, second.stderr()
+    assert "direct data plane" not in first.stderr() + second.stderr()
 
     assert "workbench join" in first.stdout() and first.address() in first.stdout()
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
@@ -66,6 +68,8 @@ def test_late_joiner_downloads_state_and_matches(spawn):
     params = [p.global_params() for p in (first, second, third)]
     assert max_abs_diff(params[0], params[1]) <= 1e-5
     assert max_abs_diff(params[0], params[2]) <= 1e-5
+    # Every peer accepts connections here: the groups moved their tensors over a gloo ring.
+    assert "averaging over the direct data plane (a gloo ring of 3)" in third.stderr()
 
 
 def test_ctrl_c_stops_a_peer_cleanly(spawn):

@@ -1,0 +1,222 @@
+"""All-reduce throughput: the workbench's averaging path against torch.distributed's gloo.
+
+    python -m benchmarks.allreduce [--peers 2 --peers 4] [--mb 1 --mb 10 --mb 100] [--quick]
+
+Baseline: gloo's all_reduce of the same float32 tensor among the same number of local
+processes, measured in this run. Measured: one all-reduce of the workbench's averager
+(hivemind's DecentralizedAverager as the peers run it), timed from the moment every member has
+its group (matchmaking excluded: ``require_trigger``) to the slowest member's finish, for each
+data plane (``hivemind``: hivemind's butterfly all-reduce through its p2p daemon; ``direct``:
+the group's own gloo ring over TCP, when available) and wire codec. Reported: seconds per
+all-reduce (median of the repeats), "bus" throughput (2(n-1)/n of the tensor per member, what a
+ring or butterfly moves) and the ratio to gloo. Writes benchmarks/results/allreduce.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def _elements(megabytes: float) -> int:
+    return int(megabytes * 1e6) // 4
+
+
+def _entry(name: str, rank: int, *args) -> None:
+    """A worker process: run ``name``; on failure put the traceback on the queue (the last arg)."""
+    mp.set_start_method("fork", force=True)  # hivemind's averager forks (a spawned child defaults to spawn)
+    try:
+        globals()[name](rank, *args)
+    except BaseException:
+        import traceback
+
+        args[-1].put((rank, traceback.format_exc()))
+        raise
+
+
+def _gloo_worker(rank: int, world: int, port: int, sizes: list[float], repeats: dict, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    for mb in sizes:
+        tensor = torch.randn(_elements(mb))
+        dist.all_reduce(tensor)  # warm-up: connections, buffers
+        times = []
+        for _ in range(repeats[mb]):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            times.append(time.perf_counter() - start)
+        results[mb] = times
+    out.put((rank, results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _averager_worker(
+    rank: int, world: int, configs: list[tuple], repeats: dict, barrier, addresses, out
+) -> None:
+    import torch
+    from hivemind import DHT
+
+    from swarm.averaging import CODECS, _StateServingAverager
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        for _ in range(world - 1):
+            addresses.put([str(a) for a in dht.get_visible_maddrs()])
+    else:
+        dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addresses.get())
+    results = {}
+    for mb, codec, plane in configs:
+        tensor = torch.randn(_elements(mb))
+        averager = _StateServingAverager(
+            [tensor],
+            dht,
+            prefix=f"bench{round(mb * 1000)}kb-{codec}-{plane}",  # no dots in a hivemind prefix
+            state_provider=None,
+            compression=CODECS[codec](),
+            min_matchmaking_time=1.0,
+            request_timeout=3.0,
+            allreduce_timeout=120.0,
+            target_group_size=world,
+            allow_state_sharing=False,
+            data_plane=plane,
+            codec=codec,
+            start=True,
+        )
+        times = []
+        for attempt in range(repeats[mb] + 1):  # the first is a warm-up
+            barrier.wait()
+            control = averager.step(wait=False, require_trigger=True, timeout=60)
+            while control.stage.name == "LOOKING_FOR_GROUP" and not control.done():
+                time.sleep(0.005)
+            barrier.wait()  # every member has its group
+            start = time.perf_counter()
+            control.allow_allreduce()
+            gathered = control.result(timeout=180)
+            if len(gathered) != world:
+                raise RuntimeError(f"group of {len(gathered)} instead of {world}")
+            if attempt:
+                times.append(time.perf_counter() - start)
+        averager.shutdown()
+        results[(mb, codec, plane)] = times
+    out.put((rank, results))
+    barrier.wait()
+    dht.shutdown()
+
+
+def _run(target, world: int, *args) -> list[dict]:
+    """Start ``world`` workers ``target(rank, world, *args, [barrier, addresses,] out)``."""
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    if target is _averager_worker:
+        args = (*args, context.Barrier(world), context.Queue())
+    processes = [
+        context.Process(target=_entry, args=(target.__name__, r, world, *args, out)) for r in range(world)
+    ]
+    for p in processes:
+        p.start()
+    results = []
+    for _ in processes:
+        rank, result = out.get(timeout=900)
+        if isinstance(result, str):  # a worker failed: stop the others too
+            for p in processes:
+                p.kill()
+            raise RuntimeError(f"benchmark worker {rank} failed:\n{result}")
+        results.append((rank, result))
+    for p in processes:
+        p.join(timeout=60)
+        if p.exitcode not in (0, None):
+            raise RuntimeError(f"a benchmark worker exited with {p.exitcode}")
+    return [r for _, r in sorted(results, key=lambda x: x[0])]
+
+
+def _slowest(per_member: list[list[float]]) -> float:
+    """Median over repeats of the slowest member's time (the all-reduce ends when it does)."""
+    return statistics.median(max(times) for times in zip(*per_member))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--peers", type=int, action="append", help="group sizes (default: 2 and 4)")
+    parser.add_argument("--mb", type=float, action="append", help="tensor sizes in MB (default: 1, 10, 100)")
+    parser.add_argument("--codec", action="append", help="wire codecs (default: none, fp16)")
+    parser.add_argument("--plane", action="append", help="data planes (default: hivemind, direct)")
+    parser.add_argument("--quick", action="store_true", help="2 peers, 1 and 10 MB, fewer repeats")
+    parser.add_argument("--out", type=Path, default=RESULTS / "allreduce.json")
+    args = parser.parse_args()
+    peers = args.peers or ([2] if args.quick else [2, 4])
+    sizes = args.mb or ([1.0, 10.0] if args.quick else [1.0, 10.0, 100.0])
+    codecs = args.codec or ["none", "fp16"]
+    planes = args.plane or ["hivemind", "direct"]
+    repeats = {
+        mb: (3 if mb >= 100 else 5 if mb >= 10 else 8) // (2 if args.quick else 1) or 1 for mb in sizes
+    }
+    rows = []
+    for world in peers:
+        port = 29500 + os.getpid() % 1000 + world
+        gloo = _run(_gloo_worker, world, port, sizes, repeats)
+        configs = [(mb, codec, plane) for mb in sizes for codec in codecs for plane in planes]
+        ours = _run(_averager_worker, world, configs, repeats)
+        for mb in sizes:
+            base = _slowest([g[mb] for g in gloo])
+            moved = 2 * (world - 1) / world * mb
+            rows.append(
+                dict(
+                    peers=world,
+                    mb=mb,
+                    path="gloo",
+                    codec="none",
+                    seconds=base,
+                    bus_mb_s=moved / base,
+                    ratio=1.0,
+                )
+            )
+            for codec in codecs:
+                for plane in planes:
+                    seconds = _slowest([o[(mb, codec, plane)] for o in ours])
+                    rows.append(
+                        dict(
+                            peers=world,
+                            mb=mb,
+                            path=plane,
+                            codec=codec,
+                            seconds=seconds,
+                            bus_mb_s=moved / seconds,
+                            ratio=base / seconds,
+                        )
+                    )
+            for row in rows[-1 - len(codecs) * len(planes) :]:
+                print(
+                    f"{row['peers']} peers {row['mb']:>5g} MB  {row['path']:<8} {row['codec']:<5} "
+                    f"{row['seconds'] * 1000:8.1f} ms  {row['bus_mb_s']:7.0f} MB/s  {row['ratio']:.2f}x gloo",
+                    flush=True,
+                )
+    result = dict(
+        benchmark="allreduce",
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count()),
+        baseline="torch.distributed gloo all_reduce of the same float32 tensor, same processes count, this run",
+        rows=rows,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
