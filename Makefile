@@ -40,9 +40,16 @@ test-unit: bootstrap
 test-integration: bootstrap
 	$(BIN)/python -m pytest -q tests/integration
 
+# Every benchmark, then docs/performance.md from benchmarks/results/*.json. The utilization
+# benchmark needs root (network namespaces) and says so where it cannot run.
 bench: bootstrap
 	$(BIN)/python -m benchmarks.train_step
 	$(BIN)/python -m benchmarks.optimizers --quick
+	$(BIN)/python -m benchmarks.allreduce
+	$(BIN)/python -m benchmarks.overheads
+	$(BIN)/python -m benchmarks.tui_refresh
+	$(BIN)/python -m benchmarks.utilization
+	$(BIN)/python -m benchmarks.report
 
 lint: bootstrap
 	$(BIN)/ruff check .

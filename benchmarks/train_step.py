@@ -5,7 +5,8 @@
 Baseline: one inner AdamW step (forward, backward, update) of the preset, measured in this
 run. Reported: tokens/s of inner steps, and the outer step (pseudo-gradient, Nesterov update,
 copy back into the model) as a multiple of one inner step, which is what DiLoCo adds every H
-steps before any network time. Writes benchmarks/results/train_step.json. On CUDA
+steps before any network time, and that outer step's share of a 50-step round (on a GPU: the
+share of a round the GPU idles, network aside). Writes benchmarks/results/train_step.json. On CUDA
 (bf16 autocast) it is the GPU check: `--device cuda --preset small --preset medium`.
 """
 
@@ -77,6 +78,9 @@ def measure(preset_name: str, steps: int, device: torch.device, batch_size: int)
         "tokens_per_second": batch_size * config.block_size / inner_seconds,
         "outer_step_seconds": outer_seconds,
         "outer_step_vs_inner_step": outer_seconds / inner_seconds,
+        # The outer step runs on the host (θ_global lives there in fp32): in a round of H = 50 it
+        # is the time the accelerator idles, network time aside.
+        "round_share_off_device_h50": outer_seconds / (50 * inner_seconds + outer_seconds),
         "loss_first": values[0],
         "loss_last": values[-1],
         "all_finite": all(v == v and abs(v) != float("inf") for v in values),

@@ -184,7 +184,19 @@ class DiLoCo:
     @torch.no_grad()
     def compute_pseudo_gradients(self) -> list[torch.Tensor]:
         """Δ = θ − θ_local, one fp32 CPU tensor per parameter (same shapes as the params)."""
-        return [g - p.detach().to("cpu", torch.float32) for g, p in zip(self.global_params, self.params)]
+        return [g - local.float() for g, local in zip(self.global_params, self._host_params())]
+
+    def _host_params(self) -> list[torch.Tensor]:
+        """θ_local on the host. From a GPU, through pinned buffers kept across rounds: the copies
+        are asynchronous DMA, one synchronize for all of them (no pageable staging per tensor)."""
+        if not self.params or self.params[0].device.type != "cuda":
+            return [p.detach().to("cpu") for p in self.params]
+        if getattr(self, "_pinned", None) is None:
+            self._pinned = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in self.params]
+        for buffer, p in zip(self._pinned, self.params):
+            buffer.copy_(p.detach(), non_blocking=True)
+        torch.cuda.current_stream(self.params[0].device).synchronize()
+        return self._pinned
 
     def compress(self, deltas: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
         """Encode Δ as the group will receive it; returns the decoded Δ and the payload bytes."""
@@ -248,6 +260,12 @@ class DiLoCo:
     @torch.no_grad()
     def restore_parameters(self) -> None:
         """Copy θ into the model so the next round starts from the global params."""
+        if self.params and self.params[0].device.type == "cuda" and getattr(self, "_pinned", None):
+            for p, g, buffer in zip(self.params, self.global_params, self._pinned):
+                buffer.copy_(g)  # host to pinned (dtype cast here), then an async DMA to the GPU
+                p.copy_(buffer, non_blocking=True)
+            torch.cuda.current_stream(self.params[0].device).synchronize()  # buffers reused next round
+            return
         for p, g in zip(self.params, self.global_params):
             p.copy_(g.to(p.device, p.dtype))
 

@@ -12,17 +12,15 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from optim.codecs import CODECS as UPDATE_CODECS
-from optim.diloco import DiLoCoConfig
-from optim.local_sgd import local_sgd
-from optim.sparseloco import sparseloco
-from swarm.averaging_config import CODEC_BYTES, AveragingConfig
-from swarm.dht import NetworkConfig
+from swarm.averaging_config import CODEC_BYTES
 from swarm.errors import SwarmError
-from workbench.config import PeerConfig, RunConfig, TrainConfig, data_parallel_state
-from workbench.data import DataConfig, DataError
-from workbench.model import PRESETS, preset
+from workbench.names import MODEL_PRESETS, UPDATE_CODECS
+
+if TYPE_CHECKING:  # torch-backed modules load only when a command runs: `--help` stays fast
+    from optim.diloco import DiLoCoConfig
+    from workbench.config import RunConfig
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -48,11 +46,19 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default="small",
-        choices=sorted(PRESETS),
+        choices=MODEL_PRESETS,
         help="model preset (default: small, ~1.9M params)",
     )
     group.add_argument(
-        "--data", metavar="PATH", help="text file or folder to train on (default: the Python stdlib's source)"
+        "--data",
+        metavar="PATH",
+        help="text file, .jsonl file (one record per line) or folder to train on (default: the Python "
+        "stdlib's source)",
+    )
+    group.add_argument(
+        "--text-field",
+        default="text",
+        help="in a .jsonl data file, the field holding each record's text (default: text)",
     )
     group.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default: 16)")
     group.add_argument(
@@ -80,7 +86,7 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (diloco: 0.9)")
     group.add_argument(
         "--update-codec",
-        choices=sorted(UPDATE_CODECS),
+        choices=UPDATE_CODECS,
         help="codec for pseudo-gradients inside the optimizer (sparseloco: topk)",
     )
     group.add_argument("--topk-density", type=float, help="fraction the topk codec keeps (default: 0.01)")
@@ -109,6 +115,13 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--rounds", type=int, default=0, help="stop after this many outer rounds (default: 0 = never)"
+    )
+    group.add_argument(
+        "--eval-every",
+        type=int,
+        default=1,
+        metavar="ROUNDS",
+        help="evaluate the global params every ROUNDS rounds, and after the last (default: 1)",
     )
 
     group = parser.add_argument_group("averaging")
@@ -251,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_options(demo)
     demo.set_defaults(inner_steps=20, rounds=8, threads=1, model="small")
 
-    from workbench.simulate import add_simulate_parser
+    from workbench.simulate_cli import add_simulate_parser
 
     add_simulate_parser(commands)
 
@@ -266,8 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_monitor_parsers(commands)
     from workbench.config_cli import add_config_parser
+    from workbench.export import add_export_parser
 
     add_config_parser(commands)
+    add_export_parser(commands)
     return parser
 
 
@@ -297,6 +312,11 @@ METHOD_PRESETS = ("diloco", "local_sgd", "sparseloco", "dp", "streaming")
 
 def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
     """The method's preset, then every outer flag given explicitly on top of it."""
+    from optim.diloco import DiLoCoConfig
+    from optim.local_sgd import local_sgd
+    from optim.sparseloco import sparseloco
+    from workbench.config import data_parallel_state
+
     H = args.inner_steps
     if args.method == "dp":  # gradients every step; --inner-steps and the outer flags do not apply
         return data_parallel_state()
@@ -338,11 +358,17 @@ def parse_shard(text: str | None) -> tuple[int | None, int]:
 
 def build_config(args: argparse.Namespace) -> RunConfig:
     """The config tree from parsed flags; raises ValueError/SwarmError on a bad value."""
+    from swarm.averaging_config import AveragingConfig
+    from swarm.dht import NetworkConfig
+    from workbench.config import PeerConfig, RunConfig, TrainConfig
+    from workbench.data import DataConfig
+    from workbench.model import preset
+
     return RunConfig(
         method=args.method if args.method in ("dp", "streaming") else "diloco",
         fragments=args.fragments,
         model=preset(args.model),
-        data=DataConfig(path=args.data, batch_size=args.batch_size),
+        data=DataConfig(path=args.data, batch_size=args.batch_size, text_field=args.text_field),
         train=TrainConfig(inner_lr=args.inner_lr, threads=args.threads),
         diloco=outer_config(args),
         averaging=AveragingConfig(
@@ -364,6 +390,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             run_id=getattr(args, "run_id", "workbench"),
             name=getattr(args, "name", None),
             rounds=args.rounds,
+            eval_every=args.eval_every,
             min_peers=getattr(args, "min_peers", 1),
             seed=args.seed,
             shard=parse_shard(getattr(args, "shard", None))[0],
@@ -381,6 +408,9 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
 def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     """The exact command another machine pastes to join this run."""
+    from workbench.config import RunConfig
+    from workbench.model import PRESETS
+
     parts = ["workbench", "join"]
     if config.method == "dp":
         parts += ["--method", "dp"]
@@ -483,6 +513,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return EXIT_USER_ERROR
+    if args.command == "export":
+        from workbench.export import ExportError, run_export_command
+
+        try:
+            return run_export_command(args)
+        except (ExportError, OSError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return EXIT_USER_ERROR
     if args.command in ("monitor", "replay"):
         from workbench.monitor_cli import run_monitor_command
 
@@ -515,6 +553,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, _DataError) as error:
             print(f"error: {error}", file=sys.stderr)
             return EXIT_USER_ERROR
+    from workbench.data import DataError
+
     sources: dict[str, str] = {}
     try:
         sources = apply_settings(parser, args, argv)

@@ -11,6 +11,7 @@ swarm can train with no download and every peer sees the same bytes.
 
 from __future__ import annotations
 
+import json
 import logging
 import sysconfig
 import zlib
@@ -47,8 +48,10 @@ class DataConfig:
     """Fraction of files held out for evaluation, chosen by a stable hash of each path."""
     max_bytes: int = 16_000_000
     """Stop reading files after this many bytes in total; keeps start-up fast."""
-    extensions: tuple[str, ...] = (".py", ".txt", ".md", ".rst")
+    extensions: tuple[str, ...] = (".py", ".txt", ".md", ".rst", ".jsonl")
     """File suffixes a folder contributes (a single file is read whatever its suffix)."""
+    text_field: str = "text"
+    """In a ``.jsonl`` file, the field holding each record's text (one document per line)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,6 +73,46 @@ class DataConfig:
                 f"DataConfig.extensions={self.extensions!r} must be a non-empty tuple of suffixes "
                 f"starting with '.', e.g. ('.py', '.txt')."
             )
+
+
+def _documents(path: Path, root: Path, config: DataConfig) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each document in ``path``: the file itself, or one per JSONL record."""
+    relative = path.relative_to(root).as_posix()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        logger.debug("skipping unreadable file %s: %s", path, exc)
+        return
+    if path.suffix.lower() == ".jsonl":
+        yield from _jsonl_documents(path, relative, data, config.text_field)
+        return
+    if not data:
+        return
+    if b"\x00" in data:
+        logger.debug("skipping binary file %s (contains NUL bytes)", path)
+        return
+    yield relative, data
+
+
+def _jsonl_documents(path: Path, relative: str, data: bytes, field: str) -> Iterator[tuple[str, bytes]]:
+    for number, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DataError(
+                f"{path}:{number} is not a JSON line ({exc.__class__.__name__}); fix or drop it"
+            ) from None
+        text = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            fields = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else type(record).__name__
+            raise DataError(
+                f"{path}:{number} has no text field '{field}' (it has: {fields}); name the right one "
+                f"with --text-field"
+            )
+        if text:
+            yield f"{relative}#{number}", text.encode("utf-8")
 
 
 def stdlib_sources() -> list[Path]:
@@ -153,20 +196,12 @@ class ByteCorpus:
                     "max_bytes=%d reached; not reading %d more files", config.max_bytes, len(files) - i
                 )
                 break
-            try:
-                data = path.read_bytes()
-            except OSError as exc:
-                logger.debug("skipping unreadable file %s: %s", path, exc)
-                continue
-            if not data:
-                continue
-            if b"\x00" in data:
-                logger.debug("skipping binary file %s (contains NUL bytes)", path)
-                continue
-            data = data[: config.max_bytes - total]
-            total += len(data)
-            relative = path.relative_to(root).as_posix()
-            (val_parts if _is_eval_file(relative, config.eval_fraction) else train_parts).append(data)
+            for relative, data in _documents(path, root, config):
+                if total >= config.max_bytes:
+                    break
+                data = data[: config.max_bytes - total]
+                total += len(data)
+                (val_parts if _is_eval_file(relative, config.eval_fraction) else train_parts).append(data)
 
         num_files = len(train_parts) + len(val_parts)
         if num_files == 0:

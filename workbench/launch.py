@@ -134,6 +134,8 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         repr(config.diloco.clip_norm),
         "--rounds",
         str(config.peer.rounds),
+        "--eval-every",
+        str(config.peer.eval_every),
         "--codec",
         config.averaging.compression,
         "--matchmaking-time",
@@ -162,7 +164,7 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
     if config.peer.shard is not None:
         args += ["--shard", f"{config.peer.shard}/{config.peer.num_shards}"]
     if config.data.path:
-        args += ["--data", config.data.path]
+        args += ["--data", config.data.path, "--text-field", config.data.text_field]
     return args
 
 

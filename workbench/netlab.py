@@ -55,13 +55,19 @@ def unavailable() -> str | None:
 
 class NetLab:
     """``peers`` network namespaces on one bridge, every link capped at ``rate`` (tc syntax:
-    ``100mbit``, ``20mbit``, ``1gbit``); ``rate=None`` leaves the links uncapped."""
+    ``100mbit``, ``20mbit``, ``1gbit``); ``rate=None`` leaves the links uncapped.
+
+    Stop every process started in a namespace (and its children: a peer's p2p daemon) before
+    leaving the ``with`` block; a namespace lives on while a process holds it."""
+
+    _made_here = 0
 
     def __init__(self, peers: int, rate: str | None = "100mbit", *, burst: str = "64kb") -> None:
         if peers < 1:
             raise ValueError(f"a lab needs at least one peer, got {peers}")
         self.peers, self.rate, self.burst = peers, rate, burst
-        tag = os.getpid() % 10000
+        NetLab._made_here += 1
+        tag = (os.getpid() * 7 + NetLab._made_here) % 10000  # unique per lab, short (15-char names)
         self.subnet = 100 + tag % 150  # 10.<subnet>.0.0/24, away from the usual 10.0.x.x
         self.bridge = f"wbbr{tag}"
         self.namespaces = [f"wb{tag}n{i}" for i in range(peers)]
@@ -108,5 +114,6 @@ class NetLab:
             if name == "bridge":
                 _ip("link", "del", self.bridge, check=False)
             else:
-                _ip("netns", "del", name, check=False)  # takes its veth pair along
+                _ip("link", "del", f"{name}h", check=False)  # the veth pair, even if the namespace lingers
+                _ip("netns", "del", name, check=False)
         self._made.clear()

@@ -412,6 +412,7 @@ class Peer:
         while not cfg.peer.rounds or self.diloco.outer_step_count < self.total_rounds:
             round_start = time.monotonic()
             samples = steps = 0
+            compute = 0.0  # seconds in inner steps, the data-parallel all-reduce excluded
             # θ_global only changes at a sync, so one fingerprint serves the whole round (for dp a
             # round is one step); computing it per inner step would norm every tensor H times.
             self.apply_control()
@@ -426,7 +427,9 @@ class Peer:
                 for group in self.inner_optimizer.param_groups:
                     group["lr"] = cfg.train.inner_lr * cfg.train.lr_factor(run_step, total_inner)
                 x, y = next(self.batches)
+                step_start = time.monotonic()
                 self.last_loss, dp_report = self.inner_step(x, y, info)
+                compute += time.monotonic() - step_start - (dp_report.seconds if dp_report else 0.0)
                 self.diloco.note_inner_step(samples=len(x))
                 samples += len(x)
                 steps += 1
@@ -473,6 +476,7 @@ class Peer:
                 bytes_received=report.bytes_received,
                 round_seconds=time.monotonic() - round_start,
                 averaging_seconds=report.seconds,
+                compute_seconds=compute,
                 alone_reason=report.error,
                 resync=resync,
                 samples_per_second=self.samples_per_second,

@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from optim.codecs import CODECS
 from optim.data_parallel import DataParallel
 from optim.diloco import DiLoCo, DiLoCoConfig
 from optim.local_sgd import local_sgd
@@ -129,56 +128,6 @@ def run_simulation(
         )
 
     return simulate(make_peer, lambda net: evaluate(net, held_out, device), sim)
-
-
-def add_simulate_parser(commands) -> None:
-    parser = commands.add_parser(
-        "simulate",
-        help="compare outer optimizers on N virtual peers in this process",
-        description="Run an outer optimizer on N virtual peers in one process (exact, deterministic for a seed).",
-    )
-    parser.add_argument("--method", default="diloco", choices=METHODS, help="outer method (default: diloco)")
-    parser.add_argument("--peers", type=int, default=4, help="virtual peers (default: 4)")
-    parser.add_argument(
-        "--inner-steps", type=int, default=50, metavar="H", help="inner steps per round (default: 50)"
-    )
-    parser.add_argument("--steps", type=int, default=200, help="inner steps per peer (default: 200)")
-    parser.add_argument(
-        "--codec",
-        default="none",
-        choices=sorted(CODECS),
-        help="pseudo-gradient codec from optim.codecs (default: none)",
-    )
-    parser.add_argument(
-        "--error-feedback", action="store_true", help="keep what the codec drops for the next round"
-    )
-    parser.add_argument(
-        "--density", type=float, default=0.01, help="fraction kept by the topk codec (default: 0.01)"
-    )
-    parser.add_argument("--outer-lr", type=float, default=0.7)
-    parser.add_argument("--outer-momentum", type=float, default=0.9)
-    parser.add_argument("--inner-lr", type=float, default=1e-3)
-    parser.add_argument("--model", default="small", help="model preset (default: small)")
-    parser.add_argument(
-        "--data", metavar="PATH", help="text file or folder (default: the Python stdlib's source)"
-    )
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument(
-        "--straggler",
-        action="append",
-        default=[],
-        metavar="RANK:FRACTION",
-        help="a peer that runs only FRACTION of each round's steps, e.g. 3:0.5 (repeatable)",
-    )
-    parser.add_argument("--dropout", type=float, default=0.0, help="probability a peer misses a round")
-    parser.add_argument("--fragments", type=int, default=4, help="streaming: fragments (default: 4)")
-    parser.add_argument(
-        "--sync-delay", type=int, default=0, help="streaming: steps from reduction to merge (τ)"
-    )
-    parser.add_argument("--alpha", type=float, default=0.0, help="streaming: local weight at the merge")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default: 1)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def run_simulate_command(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ No test here starts hivemind: every bad value must be refused at config time, an
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -307,3 +308,51 @@ def test_join_command_is_one_line_of_shell_words() -> None:
     command = join_command(config, [ADDRESS])
     assert "\n" not in command
     assert shlex.split(command) == command.split()
+
+
+def test_choice_lists_match_their_registries():
+    """workbench.names mirrors the torch-backed registries, so that the parser needs no torch."""
+    from optim.codecs import CODECS
+    from workbench import names
+    from workbench.model import PRESETS
+    from workbench.simulate import METHODS
+
+    assert tuple(sorted(CODECS)) == names.UPDATE_CODECS
+    assert tuple(sorted(PRESETS)) == names.MODEL_PRESETS
+    assert names.SIMULATE_METHODS == METHODS
+
+
+def test_help_does_not_import_torch():
+    """`workbench --help` (and every command's --help) builds the parser without torch (#8)."""
+    import subprocess
+    import sys
+
+    code = "import sys, workbench.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_export_writes_csv_and_json_lines(tmp_path, capsys):
+    """`workbench export RUN_DIR --csv`: one row per round event of every peer under RUN_DIR."""
+    import csv
+    import io
+
+    for name, losses in (("a", [3.0, 2.5]), ("b", [3.1, 2.4])):
+        folder = tmp_path / name
+        folder.mkdir()
+        lines = [json.dumps({"event": "started", "time": 0.5, "peer": name})]
+        lines += [
+            json.dumps({"event": "round", "time": 1.0 + i, "peer": name, "outer_step": i + 1, "loss": loss})
+            for i, loss in enumerate(losses)
+        ]
+        (folder / "metrics.jsonl").write_text("\n".join(lines) + '\n{"event": "rou')  # a torn last line
+    assert main(["export", str(tmp_path), "--csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [(r["peer"], r["outer_step"], r["loss"]) for r in rows] == [
+        ("a", "1", "3.0"), ("b", "1", "3.1"), ("a", "2", "2.5"), ("b", "2", "2.4"),
+    ]  # fmt: skip
+    out = tmp_path / "all.jsonl"
+    assert main(["export", str(tmp_path), "--events", "all", "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 6
+    assert main(["export", str(tmp_path / "a" / "metrics.jsonl")]) == 2
+    assert "is not a folder" in capsys.readouterr().err

@@ -230,3 +230,29 @@ def test_evaluate_untrained(corpus: ByteCorpus, training: bool) -> None:
     assert isinstance(loss, float) and math.isfinite(loss)
     assert abs(loss - math.log(256)) < 0.3
     assert model.training is training
+
+
+def test_jsonl_records_are_documents(tmp_path):
+    """A .jsonl file: each record's text field is a document; the split holds out whole records."""
+    import json as _json
+
+    records = [{"id": i, "body": f"record {i} " + "lorem ipsum dolor sit amet " * 20} for i in range(200)]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(_json.dumps(r) for r in records) + "\n\n")
+    corpus = ByteCorpus.load(DataConfig(path=str(path), text_field="body"))
+    assert corpus.num_files == 200
+    text = bytes(corpus.train.tolist()) + bytes(corpus.val.tolist())
+    assert b"record 7 lorem" in text and b'"body"' not in text  # the text, not the JSON
+    assert 0 < len(corpus.val) < len(corpus.train)
+
+
+def test_jsonl_errors_name_the_line_and_the_fix(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "fine"}\n{"content": "x", "id": 2}\n')
+    with pytest.raises(
+        DataError, match=r"bad.jsonl:2 has no text field 'text' \(it has: content, id\).*--text-field"
+    ):
+        ByteCorpus.load(DataConfig(path=str(path)))
+    path.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2 is not a JSON line"):
+        ByteCorpus.load(DataConfig(path=str(path)))

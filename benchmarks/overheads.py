@@ -1,0 +1,227 @@
+"""Overheads: heartbeats, joining with a state download, and the CLI's start-up.
+
+    python -m benchmarks.overheads [--quick]
+
+1. **Heartbeats** (what every inner step pays to be watched): inner steps of the default model
+   (`small`) with the peer's per-step heartbeat (build the record; publish at most once a
+   second, signed, to a real DHT) against the same steps without, in alternating blocks; and
+   the cost of one heartbeat call against one inner step, both measured here.
+2. **Joining**: a new peer starts its DHT, finds the run and downloads the global state of a
+   25 M-parameter model (θ, outer momentum and AdamW's two moments: 400 MB) from a real peer on
+   loopback. Baseline: the same bytes over one plain TCP socket on loopback, in this run.
+3. **CLI start-up**: `workbench --help` against `python -c pass`, median of 5 runs each.
+
+Writes benchmarks/results/overheads.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def heartbeats(blocks: int, steps: int) -> dict:
+    import torch
+
+    from swarm.dht import NetworkConfig
+    from swarm.progress import ProgressBoard
+    from swarm.records import PeerHeartbeat, RunKeys, Stage
+    from swarm.session import connect
+    from workbench.data import ByteCorpus, DataConfig
+    from workbench.model import build_model, preset
+
+    torch.set_num_threads(1)
+    session = connect(NetworkConfig(), RunKeys("overheads"))
+    board = ProgressBoard(session.store, RunKeys("overheads"))
+    config = preset("small")
+    model = build_model(config, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = ByteCorpus.load(DataConfig(max_bytes=2_000_000)).batches(
+        block_size=config.block_size, batch_size=16, seed=0
+    )
+
+    def beat(step: int) -> None:
+        board.publish(
+            PeerHeartbeat(
+                peer_id=session.peer_id, name="bench", stage=Stage.TRAINING, outer_step=0, inner_step=step,
+                inner_steps=50, loss=1.0, samples_per_second=100.0, bytes_sent=0, bytes_received=0,
+                device="cpu", time=time.time(),
+            )
+        )  # fmt: skip
+
+    def block(with_beats: bool) -> float:
+        start = time.perf_counter()
+        for step in range(steps):
+            x, y = next(batches)
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if with_beats:
+                beat(step)
+        return (time.perf_counter() - start) / steps
+
+    block(False)  # warm-up
+    on, off = [], []
+    for _ in range(blocks):
+        off.append(block(False))
+        on.append(block(True))
+    calls = 2000
+    start = time.perf_counter()
+    for step in range(calls):
+        beat(step)
+    per_call = (time.perf_counter() - start) / calls
+    session.dht.shutdown()
+    step_time = statistics.median(off)
+    return dict(
+        step_seconds_off=step_time,
+        step_seconds_on=statistics.median(on),
+        ratio_on_off=statistics.median(on) / step_time,
+        heartbeat_call_seconds=per_call,
+        heartbeat_share_of_step=per_call / step_time,
+        goal="<= 1% of step time",
+    )
+
+
+def _serve_state(params: int, addresses, ready, stop) -> None:
+    import torch
+
+    from optim.diloco import OuterState
+    from swarm.averaging import _StateServingAverager
+    from swarm.dht import NetworkConfig
+    from swarm.records import RunKeys
+    from swarm.session import connect
+
+    session = connect(NetworkConfig(), RunKeys("join-bench"))
+    tensors = [torch.randn(params)]
+    state = OuterState(
+        outer_step=7,
+        params=tensors,
+        momentum=[torch.randn(params)],
+        pending=[],
+        inner=[torch.randn(params), torch.rand(params)],
+        inner_keys=["exp_avg", "exp_avg_sq"],
+    )
+    averager = _StateServingAverager(
+        [torch.zeros(params)], session.dht, prefix="joinbench", state_provider=lambda: state,
+        declare_state_period=1, start=True,
+    )  # fmt: skip
+    averager.state_sharing_priority = 7.0
+    addresses.put([str(a) for a in session.dht.get_visible_maddrs()])
+    ready.wait()
+    stop.wait()
+    averager.shutdown()
+    session.dht.shutdown()
+
+
+def join(params: int) -> dict:
+    import torch
+
+    from swarm.averaging import _StateServingAverager
+    from swarm.dht import NetworkConfig
+    from swarm.records import RunKeys
+    from swarm.session import connect
+
+    context = mp.get_context("fork")
+    addresses, ready, stop = context.Queue(), context.Event(), context.Event()
+    donor = context.Process(target=_serve_state, args=(params, addresses, ready, stop))
+    donor.start()
+    initial = addresses.get(timeout=120)
+    ready.set()
+    time.sleep(3)  # the donor declares its state (every second)
+    start = time.perf_counter()
+    session = connect(NetworkConfig(initial_peers=initial), RunKeys("join-bench"))
+    averager = _StateServingAverager(
+        [torch.zeros(params)], session.dht, prefix="joinbench", state_provider=None,
+        allow_state_sharing=False, start=True,
+    )  # fmt: skip
+    connected = time.perf_counter()
+    metadata, tensors = averager.load_state_from_peers(timeout=300)
+    done = time.perf_counter()
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    stop.set()
+    averager.shutdown()
+    session.dht.shutdown()
+    donor.join(timeout=30)
+    baseline = _tcp_seconds(size)
+    download = done - connected
+    return dict(
+        params=params,
+        state_mb=size / 1e6,
+        join_seconds=done - start,
+        connect_seconds=connected - start,
+        download_seconds=download,
+        download_mb_s=size / 1e6 / download,
+        tcp_baseline_seconds=baseline,
+        ratio_to_tcp=baseline / download,
+    )
+
+
+def _tcp_seconds(size: int) -> float:
+    """``size`` bytes through one loopback TCP socket (the baseline of the download)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    received = []
+
+    def sink() -> None:
+        connection, _ = server.accept()
+        total = 0
+        while chunk := connection.recv(1 << 20):
+            total += len(chunk)
+        received.append(total)
+
+    thread = threading.Thread(target=sink)
+    thread.start()
+    block = bytes(1 << 22)
+    start = time.perf_counter()
+    with socket.create_connection(server.getsockname()) as client:
+        for _ in range(size // len(block)):
+            client.sendall(block)
+    thread.join()
+    return time.perf_counter() - start
+
+
+def cli_start() -> dict:
+    def median_run(argv: list[str]) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            subprocess.run(argv, capture_output=True, check=True)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    help_seconds = median_run([sys.executable, "-m", "workbench", "--help"])
+    python = median_run([sys.executable, "-c", "pass"])
+    return dict(help_seconds=help_seconds, python_seconds=python, ratio_to_python=help_seconds / python)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer blocks, a 5 M-parameter state")
+    parser.add_argument("--out", type=Path, default=RESULTS / "overheads.json")
+    args = parser.parse_args()
+    result = dict(benchmark="overheads")
+    result["heartbeats"] = heartbeats(blocks=3 if args.quick else 6, steps=10 if args.quick else 20)
+    print("heartbeats:", json.dumps(result["heartbeats"]), flush=True)
+    result["join"] = join(5_000_000 if args.quick else 25_000_000)
+    print("join:", json.dumps(result["join"]), flush=True)
+    result["cli"] = cli_start()
+    print("cli:", json.dumps(result["cli"]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

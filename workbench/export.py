@@ -1,0 +1,86 @@
+"""`workbench export RUN_DIR --csv`: a run's metrics as one table, for spreadsheets and pandas.
+
+Reads every ``metrics.jsonl`` under RUN_DIR (one peer's --run-dir, or a demo's --run-dir with
+a folder per peer), keeps the chosen events (default: ``round``), and writes CSV (``--csv``) or
+JSON lines, one row per event, columns in first-seen order. Data to stdout or ``--out FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+class ExportError(ValueError):
+    pass
+
+
+def add_export_parser(commands) -> None:
+    parser = commands.add_parser(
+        "export",
+        help="a run's metrics (every metrics.jsonl under RUN_DIR) as CSV or JSON lines",
+        description="Export a run's metrics, one row per event, from every metrics.jsonl under RUN_DIR.",
+        epilog="examples:\n  workbench export runs/demo --csv > rounds.csv\n"
+        "  workbench export runs/peer-a --events round,state_downloaded --out events.jsonl",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a peer's or a demo's --run-dir")
+    parser.add_argument("--csv", action="store_true", help="CSV (default: JSON lines)")
+    parser.add_argument(
+        "--events", default="round", help="comma-separated event kinds, or 'all' (default: round)"
+    )
+    parser.add_argument("--out", metavar="FILE", help="write here instead of stdout")
+
+
+def read_events(run_dir: str | Path, kinds: set[str] | None) -> list[dict[str, Any]]:
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise ExportError(f"{root} is not a folder: give the --run-dir of a peer or a demo")
+    files = sorted(root.rglob("metrics.jsonl"))
+    if not files:
+        raise ExportError(f"no metrics.jsonl under {root}: was the run started with --run-dir {root}?")
+    rows = []
+    for path in files:
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(path.read_text(errors="replace").splitlines()):
+                    continue  # the last line of a peer still writing (or killed mid-line)
+                raise ExportError(f"{path}:{number} is not a JSON line") from None
+            if isinstance(event, dict) and (kinds is None or event.get("event") in kinds):
+                rows.append(event)
+    rows.sort(key=lambda e: (e.get("time", 0), str(e.get("peer", ""))))
+    return rows
+
+
+def run_export_command(args: argparse.Namespace) -> int:
+    kinds = None if args.events == "all" else {k.strip() for k in args.events.split(",") if k.strip()}
+    rows = read_events(args.run_dir, kinds)
+    out = open(args.out, "w", newline="") if args.out else sys.stdout  # noqa: SIM115
+    try:
+        if args.csv:
+            columns: dict[str, None] = {}
+            for row in rows:
+                columns.update(dict.fromkeys(row))
+            writer = csv.DictWriter(out, fieldnames=list(columns), extrasaction="ignore")
+            writer.writeheader()
+            for row in rows:
+                writer.writerow(
+                    {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in row.items()}
+                )
+        else:
+            for row in rows:
+                out.write(json.dumps(row) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if args.out:
+        print(f"wrote {len(rows)} rows to {args.out}", file=sys.stderr)
+    return 0

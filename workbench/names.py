@@ -1,0 +1,11 @@
+"""Names the command line offers as choices, importable without torch (`workbench --help` stays
+fast). tests/unit/test_cli.py checks that each list matches the registry it mirrors."""
+
+from __future__ import annotations
+
+UPDATE_CODECS = ("bf16", "fp16", "int4", "int8", "none", "topk")
+"""optim.codecs.CODECS"""
+MODEL_PRESETS = ("medium", "small", "tiny")
+"""workbench.model.PRESETS"""
+SIMULATE_METHODS = ("dp", "local_sgd", "diloco", "sparseloco", "streaming")
+"""workbench.simulate.METHODS"""
