@@ -123,7 +123,8 @@ def train_step() -> list[str]:
     for r in data["results"]:
         lines.append(
             f"| {r['preset']} | {r['params'] / 1e6:.2f} M | {r['device']} | {r['tokens_per_second']:.0f} | "
-            f"{r['outer_step_vs_inner_step']:.3f} | {r.get('round_share_off_device_h50', float('nan')):.2%} |"
+            f"{r['outer_step_vs_inner_step']:.3f} | "
+            + (f"{r['round_share_off_device_h50']:.2%} |" if "round_share_off_device_h50" in r else "— |")
         )
     return [*lines, ""]
 
