@@ -40,6 +40,9 @@ class RoundReport:
     """L2 norm of the averaged pseudo-gradient the outer step applied."""
     stale: bool = False
     """This peer's global state is known to be behind the group's: fetch it before going on."""
+    robust_mean: bool = False
+    """The mean is already robust (a trimmed mean): no bound from the members' declared norms
+    applies to it, so the misreport check is skipped (NaN and outlier checks stay)."""
 
     @property
     def averaged_alone(self) -> bool:

@@ -322,7 +322,12 @@ class DiLoCo:
             )
         report.local_norm, report.mean_norm = local_norm, _global_norm(deltas)
         report.payload_bytes = payload_bytes
-        refused = check_round(report.mean_norm, report.group_info, ratio=self.config.outlier_ratio)
+        refused = check_round(
+            report.mean_norm,
+            report.group_info,
+            ratio=self.config.outlier_ratio,
+            misreport=not report.robust_mean,
+        )
         try:
             if refused and report.group_size > 1:
                 raise FloatingPointError(

@@ -38,8 +38,12 @@ def _members(group_info: list[Any]) -> list[tuple[str, float, float]]:
     return members
 
 
-def check_round(mean_norm: float, group_info: list[Any], *, ratio: float) -> str | None:
-    """Why the group's mean must be refused this round, or None to apply it."""
+def check_round(
+    mean_norm: float, group_info: list[Any], *, ratio: float, misreport: bool = True
+) -> str | None:
+    """Why the group's mean must be refused this round, or None to apply it (``misreport``:
+    also check the mean against the declared norms; off for a trimmed mean, which they do not
+    bound)."""
     members = [m for m in _members(group_info) if m[2] > 0]
     if ratio <= 0 or len(members) < 2:
         return None
@@ -51,6 +55,8 @@ def check_round(mean_norm: float, group_info: list[Any], *, ratio: float) -> str
                 f"peer {peer[-12:]} sent an update of norm {norm:.3g}, {norm / max(median, 1e-12):.0f}x the "
                 f"median of the others ({median:.3g}; limit {ratio:g}x): the round's mean was refused"
             )
+    if not misreport:
+        return None
     total = sum(w for _, _, w in members)
     bound = sum(w * n for _, n, w in members) / total
     # 5% slack: a lossy wire codec (hivemind's int8) may grow the mean's norm a little.

@@ -81,6 +81,7 @@ class _StateServingAverager(DecentralizedAverager):
         state_provider: Callable[[], OuterState] | None,
         fault_file: str | None = None,
         data_plane: str = "hivemind",
+        aggregate: str = "mean",
         plane_host: str = "127.0.0.1",
         plane_advertise: str | None = None,
         codec: str = "none",
@@ -89,18 +90,28 @@ class _StateServingAverager(DecentralizedAverager):
         self._state_provider = state_provider
         self._fault_file = fault_file
         self._codec = codec
+        self._aggregate = aggregate
         self._plane: DirectPlane | None = None
         self._plane_address: str | None = None
         self._plane_used = False
         # Cleared in the averager process when a ring fails; read here before each step.
         self._plane_enabled = mp.Value("b", 0)
         reachable = plane_advertise or (plane_host if plane_host != "0.0.0.0" else None)
-        if data_plane == "direct" and codec in DIRECT_CODECS and not kwargs.get("client_mode") and reachable:
+        direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
+        if direct and not kwargs.get("client_mode") and reachable:
             port = free_port(plane_host)
             self._plane_address = f"{reachable}:{port}"
             self._plane = DirectPlane(plane_host, port, self._plane_address)
             self._plane_enabled.value = 1
         super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        # hivemind's averager process (forked): the aggregation rule of its all-reduce lives here.
+        if self._aggregate == "trimmed-mean":
+            from swarm.trimmed import install
+
+            install()
+        super().run()
 
     def step(self, gather: Any = None, **kwargs: Any):
         """hivemind's step; this member's data-plane address travels with its gathered info."""
@@ -211,6 +222,7 @@ class SwarmAverager:
             state_provider=state_provider,
             fault_file=fault_file,
             data_plane=config.data_plane,
+            aggregate=config.aggregate,
             plane_host=plane_host,
             plane_advertise=plane_advertise,
             codec=config.compression,
@@ -280,6 +292,7 @@ class SwarmAverager:
             bytes_sent=moved,
             bytes_received=moved,
             group_info=[data for data in gathered.values() if isinstance(data, dict)],
+            robust_mean=self.config.aggregate == "trimmed-mean",
         )
 
     def _attempt(

@@ -27,6 +27,10 @@ class AveragingConfig:
     """direct: a formed group whose members all accept connections moves its tensors over its
     own gloo ring (hivemind still finds the group; see swarm.dataplane); hivemind: always
     hivemind's butterfly all-reduce through its p2p daemon (slower, but relayed through NAT)."""
+    aggregate: str = "mean"
+    """mean: the weighted mean; trimmed-mean: per coordinate, drop each group's largest and
+    smallest value and average the rest (unweighted; a lone NaN or huge update moves nothing).
+    trimmed-mean runs on hivemind's plane (the direct plane's ring can only sum)."""
 
     def __post_init__(self) -> None:
         if self.compression not in CODEC_BYTES:
@@ -38,6 +42,8 @@ class AveragingConfig:
                 f"averaging timeout ({self.averaging_timeout} s) must exceed the matchmaking time "
                 f"({self.matchmaking_time} s) and be at most 3600 s"
             )
+        if self.aggregate not in ("mean", "trimmed-mean"):
+            raise SwarmError(f"unknown aggregate '{self.aggregate}'; choose mean or trimmed-mean")
         if self.data_plane not in ("direct", "hivemind"):
             raise SwarmError(f"unknown data plane '{self.data_plane}'; choose direct or hivemind")
         if not 0 <= self.round_wait <= 3600:

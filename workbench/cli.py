@@ -138,6 +138,13 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         help="seconds before a round falls back to a local step",
     )
     group.add_argument(
+        "--aggregate",
+        default="mean",
+        choices=("mean", "trimmed-mean"),
+        help="mean (default) or trimmed-mean: per coordinate, drop the group's largest and smallest "
+        "value before averaging (robust to one bad peer; takes hivemind's data plane)",
+    )
+    group.add_argument(
         "--data-plane",
         default="direct",
         choices=("direct", "hivemind"),
@@ -376,6 +383,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             averaging_timeout=args.averaging_timeout,
             compression=args.codec,
             data_plane=args.data_plane,
+            aggregate=args.aggregate,
         ),
         network=NetworkConfig(
             initial_peers=list(getattr(args, "peers", None) or []) if args.command == "join" else [],
@@ -438,6 +446,7 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
         ("--outlier-ratio", config.diloco.outlier_ratio, defaults.diloco.outlier_ratio),
         ("--clip-norm", config.diloco.clip_norm, defaults.diloco.clip_norm),
         ("--codec", config.averaging.compression, defaults.averaging.compression),
+        ("--aggregate", config.averaging.aggregate, defaults.averaging.aggregate),
     ):
         if value != default:
             parts += [flag, str(value)]
@@ -500,6 +509,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+def _one_line_errors(run, errors) -> int:
+    """``run()``; a mistake the user can fix is one line on stderr and exit status 2."""
+    try:
+        return run()
+    except errors as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 0
+
+
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(argv if argv is not None else sys.argv[1:])
@@ -508,51 +528,27 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         from workbench.config_cli import run_config_command
 
-        try:
-            return run_config_command(parser, args, argv)
-        except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return EXIT_USER_ERROR
+        return _one_line_errors(lambda: run_config_command(parser, args, argv), ValueError)
     if args.command == "export":
         from workbench.export import ExportError, run_export_command
 
-        try:
-            return run_export_command(args)
-        except (ExportError, OSError) as error:
-            print(f"error: {error}", file=sys.stderr)
-            return EXIT_USER_ERROR
+        return _one_line_errors(lambda: run_export_command(args), (ExportError, OSError))
     if args.command in ("monitor", "replay"):
         from workbench.monitor_cli import run_monitor_command
 
-        try:
-            return run_monitor_command(args, argv)
-        except SwarmError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return EXIT_USER_ERROR
-        except KeyboardInterrupt:
-            return 0
+        return _one_line_errors(lambda: run_monitor_command(args, argv), SwarmError)
     if args.command in ("status", "steer", "doctor"):
         from workbench.doctor import run_doctor_command
         from workbench.status import run_status_command
         from workbench.steer import run_steer_command
 
         command = {"status": run_status_command, "steer": run_steer_command, "doctor": run_doctor_command}
-        try:
-            return command[args.command](args)
-        except SwarmError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return EXIT_USER_ERROR
-        except KeyboardInterrupt:
-            return 0
+        return _one_line_errors(lambda: command[args.command](args), SwarmError)
     if args.command == "simulate":
         from workbench.data import DataError as _DataError
         from workbench.simulate import run_simulate_command
 
-        try:
-            return run_simulate_command(args)
-        except (ValueError, _DataError) as error:
-            print(f"error: {error}", file=sys.stderr)
-            return EXIT_USER_ERROR
+        return _one_line_errors(lambda: run_simulate_command(args), (ValueError, _DataError))
     from workbench.data import DataError
 
     sources: dict[str, str] = {}

@@ -144,6 +144,8 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         repr(config.averaging.averaging_timeout),
         "--data-plane",
         config.averaging.data_plane,
+        "--aggregate",
+        config.averaging.aggregate,
         "--run-id",
         config.peer.run_id,
         "--name",

@@ -135,3 +135,39 @@ def test_a_donor_killed_mid_download_the_joiner_takes_another(spawn, scenario, t
     )
     assert together, "the joiner never averaged with the surviving donor"
     assert max_abs_diff(other.global_params(), joiner.global_params()) <= 1e-5
+
+
+@pytest.mark.faults
+def test_a_trimmed_mean_shrugs_off_one_bad_peer(spawn, scenario, tmp_path):
+    """--aggregate trimmed-mean over 3 real peers: one sends NaN once and 1000x its update once;
+    per coordinate its value is dropped, so the honest peers refuse no round, no θ is NaN, and
+    all three agree at the end."""
+    faults = tmp_path / "faults.json"
+    common = [*FAST, "--run-id", "trimmed", "--rounds", "10", "--aggregate", "trimmed-mean"]
+    first = spawn("a", "start", *common, "--min-peers", "3")
+    second = spawn("b", "join", first.address(), *common, "--min-peers", "3")
+    bad = spawn("c", "join", first.address(), *common, "--min-peers", "3", "--fault-file", str(faults))
+    bad.wait_event("round", lambda e: e["outer_step"] >= 2 and e["group_size"] == 3)
+    faults.write_text(json.dumps({"corrupt_next": 1}))
+    bad.wait_event("round", lambda e: "sending a corrupt" in bad.stderr(), timeout=60)
+    faults.write_text(json.dumps({"corrupt_next": 1, "oversize_next": 1}))
+    for peer in (first, second, bad):
+        assert peer.wait() == 0, peer.stderr()
+    assert "sending a corrupt (NaN) update" in bad.stderr()
+    assert "sending 1000x this round's update" in bad.stderr()
+    for peer in (first, second, bad):
+        assert "direct data plane" not in peer.stderr()  # a ring can only sum: hivemind's plane
+        assert all(math.isfinite(r["eval_loss"]) for r in peer.events("round"))
+    for peer in (first, second):  # the honest peers never refuse a round
+        rounds = peer.events("round")
+        refused = [
+            r
+            for r in rounds
+            if r["alone_reason"] and ("refused" in r["alone_reason"] or "NaN" in r["alone_reason"])
+        ]
+        assert not refused, rounds
+    # (The bad peer itself may see NaN: hivemind hands each sender back mean − its own part,
+    # and its own part was NaN. It keeps θ, finds itself out of step and downloads the state.)
+    assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
+    assert max_abs_diff(first.global_params(), bad.global_params()) <= 1e-5
+    scenario.update(rounds_lost=0, recover_seconds=0.0)

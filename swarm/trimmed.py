@@ -1,0 +1,59 @@
+"""A coordinate-wise trimmed mean inside hivemind's all-reduce (``--aggregate trimmed-mean``).
+
+In hivemind's butterfly all-reduce each member reduces one slice of the vector and receives
+every member's part of that slice, so the reducer can drop, per coordinate, the ``k`` largest
+and ``k`` smallest values before averaging (k = 1, or fewer so that one value is left). A single
+peer that sends NaN or a huge update then moves no coordinate of the mean. The mean is
+unweighted (every member counts the same), as trimmed means usually are.
+
+Only hivemind's plane can do this: the direct plane's gloo ring only sums. It is installed in
+hivemind's averager process (see ``_StateServingAverager.run``).
+"""
+
+from __future__ import annotations
+
+import torch
+from hivemind.averaging.partition import TensorPartReducer
+
+
+class _TrimmedParts:
+    """Stands in for the reducer's accumulator: collects the parts, then trims and averages."""
+
+    def __init__(self, trim: int) -> None:
+        self.trim = trim
+        self.parts: list[torch.Tensor] = []
+
+    def add_(self, tensor: torch.Tensor, alpha: float = 1.0) -> _TrimmedParts:
+        self.parts.append(tensor.detach().float().clone())
+        return self
+
+    def div_(self, denominator: float) -> torch.Tensor:
+        return trimmed_mean(self.parts, self.trim)
+
+
+def trimmed_mean(parts: list[torch.Tensor], trim: int = 1) -> torch.Tensor:
+    """Per coordinate: sort the members' values (NaN last), drop ``trim`` from each end (fewer if
+    that would leave nothing), average the rest."""
+    stacked = torch.stack(parts)
+    count = len(parts)
+    k = max(0, min(trim, (count - 1) // 2))
+    # NaN sorts last, so it is among the values dropped at the top whenever k >= 1.
+    ordered = torch.sort(torch.nan_to_num(stacked, nan=float("inf")), dim=0).values
+    kept = ordered[k : count - k]
+    return kept.mean(dim=0)
+
+
+class TrimmedPartReducer(TensorPartReducer):
+    trim = 1
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _TrimmedParts(self.trim)
+
+
+def install() -> None:
+    """Make hivemind's all-reduce in this process use the trimmed mean."""
+    import hivemind.averaging.allreduce as allreduce
+
+    allreduce.TensorPartReducer = TrimmedPartReducer
