@@ -45,11 +45,37 @@ def unavailable() -> str | None:
         return "iproute2 (`ip`, `tc`) is not installed"
     if os.geteuid() != 0:
         return "network namespaces need root (or CAP_NET_ADMIN)"
-    probe = f"wbprobe{os.getpid() % 100000}"
-    done = _ip("netns", "add", probe, check=False)
-    if done.returncode:
-        return f"cannot create a network namespace: {done.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
+    # Everything a lab does, once: a namespace, a veth pair into it, a tbf qdisc on each end
+    # (a container may allow namespaces but not veth pairs, or lack the tbf module).
+    tag = f"wbp{os.getpid() % 100000}"
+    steps = [
+        ["ip", "netns", "add", tag],
+        ["ip", "link", "add", f"{tag}h", "type", "veth", "peer", "name", f"{tag}p"],
+        ["ip", "link", "set", f"{tag}p", "netns", tag],
+        [
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            f"{tag}h",
+            "root",
+            "tbf",
+            "rate",
+            "1mbit",
+            "burst",
+            "32kb",
+            "latency",
+            "100ms",
+        ],
+    ]
+    try:
+        for argv in steps:
+            done = subprocess.run(argv, capture_output=True, text=True)
+            if done.returncode:
+                return f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.returncode}"
+    finally:
+        _ip("link", "del", f"{tag}h", check=False)
+        _ip("netns", "del", tag, check=False)
     return None
 
 
