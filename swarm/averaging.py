@@ -41,7 +41,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from optim.averager import RoundReport
 from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
-from swarm.dataplane import DIRECT_CODECS, DirectPlane, free_port
+from swarm.dataplane import DIRECT_CODECS, DirectPlane, RingUnreachable, free_port
 from swarm.errors import SwarmError
 from swarm.progress import ProgressBoard
 from swarm.records import RunKeys, Stage
@@ -94,6 +94,7 @@ class _StateServingAverager(DecentralizedAverager):
         self._plane: DirectPlane | None = None
         self._plane_address: str | None = None
         self._plane_used = False
+        self._unreachable = 0  # consecutive rings this peer could not set up
         # Cleared in the averager process when a ring fails; read here before each step.
         self._plane_enabled = mp.Value("b", 0)
         reachable = plane_advertise or (plane_host if plane_host != "0.0.0.0" else None)
@@ -133,20 +134,27 @@ class _StateServingAverager(DecentralizedAverager):
                 weight=kwargs["weight"],
                 total=sum(float(m.get(_WEIGHT, 0.0)) for m in members),
                 codec=self._codec,
-                timeout=self._allreduce_timeout or 60.0,
+                # Below hivemind's own deadline for this step, so that a member gone mid-ring
+                # ends in our error, not in hivemind cancelling the wait on a running thread.
+                timeout=0.75 * (self._allreduce_timeout or 60.0),
             )
             try:
                 async with enter_asynchronously(self.get_tensors()) as local_tensors:
                     await asyncio.get_running_loop().run_in_executor(None, ring, local_tensors)
-            except Exception as error:
-                self._plane_enabled.value = 0
-                logger.warning(
-                    "direct data plane failed (%s: %s); this peer uses hivemind's all-reduce from now "
-                    "on (a firewall in front of its plane port? --data-plane hivemind avoids the try)",
-                    type(error).__name__,
-                    error,
-                )
-                raise AllreduceException(f"direct data plane failed: {error}") from None
+            except RingUnreachable as error:
+                self._unreachable += 1
+                if self._unreachable >= 3:  # not one member that left: this peer's plane is blocked
+                    self._plane_enabled.value = 0
+                    logger.warning(
+                        "direct data plane: no ring could be set up 3 times in a row (%s); this peer "
+                        "uses hivemind's all-reduce from now on (a firewall in front of its plane "
+                        "port? --data-plane hivemind avoids the try)",
+                        error,
+                    )
+                raise AllreduceException(f"direct data plane: could not set up the ring: {error}") from None
+            except Exception as error:  # a member left mid-ring: an ordinary failed round
+                raise AllreduceException(f"direct data plane: {type(error).__name__}: {error}") from None
+            self._unreachable = 0
             if not self._plane_used:
                 self._plane_used = True
                 logger.info("averaging over the direct data plane (a gloo ring of %d)", len(addresses))

@@ -30,7 +30,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-PLANES = ("auto", "hivemind", "direct")
+PLANES = ("hivemind", "direct")
+
+
+class RingUnreachable(RuntimeError):
+    """The group's ring could not be set up (rendezvous or connections), as opposed to a member
+    leaving once the ring was up."""
+
+
 DIRECT_CODECS = ("none", "fp16")  # int8 needs hivemind's quantizer: it takes hivemind's path
 
 
@@ -92,7 +99,10 @@ class DirectPlane:
         key = tuple(addresses)
         ring = self._rings.get(key)
         if ring is None:
-            ring = self._connect(group_id, addresses, rank, timeout)
+            try:
+                ring = self._connect(group_id, addresses, rank, timeout)
+            except Exception as error:
+                raise RingUnreachable(f"{type(error).__name__}: {error}") from None
         try:
             self._reduce(ring, tensors, scale=weight / total, codec=codec)
         except Exception:

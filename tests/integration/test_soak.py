@@ -21,6 +21,7 @@ SEED = int(os.environ.get("SOAK_SEED", "7"))
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(int(CHURN_SECONDS) * 3 + 600)  # churn, then the rounds left (suite default: 300 s)
 def test_churn_soak(spawn, scenario):
     rng = random.Random(SEED)
     # Rounds take 1-3 s here: the run outlasts the churn, which then stops (time or step).
@@ -48,7 +49,7 @@ def test_churn_soak(spawn, scenario):
         leave = len(live) >= 5 or (len(live) > 2 and rng.random() < 0.5)
         if leave:
             victim = rng.choice(live)
-            how = rng.choice(["SIGKILL", "SIGINT"])
+            how = ("SIGKILL", "SIGINT")[len(left) % 2]  # both ways of leaving, in turn
             if how == "SIGKILL":
                 victim.kill()
             else:
