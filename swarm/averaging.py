@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's n
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.p2p import P2PContext
@@ -345,7 +346,9 @@ class SwarmAverager:
                     # state while the others were averaging): they are past this round and wait
                     # at their next barrier for us, so stop now rather than at the timeout.
                     next_check = time.monotonic() + 1.0
-                    if any(
+                    # Never cancel a step whose all-reduce is running: hivemind would then try to
+                    # set the result of a cancelled future and log an InvalidStateError.
+                    if control.stage is not AveragingStage.RUNNING_ALLREDUCE and any(
                         p.outer_step > outer_step
                         for p in self.board.fetch().values()
                         if p.peer_id != self.peer_id
