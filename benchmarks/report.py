@@ -56,7 +56,11 @@ def utilization() -> list[str]:
     data = _load("utilization")
     lines = ["## Compute utilization on a slow network (`benchmarks/utilization.py`)", ""]
     if not data:
-        return [*lines, "Not run yet.", ""]
+        return [
+            *lines,
+            "No `utilization.json` yet: run `make bench` (the notes below hold earlier figures).",
+            "",
+        ]
     if data.get("skipped"):
         return [*lines, f"Skipped on the machine that ran it: {data['skipped']}.", ""]
     lines += [
