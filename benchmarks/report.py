@@ -69,16 +69,30 @@ def utilization() -> list[str]:
         "Baseline: the same run on uncapped links. Goal: **>= 95%** for DiLoCo with overlapped "
         "communication.",
         "",
-        "| method | utilization (capped) | uncapped | averaging share (capped) | rounds |",
-        "|---|---|---|---|---|",
+        "| method | utilization (capped) | steady state (capped) | uncapped | averaging share (capped) | rounds | goal |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
         c, u = r["capped"], r["uncapped"]
+        steady = c.get("steady_utilization")
+        goal = ""
+        if r["method"] == "diloco-overlap":
+            judged = steady if steady is not None else c["utilization"]  # what a long run sees
+            goal = ">= 95% (steady): " + ("met" if judged >= 0.95 else f"missed by {0.95 - judged:.1%}")
         lines.append(
-            f"| {r['method']} | {c['utilization']:.1%} | {u['utilization']:.1%} | {c['averaging_share']:.1%} | "
-            f"{c['rounds']} |"
+            f"| {r['method']} | {c['utilization']:.1%} | {f'{steady:.1%}' if steady is not None else '-'} | "
+            f"{u['utilization']:.1%} | {c['averaging_share']:.1%} | {c['rounds']} | {goal} |"
         )
-    return [*lines, ""]
+    return [
+        *lines,
+        "",
+        "Utilization is a peer's time in inner steps over its wall time from its first round's start "
+        "to its last round's end (overlapped: to the end of its last all-reduce), averaged over the "
+        "peers. Steady state leaves out the last round, which also evaluates and, overlapped, waits "
+        "for the run's last all-reduce. Averaging share: the all-reduce's own time, which overlapped "
+        "runs behind the next round's compute.",
+        "",
+    ]
 
 
 def overheads() -> list[str]:

@@ -5,7 +5,8 @@
 Four real peers, each in its own network namespace behind a link capped with tc tbf
 (workbench.netlab), train the default model (`small`) with each method; a peer's utilization is
 the time in its inner steps (forward, backward, AdamW; data-parallel's gradient all-reduce
-excluded) over its wall time from its first round's start to its last round's end. Baseline:
+excluded) over its wall time from its first round's start to its last round's end (overlapped:
+to the end of its last all-reduce). Baseline:
 the same peers with the same settings on uncapped links, in this run. Needs root and iproute2;
 elsewhere it writes the reason and exits 0. Writes benchmarks/results/utilization.json.
 """
@@ -31,6 +32,10 @@ RESULTS = Path(__file__).parent / "results"
 METHODS = {
     "dp": ["--method", "dp", "--rounds", "20"],
     "diloco": ["--inner-steps", "50", "--rounds", "3"],
+    # Each round's all-reduce runs while the next round trains; the wait for the last one counts.
+    # (5 rounds: its first round has no mean to apply yet and its last one's all-reduce is waited
+    # for at the end, so a short run understates the steady state.)
+    "diloco-overlap": ["--inner-steps", "50", "--rounds", "5", "--overlap"],
     # --rounds counts full rounds of H steps (each of its F fragments synced once): 3 x 48 steps.
     "streaming": ["--method", "streaming", "--inner-steps", "48", "--fragments", "4", "--rounds", "3"],
 }
@@ -75,17 +80,31 @@ def run_swarm(lab: netlab.NetLab, peers: int, flags: list[str], directory: Path,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    shares, comm = [], []
+    shares, comm, steady, timelines = [], [], [], []
     for i in range(peers):
         rounds = _events(directory / f"p{i}" / "metrics.jsonl", "round")
         begin = rounds[0]["time"] - rounds[0]["round_seconds"]
-        wall = rounds[-1]["time"] - begin
+        done = _events(directory / f"p{i}" / "metrics.jsonl", "done")
+        # Overlapped, the last round's all-reduce ends after its round event: add that wait.
+        wall = rounds[-1]["time"] - begin + (done[0].get("final_averaging_seconds", 0.0) if done else 0.0)
         shares.append(sum(r["compute_seconds"] for r in rounds) / wall)
         comm.append(sum(r["averaging_seconds"] for r in rounds) / wall)
+        # Steady state: every round but the last (which also evaluates, and, overlapped, waits
+        # for the run's last all-reduce), from the first round's start.
+        if len(rounds) > 1:
+            steady.append(sum(r["compute_seconds"] for r in rounds[:-1]) / (rounds[-2]["time"] - begin))
+        timelines.append(
+            [
+                {k: round(r[k], 3) for k in ("round_seconds", "compute_seconds", "averaging_seconds")}
+                for r in rounds
+            ]
+        )
     return dict(
         utilization=sum(shares) / len(shares),
         averaging_share=sum(comm) / len(comm),
+        steady_utilization=sum(steady) / len(steady) if steady else None,
         per_peer=shares,
+        rounds_per_peer=timelines,
         rounds=len(rounds),
         group_sizes=sorted({r["group_size"] for r in rounds}),
     )

@@ -44,6 +44,12 @@ class RoundReport:
     """The mean is already robust (a trimmed mean): no bound from the members' declared norms
     applies to it, so the misreport check is skipped (NaN and outlier checks stay)."""
 
+    pending: bool = False
+    """Overlapped rounds: this round's all-reduce still runs in the background (the first
+    round's report; each later sync reports the round before it)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """What this peer sent with the round: its outer step, θ fingerprint, norm and weight."""
+
     @property
     def averaged_alone(self) -> bool:
         return self.group_size <= 1

@@ -22,6 +22,7 @@ The user's loop stays plain PyTorch::
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -64,8 +65,11 @@ class DiLoCoConfig:
     """Scale this peer's pseudo-gradient down to this global norm before sending (0: never)."""
     delay: int = 0
     """Apply each round's averaged Δ this many rounds later (0: at once; 1: one-step delay, the
-    schedule that lets an asynchronous all-reduce overlap the next round's inner steps; the
-    transports here still block, so today it changes the math, not the wall time)."""
+    schedule that lets an all-reduce overlap the next round's inner steps; see ``overlap``)."""
+    overlap: bool = False
+    """Run each round's all-reduce in a background thread while the next round's inner steps
+    run, and apply its mean at the end of that round. Needs ``delay=1``: the same math as the
+    blocking one-step delay, without the wait (the network time hides behind compute)."""
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
@@ -84,6 +88,11 @@ class DiLoCoConfig:
             )
         if self.delay not in (0, 1, 2):
             raise ValueError(f"delay must be 0, 1 or 2 rounds (got {self.delay}); 1 is the one-step delay")
+        if self.overlap and self.delay != 1:
+            raise ValueError(
+                f"overlap needs delay=1 (got delay={self.delay}): round r's mean can only be applied "
+                "once the next round's inner steps are done; set delay=1"
+            )
         if not 0 < self.topk_density <= 1:
             raise ValueError(
                 f"topk density must be in (0, 1] (got {self.topk_density}); SparseLoCo uses 0.01-0.03"
@@ -137,9 +146,11 @@ class DiLoCo:
         self.samples_this_round = 0
         # Held while θ or the momentum change, so a state download served from another thread
         # (hivemind calls get_current_state in a background thread) never sees half a step.
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.codec = config.make_codec()
         self._pending: list[list[torch.Tensor]] = []  # averaged Δ waiting to be applied (delay > 0)
+        self._inflight: _InFlight | None = None  # with overlap: the round being averaged
+        self._last_future: concurrent.futures.Future | None = None  # the next round starts after it
         # What compression dropped, per peer, added back next round (never lost; see codecs).
         self.feedback = ErrorFeedback(self.codec) if config.error_feedback else None
         self.save_global_params()
@@ -235,10 +246,7 @@ class DiLoCo:
                 "were left unchanged (a peer diverged: lower the inner learning rate)"
             )
         with self.lock:
-            for g, d in zip(self.global_params, mean_deltas):
-                g.grad = d
-            self.outer_optimizer.step()
-            self.outer_optimizer.zero_grad(set_to_none=True)
+            self._apply(mean_deltas)
             self.outer_step_count += 1
 
     def apply_delayed(self, mean_deltas: list[torch.Tensor]) -> None:
@@ -293,7 +301,24 @@ class DiLoCo:
         self.samples_this_round += samples
 
     def sync(self, *, info: dict[str, Any] | None = None) -> RoundReport:
-        """Run one outer round now, whatever the inner step count."""
+        """Run one outer round now, whatever the inner step count. With ``overlap`` the round's
+        all-reduce starts in the background and the report is that of the previous round."""
+        outgoing = self._outgoing(info)
+        if self.config.overlap:
+            return self._sync_overlapped(outgoing)
+        report = self.average(outgoing.deltas, outgoing.info, weight=outgoing.weight)
+        refused = self._judge(outgoing, report)
+        if refused:
+            logger.error("%s", refused)
+        elif self.config.delay:
+            self.apply_delayed(outgoing.deltas)
+        else:
+            self.apply_outer_step(outgoing.deltas)
+        self._next_round()
+        return report
+
+    def _outgoing(self, info: dict[str, Any] | None) -> _Outgoing:
+        """This peer's Δ for the round, as it goes on the wire (clipped, compressed)."""
         deltas = self.compute_pseudo_gradients()
         local_norm = _global_norm(deltas)
         diverged = not all(torch.isfinite(d).all() for d in deltas)
@@ -314,37 +339,103 @@ class DiLoCo:
         weight = 0.0 if diverged else float(max(self.samples_this_round, 1))
         # What the robust check of every member reads: this peer's declared norm and weight.
         info = dict(info or {}, norm=_global_norm(deltas), weight=weight)
-        report = self.average(deltas, info, weight=weight)
-        if diverged:
+        info.setdefault("outer_step", self.outer_step_count)
+        return _Outgoing(deltas, info, weight, local_norm, payload_bytes, diverged, self.outer_step_count)
+
+    def _judge(self, outgoing: _Outgoing, report: RoundReport) -> str | None:
+        """Fill in the report once ``outgoing.deltas`` hold the mean; why the mean must not be
+        applied, or None."""
+        report.info = outgoing.info
+        if outgoing.diverged:
             report.error = (
                 "this peer's pseudo-gradient held NaN/Inf: not sent; it took the group's update "
                 "(lower the inner learning rate)"
             )
-        report.local_norm, report.mean_norm = local_norm, _global_norm(deltas)
-        report.payload_bytes = payload_bytes
+        report.local_norm, report.mean_norm = outgoing.local_norm, _global_norm(outgoing.deltas)
+        report.payload_bytes = outgoing.payload_bytes
         refused = check_round(
             report.mean_norm,
             report.group_info,
             ratio=self.config.outlier_ratio,
             misreport=not report.robust_mean,
         )
-        try:
-            if refused and report.group_size > 1:
-                raise FloatingPointError(
-                    f"round {self.outer_step_count}: {refused}; the global params were left unchanged"
-                )
-            if self.config.delay:
-                self.apply_delayed(deltas)
-            else:
-                self.apply_outer_step(deltas)
-        except FloatingPointError as error:
-            logger.error("%s", error)
-            report.error = str(error)
+        if refused and report.group_size > 1:
+            why = f"round {outgoing.outer_step}: {refused}; the global params were left unchanged"
+        elif not all(torch.isfinite(d).all() for d in outgoing.deltas):
+            why = (
+                f"round {outgoing.outer_step}: the averaged update holds NaN/Inf; the global params "
+                "were left unchanged (a peer diverged: lower the inner learning rate)"
+            )
+        else:
+            return None
+        report.error = why
+        return why
+
+    def _next_round(self) -> None:
         self.restore_parameters()
         self.inner_step_count = 0
         self.samples_this_round = 0
         self.snapshot_inner_state()
+
+    # --- overlapped rounds --------------------------------------------------------------
+
+    def _sync_overlapped(self, outgoing: _Outgoing) -> RoundReport:
+        """Apply the previous round's mean, start this round's all-reduce in the background,
+        and move the clock on at once: the all-reduce has the next round's inner steps to run."""
+        previous = self._inflight
+        report = RoundReport(group_size=1, pending=True, info=outgoing.info)  # the first round
+        mean = None
+        if previous is not None:
+            report = previous.future.result()  # re-raises only what stops the run
+            refused = self._judge(previous.outgoing, report)
+            if refused:
+                logger.error("%s", refused)
+            else:
+                mean = previous.outgoing.deltas
+        with self.lock:  # θ, the clock and the in-flight round change together (see outer_state)
+            if self._pending:  # queued in a downloaded state: the donor's, not our stale round's
+                mean = self._pending.pop(0)
+            if mean is not None:
+                self._apply(mean)
+            self._inflight = _InFlight(
+                outgoing,
+                _in_background(
+                    self.average,
+                    outgoing.deltas,
+                    outgoing.info,
+                    weight=outgoing.weight,
+                    after=self._last_future,
+                ),
+            )
+            self._last_future = self._inflight.future
+            self.outer_step_count += 1
+        self._next_round()
         return report
+
+    def finish(self) -> RoundReport | None:
+        """With ``overlap``: wait for the last round's all-reduce and apply its mean, so a run
+        ends on the same θ as with the blocking one-step delay. None when nothing was in flight."""
+        previous, report = self._inflight, None
+        if previous is None:
+            return None
+        report = previous.future.result()
+        refused = self._judge(previous.outgoing, report)
+        with self.lock:
+            if refused:
+                logger.error("%s", refused)
+            else:
+                self._apply(previous.outgoing.deltas)
+            self._inflight = None
+        self.restore_parameters()
+        return report
+
+    @torch.no_grad()
+    def _apply(self, mean_deltas: list[torch.Tensor]) -> None:
+        with self.lock:
+            for g, d in zip(self.global_params, mean_deltas):
+                g.grad = d
+            self.outer_optimizer.step()
+            self.outer_optimizer.zero_grad(set_to_none=True)
 
     def snapshot_inner_state(self) -> None:
         """Copy the inner optimizer's tensor state for serving (the loop keeps mutating it)."""
@@ -362,18 +453,33 @@ class DiLoCo:
             buffers.append(torch.zeros_like(g) if buf is None else buf)
         return buffers
 
-    def outer_state(self) -> OuterState:
-        """A consistent copy of the global state (safe to call from another thread)."""
-        with self.lock:
-            keys, tensors = getattr(self, "_inner_snapshot", ([], []))
-            return OuterState(
-                outer_step=self.outer_step_count,
-                params=[g.clone() for g in self.global_params],
-                momentum=[m.clone() for m in self.momentum_buffers()],
-                inner=list(tensors),
-                inner_keys=[list(k) for k in keys],
-                pending=[[d.clone() for d in update] for update in self._pending],
-            )
+    def outer_state(self, *, inflight_timeout: float = 60.0) -> OuterState:
+        """A consistent copy of the global state (safe to call from another thread).
+
+        With ``overlap`` the round in flight is part of the state: this waits (at most
+        ``inflight_timeout`` s) for its all-reduce and serves its mean as a queued update, so a
+        joiner applies it at the end of its first round, as this peer will."""
+        while True:
+            inflight = self._inflight
+            if inflight is not None:
+                concurrent.futures.wait([inflight.future], timeout=inflight_timeout)
+            with self.lock:
+                if self._inflight is not inflight:
+                    continue  # a round ended while we waited: wait for the new one
+                keys, tensors = getattr(self, "_inner_snapshot", ([], []))
+                pending = [[d.clone() for d in update] for update in self._pending]
+                if inflight is not None and inflight.future.done() and not inflight.future.exception():
+                    report = dataclasses.replace(inflight.future.result())
+                    if not self._judge(inflight.outgoing, report):
+                        pending.append([d.clone() for d in inflight.outgoing.deltas])
+                return OuterState(
+                    outer_step=self.outer_step_count,
+                    params=[g.clone() for g in self.global_params],
+                    momentum=[m.clone() for m in self.momentum_buffers()],
+                    inner=list(tensors),
+                    inner_keys=[list(k) for k in keys],
+                    pending=pending,
+                )
 
     @torch.no_grad()
     def load_outer_state(self, state: OuterState) -> None:
@@ -394,8 +500,10 @@ class DiLoCo:
             for g, m in zip(self.global_params, state.momentum):
                 self.outer_optimizer.state[g]["momentum_buffer"] = m.clone().to(torch.float32)
             self.outer_step_count = state.outer_step
-            # The group's queued updates replace ours (ours was computed from a stale θ).
+            # The group's queued updates replace ours (ours was computed from a stale θ); so
+            # does an in-flight round's mean (the thread finishes; the next one waits for it).
             self._pending = [[d.clone().float() for d in update] for update in state.pending]
+            self._inflight = None
         self.restore_parameters()
         self._load_inner_state(state)
         self.inner_step_count = 0
@@ -408,6 +516,44 @@ class DiLoCo:
         """Per-tensor L2 norms of θ: peers on the same trajectory agree to ~1e-6 relative."""
         with self.lock:
             return [float(g.double().norm()) for g in self.global_params]
+
+
+@dataclass
+class _Outgoing:
+    """One round's contribution; ``deltas`` hold the group's mean once averaged."""
+
+    deltas: list[torch.Tensor]
+    info: dict[str, Any]
+    weight: float
+    local_norm: float
+    payload_bytes: int
+    diverged: bool
+    outer_step: int
+
+
+@dataclass
+class _InFlight:
+    outgoing: _Outgoing
+    future: concurrent.futures.Future
+
+
+def _in_background(function, *args: Any, after: concurrent.futures.Future | None = None, **kwargs: Any):
+    """``function(*args, **kwargs)`` in a daemon thread (an exit never waits on a network
+    round), after ``after`` is done: one all-reduce at a time per peer."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        if after is not None:
+            concurrent.futures.wait([after])
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(function(*args, **kwargs))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller by result()
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="outer-all-reduce", daemon=True).start()
+    return future
 
 
 def _global_norm(tensors: list[torch.Tensor]) -> float:

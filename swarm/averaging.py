@@ -210,10 +210,14 @@ class SwarmAverager:
         fault_file: str | None = None,
         plane_host: str = "127.0.0.1",
         plane_advertise: str | None = None,
+        overlapped: bool = False,
     ) -> None:
         self.dht = dht
         self.board = board
-        self.beat = beat
+        self.overlapped = overlapped
+        """Rounds run in the background (DiLoCo's ``overlap``): a peer's heartbeat shows the
+        round it trains, one past the round it averages, and this thread leaves its stage alone."""
+        self.beat = (lambda stage: None) if overlapped else beat
         self.config = config
         self.peer_id = dht.peer_id.to_base58()
         self.corrupt_next = False
@@ -260,6 +264,8 @@ class SwarmAverager:
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
     ) -> RoundReport:
         info = dict(info or {}, peer=self.peer_id)
+        # Overlapped, a peer's clock is one past the round it averages as soon as it trains on.
+        ahead = 1 if self.overlapped else 0
         verdict = self.wait_for_round_mates(int(info.get("outer_step", 0)))
         if verdict is not _Verdict.AVERAGE:
             report = self._alone(info, verdict.value)
@@ -281,8 +287,8 @@ class SwarmAverager:
                 p
                 for p in self.board.fetch().values()
                 if p.peer_id != self.peer_id
-                and p.outer_step == outer_step
-                and p.stage in (Stage.WAITING, Stage.AVERAGING)
+                and p.outer_step == outer_step + ahead
+                and (self.overlapped or p.stage in (Stage.WAITING, Stage.AVERAGING))
             ]
             if not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
                 return self._failed(info, error)
@@ -349,7 +355,7 @@ class SwarmAverager:
                     # Never cancel a step whose all-reduce is running: hivemind would then try to
                     # set the result of a cancelled future and log an InvalidStateError.
                     if control.stage is not AveragingStage.RUNNING_ALLREDUCE and any(
-                        p.outer_step > outer_step
+                        p.outer_step > outer_step + (1 if self.overlapped else 0)
                         for p in self.board.fetch().values()
                         if p.peer_id != self.peer_id
                     ):
@@ -385,6 +391,8 @@ class SwarmAverager:
         straggler: not waited for, it will fetch the state. A peer already past this round
         means this one fell behind and must fetch the state instead of averaging.
         """
+        if self.overlapped:
+            return self._wait_for_overlapped_mates(outer_step)
         deadline = time.monotonic() + self.config.round_wait
         waited_for: list[str] = []
         while True:
@@ -425,6 +433,37 @@ class SwarmAverager:
             if busy != waited_for:
                 logger.debug("round %d: waiting for %s", outer_step, ", ".join(busy))
                 waited_for = busy
+            time.sleep(0.1)
+
+    def _wait_for_overlapped_mates(self, outer_step: int) -> _Verdict:
+        """The barrier of an overlapped round, run in the background while this peer trains
+        the next one. A peer's clock moves to ``outer_step + 1`` the moment it ends this round's
+        inner steps, so: still at ``outer_step`` means busy; at ``+ 1`` ready; past ``+ 1`` it
+        has applied this round's mean already, and this peer is behind."""
+        deadline = time.monotonic() + self.config.round_wait
+        while True:
+            others = [
+                p
+                for p in self.board.fetch().values()
+                if p.peer_id != self.peer_id and p.stage is not Stage.PAUSED
+            ]
+            if not others:
+                return _Verdict.ALONE
+            if any(p.outer_step > outer_step + 1 for p in others):
+                return _Verdict.BEHIND
+            # A joiner downloading now lands past this round (with its mean queued): not a mate.
+            busy = [p.name for p in others if p.outer_step == outer_step and p.stage is not Stage.DOWNLOADING]
+            if not busy:
+                return _Verdict.AVERAGE
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "round %d: not waiting longer than %.0f s for %s",
+                    outer_step,
+                    self.config.round_wait,
+                    busy,
+                )
+                ready = [p for p in others if p.outer_step == outer_step + 1]
+                return _Verdict.AVERAGE if ready else _Verdict.ALONE
             time.sleep(0.1)
 
     # --- state for late joiners ---------------------------------------------------------------

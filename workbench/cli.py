@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.averaging_config import CODEC_BYTES
@@ -46,8 +47,34 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default="small",
-        choices=MODEL_PRESETS,
-        help="model preset (default: small, ~1.9M params)",
+        type=_model_name,
+        metavar="PRESET|DIR",
+        help=f"model preset ({', '.join(MODEL_PRESETS)}; default: small, ~1.9M params) or a folder with a "
+        "Hugging Face causal-LM config.json, and its weights if it has them (pip install '.[hf]')",
+    )
+    group.add_argument(
+        "--block-size", type=int, metavar="T", help="context length in tokens (default: the preset's, 128)"
+    )
+    group.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="train on this Hugging Face tokenizer's ids instead of bytes (a local folder, or a hub name)",
+    )
+    group.add_argument(
+        "--dataset",
+        metavar="NAME|PATH",
+        help="read documents with the datasets library: a save_to_disk folder, data files "
+        "(.jsonl/.json/.csv/.parquet/.txt) or a hub name; with --shard each peer reads its own records",
+    )
+    group.add_argument("--dataset-subset", metavar="NAME", help="the hub dataset's configuration name")
+    group.add_argument(
+        "--dataset-split", default="train", help="the dataset's split to read (default: train)"
+    )
+    group.add_argument(
+        "--streaming",
+        action="store_true",
+        default=None,
+        help="stream the dataset's records instead of downloading and preparing it whole",
     )
     group.add_argument(
         "--data",
@@ -58,7 +85,7 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--text-field",
         default="text",
-        help="in a .jsonl data file, the field holding each record's text (default: text)",
+        help="in a .jsonl data file or a dataset, the field holding each record's text (default: text)",
     )
     group.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default: 16)")
     group.add_argument(
@@ -101,6 +128,12 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--delay", type=int, choices=(0, 1), help="apply each round's mean one round later (default: 0)"
+    )
+    group.add_argument(
+        "--overlap",
+        action="store_true",
+        default=None,
+        help="average each round in the background while the next round trains (implies --delay 1)",
     )
     group.add_argument(
         "--outlier-ratio",
@@ -199,6 +232,24 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
         help="continue from the checkpoint in DIR (a stopped peer's --run-dir; also the default --run-dir)",
     )
     group.add_argument(
+        "--tensorboard",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="also write the metrics as TensorBoard scalars to DIR (default: <run-dir>/tensorboard)",
+    )
+    group.add_argument(
+        "--wandb",
+        metavar="PROJECT",
+        help="also log the metrics to this W&B project (offline unless --wandb-mode)",
+    )
+    group.add_argument(
+        "--wandb-mode",
+        default="offline",
+        choices=("offline", "online", "disabled"),
+        help="offline (default: written under <run-dir>/wandb; upload later with `wandb sync`), online",
+    )
+    group.add_argument(
         "--fault-file",
         metavar="FILE",
         help="testing: read injected faults (throttle, corrupt update) from FILE between steps",
@@ -234,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
         "start",
         help="start the first peer of a new run and print the join command",
         description="Start the first peer of a new run; prints the command others paste to join.",
+        epilog="examples:\n"
+        "  workbench start --rounds 100 --run-dir runs/a\n"
+        "  workbench start --config run.toml --host 0.0.0.0 --announce /ip4/203.0.113.5/tcp/31337\n"
+        "  workbench start --model ./tiny-llama --tokenizer ./tok --dataset ./corpus --overlap\n"
+        "  torchrun --nproc-per-node 2 -m workbench start --run-dir runs/node   # a 2-GPU node as one peer",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_peer_options(start)
 
@@ -241,6 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
         "join",
         help="join a running swarm through one or more of its peers",
         description="Join a run through the multiaddr(s) its peers printed.",
+        epilog="examples (paste the command `workbench start` printed, then add your own flags):\n"
+        "  workbench join /ip4/192.0.2.7/tcp/31337/p2p/QmXyz... --owner 090a1e6d35c847d4\n"
+        "  workbench join /ip4/192.0.2.7/tcp/31337/p2p/QmXyz... --client-mode --run-dir runs/b",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     join.add_argument(
         "peers", nargs="+", metavar="MULTIADDR", help="e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
@@ -251,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="run N peers on this machine (127.0.0.1) and watch them train",
         description="Launch N real peers as separate processes on 127.0.0.1.",
+        epilog="examples:\n"
+        "  workbench demo                        # 4 peers, 8 rounds, the swarm monitor\n"
+        "  workbench demo --peers 2 --rounds 3 --headless --json > result.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--peers", type=int, default=4, help="number of peers (default: 4)")
     demo.add_argument(
@@ -285,11 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     from workbench.monitor_cli import add_monitor_parsers
 
     add_monitor_parsers(commands)
+    from workbench.completion import add_completion_parser
     from workbench.config_cli import add_config_parser
     from workbench.export import add_export_parser
 
     add_config_parser(commands)
     add_export_parser(commands)
+    add_completion_parser(commands)
     return parser
 
 
@@ -342,11 +409,14 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
             ("topk_density", args.topk_density),
             ("error_feedback", args.error_feedback),
             ("delay", args.delay),
+            ("overlap", getattr(args, "overlap", None)),
             ("outlier_ratio", getattr(args, "outlier_ratio", None)),
             ("clip_norm", getattr(args, "clip_norm", None)),
         )
         if value is not None
     }
+    if overrides.get("overlap") and args.delay is None:
+        overrides["delay"] = 1
     momentum = overrides.get("outer_momentum", base.outer_momentum)
     nesterov = momentum > 0 and (base.nesterov or "outer_momentum" in overrides)
     return replace(base, **overrides, nesterov=nesterov)
@@ -363,19 +433,50 @@ def parse_shard(text: str | None) -> tuple[int | None, int]:
         raise ValueError(f"--shard '{text}' must look like I/N, e.g. 0/4 for the first of 4 shards") from None
 
 
+def _model_name(text: str) -> str:
+    """``--model``: a preset's name or a folder with a Hugging Face config.json."""
+    if text in MODEL_PRESETS or (Path(text).expanduser() / "config.json").is_file():
+        return text
+    where = (
+        "that folder has no config.json" if Path(text).expanduser().is_dir() else "no such preset or folder"
+    )
+    raise argparse.ArgumentTypeError(
+        f"unknown model {text!r} ({where}): use a preset ({', '.join(MODEL_PRESETS)}) or a folder holding "
+        "a Hugging Face causal-LM config.json"
+    )
+
+
+def _model_shape(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from workbench.model import preset
+
+    shape = preset(args.model if args.model in MODEL_PRESETS else "small")
+    return replace(shape, block_size=args.block_size) if args.block_size else shape
+
+
 def build_config(args: argparse.Namespace) -> RunConfig:
     """The config tree from parsed flags; raises ValueError/SwarmError on a bad value."""
     from swarm.averaging_config import AveragingConfig
     from swarm.dht import NetworkConfig
     from workbench.config import PeerConfig, RunConfig, TrainConfig
     from workbench.data import DataConfig
-    from workbench.model import preset
 
     return RunConfig(
         method=args.method if args.method in ("dp", "streaming") else "diloco",
         fragments=args.fragments,
-        model=preset(args.model),
-        data=DataConfig(path=args.data, batch_size=args.batch_size, text_field=args.text_field),
+        model=_model_shape(args),
+        hf_model=None if args.model in MODEL_PRESETS else args.model,
+        data=DataConfig(
+            path=args.data,
+            batch_size=args.batch_size,
+            text_field=args.text_field,
+            dataset=args.dataset,
+            dataset_subset=args.dataset_subset,
+            dataset_split=args.dataset_split,
+            streaming=bool(args.streaming),
+            tokenizer=args.tokenizer,
+        ),
         train=TrainConfig(inner_lr=args.inner_lr, threads=args.threads),
         diloco=outer_config(args),
         averaging=AveragingConfig(
@@ -410,6 +511,9 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             fault_file=getattr(args, "fault_file", None),
             checkpoint_every=getattr(args, "checkpoint_every", 0),
             resume=getattr(args, "resume", None),
+            tensorboard=getattr(args, "tensorboard", None),
+            wandb_project=getattr(args, "wandb", None),
+            wandb_mode=getattr(args, "wandb_mode", "offline"),
         ),
     )
 
@@ -427,7 +531,11 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     if config.peer.run_id != "workbench":
         parts += ["--run-id", config.peer.run_id]
     defaults = RunConfig()
-    if config.model != defaults.model:
+    if config.hf_model:  # the joiner needs the same folder (config.json, weights) on its machine
+        parts += ["--model", config.hf_model]
+        if config.model.block_size != defaults.model.block_size:
+            parts += ["--block-size", str(config.model.block_size)]
+    elif config.model != defaults.model:
         name = next((name for name, make in PRESETS.items() if make() == config.model), None)
         if name is None:
             raise ValueError(
@@ -452,6 +560,10 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
             parts += [flag, str(value)]
     if config.diloco.error_feedback:
         parts.append("--error-feedback")
+    if config.diloco.overlap:
+        parts.append("--overlap")
+    if config.data.tokenizer:  # token ids shape the model: every peer needs the same tokenizer
+        parts += ["--tokenizer", config.data.tokenizer]
     if config.peer.rounds:  # the inner lr schedule (cosine to the end) depends on the run's length
         parts += ["--rounds", str(config.peer.rounds)]
     if config.peer.owner:
@@ -529,10 +641,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
         from workbench.config_cli import run_config_command
 
         return _one_line_errors(lambda: run_config_command(parser, args, argv), ValueError)
-    if args.command == "export":
-        from workbench.export import ExportError, run_export_command
+    if args.command == "completion":
+        from workbench.completion import run_completion_command
 
-        return _one_line_errors(lambda: run_export_command(args), (ExportError, OSError))
+        return run_completion_command(parser, args)
+    if args.command == "export":
+        from workbench.export import run_export_command
+
+        return _one_line_errors(lambda: run_export_command(args), (ValueError, OSError))
     if args.command in ("monitor", "replay"):
         from workbench.monitor_cli import run_monitor_command
 
@@ -563,6 +679,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
             from workbench.launch import run_demo_command
 
             return run_demo_command(config, args)
+        from workbench.node import follow, node_world
+
+        if node_world()[0] > 0:  # a torchrun rank other than 0: rank 0 is the node's peer
+            return follow(config)
         from workbench.peer import run_peer
 
         on_started = (

@@ -102,9 +102,19 @@ class PeerConfig:
     between inner steps; the demo's fault-injection menu writes it."""
     owner: str | None = None
     """The run owner's key hash (printed by `workbench start`): trust only its manifest and steering."""
+    tensorboard: str | None = None
+    """Also write the metrics as TensorBoard scalars to this folder ("" : <run_dir>/tensorboard)."""
+    wandb_project: str | None = None
+    """Also log the metrics to this W&B project (offline by default: see ``wandb_mode``)."""
+    wandb_mode: str = "offline"
+    """offline (written under <run_dir>/wandb, upload later with ``wandb sync``), online or disabled."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        if self.tensorboard == "" and not self.run_dir:
+            raise ValueError("--tensorboard without a folder writes into the run folder: add --run-dir DIR")
+        if self.wandb_mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"unknown --wandb-mode {self.wandb_mode!r}: choose offline, online or disabled")
         if self.secret is not None and len(self.secret) < 8:
             raise ValueError("a run secret must be at least 8 characters (use a long random one)")
         if self.owner is not None and not re.fullmatch(r"[0-9a-f]{16}", self.owner):
@@ -145,6 +155,10 @@ class RunConfig:
     fragments: int = 4
     """streaming: how many fragments the parameters are split into."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The preset's shape; with ``hf_model``, only its ``block_size`` (the context) applies."""
+    hf_model: str | None = None
+    """A folder with a Hugging Face causal-LM ``config.json`` (and maybe weights) to train
+    instead of a preset (``--model DIR``; the ``[hf]`` extra)."""
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
@@ -162,6 +176,8 @@ class RunConfig:
                 f"streaming on real peers needs --inner-steps ({self.diloco.inner_steps}) divisible by "
                 f"--fragments ({self.fragments}) and no --delay; e.g. --inner-steps 48 --fragments 4"
             )
+        if self.diloco.overlap and self.method != "diloco":
+            raise ValueError(f"--overlap works with --method diloco only (got {self.method})")
         if self.method == "dp" and (
             self.diloco.inner_steps,
             self.diloco.outer_lr,

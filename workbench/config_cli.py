@@ -39,7 +39,12 @@ def add_config_parser(commands) -> None:
     show.add_argument("--sources", action="store_true", help="say where each setting came from")
     show.add_argument("--json", action="store_true", help="one JSON object: settings and sources")
     _add_peer_options(show)
-    keys = actions.add_parser("keys", help="every key a config file may hold, with its flag and meaning")
+    keys = actions.add_parser(
+        "keys",
+        help="every key a config file may hold, with its flag and meaning",
+        epilog="example:\n  workbench config keys --json | jq '.[].key'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     keys.add_argument("--json", action="store_true", help="as JSON")
 
 

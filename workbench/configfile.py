@@ -101,7 +101,7 @@ def _scalar(action: argparse.Action, key: str, value: Any, origin: str, flag: st
         if ok and kind is not str:
             try:
                 value = kind(value)
-            except (TypeError, ValueError) as error:
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
                 raise ConfigError(f"{origin}: {key} = {value!r}: {error}") from None
     if not ok:
         expected = {int: "an integer", float: "a number"}.get(kind, "a string")
@@ -138,6 +138,8 @@ def _from_env(action: argparse.Action, key: str, text: str, variable: str) -> An
 def _env_scalar(action: argparse.Action, text: str, variable: str) -> Any:
     try:
         value = (action.type or str)(text)
+    except argparse.ArgumentTypeError as error:
+        raise ConfigError(f"{variable}={text!r}: {error}") from None
     except (TypeError, ValueError):
         kind = {int: "an integer", float: "a number"}.get(action.type, "a value")
         raise ConfigError(f"{variable}={text!r} must be {kind}") from None

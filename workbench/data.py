@@ -51,7 +51,19 @@ class DataConfig:
     extensions: tuple[str, ...] = (".py", ".txt", ".md", ".rst", ".jsonl")
     """File suffixes a folder contributes (a single file is read whatever its suffix)."""
     text_field: str = "text"
-    """In a ``.jsonl`` file, the field holding each record's text (one document per line)."""
+    """In a ``.jsonl`` file or a dataset, the field holding each record's text."""
+    dataset: str | None = None
+    """Read documents with ``datasets`` instead: a saved dataset folder, data files, or a hub
+    name (the ``[hf]`` extra). Replaces ``path``."""
+    dataset_subset: str | None = None
+    """The dataset's configuration name, for hub datasets that have several."""
+    dataset_split: str = "train"
+    """Which split of the dataset to read (evaluation records are held out of it by index)."""
+    streaming: bool = False
+    """Stream the dataset's records instead of downloading and preparing it whole."""
+    tokenizer: str | None = None
+    """A ``transformers`` tokenizer (local folder or hub name): train on its token ids
+    instead of bytes. The model's vocabulary must hold them."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,6 +80,8 @@ class DataConfig:
             raise ValueError(
                 f"DataConfig.max_bytes={self.max_bytes!r} must be an integer >= 1024; try 16_000_000."
             )
+        if self.path is not None and self.dataset is not None:
+            raise ValueError("pass either --data (files) or --dataset (the datasets library), not both")
         if not self.extensions or not all(isinstance(e, str) and e.startswith(".") for e in self.extensions):
             raise ValueError(
                 f"DataConfig.extensions={self.extensions!r} must be a non-empty tuple of suffixes "
@@ -151,13 +165,21 @@ def _is_eval_file(relative: str, eval_fraction: float) -> bool:
 class ByteCorpus:
     """A train and a validation byte stream (uint8, 1-D), each file separated by ``b"\\n"``."""
 
-    def __init__(self, *, train: Tensor, val: Tensor, source: str, num_files: int) -> None:
-        assert train.dtype == torch.uint8 and train.dim() == 1, f"{train.dtype=} {train.shape=}"
-        assert val.dtype == torch.uint8 and val.dim() == 1, f"{val.dtype=} {val.shape=}"
-        self.train = train  # (N_train,) uint8
-        self.val = val  # (N_val,) uint8
+    def __init__(
+        self, *, train: Tensor, val: Tensor, source: str, num_files: int, vocab_size: int = 256
+    ) -> None:
+        for split in (train, val):  # bytes, or token ids of a tokenizer
+            assert split.dtype in (torch.uint8, torch.int32) and split.dim() == 1, (
+                f"{split.dtype=} {split.shape=}"
+            )
+        self.train = train  # (N_train,) uint8 bytes or int32 token ids
+        self.val = val  # (N_val,)
         self.source = source
         self.num_files = num_files
+        self.vocab_size = vocab_size
+        """Token values the data holds: 256 for bytes, else the tokenizer's vocabulary."""
+        self.presharded = False
+        """The documents are already this peer's shard (a dataset sharded by record)."""
 
     def __repr__(self) -> str:
         return f"ByteCorpus({self.source}: train={len(self.train)} B, val={len(self.val)} B)"
@@ -165,8 +187,73 @@ class ByteCorpus:
     # --- loading ------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, config: DataConfig) -> ByteCorpus:
-        """Read the files named by ``config`` and split them into train and val."""
+    def load(cls, config: DataConfig, *, shard: int | None = None, num_shards: int = 1) -> ByteCorpus:
+        """Read the documents named by ``config`` and split them into train and val. A dataset
+        is sharded here, by record (``shard`` of ``num_shards``; files are sharded per batch)."""
+        if config.dataset is not None:
+            from workbench import hf
+
+            dataset = hf.open_dataset(
+                config.dataset,
+                subset=config.dataset_subset,
+                split=config.dataset_split,
+                streaming=config.streaming,
+            )
+            train_parts: list[bytes] = []
+            val_parts: list[bytes] = []
+            for is_eval, data in hf.dataset_documents(
+                dataset,
+                text_field=config.text_field,
+                shard=shard or 0,
+                num_shards=num_shards if shard is not None else 1,
+                eval_fraction=config.eval_fraction,
+                max_bytes=config.max_bytes,
+            ):
+                (val_parts if is_eval else train_parts).append(data)
+            label = f"dataset {config.dataset}" + (
+                f" shard {shard}/{num_shards}" if shard is not None else ""
+            )
+            total = sum(map(len, train_parts)) + sum(map(len, val_parts))
+            files: list[Path] = []
+            presharded = shard is not None
+        else:
+            train_parts, val_parts, files, label, total = cls._read_files(config)
+            presharded = False
+        num_files = len(train_parts) + len(val_parts)
+        if num_files == 0 and config.dataset is not None:
+            raise DataError(f"{label} gave no text from field '{config.text_field}'; check --text-field")
+        if num_files == 0:
+            raise DataError(
+                f"all {len(files)} candidate files under {label!r} are empty or binary; "
+                f"point --data at non-empty text files."
+            )
+        if train_parts and val_parts:
+            train_bytes, val_bytes = b"\n".join(train_parts), b"\n".join(val_parts)
+        else:
+            # Too few files for a split by file (e.g. a single file): hold out the tail instead.
+            stream = b"\n".join(train_parts + val_parts)
+            cut = len(stream) - max(1, int(len(stream) * config.eval_fraction))
+            train_bytes, val_bytes = stream[:cut], stream[cut:]
+            logger.debug("split by bytes instead of by file (%d files)", num_files)
+
+        source = f"{label} ({num_files} {'records' if config.dataset else 'files'}, {total / 1e6:.1f} MB)"
+        if config.tokenizer is None:
+            train, val, vocab = _to_tensor(train_bytes), _to_tensor(val_bytes), 256
+        else:
+            from workbench import hf
+
+            tokenizer = hf.load_tokenizer(config.tokenizer)
+            train, val = hf.tokenize(tokenizer, [train_bytes]), hf.tokenize(tokenizer, [val_bytes])
+            vocab = hf.vocab_size(tokenizer)
+            source += f", {len(train) + len(val)} tokens of {config.tokenizer}"
+        logger.info("loaded corpus %s: train=%d, val=%d", source, len(train), len(val))
+        corpus = cls(train=train, val=val, source=source, num_files=num_files, vocab_size=vocab)
+        corpus.presharded = presharded
+        return corpus
+
+    @staticmethod
+    def _read_files(config: DataConfig) -> tuple[list[bytes], list[bytes], list[Path], str, int]:
+        """The documents of ``config.path`` (or the stdlib), train and val by file."""
         if config.path is None:
             root = Path(sysconfig.get_paths()["stdlib"])
             files, label = stdlib_sources(), "python stdlib"
@@ -202,27 +289,7 @@ class ByteCorpus:
                 data = data[: config.max_bytes - total]
                 total += len(data)
                 (val_parts if _is_eval_file(relative, config.eval_fraction) else train_parts).append(data)
-
-        num_files = len(train_parts) + len(val_parts)
-        if num_files == 0:
-            raise DataError(
-                f"all {len(files)} candidate files under {label!r} are empty or binary; "
-                f"point --data at non-empty text files."
-            )
-        if train_parts and val_parts:
-            train_bytes, val_bytes = b"\n".join(train_parts), b"\n".join(val_parts)
-        else:
-            # Too few files for a split by file (e.g. a single file): hold out the tail instead.
-            stream = b"\n".join(train_parts + val_parts)
-            cut = len(stream) - max(1, int(len(stream) * config.eval_fraction))
-            train_bytes, val_bytes = stream[:cut], stream[cut:]
-            logger.debug("split by bytes instead of by file (%d files)", num_files)
-
-        source = f"{label} ({num_files} files, {total / 1e6:.1f} MB)"
-        logger.info("loaded corpus %s: train=%d B, val=%d B", source, len(train_bytes), len(val_bytes))
-        return cls(
-            train=_to_tensor(train_bytes), val=_to_tensor(val_bytes), source=source, num_files=num_files
-        )
+        return train_parts, val_parts, files, label, total
 
     # --- batching -----------------------------------------------------------------------------
 

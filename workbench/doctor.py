@@ -36,6 +36,8 @@ def add_doctor_parser(commands) -> None:
         "doctor",
         help="check the connection to a swarm and say how to fix what is wrong",
         description="Diagnose joining a swarm: bootstrap peers, this peer's reachability, versions.",
+        epilog="example:\n  workbench doctor /ip4/192.0.2.7/tcp/31337/p2p/QmXyz... --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "peers", nargs="+", metavar="MULTIADDR", help="the bootstrap peers you would join through"

@@ -3,6 +3,8 @@
 Reads every ``metrics.jsonl`` under RUN_DIR (one peer's --run-dir, or a demo's --run-dir with
 a folder per peer), keeps the chosen events (default: ``round``), and writes CSV (``--csv``) or
 JSON lines, one row per event, columns in first-seen order. Data to stdout or ``--out FILE``.
+``--tensorboard DIR`` and ``--wandb PROJECT`` replay the events into those instead, one run per
+peer (see :mod:`workbench.exporters`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def add_export_parser(commands) -> None:
         help="a run's metrics (every metrics.jsonl under RUN_DIR) as CSV or JSON lines",
         description="Export a run's metrics, one row per event, from every metrics.jsonl under RUN_DIR.",
         epilog="examples:\n  workbench export runs/demo --csv > rounds.csv\n"
-        "  workbench export runs/peer-a --events round,state_downloaded --out events.jsonl",
+        "  workbench export runs/peer-a --events round,state_downloaded --out events.jsonl\n"
+        "  workbench export runs/demo --tensorboard runs/tb && tensorboard --logdir runs/tb\n"
+        "  workbench export runs/demo --wandb my-project   # offline runs under RUN_DIR/wandb",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a peer's or a demo's --run-dir")
@@ -34,6 +38,18 @@ def add_export_parser(commands) -> None:
         "--events", default="round", help="comma-separated event kinds, or 'all' (default: round)"
     )
     parser.add_argument("--out", metavar="FILE", help="write here instead of stdout")
+    parser.add_argument(
+        "--tensorboard", metavar="DIR", help="write TensorBoard event files here (a folder per peer) instead"
+    )
+    parser.add_argument(
+        "--wandb", metavar="PROJECT", help="log to this W&B project instead (one run per peer)"
+    )
+    parser.add_argument(
+        "--wandb-mode",
+        default="offline",
+        choices=("offline", "online"),
+        help="offline (default: written under RUN_DIR/wandb, upload with `wandb sync`) or online",
+    )
 
 
 def read_events(run_dir: str | Path, kinds: set[str] | None) -> list[dict[str, Any]]:
@@ -61,6 +77,8 @@ def read_events(run_dir: str | Path, kinds: set[str] | None) -> list[dict[str, A
 
 
 def run_export_command(args: argparse.Namespace) -> int:
+    if args.tensorboard or args.wandb:
+        return _replay(args)
     kinds = None if args.events == "all" else {k.strip() for k in args.events.split(",") if k.strip()}
     rows = read_events(args.run_dir, kinds)
     out = open(args.out, "w", newline="") if args.out else sys.stdout  # noqa: SIM115
@@ -83,4 +101,30 @@ def run_export_command(args: argparse.Namespace) -> int:
             out.close()
     if args.out:
         print(f"wrote {len(rows)} rows to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """Every peer's events into TensorBoard and/or W&B, one run per peer."""
+    from workbench.exporters import make_exporters
+
+    peers: dict[str, list[dict[str, Any]]] = {}
+    for event in read_events(args.run_dir, None):
+        peers.setdefault(str(event.get("peer", "peer")), []).append(event)
+    for name, events in peers.items():
+        exporters = make_exporters(
+            tensorboard=str(Path(args.tensorboard) / name) if args.tensorboard else None,
+            wandb_project=args.wandb,
+            wandb_mode=args.wandb_mode,
+            wandb_dir=Path(args.run_dir),  # wandb writes its runs under <dir>/wandb
+            name=name,
+        )
+        try:
+            for event in events:
+                for exporter in exporters:
+                    exporter.write(event)
+        finally:
+            for exporter in exporters:
+                exporter.close()
+        print(f"{name}: {len(events)} events exported", file=sys.stderr)
     return 0

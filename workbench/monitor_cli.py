@@ -32,6 +32,9 @@ def add_monitor_parsers(commands) -> None:
         "replay",
         help="open the monitor on a recorded run (`workbench status --record FILE`)",
         description="Replay a recorded run in the terminal UI.",
+        epilog="example:\n  workbench status /ip4/127.0.0.1/tcp/31337/p2p/QmXyz... --record run.jsonl\n"
+        "  workbench replay run.jsonl --interval 0.2",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     replay.add_argument("file", metavar="FILE", help="a recording made with --record")
     replay.add_argument(

@@ -40,6 +40,7 @@ from swarm.session import connect
 from workbench.config import RunConfig
 from workbench.data import ByteCorpus, evaluate
 from workbench.model import autocast_context, build_model, pick_device
+from workbench.node import CHECK, STEP, SYNC, NodeGroup
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class Peer:
         self.manifest = None
         self.control = None
         self.metrics_file = None
+        self.exporters: list = []  # TensorBoard, W&B: fed every event, as metrics.jsonl is
+        self.node: NodeGroup | None = None  # a torchrun node: this is rank 0, driving the others
+        self.node_max_diff = 0.0  # the largest θ_local difference between the node's ranks seen
         self.batches = None
         run_dir = config.peer.run_dir
         self.run_dir = Path(run_dir) if run_dir else None
@@ -86,20 +90,12 @@ class Peer:
         cfg = self.config
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        self.device = pick_device(cfg.peer.device)
-        self.corpus = ByteCorpus.load(cfg.data)
-        self.corpus.check_fits(cfg.model.block_size)
-        self.eval_set = self.corpus.eval_batches(
-            block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, num_batches=cfg.peer.eval_batches
-        )
-        # Same seed on every peer: identical θ at round 0 even before any state download.
-        self.model = build_model(cfg.model, seed=cfg.peer.seed).to(self.device)
-        self.inner_optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=cfg.train.inner_lr,
-            weight_decay=cfg.train.weight_decay,
-            betas=(cfg.train.beta1, cfg.train.beta2),
-        )
+        training = build_training(cfg)
+        self.device, self.corpus, self.eval_set = training.device, training.corpus, training.eval_set
+        self.model, self.inner_optimizer = training.model, training.inner_optimizer
+        self.node = NodeGroup.from_env()  # None outside torchrun
+        if self.node is not None and cfg.method != "diloco":
+            raise ValueError(f"a torchrun node peer runs --method diloco (got {cfg.method})")
         self.keys = RunKeys(cfg.peer.run_id, cfg.peer.secret)
         network = cfg.network
         if not network.identity_path and self.run_dir:
@@ -115,6 +111,18 @@ class Peer:
         self.name = cfg.peer.name or f"peer-{self.peer_id[-6:]}"
         if self.run_dir:
             self.metrics_file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        if cfg.peer.tensorboard is not None or cfg.peer.wandb_project:
+            from workbench.exporters import make_exporters
+
+            tensorboard = cfg.peer.tensorboard
+            self.exporters = make_exporters(
+                tensorboard=str(self.run_dir / "tensorboard") if tensorboard == "" else tensorboard,
+                wandb_project=cfg.peer.wandb_project,
+                wandb_mode=cfg.peer.wandb_mode,
+                wandb_dir=self.run_dir or Path("."),
+                name=self.name,
+                config=dict(method=cfg.method, outer=dataclasses.asdict(cfg.diloco), peer_id=self.peer_id),
+            )
 
         from swarm.averaging import SwarmAverager
 
@@ -136,6 +144,7 @@ class Peer:
             client_mode=cfg.network.client_mode,
             fault_file=cfg.peer.fault_file,
             **self._plane_location(),
+            overlapped=cfg.diloco.overlap,
         )
         if cfg.method == "dp":
             # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
@@ -311,6 +320,13 @@ class Peer:
         record = {"event": event, "time": time.time(), "peer": self.name, **fields}
         if self.metrics_file:
             self.metrics_file.write(json.dumps(record) + "\n")
+        for exporter in self.exporters:
+            try:
+                exporter.write(record)
+            except Exception as error:  # noqa: BLE001 - a dashboard must never stop training
+                logger.warning("%s: dropping the %s exporter: %s", self.name, type(exporter).__name__, error)
+                self.exporters.remove(exporter)
+                break
 
     # --- the run ----------------------------------------------------------------------------
 
@@ -416,6 +432,10 @@ class Peer:
             # θ_global only changes at a sync, so one fingerprint serves the whole round (for dp a
             # round is one step); computing it per inner step would norm every tensor H times.
             self.apply_control()
+            if self.node is not None:  # the node's ranks start the round from rank 0's θ and AdamW
+                self.node.command(SYNC)
+                self.node.sync_state(self.model, self.inner_optimizer)
+            world = self.node.world_size if self.node is not None else 1
             info = dict(outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint())
             for _ in range(self.steps_this_round()):
                 self.wait_while_paused()
@@ -430,15 +450,20 @@ class Peer:
                 step_start = time.monotonic()
                 self.last_loss, dp_report = self.inner_step(x, y, info)
                 compute += time.monotonic() - step_start - (dp_report.seconds if dp_report else 0.0)
-                self.diloco.note_inner_step(samples=len(x))
-                samples += len(x)
+                self.diloco.note_inner_step(samples=len(x) * world)  # the node's weight: all its ranks
+                samples += len(x) * world
                 steps += 1
             self.samples_per_second = samples / max(time.monotonic() - round_start, 1e-9)
+            if self.node is not None:  # every rank holds the same θ_local now, or the node is broken
+                self.node.command(CHECK)
+                self.node_max_diff = max(self.node_max_diff, self.node.max_param_diff(self.model))
             if self.dp is not None:
                 self.diloco.sync()  # commit: θ_global ← θ_local, step clock + 1, state snapshot
                 report = dp_report
             else:
                 report = self.diloco.sync(info=info)
+                if cfg.diloco.overlap:  # the clock moved on: say so now, the others' barrier reads it
+                    self.board.publish(self.heartbeat(), force=True)
             self.bytes_sent += report.bytes_sent
             self.bytes_received += report.bytes_received
             self.group_size = report.group_size
@@ -451,7 +476,10 @@ class Peer:
             if report.group_size > 1:
                 from swarm.averaging import diverged_from_group
 
-                resync = diverged_from_group(info | {"peer": self.peer_id}, report.group_info)
+                # (overlapped, the report is the previous round's: judge it by what went with it)
+                resync = diverged_from_group(
+                    (report.info or info) | {"peer": self.peer_id}, report.group_info
+                )
             # A peer known to be out of date must not serve its θ at the top priority.
             self.averager.set_state_priority(self.diloco.outer_step_count - (0.5 if resync else 0.0))
             every = cfg.peer.checkpoint_every
@@ -482,6 +510,10 @@ class Peer:
                 samples_per_second=self.samples_per_second,
                 local_update_norm=report.local_norm,
                 mean_update_norm=report.mean_norm,
+                # each member's averaging weight (samples this round; a torchrun node: all ranks')
+                group_weights=sorted(
+                    float(g["weight"]) for g in report.group_info if isinstance(g.get("weight"), (int, float))
+                ),
             )
             logger.info(
                 "%s: round %d  loss %.4f  eval %.4f  group %d%s",
@@ -492,6 +524,10 @@ class Peer:
                 report.group_size,
                 f"  (alone: {report.error})" if report.error else "",
             )
+        flush_start = time.monotonic()
+        if self.dp is None and cfg.diloco.overlap:
+            self.diloco.finish()  # the last round's mean, so the run ends on the swarm's θ
+        flush_seconds = time.monotonic() - flush_start
         final_eval = evaluate(self.model, self.eval_set, self.device)
         summary = dict(
             peer_id=self.peer_id,
@@ -502,7 +538,10 @@ class Peer:
             final_eval_loss=final_eval,
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
+            final_averaging_seconds=flush_seconds,  # overlapped: the wait for the last all-reduce
         )
+        if self.node is not None:
+            summary.update(node_ranks=self.node.world_size, node_max_param_diff=self.node_max_diff)
         if self.run_dir:
             torch.save(self.diloco.outer_state().params, self.run_dir / "global_params.pt")
         self.emit("done", **summary)
@@ -662,6 +701,12 @@ class Peer:
 
     def _batches(self):
         cfg = self.config
+        if cfg.peer.shard is not None and self.corpus.presharded:  # a dataset sharded by record
+            return self.corpus.batches(
+                block_size=cfg.model.block_size,
+                batch_size=cfg.data.batch_size,
+                seed=cfg.peer.seed + cfg.peer.shard,
+            )
         if cfg.peer.shard is not None:  # the same stream optim.sim gives virtual peer `shard`
             return self.corpus.batches(
                 block_size=cfg.model.block_size,
@@ -676,11 +721,15 @@ class Peer:
 
     def inner_step(self, x: torch.Tensor, y: torch.Tensor, info: dict[str, Any]) -> tuple[float, Any]:
         """One AdamW step; for data-parallel, with the swarm's mean gradient (and its report)."""
+        if self.node is not None:  # the other ranks take the same step on their own batches
+            self.node.command(STEP, self.inner_optimizer.param_groups[0]["lr"])
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.model.train()
         with autocast_context(self.device):
             _, loss = self.model(x, y)
         loss.backward()
+        if self.node is not None:
+            self.node.average_gradients(self.model)
         report = self.dp.before_inner_step(samples=len(x), info=info) if self.dp is not None else None
         if self.config.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
@@ -704,6 +753,13 @@ class Peer:
             except Exception as error:
                 logger.debug("could not announce leaving: %s", error)
         self.emit("left", reason=reason)
+        if self.node is not None:
+            try:
+                self.node.stop()  # the followers return; their processes exit with ours
+                self.node.close()
+            except Exception as error:  # noqa: BLE001 - a follower already gone
+                logger.debug("stopping the node's other ranks: %s", error)
+            self.node = None
         averagers = getattr(self, "fragment_averagers", None) or [self.averager]
         if self.session is not None:
             self.session.close(*averagers)
@@ -712,6 +768,49 @@ class Peer:
         if self.metrics_file:
             self.metrics_file.close()
             self.metrics_file = None
+        for exporter in self.exporters:
+            try:
+                exporter.close()
+            except Exception as error:  # noqa: BLE001
+                logger.warning("closing the %s exporter: %s", type(exporter).__name__, error)
+        self.exporters = []
+
+
+@dataclasses.dataclass
+class Training:
+    """What one process needs to train: the same on every peer and every rank of a node."""
+
+    device: torch.device
+    corpus: ByteCorpus
+    eval_set: list
+    model: torch.nn.Module
+    inner_optimizer: torch.optim.Optimizer
+
+
+def build_training(cfg: RunConfig) -> Training:
+    """Data, model (seeded: identical θ on every peer before any download) and inner AdamW."""
+    device = pick_device(cfg.peer.device)
+    corpus = ByteCorpus.load(cfg.data, shard=cfg.peer.shard, num_shards=cfg.peer.num_shards)
+    corpus.check_fits(cfg.model.block_size)
+    eval_set = corpus.eval_batches(
+        block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, num_batches=cfg.peer.eval_batches
+    )
+    if cfg.hf_model:
+        from workbench import hf
+
+        model = hf.load_model(
+            cfg.hf_model, seed=cfg.peer.seed, block_size=cfg.model.block_size, vocab_size=corpus.vocab_size
+        ).to(device)
+    else:  # a preset reads bytes, or a tokenizer's ids when --tokenizer is given
+        shape = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
+        model = build_model(shape, seed=cfg.peer.seed).to(device)
+    inner_optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.train.inner_lr,
+        weight_decay=cfg.train.weight_decay,
+        betas=(cfg.train.beta1, cfg.train.beta2),
+    )
+    return Training(device, corpus, eval_set, model, inner_optimizer)
 
 
 def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | None = None) -> dict[str, Any]:

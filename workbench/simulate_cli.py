@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from workbench.names import SIMULATE_METHODS, UPDATE_CODECS
 
 
@@ -10,6 +12,9 @@ def add_simulate_parser(commands) -> None:
         "simulate",
         help="compare outer optimizers on N virtual peers in this process",
         description="Run an outer optimizer on N virtual peers in one process (exact, deterministic for a seed).",
+        epilog="examples:\n  workbench simulate --method diloco --peers 8 --steps 400\n"
+        "  workbench simulate --method sparseloco --update-codec topk --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--method", default="diloco", choices=SIMULATE_METHODS, help="outer method (default: diloco)"

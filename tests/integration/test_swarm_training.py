@@ -108,3 +108,29 @@ def test_identity_file_keeps_the_peer_id_across_restarts(spawn, tmp_path):
     again = spawn("b", "start", *FAST, "--run-id", "identity", "--identity", str(key), "--min-peers", "2")
     assert again.wait_event("started", timeout=60)["peer_id"] == first_id
     assert first_id in again.address()
+
+
+def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn):
+    """--overlap: each round's all-reduce runs while the next round trains. Peers report a
+    round one sync later, a joiner gets the mean in flight with the state, and all three end
+    on the same global params (the run's last mean applied by every peer)."""
+    common = [*FAST, "--rounds", "12", "--run-id", "overlap", "--overlap"]
+    first = spawn("a", "start", *common, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
+    first.wait_event("round", lambda e: e["outer_step"] >= 3)
+    third = spawn("c", "join", first.address(), *common)
+    for peer in (first, second, third):
+        assert peer.wait() == 0, peer.stderr()
+        assert "Traceback" not in peer.stderr(), peer.stderr()
+    rounds = first.events("round")
+    assert [r["outer_step"] for r in rounds] == list(range(1, 13))
+    # The first sync only starts round 0's all-reduce; every later one reports the round before.
+    assert rounds[0]["group_size"] == 1 and all(r["group_size"] >= 2 for r in rounds[1:]), rounds
+    assert third.events("state_downloaded")[0]["outer_step"] >= 3
+    joined = next((r for r in third.events("round") if r["group_size"] == 3), None)
+    assert joined is not None, third.events("round")
+    params = [p.global_params() for p in (first, second, third)]
+    assert max_abs_diff(params[0], params[1]) <= 1e-5
+    assert max_abs_diff(params[0], params[2]) <= 1e-5
+    done = first.events("done")[0]
+    assert done["final_eval_loss"] < done["initial_eval_loss"] - 0.5

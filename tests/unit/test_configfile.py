@@ -71,7 +71,7 @@ def test_env_alone_and_switches(monkeypatch):
         ("outer_lr = true\n", "outer_lr must be a number"),
         ('error_feedback = "yes"\n', "error_feedback must be true or false"),
         ('codec = "zip"\n', "codec = 'zip' is not one of fp16, int8, none"),
-        ('model = "huge"\n', "model = 'huge' is not one of"),
+        ('model = "huge"\n', "model = 'huge': unknown model 'huge' (no such preset or folder)"),
         ("inner_steps = \n", "is not valid TOML"),
         ("[a.b]\nc = 1\n", "nested too deep"),
         ("rounds = 1\n[peer]\nrounds = 2\n", "'rounds' is set twice"),

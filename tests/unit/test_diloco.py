@@ -12,6 +12,7 @@ Expected global params are computed by hand with the formulas of the paper's out
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import threading
 from collections.abc import Sequence
@@ -542,3 +543,76 @@ def test_delayed_updates_travel_with_the_state() -> None:
     a.apply_delayed([z.clone() for z in zero])
     b.apply_delayed([z.clone() for z in zero])
     assert_all_close(a.global_params, b.global_params, atol=0)
+
+
+class _SlowAverager:
+    """A swarm of one whose all-reduce takes a while and says where it ran."""
+
+    def __init__(self, seconds: float = 0.2) -> None:
+        self.seconds = seconds
+        self.threads: list[str] = []
+
+    def all_reduce(self, tensors, *, weight, info=None) -> RoundReport:
+        import time
+
+        self.threads.append(threading.current_thread().name)
+        time.sleep(self.seconds)
+        return RoundReport(group_size=1, group_info=[dict(info or {})])
+
+
+def overlapped(model: nn.Module, averager) -> tuple[DiLoCo, torch.optim.Optimizer]:
+    config = DiLoCoConfig(
+        inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False, delay=1, overlap=True
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return DiLoCo(model, opt, averager, config), opt
+
+
+def test_overlap_needs_the_one_step_delay() -> None:
+    with pytest.raises(ValueError, match="overlap needs delay=1"):
+        DiLoCoConfig(overlap=True)
+
+
+def test_an_overlapped_round_averages_in_the_background_and_reports_a_round_later() -> None:
+    averager = _SlowAverager()
+    outer, opt = overlapped(make_model(), averager)
+    _, first = train_round(outer, opt, batches(1, 1))
+    assert first.pending and outer.outer_step_count == 1  # the clock moves on at once
+    assert averager.threads == [] or averager.threads == ["outer-all-reduce"]
+    _, second = train_round(outer, opt, batches(2, 1))
+    assert not second.pending and second.info["outer_step"] == 0  # round 0's report
+    assert averager.threads[0] == "outer-all-reduce"
+    assert outer.finish().info["outer_step"] == 1
+    assert outer.finish() is None  # nothing left in flight
+
+
+def test_overlapped_finish_ends_on_the_theta_of_the_blocking_delay_plus_its_last_mean() -> None:
+    model_a, model_b = make_model(), make_model()
+    a, opt_a = overlapped(model_a, LocalAverager())
+    config = dataclasses.replace(a.config, overlap=False)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+    b = DiLoCo(model_b, opt_b, LocalAverager(), config)
+    for r in range(3):
+        train_round(a, opt_a, batches(r, 1))
+        train_round(b, opt_b, batches(r, 1))
+    a.finish()
+    b.apply_outer_step(b._pending.pop(0))  # the blocking delay's last queued mean
+    assert_all_close(a.global_params, b.global_params, atol=0)
+
+
+def test_a_joiner_gets_the_mean_in_flight_with_the_state() -> None:
+    """Served mid-flight, the state waits for the all-reduce and queues its mean: the joiner
+    applies it at the end of its first round, as the donor does."""
+    donor, opt_d = overlapped(make_model(seed=0), _SlowAverager(0.3))
+    train_round(donor, opt_d, batches(1, 1))  # round 0 in flight now
+    state = donor.outer_state()
+    assert state.outer_step == 1 and len(state.pending) == 1
+    joiner, opt_j = overlapped(make_model(seed=5), LocalAverager())
+    joiner.load_outer_state(state)
+    assert_all_close(joiner.global_params, donor.global_params, atol=0)
+    # Both train a round that changes nothing; then both have applied round 0's mean.
+    for outer in (donor, joiner):
+        outer.inner_step_count = 1
+        outer.sync()
+    assert_all_close(joiner.global_params, donor.global_params, atol=0)
+    assert joiner.outer_step_count == donor.outer_step_count == 2

@@ -54,6 +54,7 @@ def factory(
     momentum: float = 0.9,
     sgd: bool = False,
     delay: int = 0,
+    overlap: bool = False,
 ):
     def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
         model = init_model()
@@ -67,7 +68,12 @@ def factory(
             steps = 1
         else:
             config = DiLoCoConfig(
-                inner_steps=H, outer_lr=outer_lr, outer_momentum=momentum, nesterov=momentum > 0, delay=delay
+                inner_steps=H,
+                outer_lr=outer_lr,
+                outer_momentum=momentum,
+                nesterov=momentum > 0,
+                delay=delay,
+                overlap=overlap,
             )
             outer = DiLoCo(model, inner, swarm.averager(rank), config)
             steps = H
@@ -229,3 +235,14 @@ def test_a_diverged_virtual_peer_sends_nothing_and_keeps_the_swarm_in_step():
     assert result.rounds == 4
     assert result.params_max_abs_diff == 0.0
     assert result.final_eval_loss < result.initial_eval_loss
+
+
+def test_overlapped_rounds_give_exactly_the_blocking_one_step_delay():
+    """Averaging in the background changes when the mean arrives, never what is applied."""
+    blocking = simulate(factory("diloco", H=3, delay=1), mse, SimConfig(peers=3, steps=15))
+    overlapped = simulate(factory("diloco", H=3, delay=1, overlap=True), mse, SimConfig(peers=3, steps=15))
+    assert overlapped.rounds == blocking.rounds == 5
+    assert overlapped.params_max_abs_diff == 0.0  # the peers agree
+    for a, b in zip(overlapped.final_params, blocking.final_params):
+        assert torch.equal(a, b)
+    assert overlapped.final_eval_loss < overlapped.initial_eval_loss

@@ -1,0 +1,123 @@
+"""TensorBoard and W&B exporters write files their own tools read back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import main
+from workbench.exporters import ExporterError, scalars
+
+EVENTS = [
+    {"event": "started", "time": 1.0, "peer": "a", "peer_id": "x"},
+    {"event": "initial_eval", "time": 2.0, "peer": "a", "outer_step": 0, "eval_loss": 5.5},
+    *[
+        {
+            "event": "round",
+            "time": 3.0 + r,
+            "peer": "a",
+            "outer_step": r,
+            "loss": 5.0 - r,
+            "eval_loss": 5.2 - r,
+            "group_size": 2,
+            "bytes_sent": 1000 * r,
+            "alone_reason": None,
+            "resync": None,
+        }
+        for r in (1, 2, 3)
+    ],
+    {"event": "done", "time": 9.0, "peer": "a", "syncs": 3, "final_eval_loss": 2.1, "bytes_sent": 3000},
+]
+
+
+def test_scalars_take_numbers_at_the_runs_clock() -> None:
+    step, values = scalars(EVENTS[2])
+    assert step == 1 and values == {"loss": 4.0, "eval_loss": 4.2, "group_size": 2.0, "bytes_sent": 1000.0}
+    assert scalars(EVENTS[0]) is None  # nothing numeric to plot
+    assert scalars({"event": "round", "outer_step": 4, "loss": float("nan")}) == (4, {})
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    peer = tmp_path / "run" / "a"
+    peer.mkdir(parents=True)
+    (peer / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EVENTS))
+    return tmp_path / "run"
+
+
+def test_tensorboard_event_files_load_back(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert main(["export", str(_run_dir(tmp_path)), "--tensorboard", str(tmp_path / "tb")]) == 0
+    accumulator = EventAccumulator(str(tmp_path / "tb" / "a"))
+    accumulator.Reload()
+    assert [(s.step, s.value) for s in accumulator.Scalars("loss")] == [(1, 4.0), (2, 3.0), (3, 2.0)]
+    assert accumulator.Scalars("initial_eval/eval_loss")[0].value == 5.5
+    assert accumulator.Scalars("done/final_eval_loss")[0].step == 3
+
+
+def test_wandb_offline_runs_hold_the_history(tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = _run_dir(tmp_path)
+    assert main(["export", str(run_dir), "--wandb", "workbench-test"]) == 0
+    files = list((run_dir / "wandb").glob("offline-run-*/*.wandb"))
+    assert len(files) == 1, list((run_dir / "wandb").rglob("*"))
+    history = _wandb_history(files[0])
+    losses = [(row["_step"], row["loss"]) for row in history if "loss" in row]
+    assert losses == [(1, 4.0), (2, 3.0), (3, 2.0)]
+
+
+def _wandb_history(path: Path) -> list[dict]:
+    """The logged rows of an offline run: its records (LevelDB log framing after a 7-byte
+    ':W&B' header: 32 KiB blocks, each record with a crc32, a length and a type) parsed with
+    wandb's own protobuf messages."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    rows, chunks, offset, block = [], b"", 7, 32768
+    while offset + 7 <= len(data):
+        if block - offset % block < 7:  # too little room left in this block for a header
+            offset += block - offset % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[offset : offset + 7])
+        chunks += data[offset + 7 : offset + 7 + length]
+        offset += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {
+                        item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                        for item in record.history.item
+                    }
+                )
+        elif kind == 0:
+            break  # zero padding at the end
+    return rows
+
+
+def test_a_missing_exporter_package_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_tensorboard(name, *args, **kwargs):
+        if name == "torch.utils.tensorboard":
+            raise ImportError("no tensorboard")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_tensorboard)
+    assert main(["export", str(_run_dir(tmp_path)), "--tensorboard", str(tmp_path / "tb")]) == 2
+    assert "pip install 'swarm-workbench[tensorboard]'" in capsys.readouterr().err
+    with pytest.raises(ExporterError):
+        from workbench.exporters import TensorBoardExporter
+
+        TensorBoardExporter(tmp_path / "tb2")

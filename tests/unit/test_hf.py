@@ -1,0 +1,150 @@
+"""Hugging Face models, tokenizers and datasets (the [hf] extra), on things the tests make."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+from swarm.manifest import model_fingerprint  # noqa: E402
+from tests.hf_fixtures import documents, make_jsonl_dataset, make_llama, make_tokenizer  # noqa: E402
+from workbench import hf  # noqa: E402
+from workbench.data import ByteCorpus, DataConfig, DataError  # noqa: E402
+from workbench.model import build_model, tiny  # noqa: E402
+
+
+def test_a_llama_from_a_config_is_seeded_and_speaks_the_workbench_interface(tmp_path: Path) -> None:
+    directory = make_llama(tmp_path / "llama")
+    a = hf.load_model(str(directory), seed=0, block_size=64, vocab_size=256)
+    b = hf.load_model(str(directory), seed=0, block_size=64, vocab_size=256)
+    c = hf.load_model(str(directory), seed=1, block_size=64, vocab_size=256)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)  # every peer starts from the same θ
+    assert any(not torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()))
+    x = torch.randint(0, 256, (2, 16))
+    logits, loss = a(x, torch.roll(x, -1, 1))
+    assert logits.shape == (2, 16, 256) and loss.ndim == 0 and torch.isfinite(loss)
+    assert a(x)[1] is None
+    loss.backward()  # trainable end to end
+    assert a.num_params() == sum(p.numel() for p in a.hf.parameters())
+
+
+def test_the_fingerprint_tells_models_apart(tmp_path: Path) -> None:
+    small = hf.load_model(str(make_llama(tmp_path / "a")), seed=0, block_size=64, vocab_size=256)
+    wide = hf.load_model(
+        str(make_llama(tmp_path / "b", vocab_size=300)), seed=0, block_size=64, vocab_size=256
+    )
+    same = hf.load_model(str(make_llama(tmp_path / "c")), seed=0, block_size=64, vocab_size=256)
+    preset = build_model(tiny(), seed=0)
+    prints = {
+        name: model_fingerprint(m, {})
+        for name, m in dict(small=small, wide=wide, same=same, preset=preset).items()
+    }
+    assert prints["small"] == prints["same"]  # same config, another folder: the same model
+    assert len({prints["small"], prints["wide"], prints["preset"]}) == 3
+
+
+def test_saved_weights_are_loaded_not_reinitialized(tmp_path: Path) -> None:
+    directory = make_llama(tmp_path / "llama", weights=True)
+    import transformers
+
+    saved = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    loaded = hf.load_model(str(directory), seed=123, block_size=64, vocab_size=256)
+    for pa, pb in zip(saved.parameters(), loaded.hf.parameters()):
+        assert torch.equal(pa, pb)
+
+
+@pytest.mark.parametrize(
+    ("make", "kwargs", "message"),
+    [
+        pytest.param(lambda d: make_llama(d, vocab_size=100), {}, "vocab_size 100 is smaller", id="vocab"),
+        pytest.param(lambda d: make_llama(d, positions=32), {}, "at most 32 positions", id="positions"),
+        pytest.param(
+            lambda d: (d.mkdir(), (d / "config.json").write_text("{oops"))[0],
+            {},
+            "not a Hugging Face model config",
+            id="bad-json",
+        ),
+    ],
+)
+def test_a_model_that_cannot_train_on_the_data_is_a_clear_error(
+    tmp_path: Path, make, kwargs, message
+) -> None:
+    directory = tmp_path / "m"
+    make(directory)
+    with pytest.raises(ValueError, match=message):
+        hf.load_model(str(directory), seed=0, block_size=64, vocab_size=256, **kwargs)
+
+
+def test_a_config_that_is_not_a_causal_lm_is_refused(tmp_path: Path) -> None:
+    import transformers
+
+    transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    ).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="causal language model"):
+        hf.load_model(str(tmp_path), seed=0, block_size=64, vocab_size=256)
+
+
+# --- tokenizers and datasets ------------------------------------------------------------------
+
+
+def test_a_tokenized_corpus_holds_token_ids_of_the_tokenizers_vocabulary(tmp_path: Path) -> None:
+    tokenizer = make_tokenizer(tmp_path / "tok")
+    data = tmp_path / "words.txt"
+    data.write_text("\n".join(documents(300)))
+    corpus = ByteCorpus.load(DataConfig(path=str(data), tokenizer=str(tokenizer)))
+    assert corpus.train.dtype == torch.int32 and corpus.vocab_size == 12
+    assert int(corpus.train.max()) == 11  # the last word's id: the whole vocabulary is used
+    assert int((corpus.train == 0).sum()) <= 1  # [UNK] at most where the split cut a word
+    x, y = next(corpus.batches(block_size=16, batch_size=4, seed=0))
+    assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_a_local_jsonl_dataset_shards_records_and_holds_out_the_same_eval_set(tmp_path: Path) -> None:
+    directory = make_jsonl_dataset(tmp_path / "ds")
+    config = DataConfig(dataset=str(directory))
+    shards = [ByteCorpus.load(config, shard=i, num_shards=2) for i in range(2)]
+    whole = ByteCorpus.load(config)
+    assert torch.equal(shards[0].val, shards[1].val) and torch.equal(shards[0].val, whole.val)
+    assert shards[0].presharded and not whole.presharded
+    # Disjoint halves of the training records: together they are the whole training split.
+    assert len(shards[0].train) + len(shards[1].train) == pytest.approx(len(whole.train), abs=2)
+    assert not torch.equal(shards[0].train[:500], shards[1].train[:500])
+
+
+def test_streaming_reads_the_same_records_as_a_prepared_dataset(tmp_path: Path) -> None:
+    directory = make_jsonl_dataset(tmp_path / "ds")
+    prepared = ByteCorpus.load(DataConfig(dataset=str(directory)), shard=1, num_shards=3)
+    streamed = ByteCorpus.load(DataConfig(dataset=str(directory), streaming=True), shard=1, num_shards=3)
+    assert torch.equal(prepared.train, streamed.train) and torch.equal(prepared.val, streamed.val)
+
+
+def test_a_saved_dataset_folder_loads_and_max_bytes_stops_a_stream_early(tmp_path: Path) -> None:
+    import datasets
+
+    datasets.Dataset.from_dict({"body": documents(400)}).save_to_disk(str(tmp_path / "saved"))
+    corpus = ByteCorpus.load(
+        DataConfig(dataset=str(tmp_path / "saved"), text_field="body", streaming=True, max_bytes=20_000)
+    )
+    assert len(corpus.train) + len(corpus.val) <= 20_000 + corpus.num_files  # + the separators
+    assert "400" not in corpus.source and "records" in corpus.source
+
+
+def test_dataset_mistakes_are_clear(tmp_path: Path) -> None:
+    directory = make_jsonl_dataset(tmp_path / "ds", field="content")
+    with pytest.raises(ValueError, match="no text field 'text'.*content.*--text-field"):
+        ByteCorpus.load(DataConfig(dataset=str(directory)))
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.csv").write_text("text\nhello\n")
+    (tmp_path / "mixed" / "b.jsonl").write_text('{"text": "hello"}\n')
+    with pytest.raises(ValueError, match="data files of one kind"):
+        ByteCorpus.load(DataConfig(dataset=str(tmp_path / "mixed")))
+    with pytest.raises(ValueError, match="either --data .* or --dataset"):
+        DataConfig(path="x", dataset="y")
+    with pytest.raises((ValueError, DataError), match="cannot open dataset"):
+        ByteCorpus.load(DataConfig(dataset=str(tmp_path / "no-such-dataset-here")))

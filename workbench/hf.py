@@ -1,0 +1,229 @@
+"""Hugging Face models, tokenizers and datasets (the optional ``[hf]`` extra).
+
+``--model DIR`` takes a folder holding a causal-LM ``config.json`` (and, if present, its
+weights): :func:`load_model` builds it, seeded like the presets so every peer starts from the
+same θ, and wraps it in :class:`CausalLM`, which speaks the workbench's ``model(x, y) ->
+(logits, loss)``. ``--tokenizer PATH`` turns documents into token ids instead of bytes.
+``--dataset NAME_OR_PATH`` reads documents with ``datasets`` (local files, a saved dataset or a
+hub name; ``--streaming`` reads only what it needs), each peer its own shard of the records.
+
+Nothing here downloads at import; ``transformers`` and ``datasets`` are imported when used, with
+an error that says how to install them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+class MissingExtra(ValueError):
+    """An optional dependency is not installed; the message says which extra brings it."""
+
+
+def _require(module: str) -> Any:
+    try:
+        return __import__(module)
+    except ImportError:
+        raise MissingExtra(
+            f"this needs the '{module}' package: pip install 'swarm-workbench[hf]' (or pip install {module})"
+        ) from None
+
+
+def is_model_dir(name: str) -> bool:
+    """True when ``name`` is a folder with a Hugging Face ``config.json`` (not a preset name)."""
+    return (Path(name).expanduser() / "config.json").is_file()
+
+
+class CausalLM(nn.Module):
+    """A ``transformers`` causal LM as a workbench model: ``forward(idx, targets)`` returns
+    ``(logits, loss)`` with ``targets`` already shifted by one (as the data gives them)."""
+
+    def __init__(self, model: nn.Module, source: str) -> None:
+        super().__init__()
+        self.hf = model
+        self.source = source
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = int(
+            getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0
+        )
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        logits = self.hf(input_ids=idx).logits  # (B, T, V)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    def extra_repr(self) -> str:
+        """Part of the model fingerprint: the architecture's settings, not where they came from."""
+        config = {
+            k: v
+            for k, v in self.hf.config.to_dict().items()
+            if not k.startswith("_") and k not in ("transformers_version", "name_or_path")
+        }
+        return f"config={json.dumps(config, sort_keys=True, default=str)}"
+
+
+def load_model(directory: str, *, seed: int, block_size: int, vocab_size: int) -> CausalLM:
+    """The causal LM described by ``directory/config.json``: its weights when the folder has
+    them, else a fresh init seeded with ``seed`` (identical on every peer). Checks that it can
+    read ``block_size`` tokens of a ``vocab_size`` vocabulary."""
+    transformers = _require("transformers")
+    path = Path(directory).expanduser()
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - transformers raises many kinds for a bad config
+        raise ValueError(f"{path}/config.json is not a Hugging Face model config ({error})") from None
+    has_weights = any((path / name).exists() for name in WEIGHT_FILES)
+    try:
+        if has_weights:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError as error:
+        raise ValueError(
+            f"{path} does not describe a causal language model ({error}); use a *ForCausalLM config "
+            "such as Llama, GPT-2 or Qwen"
+        ) from None
+    model = model.float()
+    wrapped = CausalLM(model, str(path))
+    if wrapped.vocab_size < vocab_size:
+        raise ValueError(
+            f"{path}: vocab_size {wrapped.vocab_size} is smaller than the data's {vocab_size} token "
+            "values; raise vocab_size in config.json or pass the model's own --tokenizer"
+        )
+    if wrapped.max_positions and wrapped.max_positions < block_size:
+        raise ValueError(
+            f"{path}: the model reads at most {wrapped.max_positions} positions, fewer than "
+            f"--block-size {block_size}; lower --block-size"
+        )
+    logger.info(
+        "model %s: %s, %.2fM params (%s)",
+        path.name,
+        type(model).__name__,
+        wrapped.num_params() / 1e6,
+        "its weights" if has_weights else f"fresh init, seed {seed}",
+    )
+    return wrapped
+
+
+# --- tokenizers ---------------------------------------------------------------------------------
+
+
+def load_tokenizer(name: str):
+    """A ``transformers`` tokenizer from a local folder (or a hub name when online)."""
+    transformers = _require("transformers")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(name)
+    except Exception as error:  # noqa: BLE001
+        raise ValueError(f"cannot load a tokenizer from {name!r} ({type(error).__name__}: {error})") from None
+
+
+def tokenize(tokenizer, documents: list[bytes]) -> Tensor:
+    """Token ids of the documents, each followed by the end-of-text token when there is one
+    (int32, 1-D)."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids: list[int] = []
+    for document in documents:
+        ids += tokenizer.encode(document.decode("utf-8", errors="replace"), add_special_tokens=False) + eos
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def vocab_size(tokenizer) -> int:
+    return len(tokenizer)
+
+
+# --- datasets -----------------------------------------------------------------------------------
+
+
+def open_dataset(name: str, *, subset: str | None, split: str, streaming: bool):
+    """``datasets``' view of ``name``: a folder written by ``save_to_disk``, a data file or folder
+    of them (json/jsonl, csv, parquet, txt), or a hub name."""
+    datasets = _require("datasets")
+    path = Path(name).expanduser()
+    if name.startswith(("/", "./", "../", "~")) and not path.exists():
+        raise ValueError(f"cannot open dataset {name!r}: no such file or folder")
+    try:
+        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise ValueError(
+                        f"{path} has no split '{split}' (it has: {', '.join(loaded)}); pass --dataset-split"
+                    )
+                loaded = loaded[split]
+            return loaded.to_iterable_dataset() if streaming else loaded
+        if path.is_file() or path.is_dir():
+            files = (
+                [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES)
+            )
+            kinds = {DATA_SUFFIXES.get(p.suffix) for p in files}
+            if not files or None in kinds or len(kinds) > 1:
+                raise ValueError(
+                    f"{path}: expected data files of one kind ({', '.join(DATA_SUFFIXES)}), found "
+                    f"{sorted({p.suffix for p in files}) or 'none'}"
+                )
+            return datasets.load_dataset(
+                kinds.pop(), data_files=[str(p) for p in files], split=split, streaming=streaming
+            )
+        return datasets.load_dataset(name, subset, split=split, streaming=streaming)
+    except ValueError:
+        raise
+    except Exception as error:  # noqa: BLE001 - network, missing dataset, bad files: say which
+        raise ValueError(f"cannot open dataset {name!r} ({type(error).__name__}: {error})") from None
+
+
+def dataset_documents(
+    dataset,
+    *,
+    text_field: str,
+    shard: int,
+    num_shards: int,
+    eval_fraction: float,
+    max_bytes: int,
+) -> Iterator[tuple[bool, bytes]]:
+    """(is_eval, text) per record, in order, until ``max_bytes`` of text have been read.
+
+    Records are held out for evaluation by their index (every ``1/eval_fraction``-th), the
+    same on every peer; of the others, this peer takes those whose index falls in its shard
+    (index mod ``num_shards``), so peers train on disjoint records and read no more of a
+    streamed dataset than they need."""
+    every = max(2, round(1 / eval_fraction))
+    total = 0
+    index = -1
+    for record in dataset:
+        index += 1
+        if total >= max_bytes:
+            return
+        is_eval = index % every == every - 1
+        if not is_eval and index % num_shards != shard:
+            continue
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            fields = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(
+                f"record {index} has no text field '{text_field}' (it has: {fields}); name it with --text-field"
+            )
+        if text:
+            data = text.encode("utf-8")[: max_bytes - total]
+            total += len(data)
+            yield is_eval, data

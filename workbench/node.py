@@ -1,0 +1,157 @@
+"""A peer made of several processes on one node: ``torchrun --nproc-per-node N -m workbench start``.
+
+As in OpenDiLoCo and INTELLECT-1, the node is one peer of the swarm: data-parallel inside the
+node over ``torch.distributed`` (gloo on CPU, NCCL-free so it runs anywhere), one hivemind
+identity for the node, and the swarm averaging the node's pseudo-gradient with the others'.
+
+Rank 0 runs the full :class:`~workbench.peer.Peer` (DHT, heartbeats, averaging, steering,
+checkpoints) and drives the other ranks, the followers, with one small broadcast before each
+action:
+
+    STEP(lr)  every rank trains one inner step on its own batch; gradients are averaged over
+              the node before the optimizer step, so all ranks keep the same θ_local
+    SYNC      rank 0's parameters and inner optimizer state go to every rank (at each round's
+              start: after an outer step, a state download or a resume)
+    CHECK     the largest parameter difference between any rank and rank 0 (end of run)
+    STOP      followers return
+
+The node's averaging weight is the samples of all its ranks, so a 2-rank node counts twice as
+much as a 1-process peer with the same batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+STEP, SYNC, CHECK, STOP = range(4)
+
+
+def node_world() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) outside torchrun."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class NodeGroup:
+    """The node's process group, as seen from any rank."""
+
+    def __init__(self) -> None:
+        if not dist.is_initialized():
+            # gloo: CPU tensors on every platform; a long timeout, since followers wait through
+            # rank 0's averaging rounds, state downloads and steering pauses.
+            dist.init_process_group("gloo", timeout=timedelta(hours=12))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.stopped = False
+
+    @classmethod
+    def from_env(cls) -> NodeGroup | None:
+        return cls() if node_world()[1] > 1 else None
+
+    # --- commands (rank 0 sends, followers receive) -----------------------------------------
+
+    def command(self, op: int = STEP, lr: float = 0.0) -> tuple[int, float]:
+        message = torch.tensor([float(op), lr], dtype=torch.float64)
+        dist.broadcast(message, src=0)
+        return int(message[0]), float(message[1])
+
+    def stop(self) -> None:
+        if not self.stopped and self.rank == 0:
+            self.stopped = True
+            self.command(STOP)
+
+    # --- collectives -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def sync_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Rank 0's parameters and inner optimizer state onto every rank."""
+        for p in model.parameters():
+            buffer = p.detach().to("cpu", copy=True)
+            dist.broadcast(buffer, src=0)
+            if self.rank:
+                p.copy_(buffer.to(p.device))
+        state = [optimizer.state_dict() if self.rank == 0 else None]
+        dist.broadcast_object_list(state, src=0)
+        if self.rank:
+            optimizer.load_state_dict(state[0])
+
+    @torch.no_grad()
+    def average_gradients(self, model: torch.nn.Module) -> None:
+        """Each gradient ← its mean over the node's ranks (one flat all-reduce)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.detach().reshape(-1).float().cpu() for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(g).to(g.device, g.dtype)
+            offset += n
+
+    @torch.no_grad()
+    def max_param_diff(self, model: torch.nn.Module) -> float:
+        """The largest |θ_rank − θ_rank0| over the node (0 when the ranks agree)."""
+        flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
+        reference = flat.clone()
+        dist.broadcast(reference, src=0)
+        diff = torch.tensor([float((flat - reference).abs().max()) if flat.numel() else 0.0])
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        return float(diff)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def follow(config) -> int:
+    """A follower rank: train when rank 0 says so, until it says stop. Returns an exit code."""
+    from workbench.data import evaluate  # noqa: F401 - same imports as the peer: fail early alike
+    from workbench.model import autocast_context
+    from workbench.peer import build_training
+
+    node = NodeGroup()
+    cfg = config
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    training = build_training(cfg)
+    model, optimizer = training.model, training.inner_optimizer
+    # Each rank reads its own stream: the node's seed mixed with the rank.
+    batches = training.corpus.batches(
+        block_size=cfg.model.block_size,
+        batch_size=cfg.data.batch_size,
+        seed=(cfg.peer.seed * 1_000_003 + 7919 * node.rank) % 2**62,
+    )
+    logger.info("node rank %d of %d: following rank 0", node.rank, node.world_size)
+    try:
+        while True:
+            op, lr = node.command()
+            if op == STEP:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                x, y = next(batches)
+                x, y = x.to(training.device), y.to(training.device)
+                model.train()
+                with autocast_context(training.device):
+                    _, loss = model(x, y)
+                loss.backward()
+                node.average_gradients(model)
+                if cfg.train.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            elif op == SYNC:
+                node.sync_state(model, optimizer)
+            elif op == CHECK:
+                node.max_param_diff(model)
+            elif op == STOP:
+                return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        node.close()
