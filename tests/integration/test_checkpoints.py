@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 from tests.integration.conftest import FAST
 
 
@@ -9,9 +13,15 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     common = [*FAST, "--run-id", "resume"]
     first = spawn("a", "start", *common, "--rounds", "40", "--checkpoint-every", "2")
     first.wait_event("checkpoint", lambda e: e["outer_step"] >= 4)
+    while True:  # freeze it where its newest checkpoint's round has been logged too
+        os.kill(first.process.pid, signal.SIGSTOP)
+        saved = first.events("checkpoint")[-1]["outer_step"]
+        evals = {r["outer_step"]: r["eval_loss"] for r in first.events("round")}
+        if saved in evals:
+            break
+        os.kill(first.process.pid, signal.SIGCONT)  # between its checkpoint and its round event
+        time.sleep(0.2)
     first.kill()  # SIGKILL: no goodbye, no final save
-    saved = first.events("checkpoint")[-1]["outer_step"]
-    evals = {r["outer_step"]: r["eval_loss"] for r in first.events("round")}
 
     again = spawn("b", "start", *common, "--rounds", str(saved + 3), "--resume", str(first.directory))
     assert again.wait() == 0, again.stderr()

@@ -194,7 +194,9 @@ def test_demo_with_a_bad_peer_count_exits_2(
         pytest.param(["start", "--codec", "zstd"], "invalid choice", id="codec"),
         pytest.param(["start", "--update-codec", "zip"], "invalid choice", id="update-codec"),
         pytest.param(["start", "--delay", "3"], "invalid choice", id="delay-3"),
-        pytest.param(["start", "--model", "huge"], "unknown model 'huge' (no such preset or folder)", id="model"),
+        pytest.param(
+            ["start", "--model", "huge"], "unknown model 'huge' (no such preset or folder)", id="model"
+        ),
         pytest.param(["start", "--inner-steps", "ten"], "invalid int value", id="not-an-int"),
         pytest.param(["join"], "required", id="join-without-address"),
         pytest.param([], "required", id="no-command"),

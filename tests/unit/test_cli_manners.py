@@ -1,0 +1,78 @@
+"""Command-line manners: examples in every --help, shell completion, NO_COLOR on a terminal."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workbench.cli import build_parser, main
+
+RECORDING = Path(__file__).parents[2] / "notebooks" / "data" / "sample_run.jsonl"
+COLOR = re.compile(rb"\x1b\[[0-9;]*?(?:3[0-7]|38;[0-9;]+|9[0-7])m")
+
+
+def _subcommands() -> dict[str, object]:
+    action = next(a for a in build_parser()._actions if a.dest == "command")
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_every_command_has_help_with_an_example(command: str) -> None:
+    text = _subcommands()[command].format_help()
+    assert "example" in text.lower(), f"`workbench {command} --help` shows no example"
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "tcsh"])
+def test_completion_covers_every_command_and_new_flags(shell: str, capsys) -> None:
+    assert main(["completion", shell]) == 0
+    script = capsys.readouterr().out
+    flags = (
+        ["--overlap", "--dataset", "--tensorboard", "--model"] if shell != "tcsh" else []
+    )  # tcsh: commands only
+    for word in [*_subcommands(), *flags]:
+        assert word in script, f"{word} missing from the {shell} completion"
+
+
+def _on_a_terminal(*args: str, env: dict[str, str]) -> bytes:
+    """stdout+stderr of `workbench args` run on a pseudo-terminal (where rich uses colour)."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "workbench", *args],
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        env=env,
+        close_fds=True,
+    )
+    os.close(follower)
+    output = b""
+    while True:
+        ready, _, _ = select.select([leader], [], [], 30)
+        if not ready:
+            break
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        output += chunk
+    process.wait(timeout=30)
+    os.close(leader)
+    return output
+
+
+def test_no_color_turns_colour_off_on_a_terminal() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
+    env.update(TERM="xterm-256color", COLUMNS="160")
+    coloured = _on_a_terminal("status", "--replay", str(RECORDING), env=env)
+    assert b"peer" in coloured and COLOR.search(coloured), coloured[:500]  # colour by default
+    plain = _on_a_terminal("status", "--replay", str(RECORDING), env={**env, "NO_COLOR": "1"})
+    assert b"peer" in plain and not COLOR.search(plain), COLOR.findall(plain)[:5]
