@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from workbench.model import autocast_context
+from workbench.progress_bar import progress
 
 logger = logging.getLogger(__name__)
 
@@ -201,15 +202,17 @@ class ByteCorpus:
             )
             train_parts: list[bytes] = []
             val_parts: list[bytes] = []
-            for is_eval, data in hf.dataset_documents(
-                dataset,
-                text_field=config.text_field,
-                shard=shard or 0,
-                num_shards=num_shards if shard is not None else 1,
-                eval_fraction=config.eval_fraction,
-                max_bytes=config.max_bytes,
-            ):
-                (val_parts if is_eval else train_parts).append(data)
+            with progress(f"reading {config.dataset}", total=config.max_bytes, unit="bytes") as bar:
+                for is_eval, data in hf.dataset_documents(
+                    dataset,
+                    text_field=config.text_field,
+                    shard=shard or 0,
+                    num_shards=num_shards if shard is not None else 1,
+                    eval_fraction=config.eval_fraction,
+                    max_bytes=config.max_bytes,
+                ):
+                    (val_parts if is_eval else train_parts).append(data)
+                    bar.advance(len(data))
             label = f"dataset {config.dataset}" + (
                 f" shard {shard}/{num_shards}" if shard is not None else ""
             )
@@ -243,7 +246,8 @@ class ByteCorpus:
             from workbench import hf
 
             tokenizer = hf.load_tokenizer(config.tokenizer)
-            train, val = hf.tokenize(tokenizer, [train_bytes]), hf.tokenize(tokenizer, [val_bytes])
+            with progress(f"tokenizing with {config.tokenizer}"):
+                train, val = hf.tokenize(tokenizer, [train_bytes]), hf.tokenize(tokenizer, [val_bytes])
             vocab = hf.vocab_size(tokenizer)
             source += f", {len(train) + len(val)} tokens of {config.tokenizer}"
         logger.info("loaded corpus %s: train=%d, val=%d", source, len(train), len(val))
@@ -277,18 +281,20 @@ class ByteCorpus:
         train_parts: list[bytes] = []
         val_parts: list[bytes] = []
         total = 0
-        for i, path in enumerate(files):
-            if total >= config.max_bytes:
-                logger.debug(
-                    "max_bytes=%d reached; not reading %d more files", config.max_bytes, len(files) - i
-                )
-                break
-            for relative, data in _documents(path, root, config):
+        with progress(f"reading {label}", total=len(files), unit="files") as bar:
+            for i, path in enumerate(files):
                 if total >= config.max_bytes:
+                    logger.debug(
+                        "max_bytes=%d reached; not reading %d more files", config.max_bytes, len(files) - i
+                    )
                     break
-                data = data[: config.max_bytes - total]
-                total += len(data)
-                (val_parts if _is_eval_file(relative, config.eval_fraction) else train_parts).append(data)
+                for relative, data in _documents(path, root, config):
+                    if total >= config.max_bytes:
+                        break
+                    data = data[: config.max_bytes - total]
+                    total += len(data)
+                    (val_parts if _is_eval_file(relative, config.eval_fraction) else train_parts).append(data)
+                bar.advance(1)
         return train_parts, val_parts, files, label, total
 
     # --- batching -----------------------------------------------------------------------------

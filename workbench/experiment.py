@@ -18,18 +18,27 @@ Backends:
 - ``"local"``: N real peers as processes on 127.0.0.1 (what ``workbench demo`` runs); steerable;
 - ``"swarm"``: one real peer of a run on the network: ``initial_peers=[...]`` joins one, none
   starts one (then you are its owner and can steer it).
+
+Your own model (sim backend): ``Experiment(model=MyNet(), loss_fn=my_loss, ...)``; ``MyNet()(x)``
+gets (B, T) token ids, ``my_loss(output, y)`` returns the loss (without ``loss_fn``, the
+module's ``forward(x, y)`` must return ``(output, loss)`` itself). A callable that builds the
+module works too; it is called with the run's seed set, once per virtual peer.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from swarm.errors import SwarmError
 from workbench.config import RunConfig
@@ -37,6 +46,50 @@ from workbench.config import RunConfig
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("sim", "local", "swarm")
+
+
+class WithLoss(torch.nn.Module):
+    """Your module and a loss function as the workbench's model: ``forward(x, y)`` returns
+    ``(module(x), loss_fn(module(x), y))``; ``x``, ``y`` are (B, T) token ids, ``y`` shifted by one."""
+
+    def __init__(self, module: torch.nn.Module, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.module, self.loss_fn = module, loss_fn
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> tuple[Any, torch.Tensor | None]:
+        out = self.module(x)
+        return out, (None if y is None else self.loss_fn(out, y))
+
+
+def _custom_model(flags: dict[str, Any], backend: str) -> Callable[[], torch.nn.Module] | None:
+    """Take ``model=<nn.Module or a callable making one>`` and ``loss_fn`` out of ``flags``; a
+    factory giving each virtual peer its own copy of the same initial θ."""
+    model, loss_fn = flags.get("model"), flags.pop("loss_fn", None)
+    if model is None or isinstance(model, str):
+        if loss_fn is not None:
+            raise ValueError("loss_fn goes with model=<your nn.Module>; presets bring their own loss")
+        return None
+    del flags["model"]
+    if backend != "sim":
+        raise ValueError(
+            "a Python module trains on backend='sim'; real peers load a preset or a Hugging Face folder "
+            "(model='./my-llama'), or wrap your module with optim.DiLoCo directly"
+        )
+    seed = int(flags.get("seed", 0))
+    if isinstance(model, torch.nn.Module):
+        template = copy.deepcopy(model)
+        make = lambda: copy.deepcopy(template)  # noqa: E731
+    elif callable(model):
+
+        def make() -> torch.nn.Module:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)  # every peer's call draws the same initial θ
+                return model()
+    else:
+        raise ValueError(
+            f"model must be a preset name, a folder, an nn.Module or a callable (got {type(model).__name__})"
+        )
+    return (lambda: WithLoss(make(), loss_fn)) if loss_fn is not None else make
 
 
 def config_from_flags(command: str = "demo", **flags: Any) -> tuple[RunConfig, Any]:
@@ -79,6 +132,7 @@ class Experiment:
             raise ValueError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
         self.backend = backend
         self.peers = peers
+        self.make_model = _custom_model(flags, backend)  # your own nn.Module (sim), else None
         self.flags = dict(flags)
         self.method = flags.get("method", "diloco")
         self.config, self.args = config_from_flags("demo", **flags)
@@ -209,6 +263,7 @@ class Experiment:
 
         result = run_simulation(
             spec,
+            make_model=self.make_model,
             model=self.config.model,
             data=self.config.data,
             train=self.config.train,

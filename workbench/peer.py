@@ -37,6 +37,7 @@ from swarm.errors import SwarmError
 from swarm.manifest import model_fingerprint
 from swarm.records import PeerHeartbeat, RunKeys, RunManifest, Stage
 from swarm.session import connect
+from workbench import progress_bar
 from workbench.config import RunConfig
 from workbench.data import ByteCorpus, evaluate
 from workbench.model import autocast_context, build_model, pick_device
@@ -335,7 +336,8 @@ class Peer:
         self.beat(Stage.DOWNLOADING)
         started = time.monotonic()
         for attempt in range(3):
-            state = self.averager.download_state()
+            with progress_bar.progress(f"{self.name}: downloading the global state ({reason})"):
+                state = self.averager.download_state()
             if state is not None:
                 try:
                     self.diloco.load_outer_state(state)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,7 +80,11 @@ def run_simulation(
     train: TrainConfig,
     sim: SimConfig,
     eval_batches: int = 8,
+    make_model: Callable[[], torch.nn.Module] | None = None,
 ) -> SimResult:
+    """``make_model``: your own module instead of the preset ``model`` (one call per virtual
+    peer; each must return the same initial θ). Its ``forward(x, y)`` returns
+    ``(output, loss)``; see :class:`workbench.experiment.WithLoss` to add a loss function."""
     corpus = ByteCorpus.load(data)
     corpus.check_fits(model.block_size)
     held_out = corpus.eval_batches(
@@ -91,7 +96,7 @@ def run_simulation(
     total = sim.steps
 
     def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
-        net = build_model(model, seed=sim.seed)
+        net = make_model() if make_model is not None else build_model(model, seed=sim.seed)
         inner = torch.optim.AdamW(
             net.parameters(),
             lr=train.inner_lr,

@@ -25,6 +25,11 @@ def torchrun(ranks: int):
 
 
 def test_a_two_rank_node_and_a_one_process_peer_average_together(tmp_path: Path):
+    """The single peer also reads a JSONL file (one document per record) instead of the
+    default text: what each peer trains on is its own business, θ is the swarm's."""
+    from tests.hf_fixtures import make_jsonl_dataset
+
+    jsonl = make_jsonl_dataset(tmp_path / "jsonl", files=1, records=400, field="body") / "part-0.jsonl"
     common = [*FAST, "--rounds", "3", "--min-peers", "2", "--run-id", "node"]
     peers = []
     try:
@@ -37,7 +42,8 @@ def test_a_two_rank_node_and_a_one_process_peer_average_together(tmp_path: Path)
         peers.append(node)
         single = PeerProcess(
             "single",
-            ["join", node.address(), *common, "--name", "single", "--run-dir", str(tmp_path / "single")],
+            ["join", node.address(), *common, "--name", "single", "--run-dir", str(tmp_path / "single")]
+            + ["--data", str(jsonl), "--text-field", "body"],
             tmp_path,
         )
         peers.append(single)
@@ -57,5 +63,6 @@ def test_a_two_rank_node_and_a_one_process_peer_average_together(tmp_path: Path)
     assert done["node_ranks"] == 2
     assert done["node_max_param_diff"] == 0.0  # data-parallel inside the node: the ranks agree
     assert done["final_eval_loss"] < done["initial_eval_loss"]
+    assert "part-0.jsonl (400 files" in single.stderr(), single.stderr()[-2000:]
     # One hivemind identity for the node: only rank 0 ever started a peer.
     assert len(single.events("started")) == 1 and len(node.events("started")) == 1

@@ -76,3 +76,19 @@ def test_no_color_turns_colour_off_on_a_terminal() -> None:
     assert b"peer" in coloured and COLOR.search(coloured), coloured[:500]  # colour by default
     plain = _on_a_terminal("status", "--replay", str(RECORDING), env={**env, "NO_COLOR": "1"})
     assert b"peer" in plain and not COLOR.search(plain), COLOR.findall(plain)[:5]
+
+
+def test_long_work_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for i in range(30):
+        (folder / f"{i}.txt").write_text("the swarm averages its pseudo-gradients\n" * 200)
+    args = ["simulate", "--peers", "1", "--steps", "2", "--model", "tiny", "--data", str(folder)]
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
+    on_terminal = _on_a_terminal(*args, env={**env, "TERM": "xterm-256color"})
+    assert b"reading " + str(folder).encode() in on_terminal, on_terminal[-800:]
+    piped = subprocess.run(
+        [sys.executable, "-m", "workbench", *args], capture_output=True, env=env, timeout=120
+    )
+    assert piped.returncode == 0, piped.stderr[-800:]
+    assert b"reading " + str(folder).encode() not in piped.stderr + piped.stdout  # logs stay plain

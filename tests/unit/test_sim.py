@@ -246,3 +246,50 @@ def test_overlapped_rounds_give_exactly_the_blocking_one_step_delay():
     for a, b in zip(overlapped.final_params, blocking.final_params):
         assert torch.equal(a, b)
     assert overlapped.final_eval_loss < overlapped.initial_eval_loss
+
+
+class _Bigram(nn.Module):
+    """Your own module: next-token logits from the current token only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table(x)  # (B, T, 256)
+
+
+def _next_token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("given", ["module", "factory"])
+def test_an_experiment_trains_your_own_module_with_your_loss(given: str):
+    from workbench import Experiment
+
+    model = _Bigram() if given == "module" else _Bigram
+    run = Experiment(
+        backend="sim",
+        model=model,
+        loss_fn=_next_token_loss,
+        peers=2,
+        steps=40,
+        inner_steps=10,
+        batch_size=8,
+        inner_lr=0.05,
+    )
+    run.run().wait(timeout=120)
+    history = run.history()
+    assert run.result.params_max_abs_diff == 0.0  # both virtual peers hold the same θ
+    assert history["eval_loss"].iloc[-1] < history["eval_loss"].iloc[0] - 0.2
+    if given == "module":  # the module handed in is a template: it stays untrained
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_your_own_module_is_for_the_simulator_only():
+    from workbench import Experiment
+
+    with pytest.raises(ValueError, match="backend='sim'"):
+        Experiment(backend="local", model=_Bigram(), loss_fn=_next_token_loss)
+    with pytest.raises(ValueError, match="loss_fn goes with model"):
+        Experiment(backend="sim", model="tiny", loss_fn=_next_token_loss)
