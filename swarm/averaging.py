@@ -45,7 +45,7 @@ from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.dataplane import DIRECT_CODECS, DirectPlane, RingUnreachable, free_port
 from swarm.errors import SwarmError
 from swarm.progress import ProgressBoard
-from swarm.records import RunKeys, Stage
+from swarm.records import PeerHeartbeat, RunKeys, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -390,9 +390,42 @@ class SwarmAverager:
         previous round counts as "about to train this one". A peer further behind is a
         straggler: not waited for, it will fetch the state. A peer already past this round
         means this one fell behind and must fetch the state instead of averaging.
+
+        Overlapped (run in the background while this peer trains the next round), a peer's
+        clock moves to ``outer_step + 1`` the moment it ends this round's inner steps: still at
+        ``outer_step`` means busy, at ``+ 1`` ready, past ``+ 1`` it has applied this round's
+        mean already. A joiner downloading then lands past this round, its mean queued.
         """
+        r = outer_step
         if self.overlapped:
-            return self._wait_for_overlapped_mates(outer_step)
+            return self._barrier(
+                r,
+                behind=lambda p: p.outer_step > r + 1,
+                busy=lambda p: p.outer_step == r and p.stage is not Stage.DOWNLOADING,
+                ready=lambda p: p.outer_step == r + 1,
+            )
+        return self._barrier(
+            r,
+            behind=lambda p: p.outer_step > r,
+            busy=lambda p: (
+                p.stage is Stage.DOWNLOADING  # a joiner: it will land on this round
+                or (p.outer_step == r and p.stage in (Stage.JOINING, Stage.TRAINING))
+                # a heartbeat from just before its last round ended: it is about to train this one
+                or (p.outer_step == r - 1 and p.stage in (Stage.WAITING, Stage.AVERAGING))
+            ),
+            ready=lambda p: p.outer_step == r and p.stage in (Stage.WAITING, Stage.AVERAGING),
+        )
+
+    def _barrier(
+        self,
+        outer_step: int,
+        *,
+        behind: Callable[[PeerHeartbeat], bool],
+        busy: Callable[[PeerHeartbeat], bool],
+        ready: Callable[[PeerHeartbeat], bool],
+    ) -> _Verdict:
+        """Wait while some other live peer is ``busy`` (at most ``round_wait``); BEHIND as soon
+        as one is past the round (``behind``); after the wait, average with the ``ready``."""
         deadline = time.monotonic() + self.config.round_wait
         waited_for: list[str] = []
         while True:
@@ -405,65 +438,22 @@ class SwarmAverager:
             ]
             if not others:
                 return _Verdict.ALONE
-            if any(p.outer_step > outer_step for p in others):
+            if any(map(behind, others)):
                 return _Verdict.BEHIND
-            busy = [
-                p.name
-                for p in others
-                if p.stage is Stage.DOWNLOADING  # a joiner: it will land on this round
-                or (p.outer_step == outer_step and p.stage in (Stage.JOINING, Stage.TRAINING))
-                # a heartbeat from just before its last round ended: it is about to train this one
-                or (p.outer_step == outer_step - 1 and p.stage in (Stage.WAITING, Stage.AVERAGING))
-            ]
-            if not busy:
+            waiting = [p.name for p in others if busy(p)]
+            if not waiting:
                 return _Verdict.AVERAGE
             if time.monotonic() > deadline:
                 logger.warning(
                     "round %d: not waiting longer than %.0f s for %s",
                     outer_step,
                     self.config.round_wait,
-                    busy,
+                    waiting,
                 )
-                ready = [
-                    p
-                    for p in others
-                    if p.outer_step == outer_step and p.stage in (Stage.WAITING, Stage.AVERAGING)
-                ]
-                return _Verdict.AVERAGE if ready else _Verdict.ALONE
-            if busy != waited_for:
-                logger.debug("round %d: waiting for %s", outer_step, ", ".join(busy))
-                waited_for = busy
-            time.sleep(0.1)
-
-    def _wait_for_overlapped_mates(self, outer_step: int) -> _Verdict:
-        """The barrier of an overlapped round, run in the background while this peer trains
-        the next one. A peer's clock moves to ``outer_step + 1`` the moment it ends this round's
-        inner steps, so: still at ``outer_step`` means busy; at ``+ 1`` ready; past ``+ 1`` it
-        has applied this round's mean already, and this peer is behind."""
-        deadline = time.monotonic() + self.config.round_wait
-        while True:
-            others = [
-                p
-                for p in self.board.fetch().values()
-                if p.peer_id != self.peer_id and p.stage is not Stage.PAUSED
-            ]
-            if not others:
-                return _Verdict.ALONE
-            if any(p.outer_step > outer_step + 1 for p in others):
-                return _Verdict.BEHIND
-            # A joiner downloading now lands past this round (with its mean queued): not a mate.
-            busy = [p.name for p in others if p.outer_step == outer_step and p.stage is not Stage.DOWNLOADING]
-            if not busy:
-                return _Verdict.AVERAGE
-            if time.monotonic() > deadline:
-                logger.warning(
-                    "round %d: not waiting longer than %.0f s for %s",
-                    outer_step,
-                    self.config.round_wait,
-                    busy,
-                )
-                ready = [p for p in others if p.outer_step == outer_step + 1]
-                return _Verdict.AVERAGE if ready else _Verdict.ALONE
+                return _Verdict.AVERAGE if any(map(ready, others)) else _Verdict.ALONE
+            if waiting != waited_for:
+                logger.debug("round %d: waiting for %s", outer_step, ", ".join(waiting))
+                waited_for = waiting
             time.sleep(0.1)
 
     # --- state for late joiners ---------------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import max_abs_diff
+from tests.integration.conftest import FAST, max_abs_diff
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
@@ -19,9 +19,9 @@ def test_a_tiny_llama_trains_over_two_peers_on_a_sharded_dataset(spawn, tmp_path
     llama = make_llama(tmp_path / "llama", vocab_size=16, positions=64)
     tokenizer = make_tokenizer(tmp_path / "tok")
     dataset = make_jsonl_dataset(tmp_path / "corpus", files=2, records=300, field="body")
+    assert FAST[:2] == ["--model", "tiny"]
     common = [
-        "--inner-steps", "5", "--batch-size", "8", "--threads", "1", "--matchmaking-time", "1.0",
-        "--model", str(llama), "--block-size", "32", "--tokenizer", str(tokenizer),
+        *FAST[2:], "--model", str(llama), "--block-size", "32", "--tokenizer", str(tokenizer),
         "--dataset", str(dataset), "--text-field", "body", "--inner-lr", "3e-3",
         "--rounds", "3", "--min-peers", "2", "--run-id", "byo",
     ]  # fmt: skip
@@ -48,18 +48,7 @@ def test_a_tiny_llama_trains_over_two_peers_on_a_sharded_dataset(spawn, tmp_path
 def test_a_joiner_with_another_model_config_is_refused(spawn, tmp_path: Path):
     from tests.hf_fixtures import make_llama
 
-    common = [
-        "--inner-steps",
-        "5",
-        "--batch-size",
-        "8",
-        "--threads",
-        "1",
-        "--block-size",
-        "32",
-        "--run-id",
-        "byo-refuse",
-    ]
+    common = [*FAST[2:], "--block-size", "32", "--run-id", "byo-refuse"]
     first = spawn(
         "a", "start", *common, "--model", str(make_llama(tmp_path / "one", positions=64)), "--min-peers", "2"
     )
