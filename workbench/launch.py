@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,12 +100,22 @@ class LocalPeer:
 
 def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
     """CLI flags that rebuild ``config`` for one local peer."""
-    preset_name = next((n for n, make in PRESETS.items() if make() == config.model), None)
-    if preset_name is None:
-        raise LaunchError("the demo launches model presets only; pick one with --model")
+    context = config.model.block_size
+    if config.hf_model:
+        model_name = config.hf_model
+    else:  # a preset, maybe with its own --block-size
+        model_name = next(
+            (n for n, make in PRESETS.items() if replace(make(), block_size=context) == config.model), None
+        )
+        if model_name is None:
+            raise LaunchError(
+                "the demo launches model presets or Hugging Face folders only; pick one with --model"
+            )
     args = [
         "--model",
-        preset_name,
+        model_name,
+        "--block-size",
+        str(context),
         "--batch-size",
         str(config.data.batch_size),
         "--device",
@@ -165,8 +175,25 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         args += ["--method", "streaming", "--fragments", str(config.fragments)]
     if config.peer.shard is not None:
         args += ["--shard", f"{config.peer.shard}/{config.peer.num_shards}"]
-    if config.data.path:
-        args += ["--data", config.data.path, "--text-field", config.data.text_field]
+    if config.diloco.overlap:
+        args.append("--overlap")
+    data = config.data
+    if data.path:
+        args += ["--data", data.path]
+    if data.dataset:
+        args += ["--dataset", data.dataset, "--dataset-split", data.dataset_split]
+        args += ["--dataset-subset", data.dataset_subset] if data.dataset_subset else []
+        args += ["--streaming"] if data.streaming else []
+    args += ["--text-field", data.text_field]
+    if data.tokenizer:
+        args += ["--tokenizer", data.tokenizer]
+    if config.peer.tensorboard is not None:  # one folder per peer
+        args += [
+            "--tensorboard",
+            str(Path(config.peer.tensorboard) / name) if config.peer.tensorboard else "",
+        ]
+    if config.peer.wandb_project:
+        args += ["--wandb", config.peer.wandb_project, "--wandb-mode", config.peer.wandb_mode]
     return args
 
 

@@ -135,6 +135,7 @@ def test_data_parallel_method_round_trips(tmp_path: Path) -> None:
         (["--method", "local_sgd", "--outer-momentum", "0.5"], dict(outer_momentum=0.5, nesterov=True)),
         (["--outer-momentum", "0"], dict(outer_momentum=0.0, nesterov=False)),
         (["--delay", "1", "--update-codec", "int8"], dict(delay=1, codec="int8")),
+        (["--overlap"], dict(delay=1, overlap=True)),
     ],
 )
 def test_method_presets_and_overrides(flags: list[str], expected: dict, tmp_path: Path) -> None:
@@ -166,3 +167,29 @@ def test_streaming_method_round_trips_and_checks_its_schedule(tmp_path: Path) ->
                 ["start", "--method", "streaming", "--inner-steps", "50", "--fragments", "3"]
             )
         )
+
+
+def test_model_and_data_flags_reach_every_demo_peer(tmp_path: Path) -> None:
+    """A Hugging Face folder, a dataset, a tokenizer and the exporters survive the trip from the
+    demo's flags to each peer's."""
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    flags = [
+        "--model", str(model), "--block-size", "64", "--dataset", "./corpus", "--dataset-split", "train[:90%]",
+        "--streaming", "--text-field", "body", "--tokenizer", "./tok", "--tensorboard", str(tmp_path / "tb"),
+        "--wandb", "proj", "--run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    config = build_config(build_parser().parse_args(["start", *flags]))
+    rebuilt = build_config(
+        build_parser().parse_args(["start", *peer_arguments(config, name="p1", run_dir=tmp_path / "run")])
+    )
+    assert rebuilt.hf_model == str(model) and rebuilt.model.block_size == 64
+    assert rebuilt.data == config.data
+    assert rebuilt.peer.tensorboard == str(tmp_path / "tb" / "p1")  # a folder per peer
+    assert (rebuilt.peer.wandb_project, rebuilt.peer.wandb_mode) == ("proj", "offline")
+    small = build_config(build_parser().parse_args(["start", "--model", "tiny", "--block-size", "32"]))
+    again = build_config(
+        build_parser().parse_args(["start", *peer_arguments(small, name="p", run_dir=tmp_path)])
+    )
+    assert again.model == small.model
