@@ -19,14 +19,20 @@ def _after(events: list[dict], moment: float) -> list[dict]:
     return [e for e in events if e["time"] >= moment]
 
 
+# Each scenario with rounds averaged in the background too (--overlap): the barrier and the
+# resync logic then judge a round one sync later.
+MODES = pytest.mark.parametrize("mode", [[], ["--overlap"]], ids=["blocking", "overlapped"])
+
+
 @pytest.mark.faults
-def test_a_frozen_straggler_is_not_waited_for_and_catches_up(spawn, scenario):
+@MODES
+def test_a_frozen_straggler_is_not_waited_for_and_catches_up(spawn, scenario, mode):
     """SIGSTOP one peer for 30 s: the other keeps training; after SIGCONT the straggler finds
     itself behind, downloads the state and trains with the other again, on the same θ.
 
     No --rounds: alone, the other peer would finish any short run during the freeze. Both are
     stopped with Ctrl+C once they agree again."""
-    common = [*FAST, "--run-id", "straggler", "--averaging-timeout", "8"]
+    common = [*FAST, "--run-id", "straggler", "--averaging-timeout", "8", *mode]
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common)
     second.wait_event("round", lambda e: e["outer_step"] >= 3)
@@ -64,10 +70,11 @@ def test_a_frozen_straggler_is_not_waited_for_and_catches_up(spawn, scenario):
 
 
 @pytest.mark.faults
-def test_a_peer_killed_mid_run_does_not_stall_the_others(spawn, scenario):
+@MODES
+def test_a_peer_killed_mid_run_does_not_stall_the_others(spawn, scenario, mode):
     """SIGKILL one of three peers while they train and average: the two others finish every
     round (falling back or regrouping within one averaging timeout), agree, and never see NaN."""
-    common = [*FAST, "--run-id", "kill9", "--rounds", "14", "--averaging-timeout", "8"]
+    common = [*FAST, "--run-id", "kill9", "--rounds", "14", "--averaging-timeout", "8", *mode]
     first = spawn("a", "start", *common, "--min-peers", "3")
     second = spawn("b", "join", first.address(), *common, "--min-peers", "3")
     victim = spawn("c", "join", first.address(), *common, "--min-peers", "3")

@@ -24,7 +24,9 @@ def test_two_peers_agree_and_learn(spawn):
     for peer in (first, second):
         rounds = peer.events("round")
         assert [r["outer_step"] for r in rounds] == [1, 2, 3, 4]
-        assert all(r["group_size"] == 2 for r in rounds), rounds
+        assert all(r["group_size"] == 2 for r in rounds), [
+            (r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds
+        ]
         done = peer.events("done")[0]
         assert math.isfinite(done["final_eval_loss"])
         assert done["final_eval_loss"] < done["initial_eval_loss"] - 0.5

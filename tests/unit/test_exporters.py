@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -65,12 +66,17 @@ def test_wandb_offline_runs_hold_the_history(tmp_path: Path, monkeypatch) -> Non
     assert main(["export", str(run_dir), "--wandb", "workbench-test"]) == 0
     files = list((run_dir / "wandb").glob("offline-run-*/*.wandb"))
     assert len(files) == 1, list((run_dir / "wandb").rglob("*"))
-    history = _wandb_history(files[0])
-    losses = [(row["_step"], row["loss"]) for row in history if "loss" in row]
-    assert losses == [(1, 4.0), (2, 3.0), (3, 2.0)]
+    deadline = time.monotonic() + 30  # wandb's service process may still be writing, under load
+    while True:
+        history, kinds = _wandb_history(files[0])
+        losses = [(row["_step"], row["loss"]) for row in history if "loss" in row]
+        if losses or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert losses == [(1, 4.0), (2, 3.0), (3, 2.0)], (kinds, files[0].stat().st_size)
 
 
-def _wandb_history(path: Path) -> list[dict]:
+def _wandb_history(path: Path) -> tuple[list[dict], list[str]]:
     """The logged rows of an offline run: its records (LevelDB log framing after a 7-byte
     ':W&B' header: 32 KiB blocks, each record with a crc32, a length and a type) parsed with
     wandb's own protobuf messages."""
@@ -80,7 +86,7 @@ def _wandb_history(path: Path) -> list[dict]:
 
     data = path.read_bytes()
     assert data[:4] == b":W&B", data[:7]
-    rows, chunks, offset, block = [], b"", 7, 32768
+    rows, kinds, chunks, offset, block = [], [], b"", 7, 32768
     while offset + 7 <= len(data):
         if block - offset % block < 7:  # too little room left in this block for a header
             offset += block - offset % block
@@ -92,7 +98,8 @@ def _wandb_history(path: Path) -> list[dict]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(chunks)
             chunks = b""
-            if record.WhichOneof("record_type") == "history":
+            kinds.append(record.WhichOneof("record_type"))
+            if kinds[-1] == "history":
                 rows.append(
                     {
                         item.key or "/".join(item.nested_key): json.loads(item.value_json)
@@ -101,7 +108,7 @@ def _wandb_history(path: Path) -> list[dict]:
                 )
         elif kind == 0:
             break  # zero padding at the end
-    return rows
+    return rows, kinds
 
 
 def test_a_missing_exporter_package_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
