@@ -366,7 +366,7 @@ class SwarmAverager:
         except KeyboardInterrupt:
             control.cancel()
             raise
-        except Exception as error:
+        except (Exception, asyncio.CancelledError) as error:  # hivemind may cancel a step it gave up on
             return None, f"averaging failed: {type(error).__name__}: {error}"
         return (gathered, "") if gathered else (None, "could not find a group")
 
@@ -402,7 +402,10 @@ class SwarmAverager:
                 r,
                 behind=lambda p: p.outer_step > r + 1,
                 busy=lambda p: p.outer_step == r and p.stage is not Stage.DOWNLOADING,
-                ready=lambda p: p.outer_step == r + 1,
+                ready=lambda p: p.outer_step == r + 1 and p.stage is not Stage.DOWNLOADING,
+                # Nobody at r + 1 (the others download or straggle): no group can form, and
+                # failing to find one would flag this peer stale for nothing.
+                need_ready=True,
             )
         return self._barrier(
             r,
@@ -423,6 +426,7 @@ class SwarmAverager:
         behind: Callable[[PeerHeartbeat], bool],
         busy: Callable[[PeerHeartbeat], bool],
         ready: Callable[[PeerHeartbeat], bool],
+        need_ready: bool = False,
     ) -> _Verdict:
         """Wait while some other live peer is ``busy`` (at most ``round_wait``); BEHIND as soon
         as one is past the round (``behind``); after the wait, average with the ``ready``."""
@@ -442,7 +446,7 @@ class SwarmAverager:
                 return _Verdict.BEHIND
             waiting = [p.name for p in others if busy(p)]
             if not waiting:
-                return _Verdict.AVERAGE
+                return _Verdict.AVERAGE if not need_ready or any(map(ready, others)) else _Verdict.ALONE
             if time.monotonic() > deadline:
                 logger.warning(
                     "round %d: not waiting longer than %.0f s for %s",
