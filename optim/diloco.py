@@ -382,16 +382,9 @@ class DiLoCo:
     def _sync_overlapped(self, outgoing: _Outgoing) -> RoundReport:
         """Apply the previous round's mean, start this round's all-reduce in the background,
         and move the clock on at once: the all-reduce has the next round's inner steps to run."""
-        previous = self._inflight
-        report = RoundReport(group_size=1, pending=True, info=outgoing.info)  # the first round
-        mean = None
-        if previous is not None:
-            report = previous.future.result()  # re-raises only what stops the run
-            refused = self._judge(previous.outgoing, report)
-            if refused:
-                logger.error("%s", refused)
-            else:
-                mean = previous.outgoing.deltas
+        report, mean = RoundReport(group_size=1, pending=True, info=outgoing.info), None  # first round
+        if self._inflight is not None:
+            report, mean = self._collect(self._inflight)
         with self.lock:  # θ, the clock and the in-flight round change together (see outer_state)
             if self._pending:  # queued in a downloaded state: the donor's, not our stale round's
                 mean = self._pending.pop(0)
@@ -415,19 +408,24 @@ class DiLoCo:
     def finish(self) -> RoundReport | None:
         """With ``overlap``: wait for the last round's all-reduce and apply its mean, so a run
         ends on the same θ as with the blocking one-step delay. None when nothing was in flight."""
-        previous, report = self._inflight, None
-        if previous is None:
+        if self._inflight is None:
             return None
-        report = previous.future.result()
-        refused = self._judge(previous.outgoing, report)
+        report, mean = self._collect(self._inflight)
         with self.lock:
-            if refused:
-                logger.error("%s", refused)
-            else:
-                self._apply(previous.outgoing.deltas)
+            if mean is not None:
+                self._apply(mean)
             self._inflight = None
         self.restore_parameters()
         return report
+
+    def _collect(self, inflight: _InFlight) -> tuple[RoundReport, list[torch.Tensor] | None]:
+        """Wait for a round in flight: its report, and its mean unless refused."""
+        report = inflight.future.result()  # re-raises only what stops the run
+        refused = self._judge(inflight.outgoing, report)
+        if refused:
+            logger.error("%s", refused)
+            return report, None
+        return report, inflight.outgoing.deltas
 
     @torch.no_grad()
     def _apply(self, mean_deltas: list[torch.Tensor]) -> None:

@@ -217,6 +217,8 @@ class SwarmAverager:
         self.overlapped = overlapped
         """Rounds run in the background (DiLoCo's ``overlap``): a peer's heartbeat shows the
         round it trains, one past the round it averages, and this thread leaves its stage alone."""
+        self.lag = int(overlapped)
+        """How far a round mate's clock is past the round being averaged."""
         self.beat = (lambda stage: None) if overlapped else beat
         self.config = config
         self.peer_id = dht.peer_id.to_base58()
@@ -264,8 +266,6 @@ class SwarmAverager:
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
     ) -> RoundReport:
         info = dict(info or {}, peer=self.peer_id)
-        # Overlapped, a peer's clock is one past the round it averages as soon as it trains on.
-        ahead = 1 if self.overlapped else 0
         verdict = self.wait_for_round_mates(int(info.get("outer_step", 0)))
         if verdict is not _Verdict.AVERAGE:
             report = self._alone(info, verdict.value)
@@ -287,7 +287,7 @@ class SwarmAverager:
                 p
                 for p in self.board.fetch().values()
                 if p.peer_id != self.peer_id
-                and p.outer_step == outer_step + ahead
+                and p.outer_step == outer_step + self.lag
                 and (self.overlapped or p.stage in (Stage.WAITING, Stage.AVERAGING))
             ]
             if not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
@@ -355,7 +355,7 @@ class SwarmAverager:
                     # Never cancel a step whose all-reduce is running: hivemind would then try to
                     # set the result of a cancelled future and log an InvalidStateError.
                     if control.stage is not AveragingStage.RUNNING_ALLREDUCE and any(
-                        p.outer_step > outer_step + (1 if self.overlapped else 0)
+                        p.outer_step > outer_step + self.lag
                         for p in self.board.fetch().values()
                         if p.peer_id != self.peer_id
                     ):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from swarm.averaging_config import CODEC_BYTES
 from swarm.errors import SwarmError
-from workbench.names import MODEL_PRESETS, UPDATE_CODECS
+from workbench.names import MODEL_PRESETS, UPDATE_CODECS, WANDB_MODES
 
 if TYPE_CHECKING:  # torch-backed modules load only when a command runs: `--help` stays fast
     from optim.diloco import DiLoCoConfig
@@ -246,7 +246,7 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--wandb-mode",
         default="offline",
-        choices=("offline", "online", "disabled"),
+        choices=WANDB_MODES,
         help="offline (default: written under <run-dir>/wandb; upload later with `wandb sync`), online",
     )
     group.add_argument(
@@ -447,8 +447,6 @@ def _model_name(text: str) -> str:
 
 
 def _model_shape(args: argparse.Namespace):
-    from dataclasses import replace
-
     from workbench.model import preset
 
     shape = preset(args.model if args.model in MODEL_PRESETS else "small")
@@ -518,10 +516,25 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     )
 
 
+def model_flags(config: RunConfig) -> list[str]:
+    """``--model NAME [--block-size T]``: the flags that rebuild ``config``'s model; ValueError
+    for a model that is neither a preset (any block size) nor a Hugging Face folder."""
+    from workbench.model import PRESETS
+
+    context = config.model.block_size
+    name = config.hf_model or next(
+        (n for n, make in PRESETS.items() if replace(make(), block_size=context) == config.model), None
+    )
+    if name is None:
+        raise ValueError("only presets and Hugging Face folders have flags; share this model config yourself")
+    # the context a bare --model gives (a Hugging Face folder reads with the default preset's)
+    usual = PRESETS["small" if config.hf_model else name]().block_size
+    return ["--model", name] + (["--block-size", str(context)] if context != usual else [])
+
+
 def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     """The exact command another machine pastes to join this run."""
     from workbench.config import RunConfig
-    from workbench.model import PRESETS
 
     parts = ["workbench", "join"]
     if config.method == "dp":
@@ -531,17 +544,9 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     if config.peer.run_id != "workbench":
         parts += ["--run-id", config.peer.run_id]
     defaults = RunConfig()
-    if config.hf_model:  # the joiner needs the same folder (config.json, weights) on its machine
-        parts += ["--model", config.hf_model]
-        if config.model.block_size != defaults.model.block_size:
-            parts += ["--block-size", str(config.model.block_size)]
-    elif config.model != defaults.model:
-        name = next((name for name, make in PRESETS.items() if make() == config.model), None)
-        if name is None:
-            raise ValueError(
-                "join_command covers model presets only; share the model config with joiners yourself"
-            )
-        parts += ["--model", name]
+    model = model_flags(config)  # a model folder must exist on the joiner's machine too
+    if model != model_flags(defaults):
+        parts += model
     # Settings every peer must share, or their global params drift apart round after round.
     for flag, value, default in (
         ("--inner-steps", config.diloco.inner_steps, defaults.diloco.inner_steps),

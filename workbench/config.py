@@ -16,6 +16,7 @@ from swarm.dht import NetworkConfig
 from swarm.records import check_run_id
 from workbench.data import DataConfig
 from workbench.model import ModelConfig
+from workbench.names import WANDB_MODES
 
 
 @dataclass(kw_only=True)
@@ -113,8 +114,8 @@ class PeerConfig:
         check_run_id(self.run_id)
         if self.tensorboard == "" and not self.run_dir:
             raise ValueError("--tensorboard without a folder writes into the run folder: add --run-dir DIR")
-        if self.wandb_mode not in ("offline", "online", "disabled"):
-            raise ValueError(f"unknown --wandb-mode {self.wandb_mode!r}: choose offline, online or disabled")
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"unknown --wandb-mode {self.wandb_mode!r}: choose {', '.join(WANDB_MODES)}")
         if self.secret is not None and len(self.secret) < 8:
             raise ValueError("a run secret must be at least 8 characters (use a long random one)")
         if self.owner is not None and not re.fullmatch(r"[0-9a-f]{16}", self.owner):

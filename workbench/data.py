@@ -167,7 +167,14 @@ class ByteCorpus:
     """A train and a validation byte stream (uint8, 1-D), each file separated by ``b"\\n"``."""
 
     def __init__(
-        self, *, train: Tensor, val: Tensor, source: str, num_files: int, vocab_size: int = 256
+        self,
+        *,
+        train: Tensor,
+        val: Tensor,
+        source: str,
+        num_files: int,
+        vocab_size: int = 256,
+        presharded: bool = False,
     ) -> None:
         for split in (train, val):  # bytes, or token ids of a tokenizer
             assert split.dtype in (torch.uint8, torch.int32) and split.dim() == 1, (
@@ -179,7 +186,7 @@ class ByteCorpus:
         self.num_files = num_files
         self.vocab_size = vocab_size
         """Token values the data holds: 256 for bytes, else the tokenizer's vocabulary."""
-        self.presharded = False
+        self.presharded = presharded
         """The documents are already this peer's shard (a dataset sharded by record)."""
 
     def __repr__(self) -> str:
@@ -192,36 +199,9 @@ class ByteCorpus:
         """Read the documents named by ``config`` and split them into train and val. A dataset
         is sharded here, by record (``shard`` of ``num_shards``; files are sharded per batch)."""
         if config.dataset is not None:
-            from workbench import hf
-
-            dataset = hf.open_dataset(
-                config.dataset,
-                subset=config.dataset_subset,
-                split=config.dataset_split,
-                streaming=config.streaming,
-            )
-            train_parts: list[bytes] = []
-            val_parts: list[bytes] = []
-            with progress(f"reading {config.dataset}", total=config.max_bytes, unit="bytes") as bar:
-                for is_eval, data in hf.dataset_documents(
-                    dataset,
-                    text_field=config.text_field,
-                    shard=shard or 0,
-                    num_shards=num_shards if shard is not None else 1,
-                    eval_fraction=config.eval_fraction,
-                    max_bytes=config.max_bytes,
-                ):
-                    (val_parts if is_eval else train_parts).append(data)
-                    bar.advance(len(data))
-            label = f"dataset {config.dataset}" + (
-                f" shard {shard}/{num_shards}" if shard is not None else ""
-            )
-            total = sum(map(len, train_parts)) + sum(map(len, val_parts))
-            files: list[Path] = []
-            presharded = shard is not None
+            train_parts, val_parts, files, label, total = cls._read_dataset(config, shard, num_shards)
         else:
             train_parts, val_parts, files, label, total = cls._read_files(config)
-            presharded = False
         num_files = len(train_parts) + len(val_parts)
         if num_files == 0 and config.dataset is not None:
             raise DataError(f"{label} gave no text from field '{config.text_field}'; check --text-field")
@@ -248,12 +228,42 @@ class ByteCorpus:
             tokenizer = hf.load_tokenizer(config.tokenizer)
             with progress(f"tokenizing with {config.tokenizer}"):
                 train, val = hf.tokenize(tokenizer, [train_bytes]), hf.tokenize(tokenizer, [val_bytes])
-            vocab = hf.vocab_size(tokenizer)
+            vocab = len(tokenizer)
             source += f", {len(train) + len(val)} tokens of {config.tokenizer}"
         logger.info("loaded corpus %s: train=%d, val=%d", source, len(train), len(val))
-        corpus = cls(train=train, val=val, source=source, num_files=num_files, vocab_size=vocab)
-        corpus.presharded = presharded
-        return corpus
+        presharded = config.dataset is not None and shard is not None
+        return cls(
+            train=train, val=val, source=source, num_files=num_files, vocab_size=vocab, presharded=presharded
+        )
+
+    @staticmethod
+    def _read_dataset(
+        config: DataConfig, shard: int | None, num_shards: int
+    ) -> tuple[list[bytes], list[bytes], list[Path], str, int]:
+        """The records of ``config.dataset`` (this peer's shard of them), train and val by index."""
+        from workbench import hf
+
+        dataset = hf.open_dataset(
+            config.dataset,
+            subset=config.dataset_subset,
+            split=config.dataset_split,
+            streaming=config.streaming,
+        )
+        train_parts: list[bytes] = []
+        val_parts: list[bytes] = []
+        with progress(f"reading {config.dataset}", total=config.max_bytes, unit="bytes") as bar:
+            for is_eval, data in hf.dataset_documents(
+                dataset,
+                text_field=config.text_field,
+                shard=shard or 0,
+                num_shards=num_shards if shard is not None else 1,
+                eval_fraction=config.eval_fraction,
+                max_bytes=config.max_bytes,
+            ):
+                (val_parts if is_eval else train_parts).append(data)
+                bar.advance(len(data))
+        label = f"dataset {config.dataset}" + (f" shard {shard}/{num_shards}" if shard is not None else "")
+        return train_parts, val_parts, [], label, sum(map(len, train_parts)) + sum(map(len, val_parts))
 
     @staticmethod
     def _read_files(config: DataConfig) -> tuple[list[bytes], list[bytes], list[Path], str, int]:

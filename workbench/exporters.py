@@ -18,6 +18,8 @@ import math
 from pathlib import Path
 from typing import Any, Protocol
 
+from workbench.names import WANDB_MODES
+
 logger = logging.getLogger(__name__)
 
 # event -> the fields exported as scalars (under "<event>/<field>"; round fields at the top level)
@@ -113,8 +115,8 @@ class WandbExporter:
             raise ExporterError(
                 "--wandb needs the wandb package: pip install 'swarm-workbench[wandb]'"
             ) from None
-        if mode not in ("offline", "online", "disabled"):
-            raise ExporterError(f"unknown W&B mode {mode!r}: choose offline, online or disabled")
+        if mode not in WANDB_MODES:
+            raise ExporterError(f"unknown W&B mode {mode!r}: choose {', '.join(WANDB_MODES)}")
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=project,

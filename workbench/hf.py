@@ -148,10 +148,6 @@ def tokenize(tokenizer, documents: list[bytes]) -> Tensor:
     return torch.tensor(ids, dtype=torch.int32)
 
 
-def vocab_size(tokenizer) -> int:
-    return len(tokenizer)
-
-
 # --- datasets -----------------------------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ import torch
 
 from swarm.errors import SwarmError
 from workbench.config import RunConfig
-from workbench.model import PRESETS
 
 
 class LaunchError(SwarmError):
@@ -100,22 +99,16 @@ class LocalPeer:
 
 def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
     """CLI flags that rebuild ``config`` for one local peer."""
-    context = config.model.block_size
-    if config.hf_model:
-        model_name = config.hf_model
-    else:  # a preset, maybe with its own --block-size
-        model_name = next(
-            (n for n, make in PRESETS.items() if replace(make(), block_size=context) == config.model), None
-        )
-        if model_name is None:
-            raise LaunchError(
-                "the demo launches model presets or Hugging Face folders only; pick one with --model"
-            )
+    from workbench.cli import model_flags
+
+    try:
+        model = model_flags(config)
+    except ValueError:
+        raise LaunchError(
+            "the demo launches model presets or Hugging Face folders only; pick one with --model"
+        ) from None
     args = [
-        "--model",
-        model_name,
-        "--block-size",
-        str(context),
+        *model,
         "--batch-size",
         str(config.data.batch_size),
         "--device",

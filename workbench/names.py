@@ -9,3 +9,5 @@ MODEL_PRESETS = ("medium", "small", "tiny")
 """workbench.model.PRESETS"""
 SIMULATE_METHODS = ("dp", "local_sgd", "diloco", "sparseloco", "streaming")
 """workbench.simulate.METHODS"""
+WANDB_MODES = ("offline", "online", "disabled")
+"""wandb.init's modes that workbench.exporters accepts"""

@@ -111,9 +111,7 @@ class NodeGroup:
 
 def follow(config) -> int:
     """A follower rank: train when rank 0 says so, until it says stop. Returns an exit code."""
-    from workbench.data import evaluate  # noqa: F401 - same imports as the peer: fail early alike
-    from workbench.model import autocast_context
-    from workbench.peer import build_training
+    from workbench.peer import build_training, train_step
 
     node = NodeGroup()
     cfg = config
@@ -135,16 +133,15 @@ def follow(config) -> int:
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 x, y = next(batches)
-                x, y = x.to(training.device), y.to(training.device)
-                model.train()
-                with autocast_context(training.device):
-                    _, loss = model(x, y)
-                loss.backward()
-                node.average_gradients(model)
-                if cfg.train.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                train_step(
+                    model,
+                    optimizer,
+                    x,
+                    y,
+                    training.device,
+                    cfg.train.grad_clip,
+                    lambda: node.average_gradients(model),
+                )
             elif op == SYNC:
                 node.sync_state(model, optimizer)
             elif op == CHECK:

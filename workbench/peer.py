@@ -725,18 +725,18 @@ class Peer:
         """One AdamW step; for data-parallel, with the swarm's mean gradient (and its report)."""
         if self.node is not None:  # the other ranks take the same step on their own batches
             self.node.command(STEP, self.inner_optimizer.param_groups[0]["lr"])
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        self.model.train()
-        with autocast_context(self.device):
-            _, loss = self.model(x, y)
-        loss.backward()
-        if self.node is not None:
-            self.node.average_gradients(self.model)
-        report = self.dp.before_inner_step(samples=len(x), info=info) if self.dp is not None else None
-        if self.config.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
-        self.inner_optimizer.step()
-        self.inner_optimizer.zero_grad(set_to_none=True)
+        reports = []
+
+        def before_step() -> None:
+            if self.node is not None:
+                self.node.average_gradients(self.model)
+            if self.dp is not None:
+                reports.append(self.dp.before_inner_step(samples=len(x), info=info))
+
+        loss = train_step(
+            self.model, self.inner_optimizer, x, y, self.device, self.config.train.grad_clip, before_step
+        )
+        report = reports[0] if reports else None
         value = float(loss.detach())
         if not torch.isfinite(torch.tensor(value)):
             raise FloatingPointError(
@@ -776,6 +776,30 @@ class Peer:
             except Exception as error:  # noqa: BLE001
                 logger.warning("closing the %s exporter: %s", type(exporter).__name__, error)
         self.exporters = []
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    device: torch.device,
+    grad_clip: float,
+    before_step: Callable[[], None],
+) -> torch.Tensor:
+    """Forward, backward, ``before_step`` (gradients averaged over a node or the swarm), clip,
+    optimizer step; the loss. The one inner step of a peer and of a node's other ranks."""
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    model.train()
+    with autocast_context(device):
+        _, loss = model(x, y)
+    loss.backward()
+    before_step()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 @dataclasses.dataclass

@@ -193,3 +193,6 @@ def test_model_and_data_flags_reach_every_demo_peer(tmp_path: Path) -> None:
         build_parser().parse_args(["start", *peer_arguments(small, name="p", run_dir=tmp_path)])
     )
     assert again.model == small.model
+    # A preset with its own context: the printed join command carries it (it used to fail).
+    assert "--model tiny --block-size 32" in join_command(small, ["ADDR"])
+    assert f"--model {model} --block-size 64" in join_command(config, ["ADDR"])
