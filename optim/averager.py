@@ -44,6 +44,10 @@ class RoundReport:
     """The mean is already robust (a trimmed mean): no bound from the members' declared norms
     applies to it, so the misreport check is skipped (NaN and outlier checks stay)."""
 
+    plane: str = ""
+    """The transport that carried the all-reduce (a swarm's "direct" ring or "hivemind"'s path);
+    empty when nothing was averaged or the averager has no such choice."""
+
     pending: bool = False
     """Overlapped rounds: this round's all-reduce still runs in the background (the first
     round's report; each later sync reports the round before it)."""

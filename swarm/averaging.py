@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import secrets
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +33,6 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's n
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.p2p import P2PContext
@@ -42,10 +42,11 @@ from hivemind.utils.asyncio import enter_asynchronously
 from optim.averager import RoundReport
 from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
-from swarm.dataplane import DIRECT_CODECS, DirectPlane, RingUnreachable, free_port
+from swarm.dataplane import DIRECT_CODECS, DirectPlane, RingUnreachable, bindable, one_line
 from swarm.errors import SwarmError
 from swarm.progress import ProgressBoard
 from swarm.records import PeerHeartbeat, RunKeys, Stage
+from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,9 @@ class _Verdict(enum.Enum):
     BEHIND = "other peers are past this round"  # this peer fell behind: fetch the state
 
 
-_PLANE, _WEIGHT, _USER = "dataplane", "weight", "user"  # gathered data, around the caller's own
+# Gathered data, around the caller's own: whether this member takes direct rings, its weight, a
+# random nonce for the group's sketch seed (gathered over hivemind's encrypted channel).
+_PLANE, _WEIGHT, _NONCE, _USER = "dataplane", "weight", "nonce", "user"
 
 
 def _unwrap(data: Any) -> Any:
@@ -93,18 +96,25 @@ class _StateServingAverager(DecentralizedAverager):
         self._codec = codec
         self._aggregate = aggregate
         self._plane: DirectPlane | None = None
-        self._plane_address: str | None = None
         self._plane_used = False
         self._unreachable = 0  # consecutive rings this peer could not set up
+        self._boards = RendezvousBoards()  # the rendezvous of the groups this peer leads
         # Cleared in the averager process when a ring fails; read here before each step.
         self._plane_enabled = mp.Value("b", 0)
-        reachable = plane_advertise or (plane_host if plane_host != "0.0.0.0" else None)
+        self.direct_rounds = mp.Value("q", 0)  # rounds the direct plane carried, for reports
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
-        if direct and not kwargs.get("client_mode") and reachable:
-            port = free_port(plane_host)
-            self._plane_address = f"{reachable}:{port}"
-            self._plane = DirectPlane(plane_host, port, self._plane_address)
-            self._plane_enabled.value = 1
+        if direct and not kwargs.get("client_mode"):
+            bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
+            if bind and bindable(bind):
+                self._plane = DirectPlane(bind)
+                self._plane_enabled.value = 1
+            elif plane_host == "0.0.0.0":
+                logger.info(
+                    "direct data plane off: %s; rounds use hivemind's all-reduce",
+                    f"the announced address {bind} is not on this machine (behind NAT?)"
+                    if bind
+                    else "--host 0.0.0.0 without --announce names no address to bind",
+                )
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -117,23 +127,35 @@ class _StateServingAverager(DecentralizedAverager):
 
     def step(self, gather: Any = None, **kwargs: Any):
         """hivemind's step; this member's data-plane address travels with its gathered info."""
-        address = self._plane_address if self._plane_enabled.value else None
         weight = kwargs.get("weight")
         weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
-        return super().step(gather={_PLANE: address, _WEIGHT: weight, _USER: gather}, **kwargs)
+        data = {_PLANE: bool(self._plane_enabled.value), _WEIGHT: weight, _NONCE: secrets.token_bytes(16)}
+        return super().step(gather={**data, _USER: gather}, **kwargs)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):
         # In hivemind's averager process, once the group is formed (and triggered).
         members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
-        addresses = [m.get(_PLANE) if isinstance(m, dict) and _USER in m else None for m in members]
-        if self._plane is not None and all(addresses) and len(set(addresses)) == len(addresses):
+        direct = [isinstance(m, dict) and _USER in m and m.get(_PLANE) is True for m in members]
+        if self._plane is not None and all(direct):
+            # Ranks by peer id, not hivemind's order (random per group): the same members next
+            # round find their ring already connected. The board's holder is hivemind's leader.
+            peer_ids = sorted(group_info.peer_ids, key=lambda p: p.to_bytes())
+            leader = group_info.peer_ids[0]
+            if leader == self.peer_id:
+                self._boards.open(group_info.group_id, [p.to_bytes() for p in peer_ids])
+            nonces = b"".join(m.get(_NONCE) or b"" for m in members if isinstance(m.get(_NONCE), bytes))
             ring = functools.partial(
                 self._plane.all_reduce,
-                group_id=group_info.group_id,
-                addresses=addresses,
-                rank=list(group_info.peer_ids).index(self.peer_id),
+                board=BoardClient(
+                    group_info.group_id,
+                    self._board_caller(leader, asyncio.get_running_loop()),
+                    pause=0.0005 if leader == self.peer_id else 0.0,
+                ),
+                seed=group_info.group_id + nonces,
+                members=[p.to_base58() for p in peer_ids],
+                rank=peer_ids.index(self.peer_id),
                 weight=kwargs["weight"],
-                total=sum(float(m.get(_WEIGHT, 0.0)) for m in members),
+                total=sum(_weight(m) for m in members),
                 codec=self._codec,
                 # Below hivemind's own deadline for this step, so that a member gone mid-ring
                 # ends in our error, not in hivemind cancelling the wait on a running thread.
@@ -148,23 +170,51 @@ class _StateServingAverager(DecentralizedAverager):
                     self._plane_enabled.value = 0
                     logger.warning(
                         "direct data plane: no ring could be set up 3 times in a row (%s); this peer "
-                        "uses hivemind's all-reduce from now on (a firewall in front of its plane "
-                        "port? --data-plane hivemind avoids the try)",
+                        "uses hivemind's all-reduce from now on (a firewall in front of its gloo "
+                        "ports? --data-plane hivemind avoids the try)",
                         error,
                     )
                 raise AllreduceException(f"direct data plane: could not set up the ring: {error}") from None
-            except Exception as error:  # a member left mid-ring: an ordinary failed round
-                raise AllreduceException(f"direct data plane: {type(error).__name__}: {error}") from None
+            except Exception as error:  # a member left mid-ring, a tampered sum: a failed round
+                raise AllreduceException(f"direct data plane: {one_line(error)}") from None
             self._unreachable = 0
+            with self.direct_rounds.get_lock():
+                self.direct_rounds.value += 1
             if not self._plane_used:
                 self._plane_used = True
-                logger.info("averaging over the direct data plane (a gloo ring of %d)", len(addresses))
+                logger.info("averaging over the direct data plane (a gloo ring of %d)", len(members))
             running = self._running_groups.get(group_info.group_id)
             if running is not None and not running.done():
                 running.set_result(None)  # no hivemind runner for this group: nothing to wait for
             return {peer: _unwrap(m) for peer, m in zip(group_info.peer_ids, members)}
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return {peer: _unwrap(data) for peer, data in gathered.items()}
+
+    def _board_caller(self, leader, loop: asyncio.AbstractEventLoop) -> Callable[[dict], dict]:
+        """Requests to the group's board: in this process if this peer leads the group, else
+        an RPC to the leader over hivemind's authenticated channel (from the ring's thread)."""
+        if leader == self.peer_id:
+            return functools.partial(self._boards.handle, self.peer_id.to_bytes())
+
+        async def ask(request: dict) -> dict:
+            stub = self.get_stub(self._p2p, leader, namespace=self.prefix)
+            answer = await stub.rpc_plane_board(
+                averaging_pb2.DownloadData(metadata=pack(request)), timeout=10
+            )
+            return unpack(answer.metadata)
+
+        return lambda request: asyncio.run_coroutine_threadsafe(ask(request), loop).result(timeout=15)
+
+    async def rpc_plane_board(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """The rendezvous board of a group this peer leads; the caller's peer id is proven by
+        hivemind's channel, and only the group's members get anything but "unknown group"."""
+        if len(request.metadata) > 2 * MAX_VALUE_BYTES:
+            answer = {"ok": False, "why": "request too large"}
+        else:
+            answer = await self._boards.answer(context.remote_id.to_bytes(), unpack(request.metadata))
+        return averaging_pb2.DownloadData(metadata=pack(answer))
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -229,6 +279,12 @@ class SwarmAverager:
         codec, self.bytes_per_element = CODECS[config.compression], CODEC_BYTES[config.compression]
         buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in tensors_like]
         self.numel = sum(b.numel() for b in buffers)
+        plane = config.data_plane
+        if keys.secret and plane == "direct":
+            # gloo's TCP pairs are not encrypted: a private run's updates stay on hivemind's
+            # path, which its daemon encrypts (TLS 1.3). The cost is in docs/performance.md.
+            logger.info("private run: averaging over hivemind's encrypted path, not the direct plane")
+            plane = "hivemind"
         handler = signal.getsignal(signal.SIGINT)
         self.averager = _StateServingAverager(
             buffers,
@@ -236,7 +292,7 @@ class SwarmAverager:
             prefix=keys.group(group),  # peers average only with the same group name and shapes
             state_provider=state_provider,
             fault_file=fault_file,
-            data_plane=config.data_plane,
+            data_plane=plane,
             aggregate=config.aggregate,
             plane_host=plane_host,
             plane_advertise=plane_advertise,
@@ -272,7 +328,7 @@ class SwarmAverager:
             report.stale = verdict is _Verdict.BEHIND
             return report
         deadline = time.monotonic() + self.config.averaging_timeout
-        attempt = 0
+        attempt, direct_before = 0, self.averager.direct_rounds.value
         while True:
             attempt += 1
             gathered, error = self._attempt(tensors, weight, info, deadline)
@@ -308,6 +364,7 @@ class SwarmAverager:
             bytes_received=moved,
             group_info=[data for data in gathered.values() if isinstance(data, dict)],
             robust_mean=self.config.aggregate == "trimmed-mean",
+            plane="direct" if self.averager.direct_rounds.value > direct_before else "hivemind",
         )
 
     def _attempt(
@@ -352,9 +409,12 @@ class SwarmAverager:
                     # state while the others were averaging): they are past this round and wait
                     # at their next barrier for us, so stop now rather than at the timeout.
                     next_check = time.monotonic() + 1.0
-                    # Never cancel a step whose all-reduce is running: hivemind would then try to
-                    # set the result of a cancelled future and log an InvalidStateError.
-                    if control.stage is not AveragingStage.RUNNING_ALLREDUCE and any(
+                    # Never cancel a step whose all-reduce began: hivemind would then try to set
+                    # the result of a cancelled future and log an InvalidStateError, and a step
+                    # that just finished (stage FINISHED, result not yet seen here) would be
+                    # thrown away although the others averaged with this peer. ``began_allreduce``
+                    # stays set once the stage was RUNNING_ALLREDUCE; the stage does not.
+                    if not control.began_allreduce and any(
                         p.outer_step > outer_step + self.lag
                         for p in self.board.fetch().values()
                         if p.peer_id != self.peer_id
@@ -501,6 +561,15 @@ class SwarmAverager:
 
     def shutdown(self) -> None:
         self.averager.shutdown()
+
+
+def _weight(member: Any) -> float:
+    """A member's gathered weight; anything but a finite number >= 0 counts as 0."""
+    try:
+        weight = float(member.get(_WEIGHT, 0.0))
+    except (TypeError, ValueError, AttributeError):
+        return 0.0
+    return weight if math.isfinite(weight) and weight >= 0 else 0.0
 
 
 def _serve_delay(fault_file: str | None) -> float:

@@ -6,17 +6,18 @@ near a tenth of what torch.distributed's gloo reaches between the same processes
 docs/performance.md). The direct plane keeps hivemind for discovery, matchmaking, the gather of
 member info and every fallback, and moves only the tensor bytes over TCP with gloo:
 
-1. each member that accepts inbound connections advertises ``host:port`` in its gathered data
-   (a peer in client mode, behind NAT, advertises nothing);
-2. when *every* member of a formed group advertised one, the group's first member's
-   ``TCPStore`` (a server each advertising peer runs on its port) is the rendezvous: a
-   ``ProcessGroupGloo`` for this group only, keyed by hivemind's group id;
+1. each member that accepts inbound connections says so in its gathered data (a peer in client
+   mode, behind NAT or in a private run says nothing and the group takes hivemind's path);
+2. the ring's rendezvous is a board held by the group's first member and reached over
+   hivemind's authenticated channel (:mod:`swarm.rendezvous`): only the group's members can
+   read or write it, and no rendezvous port exists for anyone else to find;
 3. every member's weight travels with the gathered info, so each sends ``x * w / Σw`` (fp16 on
    the wire with the fp16 codec) and the ring's sum is the weighted mean, identical on every
-   member. The ring is kept for the next round when the group is the same.
-
-If the ring fails (a member unreachable or gone), the round fails like a failed hivemind round,
-and this peer stops advertising, so its later groups use hivemind's path.
+   member. The ring is kept for the next round when the group is the same;
+4. the sum is checked before it is used: every member posts a sketch of what it sent to the
+   board, and the result's sketch must match their sum (:mod:`swarm.sketch`). A ring an
+   outsider got into (or a member that sent something else than it claims) fails the round,
+   which falls back like any failed round; the ring is never reused.
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from swarm.rendezvous import Rendezvous, RingStore
+from swarm.sketch import Sketch, mismatch, sketch
 
 logger = logging.getLogger(__name__)
 
@@ -38,54 +44,47 @@ class RingUnreachable(RuntimeError):
     leaving once the ring was up."""
 
 
+class RingTampered(RuntimeError):
+    """The ring's sum does not match the members' sketches: something else than the members'
+    contributions went into it."""
+
+
 DIRECT_CODECS = ("none", "fp16")  # int8 needs hivemind's quantizer: it takes hivemind's path
 
 
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` now (the store binds it moments later, in the averager)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host if host != "0.0.0.0" else "", 0))
-        return probe.getsockname()[1]
+def bindable(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (a listener can bind it)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line: torch's C++ errors carry a backtrace after their first line."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 class DirectPlane:
-    """Lives in hivemind's averager process: the rendezvous store, and one ring per group."""
+    """Lives in hivemind's averager process: one gloo ring per group, bound to ``host`` only."""
 
-    def __init__(self, host: str, port: int, advertise: str) -> None:
-        self.host, self.port, self.advertise = host, port, advertise
-        self._server: torch.distributed.TCPStore | None = None
-        self._clients: dict[str, torch.distributed.TCPStore] = {}
-        # Rings by (members in rank order): the same group next round reuses its connections.
+    def __init__(self, host: str) -> None:
+        assert host not in ("", "0.0.0.0"), f"{host=}: the ring binds one address"
+        self.host = host
+        # Rings by members in rank order: the same group next round reuses its connections.
         self._rings: dict[tuple[str, ...], torch.distributed.ProcessGroup] = {}
-
-    def serve(self) -> None:
-        """Start this peer's rendezvous server (other members connect when it leads a group)."""
-        if self._server is None:
-            self._server = torch.distributed.TCPStore(
-                self.host if self.host != "0.0.0.0" else "",
-                self.port,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=30),
-            )
-
-    def _store(self, address: str, timeout: float) -> torch.distributed.Store:
-        if address == self.advertise:
-            self.serve()
-            return self._server
-        if address not in self._clients:
-            host, port = address.rsplit(":", 1)
-            self._clients[address] = torch.distributed.TCPStore(
-                host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout)
-            )
-        return self._clients[address]
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="sketch-exchange")
 
     def all_reduce(
         self,
         tensors: Sequence[torch.Tensor],
         *,
-        group_id: bytes,
-        addresses: Sequence[str],
+        board: Rendezvous,
+        seed: bytes,
+        members: Sequence[str],
         rank: int,
         weight: float,
         total: float,
@@ -93,49 +92,45 @@ class DirectPlane:
         timeout: float,
     ) -> None:
         """Replace ``tensors`` in place by the group's weighted mean (``total``: the sum of
-        every member's weight, from the gathered info)."""
+        every member's weight, from the gathered info), checked against the members' sketches.
+        On any error the tensors hold garbage: the caller keeps its own copy."""
         if not total > 0:
             raise RuntimeError(f"the group's weights sum to {total}")
-        key = tuple(addresses)
-        ring = self._rings.get(key)
-        if ring is None:
-            try:
-                ring = self._connect(group_id, addresses, rank, timeout)
-            except Exception as error:
-                raise RingUnreachable(f"{type(error).__name__}: {error}") from None
-        try:
-            self._reduce(ring, tensors, scale=weight / total, codec=codec)
-        except Exception:
-            self._rings.pop(key, None)  # a member left: never reuse these connections
-            raise
-        self._rings[key] = ring
-        while len(self._rings) > 8:
-            self._rings.pop(next(iter(self._rings)))
-
-    def _connect(
-        self, group_id: bytes, addresses: Sequence[str], rank: int, timeout: float
-    ) -> torch.distributed.ProcessGroup:
-        store = torch.distributed.PrefixStore(group_id.hex(), self._store(addresses[0], timeout))
-        options = torch.distributed.ProcessGroupGloo._Options()
-        device = (
-            torch.distributed.ProcessGroupGloo.create_default_device()
-            if self.host == "0.0.0.0"
-            else torch.distributed.ProcessGroupGloo.create_device(hostname=self.host)
-        )
-        options._devices = [device]
-        options._timeout = datetime.timedelta(seconds=timeout)
-        return torch.distributed.ProcessGroupGloo(store, rank, len(addresses), options)
-
-    @staticmethod
-    def _reduce(ring, tensors: Sequence[torch.Tensor], *, scale: float, codec: str) -> None:
         single = len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous()
         # One buffer on the wire; a lone float32 tensor is reduced in place, without copies.
         flat = tensors[0].view(-1) if single else torch.cat([t.detach().reshape(-1).float() for t in tensors])
-        flat.mul_(scale)
+        flat.mul_(weight / total)
+        mine = sketch(flat, seed)  # what this member sends (before the codec's rounding)
         wire = flat.half() if codec == "fp16" else flat
-        ring.allreduce([wire]).wait()
-        if wire is not flat:
-            flat.copy_(wire)
+        # Posted and the others' collected while the ring runs (one request that the board
+        # answers when the last member's sketch lands): off the critical path.
+        others = [f"sketch/{r}" for r in range(len(members)) if r != rank]
+        abort = threading.Event()
+        exchange = self._pool.submit(
+            board.exchange, f"sketch/{rank}", mine.to_bytes(), others, timeout, abort
+        )
+        try:
+            key = tuple(members)
+            ring = self._rings.get(key)
+            if ring is None:
+                try:
+                    ring = self._connect(board, rank, len(members), timeout)
+                except Exception as error:
+                    raise RingUnreachable(one_line(error)) from None
+            self._rings.pop(key, None)  # kept below only if this round's sum checks out
+            self._ring_allreduce(ring, wire)
+            if wire is not flat:
+                flat.copy_(wire)
+            result = sketch(flat, seed, norm=False)
+            parts = [mine, *map(Sketch.from_bytes, exchange.result(timeout=timeout))]
+        finally:
+            abort.set()  # a failed round leaves no request polling on for the next one to queue behind
+        why = mismatch(result, parts, codec)
+        if why is not None:
+            raise RingTampered(why)
+        self._rings[key] = ring
+        while len(self._rings) > 8:
+            self._rings.pop(next(iter(self._rings)))
         if single:
             return
         offset = 0
@@ -143,3 +138,15 @@ class DirectPlane:
             count = tensor.numel()
             tensor.copy_(flat[offset : offset + count].view_as(tensor))
             offset += count
+
+    def _connect(
+        self, board: Rendezvous, rank: int, size: int, timeout: float
+    ) -> torch.distributed.ProcessGroup:
+        options = torch.distributed.ProcessGroupGloo._Options()
+        options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=self.host)]
+        options._timeout = datetime.timedelta(seconds=timeout)
+        return torch.distributed.ProcessGroupGloo(RingStore(board, timeout), rank, size, options)
+
+    @staticmethod
+    def _ring_allreduce(ring: torch.distributed.ProcessGroup, wire: torch.Tensor) -> None:
+        ring.allreduce([wire]).wait()

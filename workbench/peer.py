@@ -502,6 +502,7 @@ class Peer:
                 loss=self.last_loss,
                 eval_loss=eval_loss,
                 group_size=report.group_size,
+                plane=report.plane,
                 bytes_sent=report.bytes_sent,
                 bytes_received=report.bytes_received,
                 round_seconds=time.monotonic() - round_start,

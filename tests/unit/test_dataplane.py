@@ -1,4 +1,5 @@
-"""The direct data plane's ring (swarm.dataplane) between local processes, without hivemind."""
+"""The direct data plane (swarm.dataplane) between local processes, without hivemind: the ring,
+its rendezvous board (swarm.rendezvous) and the sketch check (swarm.sketch)."""
 
 from __future__ import annotations
 
@@ -8,42 +9,79 @@ import time
 import pytest
 import torch
 
-from swarm.dataplane import DirectPlane, free_port
+from swarm.dataplane import DirectPlane, RingTampered, RingUnreachable
+from swarm.rendezvous import BoardClient, RendezvousBoards, RendezvousError, RingStore, pack, unpack
+from swarm.sketch import ROWS, Sketch, mismatch, sketch
+
+MEMBERS = [b"peer-a", b"peer-b", b"peer-c"]
 
 
-def _member(rank: int, addresses: list[str], weights: list[float], codec: str, rounds: int, out) -> None:
-    host, port = addresses[rank].rsplit(":", 1)
-    plane = DirectPlane(host, int(port), addresses[rank])
-    plane.serve()
+class SharedBoard:
+    """A group's board in a multiprocessing dict (the transport in tests; hivemind's in a peer)."""
+
+    def __init__(self, values, group: bytes) -> None:
+        self.values, self.group = values, group
+
+    def set(self, key: str, value: bytes) -> None:
+        self.values[(self.group, key)] = bytes(value)
+
+    def get(self, key: str, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        while (self.group, key) not in self.values:
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"no member posted {key!r} within {timeout:.0f} s")
+            time.sleep(0.002)
+        return self.values[(self.group, key)]
+
+    def exchange(self, key: str, value: bytes, want: list[str], timeout: float, abort=None) -> list[bytes]:
+        self.set(key, value)
+        return [self.get(k, timeout) for k in want]
+
+
+def _member(rank: int, size: int, values, weights, codec: str, rounds: int, tamper: bool, out) -> None:
+    plane = DirectPlane("127.0.0.1")
+    if tamper:  # an impostor in this member's place in the ring: it sends zeros, whatever it said
+        plane._ring_allreduce = lambda ring, wire: (wire.zero_(), ring.allreduce([wire]).wait())
     results = []
     for r in range(rounds):
         tensors = [torch.full((3, 4), float(rank + 1) * (r + 1)), torch.arange(5.0) * (rank + 1)]
-        plane.all_reduce(
-            tensors,
-            group_id=f"round{r}".encode(),
-            addresses=addresses,
-            rank=rank,
-            weight=weights[rank],
-            total=sum(weights),
-            codec=codec,
-            timeout=20,
-        )
-        results.append([t.clone() for t in tensors])
+        try:
+            plane.all_reduce(
+                tensors,
+                board=SharedBoard(values, f"round{r}".encode()),
+                seed=f"round{r}".encode(),
+                members=[m.decode() for m in MEMBERS[:size]],
+                rank=rank,
+                weight=weights[rank],
+                total=sum(weights),
+                codec=codec,
+                timeout=20,
+            )
+            results.append([t.clone() for t in tensors])
+        except RingTampered as error:
+            results.append(str(error))
     out.put((rank, results, len(plane._rings)))
+
+
+def _run(size: int, codec: str, rounds: int, tamper_rank: int | None = None):
+    context = mp.get_context("spawn")
+    out, values = context.Queue(), context.Manager().dict()
+    weights = [1.0, 2.0, 5.0][:size]
+    members = [
+        context.Process(target=_member, args=(r, size, values, weights, codec, rounds, r == tamper_rank, out))
+        for r in range(size)
+    ]
+    for m in members:
+        m.start()
+    results = sorted(out.get(timeout=90) for _ in members)
+    for m in members:
+        m.join(timeout=30)
+    return weights, results
 
 
 @pytest.mark.parametrize("codec", ["none", "fp16"])
 def test_three_members_get_the_same_weighted_mean(codec):
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    addresses = [f"127.0.0.1:{free_port('127.0.0.1')}" for _ in range(3)]
-    weights = [1.0, 2.0, 5.0]
-    members = [context.Process(target=_member, args=(r, addresses, weights, codec, 2, out)) for r in range(3)]
-    for m in members:
-        m.start()
-    results = sorted(out.get(timeout=60) for _ in members)
-    for m in members:
-        m.join(timeout=30)
+    weights, results = _run(3, codec, rounds=2)
     mean = sum(w * (r + 1) for r, w in enumerate(weights)) / sum(weights)
     for _, rounds, rings in results:
         assert rings == 1  # the second round reused the first round's ring
@@ -55,16 +93,25 @@ def test_three_members_get_the_same_weighted_mean(codec):
         assert all(torch.equal(a, b) for ra, rb in zip(results[0][1], rounds) for a, b in zip(ra, rb))
 
 
+def test_a_substituted_contribution_fails_the_round_on_every_member():
+    # The attack from the trust issue: someone in a member's place sends zeros. Without the
+    # sketch check the others would apply a mean missing that member's share, silently.
+    _, results = _run(2, "none", rounds=1, tamper_rank=1)
+    for _, rounds, rings in results:
+        assert isinstance(rounds[0], str) and "off by" in rounds[0]
+        assert rings == 0  # a ring that carried a wrong sum is never used again
+
+
 def test_an_unreachable_member_fails_within_the_timeout():
-    port = free_port("127.0.0.1")
-    plane = DirectPlane("127.0.0.1", port, f"127.0.0.1:{port}")
-    dead = f"127.0.0.1:{free_port('127.0.0.1')}"  # nobody serves the rendezvous there
+    plane = DirectPlane("127.0.0.1")
+    board = SharedBoard({}, b"g")  # the other member never posts its address
     started = time.monotonic()
-    with pytest.raises(Exception):  # noqa: B017 - torch raises its own DistStoreError/RuntimeError
+    with pytest.raises(RingUnreachable):
         plane.all_reduce(
             [torch.ones(4)],
-            group_id=b"g",
-            addresses=[dead, plane.advertise],
+            board=board,
+            seed=b"g",
+            members=["a", "b"],
             rank=1,
             weight=1.0,
             total=2.0,
@@ -73,3 +120,106 @@ def test_an_unreachable_member_fails_within_the_timeout():
         )
     assert time.monotonic() - started < 15
     assert not plane._rings
+
+
+# --- the board: what an outsider or a member can and cannot do --------------------------------
+
+
+def test_only_members_reach_a_board_and_each_writes_only_its_own_keys():
+    boards = RendezvousBoards()
+    boards.open(b"group", MEMBERS)
+    outsider = b"mallory"
+    assert boards.handle(outsider, {"g": b"group", "op": "get", "k": "sketch/0"}) == {
+        "ok": False,
+        "why": "unknown group",  # the same answer as for a group that does not exist
+    }
+    assert not boards.handle(outsider, {"g": b"group", "op": "set", "k": "sketch/0", "v": b"x"})["ok"]
+    assert boards.handle(MEMBERS[1], {"g": b"group", "op": "set", "k": "sketch/1", "v": b"x"})["ok"]
+    # A member cannot write another member's key, nor change its own.
+    assert not boards.handle(MEMBERS[1], {"g": b"group", "op": "set", "k": "sketch/0", "v": b"y"})["ok"]
+    assert not boards.handle(MEMBERS[1], {"g": b"group", "op": "set", "k": "sketch/1", "v": b"y"})["ok"]
+    assert boards.handle(MEMBERS[2], {"g": b"group", "op": "get", "k": "sketch/1"})["v"] == b"x"
+    for bad in [{}, {"g": "text", "op": "get", "k": "a"}, {"g": b"group", "op": "list", "k": "a"}]:
+        assert not boards.handle(MEMBERS[0], bad)["ok"]
+    assert unpack(b"\xc1garbage") == {} and unpack(pack([1, 2])) == {}
+
+
+def test_boards_are_bounded_in_size_count_and_time():
+    now = [0.0]
+    boards = RendezvousBoards(clock=lambda: now[0])
+    boards.open(b"g0", MEMBERS)
+    huge = {"g": b"g0", "op": "set", "k": "x/0", "v": b"\0" * (64 * 1024 + 1)}
+    assert boards.handle(MEMBERS[0], huge)["why"] == "value too large"
+    answers = [
+        boards.handle(MEMBERS[0], {"g": b"g0", "op": "set", "k": f"k{i}/0", "v": b"v"}) for i in range(20)
+    ]
+    assert sum(a["ok"] for a in answers) == 8  # KEYS_PER_MEMBER
+    for i in range(1, 40):
+        boards.open(f"g{i}".encode(), MEMBERS)
+    assert len(boards._boards) == 16  # the oldest boards make room
+    now[0] = 1000.0
+    boards.open(b"fresh", MEMBERS)
+    assert list(boards._boards) == [b"fresh"]  # the others expired
+
+
+def test_a_member_waits_for_the_leader_to_open_the_board():
+    boards = RendezvousBoards()
+    client = BoardClient(b"late", lambda request: boards.handle(MEMBERS[1], request))
+    with pytest.raises(RendezvousError, match="no member posted"):
+        client.get("sketch/0", timeout=0.2)
+    boards.open(b"late", MEMBERS)
+    client.set("sketch/1", b"mine")
+    assert client.get("sketch/1", timeout=1) == b"mine"
+    boards.handle(MEMBERS[0], {"g": b"late", "op": "set", "k": "sketch/0", "v": b"lead"})
+    assert client.exchange("sketch/1", b"mine", ["sketch/0"], timeout=1) == [b"lead"]
+    store = RingStore(client, timeout=1)
+    with pytest.raises(RendezvousError):
+        store.add("counter", 1)  # gloo needs set/get/wait only; nothing else is offered
+
+
+# --- sketches -------------------------------------------------------------------------------
+
+
+def test_sketches_pass_rounding_and_catch_substitutions():
+    torch.manual_seed(0)
+    parts = [torch.randn(10_000) * 0.01 for _ in range(3)]
+    total = parts[0] + parts[1] + parts[2]
+    claims = [sketch(p, b"seed") for p in parts]
+    assert mismatch(sketch(total, b"seed"), claims, "none") is None
+    half = [p.half() for p in parts]  # the members sketch what they meant; the codec rounds it
+    assert mismatch(sketch((half[0] + half[1] + half[2]).float(), b"seed"), claims, "fp16") is None
+    assert mismatch(sketch(parts[0] + parts[1], b"seed"), claims, "none") is not None  # one missing
+    assert mismatch(sketch(total + parts[0], b"seed"), claims, "none") is not None  # one extra
+    assert mismatch(sketch(total - 0.5 * parts[2], b"seed"), claims, "fp16") is not None  # scaled
+    poked = total.clone()
+    poked[1234] += 0.05  # one coordinate moved by a few times its size
+    assert mismatch(sketch(poked, b"seed"), claims, "none") is not None
+    # Another seed (which an outsider would have to guess) gives unrelated rows.
+    assert sketch(total, b"other").rows != sketch(total, b"seed").rows
+
+
+def test_a_sketch_from_the_network_is_checked():
+    good = sketch(torch.ones(10), b"s")
+    assert Sketch.from_bytes(good.to_bytes()) == good
+    with pytest.raises(ValueError):
+        Sketch.from_bytes(b"short")
+    nan = torch.full((ROWS + 1,), float("nan"), dtype=torch.float64).numpy().tobytes()
+    with pytest.raises(ValueError):
+        Sketch.from_bytes(nan)
+
+
+def test_an_exchange_waits_for_a_board_opened_late():
+    """A member whose sketch reaches the leader before the leader opened the group's board
+    (it learns of the group as the members do) retries, then collects: no failed round."""
+    boards, calls = RendezvousBoards(), []
+
+    def call(request: dict) -> dict:
+        calls.append(request["op"])
+        if len(calls) == 3:  # the leader opens the board and posts its own sketch meanwhile
+            boards.open(b"g", MEMBERS)
+            boards.handle(MEMBERS[0], {"g": b"g", "op": "set", "k": "sketch/0", "v": b"lead"})
+        return boards.handle(MEMBERS[1], request)
+
+    client = BoardClient(b"g", call)
+    assert client.exchange("sketch/1", b"mine", ["sketch/0"], timeout=2) == [b"lead"]
+    assert calls[:3] == ["set", "set", "set"]

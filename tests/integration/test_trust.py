@@ -1,0 +1,147 @@
+"""The data plane as an outsider and as a user deploying across machines see it (docs/security.md).
+
+Real peers in separate processes; the outsider is this test process with a stock hivemind p2p
+node and plain sockets, knowing everything a network observer could (every listening port, the
+run id, the peers' ids)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+import torch
+
+from tests.integration.conftest import FAST, PeerProcess, max_abs_diff
+from workbench import netlab
+
+
+def _listeners(pid: int) -> list[tuple[str, int]]:
+    """Every TCP socket that a process and its children listen on."""
+    found = []
+    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        try:
+            found += [c.laddr for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            continue
+    return [(address.ip, address.port) for address in found]
+
+
+def _as_tcpstore_client(port: int) -> str:
+    """What a torch TCPStore client gets from a port (the old rendezvous answered everyone)."""
+    try:
+        store = torch.distributed.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=1)
+        )
+        return f"a TCPStore answered on {port}: keys {store.list_keys()}"
+    except Exception:  # noqa: BLE001 - refused, timed out, not a store: all fine here
+        return ""
+
+
+async def _ask_boards(address: str, prefix: str, peer_ids: list[str]) -> list[dict]:
+    """A stock hivemind node asks the peers' rendezvous boards for anything it can think of."""
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.proto import averaging_pb2
+
+    from swarm.averaging import _StateServingAverager
+    from swarm.rendezvous import pack, unpack
+
+    p2p = await P2P.create(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    answers = []
+    try:
+        for peer in peer_ids:
+            stub = _StateServingAverager.get_stub(p2p, PeerID.from_base58(peer), namespace=prefix)
+            for request in [
+                {"g": b"\0" * 32, "op": "get", "k": "ring0/0"},
+                {"g": b"\0" * 32, "op": "set", "k": "ring0/0", "v": b"\0" * 60_000},
+                {"g": b"x", "op": "list", "k": ""},
+                {"g": b"x", "op": "get", "k": "", "want": ["sketch/0", "sketch/1"]},
+            ]:
+                reply = await stub.rpc_plane_board(
+                    averaging_pb2.DownloadData(metadata=pack(request)), timeout=5
+                )
+                answers.append(unpack(reply.metadata))
+    finally:
+        await p2p.shutdown()
+    return answers
+
+
+def test_outsiders_reach_no_ring_and_no_board(spawn):
+    """Two peers average over the direct plane while an outsider probes every port they listen
+    on as a TCPStore client and asks their boards for ring keys: it gets nothing, nothing
+    listens wider than --host, and every round is a direct pair round on the same θ."""
+    from swarm.records import RunKeys
+
+    rounds_ = 30  # long enough for the probes below to run while the peers average
+    common = [*FAST, "--rounds", str(rounds_), "--min-peers", "2", "--run-id", "outsider"]
+    first = spawn("a", "start", *common)
+    second = spawn("b", "join", first.address(), *common)
+    first.wait_event("round", lambda e: e["outer_step"] >= 1)
+    peer_ids = [p.wait_event("started")["peer_id"] for p in (first, second)]
+    answers = asyncio.run(_ask_boards(first.address(), RunKeys("outsider").group("diloco"), peer_ids))
+    assert answers and all(not a.get("ok") and "v" not in a and "vals" not in a for a in answers), answers
+    ports = []
+    for peer in (first, second):
+        listeners = _listeners(peer.process.pid)
+        assert listeners and all(ip == "127.0.0.1" for ip, _ in listeners), listeners
+        ports += [port for _, port in listeners]
+    with ThreadPoolExecutor(len(ports)) as pool:  # at once: a client retries for seconds per port
+        assert not any(pool.map(_as_tcpstore_client, ports))
+    assert all(p.process.poll() is None for p in (first, second)), "the probes came too late"
+    for peer in (first, second):
+        assert peer.wait() == 0, peer.stderr()[-3000:]
+    for peer in (first, second):
+        rounds = peer.events("round")
+        assert [(r["group_size"], r["plane"]) for r in rounds] == [(2, "direct")] * rounds_, rounds
+    assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
+
+
+def test_a_private_run_keeps_its_updates_on_the_encrypted_path(spawn):
+    common = [*FAST, "--rounds", "2", "--min-peers", "2", "--run-id", "private", "--secret", "s3cret-words"]
+    first = spawn("a", "start", *common)
+    second = spawn("b", "join", first.address(), *common)
+    for peer in (first, second):
+        assert peer.wait() == 0, peer.stderr()[-3000:]
+        assert [(r["group_size"], r["plane"]) for r in peer.events("round")] == [(2, "hivemind")] * 2
+        assert "hivemind's encrypted path" in peer.stderr()
+
+
+@pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
+    """Two peers in their own network namespaces, started exactly as the README says for
+    machines on a network (--host 0.0.0.0 --port P --announce /ip4/IP/tcp/P): every round is
+    averaged as a pair over the direct plane, and the logs hold no C++ stack dump."""
+    port = 31337
+    with netlab.NetLab(2, rate=None) as lab:
+        common = [*FAST, "--run-id", "readme", "--rounds", "4", "--min-peers", "2"]
+
+        def start(i: int, args: list[str]) -> PeerProcess:
+            flags = [
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(port),
+                "--announce",
+                f"/ip4/{lab.address(i)}/tcp/{port}",
+            ]
+            name = "ab"[i]
+            where = ["--name", name, "--run-dir", str(tmp_path / name)]
+            return PeerProcess(
+                name, [*args, *flags, *where], tmp_path, wrap=lambda argv: lab.command(i, argv)
+            )
+
+        peers = [start(0, ["start", *common])]
+        try:
+            address = next(a for a in peers[0].wait_event("started")["addresses"] if lab.address(0) in a)
+            peers.append(start(1, ["join", address, *common]))
+            for peer in peers:
+                assert peer.wait(timeout=180) == 0, peer.stderr()[-3000:]
+        finally:
+            for peer in peers:
+                peer.kill()
+    for peer in peers:
+        assert [(r["group_size"], r["plane"]) for r in peer.events("round")] == [(2, "direct")] * 4
+        assert "frame #" not in peer.stderr() and "Traceback" not in peer.stderr()
+    assert max_abs_diff(peers[0].global_params(), peers[1].global_params()) <= 1e-5
