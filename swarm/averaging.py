@@ -42,6 +42,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from optim.averager import RoundReport
 from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
+from swarm.claims import STRIKES, Vouching
 from swarm.dataplane import DIRECT_CODECS, DirectPlane, RingUnreachable, bindable, one_line
 from swarm.errors import SwarmError
 from swarm.progress import ProgressBoard
@@ -272,6 +273,10 @@ class SwarmAverager:
         self.beat = (lambda stage: None) if overlapped else beat
         self.config = config
         self.peer_id = dht.peer_id.to_base58()
+        self.vouching = Vouching()
+        """Peers that averaged with this one in a verified round: their claims are believed."""
+        self._gap = 0.0  # seconds between this peer's last two rounds (its inner steps)
+        self._last_return = time.monotonic()
         self.corrupt_next = False
         """Testing: send NaN instead of this peer's update in the next round (a faulty peer)."""
         self.scale_next = 0.0
@@ -322,6 +327,13 @@ class SwarmAverager:
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
     ) -> RoundReport:
         info = dict(info or {}, peer=self.peer_id)
+        self._gap = time.monotonic() - self._last_return
+        try:
+            return self._round(tensors, weight=weight, info=info)
+        finally:
+            self._last_return = time.monotonic()
+
+    def _round(self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any]) -> RoundReport:
         verdict = self.wait_for_round_mates(int(info.get("outer_step", 0)))
         if verdict is not _Verdict.AVERAGE:
             report = self._alone(info, verdict.value)
@@ -349,7 +361,9 @@ class SwarmAverager:
             if not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
                 return self._failed(info, error)
             logger.debug("round %d: attempt %d failed (%s); retrying", outer_step, attempt, error)
-        # Success: the buffers now hold the group's weighted mean.
+        # Success: the buffers now hold the group's weighted mean. Its members (hivemind's
+        # authenticated peer ids, not what they wrote in their info) are vouched for.
+        self.vouching.averaged_with([peer.to_base58() for peer in gathered if hasattr(peer, "to_base58")])
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 tensor.copy_(buffer)
@@ -489,8 +503,20 @@ class SwarmAverager:
         need_ready: bool = False,
     ) -> _Verdict:
         """Wait while some other live peer is ``busy`` (at most ``round_wait``); BEHIND as soon
-        as one is past the round (``behind``); after the wait, average with the ``ready``."""
-        deadline = time.monotonic() + self.config.round_wait
+        as one is past the round (``behind``); after the wait, average with the ``ready``.
+
+        Heartbeats are claims (swarm.claims): "past the round" is believed from a peer that
+        averaged with this one (or, before any did, from most of the others); "busy" keeps this
+        peer waiting the full ``round_wait`` only for such a peer, an unvouched one for about one
+        of this peer's own rounds. Claims not acted on are strikes; three rounds of them and the
+        claimant is ignored for the rest of the run."""
+        started = time.monotonic()
+        deadline = started + self.config.round_wait
+        # What an honest newcomer costs: about one round of inner steps (measured between this
+        # peer's rounds), and at least a couple of matchmaking windows.
+        grace = started + min(
+            self.config.round_wait, max(5.0, 2 * self.config.matchmaking_time, 1.5 * self._gap)
+        )
         waited_for: list[str] = []
         while True:
             self.beat(Stage.WAITING)
@@ -502,12 +528,32 @@ class SwarmAverager:
             ]
             if not others:
                 return _Verdict.ALONE
-            if any(map(behind, others)):
+            vouched = self.vouching.vouched
+            ahead = [p for p in others if behind(p)]
+            believed = [p for p in ahead if p.peer_id in vouched]
+            if believed or (
+                ahead and not any(p.peer_id in vouched for p in others) and 2 * len(ahead) > len(others)
+            ):
                 return _Verdict.BEHIND
-            waiting = [p.name for p in others if busy(p)]
+            for p in ahead:  # not believed: not a round mate either
+                self._strike(
+                    p,
+                    outer_step,
+                    f"claimed outer step {p.outer_step} ahead of every peer that averaged with this one",
+                )
+            others = [p for p in others if p not in ahead]
+            now = time.monotonic()
+            busy_peers = [p for p in others if busy(p) and (now < grace or p.peer_id in vouched)]
+            if now >= grace:
+                for p in others:
+                    if busy(p) and p.peer_id not in vouched:
+                        self._strike(
+                            p, outer_step, f"said it was still training round {outer_step} and never averaged"
+                        )
+            waiting = [p.name for p in busy_peers]
             if not waiting:
                 return _Verdict.AVERAGE if not need_ready or any(map(ready, others)) else _Verdict.ALONE
-            if time.monotonic() > deadline:
+            if now > deadline:
                 logger.warning(
                     "round %d: not waiting longer than %.0f s for %s",
                     outer_step,
@@ -519,6 +565,10 @@ class SwarmAverager:
                 logger.debug("round %d: waiting for %s", outer_step, ", ".join(waiting))
                 waited_for = waiting
             time.sleep(0.1)
+
+    def _strike(self, peer: PeerHeartbeat, outer_step: int, claim: str) -> None:
+        if self.vouching.strike(peer.peer_id, outer_step):
+            self.board.ignore(peer.peer_id, f"{peer.name} {claim}, {STRIKES} rounds running")
 
     # --- state for late joiners ---------------------------------------------------------------
 

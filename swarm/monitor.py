@@ -41,11 +41,14 @@ class Reading:
     """Every heartbeat found, "leaving" ones included, by peer id."""
     manifest: RunManifest | None = None
     control: ControlState | None = None
+    ignored: dict[str, str] = field(default_factory=dict)
+    """Peers caught lying, by peer id: by this reader (absurd heartbeats) or by most live peers."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "time": self.time,
             "run_id": self.run_id,
+            "ignored": dict(self.ignored),
             "peers": [p.model_dump(mode="json") for p in self.peers.values()],
             "manifest": self.manifest.model_dump(mode="json") if self.manifest else None,
             "control": self.control.model_dump(mode="json") if self.control else None,
@@ -60,6 +63,7 @@ class Reading:
             peers={p.peer_id: p for p in peers if p is not None},
             manifest=parse_record(RunManifest, data["manifest"]) if data.get("manifest") else None,
             control=parse_record(ControlState, data["control"]) if data.get("control") else None,
+            ignored={str(k): str(v) for k, v in (data.get("ignored") or {}).items()},
         )
 
 
@@ -67,7 +71,7 @@ class Reading:
 class MonitorEvent:
     time: float
     kind: str
-    """joined | left | round | control | lagging | error"""
+    """joined | left | round | control | lagging | error | ignored"""
     message: str
     peer_id: str | None = None
 
@@ -95,6 +99,8 @@ class SwarmSnapshot:
     """The most advanced live peer's outer step."""
     lagging: list[str] = field(default_factory=list)
     """Peer ids more than one round behind."""
+    ignored: dict[str, str] = field(default_factory=dict)
+    """Peers ignored for lying (peer id -> why); they are not in ``peers``."""
 
     @property
     def samples_per_second(self) -> float:
@@ -129,6 +135,7 @@ class SwarmSnapshot:
                 for p in sorted(self.peers.values(), key=lambda p: p.name)
             ],
             "events": [e.to_json() for e in self.new_events],
+            "ignored": [{"peer_id": k, "reason": v} for k, v in sorted(self.ignored.items())],
         }
 
 
@@ -151,6 +158,7 @@ class SwarmMonitor:
         self._known: dict[str, PeerHeartbeat] = {}  # peers seen alive in the last reading
         self._names: dict[str, str] = {}
         self._lagging: set[str] = set()
+        self._ignored: set[str] = set()
         self._round = 0
         self._record = open(record_to, "a", buffering=1) if record_to else None  # noqa: SIM115
         if self._record and self._record.tell() == 0:
@@ -186,7 +194,13 @@ class SwarmMonitor:
         def event(kind: str, message: str, peer_id: str | None = None) -> None:
             new.append(MonitorEvent(now, kind, message, peer_id))
 
-        alive = {pid: p for pid, p in reading.peers.items() if p.stage is not Stage.LEAVING}
+        ignored = _ignored(reading)
+        for pid in sorted(set(ignored) - self._ignored):
+            event("ignored", f"ignoring {self._names.get(pid, pid[-8:])}: {ignored[pid]}", pid)
+        self._ignored |= set(ignored)
+        alive = {
+            pid: p for pid, p in reading.peers.items() if p.stage is not Stage.LEAVING and pid not in ignored
+        }
         for pid, p in alive.items():
             self._names[pid] = p.name
             before = self._known.get(pid)
@@ -239,6 +253,7 @@ class SwarmMonitor:
             control=reading.control,
             outer_round=self._round,
             lagging=sorted(lagging),
+            ignored=ignored,
         )
 
     def _remember(self, pid: str, p: PeerHeartbeat) -> None:
@@ -250,6 +265,20 @@ class SwarmMonitor:
             buffer = metrics.setdefault(metric, deque(maxlen=self.history_length))
             if not buffer or buffer[-1][0] != p.time:  # one point per heartbeat, not per poll
                 buffer.append((p.time, float(value)))
+
+
+def _ignored(reading: Reading) -> dict[str, str]:
+    """Who to leave out: the reader's own findings, and any peer flagged by most live peers (one
+    liar flagging honest peers moves nothing; the flags are claims too)."""
+    voters = [
+        p for pid, p in reading.peers.items() if pid not in reading.ignored and p.stage is not Stage.LEAVING
+    ]
+    counts: dict[str, list[str]] = {}
+    for voter in voters:
+        for pid, why in list(voter.ignored.items())[:16]:
+            counts.setdefault(pid, []).append(why)
+    flagged = {pid: whys[0] for pid, whys in counts.items() if 2 * len(whys) > len(voters)}
+    return {**flagged, **reading.ignored}
 
 
 def replay(path: str | Path, **options: Any) -> Iterator[SwarmSnapshot]:
@@ -297,6 +326,7 @@ def dht_reader(board, store, keys, *, owner: str | None = None) -> Callable[[], 
             peers=board.fetch(include_leaving=True),
             manifest=state["manifest"],
             control=control,
+            ignored=dict(board.ignored),
         )
 
     return read

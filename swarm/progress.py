@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from swarm.claims import Ignored, implausible
 from swarm.errors import SwarmError
 from swarm.records import PeerHeartbeat, RunKeys, Stage
 from swarm.store import SignedStore
@@ -29,6 +30,13 @@ class ProgressBoard:
         self._last_publish = 0.0
         self._last_fetch: dict[str, PeerHeartbeat] = {}
         self._peer_ids: dict[str, str | None] = {}  # public key -> peer id (RSA work, cached)
+        self.ignored = Ignored()
+        """Peers caught lying (absurd heartbeats here, behaviour in swarm.averaging): dropped
+        from every fetch for the rest of the run."""
+
+    def ignore(self, peer_id: str, reason: str) -> None:
+        if self.ignored.add(peer_id, reason):
+            logger.warning("ignoring peer %s for the rest of the run: %s", peer_id[-8:], reason)
 
     def publish(self, heartbeat: PeerHeartbeat, *, force: bool = False) -> None:
         """Store the heartbeat; at most once per ``period`` unless ``force`` (a stage change)."""
@@ -56,13 +64,21 @@ class ProgressBoard:
         except SwarmError as error:
             logger.warning("%s; using the last known peers", error)
             return dict(self._last_fetch)
-        peers = {}
+        from swarm.dht import dht_time
+
+        peers, now = {}, dht_time()
         for public_key, heartbeat in records.items():
             if self.peer_id_of(public_key) != heartbeat.peer_id:
                 logger.warning(
                     "dropping a heartbeat that claims peer id %s but is signed by another key (forged)",
                     heartbeat.peer_id,
                 )
+                continue
+            if heartbeat.peer_id in self.ignored:
+                continue
+            absurd = implausible(heartbeat, now)
+            if absurd is not None:
+                self.ignore(heartbeat.peer_id, f"{heartbeat.name} published {absurd}")
                 continue
             if heartbeat.stage is Stage.LEAVING and not include_leaving:
                 continue

@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from swarm.bounds import BOUNDS
 from swarm.errors import SwarmError
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -92,6 +93,15 @@ class PeerHeartbeat(BaseModel):
     """Outer rounds this peer will run (0: until stopped); with round times, the ETA."""
     last_error: str | None = Field(default=None, max_length=300)
     """Why this peer's last round went wrong (fell back to a local step, rejected update, ...)."""
+    ignored: dict[str, str] = Field(default_factory=dict, max_length=16)
+    """Peers this one caught lying (peer id -> why), for the UIs; a claim like any other."""
+
+    @field_validator("ignored")
+    @classmethod
+    def _short_reasons(cls, value: dict[str, str]) -> dict[str, str]:
+        if any(len(k) > 128 or len(v) > 200 for k, v in value.items()):
+            raise ValueError("ignored: peer ids up to 128 characters, reasons up to 200")
+        return value
 
 
 class RunManifest(BaseModel):
@@ -118,8 +128,8 @@ class ControlState(BaseModel):
     from_step: int = Field(default=0, ge=0)
     """Peers apply the settings at the start of this outer step, all at the same step (the outer
     lr changes θ: peers applying it at different rounds would drift apart)."""
-    outer_lr: float | None = Field(default=None, gt=0, le=10)
-    inner_steps: int | None = Field(default=None, ge=1, le=100_000)
+    outer_lr: float | None = Field(default=None, gt=BOUNDS["outer_lr"].low, le=BOUNDS["outer_lr"].high)
+    inner_steps: int | None = Field(default=None, ge=BOUNDS["inner_steps"].low, le=BOUNDS["inner_steps"].high)
     codec: str | None = Field(default=None, max_length=16)
     """Codec of the pseudo-gradients (optim.codecs name: none, fp16, bf16, int8, int4, topk)."""
     paused: list[str] = Field(default_factory=list, max_length=1024)

@@ -51,8 +51,6 @@ class Sketch:
         if len(data) != 8 * (ROWS + 1):
             raise ValueError(f"a sketch is {8 * (ROWS + 1)} bytes, got {len(data)}")
         values = torch.frombuffer(bytearray(data), dtype=torch.float64).tolist()
-        if not all(math.isfinite(v) for v in values) or values[-1] < 0:
-            raise ValueError("a sketch holds non-finite values")
         return cls(tuple(values[:-1]), values[-1])
 
 
@@ -94,7 +92,13 @@ def slack(codec: str, members: int) -> float:
 
 
 def mismatch(result: Sketch, parts: list[Sketch], codec: str) -> str | None:
-    """Why the ring's result does not match the sum of the members' sketches, or None."""
+    """Why the ring's result does not match the sum of the members' sketches, or None.
+
+    A non-finite value (a member sent NaN, or says it did) cannot be checked here: the mean is
+    then NaN too, and the outer step's own check refuses it, naming the NaN (optim.robust)."""
+    values = [*result.rows, *(v for p in parts for v in (*p.rows, p.norm))]
+    if not all(math.isfinite(v) for v in values) or any(p.norm < 0 for p in parts):
+        return None if not all(math.isfinite(v) for v in result.rows) else "a member's sketch is not finite"
     bound = slack(codec, len(parts)) * sum(p.norm for p in parts) + 1e-30
     worst = max(abs(r - sum(p.rows[i] for p in parts)) for i, r in enumerate(result.rows))
     if worst > bound:

@@ -227,6 +227,8 @@ class SwarmApp(App[None]):
             parts.append(f"[dim]control[/] [{color}]{applied}/{total} peers applied v{version}[/]")
         if s.lagging:
             parts.append(f"[yellow]{len(s.lagging)} lagging[/]")
+        if s.ignored:  # peers caught lying (swarm.claims): their events say who and why
+            parts.append(f"[red]{len(s.ignored)} ignored for lying[/]")
         if self.updates_paused:
             parts.append("[b reverse yellow] UPDATES PAUSED (p) [/]")
         return "  ".join(parts)

@@ -14,6 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Markdown, Select, Static
 
 from optim.codecs import CODECS
+from swarm import bounds
 from swarm.monitor import SwarmSnapshot
 from tui.format import human_bytes, human_duration
 
@@ -173,17 +174,11 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
     def _read(self) -> dict[str, Any]:
         changes: dict[str, Any] = {}
         lr = self.query_one("#outer-lr", Input).value.strip()
-        if lr:
-            value = float(lr)
-            if not 0 < value <= 10:
-                raise ValueError(f"outer lr must be in (0, 10] (got {value})")
-            changes["outer_lr"] = value
+        if lr:  # the same bounds as the flags and every peer's check (swarm.bounds)
+            changes["outer_lr"] = bounds.check("outer_lr", float(lr))
         steps = self.query_one("#inner-steps", Input).value.strip()
         if steps:
-            value = int(steps)
-            if not 1 <= value <= 100_000:
-                raise ValueError(f"H must be within 1..100000 (got {value})")
-            changes["inner_steps"] = value
+            changes["inner_steps"] = bounds.check("inner_steps", int(steps))
         codec = self.query_one("#codec", Select).selection  # None while blank
         if codec is not None:
             changes["codec"] = codec

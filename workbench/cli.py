@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarm.averaging_config import CODEC_BYTES
+from swarm.bounds import parser as bounded
 from swarm.errors import SwarmError
 from workbench.names import MODEL_PRESETS, UPDATE_CODECS, WANDB_MODES
 
@@ -53,7 +54,10 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         "Hugging Face causal-LM config.json, and its weights if it has them (pip install '.[hf]')",
     )
     group.add_argument(
-        "--block-size", type=int, metavar="T", help="context length in tokens (default: the preset's, 128)"
+        "--block-size",
+        type=bounded("block_size"),
+        metavar="T",
+        help="context length in tokens (default: the preset's, 128)",
     )
     group.add_argument(
         "--tokenizer",
@@ -87,20 +91,30 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         default="text",
         help="in a .jsonl data file or a dataset, the field holding each record's text (default: text)",
     )
-    group.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default: 16)")
+    group.add_argument(
+        "--batch-size", type=bounded("batch_size"), default=16, help="sequences per inner step (default: 16)"
+    )
     group.add_argument(
         "--device", default="auto", help="auto, cpu or cuda[:N] (default: auto = CUDA when present)"
     )
-    group.add_argument("--seed", type=int, default=0, help="model init and data order seed (default: 0)")
+    group.add_argument(
+        "--seed", type=bounded("seed"), default=0, help="model init and data order seed (default: 0)"
+    )
     group.add_argument("--shard", metavar="I/N", help="read only shard I of N slices of the data (e.g. 0/4)")
-    group.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch decides)")
+    group.add_argument(
+        "--threads", type=bounded("threads"), default=0, help="torch CPU threads (default: torch decides)"
+    )
 
     group = parser.add_argument_group("DiLoCo")
     group.add_argument(
-        "--inner-steps", type=int, default=50, metavar="H", help="inner steps per round (default: 50)"
+        "--inner-steps",
+        type=bounded("inner_steps"),
+        default=50,
+        metavar="H",
+        help="inner steps per round (default: 50)",
     )
     group.add_argument(
-        "--inner-lr", type=float, default=1e-3, help="inner AdamW learning rate (default: 1e-3)"
+        "--inner-lr", type=bounded("inner_lr"), default=1e-3, help="inner AdamW learning rate (default: 1e-3)"
     )
     group.add_argument(
         "--method",
@@ -109,14 +123,18 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         help="outer method preset: diloco, local_sgd (FedAvg), sparseloco (top-k + error feedback) or dp "
         "(data-parallel: gradients averaged every step, the baseline)",
     )
-    group.add_argument("--outer-lr", type=float, help="outer SGD learning rate (diloco: 0.7)")
-    group.add_argument("--outer-momentum", type=float, help="outer Nesterov momentum (diloco: 0.9)")
+    group.add_argument("--outer-lr", type=bounded("outer_lr"), help="outer SGD learning rate (diloco: 0.7)")
+    group.add_argument(
+        "--outer-momentum", type=bounded("outer_momentum"), help="outer Nesterov momentum (diloco: 0.9)"
+    )
     group.add_argument(
         "--update-codec",
         choices=UPDATE_CODECS,
         help="codec for pseudo-gradients inside the optimizer (sparseloco: topk)",
     )
-    group.add_argument("--topk-density", type=float, help="fraction the topk codec keeps (default: 0.01)")
+    group.add_argument(
+        "--topk-density", type=bounded("topk_density"), help="fraction the topk codec keeps (default: 0.01)"
+    )
     group.add_argument(
         "--error-feedback",
         action="store_true",
@@ -124,7 +142,10 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         help="keep what the update codec drops for the next round",
     )
     group.add_argument(
-        "--fragments", type=int, default=4, help="streaming: fragments synced in turn (default: 4)"
+        "--fragments",
+        type=bounded("fragments"),
+        default=4,
+        help="streaming: fragments synced in turn (default: 4)",
     )
     group.add_argument(
         "--delay", type=int, choices=(0, 1), help="apply each round's mean one round later (default: 0)"
@@ -137,21 +158,24 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--outlier-ratio",
-        type=float,
+        type=bounded("outlier_ratio"),
         help="refuse a round whose update from one peer is this many times the others' median norm, "
         "or larger than declared (default: 10; 0 turns it off)",
     )
     group.add_argument(
         "--clip-norm",
-        type=float,
+        type=bounded("clip_norm"),
         help="clip this peer's pseudo-gradient to this norm before sending (default: off)",
     )
     group.add_argument(
-        "--rounds", type=int, default=0, help="stop after this many outer rounds (default: 0 = never)"
+        "--rounds",
+        type=bounded("rounds"),
+        default=0,
+        help="stop after this many outer rounds (default: 0 = never)",
     )
     group.add_argument(
         "--eval-every",
-        type=int,
+        type=bounded("eval_every"),
         default=1,
         metavar="ROUNDS",
         help="evaluate the global params every ROUNDS rounds, and after the last (default: 1)",
@@ -162,11 +186,14 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         "--codec", default="none", choices=sorted(CODEC_BYTES), help="pseudo-gradient wire codec"
     )
     group.add_argument(
-        "--matchmaking-time", type=float, default=2.0, help="seconds a round's group stays open (default: 2)"
+        "--matchmaking-time",
+        type=bounded("matchmaking_time"),
+        default=2.0,
+        help="seconds a round's group stays open (default: 2)",
     )
     group.add_argument(
         "--averaging-timeout",
-        type=float,
+        type=bounded("averaging_timeout"),
         default=30.0,
         help="seconds before a round falls back to a local step",
     )
@@ -195,7 +222,9 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--host", default="127.0.0.1", help="IP to listen on (default: 127.0.0.1; 0.0.0.0 for a real network)"
     )
-    group.add_argument("--port", type=int, default=0, help="TCP port to listen on (default: any free port)")
+    group.add_argument(
+        "--port", type=bounded("port"), default=0, help="TCP port to listen on (default: any free port)"
+    )
     group.add_argument(
         "--announce",
         action="append",
@@ -210,18 +239,24 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
         "--identity", metavar="FILE", help="private key file, for a peer id that survives restarts"
     )
     group.add_argument(
-        "--connect-timeout", type=float, default=20.0, help="seconds to reach the bootstrap peers"
+        "--connect-timeout",
+        type=bounded("connect_timeout"),
+        default=20.0,
+        help="seconds to reach the bootstrap peers",
     )
     add_run_access_options(group)
     group.add_argument(
-        "--min-peers", type=int, default=1, help="wait for this many peers before the first round"
+        "--min-peers",
+        type=bounded("min_peers"),
+        default=1,
+        help="wait for this many peers before the first round",
     )
     group.add_argument(
         "--run-dir", metavar="DIR", help="write metrics.jsonl and the final global params here"
     )
     group.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=bounded("checkpoint_every"),
         default=0,
         metavar="ROUNDS",
         help="write <run-dir>/checkpoint.pt every ROUNDS outer rounds (default 0: on request only)",
@@ -271,8 +306,15 @@ def add_run_access_options(group) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistake reported in one line (the usage block buries it) and exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="workbench",
         description="Train one model together with other peers over a hivemind swarm, with DiLoCo.",
         epilog=EPILOG,
@@ -317,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  workbench demo --peers 2 --rounds 3 --headless --json > result.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--peers", type=int, default=4, help="number of peers (default: 4)")
+    demo.add_argument("--peers", type=bounded("peers"), default=4, help="number of peers (default: 4)")
     demo.add_argument(
         "--headless",
         action="store_true",
@@ -331,7 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-dir", metavar="DIR", help="keep each peer's metrics and logs here (default: a temp dir)"
     )
     demo.add_argument(
-        "--timeout", type=float, default=900.0, help="give up after this many seconds (default: 900)"
+        "--timeout",
+        type=bounded("timeout"),
+        default=900.0,
+        help="give up after this many seconds (default: 900)",
     )
     _add_training_options(demo)
     demo.set_defaults(inner_steps=20, rounds=8, threads=1, model="small")
@@ -640,7 +685,12 @@ def _one_line_errors(run, errors) -> int:
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(argv if argv is not None else sys.argv[1:])
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # a mistake, already said in one line (see _Parser); --help re-raises
+        if stop.code == EXIT_USER_ERROR:
+            return EXIT_USER_ERROR
+        raise
     _configure_logging(args.verbose)
     if args.command == "config":
         from workbench.config_cli import run_config_command

@@ -89,6 +89,13 @@ def _scalar(action: argparse.Action, key: str, value: Any, origin: str, flag: st
     kind = action.type or str
     if isinstance(value, (bool, list, dict)):
         ok = False
+    elif getattr(kind, "numeric", False):  # a bounded number (swarm.bounds): the flag's own check
+        ok = isinstance(value, int) or (kind.__name__ == "number" and isinstance(value, float))
+        if ok:
+            try:
+                value = kind(str(value))
+            except argparse.ArgumentTypeError as error:
+                raise ConfigError(f"{origin}: {key} = {value!r}: {error}") from None
     elif kind is int:
         ok = isinstance(value, int)
     elif kind is float:
@@ -104,7 +111,8 @@ def _scalar(action: argparse.Action, key: str, value: Any, origin: str, flag: st
             except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
                 raise ConfigError(f"{origin}: {key} = {value!r}: {error}") from None
     if not ok:
-        expected = {int: "an integer", float: "a number"}.get(kind, "a string")
+        names = {int: "an integer", float: "a number", "integer": "an integer", "number": "a number"}
+        expected = names.get(kind if kind in (int, float) else getattr(kind, "__name__", ""), "a string")
         raise ConfigError(
             f"{origin}: {key} must be {expected} (like {flag}), got {type(value).__name__} {value!r}"
         )
@@ -141,7 +149,10 @@ def _env_scalar(action: argparse.Action, text: str, variable: str) -> Any:
     except argparse.ArgumentTypeError as error:
         raise ConfigError(f"{variable}={text!r}: {error}") from None
     except (TypeError, ValueError):
-        kind = {int: "an integer", float: "a number"}.get(action.type, "a value")
+        names = {int: "an integer", float: "a number", "integer": "an integer", "number": "a number"}
+        kind = names.get(
+            action.type if action.type in (int, float) else getattr(action.type, "__name__", ""), "a value"
+        )
         raise ConfigError(f"{variable}={text!r} must be {kind}") from None
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{variable}={text!r} is not one of {', '.join(map(str, action.choices))}")

@@ -9,6 +9,7 @@ import argparse
 import shlex
 import sys
 
+from swarm.bounds import parser as bounded
 from swarm.errors import SwarmError
 
 
@@ -38,14 +39,19 @@ def add_monitor_parsers(commands) -> None:
     )
     replay.add_argument("file", metavar="FILE", help="a recording made with --record")
     replay.add_argument(
-        "--interval", type=float, default=0.5, help="seconds between two recorded readings (default 0.5)"
+        "--interval",
+        type=bounded("interval"),
+        default=0.5,
+        help="seconds between two recorded readings (default 0.5)",
     )
     _add_web_options(replay)
 
 
 def _add_web_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--web", action="store_true", help="serve the app in a browser on 127.0.0.1")
-    parser.add_argument("--web-port", type=int, default=8000, help="port for --web (default 8000)")
+    parser.add_argument(
+        "--web-port", type=bounded("web_port"), default=8000, help="port for --web (default 8000)"
+    )
 
 
 def run_monitor_command(args: argparse.Namespace, argv: list[str]) -> int:

@@ -315,6 +315,7 @@ class Peer:
             dp_bytes=self.dp_bytes,
             rounds=self.total_rounds if self.config.peer.rounds else 0,
             last_error=self.last_error[:300] if self.last_error else None,
+            ignored={peer: why[:200] for peer, why in list(self.board.ignored.items())[-16:]},
         )
 
     def emit(self, event: str, **fields: Any) -> None:

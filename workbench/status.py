@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from swarm.bounds import parser as bounded
 from swarm.dht import NetworkConfig
 from swarm.errors import SwarmError
 from swarm.records import RunKeys
@@ -23,7 +24,9 @@ def add_observer_options(parser: argparse.ArgumentParser) -> None:
     from workbench.cli import add_run_access_options
 
     parser.add_argument("--run-id", default="workbench", help="the run's name (default: workbench)")
-    parser.add_argument("--connect-timeout", type=float, default=20.0, help="seconds to reach the peers")
+    parser.add_argument(
+        "--connect-timeout", type=bounded("connect_timeout"), default=20.0, help="seconds to reach the peers"
+    )
     add_run_access_options(parser)
 
 
@@ -40,7 +43,7 @@ def add_status_parser(commands) -> None:
     add_observer_options(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per read on stdout")
     parser.add_argument(
-        "--watch", type=float, metavar="SECONDS", help="read again every SECONDS until Ctrl+C"
+        "--watch", type=bounded("watch"), metavar="SECONDS", help="read again every SECONDS until Ctrl+C"
     )
     parser.add_argument("--record", metavar="FILE", help="append every reading to FILE (JSONL) for replay")
     parser.add_argument("--replay", metavar="FILE", help="print a recorded run instead of a live one")
@@ -103,6 +106,8 @@ def render(data: dict[str, Any]) -> None:
         )
     console = Console()
     console.print(table)
+    for liar in data.get("ignored", []):
+        console.print(f"  [red]ignored[/red] {liar['peer_id'][-12:]}: {liar['reason']}")
     for event in data.get("events", []):
         console.print(f"  [dim]{event['kind']}[/dim] {event['message']}")
 

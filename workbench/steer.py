@@ -12,6 +12,7 @@ import json
 import sys
 import time
 
+from swarm.bounds import parser as bounded
 from swarm.errors import SwarmError
 
 
@@ -28,8 +29,10 @@ def add_steer_parser(commands) -> None:
     parser.add_argument("peers", nargs="+", metavar="MULTIADDR", help="any peer of the run")
     add_observer_options(parser)
     parser.add_argument("--key", required=True, metavar="FILE", help="the run owner's key file")
-    parser.add_argument("--outer-lr", type=float, help="new outer learning rate")
-    parser.add_argument("--inner-steps", type=int, metavar="H", help="new inner steps per round")
+    parser.add_argument("--outer-lr", type=bounded("outer_lr"), help="new outer learning rate")
+    parser.add_argument(
+        "--inner-steps", type=bounded("inner_steps"), metavar="H", help="new inner steps per round"
+    )
     parser.add_argument(
         "--update-codec", metavar="CODEC", help="new pseudo-gradient codec (none, fp16, int8, ...)"
     )
@@ -38,9 +41,14 @@ def add_steer_parser(commands) -> None:
     )
     parser.add_argument("--resume", action="append", default=[], metavar="PEER", help="resume a paused peer")
     parser.add_argument("--checkpoint", action="store_true", help="ask every peer to write a checkpoint now")
-    parser.add_argument("--from-step", type=int, help="outer step to apply at (default: 2 rounds ahead)")
     parser.add_argument(
-        "--wait", type=float, default=60.0, help="seconds to follow propagation (0: do not wait; default 60)"
+        "--from-step", type=bounded("from_step"), help="outer step to apply at (default: 2 rounds ahead)"
+    )
+    parser.add_argument(
+        "--wait",
+        type=bounded("wait"),
+        default=60.0,
+        help="seconds to follow propagation (0: do not wait; default 60)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
 

@@ -113,6 +113,10 @@ function render({ model, el: root }) {
     }
     for (const [k, v] of facts) summary.appendChild(el("span", {}, [document.createTextNode(`${k} `), el("b", { text: String(v) })]));
     box.appendChild(summary);
+    // Peers caught lying (swarm.claims): left out of the table, said here with the reason.
+    for (const liar of snap.ignored || []) {
+      box.appendChild(el("div", { class: "swb-ignored", text: `ignored ${liar.peer_id.slice(-8)}: ${liar.reason}` }));
+    }
 
     const row = el("div", { class: "swb-row" });
     const table = el("table", { class: "swb-peers" });

@@ -156,5 +156,10 @@ class SwarmWidget(anywidget.AnyWidget):
         return (
             f"<div><b>{html.escape(self.title)}</b>: round {snap.get('outer_round', 0)}, "
             f"{len(snap.get('peers', []))} peers (static view: run the notebook for the live widget)"
-            f"<table><tr>{head}</tr>{rows}</table></div>"
+            f"<table><tr>{head}</tr>{rows}</table>"
+            + "".join(
+                f"<div>ignored {html.escape(liar['peer_id'][-8:])}: {html.escape(liar['reason'])}</div>"
+                for liar in snap.get("ignored", [])
+            )
+            + "</div>"
         )

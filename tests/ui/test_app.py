@@ -113,7 +113,7 @@ async def test_a_bad_steering_value_is_refused_in_the_form(app) -> None:
         await pilot.press("e")
         app.screen.query_one("#outer-lr", Input).value = "50"
         await pilot.click("#review")
-        assert "outer lr must be in (0, 10]" in str(app.screen.query_one("#error").render())
+        assert "--outer-lr must be in (0, 10]" in str(app.screen.query_one("#error").render())
         assert app.screen.query_one("#publish").disabled
 
 

@@ -107,7 +107,8 @@ def test_a_range_error_names_where_the_value_came_from(tmp_path, capsys, monkeyp
     path = tmp_path / "run.toml"
     path.write_text("inner_lr = 5\n")
     assert main(["start", "--config", str(path)]) == 2
-    assert f"(inner_lr from file {path})" in capsys.readouterr().err
+    # Checked with the flag's own bounds (swarm.bounds) while the file is read: file, key, value.
+    assert f"{path}: inner_lr = 5: must be in (0, 1)" in capsys.readouterr().err
 
 
 def test_config_show_sources_and_json(run_toml, capsys, monkeypatch):

@@ -51,6 +51,7 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         dp_bytes=10_000_000,
         rounds=40,
         last_error=None,
+        ignored={},
     )
     record.update(overrides)
     return record

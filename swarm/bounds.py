@@ -1,0 +1,108 @@
+"""The bounds of every numeric setting, in one place: flags, config files, steering and the UIs.
+
+A value outside its bounds is refused before anything starts (argparse turns the
+``ValueError`` of :func:`check` into exit 2 with one line), and a steering message outside them
+is refused by every peer. Torch-free and hivemind-free, so the TUI and ``--help`` import it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bound:
+    """``low <= value <= high`` (strict where ``open_low`` / ``open_high``); ``integer``: whole
+    numbers."""
+
+    low: float
+    high: float
+    integer: bool = False
+    open_low: bool = False
+    open_high: bool = False
+
+    def describe(self) -> str:
+        low, high = (str(int(x)) if self.integer else f"{x:g}" for x in (self.low, self.high))
+        return f"in {'(' if self.open_low else '['}{low}, {high}{')' if self.open_high else ']'}"
+
+    def contains(self, value: float) -> bool:
+        above = value > self.low if self.open_low else value >= self.low
+        below = value < self.high if self.open_high else value <= self.high
+        return math.isfinite(value) and above and below
+
+
+_DAY = 86_400.0
+BOUNDS: dict[str, Bound] = {
+    # training
+    "inner_steps": Bound(1, 100_000, integer=True),
+    "batch_size": Bound(1, 65_536, integer=True),
+    "block_size": Bound(1, 1_048_576, integer=True),
+    "seed": Bound(0, 2**31 - 1, integer=True),
+    "threads": Bound(0, 1024, integer=True),
+    "inner_lr": Bound(0, 1, open_low=True, open_high=True),
+    "outer_lr": Bound(0, 10, open_low=True),
+    "outer_momentum": Bound(0, 1, open_high=True),
+    "topk_density": Bound(0, 1, open_low=True),
+    "density": Bound(0, 1, open_low=True),
+    "fragments": Bound(1, 1024, integer=True),
+    "sync_delay": Bound(0, 100_000, integer=True),
+    "alpha": Bound(0, 1, open_high=True),
+    "dropout": Bound(0, 1, open_high=True),
+    "outlier_ratio": Bound(0, 1e6),
+    "clip_norm": Bound(0, 1e12),
+    "rounds": Bound(0, 10**9, integer=True),
+    "steps": Bound(1, 10**9, integer=True),
+    "eval_every": Bound(1, 10**9, integer=True),
+    "checkpoint_every": Bound(0, 10**9, integer=True),
+    # averaging and network
+    "matchmaking_time": Bound(0.1, 120),
+    "averaging_timeout": Bound(0.1, 3600, open_low=True),
+    "round_wait": Bound(0, 3600),
+    "port": Bound(0, 65_535, integer=True),
+    "web_port": Bound(1, 65_535, integer=True),
+    "connect_timeout": Bound(1, 600),
+    "min_peers": Bound(1, 1024, integer=True),
+    "peers": Bound(1, 1024, integer=True),
+    # commands
+    "timeout": Bound(1, 30 * _DAY),
+    "interval": Bound(0.05, 3600),
+    "watch": Bound(0.1, 3600),
+    "wait": Bound(0, 3600),
+    "from_step": Bound(0, 10**9, integer=True),
+}
+
+
+def check(name: str, value: float) -> float:
+    """``value`` if it is within ``name``'s bounds, else ValueError with one line saying which."""
+    bound = BOUNDS[name]
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{flag} must be a number (got {value!r})")
+    if bound.integer and isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{flag} must be an integer (got {value!r})")
+    if not bound.contains(value):
+        raise ValueError(f"{flag} must be {bound.describe()} (got {value!r})")
+    return int(value) if bound.integer else float(value)
+
+
+def parser(name: str) -> Callable[[str], float]:
+    """An argparse ``type=`` for ``name``: parses the text, then :func:`check` s it. argparse
+    prints its ArgumentTypeError as ``argument --flag: must be ...`` and exits with 2."""
+    bound = BOUNDS[name]
+
+    def parse(text: str) -> float:
+        try:
+            value = int(text) if bound.integer else float(text)
+        except (TypeError, ValueError):
+            raise ValueError(text) from None  # argparse: "invalid integer value: 'x'"
+        try:
+            return check(name, value)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError("must " + str(error).split(" must ", 1)[1]) from None
+
+    parse.numeric = True  # type: ignore[attr-defined]  # config files give numbers, not text
+    parse.__name__ = "integer" if bound.integer else "number"
+    return parse

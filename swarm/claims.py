@@ -1,0 +1,92 @@
+"""Heartbeats are claims: what a peer may believe of them, and when a peer is caught lying.
+
+hivemind's signatures say *who* wrote a heartbeat, not that it is true: a fresh key can publish
+a schema-valid heartbeat with any outer step, stage or loss. So:
+
+- **absurd values** (a loss of -1e30, 1e12 samples a second, a heartbeat from the future) are
+  never shown or used: :func:`implausible` says why, and the peer is ignored for the rest of
+  the run (an honest peer never publishes them);
+- **behaviour is vouched for**: a peer that averaged with this one in a verified round
+  (:class:`Vouching`) is believed when it says it is ahead (this peer then fetches the state)
+  or still training (this peer waits for it, up to the round wait). An unvouched peer's word
+  moves nothing that costs honest peers more than honest peers cost each other: it is waited
+  for at most about one of this peer's own rounds, and its claim to be ahead is not acted on;
+- **three strikes**: a peer that says it trains the round but never shows up in the group, or
+  says it is rounds ahead of every peer that averaged with this one, three rounds running,
+  is ignored for the rest of the run and shown as such in the TUI, ``status`` and the widget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+from swarm.bounds import BOUNDS
+from swarm.records import PeerHeartbeat
+
+MAX_LOSS = 1e4  # a cross-entropy over any vocabulary a model here can have is far below
+MAX_SAMPLES_PER_SECOND = 1e7
+MAX_TOKENS_PER_SECOND = 1e10
+MAX_BYTES = 1e18
+FUTURE_SECONDS = 120.0  # clocks differ; a heartbeat minutes ahead of DHT time is made up
+STRIKES = 3
+MAX_IGNORED = 1024  # fresh keys are free: remember at most this many liars (oldest forgotten)
+
+
+def implausible(beat: PeerHeartbeat, now: float) -> str | None:
+    """Why no honest peer would publish this heartbeat, or None."""
+    if beat.loss is not None and not (math.isfinite(beat.loss) and 0 <= beat.loss <= MAX_LOSS):
+        return f"a loss of {beat.loss:g}"
+    if not beat.samples_per_second <= MAX_SAMPLES_PER_SECOND:
+        return f"{beat.samples_per_second:g} samples a second"
+    if not beat.tokens_per_second <= MAX_TOKENS_PER_SECOND:
+        return f"{beat.tokens_per_second:g} tokens a second"
+    if max(beat.bytes_sent, beat.bytes_received, beat.dp_bytes) > MAX_BYTES:
+        return "exabytes sent"
+    if beat.inner_steps > BOUNDS["inner_steps"].high or beat.inner_step > beat.inner_steps:
+        return f"inner step {beat.inner_step} of {beat.inner_steps}"
+    if beat.outer_step > BOUNDS["rounds"].high:
+        return f"outer step {beat.outer_step}"
+    if not (math.isfinite(beat.time) and beat.time <= now + FUTURE_SECONDS):
+        return f"a heartbeat from {beat.time - now:.0f} s in the future"
+    if beat.last_round_seconds is not None and not beat.last_round_seconds <= 30 * 86_400:
+        return f"a round of {beat.last_round_seconds:g} s"
+    return None
+
+
+class Ignored(OrderedDict):
+    """peer id -> why it is ignored for the rest of the run (bounded: oldest forgotten)."""
+
+    def add(self, peer_id: str, reason: str) -> bool:
+        """Record a liar; True if it is new."""
+        new = peer_id not in self
+        self[peer_id] = reason
+        while len(self) > MAX_IGNORED:
+            self.popitem(last=False)
+        return new
+
+
+class Vouching:
+    """Which peers averaged with this one, and strikes against the others' claims."""
+
+    def __init__(self) -> None:
+        self.vouched: set[str] = set()
+        self._strikes: dict[str, tuple[int, int]] = {}  # peer id -> (strikes, last round struck)
+
+    def averaged_with(self, peer_ids: list[str]) -> None:
+        """A verified round's members: believed from now on, their strikes forgiven."""
+        for peer in peer_ids:
+            self.vouched.add(peer)
+            self._strikes.pop(peer, None)
+
+    def strike(self, peer_id: str, outer_step: int) -> bool:
+        """One strike per round; True once the peer has ``STRIKES`` in consecutive rounds."""
+        count, last = self._strikes.get(peer_id, (0, -2))
+        if last == outer_step:
+            return count >= STRIKES
+        count = count + 1 if last >= outer_step - 1 else 1
+        self._strikes[peer_id] = (count, outer_step)
+        if count >= STRIKES:
+            self.vouched.discard(peer_id)
+            return True
+        return False

@@ -1,0 +1,150 @@
+"""Heartbeats are claims (swarm.claims): absurd ones are dropped, and the round barrier believes
+only peers that averaged with this one. The barrier runs here on a fake board, without hivemind's
+network; tests/integration/test_lies.py plays the same lies against real peers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from swarm.averaging import SwarmAverager, _Verdict
+from swarm.averaging_config import AveragingConfig
+from swarm.claims import STRIKES, Ignored, Vouching, implausible
+from swarm.records import PeerHeartbeat, Stage
+
+NOW = 1_000_000.0
+
+
+def beat(peer: str, step: int, stage: Stage = Stage.WAITING, **fields) -> PeerHeartbeat:
+    return PeerHeartbeat(
+        peer_id=peer, name=peer, stage=stage, outer_step=step, inner_step=0, inner_steps=5, time=NOW, **fields
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"loss": -1e30},
+        {"loss": float("nan")},
+        {"samples_per_second": 1e12},
+        {"tokens_per_second": 1e15},
+        {"outer_step": 10**12},
+        {"inner_step": 9},
+        {"time": NOW + 3600},
+        {"last_round_seconds": 1e12},
+    ],
+)
+def test_absurd_heartbeats_are_named(fields):
+    base = dict(
+        peer_id="liar", name="liar", stage=Stage.TRAINING, outer_step=3, inner_step=0, inner_steps=5, time=NOW
+    )
+    assert implausible(PeerHeartbeat(**{**base, **fields}), NOW) is not None
+    assert implausible(PeerHeartbeat(**base, loss=2.3, samples_per_second=40.0), NOW) is None
+
+
+def test_ignored_peers_are_bounded():
+    ignored = Ignored()
+    for i in range(2000):
+        ignored.add(f"p{i}", "lied")
+    assert len(ignored) == 1024 and "p1999" in ignored and "p0" not in ignored
+
+
+def test_strikes_must_come_in_consecutive_rounds_and_grouping_forgives():
+    vouching = Vouching()
+    assert not vouching.strike("x", 1) and not vouching.strike("x", 1)  # one per round
+    assert not vouching.strike("x", 2)
+    vouching.averaged_with(["x"])  # it showed up: forgiven, and believed from now on
+    assert "x" in vouching.vouched
+    assert not vouching.strike("x", 3) and not vouching.strike("x", 5)  # a gap restarts the count
+    assert not vouching.strike("x", 6) and vouching.strike("x", 7)
+    assert "x" not in vouching.vouched
+
+
+class FakeBoard:
+    def __init__(self, *beats: PeerHeartbeat) -> None:
+        self.beats = {b.peer_id: b for b in beats}
+        self.ignored = Ignored()
+
+    def fetch(self) -> dict[str, PeerHeartbeat]:
+        return {k: v for k, v in self.beats.items() if k not in self.ignored}
+
+    def ignore(self, peer_id: str, reason: str) -> None:
+        self.ignored.add(peer_id, reason)
+
+
+def averager(board: FakeBoard, vouched=(), round_wait: float = 30.0) -> SwarmAverager:
+    swarm = object.__new__(SwarmAverager)  # the barrier only: no hivemind
+    swarm.board, swarm.peer_id, swarm.beat = board, "me", lambda stage: None
+    swarm.config = AveragingConfig(matchmaking_time=0.1, averaging_timeout=5.0, round_wait=round_wait)
+    swarm.overlapped, swarm.lag = False, 0
+    swarm.vouching, swarm._gap = Vouching(), 0.5
+    swarm.vouching.averaged_with(list(vouched))
+    return swarm
+
+
+def test_a_vouched_peer_ahead_sends_this_peer_to_fetch_the_state():
+    board = FakeBoard(beat("mate", 9), beat("me", 4))
+    assert averager(board, vouched=["mate"]).wait_for_round_mates(4) is _Verdict.BEHIND
+
+
+def test_a_stranger_claiming_to_be_ahead_is_not_believed_and_is_struck_out():
+    board = FakeBoard(beat("mate", 4), beat("liar", 10**9), beat("me", 4))
+    swarm = averager(board, vouched=["mate"])
+    for step in range(4, 4 + STRIKES):
+        assert swarm.wait_for_round_mates(step) is _Verdict.AVERAGE
+        board.beats["mate"] = beat("mate", step + 1)
+    assert "liar" in board.ignored and "ahead" in board.ignored["liar"]
+
+
+def test_before_anyone_vouched_most_of_the_others_must_be_ahead():
+    one_liar = FakeBoard(beat("a", 4), beat("b", 4), beat("liar", 99))
+    assert averager(one_liar).wait_for_round_mates(4) is _Verdict.AVERAGE
+    swarm_moved_on = FakeBoard(beat("a", 6), beat("b", 6), beat("c", 4))
+    assert averager(swarm_moved_on).wait_for_round_mates(4) is _Verdict.BEHIND
+
+
+def test_a_stranger_forever_training_costs_about_one_round_not_the_round_wait():
+    board = FakeBoard(beat("mate", 4), beat("liar", 4, Stage.TRAINING))
+    swarm = averager(board, vouched=["mate"], round_wait=60.0)
+    started = time.monotonic()
+    assert swarm.wait_for_round_mates(4) is _Verdict.AVERAGE
+    assert time.monotonic() - started < 10  # the grace: max(5 s, 1.5 rounds), not 60 s
+    for step in range(5, 4 + STRIKES):
+        board.beats.update(mate=beat("mate", step), liar=beat("liar", step, Stage.TRAINING))
+        swarm.wait_for_round_mates(step)
+    assert "liar" in board.ignored and "training" in board.ignored["liar"]
+
+
+def test_a_vouched_peer_still_training_is_waited_for():
+    board = FakeBoard(beat("mate", 4, Stage.TRAINING))
+    swarm = averager(board, vouched=["mate"], round_wait=7.0)
+    started = time.monotonic()
+    assert swarm.wait_for_round_mates(4) is _Verdict.ALONE  # nobody ready after the full wait
+    assert time.monotonic() - started >= 7
+    assert not board.ignored
+
+
+def test_the_monitor_leaves_out_liars_and_says_why():
+    from swarm.monitor import Reading, SwarmMonitor
+
+    honest = [
+        beat(p, 4, ignored={"liar": "said it was still training round 3 and never averaged"}) for p in "ab"
+    ]
+    liar = beat("liar", 4, ignored={"a": "made up"})
+    monitor = SwarmMonitor()
+    snapshot = monitor.ingest(Reading(time=NOW, run_id="r", peers={p.peer_id: p for p in [*honest, liar]}))
+    assert set(snapshot.peers) == {"a", "b"}  # flagged by most live peers: left out
+    assert [e.kind for e in snapshot.new_events].count("ignored") == 1
+    data = snapshot.to_json()
+    assert data["ignored"] == [
+        {"peer_id": "liar", "reason": "said it was still training round 3 and never averaged"}
+    ]
+    # One peer's flag alone moves nothing (a liar flagging an honest peer); the reader's own
+    # findings (absurd heartbeats) always count.
+    alone = monitor.ingest(Reading(time=NOW, run_id="r", peers={"a": beat("a", 4), "liar": liar}, ignored={}))
+    assert "a" in alone.peers
+    found = monitor.ingest(
+        Reading(time=NOW, run_id="r", peers={"a": beat("a", 4)}, ignored={"x": "a loss of -1e+30"})
+    )
+    assert found.to_json()["ignored"] == [{"peer_id": "x", "reason": "a loss of -1e+30"}]
