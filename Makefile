@@ -46,6 +46,7 @@ bench: bootstrap
 	$(BIN)/python -m benchmarks.train_step
 	$(BIN)/python -m benchmarks.optimizers --quick
 	$(BIN)/python -m benchmarks.allreduce
+	$(BIN)/python -m benchmarks.trust
 	$(BIN)/python -m benchmarks.overheads
 	$(BIN)/python -m benchmarks.tui_refresh
 	$(BIN)/python -m benchmarks.utilization

@@ -147,13 +147,36 @@ def train_step() -> list[str]:
     return [*lines, ""]
 
 
+def trust() -> list[str]:
+    data = _load("trust")
+    lines = ["## What the direct plane's protections cost (`benchmarks/trust.py`)", ""]
+    if not data:
+        return [*lines, "Not run yet.", ""]
+    lines += [
+        "Each direct round sketches the update sent and the sum received (`swarm/sketch.py`, one",
+        "thread), against copying the same tensor once. The rendezvous board and the sketch",
+        "exchange are round trips over hivemind's channel, overlapped with the ring; all of it is",
+        "inside the `direct` rows above. A private run (`--secret`) averages on the `hivemind` path",
+        "(encrypted), so its cost is the `hivemind` rows' time over the `direct` rows'.",
+        "",
+        "| MB | copy ms | sketch of the update ms | sketch of the sum ms | both vs a copy |",
+        "|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['mb']:g} | {r['copy_ms']:.2f} | {r['own_sketch_ms']:.2f} | {r['result_sketch_ms']:.2f} | "
+            f"{r['ratio_to_copy']:.1f}x |"
+        )
+    return [*lines, ""]
+
+
 def main() -> None:
     notes = (
         DOC.read_text().split("<!-- notes -->", 1)[1]
         if DOC.exists() and "<!-- notes -->" in DOC.read_text()
         else ""
     )
-    body = [HEADER, *allreduce(), *utilization(), *overheads(), *train_step(), "<!-- notes -->"]
+    body = [HEADER, *allreduce(), *trust(), *utilization(), *overheads(), *train_step(), "<!-- notes -->"]
     DOC.write_text("\n".join(body) + (notes if notes else "\n"))
     print(f"wrote {DOC}")
 

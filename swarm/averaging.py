@@ -33,6 +33,7 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's n
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
 from hivemind.p2p import P2PContext
@@ -44,6 +45,7 @@ from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.claims import STRIKES, Vouching
 from swarm.dataplane import DIRECT_CODECS, DirectPlane, RingUnreachable, bindable, one_line
+from swarm.dht import quiet_children
 from swarm.errors import SwarmError
 from swarm.progress import ProgressBoard
 from swarm.records import PeerHeartbeat, RunKeys, Stage
@@ -58,6 +60,21 @@ CODECS: dict[str, Callable[[], Any]] = {
     "int8": Uniform8BitQuantization,
 }
 assert set(CODECS) == set(CODEC_BYTES), f"{set(CODECS)=} {set(CODEC_BYTES)=}"
+
+
+def _quiet_step_control_del(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """hivemind's ``StepControl.__del__`` asserts that a trigger was attached; a step that a
+    signal interrupted before hivemind attached one (SIGTERM to a peer's process group kills the
+    averager first) then printed an AssertionError traceback at exit. Nothing is pending then."""
+
+    def __del__(self) -> None:
+        if getattr(self, "_trigger", None) is not None:
+            original(self)
+
+    return __del__
+
+
+StepControl.__del__ = _quiet_step_control_del(StepControl.__del__)
 
 
 class _Verdict(enum.Enum):
@@ -317,7 +334,8 @@ class SwarmAverager:
         try:
             # hivemind makes the calling process ignore SIGINT here (averager.py: signal(SIGINT,
             # SIG_IGN)) and would leave Ctrl+C dead for the rest of the run: restore it.
-            self.averager.run_in_background(await_ready=True, timeout=30)
+            with quiet_children():
+                self.averager.run_in_background(await_ready=True, timeout=30)
         finally:
             signal.signal(signal.SIGINT, handler)
 
@@ -428,10 +446,8 @@ class SwarmAverager:
                     # that just finished (stage FINISHED, result not yet seen here) would be
                     # thrown away although the others averaged with this peer. ``began_allreduce``
                     # stays set once the stage was RUNNING_ALLREDUCE; the stage does not.
-                    if not control.began_allreduce and any(
-                        p.outer_step > outer_step + self.lag
-                        for p in self.board.fetch().values()
-                        if p.peer_id != self.peer_id
+                    if not control.began_allreduce and self._believed_ahead(
+                        lambda p: p.outer_step > outer_step + self.lag
                     ):
                         control.cancel()
                         return None, "the others finished this round without this peer"
@@ -530,10 +546,7 @@ class SwarmAverager:
                 return _Verdict.ALONE
             vouched = self.vouching.vouched
             ahead = [p for p in others if behind(p)]
-            believed = [p for p in ahead if p.peer_id in vouched]
-            if believed or (
-                ahead and not any(p.peer_id in vouched for p in others) and 2 * len(ahead) > len(others)
-            ):
+            if self._believed_ahead(behind, others):
                 return _Verdict.BEHIND
             for p in ahead:  # not believed: not a round mate either
                 self._strike(
@@ -543,10 +556,13 @@ class SwarmAverager:
                 )
             others = [p for p in others if p not in ahead]
             now = time.monotonic()
-            busy_peers = [p for p in others if busy(p) and (now < grace or p.peer_id in vouched)]
+            # A joiner downloading the state is waited for like a vouched peer (a download of a
+            # large state legitimately takes long); one that never shows up is struck all the same.
+            trusted = [p for p in others if p.peer_id in vouched or p.stage is Stage.DOWNLOADING]
+            busy_peers = [p for p in others if busy(p) and (now < grace or p in trusted)]
             if now >= grace:
                 for p in others:
-                    if busy(p) and p.peer_id not in vouched:
+                    if busy(p) and p not in trusted:
                         self._strike(
                             p, outer_step, f"said it was still training round {outer_step} and never averaged"
                         )
@@ -560,11 +576,31 @@ class SwarmAverager:
                     self.config.round_wait,
                     waiting,
                 )
+                for p in busy_peers:
+                    if p.peer_id not in vouched:  # "downloading" for a whole round wait
+                        self._strike(
+                            p, outer_step, f"said it was downloading in round {outer_step} and never averaged"
+                        )
                 return _Verdict.AVERAGE if any(map(ready, others)) else _Verdict.ALONE
             if waiting != waited_for:
                 logger.debug("round %d: waiting for %s", outer_step, ", ".join(waiting))
                 waited_for = waiting
             time.sleep(0.1)
+
+    def _believed_ahead(
+        self, ahead: Callable[[PeerHeartbeat], bool], others: list[PeerHeartbeat] | None = None
+    ) -> bool:
+        """Whether the swarm is past this peer's round: a peer that averaged with this one says
+        so, or (before any did) most of the others do. A stranger's word alone is not enough."""
+        if others is None:
+            others = [p for p in self.board.fetch().values() if p.peer_id != self.peer_id]
+        claims = [p for p in others if ahead(p)]
+        vouched = self.vouching.vouched
+        if any(p.peer_id in vouched for p in claims):
+            return True
+        return (
+            bool(claims) and not any(p.peer_id in vouched for p in others) and 2 * len(claims) > len(others)
+        )
 
     def _strike(self, peer: PeerHeartbeat, outer_step: int, claim: str) -> None:
         if self.vouching.strike(peer.peer_id, outer_step):

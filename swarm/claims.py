@@ -12,8 +12,8 @@ a schema-valid heartbeat with any outer step, stage or loss. So:
   moves nothing that costs honest peers more than honest peers cost each other: it is waited
   for at most about one of this peer's own rounds, and its claim to be ahead is not acted on;
 - **three strikes**: a peer that says it trains the round but never shows up in the group, or
-  says it is rounds ahead of every peer that averaged with this one, three rounds running,
-  is ignored for the rest of the run and shown as such in the TUI, ``status`` and the widget.
+  says it is rounds ahead of every peer that averaged with this one, in three rounds without
+  averaging with this one in between, is ignored for the rest of the run and shown as such in the TUI, ``status`` and the widget.
 """
 
 from __future__ import annotations
@@ -80,11 +80,12 @@ class Vouching:
             self._strikes.pop(peer, None)
 
     def strike(self, peer_id: str, outer_step: int) -> bool:
-        """One strike per round; True once the peer has ``STRIKES`` in consecutive rounds."""
+        """One strike per round; True once the peer has ``STRIKES`` rounds of them without
+        averaging with this one in between (which forgives them)."""
         count, last = self._strikes.get(peer_id, (0, -2))
         if last == outer_step:
             return count >= STRIKES
-        count = count + 1 if last >= outer_step - 1 else 1
+        count += 1
         self._strikes[peer_id] = (count, outer_step)
         if count >= STRIKES:
             self.vouched.discard(peer_id)

@@ -8,11 +8,12 @@ traceback; :func:`start_dht` turns both into :class:`~swarm.errors.SwarmError`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -49,6 +50,23 @@ class NetworkConfig:
             raise SwarmError(f"connect timeout must be within 1..600 s (got {self.connect_timeout})")
 
 
+@contextlib.contextmanager
+def quiet_children() -> Iterator[None]:
+    """Processes forked inside (hivemind's DHT and averager) get the default SIGTERM, not this
+    process's handler: a peer turns SIGTERM into KeyboardInterrupt, and a child inheriting that
+    printed a KeyboardInterrupt traceback when a whole process group was terminated (a service
+    manager, a closed terminal). With the default, a child just ends; the parent still shuts the
+    others down in order. Only the main thread can touch signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> hivemind.DHT
     """Start a DHT node in a child process; returns once it is connected to the swarm.
     ``validators``: the run's record validators (see :func:`swarm.validators.record_validators`)."""
@@ -78,7 +96,8 @@ def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> h
         kwargs["identity_path"] = config.identity_path
     dht = hivemind.DHT(**kwargs)
     try:
-        dht.run_in_background(await_ready=True, timeout=config.connect_timeout + 5)
+        with quiet_children():
+            dht.run_in_background(await_ready=True, timeout=config.connect_timeout + 5)
     except Exception as error:
         dht.shutdown() if dht.is_alive() else None
         raise SwarmError(_explain_start_failure(error, config)) from None

@@ -44,8 +44,11 @@ def find_manifest(store: SignedStore, keys: RunKeys, *, owner: str | None = None
     """The run's manifest (by owner hash if given), or None if the run has none in the DHT.
 
     Several owners publishing a manifest for one run id means somebody else uses the same run
-    id (or is squatting it): without ``owner`` that is an error, since we cannot tell which is
-    the real run.
+    id (or is squatting it). The owner named in the join command (``owner``) wins; without one,
+    the oldest manifest wins (the run's own came first, a squatter's later) and the conflict is
+    logged as a warning naming every owner, so the user can pass ``--owner``. ``created`` is a
+    claim like any other: a squatter can back-date it, which ``--owner`` (printed in every join
+    command) settles.
     """
     from swarm.identity import key_hash
 
@@ -62,10 +65,14 @@ def find_manifest(store: SignedStore, keys: RunKeys, *, owner: str | None = None
     if not manifests:
         return None
     if len(manifests) > 1:
-        owners = ", ".join(sorted(m.owner for m in manifests))
-        raise SwarmError(
-            f"run '{keys.run_id}' has manifests from several owners ({owners}): pass --owner with the "
-            "one the run's `workbench start` printed"
+        manifests.sort(key=lambda m: (m.created, m.owner))
+        others = ", ".join(m.owner for m in manifests[1:])
+        logger.warning(
+            "run '%s' has manifests from several owners: using the oldest, by %s (the others: %s); "
+            "pass --owner with the one the run's `workbench start` printed to be sure",
+            keys.run_id,
+            manifests[0].owner,
+            others,
         )
     return manifests[0]
 

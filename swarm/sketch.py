@@ -61,23 +61,38 @@ def _matrices(seed: bytes, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     return outer, inner
 
 
+class Sketcher:
+    """One group's ``R`` for a vector of ``count`` elements, applied a segment at a time (so the
+    sketches can run while the ring reduces the other segments)."""
+
+    def __init__(self, seed: bytes, count: int) -> None:
+        self.count = count
+        self.outer, self.inner = _matrices(seed, max(1, -(-count // CHUNK)))
+
+    def rows(self, segment: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``R[:, start:start + len] @ segment`` in float64, (k,); ``start`` is a multiple of
+        CHUNK, and only the vector's last segment may end inside a chunk."""
+        assert segment.dtype == torch.float32 and start % CHUNK == 0, f"{segment.dtype=} {start=}"
+        count, first = segment.numel(), start // CHUNK
+        whole = count // CHUNK
+        # Chunks first, weighted and summed (one matmul that reads the segment once), then the
+        # in-chunk weights: R x = Σ_l P[:, l] · Σ_c w[:, c] X[c, l].
+        mixed = torch.zeros(ROWS, CHUNK, dtype=torch.float64)
+        if whole:
+            weights = self.outer[:, first : first + whole]  # (k, whole)
+            mixed += (weights @ segment[: whole * CHUNK].view(whole, CHUNK)).double()  # (k, CHUNK)
+        if count % CHUNK:
+            tail = segment[whole * CHUNK :]
+            mixed[:, : tail.numel()] += (
+                self.outer[:, first + whole : first + whole + 1].double() * tail.double()
+            )
+        return (mixed * self.inner).sum(1)  # (k,)
+
+
 def sketch(flat: torch.Tensor, seed: bytes, *, norm: bool = True) -> Sketch:
     """The sketch of a 1-D float32 tensor under the group's seed (``norm``: also its length)."""
     flat = flat.detach().reshape(-1)
-    assert flat.dtype == torch.float32, f"{flat.dtype=}"
-    count = flat.numel()
-    chunks = -(-count // CHUNK)
-    outer, inner = _matrices(seed, max(1, chunks))
-    whole = count // CHUNK
-    # Chunks first, weighted and summed (one matmul that reads the vector once), then the
-    # in-chunk weights: R x = Σ_l P[:, l] · Σ_c w[:, c] X[c, l].
-    mixed = torch.zeros(ROWS, CHUNK, dtype=torch.float64)
-    if whole:
-        mixed += (outer[:, :whole] @ flat[: whole * CHUNK].view(whole, CHUNK)).double()  # (k, CHUNK)
-    if count % CHUNK:
-        tail = flat[whole * CHUNK :]
-        mixed[:, : tail.numel()] += outer[:, -1:].double() * tail.double()
-    rows = (mixed * inner).sum(1)  # (k,)
+    rows = Sketcher(seed, flat.numel()).rows(flat)
     length = float(torch.linalg.vector_norm(flat)) if norm else 0.0
     return Sketch(tuple(rows.tolist()), length)
 

@@ -54,6 +54,7 @@ def add_steer_parser(commands) -> None:
 
 
 def run_steer_command(args: argparse.Namespace) -> int:
+    from swarm.identity import key_hash
     from swarm.manifest import find_manifest
     from swarm.records import RunKeys
     from swarm.steering import Steering
@@ -68,7 +69,11 @@ def run_steer_command(args: argparse.Namespace) -> int:
         )
     session, _ = open_observer(args, signing_key=args.key)
     try:
-        manifest = find_manifest(session.store, session.keys, owner=args.owner)
+        # The owner's own key always steers its own run, whatever else claims the run id.
+        mine = key_hash(session.store.public_key)
+        manifest = find_manifest(session.store, session.keys, owner=args.owner or mine, timeout=3.0)
+        if manifest is None and not args.owner:
+            manifest = find_manifest(session.store, session.keys)
         if manifest is None:
             raise SwarmError(
                 f"run '{args.run_id}' has no manifest in the DHT: is its first peer still running?"

@@ -226,3 +226,13 @@ def test_check_run_id_rejects(run_id: str) -> None:
 def test_check_run_id_rejects_a_trailing_newline() -> None:
     with pytest.raises(SwarmError):
         check_run_id("abc\n")
+
+
+def test_every_bound_is_documented():
+    from pathlib import Path
+
+    from swarm.bounds import BOUNDS
+
+    text = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    for name, bound in BOUNDS.items():
+        assert f"| `--{name.replace('_', '-')}` | {bound.describe()}" in text, name

@@ -41,7 +41,7 @@ class SharedBoard:
 def _member(rank: int, size: int, values, weights, codec: str, rounds: int, tamper: bool, out) -> None:
     plane = DirectPlane("127.0.0.1")
     if tamper:  # an impostor in this member's place in the ring: it sends zeros, whatever it said
-        plane._ring_allreduce = lambda ring, wire: (wire.zero_(), ring.allreduce([wire]).wait())
+        plane._send = lambda ring, segment: ring.allreduce([segment.zero_()])
     results = []
     for r in range(rounds):
         tensors = [torch.full((3, 4), float(rank + 1) * (r + 1)), torch.arange(5.0) * (rank + 1)]
@@ -65,7 +65,10 @@ def _member(rank: int, size: int, values, weights, codec: str, rounds: int, tamp
 
 def _run(size: int, codec: str, rounds: int, tamper_rank: int | None = None):
     context = mp.get_context("spawn")
-    out, values = context.Queue(), context.Manager().dict()
+    # Keep the manager referenced: once collected, its process ends and every member's board
+    # reads fail (EOFError / connection reset), which made this test flaky.
+    manager = context.Manager()
+    out, values = context.Queue(), manager.dict()
     weights = [1.0, 2.0, 5.0][:size]
     members = [
         context.Process(target=_member, args=(r, size, values, weights, codec, rounds, r == tamper_rank, out))
@@ -76,6 +79,7 @@ def _run(size: int, codec: str, rounds: int, tamper_rank: int | None = None):
     results = sorted(out.get(timeout=90) for _ in members)
     for m in members:
         m.join(timeout=30)
+    manager.shutdown()
     return weights, results
 
 

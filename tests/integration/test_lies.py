@@ -1,0 +1,149 @@
+"""Lying heartbeats against real peers (docs/security.md): a process with nothing but its own
+fresh key publishes schema-valid, signed heartbeats that claim to be far ahead, to be training
+forever, or absurd metrics. Honest peers keep averaging in pairs, never download the state
+because of it, end on the same θ, and `workbench status` shows the liar as ignored."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.conftest import FAST, max_abs_diff
+
+LIAR = """
+import sys, time
+from hivemind.utils import get_dht_time
+from swarm.dht import NetworkConfig
+from swarm.records import PeerHeartbeat, RunKeys, Stage
+from swarm.session import connect
+
+mode, address, run_id = sys.argv[1:4]
+session = connect(NetworkConfig(initial_peers=[address]), RunKeys(run_id))
+print("ready", flush=True)
+while True:
+    top = max((p.outer_step for p in session.board.fetch().values()), default=0)
+    claim = {
+        "ahead": dict(stage=Stage.WAITING, outer_step=10**6),
+        "busy": dict(stage=Stage.TRAINING, outer_step=top),  # always "still training this round"
+        "absurd": dict(stage=Stage.WAITING, outer_step=top, loss=-1e30, samples_per_second=1e12),
+    }[mode]
+    beat = PeerHeartbeat(peer_id=session.peer_id, name="liar", inner_step=0, inner_steps=5, time=get_dht_time(), **claim)
+    session.store.store(session.keys.peers, beat, ttl=10)
+    time.sleep(0.5)
+"""
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        # `make test` plays one lie; `make faults` all three (each is a 14-round run).
+        pytest.param("ahead", marks=pytest.mark.faults),
+        pytest.param("busy", marks=pytest.mark.faults),
+        "absurd",
+    ],
+)
+def test_a_lying_heartbeat_moves_nothing(spawn, mode):
+    run_id = f"lies-{mode}"
+    common = [*FAST, "--rounds", "14", "--run-id", run_id]
+    first = spawn("a", "start", *common, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common)
+    first.wait_event("round", lambda e: e["outer_step"] >= 1)
+    liar = subprocess.Popen(
+        [sys.executable, "-c", LIAR, mode, first.address(), run_id], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert liar.stdout.readline().strip() == "ready"
+        # `status` from a third process: the liar shows as ignored (its own reading for absurd
+        # values, the honest peers' flags for lies about rounds), and not among the peers.
+        ignored, snapshot = [], {}
+        while not ignored and first.process.poll() is None:
+            status = subprocess.run(
+                [sys.executable, "-m", "workbench", "status", first.address(), "--run-id", run_id, "--json"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            if status.returncode == 0:
+                snapshot = json.loads(status.stdout.splitlines()[-1])
+                ignored = [i["peer_id"] for i in snapshot["ignored"]]
+        for peer in (first, second):
+            assert peer.wait(timeout=150) == 0, peer.stderr()[-3000:]
+    finally:
+        liar.kill()
+    assert ignored and "liar" not in [p["name"] for p in snapshot["peers"]], snapshot
+    for peer in (first, second):
+        rounds = peer.events("round")
+        assert [r["group_size"] for r in rounds] == [2] * 14, [
+            (r["group_size"], r["alone_reason"]) for r in rounds
+        ]
+        assert not any(r["resync"] for r in rounds)
+        assert "ignoring peer" in peer.stderr()
+    assert len(second.events("state_downloaded")) == 1  # when it joined, and never again
+    assert not first.events("state_downloaded")
+    assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
+
+
+SQUATTER = """
+import sys, time
+from swarm.dht import NetworkConfig
+from swarm.identity import key_hash
+from swarm.manifest import publish_manifest
+from swarm.records import RunKeys, RunManifest
+from swarm.session import connect
+
+address, run_id = sys.argv[1:3]
+session = connect(NetworkConfig(initial_peers=[address]), RunKeys(run_id))
+owner = key_hash(session.store.public_key)
+publish_manifest(session.store, session.keys, RunManifest(
+    run_id=run_id, owner=owner, fingerprint="f" * 16, summary="a squatter's model", created=time.time()))
+print(owner, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.faults
+def test_a_competing_manifest_neither_hides_the_run_nor_takes_its_steering(spawn, tmp_path):
+    """A second manifest for the run id, from another key: `status` still shows the run's own
+    (the oldest) and warns; the owner steers with its own key and no --owner; a joiner without
+    --owner joins the real run; one that names the squatter's key is refused (its model)."""
+    run_id = "contested"
+    common = [*FAST, "--run-id", run_id]
+    owner = spawn("a", "start", *common, "--rounds", "40", "--min-peers", "2")
+    address = owner.address()
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", SQUATTER, address, run_id], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        squatter_hash = squatter.stdout.readline().strip()
+        joiner = spawn("b", "join", address, *common, "--rounds", "40")
+        owner.wait_event("round", lambda e: e["outer_step"] >= 2 and e["group_size"] == 2)
+        cli = [sys.executable, "-m", "workbench"]
+        status = subprocess.run(
+            [*cli, "status", address, "--run-id", run_id, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        manifest = json.loads(status.stdout.splitlines()[-1])["manifest"]
+        assert manifest and manifest["owner"] != squatter_hash
+        assert "several owners" in status.stderr and squatter_hash in status.stderr
+        steer = subprocess.run(
+            [*cli, "steer", address, "--run-id", run_id, "--key", str(tmp_path / "a" / "identity.key"),
+             "--outer-lr", "0.5", "--wait", "0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert steer.returncode == 0, steer.stderr
+        refused = subprocess.run(
+            [*cli, "join", address, *common, "--owner", squatter_hash, "--rounds", "1"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert refused.returncode == 2 and "does not match" in refused.stderr, refused.stderr[-2000:]
+    finally:
+        squatter.kill()
+    for peer in (owner, joiner):
+        assert peer.wait(timeout=150) == 0, peer.stderr()[-3000:]
+    assert joiner.events("round")[-1]["group_size"] == 2
