@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import socket
 import threading
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from swarm.rendezvous import Rendezvous, RingStore
-from swarm.sketch import CHUNK, ROWS, Sketch, Sketcher, mismatch
+from swarm.sketch import Sketch, Sketcher, mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ class DirectPlane:
         # Rings by members in rank order: the same group next round reuses its connections.
         self._rings: dict[tuple[str, ...], torch.distributed.ProcessGroup] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="sketch-exchange")
-        self._send = lambda ring, segment: ring.allreduce([segment])  # tests put an impostor here
+        self._send = lambda ring, wire: ring.allreduce([wire])  # tests put an impostor here
 
     def all_reduce(
         self,
@@ -102,63 +101,34 @@ class DirectPlane:
         # One buffer on the wire; a lone float32 tensor is reduced in place, without copies.
         flat = tensors[0].view(-1) if single else torch.cat([t.detach().reshape(-1).float() for t in tensors])
         flat.mul_(weight / total)
+        sketcher = Sketcher(seed, flat.numel())  # R, drawn once for both sketches
+        # What this member sends, before the codec's rounding.
+        mine = Sketch(tuple(sketcher.rows(flat).tolist()), float(torch.linalg.vector_norm(flat)))
         wire = flat.half() if codec == "fp16" else flat
-        sketcher = Sketcher(seed, flat.numel())
-        segments = _segments(flat.numel())
-        key = tuple(members)
-        ring = self._rings.get(key)
-        if ring is None:
-            try:
-                ring = self._connect(board, rank, len(members), timeout)
-            except Exception as error:
-                raise RingUnreachable(one_line(error)) from None
-        self._rings.pop(key, None)  # kept below only if this round's sum checks out
-
-        # The ring reduces one segment while this thread sketches the next one sent and the last
-        # one received (gloo works in its own thread): the sketches cost about one segment's,
-        # not the whole vector's. What this member sends is sketched before the codec rounds it.
-        own, received, squares = (
-            torch.zeros(ROWS, dtype=torch.float64),
-            torch.zeros(ROWS, dtype=torch.float64),
-            0.0,
-        )
-        abort, exchange = threading.Event(), None
+        # Posted and the others' collected while the ring runs (one request that the board
+        # answers when the last member's sketch lands): off the critical path.
         others = [f"sketch/{r}" for r in range(len(members)) if r != rank]
-
-        def sketch_sent(i: int) -> None:
-            nonlocal own, squares, exchange
-            begin, end = segments[i]
-            own += sketcher.rows(flat[begin:end], begin)
-            squares += float(torch.linalg.vector_norm(flat[begin:end])) ** 2
-            if i == len(segments) - 1:  # all of it: post, and collect the others' meanwhile
-                mine = Sketch(tuple(own.tolist()), math.sqrt(squares))
-                exchange = self._pool.submit(
-                    board.exchange, f"sketch/{rank}", mine.to_bytes(), others, timeout, abort
-                )
-
-        def sketch_received(i: int) -> None:
-            nonlocal received
-            begin, end = segments[i]
-            if wire is not flat:
-                flat[begin:end].copy_(wire[begin:end])
-            received += sketcher.rows(flat[begin:end], begin)
-
+        abort = threading.Event()
+        exchange = self._pool.submit(
+            board.exchange, f"sketch/{rank}", mine.to_bytes(), others, timeout, abort
+        )
         try:
-            sketch_sent(0)
-            for i, (begin, end) in enumerate(segments):
-                work = self._send(ring, wire[begin:end])
-                if i + 1 < len(segments):
-                    sketch_sent(i + 1)
-                if i > 0:
-                    sketch_received(i - 1)
-                work.wait()
-            sketch_received(len(segments) - 1)
-            assert exchange is not None
-            parts = [Sketch(tuple(own.tolist()), math.sqrt(squares))]
-            parts += map(Sketch.from_bytes, exchange.result(timeout=timeout))
+            key = tuple(members)
+            ring = self._rings.get(key)
+            if ring is None:
+                try:
+                    ring = self._connect(board, rank, len(members), timeout)
+                except Exception as error:
+                    raise RingUnreachable(one_line(error)) from None
+            self._rings.pop(key, None)  # kept below only if this round's sum checks out
+            self._send(ring, wire).wait()
+            if wire is not flat:
+                flat.copy_(wire)
+            result = Sketch(tuple(sketcher.rows(flat).tolist()), 0.0)
+            parts = [mine, *map(Sketch.from_bytes, exchange.result(timeout=timeout))]
         finally:
             abort.set()  # a failed round leaves no request polling on for the next one to queue behind
-        why = mismatch(Sketch(tuple(received.tolist()), 0.0), parts, codec)
+        why = mismatch(result, parts, codec)
         if why is not None:
             raise RingTampered(why)
         self._rings[key] = ring
@@ -179,12 +149,3 @@ class DirectPlane:
         options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=self.host)]
         options._timeout = datetime.timedelta(seconds=timeout)
         return torch.distributed.ProcessGroupGloo(RingStore(board, timeout), rank, size, options)
-
-
-SEGMENT_BYTES = 4 << 20  # about 4 MB a segment: a few ring calls for a large update, one for a small
-
-
-def _segments(count: int) -> list[tuple[int, int]]:
-    """[begin, end) element ranges, each a whole number of sketch chunks but the last."""
-    step = max(CHUNK, (SEGMENT_BYTES // 4) // CHUNK * CHUNK)
-    return [(begin, min(begin + step, count)) for begin in range(0, count, step)] or [(0, 0)]

@@ -71,7 +71,14 @@ class RendezvousBoards:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._boards: OrderedDict[bytes, _Board] = OrderedDict()
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a value was posted: local waiters wake
         self._clock = clock
+
+    def wait_change(self, timeout: float) -> None:
+        """Block until some board gets a value (or ``timeout``): the leader's own member waits
+        here instead of polling, leaving the CPU to the ring."""
+        with self._changed:
+            self._changed.wait(timeout)
 
     def open(self, group_id: bytes, members: Sequence[bytes]) -> None:
         with self._lock:
@@ -121,6 +128,7 @@ class RendezvousBoards:
             elif sum(k.endswith(f"/{rank}") for k in board.values) >= KEYS_PER_MEMBER:
                 return {"ok": False, "why": "too many keys"}
             board.values[key] = value
+            self._changed.notify_all()
             values = [board.values.get(k) for k in want]
             return {"ok": True, "vals": values} if None not in values else {"ok": True}
 
@@ -160,8 +168,15 @@ class BoardClient:
     ``pause``: seconds between polls (small for a board in this process; a remote board holds
     a request until the keys are there, so polling it needs no pause)."""
 
-    def __init__(self, group_id: bytes, call: Callable[[dict], dict], pause: float = 0.0005) -> None:
+    def __init__(
+        self,
+        group_id: bytes,
+        call: Callable[[dict], dict],
+        pause: float = 0.0005,
+        wait: Callable[[float], None] | None = None,
+    ) -> None:
         self.group_id, self._call, self._pause = group_id, call, pause
+        self._wait = wait or time.sleep  # between polls: a board in this process wakes us itself
 
     def set(self, key: str, value: bytes) -> None:
         deadline = time.monotonic() + 10.0
@@ -190,7 +205,7 @@ class BoardClient:
                 )
             if abort is not None and abort.is_set():
                 raise RendezvousError("the round ended before the others' sketches came")
-            time.sleep(self._pause)
+            self._wait(self._pause)
             answer = self._call({"g": self.group_id, "op": "get", "k": "", "want": want})
         return answer["vals"]
 
@@ -204,7 +219,7 @@ class BoardClient:
                 raise RendezvousError(f"the group's board refused {key!r}: {answer.get('why')}")
             if time.monotonic() > deadline:
                 raise RendezvousError(f"no member posted {key!r} within {timeout:.0f} s")
-            time.sleep(pause)
+            self._wait(pause)
             pause = min(2 * pause, 0.05)
 
 
