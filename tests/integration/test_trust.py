@@ -114,6 +114,19 @@ def test_a_private_run_keeps_its_updates_on_the_encrypted_path(spawn):
         assert "hivemind's encrypted path" in peer.stderr()
 
 
+def test_a_peer_behind_nat_falls_back_to_hivemind_cleanly(spawn):
+    """A peer in client mode (it accepts no connections, as behind NAT) says nothing of a direct
+    plane: its groups average over hivemind's path, every round, with no error in any log."""
+    common = [*FAST, "--rounds", "3", "--min-peers", "2", "--run-id", "behind-nat"]
+    first = spawn("a", "start", *common)
+    second = spawn("b", "join", first.address(), *common, "--client-mode")
+    for peer in (first, second):
+        assert peer.wait() == 0, peer.stderr()[-3000:]
+        assert [(r["group_size"], r["plane"]) for r in peer.events("round")] == [(2, "hivemind")] * 3
+        assert "Traceback" not in peer.stderr() and "direct data plane" not in peer.stderr()
+    assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
+
+
 @pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
 def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
     """Two peers in their own network namespaces, started exactly as the README says for
