@@ -39,6 +39,18 @@ class SignedStore:
         self.public_key = public_key_text(private_key)
         self.subkey = b"[owner:" + self.public_key.encode() + b"]"
         self.timeout = timeout
+        self.failures = 0
+        """Fire-and-forget stores that raised in a row (reset by one that did not)."""
+        self.last_failure = ""
+
+    def _note(self, future) -> None:
+        """A fire-and-forget store's outcome (its future's callback): count failures in a row."""
+        error = future.exception() if not future.cancelled() else None
+        if error is None:
+            self.failures = 0
+        else:
+            self.failures += 1
+            self.last_failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
     def store(self, key: str, record: BaseModel, *, ttl: float, wait: bool = False) -> bool:
         """Store ``record`` under our key; with ``wait``, block until stored (or the timeout)."""
@@ -52,6 +64,7 @@ class SignedStore:
             return_future=True,
         )
         if not wait:
+            future.add_done_callback(self._note)
             return True
         return bool(wait_for(future, self.timeout, f"storing {key}"))
 

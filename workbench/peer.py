@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,8 @@ from workbench.model import autocast_context, build_model, pick_device
 from workbench.node import CHECK, STEP, SYNC, NodeGroup
 
 logger = logging.getLogger(__name__)
+
+PUBLISH_FAILURES = 20  # heartbeats (one a second or so) that failed in a row before a peer stops
 
 
 class Peer:
@@ -289,6 +292,12 @@ class Peer:
         if self.board is None or not self.peer_id:
             return
         self.board.publish(self.heartbeat(), force=changed)
+        if self.store.failures >= PUBLISH_FAILURES and threading.current_thread() is threading.main_thread():
+            # Nobody would see this peer (the others' barrier, the monitor): stop, say why once.
+            raise SwarmError(
+                f"{self.name} cannot publish its heartbeat to the DHT ({self.store.last_failure}, "
+                f"{self.store.failures} times in a row); stopping"
+            )
 
     def heartbeat(self) -> PeerHeartbeat:
         from hivemind.utils import get_dht_time

@@ -148,3 +148,37 @@ def test_the_monitor_leaves_out_liars_and_says_why():
         Reading(time=NOW, run_id="r", peers={"a": beat("a", 4)}, ignored={"x": "a loss of -1e+30"})
     )
     assert found.to_json()["ignored"] == [{"peer_id": "x", "reason": "a loss of -1e+30"}]
+
+
+def test_a_store_that_keeps_failing_is_counted_and_one_success_resets_it():
+    """A peer stops with one line once its heartbeats fail this many times in a row
+    (workbench.peer.PUBLISH_FAILURES) instead of logging the same traceback forever."""
+    from concurrent.futures import Future
+
+    from swarm.store import SignedStore
+
+    class FailingDHT:
+        fail = True
+
+        def store(self, *args, **kwargs) -> Future:
+            future: Future = Future()
+            if self.fail:
+                future.set_exception(OverflowError("Integer value out of range\nmore"))
+            else:
+                future.set_result(True)
+            return future
+
+    store = object.__new__(SignedStore)  # no key, no DHT: only the bookkeeping
+    store.dht, store.subkey, store.timeout, store.failures, store.last_failure = (
+        FailingDHT(),
+        b"k",
+        1.0,
+        0,
+        "",
+    )
+    for _ in range(3):
+        store.store("peers", beat("me", 1), ttl=10)
+    assert store.failures == 3 and store.last_failure == "OverflowError: Integer value out of range"
+    store.dht.fail = False
+    store.store("peers", beat("me", 1), ttl=10)
+    assert store.failures == 0
