@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -50,16 +51,7 @@ def test_peers_train_over_capped_links(tmp_path):
     rate_mbit = 20
     with netlab.NetLab(2, rate=f"{rate_mbit}mbit") as lab:
         common = [*FAST, "--run-id", "capped", "--rounds", "4", "--averaging-timeout", "20"]
-        peers: list[PeerProcess] = []
-        try:
-            peers.append(_start(lab, 0, tmp_path, "a", ["start", *common, "--min-peers", "2"]))
-            address = peers[0].address()
-            peers.append(_start(lab, 1, tmp_path, "b", ["join", address, *common]))
-            for peer in peers:
-                assert peer.wait(timeout=180) == 0, peer.stderr()[-3000:]
-        finally:
-            for peer in peers:
-                peer.kill()
+        peers = run_pair(lab, tmp_path, common, lambda i: ["--host", lab.address(i)])
     for peer in peers:
         rounds = peer.events("round")
         assert [r["group_size"] for r in rounds] == [2] * 4, rounds
@@ -68,6 +60,26 @@ def test_peers_train_over_capped_links(tmp_path):
             assert r["averaging_seconds"] >= 0.9 * floor, (r["averaging_seconds"], floor)
 
 
-def _start(lab: netlab.NetLab, i: int, tmp_path, name: str, args: list[str]) -> PeerProcess:
-    where = ["--host", lab.address(i), "--name", name, "--run-dir", str(tmp_path / name)]
-    return PeerProcess(name, [*args, *where], tmp_path, wrap=lambda argv: lab.command(i, argv))
+def run_pair(
+    lab: netlab.NetLab, tmp_path, common: list[str], network: Callable[[int], list[str]]
+) -> list[PeerProcess]:
+    """Peer "a" starts a run in namespace 0, "b" joins it from namespace 1 (through a's address
+    on the lab's bridge), each with ``network(i)``'s flags; returns both once they exited 0."""
+    peers: list[PeerProcess] = []
+
+    def start(i: int, args: list[str]) -> PeerProcess:
+        name = "ab"[i]
+        where = [*network(i), "--name", name, "--run-dir", str(tmp_path / name)]
+        peers.append(PeerProcess(name, [*args, *where], tmp_path, wrap=lambda argv: lab.command(i, argv)))
+        return peers[-1]
+
+    try:
+        first = start(0, ["start", *common, "--min-peers", "2"])
+        address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
+        start(1, ["join", address, *common])
+        for peer in peers:
+            assert peer.wait(timeout=180) == 0, peer.stderr()[-3000:]
+    finally:
+        for peer in peers:
+            peer.kill()
+    return peers

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from tests.integration.conftest import FAST, PeerProcess, max_abs_diff
+from tests.integration.conftest import FAST, max_abs_diff
 from workbench import netlab
 
 
@@ -132,34 +132,13 @@ def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
     """Two peers in their own network namespaces, started exactly as the README says for
     machines on a network (--host 0.0.0.0 --port P --announce /ip4/IP/tcp/P): every round is
     averaged as a pair over the direct plane, and the logs hold no C++ stack dump."""
+    from tests.integration.test_netlab import run_pair
+
     port = 31337
     with netlab.NetLab(2, rate=None) as lab:
-        common = [*FAST, "--run-id", "readme", "--rounds", "4", "--min-peers", "2"]
-
-        def start(i: int, args: list[str]) -> PeerProcess:
-            flags = [
-                "--host",
-                "0.0.0.0",
-                "--port",
-                str(port),
-                "--announce",
-                f"/ip4/{lab.address(i)}/tcp/{port}",
-            ]
-            name = "ab"[i]
-            where = ["--name", name, "--run-dir", str(tmp_path / name)]
-            return PeerProcess(
-                name, [*args, *flags, *where], tmp_path, wrap=lambda argv: lab.command(i, argv)
-            )
-
-        peers = [start(0, ["start", *common])]
-        try:
-            address = next(a for a in peers[0].wait_event("started")["addresses"] if lab.address(0) in a)
-            peers.append(start(1, ["join", address, *common]))
-            for peer in peers:
-                assert peer.wait(timeout=180) == 0, peer.stderr()[-3000:]
-        finally:
-            for peer in peers:
-                peer.kill()
+        common = [*FAST, "--run-id", "readme", "--rounds", "4"]
+        readme = ["--host", "0.0.0.0", "--port", str(port), "--announce"]
+        peers = run_pair(lab, tmp_path, common, lambda i: [*readme, f"/ip4/{lab.address(i)}/tcp/{port}"])
     for peer in peers:
         assert [(r["group_size"], r["plane"]) for r in peer.events("round")] == [(2, "direct")] * 4
         assert "frame #" not in peer.stderr() and "Traceback" not in peer.stderr()
