@@ -19,12 +19,15 @@ thread of this process; the ``state_provider`` must return a consistent copy.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import functools
 import json
 import logging
 import math
 import multiprocessing as mp
+import pathlib
+import random
 import secrets
 import signal
 import time
@@ -35,21 +38,29 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
-from hivemind.p2p import P2PContext
+from hivemind.compression import (
+    Float16Compression,
+    NoCompression,
+    Uniform8BitQuantization,
+    deserialize_torch_tensor,
+)
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import enter_asynchronously
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
+from hivemind.utils.streaming import combine_from_streaming
 
 from optim.averager import RoundReport
 from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
-from swarm.claims import STRIKES, Vouching
+from swarm.claims import STRIKES, StateVerdict, Vouching, judge_state
 from swarm.dataplane import DIRECT_CODECS, DirectPlane, RingUnreachable, bindable, one_line
 from swarm.dht import quiet_children
 from swarm.errors import SwarmError
 from swarm.progress import ProgressBoard
 from swarm.records import PeerHeartbeat, RunKeys, Stage
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
+from swarm.sketch import Sketch, state_sketches
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +71,11 @@ CODECS: dict[str, Callable[[], Any]] = {
     "int8": Uniform8BitQuantization,
 }
 assert set(CODECS) == set(CODEC_BYTES), f"{set(CODECS)=} {set(CODEC_BYTES)=}"
+
+SEED_BYTES = 16  # a joiner's seed for sketching the θ it downloaded
+VERIFIERS = 4  # peers asked to confirm a downloaded state
+DONORS_PER_TRY = 4  # donors tried (each checked) in one download_state call
+MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
 
 
 def _quiet_step_control_del(original: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -117,6 +133,11 @@ class _StateServingAverager(DecentralizedAverager):
         self._plane_used = False
         self._unreachable = 0  # consecutive rings this peer could not set up
         self._boards = RendezvousBoards()  # the rendezvous of the groups this peer leads
+        self._sketch_lock: asyncio.Lock | None = None  # made in the averager process's loop
+        self._sketch_after = 0.0
+        # A donor may send at most this much: 8 copies of the parameters and 64 MiB of slack
+        # (θ, momentum, a queued update and AdamW's two moments are 5).
+        self._state_limit = 8 * 4 * sum(t.numel() for t in args[0]) + (64 << 20)
         # Cleared in the averager process when a ring fails; read here before each step.
         self._plane_enabled = mp.Value("b", 0)
         self.direct_rounds = mp.Value("q", 0)  # rounds the direct plane carried, for reports
@@ -240,7 +261,7 @@ class _StateServingAverager(DecentralizedAverager):
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         # Runs in hivemind's averager process. Testing: a fault file's ``serve_delay_ms`` slows
         # the stream down part by part, so that a test can kill this donor mid-download.
-        delay = _serve_delay(self._fault_file)
+        delay = _fault(self._fault_file, "serve_delay_ms") / 1000
         if delay:
             logger.warning("serving the state slowly (fault injection: %.0f ms per part)", delay * 1000)
         async for message in super().rpc_download_state(request, context):
@@ -248,8 +269,137 @@ class _StateServingAverager(DecentralizedAverager):
             if delay:
                 await asyncio.sleep(delay)
 
+    # --- downloads that the joiner checks (see SwarmAverager.download_state) ----------------------
+
+    def load_state_from_peers(
+        self, wait: bool = True, timeout: float | None = None, exclude: Sequence[str] = ()
+    ):
+        """hivemind's download, skipping the donors in ``exclude`` (base58 peer ids); a result is
+        (metadata, tensors, the donor's peer id)."""
+        future = MPFuture()
+        request = dict(timeout=timeout, future=future, exclude=tuple(exclude))
+        self._outer_pipe.send(("_load_state_from_peers", [], request))
+        return future.result(timeout=timeout) if wait else future
+
+    async def _load_state_from_peers(
+        self, future: MPFuture, timeout: float | None = None, exclude: Sequence[str] = ()
+    ) -> None:
+        # In the averager process. Donors in order of the priority they declare (their outer
+        # step; anyone can declare any, which is why the joiner checks what it gets).
+        try:
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = await self.dht.get(key, latest=True, return_future=True)
+            declared = found.value if found is not None and isinstance(found.value, dict) else {}
+            donors = []
+            for subkey, entry in declared.items():
+                priority = getattr(entry, "value", None)
+                if not isinstance(priority, (int, float)) or not math.isfinite(priority):
+                    continue
+                try:
+                    peer = PeerID(subkey)
+                except Exception:  # noqa: BLE001 - a made-up subkey is just skipped
+                    continue
+                if peer != self.peer_id and peer.to_base58() not in exclude:
+                    donors.append((float(priority), random.random(), peer))
+            for _, _, peer in sorted(donors, key=lambda d: d[:2], reverse=True):
+                got = await self._download_from(peer)
+                if got is not None:
+                    future.set_result((*got, peer.to_base58()))
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_from(self, peer: PeerID) -> tuple[Any, list[torch.Tensor]] | None:
+        """One donor's state stream, at most ``self._state_limit`` bytes; None if it failed."""
+        logger.info("downloading the state from %s", peer)
+        try:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            metadata, tensors, parts, received = None, [], [], 0
+            async for message in aiter_with_timeout(
+                stream, timeout=self.next_chunk_timeout or self.request_timeout
+            ):
+                received += len(message.tensor_part.buffer) + len(message.metadata)
+                if received > self._state_limit:
+                    raise SwarmError(
+                        f"it sent over {self._state_limit >> 20} MiB, more than this model's state"
+                    )
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # the first part of the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        except Exception as error:  # noqa: BLE001 - a donor gone or misbehaving: try the next
+            logger.warning("state download from %s failed: %s", peer, one_line(error))
+            return None
+        return (metadata, tensors) if metadata else None
+
+    async def rpc_theta_sketch(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """Sketches of this peer's θ under a joiner's seed, for checking a state it downloaded."""
+        seed = unpack(request.metadata).get("seed") if len(request.metadata) <= 256 else None
+        if not isinstance(seed, bytes) or len(seed) != SEED_BYTES or not self.allow_state_sharing:
+            return averaging_pb2.DownloadData(metadata=pack({"ok": False}))
+        if self._sketch_lock is None:
+            self._sketch_lock = asyncio.Lock()
+        async with self._sketch_lock:  # each answer costs a copy of the state: one at a time
+            await asyncio.sleep(max(0.0, self._sketch_after - time.monotonic()))
+            metadata, tensors, _ = await self._get_current_state_from_host_process()
+            metadata = self.serializer.loads(metadata)
+            params = tensors[: int(metadata["num_params"])]
+            sketches = await asyncio.get_running_loop().run_in_executor(None, state_sketches, params, seed)
+            self._sketch_after = time.monotonic() + 0.1
+        answer = {
+            "ok": True,
+            "outer_step": int(metadata["outer_step"]),
+            "sketches": [s.to_bytes() for s in sketches],
+        }
+        return averaging_pb2.DownloadData(metadata=pack(answer))
+
+    def ask_state_sketches(self, peers: Sequence[str], seed: bytes, timeout: float) -> MPFuture:
+        """Each peer's (outer step, θ sketches) under ``seed``, or None for it: a future."""
+        future = MPFuture()
+        request = dict(peers=list(peers), seed=seed, timeout=timeout, future=future)
+        self._outer_pipe.send(("_ask_state_sketches", [], request))
+        return future
+
+    async def _ask_state_sketches(
+        self, peers: list[str], seed: bytes, timeout: float, future: MPFuture
+    ) -> None:
+        async def ask(peer: str) -> tuple[str, tuple[int, list[Sketch]] | None]:
+            try:
+                stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+                request = averaging_pb2.DownloadData(metadata=pack({"seed": seed}))
+                answer = await stub.rpc_theta_sketch(request, timeout=timeout)
+                message = unpack(answer.metadata) if len(answer.metadata) <= MAX_SKETCH_ANSWER else {}
+                step, raw = message.get("outer_step"), message.get("sketches")
+                if message.get("ok") is not True or not isinstance(step, int) or not isinstance(raw, list):
+                    return peer, None
+                return peer, (step, [Sketch.from_bytes(b) for b in raw])
+            except Exception as error:  # noqa: BLE001 - no answer, a malformed one: not a witness
+                logger.debug("no θ sketch from %s: %s", peer, one_line(error))
+                return peer, None
+
+        try:
+            future.set_result(dict(await asyncio.gather(*map(ask, peers))))
+        finally:
+            if not future.done():
+                future.set_result({})
+
     def get_current_state(self):
         state = self._state_provider()
+        noise = _fault(self._fault_file, "serve_noise")
+        if noise:  # fault injection: a donor serving a made-up θ (this peer's own is untouched)
+            logger.warning("fault injection: serving θ with %g relative noise", noise)
+            state = dataclasses.replace(
+                state,
+                params=[p + noise * p.norm() / p.numel() ** 0.5 * torch.randn_like(p) for p in state.params],
+            )
         metadata = dict(
             outer_step=state.outer_step,
             num_params=len(state.params),
@@ -293,6 +443,7 @@ class SwarmAverager:
         self.peer_id = dht.peer_id.to_base58()
         self.vouching = Vouching()
         """Peers that averaged with this one in a verified round: their claims are believed."""
+        self._refused_donors: set[str] = set()
         self._gap = 0.0  # seconds between this peer's last two rounds (its inner steps)
         self._last_return = time.monotonic()
         self.corrupt_next = False
@@ -612,39 +763,110 @@ class SwarmAverager:
     def set_state_priority(self, outer_step: int) -> None:
         """Joiners download from the peer with the highest outer step."""
         if self.averager.allow_state_sharing:
-            self.averager.state_sharing_priority = float(outer_step)
+            claimed = _fault(self.averager._fault_file, "state_priority")  # testing: a lying donor
+            self.averager.state_sharing_priority = claimed or float(outer_step)
 
     def download_state(self, *, timeout: float = 60.0) -> OuterState | None:
-        """The global state of the most advanced peer, or None if nobody served it in time.
+        """The global state of the most advanced peer whose θ the others confirm, or None if
+        nobody served one in time.
+
+        Any peer can declare itself the most advanced and serve a made-up θ. So each state is
+        checked before it is used: this peer draws a seed, sketches the θ it got, and asks up to
+        ``VERIFIERS`` other peers (those it averaged with first) for their θ's sketches under
+        that seed (:func:`swarm.claims.judge_state` decides). A refused donor is skipped for the
+        rest of this call; one contradicted by peers this one averaged with, for the run.
+        """
+        deadline = time.monotonic() + timeout
+        skipped = set(self._refused_donors)
+        for _ in range(DONORS_PER_TRY):
+            got = self._fetch_state(skipped, deadline)
+            if got is None:
+                return None
+            state, donor = got
+            skipped.add(donor)
+            if state is None:
+                continue
+            verdict = self._check_state(state, donor)
+            if verdict.accept:
+                logger.info(
+                    "the state served by %s at outer step %d: %s", donor[-8:], state.outer_step, verdict.why
+                )
+                return state
+            logger.warning(
+                "refused the state served by %s: %s; trying another donor", donor[-8:], verdict.why
+            )
+            if verdict.blame:
+                self._refused_donors.add(donor)
+                self.board.ignore(
+                    donor, f"served a θ at outer step {state.outer_step} that its round mates contradict"
+                )
+        return None
+
+    def _fetch_state(self, skipped: set[str], deadline: float) -> tuple[OuterState | None, str] | None:
+        """(the state, or None if malformed; its donor) from the best donor not skipped, or None.
 
         Polls rather than blocks so that this peer's heartbeat ("downloading") stays alive:
         the others' round barrier waits for a downloading peer only while it can see it.
         """
-        future = self.averager.load_state_from_peers(wait=False, timeout=timeout)
-        deadline = time.monotonic() + timeout
+        remaining = max(1.0, deadline - time.monotonic())
+        future = self.averager.load_state_from_peers(wait=False, timeout=remaining, exclude=sorted(skipped))
         try:
             while not future.done():
                 self.beat(Stage.DOWNLOADING)
                 if time.monotonic() > deadline:
                     future.cancel()
-                    logger.warning("no peer served the state within %.0f s", timeout)
+                    logger.warning("no peer served the state in time")
                     return None
                 time.sleep(0.1)
             result = future.result()
         except KeyboardInterrupt:
             future.cancel()
             raise
-        except Exception as error:  # a donor died mid-download, a timeout inside hivemind, ...
+        except Exception as error:  # a timeout inside hivemind, ...
             logger.warning("state download failed: %s: %s", type(error).__name__, error)
             return None
         if result is None:
             return None
-        metadata, tensors = result
+        metadata, tensors, donor = result
         try:
-            return _parse_state(metadata, tensors)
+            return _parse_state(metadata, tensors), donor
         except (SwarmError, KeyError, TypeError, ValueError) as error:
-            logger.warning("a peer served an incomplete or malformed state (%s); will try again", error)
-            return None
+            logger.warning(
+                "%s served an incomplete or malformed state (%s); trying another donor", donor[-8:], error
+            )
+            return None, donor
+
+    def _check_state(self, state: OuterState, donor: str) -> StateVerdict:
+        """Ask other peers whether they hold the θ ``donor`` served (see download_state)."""
+        vouched = set(self.vouching.vouched)
+        others = [
+            p
+            for p in self.board.fetch().values()
+            if p.peer_id not in (self.peer_id, donor) and p.stage not in (Stage.DOWNLOADING, Stage.JOINING)
+        ]
+        # Round mates first, then peers that look to be at the state's step.
+        others.sort(
+            key=lambda p: (p.peer_id not in vouched, abs(p.outer_step - state.outer_step), random.random())
+        )
+        asked = [p.peer_id for p in others[:VERIFIERS]]
+        if not asked:
+            return judge_state(state.outer_step, [], {}, donor=donor, vouched=vouched)
+        seed = secrets.token_bytes(SEED_BYTES)
+        future = self.averager.ask_state_sketches(asked, seed, timeout=10.0)
+        mine = state_sketches(state.params, seed)
+        answers: dict[str, Any] = {}
+        try:
+            limit = time.monotonic() + 15.0
+            while not future.done() and time.monotonic() < limit:
+                self.beat(Stage.DOWNLOADING)
+                time.sleep(0.05)
+            answers = future.result() if future.done() else {}
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
+        except Exception as error:  # noqa: BLE001 - nobody answered
+            logger.debug("asking for θ sketches failed: %s", one_line(error))
+        return judge_state(state.outer_step, mine, answers, donor=donor, vouched=vouched)
 
     def shutdown(self) -> None:
         self.averager.shutdown()
@@ -659,14 +881,19 @@ def _weight(member: Any) -> float:
     return weight if math.isfinite(weight) and weight >= 0 else 0.0
 
 
-def _serve_delay(fault_file: str | None) -> float:
-    """Seconds to sleep per streamed state part, from a fault file's ``serve_delay_ms``."""
+def _fault(fault_file: str | None, key: str) -> float:
+    """A number from the fault file (testing), 0 if there is none.
+
+    ``serve_delay_ms``: sleep this long per streamed state part (so that a test can kill a
+    donor mid-download); ``serve_noise``: serve θ with this much relative noise added (a lying
+    donor); ``state_priority``: declare this outer step to joiners (to be picked first)."""
     if not fault_file:
         return 0.0
     try:
-        return max(0.0, float(json.loads(open(fault_file).read()).get("serve_delay_ms", 0))) / 1000
+        value = float(json.loads(pathlib.Path(fault_file).read_text()).get(key, 0))
     except (OSError, ValueError, TypeError, AttributeError):
-        return 0.0  # no fault file yet, or a half-written one: serve at full speed
+        return 0.0  # no fault file yet, or a half-written one: no fault
+    return value if math.isfinite(value) and value > 0 else 0.0
 
 
 def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:

@@ -11,6 +11,8 @@ a schema-valid heartbeat with any outer step, stage or loss. So:
   or still training (this peer waits for it, up to the round wait). An unvouched peer's word
   moves nothing that costs honest peers more than honest peers cost each other: it is waited
   for at most about one of this peer's own rounds, and its claim to be ahead is not acted on;
+- **a downloaded state is checked** (:func:`judge_state`): its θ must match, under a random
+  projection drawn after the download, what other peers hold at that outer step;
 - **three strikes**: a peer that says it trains the round but never shows up in the group, or
   says it is rounds ahead of every peer that averaged with this one, in three rounds without
   averaging with this one in between, is ignored for the rest of the run and shown as such in the TUI, ``status`` and the widget.
@@ -20,9 +22,12 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from swarm.bounds import BOUNDS
 from swarm.records import PeerHeartbeat
+from swarm.sketch import Sketch, state_mismatch
 
 MAX_LOSS = 1e4  # a cross-entropy over any vocabulary a model here can have is far below
 MAX_SAMPLES_PER_SECOND = 1e7
@@ -91,3 +96,64 @@ class Vouching:
             self.vouched.discard(peer_id)
             return True
         return False
+
+
+@dataclass(frozen=True)
+class StateVerdict:
+    """What a joiner makes of a downloaded state after asking other peers for their θ."""
+
+    accept: bool
+    why: str
+    blame: bool = False
+    """The donor served a θ that peers this one averaged with contradict: never ask it again."""
+
+
+def judge_state(
+    step: int,
+    mine: Sequence[Sketch],
+    answers: dict[str, tuple[int, list[Sketch]] | None],
+    *,
+    donor: str,
+    vouched: set[str],
+) -> StateVerdict:
+    """Accept a state downloaded from ``donor`` at outer step ``step`` (sketched as ``mine``)?
+
+    ``answers``: the other peers asked, each with (its outer step, its θ's sketches under the
+    same seed), or None if it did not answer. Peers that averaged with this one (``vouched``)
+    decide when any of them holds the step; otherwise a majority of those at the step and the
+    donor (a tie refuses); a state no
+    other peer can confirm is taken only from a vouched donor, or when no other peer answered
+    at all (the donor is then the only witness there is)."""
+    at_step = {peer: got[1] for peer, got in answers.items() if got is not None and got[0] == step}
+    steps = [got[0] for got in answers.values() if got is not None]
+    agree = {peer for peer, sketches in at_step.items() if state_mismatch(mine, sketches) is None}
+    disagree = set(at_step) - agree
+    witnesses = (vouched & set(at_step)) or set(at_step)
+    if witnesses:
+        against = witnesses & disagree
+        trusted = bool(vouched & set(at_step))
+        if trusted and not against:
+            return StateVerdict(
+                True, f"confirmed by {len(agree & witnesses)} peer(s) that averaged with this one"
+            )
+        # Among strangers the donor is one vote for its own θ: an honest donor outvotes one
+        # liar among two others; a lying donor must bring more liars than there are honest peers.
+        if not trusted and len(agree) + 1 > len(disagree):
+            return StateVerdict(
+                True, f"confirmed by {len(agree)} of {len(at_step)} peers at outer step {step}"
+            )
+        who = "peers that averaged with this one" if trusted else "most peers"
+        return StateVerdict(
+            False,
+            f"{who} hold another θ at outer step {step} ({len(against)} of {len(witnesses)} disagree)",
+            blame=trusted,
+        )
+    if donor in vouched:
+        return StateVerdict(
+            True, "served by a peer that averaged with this one; no other peer is at that step"
+        )
+    if not steps:
+        return StateVerdict(True, "no other peer answered: the donor is the only witness")
+    if min(steps) > step:
+        return StateVerdict(False, f"stale: the others are past outer step {step}")
+    return StateVerdict(False, f"no peer asked holds outer step {step} (they are at {sorted(set(steps))})")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,4 +119,46 @@ def mismatch(result: Sketch, parts: list[Sketch], codec: str) -> str | None:
     worst = max(abs(r - sum(p.rows[i] for p in parts)) for i, r in enumerate(result.rows))
     if worst > bound:
         return f"the ring's sum is off by {worst:.3g} (rounding allows {bound:.3g})"
+    return None
+
+
+# --- checking a downloaded state ------------------------------------------------------------
+#
+# A joiner cannot hash the state it downloads: honest peers' θ agree only up to rounding (hivemind
+# sends each member the mean minus its own part, rounded by the wire codec). So it sketches θ,
+# one sketch per tensor, under a seed it draws *after* the download, and asks other peers for
+# theirs under the same seed. The donor cannot know R while it serves, so a θ it changed by more
+# than rounding fails the comparison with overwhelming probability.
+
+STATE_TOLERANCE = 1e-3
+"""Per tensor, per row: |R a - R b| <= STATE_TOLERANCE · max(|a|, |b|). Peers that averaged together
+differ by far less (bit-identical on the direct plane, ~1e-6 on hivemind's with fp16); a served θ
+off by 1 % of any one tensor's norm fails with probability above 1 - 1e-8."""
+STATE_FLOOR = 1e-7
+"""Plus this fraction of the whole θ's norm, for tensors near zero."""
+
+
+def state_sketches(params: Sequence[torch.Tensor], seed: bytes) -> list[Sketch]:
+    """One sketch per tensor of θ, each tensor with its own R (the seed and its index)."""
+    return [
+        sketch(t.detach().float().reshape(-1).contiguous(), seed + i.to_bytes(4, "little"))
+        for i, t in enumerate(params)
+    ]
+
+
+def state_mismatch(mine: Sequence[Sketch], theirs: Sequence[Sketch]) -> str | None:
+    """Why two peers' θ (as sketched under one seed) differ by more than rounding, or None."""
+    if len(mine) != len(theirs):
+        return f"{len(theirs)} tensors against {len(mine)}"
+    # A floor for tensors near zero (a bias that barely moved): rounding there is relative to
+    # the updates, which scale with the whole model rather than with that tensor.
+    floor = STATE_FLOOR * math.sqrt(sum(a.norm**2 for a in mine if math.isfinite(a.norm)))
+    for index, (a, b) in enumerate(zip(mine, theirs)):
+        values = [*a.rows, a.norm, *b.rows, b.norm]
+        if not all(math.isfinite(v) for v in values):
+            return f"tensor {index} is not finite"
+        bound = STATE_TOLERANCE * max(a.norm, b.norm) + floor + 1e-30
+        worst = max([abs(x - y) for x, y in zip(a.rows, b.rows)] + [abs(a.norm - b.norm)])
+        if worst > bound:
+            return f"tensor {index} differs by {worst:.3g} (rounding allows {bound:.3g})"
     return None

@@ -147,3 +147,29 @@ def test_a_competing_manifest_neither_hides_the_run_nor_takes_its_steering(spawn
     for peer in (owner, joiner):
         assert peer.wait(timeout=150) == 0, peer.stderr()[-3000:]
     assert joiner.events("round")[-1]["group_size"] == 2
+
+
+@pytest.mark.faults
+def test_a_donor_serving_a_made_up_state_is_refused(spawn, tmp_path):
+    """A member declares itself the most advanced peer (so joiners download from it first) and
+    serves θ with 5 % noise. The joiner sketches what it got under a seed it draws afterwards,
+    the two honest peers' sketches disagree, and it takes the state from one of them instead:
+    it averages with them on their θ, never the made-up one."""
+    liar = tmp_path / "liar.json"
+    liar.write_text(json.dumps({"serve_noise": 0.05, "state_priority": 1e6}))
+    common = [*FAST, "--rounds", "20", "--run-id", "made-up-state"]
+    first = spawn("a", "start", *common, "--min-peers", "3")
+    second = spawn("b", "join", first.address(), *common, "--min-peers", "3")
+    third = spawn("c", "join", first.address(), *common, "--min-peers", "3", "--fault-file", str(liar))
+    first.wait_event("round", lambda e: e["outer_step"] >= 3 and e["group_size"] == 3)
+    joiner = spawn("d", "join", first.address(), *common)
+    for peer in (first, second, third, joiner):
+        assert peer.wait() == 0, peer.stderr()
+    log = joiner.stderr()
+    assert "refused the state served by" in log and "most peers hold another θ" in log, log[-3000:]
+    assert "fault injection: serving θ" in third.stderr()
+    downloaded = joiner.events("state_downloaded")
+    assert downloaded, log[-3000:]
+    rounds = [(r["outer_step"], r["group_size"], r["alone_reason"]) for r in joiner.events("round")]
+    assert any(size >= 3 for _, size, _ in rounds), (rounds, downloaded)
+    assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5

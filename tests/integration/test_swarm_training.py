@@ -72,6 +72,8 @@ def test_late_joiner_downloads_state_and_matches(spawn):
     assert max_abs_diff(params[0], params[2]) <= 1e-5
     # Every peer accepts connections here: the groups moved their tensors over a gloo ring.
     assert "averaging over the direct data plane (a gloo ring of 3)" in third.stderr()
+    # The joiner checked what it downloaded against the other peer (see test_lies.py).
+    assert "peers at outer step" in third.stderr() or "averaged with this one" in third.stderr()
 
 
 def test_ctrl_c_stops_a_peer_cleanly(spawn):

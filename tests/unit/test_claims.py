@@ -7,11 +7,13 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from swarm.averaging import SwarmAverager, _Verdict
 from swarm.averaging_config import AveragingConfig
-from swarm.claims import STRIKES, Ignored, Vouching, implausible
+from swarm.claims import STRIKES, Ignored, Vouching, implausible, judge_state
 from swarm.records import PeerHeartbeat, Stage
+from swarm.sketch import state_mismatch, state_sketches
 
 NOW = 1_000_000.0
 
@@ -182,3 +184,71 @@ def test_a_store_that_keeps_failing_is_counted_and_one_success_resets_it():
     store.dht.fail = False
     store.store("peers", beat("me", 1), ttl=10)
     assert store.failures == 0
+
+
+# --- checking a downloaded state ------------------------------------------------------------
+
+SEED = bytes(16)
+
+
+def _theta(scale: float = 0.0, *, seed: int = 0) -> list[torch.Tensor]:
+    """A small model's θ; ``scale``: relative noise on every tensor (a made-up θ)."""
+    generator = torch.Generator().manual_seed(seed)
+    base = [
+        torch.randn(64, 32, generator=torch.Generator().manual_seed(1)),
+        torch.randn(32, generator=torch.Generator().manual_seed(2)),
+    ]
+    return [t + scale * t.norm() / t.numel() ** 0.5 * torch.randn(t.shape, generator=generator) for t in base]
+
+
+def test_state_sketches_pass_rounding_and_catch_a_one_percent_change():
+    honest = state_sketches(_theta(), SEED)
+    assert state_mismatch(honest, state_sketches(_theta(1e-6, seed=3), SEED)) is None
+    assert "tensor" in state_mismatch(honest, state_sketches(_theta(1e-2, seed=3), SEED))
+    # Only the bias changed (a tiny share of the whole θ): still caught, per tensor.
+    poisoned = _theta()
+    poisoned[1] = poisoned[1] + 0.02 * poisoned[1].norm() * torch.nn.functional.one_hot(torch.tensor(5), 32)
+    assert state_mismatch(honest, state_sketches(poisoned, SEED)).startswith("tensor 1 ")
+    # Without the seed, a donor cannot aim its change at R's null space: another seed's R differs.
+    assert state_mismatch(honest, state_sketches(_theta(), bytes(15) + b"\x01")) is not None
+    assert state_mismatch(honest, honest[:1]) == "1 tensors against 2"
+
+
+def _answers(step: int, **peers: float | None) -> dict:
+    """peer -> (step, sketches of θ with that much noise), or None (no answer)."""
+    return {
+        peer: None if noise is None else (step, state_sketches(_theta(noise, seed=len(peer)), SEED))
+        for peer, noise in peers.items()
+    }
+
+
+def test_judge_state_takes_the_word_of_round_mates_then_the_majority():
+    good, bad = state_sketches(_theta(), SEED), state_sketches(_theta(0.05, seed=9), SEED)
+    honest = _answers(7, a=0.0, b=1e-7, c=0.05)
+    verdict = judge_state(7, good, honest, donor="d", vouched=set())
+    assert verdict.accept and "2 of 3" in verdict.why
+    verdict = judge_state(7, bad, honest, donor="d", vouched=set())
+    assert not verdict.accept and not verdict.blame  # strangers disagree: skip the donor, once
+    # The donor's own vote breaks one liar's objection, not two.
+    assert judge_state(7, good, _answers(7, a=0.0, c=0.05), donor="d", vouched=set()).accept
+    assert not judge_state(7, good, _answers(7, a=0.0, c=0.05, cc=0.05), donor="d", vouched=set()).accept
+    assert not judge_state(7, bad, _answers(7, a=0.0, b=0.0, c=0.05), donor="d", vouched=set()).accept
+    # A round mate's word beats any number of strangers (fresh keys are free).
+    sybils = _answers(7, a=0.0, x=0.05, xx=0.05, xxx=0.05)
+    assert judge_state(7, good, sybils, donor="d", vouched={"a"}).accept
+    verdict = judge_state(7, bad, sybils, donor="d", vouched={"a"})
+    assert not verdict.accept and verdict.blame and "averaged with this one" in verdict.why
+
+
+def test_judge_state_without_witnesses_at_the_step():
+    good = state_sketches(_theta(), SEED)
+    # Nobody else to ask, or nobody answered: the donor is all there is.
+    assert judge_state(7, good, {}, donor="d", vouched=set()).accept
+    assert judge_state(7, good, _answers(7, a=None), donor="d", vouched=set()).accept
+    # A donor claiming a step nobody else holds is believed only if it averaged with this one.
+    behind = _answers(5, a=0.0, b=0.0)
+    verdict = judge_state(1_000_000, good, behind, donor="d", vouched=set())
+    assert not verdict.accept and "no peer asked holds outer step 1000000" in verdict.why
+    assert judge_state(8, good, behind, donor="d", vouched={"d"}).accept
+    # Everyone else has moved on: the state is stale, try again.
+    assert "stale" in judge_state(3, good, behind, donor="d", vouched=set()).why
