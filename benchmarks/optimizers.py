@@ -43,6 +43,8 @@ from typing import Any
 import torch
 
 from optim.diloco import DiLoCoConfig
+from optim.local_sgd import local_sgd
+from optim.sparseloco import sparseloco
 from optim.sim import SimConfig, SimResult
 from workbench.config import TrainConfig
 from workbench.data import DataConfig
@@ -128,14 +130,14 @@ def methods(H: int) -> list[tuple[str, str, MethodSpec]]:
     """(row name, codec label, spec) for every row; dp first (the reference)."""
     rows = [
         ("dp", "fp32", MethodSpec(method="dp", diloco=DiLoCoConfig(inner_steps=1))),
-        ("local_sgd", "fp32", MethodSpec(method="local_sgd", diloco=DiLoCoConfig(inner_steps=H))),
+        ("local_sgd", "fp32", MethodSpec(method="local_sgd", diloco=local_sgd(inner_steps=H))),
         ("diloco", "fp32", MethodSpec(method="diloco", diloco=DiLoCoConfig(inner_steps=H))),
         ("diloco", "int8", MethodSpec(method="diloco", diloco=DiLoCoConfig(inner_steps=H, codec="int8"))),
         ("diloco", "int4", MethodSpec(method="diloco", diloco=DiLoCoConfig(inner_steps=H, codec="int4"))),
         (
             "sparseloco",
             "topk 1% + EF",
-            MethodSpec(method="sparseloco", diloco=DiLoCoConfig(inner_steps=H, topk_density=0.01)),
+            MethodSpec(method="sparseloco", diloco=sparseloco(inner_steps=H)),
         ),
     ]
     if delay_available():

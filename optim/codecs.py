@@ -268,6 +268,11 @@ class TopKCodec(Codec):
     """Dtype of the kept values on the wire: float16 (2 B), bfloat16 (2 B) or float32 (4 B)."""
     chunk: int | None = None
     """Elements per top-k chunk (SparseLoCo uses 4096); None = one top-k over the whole tensor."""
+    value_bits: int = 16
+    """16: values as ``value_dtype``. 2: SparseLoCo's wire format: each kept value is one of 4
+    levels (2 bits, 4 to a byte) from a per-tensor table, and with ``chunk`` <= 4096 its
+    in-chunk index takes 12 bits (2 indices in 3 bytes): 1.75 B per kept value, plus 20 B of
+    table per tensor. See :func:`quantize_2bit`."""
 
     def __post_init__(self) -> None:
         if not 0 < self.density <= 1:
@@ -278,6 +283,8 @@ class TopKCodec(Codec):
             )
         if self.chunk is not None and self.chunk < 1:
             raise ValueError(f"chunk must be >= 1 element or None (got {self.chunk}); SparseLoCo uses 4096")
+        if self.value_bits not in (2, 16):
+            raise ValueError(f"value_bits must be 16 or 2 (got {self.value_bits}); SparseLoCo uses 2")
 
     def _layout(self, n: int) -> tuple[int, int, int, int, torch.dtype]:
         """(chunk length, full chunks, kept per full chunk, kept in the short tail, index dtype)."""
@@ -307,18 +314,91 @@ class TopKCodec(Codec):
             indices.append(local)
             values.append(tail[local])
         kept = torch.cat(values)  # (C·k + k_tail,)
+        local = torch.cat(indices)
+        if self.value_bits == 2:
+            codes, table = quantize_2bit(kept)
+            packed = _pack_12bit(local) if self._packs_indices else local.to(index_dtype)
+            return {"indices": packed, "codes": _pack_2bit(codes), "table": table}
         if self.value_dtype == torch.float16:
             _check_fits_fp16(kept, "kept values")
-        return {"indices": torch.cat(indices).to(index_dtype), "values": kept.to(self.value_dtype)}
+        return {"indices": local.to(index_dtype), "values": kept.to(self.value_dtype)}
+
+    @property
+    def _packs_indices(self) -> bool:
+        return self.value_bits == 2 and self.chunk is not None and self.chunk <= 4096
 
     def _decode_flat(self, payload: dict[str, Tensor], numel: int) -> Tensor:
         length, full, k, k_tail, _ = self._layout(numel)
-        local = payload["indices"].to(torch.int64)  # (C·k + k_tail,)
+        count = full * k + k_tail
+        if self.value_bits == 2:
+            raw = payload["indices"]
+            local = _unpack_12bit(raw, count) if self._packs_indices else raw.to(torch.int64)
+            values = dequantize_2bit(_unpack_2bit(payload["codes"], count), payload["table"])
+        else:
+            local = payload["indices"].to(torch.int64)  # (C·k + k_tail,)
+            values = payload["values"].to(torch.float32)
         offsets = torch.arange(full, device=local.device).repeat_interleave(k) * length  # (C·k,)
         offsets = torch.cat([offsets, torch.full((k_tail,), full * length, device=local.device)])
         out = torch.zeros(numel, dtype=torch.float32, device=local.device)
-        out[local + offsets] = payload["values"].to(torch.float32)
+        out[local + offsets] = values
         return out
+
+
+QUANT_LEVELS = 4
+QUANT_RANGE = 6.0
+"""SparseLoCo's 2-bit quantizer: 4 bins over 6 standard deviations of the kept values."""
+
+
+def quantize_2bit(values: Tensor) -> tuple[Tensor, Tensor]:
+    """(codes 0..3 as uint8, table) for a tensor's kept values, as SparseLoCo quantizes them:
+    centre on the mean, bins of 1.5 standard deviations (6σ over 4 bins), code
+    ``clamp(round(u + 2), 0, 3)``; each code decodes to the mean of the values it holds, so
+    the quantizer is unbiased per bin. ``table`` is fp32 [mean, level 0, ..., level 3] (20 B)."""
+    shift = values.mean() if values.numel() else values.new_zeros(())
+    centred = values - shift
+    std = centred.std() if values.numel() > 1 else centred.abs().sum()
+    scale = QUANT_RANGE * std / QUANT_LEVELS
+    if not float(scale) > 0:  # all kept values equal (or one value): every code is level 2
+        codes = torch.full_like(values, 2, dtype=torch.uint8)
+    else:
+        codes = (centred / scale + QUANT_LEVELS // 2).round().clamp(0, QUANT_LEVELS - 1).to(torch.uint8)
+    sums = torch.zeros(QUANT_LEVELS).index_add_(0, codes.long(), centred)
+    counts = torch.zeros(QUANT_LEVELS).index_add_(0, codes.long(), torch.ones_like(centred))
+    levels = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros(QUANT_LEVELS))
+    return codes, torch.cat([shift.reshape(1), levels]).float()
+
+
+def dequantize_2bit(codes: Tensor, table: Tensor) -> Tensor:
+    return table[1:][codes.long()] + table[0]
+
+
+def _pack_2bit(codes: Tensor) -> Tensor:
+    """Four 2-bit codes to a byte, the first in the low bits."""
+    padded = torch.zeros(-(-codes.numel() // 4) * 4, dtype=torch.uint8)
+    padded[: codes.numel()] = codes
+    quads = padded.view(-1, 4)
+    return quads[:, 0] | quads[:, 1] << 2 | quads[:, 2] << 4 | quads[:, 3] << 6
+
+
+def _unpack_2bit(packed: Tensor, count: int) -> Tensor:
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+    return ((packed.unsqueeze(1) >> shifts) & 3).reshape(-1)[:count]
+
+
+def _pack_12bit(indices: Tensor) -> Tensor:
+    """Two indices below 4096 in three bytes."""
+    padded = torch.zeros(-(-indices.numel() // 2) * 2, dtype=torch.int32)
+    padded[: indices.numel()] = indices.to(torch.int32)
+    a, b = padded[0::2], padded[1::2]
+    packed = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=1)
+    return packed.reshape(-1).to(torch.uint8)
+
+
+def _unpack_12bit(packed: Tensor, count: int) -> Tensor:
+    triples = packed.to(torch.int64).view(-1, 3)
+    a = triples[:, 0] | (triples[:, 1] & 0xF) << 8
+    b = triples[:, 1] >> 4 | triples[:, 2] << 4
+    return torch.stack([a, b], dim=1).reshape(-1)[:count]
 
 
 # --- registry -------------------------------------------------------------------------------------
@@ -361,8 +441,13 @@ class ErrorFeedback:
     https://arxiv.org/abs/2508.15706). Residuals are fp32 on the input's device.
     """
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, codec: Codec, *, decay: float = 1.0) -> None:
+        if not 0 <= decay <= 1:
+            raise ValueError(f"decay must be in [0, 1] (got {decay}); SparseLoCo uses 0.95")
         self.codec = codec
+        self.decay = decay
+        """The residual is multiplied by this before it is added back (SparseLoCo's β); below 1
+        the conservation above holds with the decayed residual, and old coordinates fade."""
         self.residuals: list[Tensor] | None = None
         """One fp32 residual per tensor, same shapes; None before the first call / after reset."""
 
@@ -378,7 +463,7 @@ class ErrorFeedback:
         self._check_shapes(inputs, residuals)
         encoded, decoded, new_residuals = [], [], []
         for x, residual in zip(inputs, residuals):
-            corrected = x + residual.to(x.device)  # any shape, fp32
+            corrected = x + self.decay * residual.to(x.device)  # any shape, fp32
             enc = self.codec.encode(corrected)
             dec = self.codec.decode(enc)
             encoded.append(enc)

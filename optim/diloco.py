@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,9 +55,18 @@ class DiLoCoConfig:
     codec: str = "none"
     """Pseudo-gradient codec (optim.codecs: none, fp16, bf16, int8, int4, topk)."""
     topk_density: float = 0.01
-    """Fraction of entries the topk codec keeps."""
+    """Fraction of entries the topk codec keeps (of each chunk with ``topk_chunk``)."""
+    topk_chunk: int = 0
+    """Elements per top-k chunk, each keeping its own share (SparseLoCo: 4096); 0: one top-k
+    per tensor."""
+    topk_bits: int = 16
+    """Bits per kept value of the topk codec: 16 (fp16) or 2 (SparseLoCo's quantizer, with
+    12-bit in-chunk indices when ``topk_chunk`` <= 4096: 1.75 B per kept value)."""
     error_feedback: bool = False
     """Keep what the codec dropped and add it to the next round's pseudo-gradient."""
+    error_decay: float = 1.0
+    """Error feedback's residual is multiplied by this before it is added back (SparseLoCo's
+    β, 0.95 there; 1 keeps everything)."""
     outlier_ratio: float = 10.0
     """Refuse a round's mean when one member's update norm exceeds this many times the median
     of the others', or when the mean is larger than the reported norms allow (0: no check).
@@ -70,6 +80,12 @@ class DiLoCoConfig:
     """Run each round's all-reduce in a background thread while the next round's inner steps
     run, and apply its mean at the end of that round. Needs ``delay=1``: the same math as the
     blocking one-step delay, without the wait (the network time hides behind compute)."""
+    eager: bool | None = None
+    """Eager updates for ``delay=1`` (Kale et al. 2025, https://arxiv.org/abs/2502.12996): each
+    round's outer step uses this peer's fresh Δ in place of its own share of the mean still in
+    flight, corrected when that mean lands. None: on with ``delay=1``; False: the naive delay
+    (every round starts from a θ that lacks the last round's update, which diverges with the
+    paper's outer momentum). See :meth:`DiLoCo.apply_eager`."""
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1:
@@ -93,15 +109,38 @@ class DiLoCoConfig:
                 f"overlap needs delay=1 (got delay={self.delay}): round r's mean can only be applied "
                 "once the next round's inner steps are done; set delay=1"
             )
+        if self.eager and self.delay != 1:
+            raise ValueError(
+                f"eager updates need delay=1 (got delay={self.delay}): they stand in for the one "
+                "round a mean is late; use overlap (or delay=1), or drop eager"
+            )
+        if self.topk_chunk < 0:
+            raise ValueError(f"topk_chunk must be >= 0 (got {self.topk_chunk}); SparseLoCo uses 4096")
+        if not 0 <= self.error_decay <= 1:
+            raise ValueError(f"error_decay must be in [0, 1] (got {self.error_decay}); SparseLoCo uses 0.95")
         if not 0 < self.topk_density <= 1:
             raise ValueError(
                 f"topk density must be in (0, 1] (got {self.topk_density}); SparseLoCo uses 0.01-0.03"
             )
         self.make_codec()  # raises ValueError for an unknown codec
 
+    @property
+    def eager_updates(self) -> bool:
+        """Whether rounds use eager updates (``eager``, defaulting to on with ``delay=1``)."""
+        return self.delay == 1 if self.eager is None else self.eager
+
     def make_codec(self) -> Codec:
-        options = {"density": self.topk_density} if self.codec == "topk" else {}
+        options: dict[str, Any] = {}
+        if self.codec == "topk":
+            options = {
+                "density": self.topk_density,
+                "chunk": self.topk_chunk or None,
+                "value_bits": self.topk_bits,
+            }
         return make_codec(self.codec, **options)
+
+    def make_feedback(self, codec: Codec) -> ErrorFeedback | None:
+        return ErrorFeedback(codec, decay=self.error_decay) if self.error_feedback else None
 
 
 @dataclass(kw_only=True)
@@ -152,7 +191,7 @@ class DiLoCo:
         self._inflight: _InFlight | None = None  # with overlap: the round being averaged
         self._last_future: concurrent.futures.Future | None = None  # the next round starts after it
         # What compression dropped, per peer, added back next round (never lost; see codecs).
-        self.feedback = ErrorFeedback(self.codec) if config.error_feedback else None
+        self.feedback = config.make_feedback(self.codec)
         self.save_global_params()
 
     def retune(
@@ -173,11 +212,12 @@ class DiLoCo:
             setattr(self.config, key, value)
         if "outer_lr" in changes:
             with self.lock:
-                for group in self.outer_optimizer.param_groups:
-                    group["lr"] = checked.outer_lr
+                for optimizer in (self.outer_optimizer, self.offset_optimizer):
+                    for group in optimizer.param_groups if optimizer else []:
+                        group["lr"] = checked.outer_lr
         if "codec" in changes:
             self.codec = self.config.make_codec()
-            self.feedback = ErrorFeedback(self.codec) if self.config.error_feedback else None
+            self.feedback = self.config.make_feedback(self.codec)
         return changes
 
     # --- phases -------------------------------------------------------------------------
@@ -185,17 +225,33 @@ class DiLoCo:
     def save_global_params(self) -> None:
         """Keep θ in fp32 on the CPU, apart from the model, with its own outer SGD."""
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
-        self.outer_optimizer = torch.optim.SGD(
-            self.global_params,
+        self.outer_optimizer = self._outer_sgd(self.global_params)
+        # Eager updates: this peer trains from θ + offset. θ moves only with real means (the
+        # same on every peer); the offset with this peer's own corrections (apply_eager).
+        self.offset = [torch.zeros_like(g) for g in self.global_params] if self.config.eager_updates else []
+        self.offset_optimizer = self._outer_sgd(self.offset) if self.offset else None
+        self._proxy: list[torch.Tensor] | None = None  # last round's share · Δ, applied eagerly
+        self._share = 1.0  # this peer's share of the last mean that landed (its weight / the group's)
+
+    def _outer_sgd(self, params: list[torch.Tensor]) -> torch.optim.SGD:
+        return torch.optim.SGD(
+            params,
             lr=self.config.outer_lr,
             momentum=self.config.outer_momentum,
             nesterov=self.config.nesterov,
         )
 
+    def working_params(self) -> list[torch.Tensor]:
+        """Where this peer's inner steps start: θ, plus the eager offset if any."""
+        if not self.offset:
+            return self.global_params
+        return [g + o for g, o in zip(self.global_params, self.offset)]
+
     @torch.no_grad()
     def compute_pseudo_gradients(self) -> list[torch.Tensor]:
-        """Δ = θ − θ_local, one fp32 CPU tensor per parameter (same shapes as the params)."""
-        return [g - local.float() for g, local in zip(self.global_params, self._host_params())]
+        """Δ = θ − θ_local, one fp32 CPU tensor per parameter (same shapes as the params); θ
+        is where this round started (with eager updates: θ + this peer's offset)."""
+        return [g - local.float() for g, local in zip(self.working_params(), self._host_params())]
 
     def _host_params(self) -> list[torch.Tensor]:
         """θ_local on the host. From a GPU, through pinned buffers kept across rounds: the copies
@@ -268,13 +324,14 @@ class DiLoCo:
     @torch.no_grad()
     def restore_parameters(self) -> None:
         """Copy θ into the model so the next round starts from the global params."""
+        start = self.working_params()
         if self.params and self.params[0].device.type == "cuda" and getattr(self, "_pinned", None):
-            for p, g, buffer in zip(self.params, self.global_params, self._pinned):
+            for p, g, buffer in zip(self.params, start, self._pinned):
                 buffer.copy_(g)  # host to pinned (dtype cast here), then an async DMA to the GPU
                 p.copy_(buffer, non_blocking=True)
             torch.cuda.current_stream(self.params[0].device).synchronize()  # buffers reused next round
             return
-        for p, g in zip(self.params, self.global_params):
+        for p, g in zip(self.params, start):
             p.copy_(g.to(p.device, p.dtype))
 
     # --- the user's hook ------------------------------------------------------------------
@@ -306,6 +363,7 @@ class DiLoCo:
         outgoing = self._outgoing(info)
         if self.config.overlap:
             return self._sync_overlapped(outgoing)
+        sent = [d.clone() for d in outgoing.deltas] if self.offset else []
         report = self.average(outgoing.deltas, outgoing.info, weight=outgoing.weight)
         refused = self._judge(outgoing, report)
         if refused:
@@ -314,6 +372,9 @@ class DiLoCo:
             self.apply_delayed(outgoing.deltas)
         else:
             self.apply_outer_step(outgoing.deltas)
+        if self.offset:  # as overlapped: this round's share is learnt once its mean lands
+            self.apply_eager(sent, self._share)
+            self._share = _own_share(report, outgoing.weight)
         self._next_round()
         return report
 
@@ -385,11 +446,15 @@ class DiLoCo:
         report, mean = RoundReport(group_size=1, pending=True, info=outgoing.info), None  # first round
         if self._inflight is not None:
             report, mean = self._collect(self._inflight)
+            self._share = _own_share(report, self._inflight.outgoing.weight)
+        sent = [d.clone() for d in outgoing.deltas] if self.offset else []  # the all-reduce overwrites them
         with self.lock:  # θ, the clock and the in-flight round change together (see outer_state)
             if self._pending:  # queued in a downloaded state: the donor's, not our stale round's
                 mean = self._pending.pop(0)
             if mean is not None:
                 self._apply(mean)
+            if self.offset:
+                self.apply_eager(sent, self._share)
             self._inflight = _InFlight(
                 outgoing,
                 _in_background(
@@ -406,17 +471,49 @@ class DiLoCo:
         return report
 
     def finish(self) -> RoundReport | None:
-        """With ``overlap``: wait for the last round's all-reduce and apply its mean, so a run
-        ends on the same θ as with the blocking one-step delay. None when nothing was in flight."""
-        if self._inflight is None:
-            return None
-        report, mean = self._collect(self._inflight)
+        """End the run on the swarm's θ: wait for the round in flight (``overlap``) and apply
+        every mean still queued (``delay``), then drop the eager offset (what it stood in for
+        is in those means now). The report of the round that was in flight, else None."""
+        report, mean = None, None
+        if self._inflight is not None:
+            report, mean = self._collect(self._inflight)
         with self.lock:
-            if mean is not None:
-                self._apply(mean)
+            if self._pending and self._inflight is not None:  # a donor's queued mean replaces ours
+                mean = self._pending.pop(0)
             self._inflight = None
+            for update in [*self._pending, *([mean] if mean is not None else [])]:
+                self._apply(update)
+            self._pending = []
+            self._reset_offset()
         self.restore_parameters()
         return report
+
+    def _reset_offset(self) -> None:
+        for o in self.offset:
+            o.zero_()
+        if self.offset_optimizer is not None:
+            self.offset_optimizer.state.clear()
+        self._proxy = None
+
+    @torch.no_grad()
+    def apply_eager(self, sent: list[torch.Tensor], share: float) -> None:
+        """The eager half of a delayed round (Kale et al. 2025). The outer gradient a peer
+        should use is ĝ_t = mean_{t−1} + s·Δ_t − s'·Δ_{t−1}: the last mean that landed, with
+        this peer's fresh Δ standing in for its share ``s`` of the mean still in flight, and
+        last round's stand-in taken back out (the mean that just landed holds the real one).
+
+        ``mean_{t−1}`` goes to θ (``apply_delayed`` / the overlapped round), identically on every
+        peer; ``s·Δ_t − s'·Δ_{t−1}`` goes to this peer's offset through an SGD with the same lr
+        and momentum. The outer SGD is linear in its gradients, so θ + offset is exactly where
+        one outer SGD fed ĝ would be, while θ itself stays the swarm's consensus."""
+        proxy = [share * d for d in sent]
+        correction = proxy if self._proxy is None else [p - q for p, q in zip(proxy, self._proxy)]
+        with self.lock:
+            for o, c in zip(self.offset, correction):
+                o.grad = c
+            self.offset_optimizer.step()
+            self.offset_optimizer.zero_grad(set_to_none=True)
+        self._proxy = proxy
 
     def _collect(self, inflight: _InFlight) -> tuple[RoundReport, list[torch.Tensor] | None]:
         """Wait for a round in flight: its report, and its mean unless refused."""
@@ -502,6 +599,7 @@ class DiLoCo:
             # does an in-flight round's mean (the thread finishes; the next one waits for it).
             self._pending = [[d.clone().float() for d in update] for update in state.pending]
             self._inflight = None
+            self._reset_offset()  # a fresh start from the swarm's θ: no stand-ins in flight
         self.restore_parameters()
         self._load_inner_state(state)
         self.inner_step_count = 0
@@ -552,6 +650,15 @@ def _in_background(function, *args: Any, after: concurrent.futures.Future | None
 
     threading.Thread(target=run, name="outer-all-reduce", daemon=True).start()
     return future
+
+
+def _own_share(report: RoundReport, weight: float) -> float:
+    """This peer's share of a round's weighted mean: its weight over the group's (1 alone)."""
+    if report.group_size <= 1:
+        return 1.0
+    weights = [i.get("weight") for i in report.group_info if isinstance(i, dict)]
+    total = sum(float(w) for w in weights if isinstance(w, (int, float)) and math.isfinite(w) and w > 0)
+    return min(1.0, weight / total) if total > 0 else 1.0
 
 
 def _global_norm(tensors: list[torch.Tensor]) -> float:

@@ -228,6 +228,10 @@ def simulate(
                             "bytes": bytes_sent[rank],
                         }
                     )
+                if round_index == rounds - 1 and hasattr(peer.outer, "finish"):
+                    # The last means still queued or in flight (delay, overlap): every peer ends
+                    # on the swarm's θ, as a real peer does when its run ends.
+                    _account(rank, peer.outer.finish())
                 if rank == 0 and config.eval_every and (round_index + 1) % config.eval_every == 0:
                     history.append(
                         {

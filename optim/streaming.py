@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from optim.averager import Averager, RoundReport
-from optim.codecs import ErrorFeedback, encoded_nbytes
+from optim.codecs import encoded_nbytes
 from optim.diloco import DiLoCoConfig, OuterState, inner_state_tensors, load_inner_state
 
 logger = logging.getLogger(__name__)
@@ -135,9 +135,7 @@ class StreamingDiLoCo:
             nesterov=config.outer.nesterov,
         )
         self.codec = config.outer.make_codec()
-        self.feedback = [
-            ErrorFeedback(self.codec) if config.outer.error_feedback else None for _ in self.fragments
-        ]
+        self.feedback = [config.outer.make_feedback(self.codec) for _ in self.fragments]
         self.step_count = 0
         """Inner steps taken."""
         self.syncs = 0
@@ -259,7 +257,7 @@ class StreamingRounds:
         self.steps_per_round = outer.inner_steps // len(s.fragments)
         if "codec" in changes:
             s.codec = outer.make_codec()
-            s.feedback = [ErrorFeedback(s.codec) if outer.error_feedback else None for _ in s.fragments]
+            s.feedback = [outer.make_feedback(s.codec) for _ in s.fragments]
         return changes
 
     def note_inner_step(self, *, samples: int) -> None:

@@ -47,6 +47,8 @@ BOUNDS: dict[str, Bound] = {
     "outer_momentum": Bound(0, 1, open_high=True),
     "topk_density": Bound(0, 1, open_low=True),
     "density": Bound(0, 1, open_low=True),
+    "topk_chunk": Bound(0, 2**24, integer=True),
+    "ef_decay": Bound(0, 1),
     "fragments": Bound(1, 1024, integer=True),
     "sync_delay": Bound(0, 100_000, integer=True),
     "alpha": Bound(0, 1, open_high=True),

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 from swarm.averaging_config import CODEC_BYTES
 from swarm.bounds import parser as bounded
 from swarm.errors import SwarmError
-from workbench.names import MODEL_PRESETS, UPDATE_CODECS, WANDB_MODES
+from workbench.names import MODEL_PRESETS, WANDB_MODES
+from workbench.optimizer_flags import add_optimizer_options, outer_config
 
 if TYPE_CHECKING:  # torch-backed modules load only when a command runs: `--help` stays fast
-    from optim.diloco import DiLoCoConfig
     from workbench.config import RunConfig
 
 EXIT_USER_ERROR = 2
@@ -106,67 +106,7 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
     )
 
     group = parser.add_argument_group("DiLoCo")
-    group.add_argument(
-        "--inner-steps",
-        type=bounded("inner_steps"),
-        default=50,
-        metavar="H",
-        help="inner steps per round (default: 50)",
-    )
-    group.add_argument(
-        "--inner-lr", type=bounded("inner_lr"), default=1e-3, help="inner AdamW learning rate (default: 1e-3)"
-    )
-    group.add_argument(
-        "--method",
-        default="diloco",
-        choices=METHOD_PRESETS,
-        help="outer method preset: diloco, local_sgd (FedAvg), sparseloco (top-k + error feedback) or dp "
-        "(data-parallel: gradients averaged every step, the baseline)",
-    )
-    group.add_argument("--outer-lr", type=bounded("outer_lr"), help="outer SGD learning rate (diloco: 0.7)")
-    group.add_argument(
-        "--outer-momentum", type=bounded("outer_momentum"), help="outer Nesterov momentum (diloco: 0.9)"
-    )
-    group.add_argument(
-        "--update-codec",
-        choices=UPDATE_CODECS,
-        help="codec for pseudo-gradients inside the optimizer (sparseloco: topk)",
-    )
-    group.add_argument(
-        "--topk-density", type=bounded("topk_density"), help="fraction the topk codec keeps (default: 0.01)"
-    )
-    group.add_argument(
-        "--error-feedback",
-        action="store_true",
-        default=None,
-        help="keep what the update codec drops for the next round",
-    )
-    group.add_argument(
-        "--fragments",
-        type=bounded("fragments"),
-        default=4,
-        help="streaming: fragments synced in turn (default: 4)",
-    )
-    group.add_argument(
-        "--delay", type=int, choices=(0, 1), help="apply each round's mean one round later (default: 0)"
-    )
-    group.add_argument(
-        "--overlap",
-        action="store_true",
-        default=None,
-        help="average each round in the background while the next round trains (implies --delay 1)",
-    )
-    group.add_argument(
-        "--outlier-ratio",
-        type=bounded("outlier_ratio"),
-        help="refuse a round whose update from one peer is this many times the others' median norm, "
-        "or larger than declared (default: 10; 0 turns it off)",
-    )
-    group.add_argument(
-        "--clip-norm",
-        type=bounded("clip_norm"),
-        help="clip this peer's pseudo-gradient to this norm before sending (default: off)",
-    )
+    add_optimizer_options(group)
     group.add_argument(
         "--rounds",
         type=bounded("rounds"),
@@ -406,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 PEER_COMMANDS = ("start", "join", "demo")
+NEGATABLE = ("eager",)
+"""Switches with a ``--no-`` form: ``Experiment(eager=False)`` is ``--no-eager``."""
 
 
 def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
@@ -427,44 +369,6 @@ def apply_settings(
 
 
 METHOD_PRESETS = ("diloco", "local_sgd", "sparseloco", "dp", "streaming")
-
-
-def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
-    """The method's preset, then every outer flag given explicitly on top of it."""
-    from optim.diloco import DiLoCoConfig
-    from optim.local_sgd import local_sgd
-    from optim.sparseloco import sparseloco
-    from workbench.config import data_parallel_state
-
-    H = args.inner_steps
-    if args.method == "dp":  # gradients every step; --inner-steps and the outer flags do not apply
-        return data_parallel_state()
-    base = {
-        "diloco": DiLoCoConfig(inner_steps=H),
-        "streaming": DiLoCoConfig(inner_steps=H),  # DiLoCo's outer step, one fragment at a time
-        "local_sgd": local_sgd(inner_steps=H),
-        "sparseloco": sparseloco(inner_steps=H),
-    }[args.method]
-    overrides = {
-        name: value
-        for name, value in (
-            ("outer_lr", args.outer_lr),
-            ("outer_momentum", args.outer_momentum),
-            ("codec", args.update_codec),
-            ("topk_density", args.topk_density),
-            ("error_feedback", args.error_feedback),
-            ("delay", args.delay),
-            ("overlap", getattr(args, "overlap", None)),
-            ("outlier_ratio", getattr(args, "outlier_ratio", None)),
-            ("clip_norm", getattr(args, "clip_norm", None)),
-        )
-        if value is not None
-    }
-    if overrides.get("overlap") and args.delay is None:
-        overrides["delay"] = 1
-    momentum = overrides.get("outer_momentum", base.outer_momentum)
-    nesterov = momentum > 0 and (base.nesterov or "outer_momentum" in overrides)
-    return replace(base, **overrides, nesterov=nesterov)
 
 
 def parse_shard(text: str | None) -> tuple[int | None, int]:
@@ -507,7 +411,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
     return RunConfig(
         method=args.method if args.method in ("dp", "streaming") else "diloco",
-        fragments=args.fragments,
+        fragments=args.fragments or 4,
         model=_model_shape(args),
         hf_model=None if args.model in MODEL_PRESETS else args.model,
         data=DataConfig(
@@ -580,6 +484,7 @@ def model_flags(config: RunConfig) -> list[str]:
 def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     """The exact command another machine pastes to join this run."""
     from workbench.config import RunConfig
+    from workbench.launch import optimizer_arguments
 
     parts = ["workbench", "join"]
     if config.method == "dp":
@@ -596,22 +501,12 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     for flag, value, default in (
         ("--inner-steps", config.diloco.inner_steps, defaults.diloco.inner_steps),
         ("--inner-lr", config.train.inner_lr, defaults.train.inner_lr),
-        ("--outer-lr", config.diloco.outer_lr, defaults.diloco.outer_lr),
-        ("--outer-momentum", config.diloco.outer_momentum, defaults.diloco.outer_momentum),
-        ("--update-codec", config.diloco.codec, defaults.diloco.codec),
-        ("--topk-density", config.diloco.topk_density, defaults.diloco.topk_density),
-        ("--delay", config.diloco.delay, defaults.diloco.delay),
-        ("--outlier-ratio", config.diloco.outlier_ratio, defaults.diloco.outlier_ratio),
-        ("--clip-norm", config.diloco.clip_norm, defaults.diloco.clip_norm),
         ("--codec", config.averaging.compression, defaults.averaging.compression),
         ("--aggregate", config.averaging.aggregate, defaults.averaging.aggregate),
     ):
         if value != default:
             parts += [flag, str(value)]
-    if config.diloco.error_feedback:
-        parts.append("--error-feedback")
-    if config.diloco.overlap:
-        parts.append("--overlap")
+    parts += optimizer_arguments(config, changed_only=True)
     if config.data.tokenizer:  # token ids shape the model: every peer needs the same tokenizer
         parts += ["--tokenizer", config.data.tokenizer]
     if config.peer.rounds:  # the inner lr schedule (cosine to the end) depends on the run's length

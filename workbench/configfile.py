@@ -78,7 +78,7 @@ def _check(action: argparse.Action, key: str, value: Any, origin: str) -> Any:
             raise ConfigError(
                 f"{origin}: {key} must be true or false (it is the switch {flag}), got {value!r}"
             )
-        return value if isinstance(action, argparse._StoreTrueAction) else not value
+        return value  # the key names the setting (``eager = false`` is --no-eager)
     if isinstance(action, argparse._AppendAction):
         items = value if isinstance(value, list) else [value]
         return [_scalar(action, key, item, origin, flag) for item in items]

@@ -95,15 +95,18 @@ def _custom_model(flags: dict[str, Any], backend: str) -> Callable[[], torch.nn.
 def config_from_flags(command: str = "demo", **flags: Any) -> tuple[RunConfig, Any]:
     """A RunConfig parsed from CLI flags given as keyword arguments (inner_steps=20 is
     ``--inner-steps 20``; True is a bare flag), with the CLI's checks and error messages."""
-    from workbench.cli import build_config, build_parser
+    from workbench.cli import NEGATABLE, build_config, build_parser
 
+    parser = build_parser()
     argv = [command]
     for key, value in flags.items():
+        flag = "--" + key.replace("_", "-")
+        if value is False and key in NEGATABLE:  # eager=False is --no-eager
+            argv.append("--no-" + flag[2:])
+            continue
         if value is None or value is False:
             continue
-        flag = "--" + key.replace("_", "-")
         argv += [flag] if value is True else [flag, str(value)]
-    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit:

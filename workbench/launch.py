@@ -97,6 +97,49 @@ class LocalPeer:
         return "\n".join(f"    {line}" for line in text[-lines:])
 
 
+def optimizer_arguments(config: RunConfig, *, changed_only: bool = False) -> list[str]:
+    """The optimizer flags that rebuild ``config.diloco``, those its method takes (a sparseloco
+    or local_sgd run is a diloco run with the preset's settings spelled out); ``changed_only``:
+    only those that differ from DiLoCoConfig's defaults (for a join command people read)."""
+    from optim.diloco import DiLoCoConfig
+    from workbench.optimizer_flags import USES
+
+    values = _optimizer_values(config.diloco)
+    if changed_only:
+        defaults = _optimizer_values(DiLoCoConfig())
+        values = {k: v for k, v in values.items() if v != defaults[k]}
+    args = []
+    for dest, value in values.items():
+        if dest not in USES[config.method] or value is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif value is False:
+            args.append("--no-" + flag[2:])
+        else:
+            args += [flag, value]
+    return args
+
+
+def _optimizer_values(d) -> dict[str, str | bool | None]:
+    return {
+        "outer_lr": repr(d.outer_lr),
+        "outer_momentum": repr(d.outer_momentum),
+        "update_codec": d.codec,
+        "topk_density": repr(d.topk_density),
+        "topk_chunk": str(d.topk_chunk),
+        "topk_bits": str(d.topk_bits),
+        "ef_decay": repr(d.error_decay),
+        "delay": str(d.delay),
+        "outlier_ratio": repr(d.outlier_ratio),
+        "clip_norm": repr(d.clip_norm),
+        "error_feedback": d.error_feedback or None,
+        "overlap": d.overlap or None,
+        "eager": None if d.eager is None or d.delay != 1 else d.eager,
+    }
+
+
 def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
     """CLI flags that rebuild ``config`` for one local peer."""
     from workbench.cli import model_flags
@@ -121,20 +164,7 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         str(config.diloco.inner_steps),
         "--inner-lr",
         repr(config.train.inner_lr),
-        "--outer-lr",
-        repr(config.diloco.outer_lr),
-        "--outer-momentum",
-        repr(config.diloco.outer_momentum),
-        "--update-codec",
-        config.diloco.codec,
-        "--topk-density",
-        repr(config.diloco.topk_density),
-        "--delay",
-        str(config.diloco.delay),
-        "--outlier-ratio",
-        repr(config.diloco.outlier_ratio),
-        "--clip-norm",
-        repr(config.diloco.clip_norm),
+        *optimizer_arguments(config),
         "--rounds",
         str(config.peer.rounds),
         "--eval-every",
@@ -160,16 +190,12 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         "--fault-file",
         str(run_dir / name / "faults.json"),
     ]
-    if config.diloco.error_feedback:
-        args.append("--error-feedback")
     if config.method == "dp":
         args += ["--method", "dp"]
     if config.method == "streaming":
         args += ["--method", "streaming", "--fragments", str(config.fragments)]
     if config.peer.shard is not None:
         args += ["--shard", f"{config.peer.shard}/{config.peer.num_shards}"]
-    if config.diloco.overlap:
-        args.append("--overlap")
     data = config.data
     if data.path:
         args += ["--data", data.path]

@@ -11,3 +11,7 @@ SIMULATE_METHODS = ("dp", "local_sgd", "diloco", "sparseloco", "streaming")
 """workbench.simulate.METHODS"""
 WANDB_MODES = ("offline", "online", "disabled")
 """wandb.init's modes that workbench.exporters accepts"""
+NAIVE_DELAY_MOMENTUM = 0.6
+"""The outer momentum ``--no-eager`` defaults to: the naive one-step delay diverges with the
+paper's 0.9 (the update it applies is a round stale; momentum compounds it). Measured in
+docs/optimizers.md."""

@@ -11,15 +11,13 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from optim.data_parallel import DataParallel
 from optim.diloco import DiLoCo, DiLoCoConfig
-from optim.local_sgd import local_sgd
 from optim.sim import InProcessSwarm, SimConfig, SimResult, VirtualPeer, simulate
-from optim.sparseloco import sparseloco
 from optim.streaming import StreamingConfig, StreamingDiLoCo
 from workbench.config import TrainConfig
 from workbench.data import ByteCorpus, DataConfig, evaluate
@@ -59,17 +57,10 @@ class MethodSpec:
             self.streaming_config()  # raises ValueError for a bad fragment setting
 
     def outer_config(self) -> DiLoCoConfig:
-        d = self.diloco
-        if self.method == "local_sgd":
-            return replace(
-                local_sgd(inner_steps=d.inner_steps),
-                codec=d.codec,
-                topk_density=d.topk_density,
-                error_feedback=d.error_feedback,
-            )
-        if self.method == "sparseloco":
-            return sparseloco(inner_steps=d.inner_steps, density=d.topk_density)
-        return d
+        """The outer settings as given: build them with the method's preset
+        (``optim.sparseloco.sparseloco``, ``optim.local_sgd.local_sgd``) or
+        ``workbench.optimizer_flags.outer_config``; nothing here overrides them."""
+        return self.diloco
 
 
 def run_simulation(
@@ -143,21 +134,15 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             stragglers[int(rank)] = float(fraction)
         except ValueError:
             raise ValueError(f"--straggler '{text}' must look like RANK:FRACTION, e.g. 3:0.5") from None
-    spec = MethodSpec(
-        method=args.method,
-        diloco=DiLoCoConfig(
-            inner_steps=args.inner_steps,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
-            nesterov=args.outer_momentum > 0,
-            codec=args.codec,
-            topk_density=args.density,
-            error_feedback=args.error_feedback,
-        ),
-        fragments=args.fragments,
-        sync_delay=args.sync_delay,
-        alpha=args.alpha,
+    from workbench.optimizer_flags import effective, outer_config
+
+    sync_delay = args.sync_delay or 0
+    streaming = dict(
+        fragments=args.fragments or 4,
+        sync_delay=sync_delay,
+        alpha=args.alpha if args.alpha is not None else (0.5 if sync_delay else 0.0),
     )
+    spec = MethodSpec(method=args.method, diloco=outer_config(args), **streaming)
     sim = SimConfig(
         peers=args.peers, steps=args.steps, stragglers=stragglers, dropout=args.dropout, seed=args.seed
     )
@@ -181,7 +166,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         **(
             {"fragments": args.fragments, "sync_delay": args.sync_delay} if args.method == "streaming" else {}
         ),
-        "codec": "topk" if args.method == "sparseloco" else args.codec,
+        "codec": spec.diloco.codec,
         "steps": args.steps,
         "final_eval_loss": result.final_eval_loss,
         "bytes_per_peer": result.bytes_per_peer,
@@ -190,6 +175,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         "outer_rounds": result.rounds,
         "peak_bytes_per_sync": result.peak_bytes_per_sync,
         "params_max_abs_diff": result.params_max_abs_diff,
+        "config": effective(args.method, spec.diloco, **(streaming if args.method == "streaming" else {})),
     }
     if args.json:
         print(json.dumps(summary), flush=True)

@@ -132,7 +132,6 @@ def test_data_parallel_method_round_trips(tmp_path: Path) -> None:
             ["--method", "sparseloco", "--outer-lr", "0.5", "--topk-density", "0.03"],
             dict(outer_lr=0.5, codec="topk", topk_density=0.03),
         ),
-        (["--method", "local_sgd", "--outer-momentum", "0.5"], dict(outer_momentum=0.5, nesterov=True)),
         (["--outer-momentum", "0"], dict(outer_momentum=0.0, nesterov=False)),
         (["--delay", "1", "--update-codec", "int8"], dict(delay=1, codec="int8")),
         (["--overlap"], dict(delay=1, overlap=True)),

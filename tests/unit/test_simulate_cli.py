@@ -65,7 +65,11 @@ def test_bytes_follow_the_method_and_codec(capsys, corpus: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--method", "dp", "--codec", "int8"], "fp32 gradients"),
+        (["--method", "dp", "--codec", "int8"], "--method dp cannot use --update-codec"),
+        (["--method", "local_sgd", "--outer-lr", "0.5"], "--method local_sgd cannot use --outer-lr"),
+        (["--method", "sparseloco", "--outer-momentum", "0.9"], "error feedback stands in"),
+        (["--method", "diloco", "--alpha", "0.5"], "--method diloco cannot use --alpha"),
+        (["--no-eager"], "add --overlap"),
         (["--straggler", "x"], "RANK:FRACTION"),
         (["--straggler", "9:0.5"], "straggler"),
         (["--peers", "0"], "peers"),

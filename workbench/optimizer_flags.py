@@ -1,0 +1,239 @@
+"""The optimizer's flags, one set for `start`, `join`, `demo` and `simulate` (and so for TOML
+keys and ``Experiment`` keywords, which are named after them), and the rules that turn them
+into a :class:`~optim.diloco.DiLoCoConfig`. Imports no torch: ``--help`` stays fast.
+
+Each method takes the flags it can use; any other is an error naming what the method does use
+(exit 2, one line), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from swarm.bounds import parser as bounded
+from workbench.names import NAIVE_DELAY_MOMENTUM, SIMULATE_METHODS, UPDATE_CODECS
+
+if TYPE_CHECKING:
+    from optim.diloco import DiLoCoConfig
+
+METHODS = SIMULATE_METHODS
+"""dp, local_sgd, diloco, sparseloco, streaming: the same for real peers and the simulator."""
+
+# The flags each method can use beyond --inner-steps and --inner-lr (by argparse dest).
+OUTER = ("outer_lr", "outer_momentum")
+ROUNDS = ("delay", "overlap", "eager", "outlier_ratio", "clip_norm")
+CODEC = ("update_codec", "topk_density", "topk_chunk", "topk_bits", "error_feedback", "ef_decay")
+STREAMING = ("fragments", "sync_delay", "alpha")
+USES: dict[str, tuple[str, ...]] = {
+    "dp": ("clip_norm",),
+    "local_sgd": (*ROUNDS, *CODEC),
+    "diloco": (*OUTER, *ROUNDS, *CODEC),
+    "sparseloco": ("outer_lr", *ROUNDS, *CODEC),
+    "streaming": (*OUTER, *CODEC, *STREAMING, "outlier_ratio", "clip_norm"),
+}
+WHY: dict[str, str] = {
+    "dp": "it averages gradients every step (no outer optimizer)",
+    "local_sgd": "it is DiLoCo with outer lr 1 and no momentum (use --method diloco to choose them)",
+    "sparseloco": "its error feedback stands in for outer momentum",
+    "streaming": "it syncs fragments on their own schedule (--sync-delay, --alpha)",
+    "diloco": "they belong to --method streaming",
+}
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def add_optimizer_options(group: argparse._ArgumentGroup, *, simulate: bool = False) -> None:
+    """The optimizer's flags. ``simulate`` also accepts simulate's older names: ``--codec`` for
+    ``--update-codec`` and ``--density`` for ``--topk-density`` (on `start`, ``--codec`` is
+    the wire codec)."""
+    group.add_argument(
+        "--inner-steps",
+        type=bounded("inner_steps"),
+        default=50,
+        metavar="H",
+        help="inner steps per round (default: 50)",
+    )
+    group.add_argument(
+        "--inner-lr", type=bounded("inner_lr"), default=1e-3, help="inner AdamW learning rate (default: 1e-3)"
+    )
+    group.add_argument(
+        "--method",
+        default="diloco",
+        choices=METHODS,
+        help="outer method: diloco, local_sgd (FedAvg), sparseloco (chunked top-k, 2-bit values, error "
+        "feedback), streaming (fragments synced in turn) or dp (data-parallel: gradients averaged every "
+        "step, the baseline)",
+    )
+    group.add_argument("--outer-lr", type=bounded("outer_lr"), help="outer SGD learning rate (diloco: 0.7)")
+    group.add_argument(
+        "--outer-momentum", type=bounded("outer_momentum"), help="outer Nesterov momentum (diloco: 0.9)"
+    )
+    group.add_argument(
+        "--update-codec",
+        *(["--codec"] if simulate else []),
+        dest="update_codec",
+        choices=UPDATE_CODECS,
+        help="codec for pseudo-gradients inside the optimizer (default: none; sparseloco: topk)",
+    )
+    group.add_argument(
+        "--topk-density",
+        *(["--density"] if simulate else []),
+        dest="topk_density",
+        type=bounded("topk_density"),
+        help="fraction of each chunk the topk codec keeps (default: 0.01; sparseloco: 128/4096)",
+    )
+    group.add_argument(
+        "--topk-chunk",
+        type=bounded("topk_chunk"),
+        metavar="N",
+        help="elements per top-k chunk, 0 for one top-k per tensor (default: 0; sparseloco: 4096)",
+    )
+    group.add_argument(
+        "--topk-bits",
+        type=int,
+        choices=(2, 16),
+        help="bits per value the topk codec keeps: 16 (fp16) or 2 (4 levels, 12-bit indices; "
+        "default: 16; sparseloco: 2)",
+    )
+    group.add_argument(
+        "--error-feedback",
+        action="store_true",
+        default=None,
+        help="keep what the update codec drops for the next round",
+    )
+    group.add_argument(
+        "--ef-decay",
+        type=bounded("ef_decay"),
+        metavar="BETA",
+        help="error feedback: the residual decays by BETA each round (default: 1; sparseloco: 0.95)",
+    )
+    group.add_argument(
+        "--fragments", type=bounded("fragments"), help="streaming: fragments synced in turn (default: 4)"
+    )
+    group.add_argument(
+        "--sync-delay",
+        type=bounded("sync_delay"),
+        metavar="TAU",
+        help="streaming: inner steps a fragment's all-reduce runs before its merge (default: 0)",
+    )
+    group.add_argument(
+        "--alpha",
+        type=bounded("alpha"),
+        help="streaming: the local fragment's weight at the merge (default: 0, 0.5 with --sync-delay)",
+    )
+    group.add_argument(
+        "--delay", type=int, choices=(0, 1), help="apply each round's mean one round later (default: 0)"
+    )
+    group.add_argument(
+        "--overlap",
+        action="store_true",
+        default=None,
+        help="average each round in the background while the next round trains (implies --delay 1)",
+    )
+    group.add_argument(
+        "--eager",
+        action="store_true",
+        default=None,
+        help="with --overlap or --delay 1: eager outer updates, this peer's fresh update standing in for "
+        "its share of the mean still in flight (the default with them; Kale et al. 2025)",
+    )
+    group.add_argument(
+        "--no-eager",
+        dest="eager",
+        action="store_false",
+        help="with --overlap or --delay 1: the naive one-step delay instead (for comparison; its "
+        f"outer momentum defaults to {NAIVE_DELAY_MOMENTUM})",
+    )
+    group.add_argument(
+        "--outlier-ratio",
+        type=bounded("outlier_ratio"),
+        help="refuse a round whose update from one peer is this many times the others' median norm, "
+        "or larger than declared (default: 10; 0 turns it off)",
+    )
+    group.add_argument(
+        "--clip-norm",
+        type=bounded("clip_norm"),
+        help="clip this peer's pseudo-gradient to this norm before sending (default: off)",
+    )
+
+
+def given(args: argparse.Namespace) -> dict[str, Any]:
+    """The optimizer flags given explicitly (not None), by dest."""
+    names = {*OUTER, *ROUNDS, *CODEC, *STREAMING}
+    return {name: getattr(args, name) for name in sorted(names) if getattr(args, name, None) is not None}
+
+
+def check_method_flags(args: argparse.Namespace) -> None:
+    """Raise ValueError (one line) for a flag ``args.method`` cannot use."""
+    method = args.method
+    wrong = [name for name in given(args) if name not in USES[method]]
+    if wrong:
+        usable = ", ".join(flag(n) for n in USES[method]) or "no outer flags"
+        raise ValueError(
+            f"--method {method} cannot use {', '.join(flag(n) for n in wrong)}: {WHY[method]}; "
+            f"it takes {usable}"
+        )
+
+
+def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
+    """The method's preset, then every optimizer flag given explicitly on top of it."""
+    from optim.diloco import DiLoCoConfig
+    from optim.local_sgd import local_sgd
+    from optim.sparseloco import sparseloco
+    from workbench.config import data_parallel_state
+
+    check_method_flags(args)
+    H = args.inner_steps
+    if args.method == "dp":  # gradients every step; --inner-steps and the outer flags do not apply
+        return replace(data_parallel_state(), clip_norm=args.clip_norm or 0.0)
+    base = {
+        "diloco": DiLoCoConfig(inner_steps=H),
+        "streaming": DiLoCoConfig(inner_steps=H),  # DiLoCo's outer step, one fragment at a time
+        "local_sgd": local_sgd(inner_steps=H),
+        "sparseloco": sparseloco(inner_steps=H),
+    }[args.method]
+    overrides = given(args)
+    for name in STREAMING:
+        overrides.pop(name, None)
+    if "update_codec" in overrides:
+        overrides["codec"] = overrides.pop("update_codec")
+    if "ef_decay" in overrides:
+        overrides["error_decay"] = overrides.pop("ef_decay")
+    if overrides.get("overlap") and overrides.get("delay") is None:
+        overrides["delay"] = 1
+    if "eager" in overrides and overrides.get("delay", base.delay) != 1:
+        raise ValueError(
+            f"--{'' if overrides['eager'] else 'no-'}eager chooses how a late mean is applied: "
+            "add --overlap (or --delay 1)"
+        )
+    if overrides.get("eager") is False and "outer_momentum" not in overrides and base.outer_momentum:
+        # The naive delay diverges with the paper's 0.9 (docs/optimizers.md): a safer default.
+        overrides["outer_momentum"] = NAIVE_DELAY_MOMENTUM
+    momentum = overrides.get("outer_momentum", base.outer_momentum)
+    nesterov = momentum > 0 and (base.nesterov or "outer_momentum" in overrides)
+    return replace(base, **overrides, nesterov=nesterov)
+
+
+def effective(method: str, config: DiLoCoConfig, **streaming: Any) -> dict[str, Any]:
+    """The settings a run uses, for ``simulate --json``'s ``config`` object."""
+    return {
+        "method": method,
+        "inner_steps": 1 if method == "dp" else config.inner_steps,
+        "outer_lr": None if method == "dp" else config.outer_lr,
+        "outer_momentum": None if method == "dp" else config.outer_momentum,
+        "nesterov": method != "dp" and config.nesterov,
+        "codec": config.codec,
+        "topk_density": config.topk_density if config.codec == "topk" else None,
+        "chunk": config.topk_chunk if config.codec == "topk" else None,
+        "topk_bits": config.topk_bits if config.codec == "topk" else None,
+        "error_feedback": config.error_feedback,
+        "ef_decay": config.error_decay if config.error_feedback else None,
+        "delay": config.delay,
+        "overlap": config.overlap,
+        "eager": config.eager_updates,
+        **streaming,
+    }
