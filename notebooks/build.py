@@ -61,8 +61,12 @@ NOTEBOOKS = {
         new_markdown_cell(
             "# The optimizer family: quality per byte\n\n"
             "Every method of `optim/` on the same simulated swarm: data-parallel (the reference), "
-            "FedAvg / local SGD, DiLoCo, DiLoCo with int8 pseudo-gradients, SparseLoCo (top-k with "
-            "error feedback) and streaming DiLoCo. See `docs/optimizers.md` for the full benchmark."
+            "FedAvg / local SGD, DiLoCo, DiLoCo with int8 pseudo-gradients, DiLoCo with its all-reduce "
+            "overlapped with the next round (eager updates, the default with `overlap=True`, and the "
+            "naive one-step delay, `eager=False`), SparseLoCo as published (top-k 128 of every 4096 "
+            "entries, 2-bit values, error feedback decaying by 0.95) and streaming DiLoCo. Every "
+            "`Experiment` takes the same optimizer options as `workbench start` and `workbench "
+            "simulate`. See `docs/optimizers.md` for the full benchmark at H=50."
         ),
         parameters("STEPS = 400\nPEERS = 4\nINNER_STEPS = 50\nMODEL = \"tiny\""),
         new_code_cell(
@@ -73,12 +77,14 @@ NOTEBOOKS = {
             "    Experiment(method=\"local_sgd\", inner_steps=INNER_STEPS, name=\"FedAvg\", **common),\n"
             "    Experiment(method=\"diloco\", inner_steps=INNER_STEPS, name=\"DiLoCo\", **common),\n"
             "    Experiment(method=\"diloco\", inner_steps=INNER_STEPS, update_codec=\"int8\", name=\"DiLoCo int8\", **common),\n"
+            "    Experiment(method=\"diloco\", inner_steps=INNER_STEPS, overlap=True, name=\"DiLoCo eager overlap\", **common),\n"
+            "    Experiment(method=\"diloco\", inner_steps=INNER_STEPS, overlap=True, eager=False, name=\"DiLoCo naive delay\", **common),\n"
             "    Experiment(method=\"sparseloco\", inner_steps=INNER_STEPS, name=\"SparseLoCo\", **common),\n"
             "    Experiment(method=\"streaming\", inner_steps=INNER_STEPS, fragments=2, name=\"streaming F=2\", **common),\n"
             "]\n"
             "for run in runs:  # one after the other: they would share the same CPU cores anyway\n"
             "    run.run().wait()\n"
-            "    print(f\"{run.name:>14}: eval loss {run.history().eval_loss.iloc[-1]:.3f}\")"
+            "    print(f\"{run.name:>20}: eval loss {run.history().eval_loss.iloc[-1]:.3f}\")"
         ),
         new_code_cell("compare(runs, x=\"bytes\");"),
         new_code_cell(

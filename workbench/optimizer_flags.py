@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from swarm.bounds import parser as bounded
-from workbench.names import NAIVE_DELAY_MOMENTUM, SIMULATE_METHODS, UPDATE_CODECS
+from workbench.names import DELAYED_OUTER, NAIVE_DELAY_MOMENTUM, SIMULATE_METHODS, UPDATE_CODECS
 
 if TYPE_CHECKING:
     from optim.diloco import DiLoCoConfig
@@ -139,14 +139,15 @@ def add_optimizer_options(group: argparse._ArgumentGroup, *, simulate: bool = Fa
         action="store_true",
         default=None,
         help="with --overlap or --delay 1: eager outer updates, this peer's fresh update standing in for "
-        "its share of the mean still in flight (the default with them; Kale et al. 2025)",
+        "its share of the mean still in flight (the default with them; Kale et al. 2025; outer lr / "
+        f"momentum default to {DELAYED_OUTER['eager'][0]} / {DELAYED_OUTER['eager'][1]})",
     )
     group.add_argument(
         "--no-eager",
         dest="eager",
         action="store_false",
         help="with --overlap or --delay 1: the naive one-step delay instead (for comparison; its "
-        f"outer momentum defaults to {NAIVE_DELAY_MOMENTUM})",
+        f"outer lr / momentum default to {DELAYED_OUTER['naive'][0]} / {NAIVE_DELAY_MOMENTUM})",
     )
     group.add_argument(
         "--outlier-ratio",
@@ -210,9 +211,12 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
             f"--{'' if overrides['eager'] else 'no-'}eager chooses how a late mean is applied: "
             "add --overlap (or --delay 1)"
         )
-    if overrides.get("eager") is False and "outer_momentum" not in overrides and base.outer_momentum:
-        # The naive delay diverges with the paper's 0.9 (docs/optimizers.md): a safer default.
-        overrides["outer_momentum"] = NAIVE_DELAY_MOMENTUM
+    if args.method == "diloco" and overrides.get("delay") == 1:
+        # A delayed round's update is a round stale and the paper's 0.9 momentum compounds it
+        # (the naive delay diverges): defaults measured for each (workbench.names.DELAYED_OUTER).
+        lr, momentum = DELAYED_OUTER["naive" if overrides.get("eager") is False else "eager"]
+        overrides.setdefault("outer_lr", lr)
+        overrides.setdefault("outer_momentum", momentum)
     momentum = overrides.get("outer_momentum", base.outer_momentum)
     nesterov = momentum > 0 and (base.nesterov or "outer_momentum" in overrides)
     return replace(base, **overrides, nesterov=nesterov)

@@ -616,3 +616,94 @@ def test_a_joiner_gets_the_mean_in_flight_with_the_state() -> None:
         outer.sync()
     assert_all_close(joiner.global_params, donor.global_params, atol=0)
     assert joiner.outer_step_count == donor.outer_step_count == 2
+
+
+# --- eager updates (Kale et al. 2025) -----------------------------------------------------------
+
+
+def _lone(config: DiLoCoConfig, seed: int = 0) -> tuple[DiLoCo, torch.optim.Optimizer]:
+    model = make_model(seed=seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return DiLoCo(model, opt, LocalAverager(), config), opt
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking-delay", "overlap"])
+def test_a_lone_eager_peer_trains_exactly_like_blocking_diloco(overlap: bool) -> None:
+    """Alone, this peer's share of every mean is 1, so its fresh Δ stands in for the whole late
+    mean: ĝ_t = mean_{t-1} + Δ_t - Δ_{t-1} = Δ_t, and θ + offset follows blocking DiLoCo step
+    for step (outer momentum and Nesterov included: the outer SGD is linear in its gradients)."""
+    base = DiLoCoConfig(inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    blocking, opt_b = _lone(base)
+    eager, opt_e = _lone(dataclasses.replace(base, delay=1, overlap=overlap))
+    assert eager.config.eager_updates
+    for r in range(5):
+        train_round(blocking, opt_b, batches(r, 2))
+        train_round(eager, opt_e, batches(r, 2))
+        # Where the next round starts: the model's params.
+        assert_all_close(params_of(eager.model), params_of(blocking.model), atol=1e-6)
+    # θ itself moves only with real means: one round behind until the run ends.
+    assert max(float((a - b).abs().max()) for a, b in zip(eager.global_params, blocking.global_params)) > 1e-4
+    eager.finish()
+    assert_all_close(eager.global_params, blocking.global_params, atol=1e-6)
+    assert_all_close(params_of(eager.model), eager.global_params, atol=0)  # no offset left
+
+
+def test_the_naive_delay_lags_a_round_and_finish_applies_its_last_mean() -> None:
+    base = DiLoCoConfig(inner_steps=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    blocking, opt_b = _lone(base)
+    naive, opt_n = _lone(dataclasses.replace(base, delay=1, eager=False))
+    assert not naive.config.eager_updates and not naive.offset
+    train_round(naive, opt_n, batches(0, 2))
+    assert_all_close(params_of(naive.model), params_of(make_model(seed=0)), atol=0)  # nothing applied yet
+    train_round(blocking, opt_b, batches(0, 2))
+    naive.finish()  # the pending mean of round 0
+    assert_all_close(naive.global_params, blocking.global_params, atol=1e-6)
+    assert not naive._pending
+
+
+def test_eager_needs_the_one_step_delay() -> None:
+    with pytest.raises(ValueError, match="eager updates need delay=1"):
+        DiLoCoConfig(eager=True)
+    assert not DiLoCoConfig().eager_updates and DiLoCoConfig(delay=1).eager_updates
+    assert not DiLoCoConfig(delay=2).eager_updates  # eager stands in for one round only
+
+
+def test_eager_peers_hold_one_consensus_theta_and_a_download_resets_the_offset() -> None:
+    """Four virtual peers with eager overlap: every peer's θ is the same at every round (only
+    real means move it), their working params differ (each its own offset), and they all end
+    on the same params."""
+    from optim.sim import InProcessSwarm
+
+    swarm = InProcessSwarm(4)
+    config = DiLoCoConfig(inner_steps=2, delay=1, overlap=True)
+    peers = []
+    for rank in range(4):
+        model = make_model(seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        peers.append((DiLoCo(model, opt, swarm.averager(rank), config), opt))
+    thetas: list[list[list[torch.Tensor]]] = []
+
+    def run(rank: int) -> None:
+        outer, opt = peers[rank]
+        for r in range(4):
+            train_round(outer, opt, batches(10 * rank + r, 2))
+        outer.finish()
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    thetas = [outer.global_params for outer, _ in peers]
+    for theta in thetas[1:]:
+        assert_all_close(theta, thetas[0], atol=0)
+    for outer, _ in peers:
+        assert_all_close(params_of(outer.model), thetas[0], atol=0)
+    # A download mid-run: the joiner's offset and its stand-in start from zero.
+    donor = peers[0][0]
+    joiner, _ = _lone(config, seed=3)
+    joiner.offset[0].fill_(1.0)
+    joiner._proxy = [torch.ones_like(g) for g in joiner.global_params]
+    joiner.load_outer_state(donor.outer_state())
+    assert all(float(o.abs().max()) == 0 for o in joiner.offset) and joiner._proxy is None
+    assert_all_close(params_of(joiner.model), donor.global_params, atol=0)
