@@ -170,6 +170,12 @@ class StreamingDiLoCo:
 
     step = after_inner_step
 
+    def finish(self) -> None:
+        """End the run: merge every fragment whose all-reduce is done but whose merge was still
+        τ steps away, oldest first (otherwise the last τ steps' syncs would be lost)."""
+        for step in sorted(self._pending):
+            self.merge(*self._pending.pop(step))
+
     @torch.no_grad()
     def begin_sync(self, f: int, info: dict[str, Any] | None) -> RoundReport:
         """Pseudo-gradient of fragment ``f`` → codec → averager; merged ``sync_delay`` steps later."""

@@ -409,6 +409,11 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     from workbench.config import PeerConfig, RunConfig, TrainConfig
     from workbench.data import DataConfig
 
+    if getattr(args, "sync_delay", None) or getattr(args, "alpha", None):
+        raise ValueError(
+            "--sync-delay/--alpha (streaming merges overlapped with inner steps) run in `workbench "
+            "simulate` only for now: real peers merge each fragment in the step it is averaged"
+        )
     return RunConfig(
         method=args.method if args.method in ("dp", "streaming") else "diloco",
         fragments=args.fragments or 4,

@@ -107,7 +107,9 @@ def optimizer_arguments(config: RunConfig, *, changed_only: bool = False) -> lis
     values = _optimizer_values(config.diloco)
     if changed_only:
         defaults = _optimizer_values(DiLoCoConfig())
-        values = {k: v for k, v in values.items() if v != defaults[k]}
+        # A delayed run's outer defaults are not DiLoCoConfig's (names.DELAYED_OUTER): spell them out.
+        kept = ("outer_lr", "outer_momentum") if config.diloco.delay == 1 else ()
+        values = {k: v for k, v in values.items() if v != defaults[k] or k in kept}
     args = []
     for dest, value in values.items():
         if dest not in USES[config.method] or value is None:

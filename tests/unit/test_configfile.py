@@ -171,3 +171,18 @@ def test_fuzz_toml_text_parses_or_raises_config_error(tmp_path_factory, text):
     path.write_text(text, encoding="utf-8")
     with contextlib.suppress(ConfigError):
         read_file(path)
+
+
+def test_a_negated_switch_is_a_key_named_after_the_setting(tmp_path, monkeypatch):
+    """``eager = false`` is ``--no-eager``; ``Experiment(eager=False)`` too."""
+    from workbench.experiment import config_from_flags
+
+    path = tmp_path / "run.toml"
+    path.write_text("overlap = true\neager = false\n")
+    config, _ = resolve(["start", "--config", str(path)], monkeypatch)
+    assert config.diloco.overlap is True and config.diloco.eager is False
+    assert config.diloco.outer_momentum == 0.0  # the naive delay's default
+    config, _ = config_from_flags("demo", overlap=True, eager=False)
+    assert config.diloco.eager is False and config.diloco.outer_momentum == 0.0
+    path.write_text("overlap = true\neager = true\n")
+    assert resolve(["start", "--config", str(path)], monkeypatch)[0].diloco.eager is True

@@ -134,7 +134,30 @@ def test_data_parallel_method_round_trips(tmp_path: Path) -> None:
         ),
         (["--outer-momentum", "0"], dict(outer_momentum=0.0, nesterov=False)),
         (["--delay", "1", "--update-codec", "int8"], dict(delay=1, codec="int8")),
-        (["--overlap"], dict(delay=1, overlap=True)),
+        (["--overlap"], dict(delay=1, overlap=True, eager=None, outer_lr=0.8, outer_momentum=0.3)),
+        (
+            ["--overlap", "--no-eager"],
+            dict(delay=1, overlap=True, eager=False, outer_lr=1.0, outer_momentum=0.0, nesterov=False),
+        ),
+        (["--delay", "1", "--eager", "--outer-momentum", "0.9"], dict(eager=True, outer_momentum=0.9)),
+        (
+            ["--method", "sparseloco"],
+            dict(topk_chunk=4096, topk_bits=2, topk_density=128 / 4096, error_decay=0.95),
+        ),
+        (
+            [
+                "--update-codec",
+                "topk",
+                "--topk-chunk",
+                "64",
+                "--topk-bits",
+                "2",
+                "--error-feedback",
+                "--ef-decay",
+                "0.9",
+            ],
+            dict(codec="topk", topk_chunk=64, topk_bits=2, error_feedback=True, error_decay=0.9),
+        ),
     ],
 )
 def test_method_presets_and_overrides(flags: list[str], expected: dict, tmp_path: Path) -> None:

@@ -92,6 +92,10 @@ def test_fragments_sync_on_staggered_schedules_and_merge_after_the_delay():
         if step in (3, 5, 7):  # one step after each start: that fragment merged
             assert outer.syncs == before + 1
     assert started == [2, 4, 6, 8]  # fragment 0 at H/2, fragment 1 at H, alternating
+    # The last sync (step 8) would merge at step 9, after the run: finish() merges it.
+    before = outer.syncs
+    outer.finish()
+    assert outer.syncs == before + 1 and not outer._pending
 
 
 def test_alpha_mixes_local_and_global_fragments():
