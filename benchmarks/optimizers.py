@@ -126,11 +126,12 @@ whole tensors as the unit, F=4 cuts the peak only 3.6x on both presets (the larg
 contiguous group is bigger than a quarter); F=8 gives 7.2x (tiny) / 6.3x (small)."""
 
 
-SWEEP_INNER_LR = (1e-3, 2e-3, 4e-3)
+SWEEP_INNER_LR = (1e-3, 2e-3, 4e-3, 8e-3)
 """Inner (AdamW) peak learning rates tried for dp and for DiLoCo (outer 0.7 / Nesterov 0.9), with
 the schedule every row uses (warmup, then cosine to 10 %): neither baseline is a straw man."""
-SWEEP_EAGER_OUTER = ((0.7, 0.9), (0.8, 0.3), (1.0, 0.0))
-"""(outer lr, outer momentum) tried for the eager overlapped row, at DiLoCo's best inner lr."""
+SWEEP_OUTER = ((0.7, 0.9), (0.8, 0.3), (1.0, 0.0))
+"""(outer lr, outer momentum) tried for DiLoCo at its best inner lr (the paper's 0.7/0.9 first),
+and for the eager overlapped row at DiLoCo's best inner lr."""
 SPARSELOCO_LABEL = "topk 128/4096 2-bit + EF 0.95"
 
 
@@ -198,7 +199,7 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
     rows: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
     start = time.monotonic()
-    total = 2 * len(SWEEP_INNER_LR) + len(SWEEP_EAGER_OUTER) + len(methods(H))
+    total = 2 * len(SWEEP_INNER_LR) + 2 * len(SWEEP_OUTER) - 1 + len(methods(H))
     done = 0
 
     def run(name: str, codec: str, spec: MethodSpec, inner_lr: float) -> dict[str, Any]:
@@ -243,24 +244,28 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
     rows.append(best("dp", dp_runs))
     for r in dp_runs:  # ratios against the best dp
         r["loss_ratio_to_dp"] = r["final_eval_loss"] / rows[0]["final_eval_loss"]
-    diloco = DiLoCoConfig(inner_steps=H)
-    diloco_spec = MethodSpec(method="diloco", diloco=diloco)
-    top = best("diloco", [run("diloco", "fp32", diloco_spec, lr) for lr in SWEEP_INNER_LR])
+    paper = DiLoCoConfig(inner_steps=H)
+    by_lr = [run("diloco", "fp32", MethodSpec(method="diloco", diloco=paper), lr) for lr in SWEEP_INNER_LR]
+    lr = min(by_lr, key=lambda r: r["final_eval_loss"])["inner_lr"]
+
+    def outer(o_lr: float, mom: float, **extra: Any) -> DiLoCoConfig:
+        return dataclasses.replace(paper, outer_lr=o_lr, outer_momentum=mom, nesterov=mom > 0, **extra)
+
+    by_outer = [
+        run("diloco", "fp32", MethodSpec(method="diloco", diloco=outer(o_lr, mom)), lr)
+        for o_lr, mom in SWEEP_OUTER[1:]  # the paper's is in by_lr already
+    ]
+    top = best("diloco", by_lr + by_outer)
     rows.append(top)
-    lr = top["inner_lr"]
+    diloco = outer(top["outer_lr"], top["outer_momentum"])
     eager = [
         run(
             "diloco-eager",
             "fp32",
-            MethodSpec(
-                method="diloco",
-                diloco=dataclasses.replace(
-                    diloco, delay=1, overlap=True, outer_lr=o_lr, outer_momentum=mom, nesterov=mom > 0
-                ),
-            ),
+            MethodSpec(method="diloco", diloco=outer(o_lr, mom, delay=1, overlap=True)),
             lr,
         )
-        for o_lr, mom in SWEEP_EAGER_OUTER
+        for o_lr, mom in SWEEP_OUTER
     ]
     rows.append(best("diloco-eager", eager))
     for name, codec, spec in methods(H, diloco=diloco):
@@ -387,7 +392,7 @@ def estimate(config: BenchConfig, probe_steps: int = 20) -> float:
     probe = dataclasses.replace(config, steps=probe_steps, inner_steps=probe_steps, history_points=1)
     dp = run_row(probe, MethodSpec(method="dp", diloco=DiLoCoConfig(inner_steps=1))).seconds
     local = run_row(probe, MethodSpec(method="diloco", diloco=DiLoCoConfig(inner_steps=probe_steps))).seconds
-    others = len(methods(config.inner_steps)) + len(SWEEP_INNER_LR) + len(SWEEP_EAGER_OUTER)
+    others = len(methods(config.inner_steps)) + len(SWEEP_INNER_LR) + 2 * len(SWEEP_OUTER) - 1
     return (dp * len(SWEEP_INNER_LR) + local * others) / probe_steps * config.steps
 
 

@@ -69,8 +69,8 @@ def utilization() -> list[str]:
         "Baseline: the same run on uncapped links. Goal: **>= 95%** for DiLoCo with overlapped "
         "communication.",
         "",
-        "| method | utilization (capped) | steady state (capped) | uncapped | averaging share (capped) | rounds | goal |",
-        "|---|---|---|---|---|---|---|",
+        "| method | utilization (capped) | steady state (capped) | uncapped | averaging share (capped) | rounds | final eval loss (capped) | measured | goal |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
         c, u = r["capped"], r["uncapped"]
@@ -79,9 +79,11 @@ def utilization() -> list[str]:
         if r["method"] == "diloco-overlap":
             judged = steady if steady is not None else c["utilization"]  # what a long run sees
             goal = ">= 95% (steady): " + ("met" if judged >= 0.95 else f"missed by {0.95 - judged:.1%}")
+        loss = c.get("final_eval_loss")
         lines.append(
             f"| {r['method']} | {c['utilization']:.1%} | {f'{steady:.1%}' if steady is not None else '-'} | "
-            f"{u['utilization']:.1%} | {c['averaging_share']:.1%} | {c['rounds']} | {goal} |"
+            f"{u['utilization']:.1%} | {c['averaging_share']:.1%} | {c['rounds']} | "
+            f"{'-' if loss is None else f'{loss:.4f}'} | {r.get('date', '-')} | {goal} |"
         )
     return [
         *lines,

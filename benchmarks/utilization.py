@@ -31,11 +31,13 @@ RESULTS = Path(__file__).parent / "results"
 # method -> flags (defaults otherwise: matchmaking 2 s, codec none, direct data plane).
 METHODS = {
     "dp": ["--method", "dp", "--rounds", "20"],
-    "diloco": ["--inner-steps", "50", "--rounds", "3"],
+    # 5 rounds each, so that the final eval losses compare (the same steps, the same data).
+    "diloco": ["--inner-steps", "50", "--rounds", "5"],
     # Each round's all-reduce runs while the next round trains; the wait for the last one counts.
     # (5 rounds: its first round has no mean to apply yet and its last one's all-reduce is waited
-    # for at the end, so a short run understates the steady state.)
+    # for at the end, so a short run understates the steady state.) Eager updates, the default.
     "diloco-overlap": ["--inner-steps", "50", "--rounds", "5", "--overlap"],
+    "diloco-overlap-naive": ["--inner-steps", "50", "--rounds", "5", "--overlap", "--no-eager"],
     # --rounds counts full rounds of H steps (each of its F fragments synced once): 3 x 48 steps.
     "streaming": ["--method", "streaming", "--inner-steps", "48", "--fragments", "4", "--rounds", "3"],
 }
@@ -80,11 +82,13 @@ def run_swarm(lab: netlab.NetLab, peers: int, flags: list[str], directory: Path,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    shares, comm, steady, timelines = [], [], [], []
+    shares, comm, steady, timelines, losses = [], [], [], [], []
     for i in range(peers):
         rounds = _events(directory / f"p{i}" / "metrics.jsonl", "round")
         begin = rounds[0]["time"] - rounds[0]["round_seconds"]
         done = _events(directory / f"p{i}" / "metrics.jsonl", "done")
+        if done and done[0].get("final_eval_loss") is not None:
+            losses.append(done[0]["final_eval_loss"])
         # Overlapped, the last round's all-reduce ends after its round event: add that wait.
         wall = rounds[-1]["time"] - begin + (done[0].get("final_averaging_seconds", 0.0) if done else 0.0)
         shares.append(sum(r["compute_seconds"] for r in rounds) / wall)
@@ -106,6 +110,7 @@ def run_swarm(lab: netlab.NetLab, peers: int, flags: list[str], directory: Path,
         per_peer=shares,
         rounds_per_peer=timelines,
         rounds=len(rounds),
+        final_eval_loss=sum(losses) / len(losses) if losses else None,
         group_sizes=sorted({r["group_size"] for r in rounds}),
     )
 
@@ -134,13 +139,15 @@ def main() -> None:
     else:
         rows = []
         for method in methods:
-            row = dict(method=method)
+            row = dict(method=method, date=time.strftime("%Y-%m-%d"))
             for label, rate in (("capped", args.rate), ("uncapped", None)):
                 with tempfile.TemporaryDirectory() as tmp, netlab.NetLab(peers, rate=rate) as lab:
                     row[label] = run_swarm(lab, peers, METHODS[method], Path(tmp), timeout=900)
             row["ratio_to_uncapped"] = row["capped"]["utilization"] / row["uncapped"]["utilization"]
+            loss = row["capped"]["final_eval_loss"]
             print(
-                f"{method:<10} utilization {row['capped']['utilization']:6.1%} at {args.rate} "
+                f"{method:<10} eval loss {loss if loss is None else round(loss, 4)}, "
+                f"utilization {row['capped']['utilization']:6.1%} at {args.rate} "
                 f"(uncapped {row['uncapped']['utilization']:6.1%}; averaging "
                 f"{row['capped']['averaging_share']:6.1%} of wall time)",
                 flush=True,
@@ -153,7 +160,18 @@ def main() -> None:
 
 
 def _write(path: Path, result: dict) -> None:
+    """Write ``result``, keeping the rows of methods this run did not measure (each row says
+    when it was measured), so that re-running one method does not drop the others."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and "rows" in result:
+        try:
+            earlier = json.loads(path.read_text()).get("rows", [])
+        except ValueError:
+            earlier = []
+        fresh = {r["method"] for r in result["rows"]}
+        kept = [r for r in earlier if r["method"] not in fresh and r.get("method") in METHODS]
+        order = list(METHODS)
+        result = {**result, "rows": sorted([*kept, *result["rows"]], key=lambda r: order.index(r["method"]))}
     path.write_text(json.dumps(result, indent=1) + "\n")
 
 

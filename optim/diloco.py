@@ -323,7 +323,7 @@ class DiLoCo:
 
     @torch.no_grad()
     def restore_parameters(self) -> None:
-        """Copy θ into the model so the next round starts from the global params."""
+        """Copy θ (plus the eager offset, if any) into the model: where the next round starts."""
         start = self.working_params()
         if self.params and self.params[0].device.type == "cuda" and getattr(self, "_pinned", None):
             for p, g, buffer in zip(self.params, start, self._pinned):

@@ -538,8 +538,10 @@ class Peer:
                 f"  (alone: {report.error})" if report.error else "",
             )
         flush_start = time.monotonic()
-        if self.dp is None and cfg.diloco.overlap:
-            self.diloco.finish()  # the last round's mean, so the run ends on the swarm's θ
+        if self.dp is None and cfg.diloco.delay:
+            # The last round's mean (in flight, or queued by the blocking delay) and no eager
+            # offset: every peer ends on the swarm's θ.
+            self.diloco.finish()
         flush_seconds = time.monotonic() - flush_start
         final_eval = evaluate(self.model, self.eval_set, self.device)
         summary = dict(
