@@ -53,7 +53,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from optim.averager import RoundReport
 from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
-from swarm.claims import STRIKES, StateVerdict, Vouching, judge_state
+from swarm.claims import STRIKES, Vouching, judge_state
 from swarm.dataplane import DIRECT_CODECS, DirectPlane, RingUnreachable, bindable, one_line
 from swarm.dht import quiet_children
 from swarm.errors import SwarmError
@@ -272,17 +272,28 @@ class _StateServingAverager(DecentralizedAverager):
     # --- downloads that the joiner checks (see SwarmAverager.download_state) ----------------------
 
     def load_state_from_peers(
-        self, wait: bool = True, timeout: float | None = None, exclude: Sequence[str] = ()
+        self,
+        wait: bool = True,
+        timeout: float | None = None,
+        exclude: Sequence[str] = (),
+        verifiers: Sequence[str] = (),
     ):
-        """hivemind's download, skipping the donors in ``exclude`` (base58 peer ids); a result is
-        (metadata, tensors, the donor's peer id)."""
+        """hivemind's download, skipping the donors in ``exclude`` (base58 peer ids). While the
+        state streams, up to ``VERIFIERS`` of ``verifiers`` (never the donor) are asked for their
+        θ's sketches under a seed drawn for this donor, which the donor never sees. A result is
+        (metadata, tensors, the donor's peer id, the seed, {verifier: (outer step, sketches) or
+        None})."""
         future = MPFuture()
-        request = dict(timeout=timeout, future=future, exclude=tuple(exclude))
+        request = dict(timeout=timeout, future=future, exclude=tuple(exclude), verifiers=tuple(verifiers))
         self._outer_pipe.send(("_load_state_from_peers", [], request))
         return future.result(timeout=timeout) if wait else future
 
     async def _load_state_from_peers(
-        self, future: MPFuture, timeout: float | None = None, exclude: Sequence[str] = ()
+        self,
+        future: MPFuture,
+        timeout: float | None = None,
+        exclude: Sequence[str] = (),
+        verifiers: Sequence[str] = (),
     ) -> None:
         # In the averager process. Donors in order of the priority they declare (their outer
         # step; anyone can declare any, which is why the joiner checks what it gets).
@@ -302,10 +313,17 @@ class _StateServingAverager(DecentralizedAverager):
                 if peer != self.peer_id and peer.to_base58() not in exclude:
                     donors.append((float(priority), random.random(), peer))
             for _, _, peer in sorted(donors, key=lambda d: d[:2], reverse=True):
+                donor = peer.to_base58()
+                seed = secrets.token_bytes(SEED_BYTES)
+                asked = [v for v in verifiers if v != donor][:VERIFIERS]
+                # Asked while the state streams (not after): a round can end during a download,
+                # and the witnesses' θ should be of the step the donor serves.
+                witnesses = asyncio.ensure_future(self._sketches_from(asked, seed, timeout=10.0))
                 got = await self._download_from(peer)
                 if got is not None:
-                    future.set_result((*got, peer.to_base58()))
+                    future.set_result((*got, donor, seed, await witnesses))
                     return
+                witnesses.cancel()
         finally:
             if not future.done():
                 future.set_result(None)
@@ -361,16 +379,11 @@ class _StateServingAverager(DecentralizedAverager):
         }
         return averaging_pb2.DownloadData(metadata=pack(answer))
 
-    def ask_state_sketches(self, peers: Sequence[str], seed: bytes, timeout: float) -> MPFuture:
-        """Each peer's (outer step, θ sketches) under ``seed``, or None for it: a future."""
-        future = MPFuture()
-        request = dict(peers=list(peers), seed=seed, timeout=timeout, future=future)
-        self._outer_pipe.send(("_ask_state_sketches", [], request))
-        return future
+    async def _sketches_from(
+        self, peers: list[str], seed: bytes, timeout: float
+    ) -> dict[str, tuple[int, list[Sketch]] | None]:
+        """Each peer's (outer step, θ sketches) under ``seed``, or None for it."""
 
-    async def _ask_state_sketches(
-        self, peers: list[str], seed: bytes, timeout: float, future: MPFuture
-    ) -> None:
         async def ask(peer: str) -> tuple[str, tuple[int, list[Sketch]] | None]:
             try:
                 stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
@@ -385,11 +398,7 @@ class _StateServingAverager(DecentralizedAverager):
                 logger.debug("no θ sketch from %s: %s", peer, one_line(error))
                 return peer, None
 
-        try:
-            future.set_result(dict(await asyncio.gather(*map(ask, peers))))
-        finally:
-            if not future.done():
-                future.set_result({})
+        return dict(await asyncio.gather(*map(ask, peers)))
 
     def get_current_state(self):
         state = self._state_provider()
@@ -771,10 +780,11 @@ class SwarmAverager:
         nobody served one in time.
 
         Any peer can declare itself the most advanced and serve a made-up θ. So each state is
-        checked before it is used: this peer draws a seed, sketches the θ it got, and asks up to
-        ``VERIFIERS`` other peers (those it averaged with first) for their θ's sketches under
-        that seed (:func:`swarm.claims.judge_state` decides). A refused donor is skipped for the
-        rest of this call; one contradicted by peers this one averaged with, for the run.
+        checked before it is used: while it streams, up to ``VERIFIERS`` other peers (those this
+        one averaged with first) are asked for their θ's sketches under a seed the donor never
+        sees, and the θ that arrived is sketched under it (:func:`swarm.claims.judge_state`
+        decides). A refused donor is skipped for the rest of this call; one contradicted by
+        peers this one averaged with, for the run.
         """
         deadline = time.monotonic() + timeout
         skipped = set(self._refused_donors)
@@ -782,11 +792,14 @@ class SwarmAverager:
             got = self._fetch_state(skipped, deadline)
             if got is None:
                 return None
-            state, donor = got
+            state, donor, seed, answers = got
             skipped.add(donor)
             if state is None:
                 continue
-            verdict = self._check_state(state, donor)
+            vouched = set(self.vouching.vouched)
+            verdict = judge_state(
+                state.outer_step, state_sketches(state.params, seed), answers, donor=donor, vouched=vouched
+            )
             if verdict.accept:
                 logger.info(
                     "the state served by %s at outer step %d: %s", donor[-8:], state.outer_step, verdict.why
@@ -802,14 +815,31 @@ class SwarmAverager:
                 )
         return None
 
-    def _fetch_state(self, skipped: set[str], deadline: float) -> tuple[OuterState | None, str] | None:
-        """(the state, or None if malformed; its donor) from the best donor not skipped, or None.
+    def _verifiers(self, skipped: set[str]) -> list[str]:
+        """Peers to ask about a downloaded θ, best witnesses first: round mates, then the most
+        advanced (a donor is among the most advanced)."""
+        vouched = self.vouching.vouched
+        others = [
+            p
+            for p in self.board.fetch().values()
+            if p.peer_id != self.peer_id
+            and p.peer_id not in skipped
+            and p.stage not in (Stage.DOWNLOADING, Stage.JOINING)
+        ]
+        others.sort(key=lambda p: (p.peer_id not in vouched, -p.outer_step, random.random()))
+        return [p.peer_id for p in others[: VERIFIERS + 1]]  # one more: the donor is never asked
+
+    def _fetch_state(self, skipped: set[str], deadline: float) -> tuple[Any, ...] | None:
+        """(the state, or None if malformed; its donor; the seed; the witnesses' answers) from
+        the best donor not skipped, or None.
 
         Polls rather than blocks so that this peer's heartbeat ("downloading") stays alive:
         the others' round barrier waits for a downloading peer only while it can see it.
         """
         remaining = max(1.0, deadline - time.monotonic())
-        future = self.averager.load_state_from_peers(wait=False, timeout=remaining, exclude=sorted(skipped))
+        future = self.averager.load_state_from_peers(
+            wait=False, timeout=remaining, exclude=sorted(skipped), verifiers=self._verifiers(skipped)
+        )
         try:
             while not future.done():
                 self.beat(Stage.DOWNLOADING)
@@ -817,7 +847,7 @@ class SwarmAverager:
                     future.cancel()
                     logger.warning("no peer served the state in time")
                     return None
-                time.sleep(0.1)
+                time.sleep(0.05)
             result = future.result()
         except KeyboardInterrupt:
             future.cancel()
@@ -827,46 +857,14 @@ class SwarmAverager:
             return None
         if result is None:
             return None
-        metadata, tensors, donor = result
+        metadata, tensors, donor, seed, answers = result
         try:
-            return _parse_state(metadata, tensors), donor
+            return _parse_state(metadata, tensors), donor, seed, answers
         except (SwarmError, KeyError, TypeError, ValueError) as error:
             logger.warning(
                 "%s served an incomplete or malformed state (%s); trying another donor", donor[-8:], error
             )
-            return None, donor
-
-    def _check_state(self, state: OuterState, donor: str) -> StateVerdict:
-        """Ask other peers whether they hold the θ ``donor`` served (see download_state)."""
-        vouched = set(self.vouching.vouched)
-        others = [
-            p
-            for p in self.board.fetch().values()
-            if p.peer_id not in (self.peer_id, donor) and p.stage not in (Stage.DOWNLOADING, Stage.JOINING)
-        ]
-        # Round mates first, then peers that look to be at the state's step.
-        others.sort(
-            key=lambda p: (p.peer_id not in vouched, abs(p.outer_step - state.outer_step), random.random())
-        )
-        asked = [p.peer_id for p in others[:VERIFIERS]]
-        if not asked:
-            return judge_state(state.outer_step, [], {}, donor=donor, vouched=vouched)
-        seed = secrets.token_bytes(SEED_BYTES)
-        future = self.averager.ask_state_sketches(asked, seed, timeout=10.0)
-        mine = state_sketches(state.params, seed)
-        answers: dict[str, Any] = {}
-        try:
-            limit = time.monotonic() + 15.0
-            while not future.done() and time.monotonic() < limit:
-                self.beat(Stage.DOWNLOADING)
-                time.sleep(0.05)
-            answers = future.result() if future.done() else {}
-        except KeyboardInterrupt:
-            future.cancel()
-            raise
-        except Exception as error:  # noqa: BLE001 - nobody answered
-            logger.debug("asking for θ sketches failed: %s", one_line(error))
-        return judge_state(state.outer_step, mine, answers, donor=donor, vouched=vouched)
+            return None, donor, seed, answers
 
     def shutdown(self) -> None:
         self.averager.shutdown()

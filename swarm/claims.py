@@ -122,8 +122,9 @@ def judge_state(
     same seed), or None if it did not answer. Peers that averaged with this one (``vouched``)
     decide when any of them holds the step; otherwise a majority of those at the step and the
     donor (a tie refuses); a state no
-    other peer can confirm is taken only from a vouched donor, or when no other peer answered
-    at all (the donor is then the only witness there is)."""
+    other peer can confirm is taken only from a vouched donor, when no other peer answered at
+    all (the donor is then the only witness there is), or when every peer asked is past it (they
+    moved on during the download: see the comment below)."""
     at_step = {peer: got[1] for peer, got in answers.items() if got is not None and got[0] == step}
     steps = [got[0] for got in answers.values() if got is not None]
     agree = {peer for peer, sketches in at_step.items() if state_mismatch(mine, sketches) is None}
@@ -155,5 +156,9 @@ def judge_state(
     if not steps:
         return StateVerdict(True, "no other peer answered: the donor is the only witness")
     if min(steps) > step:
-        return StateVerdict(False, f"stale: the others are past outer step {step}")
+        # Everyone asked moved on while this peer downloaded (rounds shorter than a download,
+        # which overlapped peers do not wait for): nobody can confirm it any more, nobody
+        # contradicted it. Taken: the first group round's fingerprint check still catches a
+        # made-up θ (this peer then downloads again), and the step only makes it stale.
+        return StateVerdict(True, f"unconfirmed: the others moved past outer step {step} during the download")
     return StateVerdict(False, f"no peer asked holds outer step {step} (they are at {sorted(set(steps))})")
