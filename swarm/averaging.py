@@ -93,6 +93,25 @@ def _quiet_step_control_del(original: Callable[[Any], None]) -> Callable[[Any], 
 StepControl.__del__ = _quiet_step_control_del(StepControl.__del__)
 
 
+def _quiet_cancelled_result(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """A peer cancels a step whose group it no longer wants (the others finished the round);
+    when the all-reduce had just begun in hivemind's averager process, hivemind then sets the
+    cancelled step's result and logs "Task exception was never retrieved ... InvalidStateError"
+    with a traceback. The peer has moved on (its round falls back; a stale θ is re-downloaded):
+    the result has nobody to go to."""
+
+    def set_result(self, result: Any) -> None:
+        if self.cancelled():
+            logger.debug("a cancelled averaging step finished anyway; its result is dropped")
+            return
+        original(self, result)
+
+    return set_result
+
+
+StepControl.set_result = _quiet_cancelled_result(StepControl.set_result)
+
+
 class _Verdict(enum.Enum):
     """What the round barrier decided."""
 
