@@ -12,7 +12,7 @@ a schema-valid heartbeat with any outer step, stage or loss. So:
   moves nothing that costs honest peers more than honest peers cost each other: it is waited
   for at most about one of this peer's own rounds, and its claim to be ahead is not acted on;
 - **a downloaded state is checked** (:func:`judge_state`): its θ must match, under a random
-  projection drawn after the download, what other peers hold at that outer step;
+  projection the donor never saw, what other peers hold at that outer step;
 - **three strikes**: a peer that says it trains the round but never shows up in the group, or
   says it is rounds ahead of every peer that averaged with this one, in three rounds without
   averaging with this one in between, is ignored for the rest of the run and shown as such in the TUI, ``status`` and the widget.

@@ -126,9 +126,9 @@ def mismatch(result: Sketch, parts: list[Sketch], codec: str) -> str | None:
 #
 # A joiner cannot hash the state it downloads: honest peers' θ agree only up to rounding (hivemind
 # sends each member the mean minus its own part, rounded by the wire codec). So it sketches θ,
-# one sketch per tensor, under a seed it draws *after* the download, and asks other peers for
-# theirs under the same seed. The donor cannot know R while it serves, so a θ it changed by more
-# than rounding fails the comparison with overwhelming probability.
+# one sketch per tensor, under a seed the donor never sees (sent only to other peers, who answer
+# while the state streams), and compares with theirs. The donor cannot know R while it serves,
+# so a θ it changed by more than rounding fails the comparison with overwhelming probability.
 
 STATE_TOLERANCE = 1e-3
 """Per tensor, per row: |R a - R b| <= STATE_TOLERANCE · max(|a|, |b|). Peers that averaged together

@@ -152,7 +152,7 @@ def test_a_competing_manifest_neither_hides_the_run_nor_takes_its_steering(spawn
 @pytest.mark.faults
 def test_a_donor_serving_a_made_up_state_is_refused(spawn, tmp_path):
     """A member declares itself the most advanced peer (so joiners download from it first) and
-    serves θ with 5 % noise. The joiner sketches what it got under a seed it draws afterwards,
+    serves θ with 5 % noise. The joiner sketches what it got under a seed the donor never saw,
     the two honest peers' sketches disagree, and it takes the state from one of them instead:
     it averages with them on their θ, never the made-up one."""
     liar = tmp_path / "liar.json"
