@@ -118,7 +118,9 @@ def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn)
     """--overlap: each round's all-reduce runs while the next round trains. Peers report a
     round one sync later, a joiner gets the mean in flight with the state, and all three end
     on the same global params (the run's last mean applied by every peer)."""
-    common = [*FAST, "--rounds", "12", "--run-id", "overlap", "--overlap"]
+    # 20 rounds: the joiner needs a few seconds to start (corpus, key, daemon); on a loaded
+    # machine 12 short rounds were over before it could reach the first peer.
+    common = [*FAST, "--rounds", "20", "--run-id", "overlap", "--overlap"]
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
     first.wait_event("round", lambda e: e["outer_step"] >= 3)
@@ -127,7 +129,7 @@ def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn)
         assert peer.wait() == 0, peer.stderr()
         assert "Traceback" not in peer.stderr(), peer.stderr()
     rounds = first.events("round")
-    assert [r["outer_step"] for r in rounds] == list(range(1, 13))
+    assert [r["outer_step"] for r in rounds] == list(range(1, 21))
     # The first sync only starts round 0's all-reduce; every later one reports the round before.
     assert rounds[0]["group_size"] == 1 and all(r["group_size"] >= 2 for r in rounds[1:]), rounds
     downloads = third.events("state_downloaded")
