@@ -86,9 +86,12 @@ def test_long_work_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> No
     args = ["simulate", "--peers", "1", "--steps", "2", "--model", "tiny", "--data", str(folder)]
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
     on_terminal = _on_a_terminal(*args, env={**env, "TERM": "xterm-256color"})
-    assert b"reading " + str(folder).encode() in on_terminal, on_terminal[-800:]
+    # The bar cuts a long description to the terminal's width (pytest's tmp path grows with each
+    # session on a machine): the start of the folder's path is all that is sure to be shown.
+    shown = b"reading " + str(folder).encode()[:20]
+    assert shown in on_terminal, on_terminal[-800:]
     piped = subprocess.run(
         [sys.executable, "-m", "workbench", *args], capture_output=True, env=env, timeout=120
     )
     assert piped.returncode == 0, piped.stderr[-800:]
-    assert b"reading " + str(folder).encode() not in piped.stderr + piped.stdout  # logs stay plain
+    assert shown not in piped.stderr + piped.stdout  # logs stay plain
