@@ -12,11 +12,14 @@ Hook it between ``backward()`` and ``inner_optimizer.step()``::
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from optim.averager import Averager, RoundReport
+
+if TYPE_CHECKING:
+    from optim.diloco import DiLoCoConfig
 
 
 class DataParallel:
@@ -50,3 +53,11 @@ class DataParallel:
 
     def after_inner_step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None:
         return None
+
+
+def data_parallel_state() -> DiLoCoConfig:
+    """The DiLoCo settings under which DiLoCo's state keeping equals plain data-parallel:
+    one step per round, θ_global ← θ_local (outer SGD with lr 1, no momentum, own Δ)."""
+    from optim.diloco import DiLoCoConfig
+
+    return DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)

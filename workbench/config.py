@@ -185,11 +185,5 @@ class RunConfig:
             self.diloco.outer_momentum,
         ) != (1, 1.0, 0.0):
             raise ValueError(
-                "data-parallel keeps its state with DiLoCo(H=1, outer lr 1, no momentum): use data_parallel_state()"
+                "data-parallel keeps its state with DiLoCo(H=1, outer lr 1, no momentum): use optim.data_parallel.data_parallel_state()"
             )
-
-
-def data_parallel_state() -> DiLoCoConfig:
-    """The DiLoCo settings under which DiLoCo's state keeping equals plain data-parallel:
-    one step per round, θ_global ← θ_local (outer SGD with lr 1, no momentum, own Δ)."""
-    return DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)

@@ -16,4 +16,3 @@ DELAYED_OUTER = {"eager": (0.8, 0.3), "naive": (1.0, 0.0)}
 delayed round applies is a round stale, and the paper's momentum 0.9 compounds the staleness
 (naive: eval loss 3.45 at H=50 against 2.17 without momentum; eager: 2.50 against 1.92).
 Measured in docs/optimizers.md."""
-NAIVE_DELAY_MOMENTUM = DELAYED_OUTER["naive"][1]

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from swarm.bounds import parser as bounded
-from workbench.names import DELAYED_OUTER, NAIVE_DELAY_MOMENTUM, SIMULATE_METHODS, UPDATE_CODECS
+from workbench.names import DELAYED_OUTER, SIMULATE_METHODS, UPDATE_CODECS
 
 if TYPE_CHECKING:
     from optim.diloco import DiLoCoConfig
@@ -147,7 +147,7 @@ def add_optimizer_options(group: argparse._ArgumentGroup, *, simulate: bool = Fa
         dest="eager",
         action="store_false",
         help="with --overlap or --delay 1: the naive one-step delay instead (for comparison; its "
-        f"outer lr / momentum default to {DELAYED_OUTER['naive'][0]} / {NAIVE_DELAY_MOMENTUM})",
+        f"outer lr / momentum default to {DELAYED_OUTER['naive'][0]} / {DELAYED_OUTER['naive'][1]})",
     )
     group.add_argument(
         "--outlier-ratio",
@@ -182,10 +182,10 @@ def check_method_flags(args: argparse.Namespace) -> None:
 
 def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
     """The method's preset, then every optimizer flag given explicitly on top of it."""
+    from optim.data_parallel import data_parallel_state
     from optim.diloco import DiLoCoConfig
     from optim.local_sgd import local_sgd
     from optim.sparseloco import sparseloco
-    from workbench.config import data_parallel_state
 
     check_method_flags(args)
     H = args.inner_steps
