@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -50,13 +51,49 @@ class NetworkConfig:
             raise SwarmError(f"connect timeout must be within 1..600 s (got {self.connect_timeout})")
 
 
+def _in_resource_sharer(trace) -> bool:
+    while trace is not None:
+        if trace.tb_frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")):
+            return True
+        trace = trace.tb_next
+    return False
+
+
+def quiet_handle_sharing() -> None:
+    """Keep a receiver's death out of the sender's stderr when a tensor crosses processes.
+
+    hivemind passes shared-memory tensors between a peer and its DHT and averager processes
+    (every ``MPFuture`` and ``StepControl`` carries one, so every round does); torch sends their
+    file descriptors through multiprocessing's resource sharer, a thread in the sending process
+    that the receiver connects to. When a whole process group is terminated, a child that was
+    connecting dies mid-handshake and that thread hands the ``ConnectionResetError`` to
+    ``sys.excepthook``: a traceback in the log of a peer that is stopping cleanly. Such an error
+    only says the receiver is gone, so it is logged at debug level; every other exception
+    reaches the previous hook unchanged. Idempotent."""
+    previous = sys.excepthook
+    if getattr(previous, "quiets_handle_sharing", False):
+        return
+
+    def hook(kind, error, trace) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)) and _in_resource_sharer(trace):
+            logger.debug("a process ended before it took a shared tensor: %s", error)
+            return
+        previous(kind, error, trace)
+
+    hook.quiets_handle_sharing = True
+    sys.excepthook = hook
+
+
 @contextlib.contextmanager
 def quiet_children() -> Iterator[None]:
     """Processes forked inside (hivemind's DHT and averager) get the default SIGTERM, not this
     process's handler: a peer turns SIGTERM into KeyboardInterrupt, and a child inheriting that
     printed a KeyboardInterrupt traceback when a whole process group was terminated (a service
     manager, a closed terminal). With the default, a child just ends; the parent still shuts the
-    others down in order. Only the main thread can touch signal handlers."""
+    others down in order. Only the main thread can touch signal handlers.
+
+    Also installs :func:`quiet_handle_sharing` (inherited by the children forked here)."""
+    quiet_handle_sharing()
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -1,0 +1,49 @@
+"""A peer stopped with its process group must not print a child's death as a traceback.
+
+hivemind hands shared-memory tensors between a peer and its children every round; torch sends
+their file descriptors through multiprocessing's resource sharer, a thread in the sending
+process. CI once caught that thread printing ``ConnectionResetError`` when SIGTERM reached a
+receiving child mid-handshake (tests/integration/test_trust.py). Here the same reset is made on
+purpose, in a fresh interpreter, with and without the peer's process setup."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_RECEIVER_DIES = textwrap.dedent(
+    """
+    import os, socket, sys, time
+    from multiprocessing import resource_sharer
+
+    if sys.argv[1] == "peer":
+        from swarm.dht import quiet_children
+
+        with quiet_children():  # what a peer does before hivemind forks its DHT and averager
+            pass
+    read_end, _ = os.pipe()
+    resource_sharer.DupFd(read_end)  # a descriptor offered to another process, as torch does
+    receiver = socket.socket(socket.AF_UNIX)
+    receiver.connect(resource_sharer._resource_sharer._address)
+    time.sleep(0.3)  # the sharer has sent its challenge
+    receiver.close()  # ... and the receiver dies without answering
+    time.sleep(0.5)
+    sys.excepthook(ValueError, ValueError("any other error still shows"), None)
+    """
+)
+
+
+@pytest.mark.parametrize("setup", ["bare", "peer"])
+def test_a_receiver_dying_mid_handshake_prints_no_traceback_in_a_peer(setup):
+    run = subprocess.run(
+        [sys.executable, "-c", _RECEIVER_DIES, setup], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    assert "any other error still shows" in run.stderr
+    if setup == "bare":  # the stdlib's own behaviour, which the peer's setup quiets
+        assert "ConnectionResetError" in run.stderr and "resource_sharer" in run.stderr
+    else:
+        assert "Traceback" not in run.stderr and "ConnectionResetError" not in run.stderr, run.stderr
