@@ -27,7 +27,7 @@ import logging
 import socket
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -78,6 +78,14 @@ class DirectPlane:
         self._rings: dict[tuple[str, ...], torch.distributed.ProcessGroup] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="sketch-exchange")
         self._send = lambda ring, wire: ring.allreduce([wire])  # tests put an impostor here
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def _scratch(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+        """A flat buffer of ``count`` elements kept for the next rounds."""
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() != count:
+            buffer = self._buffers[dtype] = torch.empty(count, dtype=dtype)
+        return buffer
 
     def all_reduce(
         self,
@@ -97,21 +105,38 @@ class DirectPlane:
         On any error the tensors hold garbage: the caller keeps its own copy."""
         if not total > 0:
             raise RuntimeError(f"the group's weights sum to {total}")
+        count = sum(t.numel() for t in tensors)
         single = len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous()
-        # One buffer on the wire; a lone float32 tensor is reduced in place, without copies.
-        flat = tensors[0].view(-1) if single else torch.cat([t.detach().reshape(-1).float() for t in tensors])
+        # One buffer on the wire; a lone float32 tensor is reduced in place, without copies. The
+        # buffers are kept from round to round: a fresh 100 MB tensor costs more in page faults
+        # than the pass that fills it.
+        if single:
+            flat = tensors[0].view(-1)
+        else:
+            pieces = [t.detach().reshape(-1).float() for t in tensors]
+            flat = torch.cat(pieces, out=self._scratch(torch.float32, count))
         flat.mul_(weight / total)
         sketcher = Sketcher(seed, flat.numel())  # R, drawn once for both sketches
-        # What this member sends, before the codec's rounding.
-        mine = Sketch(tuple(sketcher.rows(flat).tolist()), float(torch.linalg.vector_norm(flat)))
-        wire = flat.half() if codec == "fp16" else flat
-        # Posted and the others' collected while the ring runs (one request that the board
-        # answers when the last member's sketch lands): off the critical path.
+        wire = self._scratch(torch.float16, count).copy_(flat) if codec == "fp16" else flat
+        # What this member sends (before the codec's rounding) is sketched, posted, and the
+        # others' collected while the ring runs (one request that the board answers when the last
+        # member's sketch lands): off the critical path. A ring that reduces ``flat`` itself
+        # changes it, so its sketch is taken first.
         others = [f"sketch/{r}" for r in range(len(members)) if r != rank]
         abort = threading.Event()
-        exchange = self._pool.submit(
-            board.exchange, f"sketch/{rank}", mine.to_bytes(), others, timeout, abort
-        )
+
+        def own_sketch() -> Sketch:
+            return Sketch(tuple(sketcher.rows(flat).tolist()), float(torch.linalg.vector_norm(flat)))
+
+        def post(mine: Sketch) -> list[bytes]:
+            return board.exchange(f"sketch/{rank}", mine.to_bytes(), others, timeout, abort)
+
+        if wire is flat:
+            sketched = Future()
+            sketched.set_result(own_sketch())
+        else:
+            sketched = self._pool.submit(own_sketch)
+        exchange = self._pool.submit(lambda: post(sketched.result()))
         try:
             key = tuple(members)
             ring = self._rings.get(key)
@@ -122,12 +147,14 @@ class DirectPlane:
                     raise RingUnreachable(one_line(error)) from None
             self._rings.pop(key, None)  # kept below only if this round's sum checks out
             self._send(ring, wire).wait()
+            mine = sketched.result(timeout=timeout)  # read ``flat`` before it takes the sum
             if wire is not flat:
                 flat.copy_(wire)
             result = Sketch(tuple(sketcher.rows(flat).tolist()), 0.0)
             parts = [mine, *map(Sketch.from_bytes, exchange.result(timeout=timeout))]
         finally:
             abort.set()  # a failed round leaves no request polling on for the next one to queue behind
+            wait([sketched])  # nothing reads ``flat`` (maybe a kept buffer) once this returns
         why = mismatch(result, parts, codec)
         if why is not None:
             raise RingTampered(why)
