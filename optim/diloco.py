@@ -457,7 +457,7 @@ class DiLoCo:
                 self.apply_eager(sent, self._share)
             self._inflight = _InFlight(
                 outgoing,
-                _in_background(
+                in_background(
                     self.average,
                     outgoing.deltas,
                     outgoing.info,
@@ -633,7 +633,7 @@ class _InFlight:
     future: concurrent.futures.Future
 
 
-def _in_background(function, *args: Any, after: concurrent.futures.Future | None = None, **kwargs: Any):
+def in_background(function, *args: Any, after: concurrent.futures.Future | None = None, **kwargs: Any):
     """``function(*args, **kwargs)`` in a daemon thread (an exit never waits on a network
     round), after ``after`` is done: one all-reduce at a time per peer."""
     future: concurrent.futures.Future = concurrent.futures.Future()

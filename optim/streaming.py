@@ -16,6 +16,7 @@ Phases for one fragment: ``begin_sync`` (pseudo-gradient of the fragment, codec,
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -28,7 +29,7 @@ import torch
 
 from optim.averager import Averager, RoundReport
 from optim.codecs import encoded_nbytes
-from optim.diloco import DiLoCoConfig, OuterState, inner_state_tensors, load_inner_state
+from optim.diloco import DiLoCoConfig, OuterState, in_background, inner_state_tensors, load_inner_state
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,9 @@ class StreamingConfig:
     """F: how many fragments the parameters are split into (contiguous, about equal bytes)."""
     sync_delay: int = 0
     """τ: inner steps between the start of a fragment's reduction and its merge (< H/F)."""
-    alpha: float = 0.0
-    """Merge mixing: weight of the local fragment (0 = take the global fragment)."""
+    alpha: float | None = None
+    """Merge mixing: weight of the local fragment (0 = take the global fragment). None: 0.5 with
+    τ > 0 (the paper's choice when the merge overlaps inner steps), else 0."""
 
     @property
     def inner_steps(self) -> int:
@@ -52,6 +54,8 @@ class StreamingConfig:
         return self.outer.inner_steps
 
     def __post_init__(self) -> None:
+        if self.alpha is None:
+            self.alpha = 0.5 if self.sync_delay else 0.0
         if self.fragments < 1:
             raise ValueError(f"fragments must be >= 1 (got {self.fragments})")
         if self.outer.delay:
@@ -180,6 +184,18 @@ class StreamingDiLoCo:
     def begin_sync(self, f: int, info: dict[str, Any] | None) -> RoundReport:
         """Pseudo-gradient of fragment ``f`` → codec → averager; merged ``sync_delay`` steps later."""
         start = time.monotonic()
+        deltas, weight, payload = self.outgoing(f)
+        report = self.averagers[f].all_reduce(deltas, weight=weight, info=info)
+        report.payload_bytes = payload
+        report.seconds = time.monotonic() - start
+        report.info = report.info or dict(info or {})
+        self._pending[self.step_count + self.config.sync_delay] = (f, deltas)
+        return report
+
+    @torch.no_grad()
+    def outgoing(self, f: int) -> tuple[list[torch.Tensor], float, int]:
+        """Fragment ``f``'s pseudo-gradient as it goes on the wire (codec, error feedback), its
+        averaging weight (samples since its last sync) and its payload in bytes."""
         indices = self.fragments[f]
         deltas = [self.global_params[i] - self.params[i].detach().to("cpu", torch.float32) for i in indices]
         if self.feedback[f] is not None:
@@ -187,12 +203,9 @@ class StreamingDiLoCo:
         else:
             encoded = [self.codec.encode(d) for d in deltas]
             deltas = [self.codec.decode(e) for e in encoded]
-        report = self.averagers[f].all_reduce(deltas, weight=float(max(self.samples_since[f], 1)), info=info)
+        weight = float(max(self.samples_since[f], 1))
         self.samples_since[f] = 0
-        report.payload_bytes = encoded_nbytes(encoded)
-        report.seconds = time.monotonic() - start
-        self._pending[self.step_count + self.config.sync_delay] = (f, deltas)
-        return report
+        return deltas, weight, encoded_nbytes(encoded)
 
     @torch.no_grad()
     def merge(self, f: int, mean_deltas: list[torch.Tensor]) -> None:
@@ -216,15 +229,23 @@ class StreamingRounds:
     """Streaming DiLoCo for round-driven loops (a real peer): one "round" = the inner steps up to
     the next fragment sync (H/F), then that fragment's sync. Presents the surface a peer uses on
     :class:`~optim.diloco.DiLoCo` (clock, ``note_inner_step``, ``sync``, state for joiners);
-    the clock ``outer_step_count`` counts fragment syncs.
+    the clock ``outer_step_count`` counts fragment syncs started.
+
+    With ``sync_delay`` τ > 0 the fragment's all-reduce runs in the background while the next
+    round's first τ inner steps train, and is merged after the τ-th (as in the simulator, and as
+    Douillard et al. 2025 overlap it). The clock moves on when the all-reduce starts, like
+    DiLoCo's ``overlap``: a peer's heartbeat shows the round it trains, one past the fragment it
+    averages. The state served to joiners is the one every peer of the round holds once that
+    merge lands (so it is the same whenever in the round it is asked for); the round's θ
+    fingerprint is taken at the sync, after the merge, where every peer's θ is that state.
     """
 
     def __init__(self, streaming: StreamingDiLoCo) -> None:
         config = streaming.config
-        if config.inner_steps % config.fragments or config.sync_delay:
+        if config.inner_steps % config.fragments:
             raise ValueError(
                 f"on real peers streaming needs H ({config.inner_steps}) divisible by the fragments "
-                f"({config.fragments}) and sync_delay 0 (got {config.sync_delay}): e.g. H=48 with 4 fragments"
+                f"({config.fragments}): e.g. H=48 with 4 fragments"
             )
         self.streaming = streaming
         self.steps_per_round = config.inner_steps // config.fragments
@@ -232,16 +253,23 @@ class StreamingRounds:
         self.lock = threading.Lock()
         self.global_params = streaming.global_params
         self._inner_snapshot: tuple[list[list[Any]], list[torch.Tensor]] = ([], [])
+        self._clock = streaming.syncs
+        self._inflight: _FragmentInFlight | None = None
+        self._landed: RoundReport | None = None  # the merged fragment's report, for the next sync
 
     @property
     def outer_step_count(self) -> int:
-        return self.streaming.syncs
+        return self._clock
+
+    @property
+    def sync_delay(self) -> int:
+        return self.streaming.config.sync_delay
 
     def retune(
         self, *, outer_lr: float | None = None, inner_steps: int | None = None, codec: str | None = None
     ) -> dict[str, Any]:
         """Change settings between syncs (steering), as :meth:`optim.diloco.DiLoCo.retune`;
-        a new H must stay divisible by the number of fragments."""
+        a new H must stay divisible by the number of fragments, and leave room for τ."""
         s, outer = self.streaming, self.streaming.config.outer
         changes = {
             k: v
@@ -254,6 +282,11 @@ class StreamingRounds:
         if checked.inner_steps % len(s.fragments):
             raise ValueError(
                 f"H={checked.inner_steps} is not divisible by the {len(s.fragments)} fragments of this run"
+            )
+        if checked.inner_steps // len(s.fragments) <= self.sync_delay:
+            raise ValueError(
+                f"H={checked.inner_steps} leaves {checked.inner_steps // len(s.fragments)} steps per fragment, "
+                f"not more than this run's --sync-delay {self.sync_delay}"
             )
         for key, value in changes.items():
             setattr(outer, key, value)
@@ -270,17 +303,62 @@ class StreamingRounds:
         self.inner_step_count += 1
         self.streaming.step_count += 1
         self.streaming.samples_since = [s + samples for s in self.streaming.samples_since]
+        if self._inflight is not None and self.inner_step_count >= self.sync_delay:
+            self._landed = self._land()
 
     def sync(self, *, info: dict[str, Any] | None = None) -> RoundReport:
-        """Sync the fragment whose turn it is, and merge it at once."""
+        """Sync the fragment whose turn it is: at once (τ = 0), or start its all-reduce in the
+        background (τ > 0; the report is then that of the fragment merged this round)."""
         s = self.streaming
-        fragment = s.syncs % len(s.fragments)
-        report = s.begin_sync(fragment, info)
-        with self.lock:
-            s.merge(*s._pending.pop(s.step_count))
+        fragment = self._clock % len(s.fragments)
+        if not self.sync_delay:
+            report = s.begin_sync(fragment, info)
+            with self.lock:
+                s.merge(*s._pending.pop(s.step_count))
+                self._clock += 1
+        else:
+            if info and "fingerprint" in info:  # taken at the sync, where every peer's θ is the same
+                info = dict(info, fingerprint=self.fingerprint())
+            # Normally merged τ steps into this round already; a round shorter than τ (H
+            # steered down) merges here, before the next fragment goes out.
+            report = self._land() if self._inflight is not None else self._landed
+            self._landed = None
+            start = time.monotonic()
+            deltas, weight, payload = s.outgoing(fragment)
+            info = dict(info or {})
+            averager = s.averagers[fragment]
+            with self.lock:
+                self._inflight = _FragmentInFlight(
+                    fragment,
+                    deltas,
+                    info,
+                    payload,
+                    start,
+                    in_background(averager.all_reduce, deltas, weight=weight, info=info),
+                )
+                self._clock += 1
+            if report is None:  # the first sync: nothing merged yet
+                report = RoundReport(group_size=1, pending=True, info=info)
         self.inner_step_count = 0
         self.snapshot_inner_state()
         return report
+
+    def _land(self) -> RoundReport:
+        """Wait for the fragment in flight and merge it; its report."""
+        inflight = self._inflight
+        assert inflight is not None
+        report = inflight.future.result()  # re-raises only what stops the run
+        report.payload_bytes = inflight.payload
+        report.seconds = time.monotonic() - inflight.start
+        report.info = report.info or inflight.info
+        with self.lock:
+            self.streaming.merge(inflight.fragment, inflight.deltas)
+            self._inflight = None
+        return report
+
+    def finish(self) -> RoundReport | None:
+        """End the run on the swarm's θ: merge the fragment still in flight (τ > 0)."""
+        return self._land() if self._inflight is not None else None
 
     def snapshot_inner_state(self) -> None:
         snapshot = inner_state_tensors(self.streaming.inner_optimizer)
@@ -295,16 +373,38 @@ class StreamingRounds:
         state = self.streaming.outer_optimizer.state
         return [state.get(g, {}).get("momentum_buffer", torch.zeros_like(g)) for g in self.global_params]
 
-    def outer_state(self) -> OuterState:
-        with self.lock:
-            keys, tensors = self._inner_snapshot
-            return OuterState(
-                outer_step=self.streaming.syncs,
-                params=[g.clone() for g in self.global_params],
-                momentum=[m.clone() for m in self._momentum()],
-                inner=list(tensors),
-                inner_keys=[list(k) for k in keys],
-            )
+    def outer_state(self, *, inflight_timeout: float = 60.0) -> OuterState:
+        """A consistent copy of the global state (safe from another thread). With a fragment in
+        flight this waits (at most ``inflight_timeout`` s) for its all-reduce and serves θ and
+        momentum with its merge applied, as this peer will hold them once it lands."""
+        s = self.streaming
+        while True:
+            inflight = self._inflight
+            if inflight is not None:
+                concurrent.futures.wait([inflight.future], timeout=inflight_timeout)
+            with self.lock:
+                if self._inflight is not inflight:
+                    continue  # it landed while we waited: serve what is there now
+                keys, tensors = self._inner_snapshot
+                params = [g.clone() for g in self.global_params]
+                momentum = [m.clone() for m in self._momentum()]
+                if inflight is not None and inflight.future.done() and not inflight.future.exception():
+                    if all(torch.isfinite(d).all() for d in inflight.deltas):  # as merge() judges it
+                        indices = s.fragments[inflight.fragment]
+                        _outer_step_on_copies(
+                            [params[i] for i in indices],
+                            [momentum[i] for i in indices],
+                            inflight.deltas,
+                            s.outer_optimizer.param_groups[0],
+                            fresh=[self.global_params[i] not in s.outer_optimizer.state for i in indices],
+                        )
+                return OuterState(
+                    outer_step=self._clock,
+                    params=params,
+                    momentum=momentum,
+                    inner=list(tensors),
+                    inner_keys=[list(k) for k in keys],
+                )
 
     @torch.no_grad()
     def load_outer_state(self, state: OuterState) -> None:
@@ -317,10 +417,47 @@ class StreamingRounds:
             for g, p, m in zip(self.global_params, state.params, state.momentum):
                 g.copy_(p)
                 s.outer_optimizer.state[g]["momentum_buffer"] = m.clone().float()
-            s.syncs = state.outer_step
+            s.syncs = self._clock = state.outer_step
             s.step_count = state.outer_step * self.steps_per_round
             s.samples_since = [0] * len(s.fragments)
+            # A fragment in flight was computed from a stale θ; its merge is in the state (the
+            # thread finishes on its own; its result is dropped).
+            self._inflight, self._landed = None, None
             for p, g in zip(s.params, self.global_params):
                 p.copy_(g.to(p.device, p.dtype))
         load_inner_state(s.inner_optimizer, s.params, state)
         self.inner_step_count = 0
+
+
+@dataclass
+class _FragmentInFlight:
+    fragment: int
+    deltas: list[torch.Tensor]  # the fragment's mean once the future is done
+    info: dict[str, Any]
+    payload: int
+    start: float
+    future: concurrent.futures.Future
+
+
+@torch.no_grad()
+def _outer_step_on_copies(
+    params: list[torch.Tensor],
+    momentum: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    group: dict[str, Any],
+    fresh: list[bool],
+) -> None:
+    """torch's SGD step (lr, momentum, Nesterov; no weight decay or dampening) on copies of θ
+    and momentum, in place: what ``outer_optimizer.step()`` will do to the originals.
+    ``fresh``: tensors without a momentum buffer yet (SGD's first step copies the gradient)."""
+    assert not group.get("weight_decay") and not group.get("dampening"), "outer SGD has neither"
+    lr, beta, nesterov = group["lr"], group["momentum"], group["nesterov"]
+    for p, m, g, new in zip(params, momentum, grads, fresh):
+        step = g
+        if beta:
+            if new:
+                m.copy_(g)
+            else:
+                m.mul_(beta).add_(g)
+            step = g.add(m, alpha=beta) if nesterov else m
+        p.add_(step, alpha=-lr)

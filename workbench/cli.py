@@ -409,14 +409,11 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     from workbench.config import PeerConfig, RunConfig, TrainConfig
     from workbench.data import DataConfig
 
-    if getattr(args, "sync_delay", None) or getattr(args, "alpha", None):
-        raise ValueError(
-            "--sync-delay/--alpha (streaming merges overlapped with inner steps) run in `workbench "
-            "simulate` only for now: real peers merge each fragment in the step it is averaged"
-        )
     return RunConfig(
         method=args.method if args.method in ("dp", "streaming") else "diloco",
         fragments=args.fragments or 4,
+        sync_delay=getattr(args, "sync_delay", None) or 0,
+        alpha=getattr(args, "alpha", None),
         model=_model_shape(args),
         hf_model=None if args.model in MODEL_PRESETS else args.model,
         data=DataConfig(
@@ -489,13 +486,9 @@ def model_flags(config: RunConfig) -> list[str]:
 def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     """The exact command another machine pastes to join this run."""
     from workbench.config import RunConfig
-    from workbench.launch import optimizer_arguments
+    from workbench.launch import method_arguments, optimizer_arguments
 
-    parts = ["workbench", "join"]
-    if config.method == "dp":
-        parts += ["--method", "dp"]
-    if config.method == "streaming":
-        parts += ["--method", "streaming", "--fragments", str(config.fragments)]
+    parts = ["workbench", "join", *method_arguments(config)]
     if config.peer.run_id != "workbench":
         parts += ["--run-id", config.peer.run_id]
     defaults = RunConfig()

@@ -155,6 +155,12 @@ class RunConfig:
     outer settings)."""
     fragments: int = 4
     """streaming: how many fragments the parameters are split into."""
+    sync_delay: int = 0
+    """streaming: τ, inner steps a fragment's all-reduce runs in the background before its
+    merge (< H/F); 0 merges in the step it is averaged."""
+    alpha: float | None = None
+    """streaming: the local fragment's weight at the merge (None: StreamingConfig's default,
+    0.5 with τ > 0, else 0)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The preset's shape; with ``hf_model``, only its ``block_size`` (the context) applies."""
     hf_model: str | None = None
@@ -167,6 +173,12 @@ class RunConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
 
+    @property
+    def overlapped(self) -> bool:
+        """Rounds average in the background while the next trains (``--overlap``, or streaming
+        with τ > 0): a peer's clock is one past the round it averages."""
+        return self.diloco.overlap or (self.method == "streaming" and self.sync_delay > 0)
+
     def __post_init__(self) -> None:
         if self.method not in ("diloco", "dp", "streaming"):
             raise ValueError(f"unknown method '{self.method}'; choose diloco, dp or streaming")
@@ -177,6 +189,16 @@ class RunConfig:
                 f"streaming on real peers needs --inner-steps ({self.diloco.inner_steps}) divisible by "
                 f"--fragments ({self.fragments}) and no --delay; e.g. --inner-steps 48 --fragments 4"
             )
+        if self.method != "streaming" and (self.sync_delay or self.alpha is not None):
+            raise ValueError(f"--sync-delay and --alpha belong to --method streaming (got {self.method})")
+        per_fragment = self.diloco.inner_steps // max(self.fragments, 1)
+        if self.method == "streaming" and not 0 <= self.sync_delay < per_fragment:
+            raise ValueError(
+                f"--sync-delay must be below the {per_fragment} inner steps between two fragment syncs "
+                f"(H/F = {self.diloco.inner_steps}/{self.fragments}; got {self.sync_delay})"
+            )
+        if self.alpha is not None and not 0 <= self.alpha < 1:
+            raise ValueError(f"--alpha must be in [0, 1) (got {self.alpha})")
         if self.diloco.overlap and self.method != "diloco":
             raise ValueError(f"--overlap works with --method diloco only (got {self.method})")
         if self.method == "dp" and (

@@ -251,6 +251,8 @@ class Experiment:
             method=self.method,
             diloco=self.config.diloco,
             fragments=self.flags.get("fragments", 4) or 4,
+            sync_delay=self.flags.get("sync_delay") or 0,
+            alpha=self.flags.get("alpha"),
         )
         H = 1 if self.method in ("dp", "streaming") else spec.outer_config().inner_steps
         source = SimSource(self.name, self.peers, inner_steps=H)

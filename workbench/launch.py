@@ -97,6 +97,20 @@ class LocalPeer:
         return "\n".join(f"    {line}" for line in text[-lines:])
 
 
+def method_arguments(config: RunConfig) -> list[str]:
+    """``--method`` and the schedule flags of a dp or streaming run (a diloco run: none)."""
+    if config.method == "dp":
+        return ["--method", "dp"]
+    if config.method != "streaming":
+        return []
+    args = ["--method", "streaming", "--fragments", str(config.fragments)]
+    if config.sync_delay:
+        args += ["--sync-delay", str(config.sync_delay)]
+    if config.alpha is not None:
+        args += ["--alpha", repr(config.alpha)]
+    return args
+
+
 def optimizer_arguments(config: RunConfig, *, changed_only: bool = False) -> list[str]:
     """The optimizer flags that rebuild ``config.diloco``, those its method takes (a sparseloco
     or local_sgd run is a diloco run with the preset's settings spelled out); ``changed_only``:
@@ -192,10 +206,7 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         "--fault-file",
         str(run_dir / name / "faults.json"),
     ]
-    if config.method == "dp":
-        args += ["--method", "dp"]
-    if config.method == "streaming":
-        args += ["--method", "streaming", "--fragments", str(config.fragments)]
+    args += method_arguments(config)
     if config.peer.shard is not None:
         args += ["--shard", f"{config.peer.shard}/{config.peer.num_shards}"]
     data = config.data
@@ -326,7 +337,8 @@ class LocalSwarm:
             "params_max_abs_diff": diff,
             "bytes_sent": sum(d["bytes_sent"] for d in done),
             "seconds": round(seconds, 2),
-            "rounds_alone": sum(1 for e in rounds if e["group_size"] <= 1),
+            # (an overlapped run's first sync reports nothing averaged yet: not a round alone)
+            "rounds_alone": sum(1 for e in rounds if e["group_size"] <= 1 and not e.get("pending")),
             "mean_group_size": sum(e["group_size"] for e in rounds) / max(1, len(rounds)),
             "run_dir": str(self.run_dir),
         }

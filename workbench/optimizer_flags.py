@@ -118,7 +118,8 @@ def add_optimizer_options(group: argparse._ArgumentGroup, *, simulate: bool = Fa
         "--sync-delay",
         type=bounded("sync_delay"),
         metavar="TAU",
-        help="streaming: inner steps a fragment's all-reduce runs before its merge (default: 0)",
+        help="streaming: inner steps a fragment's all-reduce runs in the background before its merge, "
+        "below H/F (default: 0, merged at once)",
     )
     group.add_argument(
         "--alpha",

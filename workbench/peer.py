@@ -148,7 +148,7 @@ class Peer:
             client_mode=cfg.network.client_mode,
             fault_file=cfg.peer.fault_file,
             **self._plane_location(),
-            overlapped=cfg.diloco.overlap,
+            overlapped=cfg.overlapped,
         )
         if cfg.method == "dp":
             # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
@@ -163,7 +163,9 @@ class Peer:
     def _setup_streaming(self, SwarmAverager) -> None:  # noqa: N803 - the class, imported late
         """One hivemind averaging group per fragment (own shapes); fragment 0's serves the state."""
         cfg = self.config
-        config = StreamingConfig(outer=cfg.diloco, fragments=cfg.fragments)
+        config = StreamingConfig(
+            outer=cfg.diloco, fragments=cfg.fragments, sync_delay=cfg.sync_delay, alpha=cfg.alpha
+        )
         fragments = split_fragments(
             [p.numel() for p in self.model.parameters() if p.requires_grad], cfg.fragments
         )
@@ -183,6 +185,7 @@ class Peer:
                 serve_state=f == 0,
                 fault_file=cfg.peer.fault_file,
                 **self._plane_location(),
+                overlapped=cfg.overlapped,
             )
             for f, indices in enumerate(fragments)
         ]
@@ -474,7 +477,7 @@ class Peer:
                 report = dp_report
             else:
                 report = self.diloco.sync(info=info)
-                if cfg.diloco.overlap:  # the clock moved on: say so now, the others' barrier reads it
+                if cfg.overlapped:  # the clock moved on: say so now, the others' barrier reads it
                     self.board.publish(self.heartbeat(), force=True)
             self.bytes_sent += report.bytes_sent
             self.bytes_received += report.bytes_received
@@ -512,6 +515,7 @@ class Peer:
                 loss=self.last_loss,
                 eval_loss=eval_loss,
                 group_size=report.group_size,
+                pending=report.pending,  # overlapped: the first sync has nothing averaged yet
                 plane=report.plane,
                 bytes_sent=report.bytes_sent,
                 bytes_received=report.bytes_received,
@@ -538,9 +542,9 @@ class Peer:
                 f"  (alone: {report.error})" if report.error else "",
             )
         flush_start = time.monotonic()
-        if self.dp is None and cfg.diloco.delay:
-            # The last round's mean (in flight, or queued by the blocking delay) and no eager
-            # offset: every peer ends on the swarm's θ.
+        if self.dp is None and (cfg.diloco.delay or cfg.overlapped):
+            # The last round's mean (in flight, or queued by the blocking delay; streaming: the
+            # last fragment in flight) and no eager offset: every peer ends on the swarm's θ.
             self.diloco.finish()
         flush_seconds = time.monotonic() - flush_start
         final_eval = evaluate(self.model, self.eval_set, self.device)

@@ -38,8 +38,8 @@ class MethodSpec:
     """streaming: fragments synced on staggered schedules."""
     sync_delay: int = 0
     """streaming: inner steps between a fragment's reduction and its merge (τ)."""
-    alpha: float = 0.0
-    """streaming: weight of the local fragment at the merge."""
+    alpha: float | None = None
+    """streaming: weight of the local fragment at the merge (None: StreamingConfig's default)."""
 
     def streaming_config(self) -> StreamingConfig:
         return StreamingConfig(
@@ -136,12 +136,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--straggler '{text}' must look like RANK:FRACTION, e.g. 3:0.5") from None
     from workbench.optimizer_flags import effective, outer_config
 
-    sync_delay = args.sync_delay or 0
-    streaming = dict(
-        fragments=args.fragments or 4,
-        sync_delay=sync_delay,
-        alpha=args.alpha if args.alpha is not None else (0.5 if sync_delay else 0.0),
-    )
+    streaming = dict(fragments=args.fragments or 4, sync_delay=args.sync_delay or 0, alpha=args.alpha)
     spec = MethodSpec(method=args.method, diloco=outer_config(args), **streaming)
     sim = SimConfig(
         peers=args.peers, steps=args.steps, stragglers=stragglers, dropout=args.dropout, seed=args.seed

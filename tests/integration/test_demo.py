@@ -52,8 +52,9 @@ def test_demo_json_contract(tmp_path):
         (["--update-codec", "int8", "--delay", "1"], ["--update-codec int8", "--delay 1"]),
         (["--method", "dp"], ["--method dp"]),
         (
-            ["--method", "streaming", "--inner-steps", "8", "--fragments", "4"],
-            ["--method streaming --fragments 4"],
+            # τ = 1: each fragment's all-reduce runs behind the next inner step (real peers)
+            ["--method", "streaming", "--inner-steps", "8", "--fragments", "4", "--sync-delay", "1"],
+            ["--method streaming --fragments 4 --sync-delay 1"],
         ),
     ],
     ids=["sparseloco", "int8-delayed", "data-parallel", "streaming"],

@@ -114,6 +114,38 @@ def test_identity_file_keeps_the_peer_id_across_restarts(spawn, tmp_path):
     assert first_id in again.address()
 
 
+def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_in_flight(spawn):
+    """Streaming DiLoCo with τ = 2 on real peers: each fragment's all-reduce runs behind the
+    next 2 inner steps and is merged then (α = 0.5). A joiner downloads θ with the fragment in
+    flight merged, averages in groups of 3, and all three end on the same global params."""
+    common = [
+        *FAST[:2], "--inner-steps", "6", *FAST[4:],
+        "--method", "streaming", "--fragments", "2", "--sync-delay", "2",
+        "--rounds", "10", "--run-id", "streaming-tau",
+    ]  # fmt: skip
+    first = spawn("a", "start", *common, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
+    first.wait_event("round", lambda e: e["outer_step"] >= 3)
+    third = spawn("c", "join", first.address(), *common)
+    for peer in (first, second, third):
+        assert peer.wait() == 0, peer.stderr()
+        assert "Traceback" not in peer.stderr(), peer.stderr()
+    syncs = first.events("round")
+    assert [r["outer_step"] for r in syncs] == list(range(1, 21))  # 10 rounds of 2 fragments
+    # The first sync only starts fragment 0's all-reduce; every later one reports the one before.
+    assert syncs[0]["pending"] and all(r["group_size"] >= 2 for r in syncs[1:]), syncs
+    downloads = third.events("state_downloaded")
+    assert downloads and downloads[0]["outer_step"] >= 3, third.stderr()[-4000:]
+    joined = next((r for r in third.events("round") if r["group_size"] == 3), None)
+    assert joined is not None, (third.events("round"), third.stderr()[-4000:])
+    assert not any(r["resync"] for p in (first, second) for r in p.events("round")), "no false resyncs"
+    params = [p.global_params() for p in (first, second, third)]
+    assert max_abs_diff(params[0], params[1]) <= 1e-5
+    assert max_abs_diff(params[0], params[2]) <= 1e-5
+    done = first.events("done")[0]
+    assert done["final_eval_loss"] < done["initial_eval_loss"]
+
+
 def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn):
     """--overlap: each round's all-reduce runs while the next round trains. Peers report a
     round one sync later, a joiner gets the mean in flight with the state, and all three end

@@ -311,6 +311,37 @@ def test_join_command_carries_the_outer_optimizer(flags: list[str]) -> None:
     assert joiner.diloco == starter.diloco
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--method", "streaming", "--inner-steps", "8", "--fragments", "2"],
+        ["--method", "streaming", "--inner-steps", "8", "--fragments", "2", "--sync-delay", "3"],
+        ["--method", "streaming", "--inner-steps", "8", "--fragments", "2", "--sync-delay", "1", "--alpha", "0.25"],
+    ],
+    ids=" ".join,
+)
+def test_join_command_carries_the_streaming_schedule(flags: list[str]) -> None:
+    """Every peer of a streaming run must merge on the same schedule (τ sets whose clock leads)."""
+    starter, joiner = _round_trip(flags)
+    assert (joiner.method, joiner.fragments, joiner.sync_delay, joiner.alpha) == (
+        starter.method, starter.fragments, starter.sync_delay, starter.alpha,
+    )  # fmt: skip
+    assert joiner.overlapped == (starter.sync_delay > 0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--inner-steps", "8", "--fragments", "4", "--sync-delay", "2"], "below the 2 inner steps"),
+        (["--inner-steps", "8", "--fragments", "4", "--alpha", "1"], "alpha"),
+    ],
+)
+def test_a_sync_delay_that_does_not_fit_the_schedule_is_refused(flags, message, capsys) -> None:
+    assert main(["start", "--method", "streaming", *flags]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_join_command_is_one_line_of_shell_words() -> None:
     config = RunConfig(model=tiny(), peer=PeerConfig(run_id="exp-2"))
     command = join_command(config, [ADDRESS])

@@ -30,7 +30,7 @@ def test_more_fragments_than_tensors_is_an_error():
         split_fragments([1, 2], 3)
 
 
-def streaming(*, fragments: int = 4, sync_delay: int = 0, alpha: float = 0.0, **outer) -> StreamingConfig:
+def streaming(*, fragments: int = 4, sync_delay: int = 0, alpha: float | None = None, **outer) -> StreamingConfig:
     """A StreamingConfig from flat keywords: the schedule's own, the rest DiLoCo's."""
     return StreamingConfig(
         outer=DiLoCoConfig(**outer), fragments=fragments, sync_delay=sync_delay, alpha=alpha
@@ -183,3 +183,96 @@ def test_streaming_rounds_refuse_uneven_schedules():
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="divisible"):
         StreamingRounds(StreamingDiLoCo(model, inner, LocalAverager(), streaming(inner_steps=5, fragments=2)))
+
+
+def _train(model, inner, data, steps: int, note) -> None:
+    for _ in range(steps):
+        x, y = next(data)
+        model(x, y)[1].backward()
+        inner.step()
+        inner.zero_grad()
+        note(samples=len(x))
+
+
+def test_streaming_rounds_with_a_sync_delay_train_as_the_simulator_does():
+    """Real peers' streaming with τ > 0 (all-reduce in the background, merged τ steps later)
+    lands on exactly the parameters the simulator's step-driven streaming reaches."""
+    from optim.streaming import StreamingRounds
+
+    config = dict(inner_steps=4, fragments=2, sync_delay=1, outer_lr=0.7, outer_momentum=0.9)
+    reference_model = init_model()
+    reference_inner = torch.optim.AdamW(reference_model.parameters(), lr=0.05)
+    reference = StreamingDiLoCo(reference_model, reference_inner, LocalAverager(), streaming(**config))
+    _train(reference_model, reference_inner, stream(0), 14, reference.after_inner_step)
+    reference.finish()
+
+    model = init_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    rounds = StreamingRounds(StreamingDiLoCo(model, inner, LocalAverager(), streaming(**config)))
+    assert rounds.streaming.config.alpha == 0.5, "the paper's α is the default once merges overlap"
+    data, reports = stream(0), []
+    for _ in range(7):
+        _train(model, inner, data, rounds.steps_per_round, rounds.note_inner_step)
+        reports.append(rounds.sync(info={"fingerprint": []}))
+    assert rounds.outer_step_count == 7  # the clock moves when an all-reduce starts
+    assert rounds.finish() is not None and rounds.finish() is None
+    assert reports[0].pending and not any(r.pending for r in reports[1:])
+    assert rounds.streaming.syncs == reference.syncs == 7
+    for ours, theirs in zip(model.parameters(), reference_model.parameters()):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(rounds.global_params, reference.global_params):
+        assert torch.equal(ours, theirs)
+
+
+class _Gated:
+    """An averager whose all-reduce (a swarm of one) returns only when the test opens the gate."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.gate = threading.Event()
+
+    def all_reduce(self, tensors, *, weight, info=None):
+        from optim.averager import RoundReport
+
+        assert self.gate.wait(10)
+        return RoundReport(group_size=1, group_info=[dict(info or {})])
+
+
+def test_a_state_served_while_a_fragment_is_in_flight_is_the_state_once_it_lands():
+    """A joiner asking mid-round gets θ and momentum with the fragment in flight merged: what
+    the donor holds once it lands (and what its round mates hold), so state checks agree."""
+    import threading
+
+    from optim.streaming import StreamingRounds
+
+    config = streaming(inner_steps=4, fragments=2, sync_delay=1, outer_lr=0.7, outer_momentum=0.9)
+    model = init_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    gates = [_Gated(), _Gated()]
+    rounds = StreamingRounds(StreamingDiLoCo(model, inner, gates, config))
+    data = stream(0)
+    for sync in range(4):  # fragments 0, 1, 0, 1: the last two merge onto existing momentum
+        _train(model, inner, data, rounds.steps_per_round, rounds.note_inner_step)
+        rounds.sync(info={})
+        served: list = []
+        asker = threading.Thread(target=lambda: served.append(rounds.outer_state()))
+        asker.start()
+        asker.join(0.2)
+        assert asker.is_alive(), "a state asked for mid-flight waits for the all-reduce"
+        gates[sync % 2].gate.set()
+        asker.join(10)
+        _train(model, inner, data, 1, rounds.note_inner_step)  # τ = 1: the fragment lands here
+        assert rounds._inflight is None
+        landed = rounds.outer_state()
+        assert served[0].outer_step == landed.outer_step == sync + 1
+        for a, b in [*zip(served[0].params, landed.params), *zip(served[0].momentum, landed.momentum)]:
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+        gates[sync % 2].gate.clear()
+
+    joiner_model = init_model(seed=9)
+    joiner = StreamingRounds(
+        StreamingDiLoCo(joiner_model, torch.optim.AdamW(joiner_model.parameters(), lr=0.05), gates, config)
+    )
+    joiner.load_outer_state(landed)
+    assert joiner.outer_step_count == 4 and joiner.fingerprint() == rounds.fingerprint()
