@@ -30,6 +30,7 @@ import pathlib
 import random
 import secrets
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's name to detect streams
@@ -54,7 +55,15 @@ from optim.averager import RoundReport
 from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.claims import STRIKES, Vouching, judge_state
-from swarm.dataplane import DIRECT_CODECS, DirectPlane, RingUnreachable, bindable, one_line
+from swarm.dataplane import (
+    DIRECT_CODECS,
+    MAX_RINGS,
+    RING_ID_BYTES,
+    DirectPlane,
+    RingUnreachable,
+    bindable,
+    one_line,
+)
 from swarm.dht import quiet_children
 from swarm.errors import SwarmError
 from swarm.progress import ProgressBoard
@@ -122,7 +131,7 @@ class _Verdict(enum.Enum):
 
 # Gathered data, around the caller's own: whether this member takes direct rings, its weight, a
 # random nonce for the group's sketch seed (gathered over hivemind's encrypted channel).
-_PLANE, _WEIGHT, _NONCE, _USER = "dataplane", "weight", "nonce", "user"
+_PLANE, _WEIGHT, _NONCE, _USER, _RINGS = "dataplane", "weight", "nonce", "user", "rings"
 
 
 def _unwrap(data: Any) -> Any:
@@ -159,6 +168,9 @@ class _StateServingAverager(DecentralizedAverager):
         self._state_limit = 8 * 4 * sum(t.numel() for t in args[0]) + (64 << 20)
         # Cleared in the averager process when a ring fails; read here before each step.
         self._plane_enabled = mp.Value("b", 0)
+        # The ids of the rings the averager process keeps, for the gathered info (written there
+        # after each direct round, read here before each step).
+        self._ring_ids = mp.Array("c", MAX_RINGS * RING_ID_BYTES)
         self.direct_rounds = mp.Value("q", 0)  # rounds the direct plane carried, for reports
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):
@@ -187,7 +199,17 @@ class _StateServingAverager(DecentralizedAverager):
         """hivemind's step; this member's data-plane address travels with its gathered info."""
         weight = kwargs.get("weight")
         weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
-        data = {_PLANE: bool(self._plane_enabled.value), _WEIGHT: weight, _NONCE: secrets.token_bytes(16)}
+        kept = self._ring_ids.raw
+        data = {
+            _PLANE: bool(self._plane_enabled.value),
+            _WEIGHT: weight,
+            _NONCE: secrets.token_bytes(16),
+            _RINGS: [
+                ring
+                for ring in (kept[i : i + RING_ID_BYTES] for i in range(0, len(kept), RING_ID_BYTES))
+                if any(ring)
+            ],
+        }
         return super().step(gather={**data, _USER: gather}, **kwargs)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):
@@ -216,6 +238,7 @@ class _StateServingAverager(DecentralizedAverager):
                 weight=kwargs["weight"],
                 total=sum(_weight(m) for m in members),
                 codec=self._codec,
+                reusable=_held_by_all(members),
                 # Below hivemind's own deadline for this step, so that a member gone mid-ring
                 # ends in our error, not in hivemind cancelling the wait on a running thread.
                 timeout=0.75 * (self._allreduce_timeout or 60.0),
@@ -236,6 +259,8 @@ class _StateServingAverager(DecentralizedAverager):
                 raise AllreduceException(f"direct data plane: could not set up the ring: {error}") from None
             except Exception as error:  # a member left mid-ring, a tampered sum: a failed round
                 raise AllreduceException(f"direct data plane: {one_line(error)}") from None
+            finally:  # the rings kept now, for this peer's next gathered info
+                self._publish_ring_ids()
             self._unreachable = 0
             with self.direct_rounds.get_lock():
                 self.direct_rounds.value += 1
@@ -248,6 +273,10 @@ class _StateServingAverager(DecentralizedAverager):
             return {peer: _unwrap(m) for peer, m in zip(group_info.peer_ids, members)}
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return {peer: _unwrap(data) for peer, data in gathered.items()}
+
+    def _publish_ring_ids(self) -> None:
+        kept = b"".join(self._plane.ring_ids()) if self._plane is not None else b""
+        self._ring_ids.raw = kept.ljust(MAX_RINGS * RING_ID_BYTES, b"\0")
 
     def _board_caller(self, leader, loop: asyncio.AbstractEventLoop) -> Callable[[dict], dict]:
         """Requests to the group's board: in this process if this peer leads the group, else
@@ -438,6 +467,31 @@ class _StateServingAverager(DecentralizedAverager):
         return metadata, [*state.params, *state.momentum, *queued, *state.inner], None
 
 
+class Serving:
+    """Whether this peer is answering a request for its state right now (a joiner's download or
+    a witness's sketch): the state provider wrapped by :meth:`wrap` counts the requests in
+    flight. One per peer, shared by all its averagers (streaming has one per fragment)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def wrap(self, provider: Callable[[], OuterState]) -> Callable[[], OuterState]:
+        def provide() -> OuterState:
+            with self._lock:
+                self._count += 1
+            try:
+                return provider()
+            finally:
+                with self._lock:
+                    self._count -= 1
+
+        return provide
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+
 class SwarmAverager:
     """An :class:`optim.Averager` over hivemind; also downloads and serves the global state."""
 
@@ -458,9 +512,13 @@ class SwarmAverager:
         plane_host: str = "127.0.0.1",
         plane_advertise: str | None = None,
         overlapped: bool = False,
+        serving: Serving | None = None,
     ) -> None:
         self.dht = dht
         self.board = board
+        self.serving = serving or Serving()
+        """Set while this peer answers a state request (see the overlapped barrier)."""
+        state_provider = self.serving.wrap(state_provider)
         self.overlapped = overlapped
         """Rounds run in the background (DiLoCo's ``overlap``): a peer's heartbeat shows the
         round it trains, one past the round it averages, and this thread leaves its stage alone."""
@@ -664,14 +722,21 @@ class SwarmAverager:
         Overlapped (run in the background while this peer trains the next round), a peer's
         clock moves to ``outer_step + 1`` the moment it ends this round's inner steps: still at
         ``outer_step`` means busy, at ``+ 1`` ready, past ``+ 1`` it has applied this round's
-        mean already. A joiner downloading then lands past this round, its mean queued.
+        mean already. A peer downloading the state (a joiner, a straggler catching up) is waited
+        for, or it would land a few rounds behind again and chase the swarm for ever; but not
+        while this peer serves a state (to it or as its witness): the state served holds this
+        round's mean, which this wait would hold back. The downloader then lands past this
+        round, its mean queued, and the next round waits for it.
         """
         r = outer_step
         if self.overlapped:
             return self._barrier(
                 r,
                 behind=lambda p: p.outer_step > r + 1,
-                busy=lambda p: p.outer_step == r and p.stage is not Stage.DOWNLOADING,
+                busy=lambda p: (
+                    (p.outer_step == r and p.stage is not Stage.DOWNLOADING)
+                    or (p.stage is Stage.DOWNLOADING and not self.serving)
+                ),
                 ready=lambda p: p.outer_step == r + 1 and p.stage is not Stage.DOWNLOADING,
                 # Nobody at r + 1 (the others download or straggle): no group can form, and
                 # failing to find one would flag this peer stale for nothing.
@@ -887,6 +952,18 @@ class SwarmAverager:
 
     def shutdown(self) -> None:
         self.averager.shutdown()
+
+
+def _held_by_all(members: list[Any]) -> frozenset[bytes]:
+    """The ring ids every member says it keeps (a malformed list counts as none kept)."""
+    held = None
+    for member in members:
+        rings = member.get(_RINGS) if isinstance(member, dict) else None
+        if not isinstance(rings, list) or len(rings) > MAX_RINGS:
+            return frozenset()
+        ids = {r for r in rings if isinstance(r, bytes) and len(r) == RING_ID_BYTES}
+        held = ids if held is None else held & ids
+    return frozenset(held or ())
 
 
 def _weight(member: Any) -> float:

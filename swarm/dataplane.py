@@ -23,6 +23,7 @@ member info and every fallback, and moves only the tensor bytes over TCP with gl
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import socket
 import threading
@@ -37,6 +38,9 @@ from swarm.sketch import Sketch, Sketcher, mismatch
 logger = logging.getLogger(__name__)
 
 PLANES = ("hivemind", "direct")
+MAX_RINGS = 8
+"""Rings kept for reuse per plane (the same members next round skip the rendezvous)."""
+RING_ID_BYTES = 16
 
 
 class RingUnreachable(RuntimeError):
@@ -74,8 +78,9 @@ class DirectPlane:
     def __init__(self, host: str) -> None:
         assert host not in ("", "0.0.0.0"), f"{host=}: the ring binds one address"
         self.host = host
-        # Rings by members in rank order: the same group next round reuses its connections.
-        self._rings: dict[tuple[str, ...], torch.distributed.ProcessGroup] = {}
+        # Rings by members in rank order, with the id they were made under: the same group
+        # reuses its connections next round if every member still holds that ring.
+        self._rings: dict[tuple[str, ...], tuple[bytes, torch.distributed.ProcessGroup]] = {}
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="sketch-exchange")
         self._send = lambda ring, wire: ring.allreduce([wire])  # tests put an impostor here
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
@@ -99,9 +104,14 @@ class DirectPlane:
         total: float,
         codec: str,
         timeout: float,
+        reusable: frozenset[bytes] | None = None,
     ) -> None:
         """Replace ``tensors`` in place by the group's weighted mean (``total``: the sum of
         every member's weight, from the gathered info), checked against the members' sketches.
+        ``reusable``: the ring ids every member says it still holds (:meth:`ring_ids`); a kept
+        ring is used again only if its id is among them (None: trust this side's cache), since
+        a member that lost its side of the ring (a failed round, a process suspended past the
+        ring's timeout) would set up a new one while this one waited on the old.
         On any error the tensors hold garbage: the caller keeps its own copy."""
         if not total > 0:
             raise RuntimeError(f"the group's weights sum to {total}")
@@ -139,13 +149,15 @@ class DirectPlane:
         exchange = self._pool.submit(lambda: post(sketched.result()))
         try:
             key = tuple(members)
-            ring = self._rings.get(key)
+            ring_id, ring = self._rings.pop(key, (b"", None))  # kept below only if the sum checks out
+            if ring is not None and reusable is not None and ring_id not in reusable:
+                ring = None  # another member no longer holds it: all set up a new one
             if ring is None:
+                ring_id = hashlib.sha256(b"ring" + seed).digest()[:RING_ID_BYTES]
                 try:
                     ring = self._connect(board, rank, len(members), timeout)
                 except Exception as error:
                     raise RingUnreachable(one_line(error)) from None
-            self._rings.pop(key, None)  # kept below only if this round's sum checks out
             self._send(ring, wire).wait()
             mine = sketched.result(timeout=timeout)  # read ``flat`` before it takes the sum
             if wire is not flat:
@@ -158,8 +170,8 @@ class DirectPlane:
         why = mismatch(result, parts, codec)
         if why is not None:
             raise RingTampered(why)
-        self._rings[key] = ring
-        while len(self._rings) > 8:
+        self._rings[key] = (ring_id, ring)
+        while len(self._rings) > MAX_RINGS:
             self._rings.pop(next(iter(self._rings)))
         if single:
             return
@@ -168,6 +180,10 @@ class DirectPlane:
             count = tensor.numel()
             tensor.copy_(flat[offset : offset + count].view_as(tensor))
             offset += count
+
+    def ring_ids(self) -> list[bytes]:
+        """The ids of the rings kept for reuse (sent with this member's gathered info)."""
+        return [ring_id for ring_id, _ in self._rings.values()]
 
     def _connect(
         self, board: Rendezvous, rank: int, size: int, timeout: float

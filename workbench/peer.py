@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -170,7 +171,10 @@ class Peer:
             [p.numel() for p in self.model.parameters() if p.requires_grad], cfg.fragments
         )
         shapes = [p.detach().float().cpu() for p in self.model.parameters() if p.requires_grad]
+        from swarm.averaging import Serving
+
         rounds: list[StreamingRounds] = []  # filled below; the state provider reads it lazily
+        serving = Serving()  # one peer: a state request stops every fragment's barrier waiting
         self.fragment_averagers = [
             SwarmAverager(
                 self.dht,
@@ -186,6 +190,7 @@ class Peer:
                 fault_file=cfg.peer.fault_file,
                 **self._plane_location(),
                 overlapped=cfg.overlapped,
+                serving=serving,
             )
             for f, indices in enumerate(fragments)
         ]
@@ -525,6 +530,9 @@ class Peer:
                 alone_reason=report.error,
                 resync=resync,
                 samples_per_second=self.samples_per_second,
+                # |θ| as this round started: equal on peers at the same outer step that agree
+                # (the model itself may differ: an eager peer trains θ + its own offset)
+                global_norm=math.sqrt(sum(f * f for f in info["fingerprint"])),
                 local_update_norm=report.local_norm,
                 mean_update_norm=report.mean_norm,
                 # each member's averaging weight (samples this round; a torchrun node: all ranks')

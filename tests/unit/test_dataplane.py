@@ -106,6 +106,60 @@ def test_a_substituted_contribution_fails_the_round_on_every_member():
         assert rings == 0  # a ring that carried a wrong sum is never used again
 
 
+def _member_that_may_forget(rank: int, values, agree: bool, out) -> None:
+    """Two rounds among 2 members; between them member 1 loses its side of their ring (as a
+    peer whose round failed, or that was suspended past the ring's timeout, does)."""
+    import gc
+
+    plane = DirectPlane("127.0.0.1")
+    results = []
+    for r in range(2):
+        if r == 1 and rank == 1:
+            plane._rings.clear()
+            gc.collect()  # its connections close
+        values[("held", r, rank)] = plane.ring_ids()  # what the gathered info carries
+        while ("held", r, 1 - rank) not in values:
+            time.sleep(0.01)
+        held = frozenset(values[("held", r, 0)]) & frozenset(values[("held", r, 1)])
+        tensors = [torch.full((6,), float(rank + 1))]
+        try:
+            plane.all_reduce(
+                tensors,
+                board=SharedBoard(values, f"round{r}".encode()),
+                seed=f"round{r}".encode(),
+                members=["a", "b"],
+                rank=rank,
+                weight=1.0,
+                total=2.0,
+                codec="none",
+                timeout=4,
+                reusable=held if agree else None,
+            )
+            results.append(float(tensors[0][0]))
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            results.append(type(error).__name__)
+    out.put((rank, results))
+
+
+@pytest.mark.parametrize("agree", [True, False], ids=["held-by-all", "own-cache"])
+def test_a_ring_is_reused_only_if_every_member_still_holds_it(agree):
+    context = mp.get_context("spawn")
+    manager = context.Manager()
+    out, values = context.Queue(), manager.dict()
+    members = [context.Process(target=_member_that_may_forget, args=(r, values, agree, out)) for r in range(2)]
+    for m in members:
+        m.start()
+    results = dict(out.get(timeout=90) for _ in members)
+    for m in members:
+        m.join(timeout=30)
+    manager.shutdown()
+    assert results[0][0] == results[1][0] == 1.5
+    if agree:  # member 0 drops its ring too: both set up a new one and the round averages
+        assert results[0][1] == results[1][1] == 1.5
+    else:  # member 0 sends on a ring nobody listens on while member 1 waits at the rendezvous
+        assert results[0][1] != 1.5 and results[1][1] != 1.5, results
+
+
 def test_an_unreachable_member_fails_within_the_timeout():
     plane = DirectPlane("127.0.0.1")
     board = SharedBoard({}, b"g")  # the other member never posts its address
