@@ -84,6 +84,26 @@ def quiet_handle_sharing() -> None:
     sys.excepthook = hook
 
 
+class _CancelledStepNoise(logging.Filter):
+    """asyncio's reports of hivemind's own clean-up when a step is cancelled mid-matchmaking
+    (this peer gave up on a round, or was suspended past it): its matchmaking tasks are
+    destroyed pending, and an async generator closed twice raises in a task nobody awaits.
+    Nothing is lost (the round already fell back); they go to the debug log, not the user's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        noise = (text.startswith("Task was destroyed but it is pending!") and "hivemind/averaging" in text) or (
+            text.startswith("Task exception was never retrieved")
+            and "asynchronous generator is already running" in text
+        )
+        if noise:
+            logger.debug("hivemind, after a cancelled step: %s", text.splitlines()[0])
+        return not noise
+
+
+_CANCELLED_STEP_NOISE = _CancelledStepNoise()
+
+
 @contextlib.contextmanager
 def quiet_children() -> Iterator[None]:
     """Processes forked inside (hivemind's DHT and averager) get the default SIGTERM, not this
@@ -92,8 +112,11 @@ def quiet_children() -> Iterator[None]:
     manager, a closed terminal). With the default, a child just ends; the parent still shuts the
     others down in order. Only the main thread can touch signal handlers.
 
-    Also installs :func:`quiet_handle_sharing` (inherited by the children forked here)."""
+    Also installs :func:`quiet_handle_sharing` and a filter for asyncio's reports of hivemind's
+    clean-up after a cancelled step (both inherited by the children forked here)."""
     quiet_handle_sharing()
+    if _CANCELLED_STEP_NOISE not in logging.getLogger("asyncio").filters:
+        logging.getLogger("asyncio").addFilter(_CANCELLED_STEP_NOISE)
     if threading.current_thread() is not threading.main_thread():
         yield
         return

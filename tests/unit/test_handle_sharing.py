@@ -47,3 +47,27 @@ def test_a_receiver_dying_mid_handshake_prints_no_traceback_in_a_peer(setup):
         assert "ConnectionResetError" in run.stderr and "resource_sharer" in run.stderr
     else:
         assert "Traceback" not in run.stderr and "ConnectionResetError" not in run.stderr, run.stderr
+
+
+def test_hivemind_clean_up_after_a_cancelled_step_stays_out_of_the_log(caplog):
+    """What a peer resumed after a long suspend printed as errors (seen in the overlapped
+    straggler scenario): asyncio's reports of hivemind's matchmaking tasks destroyed pending."""
+    import logging
+
+    from swarm.dht import quiet_children
+
+    with quiet_children():
+        pass
+    log = logging.getLogger("asyncio")
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        log.error(
+            "Task was destroyed but it is pending!\ntask: <Task cancelling name='Task-8443' coro=<DecentralizedAverager"
+            "._step.<locals>.find_peers_or_notify_cancel() done, defined at .../hivemind/averaging/averager.py:427>>"
+        )
+        log.error(
+            "Task exception was never retrieved\nfuture: <Task finished name='Task-8519' coro=<<async_generator_athrow"
+            " without __name__>()> exception=RuntimeError('aclose(): asynchronous generator is already running')>"
+        )
+        log.error("Task was destroyed but it is pending!\ntask: <Task pending coro=<my_own_code()>>")
+    shown = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert len(shown) == 1 and "my_own_code" in shown[0], shown
