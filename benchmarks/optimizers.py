@@ -273,6 +273,44 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
     return rows, sweep
 
 
+SWEEP_SPARSELOCO = tuple((o_lr, decay) for o_lr in (1.0, 2.0, 2.5) for decay in (0.95, 0.9, 0.8))
+"""SparseLoCo's outer lr and error-feedback decay β around the published (1, 0.95)."""
+
+
+def sweep_sparseloco(config: BenchConfig, reference: dict[str, Any], *, log=sys.stderr) -> dict[str, Any]:
+    """SparseLoCo over ``SWEEP_SPARSELOCO`` against DiLoCo fp32 at ``reference``'s settings
+    (inner lr, outer lr, momentum: the main run's best), both run here with the same seed."""
+    lr = reference["inner_lr"]
+    diloco = DiLoCoConfig(
+        inner_steps=config.inner_steps,
+        outer_lr=reference["outer_lr"],
+        outer_momentum=reference["outer_momentum"],
+        nesterov=reference["outer_momentum"] > 0,
+    )
+
+    def row(method: str, spec: MethodSpec, **extra: Any) -> dict[str, Any]:
+        result = run_row(config, spec, inner_lr=lr)
+        print(f"{method} {extra}: eval loss {result.final_eval_loss:.4f}", file=log, flush=True)
+        return {
+            "method": method,
+            **extra,
+            "inner_lr": lr,
+            "final_eval_loss": result.final_eval_loss,
+            "bytes_per_peer": result.bytes_per_peer,
+            "seconds": result.seconds,
+        }
+
+    base = row("diloco", MethodSpec(method="diloco", diloco=diloco), outer_lr=diloco.outer_lr)
+    rows = []
+    for o_lr, decay in SWEEP_SPARSELOCO:
+        spec = dataclasses.replace(sparseloco(inner_steps=config.inner_steps, decay=decay), outer_lr=o_lr)
+        rows.append(row("sparseloco", MethodSpec(method="sparseloco", diloco=spec), outer_lr=o_lr, ef_decay=decay))
+    for r in rows:
+        r["loss_ratio_to_diloco"] = r["final_eval_loss"] / base["final_eval_loss"]
+        r["byte_ratio_to_diloco"] = base["bytes_per_peer"] / r["bytes_per_peer"]
+    return {"reference": base, "rows": rows, "best": min(rows, key=lambda r: r["final_eval_loss"])}
+
+
 def check_targets(config: BenchConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """PASS/MISS for each target at this run's scale, with the numbers behind it."""
     scale = config.inner_steps / TARGET_H
@@ -409,6 +447,12 @@ def main() -> None:
         "--estimate", action="store_true", help="time a few steps, print the projection, exit"
     )
     parser.add_argument(
+        "--sparseloco-sweep",
+        action="store_true",
+        help="only sweep SparseLoCo's outer lr and error-feedback decay against DiLoCo at the best "
+        "settings of optimizers_h<H>.json (10 runs); writes sparseloco_sweep_h<H>.json",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         help="where to write the JSON (default: results/optimizers.json; optimizers_h<H>.json with "
@@ -437,6 +481,22 @@ def main() -> None:
     if args.estimate:
         seconds = estimate(config)
         print(f"estimated: {seconds / 60:.1f} min", flush=True)
+        return
+    if args.sparseloco_sweep:
+        main_run = RESULTS / f"optimizers_h{H}.json"
+        if not main_run.exists():
+            sys.exit(f"error: {main_run} is missing: run the main benchmark with --inner-steps {H} first")
+        reference = next(
+            r for r in json.loads(main_run.read_text())["rows"] if (r["method"], r["codec"]) == ("diloco", "fp32")
+        )
+        swept = sweep_sparseloco(config, reference)
+        out = RESULTS / f"sparseloco_sweep_h{H}.json"
+        out.write_text(json.dumps({"config": dataclasses.asdict(config), **swept}, indent=2) + "\n")
+        best = swept["best"]
+        print(
+            f"best: outer lr {best['outer_lr']}, β {best['ef_decay']}: {best['loss_ratio_to_diloco']:.4f}x "
+            f"DiLoCo's eval loss at {best['byte_ratio_to_diloco']:.0f}x fewer bytes; wrote {out}"
+        )
         return
     if config.inner_steps != TARGET_H:
         print(
