@@ -166,7 +166,8 @@ def main() -> None:
     planes = args.plane or ["hivemind", "direct"]
     repeats = {
         # A median of a dozen: on 2 cores one scheduling hiccup moves a 10 MB all-reduce by 20 %.
-        mb: (5 if mb >= 100 else 12 if mb >= 10 else 16) // (2 if args.quick else 1) or 1 for mb in sizes
+        mb: (5 if mb >= 100 else 12 if mb >= 10 else 16) // (2 if args.quick else 1) or 1
+        for mb in sizes
     }
     rows = []
     for world in peers:

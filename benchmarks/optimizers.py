@@ -304,7 +304,9 @@ def sweep_sparseloco(config: BenchConfig, reference: dict[str, Any], *, log=sys.
     rows = []
     for o_lr, decay in SWEEP_SPARSELOCO:
         spec = dataclasses.replace(sparseloco(inner_steps=config.inner_steps, decay=decay), outer_lr=o_lr)
-        rows.append(row("sparseloco", MethodSpec(method="sparseloco", diloco=spec), outer_lr=o_lr, ef_decay=decay))
+        rows.append(
+            row("sparseloco", MethodSpec(method="sparseloco", diloco=spec), outer_lr=o_lr, ef_decay=decay)
+        )
     for r in rows:
         r["loss_ratio_to_diloco"] = r["final_eval_loss"] / base["final_eval_loss"]
         r["byte_ratio_to_diloco"] = base["bytes_per_peer"] / r["bytes_per_peer"]
@@ -487,7 +489,9 @@ def main() -> None:
         if not main_run.exists():
             sys.exit(f"error: {main_run} is missing: run the main benchmark with --inner-steps {H} first")
         reference = next(
-            r for r in json.loads(main_run.read_text())["rows"] if (r["method"], r["codec"]) == ("diloco", "fp32")
+            r
+            for r in json.loads(main_run.read_text())["rows"]
+            if (r["method"], r["codec"]) == ("diloco", "fp32")
         )
         swept = sweep_sparseloco(config, reference)
         out = RESULTS / f"sparseloco_sweep_h{H}.json"

@@ -388,16 +388,16 @@ class StreamingRounds:
                 keys, tensors = self._inner_snapshot
                 params = [g.clone() for g in self.global_params]
                 momentum = [m.clone() for m in self._momentum()]
-                if inflight is not None and inflight.future.done() and not inflight.future.exception():
-                    if all(torch.isfinite(d).all() for d in inflight.deltas):  # as merge() judges it
-                        indices = s.fragments[inflight.fragment]
-                        _outer_step_on_copies(
-                            [params[i] for i in indices],
-                            [momentum[i] for i in indices],
-                            inflight.deltas,
-                            s.outer_optimizer.param_groups[0],
-                            fresh=[self.global_params[i] not in s.outer_optimizer.state for i in indices],
-                        )
+                landed = inflight is not None and inflight.future.done() and not inflight.future.exception()
+                if landed and all(torch.isfinite(d).all() for d in inflight.deltas):  # as merge() judges
+                    indices = s.fragments[inflight.fragment]
+                    _outer_step_on_copies(
+                        [params[i] for i in indices],
+                        [momentum[i] for i in indices],
+                        inflight.deltas,
+                        s.outer_optimizer.param_groups[0],
+                        fresh=[self.global_params[i] not in s.outer_optimizer.state for i in indices],
+                    )
                 return OuterState(
                     outer_step=self._clock,
                     params=params,

@@ -12,6 +12,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+UPDATE_CODECS = ("bf16", "fp16", "int4", "int8", "none", "topk")
+"""The pseudo-gradient codecs (``optim.codecs.CODECS``, checked by tests/unit/test_cli.py): the
+values ``--update-codec`` and a steering record's ``codec`` may take."""
+
 
 @dataclass(frozen=True)
 class Bound:

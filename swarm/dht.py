@@ -92,7 +92,9 @@ class _CancelledStepNoise(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        noise = (text.startswith("Task was destroyed but it is pending!") and "hivemind/averaging" in text) or (
+        noise = (
+            text.startswith("Task was destroyed but it is pending!") and "hivemind/averaging" in text
+        ) or (
             text.startswith("Task exception was never retrieved")
             and "asynchronous generator is already running" in text
         )

@@ -142,10 +142,10 @@ class ControlState(BaseModel):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, value: str | None) -> str | None:
-        from optim.codecs import CODECS
+        from swarm.bounds import UPDATE_CODECS
 
-        if value is not None and value not in CODECS:
-            raise ValueError(f"unknown codec '{value}' (choose from {', '.join(sorted(CODECS))})")
+        if value is not None and value not in UPDATE_CODECS:
+            raise ValueError(f"unknown codec '{value}' (choose from {', '.join(UPDATE_CODECS)})")
         return value
 
     def pauses(self, peer_id: str, name: str) -> bool:

@@ -13,7 +13,6 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Markdown, Select, Static
 
-from optim.codecs import CODECS
 from swarm import bounds
 from swarm.monitor import SwarmSnapshot
 from tui.format import human_bytes, human_duration
@@ -150,7 +149,7 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                 )
                 yield Label("codec")
                 yield Select(
-                    [(name, name) for name in sorted(CODECS)],
+                    [(name, name) for name in bounds.UPDATE_CODECS],
                     prompt=str(self.current.get("codec") or "unchanged"),
                     id="codec",
                     disabled=disabled,

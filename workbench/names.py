@@ -3,8 +3,8 @@ fast). tests/unit/test_cli.py checks that each list matches the registry it mirr
 
 from __future__ import annotations
 
-UPDATE_CODECS = ("bf16", "fp16", "int4", "int8", "none", "topk")
-"""optim.codecs.CODECS"""
+from swarm.bounds import UPDATE_CODECS  # noqa: F401 - one list for the CLI, steering and the TUI
+
 MODEL_PRESETS = ("medium", "small", "tiny")
 """workbench.model.PRESETS"""
 SIMULATE_METHODS = ("dp", "local_sgd", "diloco", "sparseloco", "streaming")

@@ -316,7 +316,18 @@ def test_join_command_carries_the_outer_optimizer(flags: list[str]) -> None:
     [
         ["--method", "streaming", "--inner-steps", "8", "--fragments", "2"],
         ["--method", "streaming", "--inner-steps", "8", "--fragments", "2", "--sync-delay", "3"],
-        ["--method", "streaming", "--inner-steps", "8", "--fragments", "2", "--sync-delay", "1", "--alpha", "0.25"],
+        [
+            "--method",
+            "streaming",
+            "--inner-steps",
+            "8",
+            "--fragments",
+            "2",
+            "--sync-delay",
+            "1",
+            "--alpha",
+            "0.25",
+        ],
     ],
     ids=" ".join,
 )

@@ -146,7 +146,9 @@ def test_a_ring_is_reused_only_if_every_member_still_holds_it(agree):
     context = mp.get_context("spawn")
     manager = context.Manager()
     out, values = context.Queue(), manager.dict()
-    members = [context.Process(target=_member_that_may_forget, args=(r, values, agree, out)) for r in range(2)]
+    members = [
+        context.Process(target=_member_that_may_forget, args=(r, values, agree, out)) for r in range(2)
+    ]
     for m in members:
         m.start()
     results = dict(out.get(timeout=90) for _ in members)

@@ -30,7 +30,9 @@ def test_more_fragments_than_tensors_is_an_error():
         split_fragments([1, 2], 3)
 
 
-def streaming(*, fragments: int = 4, sync_delay: int = 0, alpha: float | None = None, **outer) -> StreamingConfig:
+def streaming(
+    *, fragments: int = 4, sync_delay: int = 0, alpha: float | None = None, **outer
+) -> StreamingConfig:
     """A StreamingConfig from flat keywords: the schedule's own, the rest DiLoCo's."""
     return StreamingConfig(
         outer=DiLoCoConfig(**outer), fragments=fragments, sync_delay=sync_delay, alpha=alpha
@@ -256,7 +258,7 @@ def test_a_state_served_while_a_fragment_is_in_flight_is_the_state_once_it_lands
         _train(model, inner, data, rounds.steps_per_round, rounds.note_inner_step)
         rounds.sync(info={})
         served: list = []
-        asker = threading.Thread(target=lambda: served.append(rounds.outer_state()))
+        asker = threading.Thread(target=lambda out=served: out.append(rounds.outer_state()))
         asker.start()
         asker.join(0.2)
         assert asker.is_alive(), "a state asked for mid-flight waits for the all-reduce"
