@@ -488,7 +488,8 @@ class Serving:
 
         return provide
 
-    def __bool__(self) -> bool:
+    @property
+    def answering(self) -> bool:
         return self._count > 0
 
 
@@ -516,7 +517,7 @@ class SwarmAverager:
     ) -> None:
         self.dht = dht
         self.board = board
-        self.serving = serving or Serving()
+        self.serving = serving if serving is not None else Serving()
         """Set while this peer answers a state request (see the overlapped barrier)."""
         state_provider = self.serving.wrap(state_provider)
         self.overlapped = overlapped
@@ -735,7 +736,7 @@ class SwarmAverager:
                 behind=lambda p: p.outer_step > r + 1,
                 busy=lambda p: (
                     (p.outer_step == r and p.stage is not Stage.DOWNLOADING)
-                    or (p.stage is Stage.DOWNLOADING and not self.serving)
+                    or (p.stage is Stage.DOWNLOADING and not self.serving.answering)
                 ),
                 ready=lambda p: p.outer_step == r + 1 and p.stage is not Stage.DOWNLOADING,
                 # Nobody at r + 1 (the others download or straggle): no group can form, and

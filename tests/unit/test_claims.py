@@ -253,3 +253,39 @@ def test_judge_state_without_witnesses_at_the_step():
     # Everyone else moved on during the download: nobody can confirm it, nobody contradicts it.
     verdict = judge_state(3, good, behind, donor="d", vouched=set())
     assert verdict.accept and "unconfirmed" in verdict.why
+
+
+def test_an_overlapped_barrier_waits_for_a_downloader_unless_this_peer_serves_it():
+    """The overlapped chase: a straggler downloading the state was not waited for, so with fast
+    rounds it landed a few rounds behind again, for ever. Now it is waited for, except while this
+    peer serves a state (its round's mean is in what it serves: waiting would hold it back)."""
+    import threading
+
+    from swarm.averaging import Serving
+
+    board = FakeBoard(beat("straggler", 2, Stage.DOWNLOADING))
+    swarm = averager(board, vouched=["straggler"], round_wait=1.0)
+    swarm.overlapped, swarm.lag = True, 1
+    swarm.serving = Serving()
+    started = time.monotonic()
+    assert swarm.wait_for_round_mates(7) is _Verdict.ALONE  # waited the whole round wait, then alone
+    assert time.monotonic() - started >= 1.0
+
+    release, entered = threading.Event(), threading.Event()
+
+    def provider():
+        entered.set()
+        release.wait(5)
+        return "state"
+
+    serve = swarm.serving.wrap(provider)
+    served = threading.Thread(target=serve)
+    served.start()
+    assert entered.wait(5) and swarm.serving.answering, "a request being answered counts"
+    swarm.config.round_wait = 30.0
+    started = time.monotonic()
+    assert swarm.wait_for_round_mates(7) is _Verdict.ALONE  # not held back while serving
+    assert time.monotonic() - started < 1.0
+    release.set()
+    served.join(5)
+    assert not swarm.serving.answering
