@@ -39,11 +39,11 @@ from swarm.errors import SwarmError
 from swarm.manifest import model_fingerprint
 from swarm.records import PeerHeartbeat, RunKeys, RunManifest, Stage
 from swarm.session import connect
-from workbench import progress_bar
 from workbench.config import RunConfig
-from workbench.data import ByteCorpus, evaluate
-from workbench.model import autocast_context, build_model, pick_device
+from workbench.data import evaluate
 from workbench.node import CHECK, STEP, SYNC, NodeGroup
+from workbench.progress_bar import progress
+from workbench.training import build_training, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -354,7 +354,7 @@ class Peer:
         self.beat(Stage.DOWNLOADING)
         started = time.monotonic()
         for attempt in range(3):
-            with progress_bar.progress(f"{self.name}: downloading the global state ({reason})"):
+            with progress(f"{self.name}: downloading the global state ({reason})"):
                 state = self.averager.download_state()
             if state is not None:
                 try:
@@ -380,13 +380,19 @@ class Peer:
         return False
 
     def wait_for_peers(self) -> None:
+        """``--min-peers``: wait until that many peers (this one included) can train.
+
+        A peer still downloading the state does not count yet: starting without it would put
+        this peer a round ahead by the time the download lands, and with ``--overlap`` the
+        first round would then be averaged alone (the state served to the newcomer waits for
+        that round's mean, so the newcomer cannot be waited for)."""
         wanted, timeout = self.config.peer.min_peers, self.config.peer.wait_timeout
         if wanted <= 1:
             return
         deadline = time.monotonic() + timeout
         while True:
             self.beat(Stage.JOINING)
-            present = len(self.board.fetch())
+            present = sum(p.stage is not Stage.DOWNLOADING for p in self.board.fetch().values())
             if present >= wanted:
                 return
             if time.monotonic() > deadline:
@@ -661,7 +667,7 @@ class Peer:
 
     def save_checkpoint(self) -> Path | None:
         """Everything needed to continue, atomically, in ``<run_dir>/checkpoint.pt``."""
-        from workbench import checkpoint
+        import workbench.checkpoint as checkpoint
 
         if self.run_dir is None:
             logger.warning("%s: a checkpoint was requested but this peer has no --run-dir", self.name)
@@ -692,8 +698,8 @@ class Peer:
 
     def resume(self, directory: str) -> None:
         """Continue from the checkpoint in ``directory`` (``--resume``): refuses another run or model."""
+        import workbench.checkpoint as checkpoint
         from optim.diloco import OuterState
-        from workbench import checkpoint
 
         payload, path = checkpoint.load(directory)
         fingerprint = self.fingerprint()[0]
@@ -801,67 +807,6 @@ class Peer:
             except Exception as error:  # noqa: BLE001
                 logger.warning("closing the %s exporter: %s", type(exporter).__name__, error)
         self.exporters = []
-
-
-def train_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    device: torch.device,
-    grad_clip: float,
-    before_step: Callable[[], None],
-) -> torch.Tensor:
-    """Forward, backward, ``before_step`` (gradients averaged over a node or the swarm), clip,
-    optimizer step; the loss. The one inner step of a peer and of a node's other ranks."""
-    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    model.train()
-    with autocast_context(device):
-        _, loss = model(x, y)
-    loss.backward()
-    before_step()
-    if grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss
-
-
-@dataclasses.dataclass
-class Training:
-    """What one process needs to train: the same on every peer and every rank of a node."""
-
-    device: torch.device
-    corpus: ByteCorpus
-    eval_set: list
-    model: torch.nn.Module
-    inner_optimizer: torch.optim.Optimizer
-
-
-def build_training(cfg: RunConfig) -> Training:
-    """Data, model (seeded: identical θ on every peer before any download) and inner AdamW."""
-    device = pick_device(cfg.peer.device)
-    corpus = ByteCorpus.load(cfg.data, shard=cfg.peer.shard, num_shards=cfg.peer.num_shards)
-    corpus.check_fits(cfg.model.block_size)
-    eval_set = corpus.eval_batches(
-        block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, num_batches=cfg.peer.eval_batches
-    )
-    if cfg.hf_model:
-        from workbench import hf
-
-        model = hf.load_model(
-            cfg.hf_model, seed=cfg.peer.seed, block_size=cfg.model.block_size, vocab_size=corpus.vocab_size
-        ).to(device)
-    else:  # a preset reads bytes, or a tokenizer's ids when --tokenizer is given
-        shape = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
-        model = build_model(shape, seed=cfg.peer.seed).to(device)
-    inner_optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.train.inner_lr,
-        weight_decay=cfg.train.weight_decay,
-        betas=(cfg.train.beta1, cfg.train.beta2),
-    )
-    return Training(device, corpus, eval_set, model, inner_optimizer)
 
 
 def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | None = None) -> dict[str, Any]:

@@ -1,0 +1,54 @@
+"""``--min-peers``: who counts as present before the first round."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import workbench.peer as peer_module
+from swarm.records import PeerHeartbeat, Stage
+from workbench.peer import Peer
+
+
+def _beat(peer: str, stage: Stage) -> PeerHeartbeat:
+    return PeerHeartbeat(
+        peer_id=peer, name=peer, stage=stage, outer_step=0, inner_step=0, inner_steps=5, time=time.time()
+    )
+
+
+class Board:
+    """The newcomer downloads the state for the first ``downloading`` reads, then waits to train."""
+
+    def __init__(self, downloading: int) -> None:
+        self.reads = 0
+        self.downloading = downloading
+
+    def fetch(self) -> dict[str, PeerHeartbeat]:
+        self.reads += 1
+        stage = Stage.DOWNLOADING if self.reads <= self.downloading else Stage.JOINING
+        return {"a": _beat("a", Stage.JOINING), "b": _beat("b", stage)}
+
+
+def _wait(board: Board, min_peers: int, wait_timeout: float = 60.0) -> None:
+    peer = SimpleNamespace(
+        config=SimpleNamespace(peer=SimpleNamespace(min_peers=min_peers, wait_timeout=wait_timeout)),
+        board=board,
+        beat=lambda stage: None,
+        name="a",
+    )
+    Peer.wait_for_peers(peer)
+
+
+def test_a_peer_still_downloading_the_state_is_not_counted_yet(monkeypatch):
+    monkeypatch.setattr(peer_module.time, "sleep", lambda seconds: None)
+    board = Board(downloading=5)
+    _wait(board, min_peers=2)
+    assert board.reads == 6  # returned at the first read that showed b ready to train
+
+
+def test_min_peers_still_gives_up_after_the_wait_timeout(monkeypatch):
+    monkeypatch.setattr(peer_module.time, "sleep", lambda seconds: None)
+    board = Board(downloading=10**9)
+    started = time.monotonic()
+    _wait(board, min_peers=2, wait_timeout=0.2)
+    assert 0.2 <= time.monotonic() - started < 5.0 and board.reads > 1
