@@ -33,6 +33,7 @@ RESULTS = Path(__file__).parent / "results"
 def heartbeats(blocks: int, steps: int) -> dict:
     import torch
 
+    from optim.inner import inner_step
     from swarm.dht import NetworkConfig
     from swarm.progress import ProgressBoard
     from swarm.records import PeerHeartbeat, RunKeys, Stage
@@ -62,11 +63,7 @@ def heartbeats(blocks: int, steps: int) -> dict:
     def block(with_beats: bool) -> float:
         start = time.perf_counter()
         for step in range(steps):
-            x, y = next(batches)
-            _, loss = model(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            inner_step(model, optimizer, *next(batches))
             if with_beats:
                 beat(step)
         return (time.perf_counter() - start) / steps

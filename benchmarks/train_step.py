@@ -43,12 +43,7 @@ def measure(preset_name: str, steps: int, device: torch.device, batch_size: int)
 
     def inner_step() -> None:
         x, y = next(batches)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast_context(device):
-            _, loss = model(x, y)
-        loss.backward()
-        inner.step()
-        inner.zero_grad(set_to_none=True)
+        loss = inner_step(model, inner, x, y, device=device, autocast=lambda: autocast_context(device))
         losses.append(loss.detach())
         outer.note_inner_step(samples=batch_size)
 

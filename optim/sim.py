@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from optim.averager import RoundReport
+from optim.inner import inner_step
 
 
 @dataclass(kw_only=True)
@@ -203,15 +204,15 @@ def simulate(
                 for i in range(todo):
                     peer.set_lr(round_index * peer.inner_steps + i)
                     x, y = next(peer.batches)
-                    peer.model.train()
-                    _, loss = peer.model(x, y)
-                    loss.backward()
-                    report = peer.outer.before_inner_step(samples=len(x))
-                    _account(rank, report)
-                    if peer.grad_clip:
-                        torch.nn.utils.clip_grad_norm_(peer.model.parameters(), peer.grad_clip)
-                    peer.inner_optimizer.step()
-                    peer.inner_optimizer.zero_grad(set_to_none=True)
+                    n = len(x)
+                    loss = inner_step(
+                        peer.model,
+                        peer.inner_optimizer,
+                        x,
+                        y,
+                        grad_clip=peer.grad_clip,
+                        before_step=lambda n=n: _account(rank, peer.outer.before_inner_step(samples=n)),
+                    )
                     if i < todo - 1 or peer.inner_steps == 1:
                         report = peer.outer.after_inner_step(samples=len(x))
                     else:  # the last step of a (possibly short) round: sync now

@@ -18,7 +18,7 @@ EPILOG = """examples:
 
 
 def add_config_parser(commands) -> None:
-    from workbench.cli import _add_peer_options
+    from workbench.options import _add_peer_options
 
     config = commands.add_parser(
         "config",
@@ -49,7 +49,7 @@ def add_config_parser(commands) -> None:
 
 
 def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from workbench.cli import PEER_COMMANDS, _where_from, build_config, subparser
+    from workbench.options import PEER_COMMANDS, _where_from, build_config, subparser
 
     config_parser = subparser(parser, "config")
     actions = next(a for a in config_parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -79,7 +79,7 @@ def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def _print_keys(parser: argparse.ArgumentParser, as_json: bool) -> int:
-    from workbench.cli import PEER_COMMANDS, subparser
+    from workbench.options import PEER_COMMANDS, subparser
 
     rows: dict[str, dict] = {}
     for command in PEER_COMMANDS:

@@ -223,7 +223,7 @@ class ByteCorpus:
         if config.tokenizer is None:
             train, val, vocab = _to_tensor(train_bytes), _to_tensor(val_bytes), 256
         else:
-            from workbench import hf
+            import workbench.hf as hf
 
             tokenizer = hf.load_tokenizer(config.tokenizer)
             with progress(f"tokenizing with {config.tokenizer}"):
@@ -241,7 +241,7 @@ class ByteCorpus:
         config: DataConfig, shard: int | None, num_shards: int
     ) -> tuple[list[bytes], list[bytes], list[Path], str, int]:
         """The records of ``config.dataset`` (this peer's shard of them), train and val by index."""
-        from workbench import hf
+        import workbench.hf as hf
 
         dataset = hf.open_dataset(
             config.dataset,

@@ -95,7 +95,8 @@ def _custom_model(flags: dict[str, Any], backend: str) -> Callable[[], torch.nn.
 def config_from_flags(command: str = "demo", **flags: Any) -> tuple[RunConfig, Any]:
     """A RunConfig parsed from CLI flags given as keyword arguments (inner_steps=20 is
     ``--inner-steps 20``; True is a bare flag), with the CLI's checks and error messages."""
-    from workbench.cli import NEGATABLE, build_config, build_parser
+    from workbench.cli import build_parser
+    from workbench.options import NEGATABLE, build_config
 
     parser = build_parser()
     argv = [command]

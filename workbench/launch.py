@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from swarm.errors import SwarmError
+from workbench.argv import method_arguments, model_flags, optimizer_arguments
 from workbench.config import RunConfig
 
 
@@ -97,69 +98,8 @@ class LocalPeer:
         return "\n".join(f"    {line}" for line in text[-lines:])
 
 
-def method_arguments(config: RunConfig) -> list[str]:
-    """``--method`` and the schedule flags of a dp or streaming run (a diloco run: none)."""
-    if config.method == "dp":
-        return ["--method", "dp"]
-    if config.method != "streaming":
-        return []
-    args = ["--method", "streaming", "--fragments", str(config.fragments)]
-    if config.sync_delay:
-        args += ["--sync-delay", str(config.sync_delay)]
-    if config.alpha is not None:
-        args += ["--alpha", repr(config.alpha)]
-    return args
-
-
-def optimizer_arguments(config: RunConfig, *, changed_only: bool = False) -> list[str]:
-    """The optimizer flags that rebuild ``config.diloco``, those its method takes (a sparseloco
-    or local_sgd run is a diloco run with the preset's settings spelled out); ``changed_only``:
-    only those that differ from DiLoCoConfig's defaults (for a join command people read)."""
-    from optim.diloco import DiLoCoConfig
-    from workbench.optimizer_flags import USES
-
-    values = _optimizer_values(config.diloco)
-    if changed_only:
-        defaults = _optimizer_values(DiLoCoConfig())
-        # A delayed run's outer defaults are not DiLoCoConfig's (names.DELAYED_OUTER): spell them out.
-        kept = ("outer_lr", "outer_momentum") if config.diloco.delay == 1 else ()
-        values = {k: v for k, v in values.items() if v != defaults[k] or k in kept}
-    args = []
-    for dest, value in values.items():
-        if dest not in USES[config.method] or value is None:
-            continue
-        flag = "--" + dest.replace("_", "-")
-        if value is True:
-            args.append(flag)
-        elif value is False:
-            args.append("--no-" + flag[2:])
-        else:
-            args += [flag, value]
-    return args
-
-
-def _optimizer_values(d) -> dict[str, str | bool | None]:
-    return {
-        "outer_lr": repr(d.outer_lr),
-        "outer_momentum": repr(d.outer_momentum),
-        "update_codec": d.codec,
-        "topk_density": repr(d.topk_density),
-        "topk_chunk": str(d.topk_chunk),
-        "topk_bits": str(d.topk_bits),
-        "ef_decay": repr(d.error_decay),
-        "delay": str(d.delay),
-        "outlier_ratio": repr(d.outlier_ratio),
-        "clip_norm": repr(d.clip_norm),
-        "error_feedback": d.error_feedback or None,
-        "overlap": d.overlap or None,
-        "eager": None if d.eager is None or d.delay != 1 else d.eager,
-    }
-
-
 def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
     """CLI flags that rebuild ``config`` for one local peer."""
-    from workbench.cli import model_flags
-
     try:
         model = model_flags(config)
     except ValueError:

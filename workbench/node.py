@@ -111,7 +111,7 @@ class NodeGroup:
 
 def follow(config) -> int:
     """A follower rank: train when rank 0 says so, until it says stop. Returns an exit code."""
-    from workbench.peer import build_training, train_step
+    from workbench.training import build_training, train_step
 
     node = NodeGroup()
     cfg = config

@@ -16,7 +16,8 @@ import swarm.dht
 import workbench.launch
 import workbench.peer
 from swarm.errors import SwarmError
-from workbench.cli import EXIT_USER_ERROR, build_config, build_parser, join_command, main
+from workbench.argv import join_command
+from workbench.cli import EXIT_USER_ERROR, build_config, build_parser, main
 from workbench.config import PeerConfig, RunConfig
 from workbench.data import ByteCorpus, DataConfig, DataError
 from workbench.model import small, tiny

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from workbench.cli import build_config, build_parser, join_command
+from workbench.argv import join_command
+from workbench.cli import build_config, build_parser
 from workbench.launch import DemoTable, LaunchError, _describe, peer_arguments
 
 

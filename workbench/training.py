@@ -1,0 +1,74 @@
+"""What one process trains with: data, model and inner optimizer built the same way on every
+peer and every rank of a node, and the inner step they all take."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from optim.inner import inner_step
+from workbench.config import RunConfig
+from workbench.data import ByteCorpus
+from workbench.model import autocast_context, build_model, pick_device
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    device: torch.device,
+    grad_clip: float,
+    before_step: Callable[[], None],
+) -> torch.Tensor:
+    """:func:`optim.inner.inner_step` on ``device``, in bf16 autocast on CUDA: the one inner
+    step of a peer and of a node's other ranks."""
+    return inner_step(
+        model,
+        optimizer,
+        x,
+        y,
+        device=device,
+        grad_clip=grad_clip,
+        before_step=before_step,
+        autocast=lambda: autocast_context(device),
+    )
+
+
+@dataclasses.dataclass
+class Training:
+    """What one process needs to train: the same on every peer and every rank of a node."""
+
+    device: torch.device
+    corpus: ByteCorpus
+    eval_set: list
+    model: torch.nn.Module
+    inner_optimizer: torch.optim.Optimizer
+
+
+def build_training(cfg: RunConfig) -> Training:
+    """Data, model (seeded: identical θ on every peer before any download) and inner AdamW."""
+    device = pick_device(cfg.peer.device)
+    corpus = ByteCorpus.load(cfg.data, shard=cfg.peer.shard, num_shards=cfg.peer.num_shards)
+    corpus.check_fits(cfg.model.block_size)
+    eval_set = corpus.eval_batches(
+        block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, num_batches=cfg.peer.eval_batches
+    )
+    if cfg.hf_model:
+        import workbench.hf as hf
+
+        model = hf.load_model(
+            cfg.hf_model, seed=cfg.peer.seed, block_size=cfg.model.block_size, vocab_size=corpus.vocab_size
+        ).to(device)
+    else:  # a preset reads bytes, or a tokenizer's ids when --tokenizer is given
+        shape = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
+        model = build_model(shape, seed=cfg.peer.seed).to(device)
+    inner_optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.train.inner_lr,
+        weight_decay=cfg.train.weight_decay,
+        betas=(cfg.train.beta1, cfg.train.beta2),
+    )
+    return Training(device, corpus, eval_set, model, inner_optimizer)
