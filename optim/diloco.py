@@ -28,8 +28,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,6 +39,7 @@ from optim.codecs import Codec, ErrorFeedback, encoded_nbytes, make_codec
 from optim.robust import check_round
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -554,27 +556,24 @@ class DiLoCo:
         With ``overlap`` the round in flight is part of the state: this waits (at most
         ``inflight_timeout`` s) for its all-reduce and serves its mean as a queued update, so a
         joiner applies it at the end of its first round, as this peer will."""
-        while True:
-            inflight = self._inflight
-            if inflight is not None:
-                concurrent.futures.wait([inflight.future], timeout=inflight_timeout)
-            with self.lock:
-                if self._inflight is not inflight:
-                    continue  # a round ended while we waited: wait for the new one
-                keys, tensors = getattr(self, "_inner_snapshot", ([], []))
-                pending = [[d.clone() for d in update] for update in self._pending]
-                if inflight is not None and inflight.future.done() and not inflight.future.exception():
-                    report = dataclasses.replace(inflight.future.result())
-                    if not self._judge(inflight.outgoing, report):
-                        pending.append([d.clone() for d in inflight.outgoing.deltas])
-                return OuterState(
-                    outer_step=self.outer_step_count,
-                    params=[g.clone() for g in self.global_params],
-                    momentum=[m.clone() for m in self.momentum_buffers()],
-                    inner=list(tensors),
-                    inner_keys=[list(k) for k in keys],
-                    pending=pending,
-                )
+        return read_settled(self, inflight_timeout, self._state_with)
+
+    def _state_with(self, inflight: _InFlight | None) -> OuterState:
+        """The state, its queued means and ``inflight``'s mean if it arrived (under the lock)."""
+        keys, tensors = getattr(self, "_inner_snapshot", ([], []))
+        pending = [[d.clone() for d in update] for update in self._pending]
+        if landed(inflight):
+            report = dataclasses.replace(inflight.future.result())
+            if not self._judge(inflight.outgoing, report):
+                pending.append([d.clone() for d in inflight.outgoing.deltas])
+        return OuterState(
+            outer_step=self.outer_step_count,
+            params=[g.clone() for g in self.global_params],
+            momentum=[m.clone() for m in self.momentum_buffers()],
+            inner=list(tensors),
+            inner_keys=[list(k) for k in keys],
+            pending=pending,
+        )
 
     @torch.no_grad()
     def load_outer_state(self, state: OuterState) -> None:
@@ -631,6 +630,26 @@ class _Outgoing:
 class _InFlight:
     outgoing: _Outgoing
     future: concurrent.futures.Future
+
+
+def read_settled(owner: Any, timeout: float, read: Callable[[Any], T]) -> T:
+    """``read(inflight)`` under ``owner.lock`` once ``owner._inflight`` (a round, or a streaming
+    fragment, averaging in the background) has finished or ``timeout`` s have passed; if
+    another one started meanwhile, wait for that one instead. Serving the state this way gives
+    a joiner the mean in flight, which the peer serving it is about to apply too."""
+    while True:
+        inflight = owner._inflight
+        if inflight is not None:
+            concurrent.futures.wait([inflight.future], timeout=timeout)
+        with owner.lock:
+            if owner._inflight is inflight:
+                return read(inflight)
+            # a round ended while we waited: wait for the new one
+
+
+def landed(inflight: Any) -> bool:
+    """Whether a background all-reduce has delivered its mean (not failed, not still running)."""
+    return inflight is not None and inflight.future.done() and not inflight.future.exception()
 
 
 def in_background(function, *args: Any, after: concurrent.futures.Future | None = None, **kwargs: Any):

@@ -29,7 +29,15 @@ import torch
 
 from optim.averager import Averager, RoundReport
 from optim.codecs import encoded_nbytes
-from optim.diloco import DiLoCoConfig, OuterState, in_background, inner_state_tensors, load_inner_state
+from optim.diloco import (
+    DiLoCoConfig,
+    OuterState,
+    in_background,
+    inner_state_tensors,
+    landed,
+    load_inner_state,
+    read_settled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -377,34 +385,30 @@ class StreamingRounds:
         """A consistent copy of the global state (safe from another thread). With a fragment in
         flight this waits (at most ``inflight_timeout`` s) for its all-reduce and serves θ and
         momentum with its merge applied, as this peer will hold them once it lands."""
+        return read_settled(self, inflight_timeout, self._state_with)
+
+    def _state_with(self, inflight: _FragmentInFlight | None) -> OuterState:
+        """θ and momentum with ``inflight``'s merge applied if its mean arrived (under the lock)."""
         s = self.streaming
-        while True:
-            inflight = self._inflight
-            if inflight is not None:
-                concurrent.futures.wait([inflight.future], timeout=inflight_timeout)
-            with self.lock:
-                if self._inflight is not inflight:
-                    continue  # it landed while we waited: serve what is there now
-                keys, tensors = self._inner_snapshot
-                params = [g.clone() for g in self.global_params]
-                momentum = [m.clone() for m in self._momentum()]
-                landed = inflight is not None and inflight.future.done() and not inflight.future.exception()
-                if landed and all(torch.isfinite(d).all() for d in inflight.deltas):  # as merge() judges
-                    indices = s.fragments[inflight.fragment]
-                    _outer_step_on_copies(
-                        [params[i] for i in indices],
-                        [momentum[i] for i in indices],
-                        inflight.deltas,
-                        s.outer_optimizer.param_groups[0],
-                        fresh=[self.global_params[i] not in s.outer_optimizer.state for i in indices],
-                    )
-                return OuterState(
-                    outer_step=self._clock,
-                    params=params,
-                    momentum=momentum,
-                    inner=list(tensors),
-                    inner_keys=[list(k) for k in keys],
-                )
+        keys, tensors = self._inner_snapshot
+        params = [g.clone() for g in self.global_params]
+        momentum = [m.clone() for m in self._momentum()]
+        if landed(inflight) and all(torch.isfinite(d).all() for d in inflight.deltas):  # as merge() judges
+            indices = s.fragments[inflight.fragment]
+            _outer_step_on_copies(
+                [params[i] for i in indices],
+                [momentum[i] for i in indices],
+                inflight.deltas,
+                s.outer_optimizer.param_groups[0],
+                fresh=[self.global_params[i] not in s.outer_optimizer.state for i in indices],
+            )
+        return OuterState(
+            outer_step=self._clock,
+            params=params,
+            momentum=momentum,
+            inner=list(tensors),
+            inner_keys=[list(k) for k in keys],
+        )
 
     @torch.no_grad()
     def load_outer_state(self, state: OuterState) -> None:
