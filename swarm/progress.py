@@ -31,6 +31,7 @@ class ProgressBoard:
         self._last_fetch: dict[str, PeerHeartbeat] = {}
         self._peer_ids: dict[str, str | None] = {}  # public key -> peer id (RSA work, cached)
         self.ignored = Ignored()
+        self._forgers = Ignored()  # keys caught signing another peer's heartbeat (bounded)
         """Peers caught lying (absurd heartbeats here, behaviour in swarm.averaging): dropped
         from every fetch for the rest of the run."""
 
@@ -69,10 +70,11 @@ class ProgressBoard:
         peers, now = {}, dht_time()
         for public_key, heartbeat in records.items():
             if self.peer_id_of(public_key) != heartbeat.peer_id:
-                logger.warning(
-                    "dropping a heartbeat that claims peer id %s but is signed by another key (forged)",
-                    heartbeat.peer_id,
-                )
+                if self._forgers.add(public_key, "forged"):  # said once per forging key, not per read
+                    logger.warning(
+                        "dropping heartbeats that claim peer id %s but are signed by another key (forged)",
+                        heartbeat.peer_id,
+                    )
                 continue
             if heartbeat.peer_id in self.ignored:
                 continue

@@ -289,3 +289,21 @@ def test_an_overlapped_barrier_waits_for_a_downloader_unless_this_peer_serves_it
     release.set()
     served.join(5)
     assert not swarm.serving.answering
+
+
+def test_a_forged_heartbeat_is_dropped_and_said_once_per_forging_key(caplog):
+    from swarm.progress import ProgressBoard
+    from swarm.records import RunKeys
+
+    class Store:
+        def read(self, key, model):
+            return {"attacker-key": beat("victim", 3), "owner-key": beat("owner", 3)}
+
+    board = ProgressBoard(Store(), RunKeys("forgery"))
+    board.peer_id_of = {"attacker-key": "attacker", "owner-key": "owner"}.get  # no RSA here
+    with caplog.at_level("WARNING", logger="swarm.progress"):
+        for _ in range(5):
+            assert list(board.fetch()) == ["owner"]
+    assert [r.getMessage() for r in caplog.records if "forged" in r.getMessage()] == [
+        "dropping heartbeats that claim peer id victim but are signed by another key (forged)"
+    ]

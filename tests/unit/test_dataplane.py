@@ -57,7 +57,9 @@ def _member(rank: int, size: int, values, weights, codec: str, rounds: int, tamp
                 codec=codec,
                 timeout=20,
             )
-            results.append([t.clone() for t in tensors])
+            # Plain lists, not tensors: a tensor crosses a queue as a handle to this process's
+            # memory, unreadable once this process has exited (a flaky ConnectionResetError).
+            results.append([t.tolist() for t in tensors])
         except RingTampered as error:
             results.append(str(error))
     out.put((rank, results, len(plane._rings)))
@@ -80,6 +82,10 @@ def _run(size: int, codec: str, rounds: int, tamper_rank: int | None = None):
     for m in members:
         m.join(timeout=30)
     manager.shutdown()
+    results = [
+        (rank, [r if isinstance(r, str) else [torch.tensor(t) for t in r] for r in rounds], rings)
+        for rank, rounds, rings in results
+    ]
     return weights, results
 
 
