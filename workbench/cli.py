@@ -9,6 +9,7 @@ command in its own module, which registers its parser here.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -196,6 +197,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USER_ERROR
         raise
     _configure_logging(args.verbose)
+    if not faulthandler.is_enabled():  # a crash in native code (torch, gloo) still names its Python line
+        faulthandler.enable()
     if args.command == "config":
         from workbench.config_cli import run_config_command
 
@@ -238,10 +241,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
             from workbench.launch import run_demo_command
 
             return run_demo_command(config, args)
-        from workbench.node import follow, node_world
+        from workbench.node import follow, leave, node_world
 
         if node_world()[0] > 0:  # a torchrun rank other than 0: rank 0 is the node's peer
-            return follow(config)
+            leave(follow(config))
         from workbench.peer import run_peer
 
         on_started = (

@@ -13,7 +13,8 @@ action:
     SYNC      rank 0's parameters and inner optimizer state go to every rank (at each round's
               start: after an outer step, a state download or a resume)
     CHECK     the largest parameter difference between any rank and rank 0 (end of run)
-    STOP      followers return
+    STOP      followers return (after a barrier: nothing is in flight when the group is
+              destroyed), and end their process at once (see :func:`leave`)
 
 The node's averaging weight is the samples of all its ranks, so a 2-rank node counts twice as
 much as a 1-process peer with the same batch size.
@@ -21,8 +22,10 @@ much as a 1-process peer with the same batch size.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -61,9 +64,12 @@ class NodeGroup:
         return int(message[0]), float(message[1])
 
     def stop(self) -> None:
+        """Rank 0: tell the followers to return, and wait until every rank has the word (a
+        barrier), so that no rank tears its side of the group down with a message in flight."""
         if not self.stopped and self.rank == 0:
             self.stopped = True
             self.command(STOP)
+            dist.barrier()
 
     # --- collectives -------------------------------------------------------------------------
 
@@ -147,8 +153,24 @@ def follow(config) -> int:
             elif op == CHECK:
                 node.max_param_diff(model)
             elif op == STOP:
+                dist.barrier()  # rank 0's stop(): every rank has the word
+                logger.info("node rank %d: stopped by rank 0", node.rank)
                 return 0
     except KeyboardInterrupt:
         return 0
     finally:
         node.close()
+
+
+def leave(code: int) -> None:
+    """End a follower's process now, after its group is destroyed: flush the logs and skip
+    interpreter finalization. Finalization destroys whatever torch and gloo still hold (worker
+    threads, their last work items) in a half-torn-down interpreter, where a stray one ends the
+    process in ``std::terminate`` (SIGABRT, "terminate called without an active exception");
+    torchrun then takes the whole node down, rank 0 and its final checkpoint included. A
+    follower has nothing left to save, so it has nothing to lose by not finalizing."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing to say
+            stream.flush()
+    os._exit(code)
