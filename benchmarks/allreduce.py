@@ -70,7 +70,8 @@ def _averager_worker(
     import torch
     from hivemind import DHT
 
-    from swarm.averaging import CODECS, _StateServingAverager
+    from swarm.averaging import CODECS
+    from swarm.group_averager import GroupAverager
 
     torch.set_num_threads(1)
     if rank == 0:
@@ -82,7 +83,7 @@ def _averager_worker(
     results = {}
     for mb, codec, plane in configs:
         tensor = torch.randn(_elements(mb))
-        averager = _StateServingAverager(
+        averager = GroupAverager(
             [tensor],
             dht,
             prefix=f"bench{round(mb * 1000)}kb-{codec}-{plane}",  # no dots in a hivemind prefix

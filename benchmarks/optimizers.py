@@ -47,8 +47,8 @@ from optim.local_sgd import local_sgd
 from optim.sim import SimConfig, SimResult
 from optim.sparseloco import sparseloco
 from workbench.config import TrainConfig
-from workbench.data import DataConfig
-from workbench.model import build_model, preset
+from workbench.run.data import DataConfig
+from workbench.run.model import build_model, preset
 from workbench.simulate import METHODS, MethodSpec, run_simulation
 
 RESULTS = Path(__file__).parent / "results"
@@ -64,7 +64,7 @@ class BenchConfig:
     """One benchmark setting; every row runs it with its own outer method."""
 
     preset: str = "small"
-    """Model preset (workbench.model: tiny, small, medium)."""
+    """Model preset (workbench.run.model: tiny, small, medium)."""
     inner_steps: int = 50
     """H of every low-communication row (dp syncs every step)."""
     steps: int = 2000

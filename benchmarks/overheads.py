@@ -38,8 +38,8 @@ def heartbeats(blocks: int, steps: int) -> dict:
     from swarm.progress import ProgressBoard
     from swarm.records import PeerHeartbeat, RunKeys, Stage
     from swarm.session import connect
-    from workbench.data import ByteCorpus, DataConfig
-    from workbench.model import build_model, preset
+    from workbench.run.data import ByteCorpus, DataConfig
+    from workbench.run.model import build_model, preset
 
     torch.set_num_threads(1)
     session = connect(NetworkConfig(), RunKeys("overheads"))
@@ -94,8 +94,8 @@ def _serve_state(params: int, addresses, ready, stop) -> None:
     import torch
 
     from optim.diloco import OuterState
-    from swarm.averaging import _StateServingAverager
     from swarm.dht import NetworkConfig
+    from swarm.group_averager import GroupAverager
     from swarm.records import RunKeys
     from swarm.session import connect
 
@@ -109,7 +109,7 @@ def _serve_state(params: int, addresses, ready, stop) -> None:
         inner=[torch.randn(params), torch.rand(params)],
         inner_keys=["exp_avg", "exp_avg_sq"],
     )
-    averager = _StateServingAverager(
+    averager = GroupAverager(
         [torch.zeros(params)], session.dht, prefix="joinbench", state_provider=lambda: state,
         declare_state_period=1, start=True,
     )  # fmt: skip
@@ -124,8 +124,8 @@ def _serve_state(params: int, addresses, ready, stop) -> None:
 def join(params: int) -> dict:
     import torch
 
-    from swarm.averaging import _StateServingAverager
     from swarm.dht import NetworkConfig
+    from swarm.group_averager import GroupAverager
     from swarm.records import RunKeys
     from swarm.session import connect
 
@@ -138,7 +138,7 @@ def join(params: int) -> dict:
     time.sleep(3)  # the donor declares its state (every second)
     start = time.perf_counter()
     session = connect(NetworkConfig(initial_peers=initial), RunKeys("join-bench"))
-    averager = _StateServingAverager(
+    averager = GroupAverager(
         [torch.zeros(params)], session.dht, prefix="joinbench", state_provider=None,
         allow_state_sharing=False, start=True,
     )  # fmt: skip

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from optim import DiLoCo, DiLoCoConfig, LocalAverager
-from workbench.data import ByteCorpus, DataConfig
-from workbench.model import autocast_context, build_model, pick_device, preset
+from workbench.run.data import ByteCorpus, DataConfig
+from workbench.run.model import autocast_context, build_model, pick_device, preset
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -3,7 +3,7 @@
     python -m benchmarks.utilization [--rate 100mbit] [--peers 4] [--quick]
 
 Four real peers, each in its own network namespace behind a link capped with tc tbf
-(workbench.netlab), train the default model (`small`) with each method; a peer's utilization is
+(workbench.local.netlab), train the default model (`small`) with each method; a peer's utilization is
 the time in its inner steps (forward, backward, AdamW; data-parallel's gradient all-reduce
 excluded) over its wall time from its first round's start to its last round's end (overlapped:
 to the end of its last all-reduce). Baseline:
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from workbench import netlab
+from workbench.local import netlab
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from tui.app import SwarmApp
 from workbench.config import RunConfig
-from workbench.launch import LocalSwarm
-from workbench.model import preset
+from workbench.local.launch import LocalSwarm
+from workbench.run.model import preset
 from workbench.sources import DemoSource
 
 

@@ -161,7 +161,7 @@ NOTEBOOKS = {
         ),
         new_markdown_cell("The live widget works on a recording too (one reading per half second):"),
         new_code_cell(
-            "from workbench.sources import ReplaySource\nfrom workbench.widget import SwarmWidget\n\n"
+            "from workbench.sources import ReplaySource\nfrom workbench.notebook.widget import SwarmWidget\n\n"
             "SwarmWidget(ReplaySource(RECORDING, interval=0.5))"
         ),
     ],

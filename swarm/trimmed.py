@@ -7,7 +7,7 @@ peer that sends NaN or a huge update then moves no coordinate of the mean. The m
 unweighted (every member counts the same), as trimmed means usually are.
 
 Only hivemind's plane can do this: the direct plane's gloo ring only sums. It is installed in
-hivemind's averager process (see ``_StateServingAverager.run``).
+hivemind's averager process (see ``GroupAverager.run`` in swarm.group_averager).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from optim.diloco import DiLoCoConfig
 from swarm.averaging_config import AveragingConfig
 from swarm.dht import NetworkConfig
 from swarm.records import check_run_id
-from workbench.data import DataConfig
-from workbench.model import ModelConfig
 from workbench.names import WANDB_MODES
+from workbench.run.data import DataConfig
+from workbench.run.model import ModelConfig
 
 
 @dataclass(kw_only=True)

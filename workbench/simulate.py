@@ -20,8 +20,8 @@ from optim.diloco import DiLoCo, DiLoCoConfig
 from optim.sim import InProcessSwarm, SimConfig, SimResult, VirtualPeer, simulate
 from optim.streaming import StreamingConfig, StreamingDiLoCo
 from workbench.config import TrainConfig
-from workbench.data import ByteCorpus, DataConfig, evaluate
-from workbench.model import ModelConfig, build_model, preset
+from workbench.run.data import ByteCorpus, DataConfig, evaluate
+from workbench.run.model import ModelConfig, build_model, preset
 
 METHODS = ("dp", "local_sgd", "diloco", "sparseloco", "streaming")
 
@@ -59,7 +59,7 @@ class MethodSpec:
     def outer_config(self) -> DiLoCoConfig:
         """The outer settings as given: build them with the method's preset
         (``optim.sparseloco.sparseloco``, ``optim.local_sgd.local_sgd``) or
-        ``workbench.optimizer_flags.outer_config``; nothing here overrides them."""
+        ``workbench.cli.optimizer_flags.outer_config``; nothing here overrides them."""
         return self.diloco
 
 
@@ -75,7 +75,7 @@ def run_simulation(
 ) -> SimResult:
     """``make_model``: your own module instead of the preset ``model`` (one call per virtual
     peer; each must return the same initial θ). Its ``forward(x, y)`` returns
-    ``(output, loss)``; see :class:`workbench.experiment.WithLoss` to add a loss function."""
+    ``(output, loss)``; see :class:`workbench.notebook.experiment.WithLoss` to add a loss function."""
     corpus = ByteCorpus.load(data)
     corpus.check_fits(model.block_size)
     held_out = corpus.eval_batches(
@@ -134,7 +134,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             stragglers[int(rank)] = float(fraction)
         except ValueError:
             raise ValueError(f"--straggler '{text}' must look like RANK:FRACTION, e.g. 3:0.5") from None
-    from workbench.optimizer_flags import effective, outer_config
+    from workbench.cli.optimizer_flags import effective, outer_config
 
     streaming = dict(fragments=args.fragments or 4, sync_delay=args.sync_delay or 0, alpha=args.alpha)
     spec = MethodSpec(method=args.method, diloco=outer_config(args), **streaming)

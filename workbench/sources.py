@@ -145,7 +145,7 @@ class ReplaySource:
 
 
 class LocalFaults:
-    """Fault injection into the peers of a :class:`~workbench.launch.LocalSwarm` (this machine's)."""
+    """Fault injection into the peers of a :class:`~workbench.local.launch.LocalSwarm` (this machine's)."""
 
     def __init__(self, swarm) -> None:
         self.swarm = swarm
@@ -209,7 +209,7 @@ class DemoSource(LiveSource):
 
     @classmethod
     def of(cls, swarm) -> DemoSource:
-        """Connect to a started :class:`~workbench.launch.LocalSwarm` as a client, signing with
+        """Connect to a started :class:`~workbench.local.launch.LocalSwarm` as a client, signing with
         peer-0's key (the run's owner key: the demo owns the run)."""
         from swarm.dht import NetworkConfig
         from swarm.session import connect

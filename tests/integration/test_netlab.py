@@ -1,4 +1,4 @@
-"""Peers in their own network namespaces behind links capped with tc (workbench.netlab).
+"""Peers in their own network namespaces behind links capped with tc (workbench.local.netlab).
 
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2)."""
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from tests.integration.conftest import FAST, PeerProcess
-from workbench import netlab
+from workbench.local import netlab
 
 pytestmark = pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
 

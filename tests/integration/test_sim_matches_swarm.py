@@ -12,8 +12,8 @@ from optim.diloco import DiLoCoConfig
 from optim.sim import SimConfig
 from tests.integration.conftest import max_abs_diff
 from workbench.config import TrainConfig
-from workbench.data import DataConfig
-from workbench.model import preset
+from workbench.run.data import DataConfig
+from workbench.run.model import preset
 from workbench.simulate import MethodSpec, run_simulation
 
 pytestmark = pytest.mark.integration

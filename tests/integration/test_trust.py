@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.integration.conftest import FAST, max_abs_diff
-from workbench import netlab
+from workbench.local import netlab
 
 
 def _listeners(pid: int) -> list[tuple[str, int]]:
@@ -45,14 +45,14 @@ async def _ask_boards(address: str, prefix: str, peer_ids: list[str]) -> list[di
     from hivemind.p2p import P2P, PeerID
     from hivemind.proto import averaging_pb2
 
-    from swarm.averaging import _StateServingAverager
+    from swarm.group_averager import GroupAverager
     from swarm.rendezvous import pack, unpack
 
     p2p = await P2P.create(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     answers = []
     try:
         for peer in peer_ids:
-            stub = _StateServingAverager.get_stub(p2p, PeerID.from_base58(peer), namespace=prefix)
+            stub = GroupAverager.get_stub(p2p, PeerID.from_base58(peer), namespace=prefix)
             for request in [
                 {"g": b"\0" * 32, "op": "get", "k": "ring0/0"},
                 {"g": b"\0" * 32, "op": "set", "k": "ring0/0", "v": b"\0" * 60_000},

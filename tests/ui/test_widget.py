@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.ui.fake import FakeSource
-from workbench.widget import SwarmWidget
+from workbench.notebook.widget import SwarmWidget
 
 
 def widget(**options) -> SwarmWidget:

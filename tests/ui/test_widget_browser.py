@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.ui.fake import FakeSource
-from workbench.widget import SwarmWidget
+from workbench.notebook.widget import SwarmWidget
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(
@@ -51,7 +51,7 @@ def test_the_widget_renders_peers_and_a_click_reaches_python() -> None:
     source = FakeSource()
     source.position = len(source.snapshots) - 1
     widget = SwarmWidget(source, autostart=False)
-    script = Path(__file__).parents[2] / "workbench" / "widget.js"
+    script = Path(__file__).parents[2] / "workbench" / "notebook" / "widget.js"
 
     def state() -> str:
         return json.dumps({k: v for k, v in widget.get_state().items() if k in SYNCED})

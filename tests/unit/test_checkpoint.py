@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workbench import checkpoint
-from workbench.checkpoint import CheckpointError
-from workbench.data import ByteCorpus, DataConfig, DataError
+from workbench.run import checkpoint
+from workbench.run.checkpoint import CheckpointError
+from workbench.run.data import ByteCorpus, DataConfig, DataError
 
 
 def test_save_then_load_round_trips(tmp_path) -> None:

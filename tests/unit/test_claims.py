@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from swarm.averaging import SwarmAverager, _Verdict
 from swarm.averaging_config import AveragingConfig
+from swarm.barrier import RoundBarrier, Verdict
 from swarm.claims import STRIKES, Ignored, Vouching, implausible, judge_state
 from swarm.records import PeerHeartbeat, Stage
 from swarm.sketch import state_mismatch, state_sketches
@@ -75,42 +75,44 @@ class FakeBoard:
         self.ignored.add(peer_id, reason)
 
 
-def averager(board: FakeBoard, vouched=(), round_wait: float = 30.0) -> SwarmAverager:
-    swarm = object.__new__(SwarmAverager)  # the barrier only: no hivemind
-    swarm.board, swarm.peer_id, swarm.beat = board, "me", lambda stage: None
-    swarm.config = AveragingConfig(matchmaking_time=0.1, averaging_timeout=5.0, round_wait=round_wait)
-    swarm.overlapped, swarm.lag = False, 0
-    swarm.vouching, swarm._gap = Vouching(), 0.5
-    swarm.vouching.averaged_with(list(vouched))
-    return swarm
+def averager(board: FakeBoard, vouched=(), round_wait: float = 30.0) -> RoundBarrier:
+    barrier = RoundBarrier(  # the barrier only: no hivemind
+        board=board,
+        peer_id="me",
+        beat=lambda stage: None,
+        config=AveragingConfig(matchmaking_time=0.1, averaging_timeout=5.0, round_wait=round_wait),
+    )
+    barrier.gap = 0.5
+    barrier.vouching.averaged_with(list(vouched))
+    return barrier
 
 
 def test_a_vouched_peer_ahead_sends_this_peer_to_fetch_the_state():
     board = FakeBoard(beat("mate", 9), beat("me", 4))
-    assert averager(board, vouched=["mate"]).wait_for_round_mates(4) is _Verdict.BEHIND
+    assert averager(board, vouched=["mate"]).wait_for_round_mates(4) is Verdict.BEHIND
 
 
 def test_a_stranger_claiming_to_be_ahead_is_not_believed_and_is_struck_out():
     board = FakeBoard(beat("mate", 4), beat("liar", 10**9), beat("me", 4))
     swarm = averager(board, vouched=["mate"])
     for step in range(4, 4 + STRIKES):
-        assert swarm.wait_for_round_mates(step) is _Verdict.AVERAGE
+        assert swarm.wait_for_round_mates(step) is Verdict.AVERAGE
         board.beats["mate"] = beat("mate", step + 1)
     assert "liar" in board.ignored and "ahead" in board.ignored["liar"]
 
 
 def test_before_anyone_vouched_most_of_the_others_must_be_ahead():
     one_liar = FakeBoard(beat("a", 4), beat("b", 4), beat("liar", 99))
-    assert averager(one_liar).wait_for_round_mates(4) is _Verdict.AVERAGE
+    assert averager(one_liar).wait_for_round_mates(4) is Verdict.AVERAGE
     swarm_moved_on = FakeBoard(beat("a", 6), beat("b", 6), beat("c", 4))
-    assert averager(swarm_moved_on).wait_for_round_mates(4) is _Verdict.BEHIND
+    assert averager(swarm_moved_on).wait_for_round_mates(4) is Verdict.BEHIND
 
 
 def test_a_stranger_forever_training_costs_about_one_round_not_the_round_wait():
     board = FakeBoard(beat("mate", 4), beat("liar", 4, Stage.TRAINING))
     swarm = averager(board, vouched=["mate"], round_wait=60.0)
     started = time.monotonic()
-    assert swarm.wait_for_round_mates(4) is _Verdict.AVERAGE
+    assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE
     assert time.monotonic() - started < 10  # the grace: max(5 s, 1.5 rounds), not 60 s
     for step in range(5, 4 + STRIKES):
         board.beats.update(mate=beat("mate", step), liar=beat("liar", step, Stage.TRAINING))
@@ -122,7 +124,7 @@ def test_a_vouched_peer_still_training_is_waited_for():
     board = FakeBoard(beat("mate", 4, Stage.TRAINING))
     swarm = averager(board, vouched=["mate"], round_wait=7.0)
     started = time.monotonic()
-    assert swarm.wait_for_round_mates(4) is _Verdict.ALONE  # nobody ready after the full wait
+    assert swarm.wait_for_round_mates(4) is Verdict.ALONE  # nobody ready after the full wait
     assert time.monotonic() - started >= 7
     assert not board.ignored
 
@@ -154,7 +156,7 @@ def test_the_monitor_leaves_out_liars_and_says_why():
 
 def test_a_store_that_keeps_failing_is_counted_and_one_success_resets_it():
     """A peer stops with one line once its heartbeats fail this many times in a row
-    (workbench.peer.PUBLISH_FAILURES) instead of logging the same traceback forever."""
+    (workbench.run.peer.PUBLISH_FAILURES) instead of logging the same traceback forever."""
     from concurrent.futures import Future
 
     from swarm.store import SignedStore
@@ -261,14 +263,11 @@ def test_an_overlapped_barrier_waits_for_a_downloader_unless_this_peer_serves_it
     peer serves a state (its round's mean is in what it serves: waiting would hold it back)."""
     import threading
 
-    from swarm.averaging import Serving
-
     board = FakeBoard(beat("straggler", 2, Stage.DOWNLOADING))
     swarm = averager(board, vouched=["straggler"], round_wait=1.0)
-    swarm.overlapped, swarm.lag = True, 1
-    swarm.serving = Serving()
+    swarm.overlapped = True
     started = time.monotonic()
-    assert swarm.wait_for_round_mates(7) is _Verdict.ALONE  # waited the whole round wait, then alone
+    assert swarm.wait_for_round_mates(7) is Verdict.ALONE  # waited the whole round wait, then alone
     assert time.monotonic() - started >= 1.0
 
     release, entered = threading.Event(), threading.Event()
@@ -284,7 +283,7 @@ def test_an_overlapped_barrier_waits_for_a_downloader_unless_this_peer_serves_it
     assert entered.wait(5) and swarm.serving.answering, "a request being answered counts"
     swarm.config.round_wait = 30.0
     started = time.monotonic()
-    assert swarm.wait_for_round_mates(7) is _Verdict.ALONE  # not held back while serving
+    assert swarm.wait_for_round_mates(7) is Verdict.ALONE  # not held back while serving
     assert time.monotonic() - started < 1.0
     release.set()
     served.join(5)

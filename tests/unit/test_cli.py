@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 import swarm.dht
-import workbench.launch
-import workbench.peer
+import workbench.local.launch
+import workbench.run.peer
 from swarm.errors import SwarmError
-from workbench.argv import join_command
-from workbench.cli import EXIT_USER_ERROR, build_config, build_parser, main
+from workbench.cli.argv import join_command
+from workbench.cli.command import EXIT_USER_ERROR, build_config, build_parser, main
 from workbench.config import PeerConfig, RunConfig
-from workbench.data import ByteCorpus, DataConfig, DataError
-from workbench.model import small, tiny
+from workbench.run.data import ByteCorpus, DataConfig, DataError
+from workbench.run.model import small, tiny
 
 PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 ADDRESS = f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER_ID}"
@@ -35,11 +35,11 @@ def no_peers(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise WouldStartPeers("a CLI unit test tried to start a peer, a DHT or a demo swarm")
 
-    monkeypatch.setattr(workbench.peer, "run_peer", refuse)
-    monkeypatch.setattr(workbench.peer, "connect", refuse)
+    monkeypatch.setattr(workbench.run.peer, "run_peer", refuse)
+    monkeypatch.setattr(workbench.run.peer, "connect", refuse)
     monkeypatch.setattr(swarm.dht, "start_dht", refuse)
-    monkeypatch.setattr(workbench.launch, "run_demo", refuse)
-    monkeypatch.setattr(workbench.launch, "LocalSwarm", refuse)
+    monkeypatch.setattr(workbench.local.launch, "run_demo", refuse)
+    monkeypatch.setattr(workbench.local.launch, "LocalSwarm", refuse)
     # main() configures logging and sets HIVEMIND_LOGLEVEL with setdefault: keep it test-local.
     monkeypatch.setenv("HIVEMIND_LOGLEVEL", "CRITICAL")
 
@@ -228,7 +228,7 @@ def test_a_data_error_when_the_peer_starts_is_one_line(
         ByteCorpus.load(config.data)  # what the real peer does first with --data
         raise WouldStartPeers("the corpus should not have loaded")
 
-    monkeypatch.setattr(workbench.peer, "run_peer", fake_run_peer)
+    monkeypatch.setattr(workbench.run.peer, "run_peer", fake_run_peer)
     assert main(["start", "--data", "/nonexistent/path"]) == EXIT_USER_ERROR
     assert "/nonexistent/path" in one_error_line(capsys)
 
@@ -365,7 +365,7 @@ def test_choice_lists_match_their_registries():
     """workbench.names mirrors the torch-backed registries, so that the parser needs no torch."""
     from optim.codecs import CODECS
     from workbench import names
-    from workbench.model import PRESETS
+    from workbench.run.model import PRESETS
     from workbench.simulate import METHODS
 
     assert tuple(sorted(CODECS)) == names.UPDATE_CODECS
@@ -378,7 +378,7 @@ def test_help_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, workbench.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    code = "import sys, workbench.cli.command as c; c.build_parser(); print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False", done.stderr
 

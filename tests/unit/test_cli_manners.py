@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.cli import build_parser, main
+from workbench.cli.command import build_parser, main
 
 RECORDING = Path(__file__).parents[2] / "notebooks" / "data" / "sample_run.jsonl"
 COLOR = re.compile(rb"\x1b\[[0-9;]*?(?:3[0-7]|38;[0-9;]+|9[0-7])m")

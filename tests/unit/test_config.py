@@ -17,8 +17,8 @@ from swarm.dht import NetworkConfig
 from swarm.errors import SwarmError
 from swarm.records import check_run_id
 from workbench.config import PeerConfig, RunConfig, TrainConfig
-from workbench.data import DataConfig
-from workbench.model import ModelConfig, small
+from workbench.run.data import DataConfig
+from workbench.run.model import ModelConfig, small
 
 PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 

@@ -1,4 +1,4 @@
-"""Config files and WORKBENCH_* variables under the CLI's flags (workbench.configfile)."""
+"""Config files and WORKBENCH_* variables under the CLI's flags (workbench.cli.configfile)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.errors import SwarmError
-from workbench.cli import apply_settings, build_config, build_parser, main
-from workbench.configfile import ConfigError, read_file
+from workbench.cli.command import apply_settings, build_config, build_parser, main
+from workbench.cli.configfile import ConfigError, read_file
 
 
 def resolve(argv: list[str], monkeypatch=None, **environ: str):
@@ -155,7 +155,7 @@ _values = st.one_of(
     )
 )
 def test_fuzz_file_values_parse_or_raise_config_errors(tmp_path_factory, values):
-    from workbench.configfile import to_toml
+    from workbench.cli.configfile import to_toml
 
     path = tmp_path_factory.mktemp("fuzz") / "run.toml"
     path.write_text(to_toml(values))
@@ -175,7 +175,7 @@ def test_fuzz_toml_text_parses_or_raises_config_error(tmp_path_factory, text):
 
 def test_a_negated_switch_is_a_key_named_after_the_setting(tmp_path, monkeypatch):
     """``eager = false`` is ``--no-eager``; ``Experiment(eager=False)`` too."""
-    from workbench.experiment import config_from_flags
+    from workbench.notebook.experiment import config_from_flags
 
     path = tmp_path / "run.toml"
     path.write_text("overlap = true\neager = false\n")

@@ -1,4 +1,4 @@
-"""Unit tests for workbench.data: loading, splitting, batching, evaluation."""
+"""Unit tests for workbench.run.data: loading, splitting, batching, evaluation."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.data import ByteCorpus, DataConfig, DataError, evaluate, stdlib_sources
-from workbench.model import build_model, tiny
+from workbench.run.data import ByteCorpus, DataConfig, DataError, evaluate, stdlib_sources
+from workbench.run.model import build_model, tiny
 
 
 def _text(seed: int, n: int) -> str:

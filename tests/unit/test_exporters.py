@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.cli import main
-from workbench.exporters import ExporterError, scalars
+from workbench.cli.command import main
+from workbench.run.exporters import ExporterError, scalars
 
 EVENTS = [
     {"event": "started", "time": 1.0, "peer": "a", "peer_id": "x"},
@@ -125,6 +125,6 @@ def test_a_missing_exporter_package_is_a_clear_error(tmp_path: Path, monkeypatch
     assert main(["export", str(_run_dir(tmp_path)), "--tensorboard", str(tmp_path / "tb")]) == 2
     assert "pip install 'swarm-workbench[tensorboard]'" in capsys.readouterr().err
     with pytest.raises(ExporterError):
-        from workbench.exporters import TensorBoardExporter
+        from workbench.run.exporters import TensorBoardExporter
 
         TensorBoardExporter(tmp_path / "tb2")

@@ -15,7 +15,7 @@ from swarm.averaging import _parse_info, diverged_from_group
 from swarm.errors import SwarmError
 from swarm.monitor import Reading
 from swarm.records import ControlState, PeerHeartbeat, RunManifest, check_run_id, parse_record
-from workbench.options import parse_shard
+from workbench.cli.options import parse_shard
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),

@@ -12,9 +12,9 @@ pytest.importorskip("datasets")
 
 from swarm.manifest import model_fingerprint  # noqa: E402
 from tests.hf_fixtures import documents, make_jsonl_dataset, make_llama, make_tokenizer  # noqa: E402
-from workbench import hf  # noqa: E402
-from workbench.data import ByteCorpus, DataConfig, DataError  # noqa: E402
-from workbench.model import build_model, tiny  # noqa: E402
+from workbench.run import hf  # noqa: E402
+from workbench.run.data import ByteCorpus, DataConfig, DataError  # noqa: E402
+from workbench.run.model import build_model, tiny  # noqa: E402
 
 
 def test_a_llama_from_a_config_is_seeded_and_speaks_the_workbench_interface(tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from workbench.argv import join_command
-from workbench.cli import build_config, build_parser
-from workbench.launch import DemoTable, LaunchError, _describe, peer_arguments
+from workbench.cli.argv import join_command
+from workbench.cli.command import build_config, build_parser
+from workbench.local.launch import DemoTable, LaunchError, _describe, peer_arguments
 
 
 def test_peer_arguments_rebuild_the_same_config(tmp_path: Path) -> None:

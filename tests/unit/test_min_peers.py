@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-import workbench.peer as peer_module
+import workbench.run.peer as peer_module
 from swarm.records import PeerHeartbeat, Stage
-from workbench.peer import Peer
+from workbench.run.peer import Peer
 
 
 def _beat(peer: str, stage: Stage) -> PeerHeartbeat:

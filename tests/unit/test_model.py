@@ -1,4 +1,4 @@
-"""Unit tests for workbench.model: shapes, causality, configs, presets, seeding, devices."""
+"""Unit tests for workbench.run.model: shapes, causality, configs, presets, seeding, devices."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.model import (
+from workbench.run.model import (
     GPT,
     PRESETS,
     ModelConfig,
@@ -143,7 +143,7 @@ def test_build_leaves_global_rng_alone() -> None:
 def test_same_seed_across_processes() -> None:
     code = (
         "import hashlib, torch; torch.rand(99)\n"
-        "from workbench.model import build_model, tiny\n"
+        "from workbench.run.model import build_model, tiny\n"
         "h = hashlib.sha256()\n"
         "for n, p in build_model(tiny(), seed=7).state_dict().items():\n"
         "    h.update(n.encode()); h.update(p.contiguous().numpy().tobytes())\n"

@@ -323,7 +323,7 @@ def test_numpy_is_below_2_4_for_hiveminds_int8_codec() -> None:
 
 
 def test_served_state_round_trips_with_queued_updates() -> None:
-    """What _StateServingAverager sends, _parse_state rebuilds (params, momentum, queue, inner)."""
+    """What GroupAverager sends, _parse_state rebuilds (params, momentum, queue, inner)."""
     from swarm.averaging import _parse_state
     from swarm.errors import SwarmError
 

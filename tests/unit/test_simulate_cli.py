@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.cli import main
+from workbench.cli.command import main
 
 KEYS = ("method", "peers", "inner_steps", "codec", "steps", "final_eval_loss", "bytes_per_peer", "seconds")
 

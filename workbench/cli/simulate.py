@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from swarm.bounds import parser as bounded
-from workbench.optimizer_flags import add_optimizer_options
+from workbench.cli.optimizer_flags import add_optimizer_options
 
 
 def add_simulate_parser(commands) -> None:

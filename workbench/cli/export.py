@@ -4,7 +4,7 @@ Reads every ``metrics.jsonl`` under RUN_DIR (one peer's --run-dir, or a demo's -
 a folder per peer), keeps the chosen events (default: ``round``), and writes CSV (``--csv``) or
 JSON lines, one row per event, columns in first-seen order. Data to stdout or ``--out FILE``.
 ``--tensorboard DIR`` and ``--wandb PROJECT`` replay the events into those instead, one run per
-peer (see :mod:`workbench.exporters`).
+peer (see :mod:`workbench.run.exporters`).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def run_export_command(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     """Every peer's events into TensorBoard and/or W&B, one run per peer."""
-    from workbench.exporters import make_exporters
+    from workbench.run.exporters import make_exporters
 
     peers: dict[str, list[dict[str, Any]]] = {}
     for event in read_events(args.run_dir, None):

@@ -2,7 +2,7 @@
 
 Logs go to stderr, data (the join command, --json results) to stdout. A mistake the user can
 fix (bad address, bad value, unreachable peer) is one line on stderr and exit status 2. The
-peer commands' flags and the config they build live in :mod:`workbench.options`; each other
+peer commands' flags and the config they build live in :mod:`workbench.cli.options`; each other
 command in its own module, which registers its parser here.
 """
 
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from swarm.bounds import parser as bounded
 from swarm.errors import SwarmError
-from workbench.options import (
+from workbench.cli.options import (
     EXIT_INTERRUPTED,
     EXIT_USER_ERROR,
     _add_peer_options,
@@ -113,23 +113,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_options(demo)
     demo.set_defaults(inner_steps=20, rounds=8, threads=1, model="small")
 
-    from workbench.simulate_cli import add_simulate_parser
+    from workbench.cli.simulate import add_simulate_parser
 
     add_simulate_parser(commands)
 
-    from workbench.doctor import add_doctor_parser
-    from workbench.status import add_status_parser
-    from workbench.steer import add_steer_parser
+    from workbench.cli.doctor import add_doctor_parser
+    from workbench.cli.status import add_status_parser
+    from workbench.cli.steer import add_steer_parser
 
     add_status_parser(commands)
     add_steer_parser(commands)
     add_doctor_parser(commands)
-    from workbench.monitor_cli import add_monitor_parsers
+    from workbench.cli.monitor import add_monitor_parsers
 
     add_monitor_parsers(commands)
-    from workbench.completion import add_completion_parser
-    from workbench.config_cli import add_config_parser
-    from workbench.export import add_export_parser
+    from workbench.cli.completion import add_completion_parser
+    from workbench.cli.config import add_config_parser
+    from workbench.cli.export import add_export_parser
 
     add_config_parser(commands)
     add_export_parser(commands)
@@ -152,7 +152,7 @@ def _configure_logging(verbose: int) -> None:
 
 
 def _print_join_command(config: RunConfig, addresses: list[str]) -> None:
-    from workbench.argv import join_command
+    from workbench.cli.argv import join_command
 
     public = [a for a in addresses if "/127." not in a and "/::1/" not in a] or addresses
     print(f"Run '{config.peer.run_id}' started. Others join with:\n", flush=True)
@@ -200,34 +200,34 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if not faulthandler.is_enabled():  # a crash in native code (torch, gloo) still names its Python line
         faulthandler.enable()
     if args.command == "config":
-        from workbench.config_cli import run_config_command
+        from workbench.cli.config import run_config_command
 
         return _one_line_errors(lambda: run_config_command(parser, args, argv), ValueError)
     if args.command == "completion":
-        from workbench.completion import run_completion_command
+        from workbench.cli.completion import run_completion_command
 
         return run_completion_command(parser, args)
     if args.command == "export":
-        from workbench.export import run_export_command
+        from workbench.cli.export import run_export_command
 
         return _one_line_errors(lambda: run_export_command(args), (ValueError, OSError))
     if args.command in ("monitor", "replay"):
-        from workbench.monitor_cli import run_monitor_command
+        from workbench.cli.monitor import run_monitor_command
 
         return _one_line_errors(lambda: run_monitor_command(args, argv), SwarmError)
     if args.command in ("status", "steer", "doctor"):
-        from workbench.doctor import run_doctor_command
-        from workbench.status import run_status_command
-        from workbench.steer import run_steer_command
+        from workbench.cli.doctor import run_doctor_command
+        from workbench.cli.status import run_status_command
+        from workbench.cli.steer import run_steer_command
 
         command = {"status": run_status_command, "steer": run_steer_command, "doctor": run_doctor_command}
         return _one_line_errors(lambda: command[args.command](args), SwarmError)
     if args.command == "simulate":
-        from workbench.data import DataError as _DataError
+        from workbench.run.data import DataError as _DataError
         from workbench.simulate import run_simulate_command
 
         return _one_line_errors(lambda: run_simulate_command(args), (ValueError, _DataError))
-    from workbench.data import DataError
+    from workbench.run.data import DataError
 
     sources: dict[str, str] = {}
     try:
@@ -238,14 +238,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER_ERROR
     try:
         if args.command == "demo":
-            from workbench.launch import run_demo_command
+            from workbench.local.launch import run_demo_command
 
             return run_demo_command(config, args)
-        from workbench.node import follow, leave, node_world
+        from workbench.run.node import follow, leave, node_world
 
         if node_world()[0] > 0:  # a torchrun rank other than 0: rank 0 is the node's peer
             leave(follow(config))
-        from workbench.peer import run_peer
+        from workbench.run.peer import run_peer
 
         on_started = (
             (lambda addresses: _print_join_command(config, addresses)) if args.command == "start" else None

@@ -17,7 +17,7 @@ from swarm.errors import SwarmError
 
 
 def add_steer_parser(commands) -> None:
-    from workbench.status import add_observer_options
+    from workbench.cli.status import add_observer_options
 
     parser = commands.add_parser(
         "steer",
@@ -58,7 +58,7 @@ def run_steer_command(args: argparse.Namespace) -> int:
     from swarm.manifest import find_manifest
     from swarm.records import RunKeys
     from swarm.steering import Steering
-    from workbench.status import open_observer
+    from workbench.cli.status import open_observer
 
     RunKeys(args.run_id, args.secret)
     if not any(

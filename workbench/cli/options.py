@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from swarm.averaging_config import CODEC_BYTES
 from swarm.bounds import parser as bounded
+from workbench.cli.optimizer_flags import add_optimizer_options, outer_config
 from workbench.names import MODEL_PRESETS, WANDB_MODES
-from workbench.optimizer_flags import add_optimizer_options, outer_config
 
 if TYPE_CHECKING:  # torch-backed modules load only when a command runs
     from workbench.config import RunConfig
@@ -254,8 +254,8 @@ def apply_settings(
     parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]
 ) -> dict[str, str]:
     """Layer the --config file and WORKBENCH_* variables under the flags of a peer command
-    (see workbench.configfile); returns where each setting came from."""
-    from workbench.configfile import layer, settings_of
+    (see workbench.cli.configfile); returns where each setting came from."""
+    from workbench.cli.configfile import layer, settings_of
 
     command = args.command
     rest = list(argv)[list(argv).index(command) + 1 :]
@@ -291,7 +291,7 @@ def _model_name(text: str) -> str:
 
 
 def _model_shape(args: argparse.Namespace):
-    from workbench.model import preset
+    from workbench.run.model import preset
 
     shape = preset(args.model if args.model in MODEL_PRESETS else "small")
     return replace(shape, block_size=args.block_size) if args.block_size else shape
@@ -302,7 +302,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     from swarm.averaging_config import AveragingConfig
     from swarm.dht import NetworkConfig
     from workbench.config import PeerConfig, RunConfig, TrainConfig
-    from workbench.data import DataConfig
+    from workbench.run.data import DataConfig
 
     return RunConfig(
         method=args.method if args.method in ("dp", "streaming") else "diloco",

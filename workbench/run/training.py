@@ -10,8 +10,8 @@ import torch
 
 from optim.inner import inner_step
 from workbench.config import RunConfig
-from workbench.data import ByteCorpus
-from workbench.model import autocast_context, build_model, pick_device
+from workbench.run.data import ByteCorpus
+from workbench.run.model import autocast_context, build_model, pick_device
 
 
 def train_step(
@@ -57,7 +57,7 @@ def build_training(cfg: RunConfig) -> Training:
         block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, num_batches=cfg.peer.eval_batches
     )
     if cfg.hf_model:
-        import workbench.hf as hf
+        import workbench.run.hf as hf
 
         model = hf.load_model(
             cfg.hf_model, seed=cfg.peer.seed, block_size=cfg.model.block_size, vocab_size=corpus.vocab_size

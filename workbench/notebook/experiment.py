@@ -95,8 +95,8 @@ def _custom_model(flags: dict[str, Any], backend: str) -> Callable[[], torch.nn.
 def config_from_flags(command: str = "demo", **flags: Any) -> tuple[RunConfig, Any]:
     """A RunConfig parsed from CLI flags given as keyword arguments (inner_steps=20 is
     ``--inner-steps 20``; True is a bare flag), with the CLI's checks and error messages."""
-    from workbench.cli import build_parser
-    from workbench.options import NEGATABLE, build_config
+    from workbench.cli.command import build_parser
+    from workbench.cli.options import NEGATABLE, build_config
 
     parser = build_parser()
     argv = [command]
@@ -234,7 +234,7 @@ class Experiment:
 
     def widget(self, **options: Any):
         """A live Jupyter widget over this run (summary, peers, loss chart, steering)."""
-        from workbench.widget import SwarmWidget
+        from workbench.notebook.widget import SwarmWidget
 
         return SwarmWidget(self.source(), **options)
 
@@ -323,7 +323,7 @@ class Experiment:
         )
 
     def _run_local(self) -> None:
-        from workbench.launch import LocalSwarm
+        from workbench.local.launch import LocalSwarm
         from workbench.sources import DemoSource
 
         config = self._local_config()
@@ -340,7 +340,7 @@ class Experiment:
 
     def _run_swarm(self) -> None:
         """One real peer: joins ``initial_peers`` (or starts a run), as `workbench join/start`."""
-        from workbench.launch import LaunchError, LocalSwarm
+        from workbench.local.launch import LaunchError, LocalSwarm
         from workbench.sources import LiveSource
 
         config = self._local_config()

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from workbench.configfile import layer, settings_of, to_toml
+from workbench.cli.configfile import layer, settings_of, to_toml
 
 EPILOG = """examples:
   workbench config show --config run.toml --sources      every setting and where it came from
@@ -18,7 +18,7 @@ EPILOG = """examples:
 
 
 def add_config_parser(commands) -> None:
-    from workbench.options import _add_peer_options
+    from workbench.cli.options import _add_peer_options
 
     config = commands.add_parser(
         "config",
@@ -49,7 +49,7 @@ def add_config_parser(commands) -> None:
 
 
 def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from workbench.options import PEER_COMMANDS, _where_from, build_config, subparser
+    from workbench.cli.options import PEER_COMMANDS, _where_from, build_config, subparser
 
     config_parser = subparser(parser, "config")
     actions = next(a for a in config_parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -79,7 +79,7 @@ def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def _print_keys(parser: argparse.ArgumentParser, as_json: bool) -> int:
-    from workbench.options import PEER_COMMANDS, subparser
+    from workbench.cli.options import PEER_COMMANDS, subparser
 
     rows: dict[str, dict] = {}
     for command in PEER_COMMANDS:

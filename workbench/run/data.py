@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from workbench.model import autocast_context
-from workbench.progress_bar import progress
+from workbench.run.model import autocast_context
+from workbench.run.progress_bar import progress
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class ByteCorpus:
         if config.tokenizer is None:
             train, val, vocab = _to_tensor(train_bytes), _to_tensor(val_bytes), 256
         else:
-            import workbench.hf as hf
+            import workbench.run.hf as hf
 
             tokenizer = hf.load_tokenizer(config.tokenizer)
             with progress(f"tokenizing with {config.tokenizer}"):
@@ -241,7 +241,7 @@ class ByteCorpus:
         config: DataConfig, shard: int | None, num_shards: int
     ) -> tuple[list[bytes], list[bytes], list[Path], str, int]:
         """The records of ``config.dataset`` (this peer's shard of them), train and val by index."""
-        import workbench.hf as hf
+        import workbench.run.hf as hf
 
         dataset = hf.open_dataset(
             config.dataset,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from swarm.errors import SwarmError
-from workbench.argv import method_arguments, model_flags, optimizer_arguments
+from workbench.cli.argv import method_arguments, model_flags, optimizer_arguments
 from workbench.config import RunConfig
 
 

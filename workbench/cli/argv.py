@@ -1,6 +1,6 @@
 """A :class:`RunConfig` back into flags: the join command another machine pastes, and the
-flags a local peer of the demo is started with (:func:`workbench.launch.peer_arguments`).
-The inverse of :func:`workbench.options.build_config`: both must round-trip."""
+flags a local peer of the demo is started with (:func:`workbench.local.launch.peer_arguments`).
+The inverse of :func:`workbench.cli.options.build_config`: both must round-trip."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def optimizer_arguments(config: RunConfig, *, changed_only: bool = False) -> lis
     or local_sgd run is a diloco run with the preset's settings spelled out); ``changed_only``:
     only those that differ from DiLoCoConfig's defaults (for a join command people read)."""
     from optim.diloco import DiLoCoConfig
-    from workbench.optimizer_flags import USES
+    from workbench.cli.optimizer_flags import USES
 
     values = _optimizer_values(config.diloco)
     if changed_only:
@@ -74,7 +74,7 @@ def _optimizer_values(d) -> dict[str, str | bool | None]:
 def model_flags(config: RunConfig) -> list[str]:
     """``--model NAME [--block-size T]``: the flags that rebuild ``config``'s model; ValueError
     for a model that is neither a preset (any block size) nor a Hugging Face folder."""
-    from workbench.model import PRESETS
+    from workbench.run.model import PRESETS
 
     context = config.model.block_size
     name = config.hf_model or next(

@@ -30,7 +30,7 @@ class Check:
 
 
 def add_doctor_parser(commands) -> None:
-    from workbench.status import add_observer_options
+    from workbench.cli.status import add_observer_options
 
     parser = commands.add_parser(
         "doctor",
@@ -137,7 +137,7 @@ def _hivemind_version() -> str:
 
 
 def _observer(args: argparse.Namespace):
-    from workbench.status import open_observer
+    from workbench.cli.status import open_observer
 
     return open_observer(args)
 

@@ -4,7 +4,7 @@ As in OpenDiLoCo and INTELLECT-1, the node is one peer of the swarm: data-parall
 node over ``torch.distributed`` (gloo on CPU, NCCL-free so it runs anywhere), one hivemind
 identity for the node, and the swarm averaging the node's pseudo-gradient with the others'.
 
-Rank 0 runs the full :class:`~workbench.peer.Peer` (DHT, heartbeats, averaging, steering,
+Rank 0 runs the full :class:`~workbench.run.peer.Peer` (DHT, heartbeats, averaging, steering,
 checkpoints) and drives the other ranks, the followers, with one small broadcast before each
 action:
 
@@ -117,7 +117,7 @@ class NodeGroup:
 
 def follow(config) -> int:
     """A follower rank: train when rank 0 says so, until it says stop. Returns an exit code."""
-    from workbench.training import build_training, train_step
+    from workbench.run.training import build_training, train_step
 
     node = NodeGroup()
     cfg = config

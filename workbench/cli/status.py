@@ -21,7 +21,7 @@ from swarm.records import RunKeys
 
 
 def add_observer_options(parser: argparse.ArgumentParser) -> None:
-    from workbench.options import add_run_access_options
+    from workbench.cli.options import add_run_access_options
 
     parser.add_argument("--run-id", default="workbench", help="the run's name (default: workbench)")
     parser.add_argument(

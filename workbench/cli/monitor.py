@@ -14,7 +14,7 @@ from swarm.errors import SwarmError
 
 
 def add_monitor_parsers(commands) -> None:
-    from workbench.status import add_observer_options
+    from workbench.cli.status import add_observer_options
 
     monitor = commands.add_parser(
         "monitor",

@@ -40,10 +40,10 @@ from swarm.manifest import model_fingerprint
 from swarm.records import PeerHeartbeat, RunKeys, RunManifest, Stage
 from swarm.session import connect
 from workbench.config import RunConfig
-from workbench.data import evaluate
-from workbench.node import CHECK, STEP, SYNC, NodeGroup
-from workbench.progress_bar import progress
-from workbench.training import build_training, train_step
+from workbench.run.data import evaluate
+from workbench.run.node import CHECK, STEP, SYNC, NodeGroup
+from workbench.run.progress_bar import progress
+from workbench.run.training import build_training, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Peer:
         if self.run_dir:
             self.metrics_file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         if cfg.peer.tensorboard is not None or cfg.peer.wandb_project:
-            from workbench.exporters import make_exporters
+            from workbench.run.exporters import make_exporters
 
             tensorboard = cfg.peer.tensorboard
             self.exporters = make_exporters(
@@ -171,7 +171,7 @@ class Peer:
             [p.numel() for p in self.model.parameters() if p.requires_grad], cfg.fragments
         )
         shapes = [p.detach().float().cpu() for p in self.model.parameters() if p.requires_grad]
-        from swarm.averaging import Serving
+        from swarm.barrier import Serving
 
         rounds: list[StreamingRounds] = []  # filled below; the state provider reads it lazily
         serving = Serving()  # one peer: a state request stops every fragment's barrier waiting
@@ -667,7 +667,7 @@ class Peer:
 
     def save_checkpoint(self) -> Path | None:
         """Everything needed to continue, atomically, in ``<run_dir>/checkpoint.pt``."""
-        import workbench.checkpoint as checkpoint
+        import workbench.run.checkpoint as checkpoint
 
         if self.run_dir is None:
             logger.warning("%s: a checkpoint was requested but this peer has no --run-dir", self.name)
@@ -698,7 +698,7 @@ class Peer:
 
     def resume(self, directory: str) -> None:
         """Continue from the checkpoint in ``directory`` (``--resume``): refuses another run or model."""
-        import workbench.checkpoint as checkpoint
+        import workbench.run.checkpoint as checkpoint
         from optim.diloco import OuterState
 
         payload, path = checkpoint.load(directory)

@@ -1,0 +1,225 @@
+"""The round barrier: before a round's all-reduce, wait until this round's other peers have
+finished their inner steps, from their heartbeats, which are claims (:mod:`swarm.claims`).
+
+Without it the first peer to finish would average with whoever happens to be matchmaking and
+the swarm would split into groups holding different global params. :class:`RoundBarrier`
+decides AVERAGE (the others are ready), ALONE (nobody to average with) or BEHIND (the swarm
+is past this round: fetch the state); :class:`Serving` tells it when this peer is answering a
+state request, which an overlapped barrier must not hold back.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from swarm.averaging_config import AveragingConfig
+from swarm.claims import STRIKES, Vouching
+from swarm.records import PeerHeartbeat, Stage
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Verdict(enum.Enum):
+    """What the round barrier decided."""
+
+    AVERAGE = "average"  # the others of this round are ready: matchmaking now
+    ALONE = "no other peer in this round"  # step with this peer's own update
+    BEHIND = "other peers are past this round"  # this peer fell behind: fetch the state
+
+
+class Serving:
+    """Whether this peer is answering a request for its state right now (a joiner's download or
+    a witness's sketch): the state provider wrapped by :meth:`wrap` counts the requests in
+    flight. One per peer, shared by all its averagers (streaming has one per fragment)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def wrap(self, provider: Callable[[], T]) -> Callable[[], T]:
+        def provide() -> T:
+            with self._lock:
+                self._count += 1
+            try:
+                return provider()
+            finally:
+                with self._lock:
+                    self._count -= 1
+
+        return provide
+
+    @property
+    def answering(self) -> bool:
+        return self._count > 0
+
+
+class RoundBarrier:
+    """One peer's barrier, run by its averager before every round."""
+
+    def __init__(
+        self,
+        *,
+        board: Any,
+        peer_id: str,
+        beat: Callable[[Stage], None],
+        config: AveragingConfig,
+        overlapped: bool = False,
+        vouching: Vouching | None = None,
+        serving: Serving | None = None,
+    ) -> None:
+        self.board = board  # fetch() -> {peer id: PeerHeartbeat}; ignore(peer id, why)
+        self.peer_id = peer_id
+        self.beat = beat
+        self.config = config
+        self.overlapped = overlapped
+        self.vouching = vouching if vouching is not None else Vouching()
+        self.serving = serving if serving is not None else Serving()
+        self.gap = 0.0
+        """Seconds between this peer's last two rounds (its inner steps): what an honest
+        newcomer's "still training" may cost before it is treated as a stranger's claim."""
+
+    def wait_for_round_mates(self, outer_step: int) -> Verdict:
+        """The barrier: wait until every other live peer has finished this round's inner steps.
+
+        Heartbeats lag by up to a second, so a peer whose heartbeat still shows it averaging the
+        previous round counts as "about to train this one". A peer further behind is a
+        straggler: not waited for, it will fetch the state. A peer already past this round
+        means this one fell behind and must fetch the state instead of averaging.
+
+        Overlapped (run in the background while this peer trains the next round), a peer's
+        clock moves to ``outer_step + 1`` the moment it ends this round's inner steps: still at
+        ``outer_step`` means busy, at ``+ 1`` ready, past ``+ 1`` it has applied this round's
+        mean already. A peer downloading the state (a joiner, a straggler catching up) is waited
+        for, or it would land a few rounds behind again and chase the swarm for ever; but not
+        while this peer serves a state (to it or as its witness): the state served holds this
+        round's mean, which this wait would hold back. The downloader then lands past this
+        round, its mean queued, and the next round waits for it.
+        """
+        r = outer_step
+        if self.overlapped:
+            return self._barrier(
+                r,
+                behind=lambda p: p.outer_step > r + 1,
+                busy=lambda p: (
+                    (p.outer_step == r and p.stage is not Stage.DOWNLOADING)
+                    or (p.stage is Stage.DOWNLOADING and not self.serving.answering)
+                ),
+                ready=lambda p: p.outer_step == r + 1 and p.stage is not Stage.DOWNLOADING,
+                # Nobody at r + 1 (the others download or straggle): no group can form, and
+                # failing to find one would flag this peer stale for nothing.
+                need_ready=True,
+            )
+        return self._barrier(
+            r,
+            behind=lambda p: p.outer_step > r,
+            busy=lambda p: (
+                p.stage is Stage.DOWNLOADING  # a joiner: it will land on this round
+                or (p.outer_step == r and p.stage in (Stage.JOINING, Stage.TRAINING))
+                # a heartbeat from just before its last round ended: it is about to train this one
+                or (p.outer_step == r - 1 and p.stage in (Stage.WAITING, Stage.AVERAGING))
+            ),
+            ready=lambda p: p.outer_step == r and p.stage in (Stage.WAITING, Stage.AVERAGING),
+        )
+
+    def _barrier(
+        self,
+        outer_step: int,
+        *,
+        behind: Callable[[PeerHeartbeat], bool],
+        busy: Callable[[PeerHeartbeat], bool],
+        ready: Callable[[PeerHeartbeat], bool],
+        need_ready: bool = False,
+    ) -> Verdict:
+        """Wait while some other live peer is ``busy`` (at most ``round_wait``); BEHIND as soon
+        as one is past the round (``behind``); after the wait, average with the ``ready``.
+
+        Heartbeats are claims (swarm.claims): "past the round" is believed from a peer that
+        averaged with this one (or, before any did, from most of the others); "busy" keeps this
+        peer waiting the full ``round_wait`` only for such a peer, an unvouched one for about one
+        of this peer's own rounds. Claims not acted on are strikes; three rounds of them and the
+        claimant is ignored for the rest of the run."""
+        started = time.monotonic()
+        deadline = started + self.config.round_wait
+        # What an honest newcomer costs: about one round of inner steps (measured between this
+        # peer's rounds), and at least a couple of matchmaking windows.
+        grace = started + min(
+            self.config.round_wait, max(5.0, 2 * self.config.matchmaking_time, 1.5 * self.gap)
+        )
+        waited_for: list[str] = []
+        while True:
+            self.beat(Stage.WAITING)
+            # A paused peer (steering) trains nothing and averages nothing: not a round mate.
+            others = [
+                p
+                for p in self.board.fetch().values()
+                if p.peer_id != self.peer_id and p.stage is not Stage.PAUSED
+            ]
+            if not others:
+                return Verdict.ALONE
+            vouched = self.vouching.vouched
+            ahead = [p for p in others if behind(p)]
+            if self.believed_ahead(behind, others):
+                return Verdict.BEHIND
+            for p in ahead:  # not believed: not a round mate either
+                self.strike(
+                    p,
+                    outer_step,
+                    f"claimed outer step {p.outer_step} ahead of every peer that averaged with this one",
+                )
+            others = [p for p in others if p not in ahead]
+            now = time.monotonic()
+            # A joiner downloading the state is waited for like a vouched peer (a download of a
+            # large state legitimately takes long); one that never shows up is struck all the same.
+            trusted = [p for p in others if p.peer_id in vouched or p.stage is Stage.DOWNLOADING]
+            busy_peers = [p for p in others if busy(p) and (now < grace or p in trusted)]
+            if now >= grace:
+                for p in others:
+                    if busy(p) and p not in trusted:
+                        self.strike(
+                            p, outer_step, f"said it was still training round {outer_step} and never averaged"
+                        )
+            waiting = [p.name for p in busy_peers]
+            if not waiting:
+                return Verdict.AVERAGE if not need_ready or any(map(ready, others)) else Verdict.ALONE
+            if now > deadline:
+                logger.warning(
+                    "round %d: not waiting longer than %.0f s for %s",
+                    outer_step,
+                    self.config.round_wait,
+                    waiting,
+                )
+                for p in busy_peers:
+                    if p.peer_id not in vouched:  # "downloading" for a whole round wait
+                        self.strike(
+                            p, outer_step, f"said it was downloading in round {outer_step} and never averaged"
+                        )
+                return Verdict.AVERAGE if any(map(ready, others)) else Verdict.ALONE
+            if waiting != waited_for:
+                logger.debug("round %d: waiting for %s", outer_step, ", ".join(waiting))
+                waited_for = waiting
+            time.sleep(0.1)
+
+    def believed_ahead(
+        self, ahead: Callable[[PeerHeartbeat], bool], others: list[PeerHeartbeat] | None = None
+    ) -> bool:
+        """Whether the swarm is past this peer's round: a peer that averaged with this one says
+        so, or (before any did) most of the others do. A stranger's word alone is not enough."""
+        if others is None:
+            others = [p for p in self.board.fetch().values() if p.peer_id != self.peer_id]
+        claims = [p for p in others if ahead(p)]
+        vouched = self.vouching.vouched
+        if any(p.peer_id in vouched for p in claims):
+            return True
+        return (
+            bool(claims) and not any(p.peer_id in vouched for p in others) and 2 * len(claims) > len(others)
+        )
+
+    def strike(self, peer: PeerHeartbeat, outer_step: int, claim: str) -> None:
+        if self.vouching.strike(peer.peer_id, outer_step):
+            self.board.ignore(peer.peer_id, f"{peer.name} {claim}, {STRIKES} rounds running")

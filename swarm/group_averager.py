@@ -1,0 +1,463 @@
+"""hivemind's DecentralizedAverager, as a peer of this swarm runs it (in its own process):
+rounds over the direct data plane (:mod:`swarm.dataplane`, a gloo ring set up through
+hivemind's authenticated group) with hivemind's own all-reduce as the fallback, and the global
+state served to joiners, with sketches of θ for the witnesses who check a download
+(:mod:`swarm.sketch`). :class:`swarm.averaging.SwarmAverager` drives it, one round at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import logging
+import math
+import multiprocessing as mp
+import pathlib
+import random
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's name to detect streams
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import (
+    deserialize_torch_tensor,
+)
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
+from hivemind.utils.streaming import combine_from_streaming
+
+from optim.diloco import OuterState
+from swarm.dataplane import (
+    DIRECT_CODECS,
+    MAX_RINGS,
+    RING_ID_BYTES,
+    DirectPlane,
+    RingUnreachable,
+    bindable,
+    one_line,
+)
+from swarm.errors import SwarmError
+from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
+from swarm.sketch import Sketch, state_sketches
+
+logger = logging.getLogger(__name__)
+
+SEED_BYTES = 16  # a joiner's seed for sketching the θ it downloaded
+VERIFIERS = 4  # peers asked to confirm a downloaded state
+MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
+
+
+def _quiet_step_control_del(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """hivemind's ``StepControl.__del__`` asserts that a trigger was attached; a step that a
+    signal interrupted before hivemind attached one (SIGTERM to a peer's process group kills the
+    averager first) then printed an AssertionError traceback at exit. Nothing is pending then."""
+
+    def __del__(self) -> None:
+        if getattr(self, "_trigger", None) is not None:
+            original(self)
+
+    return __del__
+
+
+StepControl.__del__ = _quiet_step_control_del(StepControl.__del__)
+
+
+def _quiet_cancelled_result(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """A peer cancels a step whose group it no longer wants (the others finished the round);
+    when the all-reduce had just begun in hivemind's averager process, hivemind then sets the
+    cancelled step's result and logs "Task exception was never retrieved ... InvalidStateError"
+    with a traceback. The peer has moved on (its round falls back; a stale θ is re-downloaded):
+    the result has nobody to go to."""
+
+    def set_result(self, result: Any) -> None:
+        if self.cancelled():
+            logger.debug("a cancelled averaging step finished anyway; its result is dropped")
+            return
+        original(self, result)
+
+    return set_result
+
+
+StepControl.set_result = _quiet_cancelled_result(StepControl.set_result)
+
+
+# Gathered data, around the caller's own: whether this member takes direct rings, its weight, a
+# random nonce for the group's sketch seed (gathered over hivemind's encrypted channel).
+_PLANE, _WEIGHT, _NONCE, _USER, _RINGS = "dataplane", "weight", "nonce", "user", "rings"
+
+
+def _unwrap(data: Any) -> Any:
+    return data[_USER] if isinstance(data, dict) and _USER in data else data
+
+
+class GroupAverager(DecentralizedAverager):
+    """DecentralizedAverager whose downloadable state is DiLoCo's global state."""
+
+    def __init__(
+        self,
+        *args: Any,
+        state_provider: Callable[[], OuterState] | None,
+        fault_file: str | None = None,
+        data_plane: str = "hivemind",
+        aggregate: str = "mean",
+        plane_host: str = "127.0.0.1",
+        plane_advertise: str | None = None,
+        codec: str = "none",
+        **kwargs: Any,
+    ) -> None:
+        self._state_provider = state_provider
+        self._fault_file = fault_file
+        self._codec = codec
+        self._aggregate = aggregate
+        self._plane: DirectPlane | None = None
+        self._plane_used = False
+        self._unreachable = 0  # consecutive rings this peer could not set up
+        self._boards = RendezvousBoards()  # the rendezvous of the groups this peer leads
+        self._sketch_lock: asyncio.Lock | None = None  # made in the averager process's loop
+        self._sketch_after = 0.0
+        # A donor may send at most this much: 8 copies of the parameters and 64 MiB of slack
+        # (θ, momentum, a queued update and AdamW's two moments are 5).
+        self._state_limit = 8 * 4 * sum(t.numel() for t in args[0]) + (64 << 20)
+        # Cleared in the averager process when a ring fails; read here before each step.
+        self._plane_enabled = mp.Value("b", 0)
+        # The ids of the rings the averager process keeps, for the gathered info (written there
+        # after each direct round, read here before each step).
+        self._ring_ids = mp.Array("c", MAX_RINGS * RING_ID_BYTES)
+        self.direct_rounds = mp.Value("q", 0)  # rounds the direct plane carried, for reports
+        direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
+        if direct and not kwargs.get("client_mode"):
+            bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
+            if bind and bindable(bind):
+                self._plane = DirectPlane(bind)
+                self._plane_enabled.value = 1
+            elif plane_host == "0.0.0.0":
+                logger.info(
+                    "direct data plane off: %s; rounds use hivemind's all-reduce",
+                    f"the announced address {bind} is not on this machine (behind NAT?)"
+                    if bind
+                    else "--host 0.0.0.0 without --announce names no address to bind",
+                )
+        super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        # hivemind's averager process (forked): the aggregation rule of its all-reduce lives here.
+        if self._aggregate == "trimmed-mean":
+            from swarm.trimmed import install
+
+            install()
+        super().run()
+
+    def step(self, gather: Any = None, **kwargs: Any):
+        """hivemind's step; this member's data-plane address travels with its gathered info."""
+        weight = kwargs.get("weight")
+        weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
+        kept = self._ring_ids.raw
+        data = {
+            _PLANE: bool(self._plane_enabled.value),
+            _WEIGHT: weight,
+            _NONCE: secrets.token_bytes(16),
+            _RINGS: [
+                ring
+                for ring in (kept[i : i + RING_ID_BYTES] for i in range(0, len(kept), RING_ID_BYTES))
+                if any(ring)
+            ],
+        }
+        return super().step(gather={**data, _USER: gather}, **kwargs)
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):
+        # In hivemind's averager process, once the group is formed (and triggered).
+        members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
+        direct = [isinstance(m, dict) and _USER in m and m.get(_PLANE) is True for m in members]
+        if self._plane is not None and all(direct):
+            # Ranks by peer id, not hivemind's order (random per group): the same members next
+            # round find their ring already connected. The board's holder is hivemind's leader.
+            peer_ids = sorted(group_info.peer_ids, key=lambda p: p.to_bytes())
+            leader = group_info.peer_ids[0]
+            if leader == self.peer_id:
+                self._boards.open(group_info.group_id, [p.to_bytes() for p in peer_ids])
+            nonces = b"".join(m.get(_NONCE) or b"" for m in members if isinstance(m.get(_NONCE), bytes))
+            ring = functools.partial(
+                self._plane.all_reduce,
+                board=BoardClient(
+                    group_info.group_id,
+                    self._board_caller(leader, asyncio.get_running_loop()),
+                    pause=0.002 if leader == self.peer_id else 0.0,  # a missed wake-up costs 2 ms
+                    wait=self._boards.wait_change if leader == self.peer_id else None,
+                ),
+                seed=group_info.group_id + nonces,
+                members=[p.to_base58() for p in peer_ids],
+                rank=peer_ids.index(self.peer_id),
+                weight=kwargs["weight"],
+                total=sum(_weight(m) for m in members),
+                codec=self._codec,
+                reusable=_held_by_all(members),
+                # Below hivemind's own deadline for this step, so that a member gone mid-ring
+                # ends in our error, not in hivemind cancelling the wait on a running thread.
+                timeout=0.75 * (self._allreduce_timeout or 60.0),
+            )
+            try:
+                async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                    await asyncio.get_running_loop().run_in_executor(None, ring, local_tensors)
+            except RingUnreachable as error:
+                self._unreachable += 1
+                if self._unreachable >= 3:  # not one member that left: this peer's plane is blocked
+                    self._plane_enabled.value = 0
+                    logger.warning(
+                        "direct data plane: no ring could be set up 3 times in a row (%s); this peer "
+                        "uses hivemind's all-reduce from now on (a firewall in front of its gloo "
+                        "ports? --data-plane hivemind avoids the try)",
+                        error,
+                    )
+                raise AllreduceException(f"direct data plane: could not set up the ring: {error}") from None
+            except Exception as error:  # a member left mid-ring, a tampered sum: a failed round
+                raise AllreduceException(f"direct data plane: {one_line(error)}") from None
+            finally:  # the rings kept now, for this peer's next gathered info
+                self._publish_ring_ids()
+            self._unreachable = 0
+            with self.direct_rounds.get_lock():
+                self.direct_rounds.value += 1
+            if not self._plane_used:
+                self._plane_used = True
+                logger.info("averaging over the direct data plane (a gloo ring of %d)", len(members))
+            running = self._running_groups.get(group_info.group_id)
+            if running is not None and not running.done():
+                running.set_result(None)  # no hivemind runner for this group: nothing to wait for
+            return {peer: _unwrap(m) for peer, m in zip(group_info.peer_ids, members)}
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        return {peer: _unwrap(data) for peer, data in gathered.items()}
+
+    def _publish_ring_ids(self) -> None:
+        kept = b"".join(self._plane.ring_ids()) if self._plane is not None else b""
+        self._ring_ids.raw = kept.ljust(MAX_RINGS * RING_ID_BYTES, b"\0")
+
+    def _board_caller(self, leader, loop: asyncio.AbstractEventLoop) -> Callable[[dict], dict]:
+        """Requests to the group's board: in this process if this peer leads the group, else
+        an RPC to the leader over hivemind's authenticated channel (from the ring's thread)."""
+        if leader == self.peer_id:
+            return functools.partial(self._boards.handle, self.peer_id.to_bytes())
+
+        async def ask(request: dict) -> dict:
+            stub = self.get_stub(self._p2p, leader, namespace=self.prefix)
+            answer = await stub.rpc_plane_board(
+                averaging_pb2.DownloadData(metadata=pack(request)), timeout=10
+            )
+            return unpack(answer.metadata)
+
+        return lambda request: asyncio.run_coroutine_threadsafe(ask(request), loop).result(timeout=15)
+
+    async def rpc_plane_board(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """The rendezvous board of a group this peer leads; the caller's peer id is proven by
+        hivemind's channel, and only the group's members get anything but "unknown group"."""
+        if len(request.metadata) > 2 * MAX_VALUE_BYTES:
+            answer = {"ok": False, "why": "request too large"}
+        else:
+            answer = await self._boards.answer(context.remote_id.to_bytes(), unpack(request.metadata))
+        return averaging_pb2.DownloadData(metadata=pack(answer))
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        # Runs in hivemind's averager process. Testing: a fault file's ``serve_delay_ms`` slows
+        # the stream down part by part, so that a test can kill this donor mid-download.
+        delay = fault_value(self._fault_file, "serve_delay_ms") / 1000
+        if delay:
+            logger.warning("serving the state slowly (fault injection: %.0f ms per part)", delay * 1000)
+        async for message in super().rpc_download_state(request, context):
+            yield message
+            if delay:
+                await asyncio.sleep(delay)
+
+    # --- downloads that the joiner checks (see SwarmAverager.download_state) ----------------------
+
+    def load_state_from_peers(
+        self,
+        wait: bool = True,
+        timeout: float | None = None,
+        exclude: Sequence[str] = (),
+        verifiers: Sequence[str] = (),
+    ):
+        """hivemind's download, skipping the donors in ``exclude`` (base58 peer ids). While the
+        state streams, up to ``VERIFIERS`` of ``verifiers`` (never the donor) are asked for their
+        θ's sketches under a seed drawn for this donor, which the donor never sees. A result is
+        (metadata, tensors, the donor's peer id, the seed, {verifier: (outer step, sketches) or
+        None})."""
+        future = MPFuture()
+        request = dict(timeout=timeout, future=future, exclude=tuple(exclude), verifiers=tuple(verifiers))
+        self._outer_pipe.send(("_load_state_from_peers", [], request))
+        return future.result(timeout=timeout) if wait else future
+
+    async def _load_state_from_peers(
+        self,
+        future: MPFuture,
+        timeout: float | None = None,
+        exclude: Sequence[str] = (),
+        verifiers: Sequence[str] = (),
+    ) -> None:
+        # In the averager process. Donors in order of the priority they declare (their outer
+        # step; anyone can declare any, which is why the joiner checks what it gets).
+        try:
+            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+            found = await self.dht.get(key, latest=True, return_future=True)
+            declared = found.value if found is not None and isinstance(found.value, dict) else {}
+            donors = []
+            for subkey, entry in declared.items():
+                priority = getattr(entry, "value", None)
+                if not isinstance(priority, (int, float)) or not math.isfinite(priority):
+                    continue
+                try:
+                    peer = PeerID(subkey)
+                except Exception:  # noqa: BLE001 - a made-up subkey is just skipped
+                    continue
+                if peer != self.peer_id and peer.to_base58() not in exclude:
+                    donors.append((float(priority), random.random(), peer))
+            for _, _, peer in sorted(donors, key=lambda d: d[:2], reverse=True):
+                donor = peer.to_base58()
+                seed = secrets.token_bytes(SEED_BYTES)
+                asked = [v for v in verifiers if v != donor][:VERIFIERS]
+                # Asked while the state streams (not after): a round can end during a download,
+                # and the witnesses' θ should be of the step the donor serves.
+                witnesses = asyncio.ensure_future(self._sketches_from(asked, seed, timeout=10.0))
+                got = await self._download_from(peer)
+                if got is not None:
+                    future.set_result((*got, donor, seed, await witnesses))
+                    return
+                witnesses.cancel()
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_from(self, peer: PeerID) -> tuple[Any, list[torch.Tensor]] | None:
+        """One donor's state stream, at most ``self._state_limit`` bytes; None if it failed."""
+        logger.info("downloading the state from %s", peer)
+        try:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            metadata, tensors, parts, received = None, [], [], 0
+            async for message in aiter_with_timeout(
+                stream, timeout=self.next_chunk_timeout or self.request_timeout
+            ):
+                received += len(message.tensor_part.buffer) + len(message.metadata)
+                if received > self._state_limit:
+                    raise SwarmError(
+                        f"it sent over {self._state_limit >> 20} MiB, more than this model's state"
+                    )
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # the first part of the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        except Exception as error:  # noqa: BLE001 - a donor gone or misbehaving: try the next
+            logger.warning("state download from %s failed: %s", peer, one_line(error))
+            return None
+        return (metadata, tensors) if metadata else None
+
+    async def rpc_theta_sketch(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """Sketches of this peer's θ under a joiner's seed, for checking a state it downloaded."""
+        seed = unpack(request.metadata).get("seed") if len(request.metadata) <= 256 else None
+        if not isinstance(seed, bytes) or len(seed) != SEED_BYTES or not self.allow_state_sharing:
+            return averaging_pb2.DownloadData(metadata=pack({"ok": False}))
+        if self._sketch_lock is None:
+            self._sketch_lock = asyncio.Lock()
+        async with self._sketch_lock:  # each answer costs a copy of the state: one at a time
+            await asyncio.sleep(max(0.0, self._sketch_after - time.monotonic()))
+            metadata, tensors, _ = await self._get_current_state_from_host_process()
+            metadata = self.serializer.loads(metadata)
+            params = tensors[: int(metadata["num_params"])]
+            sketches = await asyncio.get_running_loop().run_in_executor(None, state_sketches, params, seed)
+            self._sketch_after = time.monotonic() + 0.1
+        answer = {
+            "ok": True,
+            "outer_step": int(metadata["outer_step"]),
+            "sketches": [s.to_bytes() for s in sketches],
+        }
+        return averaging_pb2.DownloadData(metadata=pack(answer))
+
+    async def _sketches_from(
+        self, peers: list[str], seed: bytes, timeout: float
+    ) -> dict[str, tuple[int, list[Sketch]] | None]:
+        """Each peer's (outer step, θ sketches) under ``seed``, or None for it."""
+
+        async def ask(peer: str) -> tuple[str, tuple[int, list[Sketch]] | None]:
+            try:
+                stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+                request = averaging_pb2.DownloadData(metadata=pack({"seed": seed}))
+                answer = await stub.rpc_theta_sketch(request, timeout=timeout)
+                message = unpack(answer.metadata) if len(answer.metadata) <= MAX_SKETCH_ANSWER else {}
+                step, raw = message.get("outer_step"), message.get("sketches")
+                if message.get("ok") is not True or not isinstance(step, int) or not isinstance(raw, list):
+                    return peer, None
+                return peer, (step, [Sketch.from_bytes(b) for b in raw])
+            except Exception as error:  # noqa: BLE001 - no answer, a malformed one: not a witness
+                logger.debug("no θ sketch from %s: %s", peer, one_line(error))
+                return peer, None
+
+        return dict(await asyncio.gather(*map(ask, peers)))
+
+    def get_current_state(self):
+        state = self._state_provider()
+        noise = fault_value(self._fault_file, "serve_noise")
+        if noise:  # fault injection: a donor serving a made-up θ (this peer's own is untouched)
+            logger.warning("fault injection: serving θ with %g relative noise", noise)
+            state = dataclasses.replace(
+                state,
+                params=[p + noise * p.norm() / p.numel() ** 0.5 * torch.randn_like(p) for p in state.params],
+            )
+        metadata = dict(
+            outer_step=state.outer_step,
+            num_params=len(state.params),
+            num_pending=len(state.pending),
+            inner_keys=state.inner_keys,
+        )
+        queued = [t for update in state.pending for t in update]
+        return metadata, [*state.params, *state.momentum, *queued, *state.inner], None
+
+
+def _held_by_all(members: list[Any]) -> frozenset[bytes]:
+    """The ring ids every member says it keeps (a malformed list counts as none kept)."""
+    held = None
+    for member in members:
+        rings = member.get(_RINGS) if isinstance(member, dict) else None
+        if not isinstance(rings, list) or len(rings) > MAX_RINGS:
+            return frozenset()
+        ids = {r for r in rings if isinstance(r, bytes) and len(r) == RING_ID_BYTES}
+        held = ids if held is None else held & ids
+    return frozenset(held or ())
+
+
+def _weight(member: Any) -> float:
+    """A member's gathered weight; anything but a finite number >= 0 counts as 0."""
+    try:
+        weight = float(member.get(_WEIGHT, 0.0))
+    except (TypeError, ValueError, AttributeError):
+        return 0.0
+    return weight if math.isfinite(weight) and weight >= 0 else 0.0
+
+
+def fault_value(fault_file: str | None, key: str) -> float:
+    """A number from the fault file (testing), 0 if there is none.
+
+    ``serve_delay_ms``: sleep this long per streamed state part (so that a test can kill a
+    donor mid-download); ``serve_noise``: serve θ with this much relative noise added (a lying
+    donor); ``state_priority``: declare this outer step to joiners (to be picked first)."""
+    if not fault_file:
+        return 0.0
+    try:
+        value = float(json.loads(pathlib.Path(fault_file).read_text()).get(key, 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0  # no fault file yet, or a half-written one: no fault
+    return value if math.isfinite(value) and value > 0 else 0.0

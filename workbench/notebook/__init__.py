@@ -1,0 +1,1 @@
+"""Notebooks: the :class:`~workbench.notebook.experiment.Experiment` API and the live widget."""
