@@ -10,11 +10,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import math
 import multiprocessing as mp
-import pathlib
 import random
 import secrets
 import time
@@ -45,6 +43,7 @@ from swarm.dataplane import (
     one_line,
 )
 from swarm.errors import SwarmError
+from swarm.faults import FaultPlan
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
 from swarm.sketch import Sketch, state_sketches
 
@@ -449,15 +448,9 @@ def _weight(member: Any) -> float:
 
 
 def fault_value(fault_file: str | None, key: str) -> float:
-    """A number from the fault file (testing), 0 if there is none.
-
-    ``serve_delay_ms``: sleep this long per streamed state part (so that a test can kill a
-    donor mid-download); ``serve_noise``: serve θ with this much relative noise added (a lying
-    donor); ``state_priority``: declare this outer step to joiners (to be picked first)."""
-    if not fault_file:
-        return 0.0
+    """A state-serving fault of the local lab (swarm.faults: ``serve_delay_ms``,
+    ``serve_noise``, ``state_priority``), 0 if there is none or the file is half-written."""
     try:
-        value = float(json.loads(pathlib.Path(fault_file).read_text()).get(key, 0))
-    except (OSError, ValueError, TypeError, AttributeError):
-        return 0.0  # no fault file yet, or a half-written one: no fault
-    return value if math.isfinite(value) and value > 0 else 0.0
+        return float(getattr(FaultPlan.read(fault_file), key))
+    except (OSError, ValueError):
+        return 0.0

@@ -25,6 +25,7 @@ from textual.widgets import DataTable, Footer, Header, Input, Label, RichLog, Sp
 from textual_plotext import PlotextPlot
 
 from swarm.errors import SwarmError
+from swarm.faults import FaultRequest
 from swarm.monitor import SwarmSnapshot
 from tui.format import (
     STAGE_STYLE,
@@ -446,14 +447,12 @@ class SwarmApp(App[None]):
             FaultScreen(name=peer[1], reason=reason), lambda choice: self._fault_chosen(peer, choice)
         )
 
-    def _fault_chosen(self, peer: tuple[str, str], choice: tuple[str, Any] | None) -> None:
-        if choice is None or self.source.faults is None:
+    def _fault_chosen(self, peer: tuple[str, str], request: FaultRequest | None) -> None:
+        if request is None or self.source.faults is None:
             return
-        fault, argument = choice
         try:
-            action = getattr(self.source.faults, fault)
-            message = action(peer[0]) if argument is None else action(peer[0], argument)
-        except (SwarmError, OSError) as error:
+            message = self.source.faults.inject(peer[0], request)
+        except (SwarmError, OSError, ValueError) as error:
             self.notify(str(error), severity="error")
             return
         self.notify(message, timeout=6)

@@ -14,6 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Markdown, Select, Static
 
 from swarm import bounds
+from swarm.faults import Fault, FaultRequest
 from swarm.monitor import SwarmSnapshot
 from tui.format import human_bytes, human_duration
 
@@ -218,17 +219,23 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
         self.dismiss(None)
 
 
-class FaultScreen(ModalScreen[tuple[str, Any] | None]):
-    """Fault injection for one peer this machine launched; returns (fault, argument) or None."""
+class FaultScreen(ModalScreen[FaultRequest | None]):
+    """Fault injection for one peer this machine launched; returns the request or None."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
     FAULTS = [
-        ("kill", None, "Kill (SIGKILL): the round falls back, the peer drops out of the monitor"),
-        ("freeze", 30.0, "Freeze 30 s (SIGSTOP): a straggler that catches up by downloading state"),
-        ("throttle", 500, "Throttle: 500 ms extra per inner step"),
-        ("throttle", 0, "Remove the throttle"),
-        ("corrupt", None, "Send a corrupt (NaN) update next round: the group rejects it"),
-        ("oversize", None, "Send 1000x the update it declares next round: the group refuses the round"),
+        (FaultRequest(Fault.KILL), "Kill (SIGKILL): the round falls back, the peer drops out of the monitor"),
+        (
+            FaultRequest(Fault.FREEZE, 30.0),
+            "Freeze 30 s (SIGSTOP): a straggler that catches up by downloading state",
+        ),
+        (FaultRequest(Fault.THROTTLE, 500), "Throttle: 500 ms extra per inner step"),
+        (FaultRequest(Fault.THROTTLE, 0), "Remove the throttle"),
+        (FaultRequest(Fault.CORRUPT), "Send a corrupt (NaN) update next round: the group rejects it"),
+        (
+            FaultRequest(Fault.OVERSIZE),
+            "Send 1000x the update it declares next round: the group refuses the round",
+        ),
     ]
 
     def __init__(self, *, name: str, reason: str | None) -> None:
@@ -241,14 +248,14 @@ class FaultScreen(ModalScreen[tuple[str, Any] | None]):
             yield Label(f"[b]Inject a fault into {self.peer_name}[/b]")
             if self.reason:
                 yield Label(f"[b red]Disabled:[/b red] {self.reason}", id="reason")
-            for index, (_, _, text) in enumerate(self.FAULTS):
+            for index, (_, text) in enumerate(self.FAULTS):
                 yield Button(text, id=f"fault-{index}", disabled=self.reason is not None, classes="fault")
             yield Button("Cancel", id="cancel")
 
     @on(Button.Pressed, ".fault")
     def chosen(self, event: Button.Pressed) -> None:
-        fault, argument, _ = self.FAULTS[int(str(event.button.id).split("-")[1])]
-        self.dismiss((fault, argument))
+        request, _ = self.FAULTS[int(str(event.button.id).split("-")[1])]
+        self.dismiss(request)
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:

@@ -14,23 +14,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from swarm.errors import SwarmError
+from swarm.faults import Fault, FaultInjector, FaultRequest
 from swarm.monitor import SwarmMonitor, SwarmSnapshot, dht_reader, replay
 from swarm.records import ControlState, RunKeys
 
 logger = logging.getLogger(__name__)
-
-
-class FaultInjector(Protocol):
-    """Faults a front end can inject into peers this machine launched (``workbench demo``)."""
-
-    def reason(self, peer_id: str) -> str | None:
-        """Why faults cannot be injected into this peer (None: they can)."""
-
-    def kill(self, peer_id: str) -> str: ...
-    def freeze(self, peer_id: str, seconds: float) -> str: ...
-    def throttle(self, peer_id: str, milliseconds: int) -> str: ...
-    def corrupt(self, peer_id: str) -> str: ...
-    def oversize(self, peer_id: str) -> str: ...
 
 
 class SnapshotSource(Protocol):
@@ -171,32 +159,27 @@ class LocalFaults:
             raise SwarmError(reason)
         return self._peer(peer_id)
 
-    def kill(self, peer_id: str) -> str:
+    def inject(self, peer_id: str, request: FaultRequest) -> str:
         peer = self._checked(peer_id)
-        peer.kill()
-        return f"killed {peer.name} (SIGKILL): watch the others fall back and carry on"
-
-    def freeze(self, peer_id: str, seconds: float) -> str:
-        peer = self._checked(peer_id)
-        peer.freeze(seconds)
-        return f"froze {peer.name} for {seconds:.0f} s (SIGSTOP): a straggler; it catches up by downloading state"
-
-    def throttle(self, peer_id: str, milliseconds: int) -> str:
-        peer = self._checked(peer_id)
-        peer.write_faults(throttle_ms=milliseconds)
-        return f"{peer.name} now sleeps {milliseconds} ms per inner step"
-
-    def corrupt(self, peer_id: str) -> str:
-        peer = self._checked(peer_id)
-        peer.write_faults(corrupt_next=time.time())
-        return f"{peer.name} will send a corrupt (NaN) update next round: the group must reject it"
-
-    def oversize(self, peer_id: str) -> str:
-        peer = self._checked(peer_id)
-        peer.write_faults(oversize_next=time.time())
-        return (
-            f"{peer.name} will send 1000x the update it declares next round: the group must refuse the round"
-        )
+        fault, argument = request.fault, request.argument
+        if fault is Fault.KILL:
+            peer.kill()
+            return f"killed {peer.name} (SIGKILL): watch the others fall back and carry on"
+        if fault is Fault.FREEZE:
+            seconds = float(argument or 30.0)
+            peer.freeze(seconds)
+            return f"froze {peer.name} for {seconds:.0f} s (SIGSTOP): a straggler; it catches up by downloading state"
+        if fault is Fault.THROTTLE:
+            milliseconds = float(argument or 0.0)
+            peer.write_faults(throttle_ms=milliseconds)
+            return f"{peer.name} now sleeps {milliseconds:.0f} ms per inner step"
+        if fault is Fault.CORRUPT:
+            peer.write_faults(corrupt_next=time.time())
+            return f"{peer.name} will send a corrupt (NaN) update next round: the group must reject it"
+        if fault is Fault.OVERSIZE:
+            peer.write_faults(oversize_next=time.time())
+            return f"{peer.name} will send 1000x the update it declares next round: the group must refuse the round"
+        raise ValueError(f"unknown fault {fault!r}")
 
 
 class DemoSource(LiveSource):

@@ -80,7 +80,10 @@ class PeerProcess:
         try:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{self.name} still running after {timeout} s:\n{self.stderr()[-3000:]}")
+            # Where it hangs: every thread's stack (workbench registers SIGUSR1 with faulthandler).
+            self.process.send_signal(signal.SIGUSR1)
+            time.sleep(2.0)
+            pytest.fail(f"{self.name} still running after {timeout} s:\n{self.stderr()[-8000:]}")
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")

@@ -4,7 +4,6 @@ per scenario (survived, rounds lost, seconds to recover)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -12,6 +11,7 @@ import time
 
 import pytest
 
+from swarm.faults import FaultPlan
 from tests.integration.conftest import FAST, max_abs_diff
 
 
@@ -112,7 +112,7 @@ def test_a_donor_killed_mid_download_the_joiner_takes_another(spawn, scenario, t
     starts downloading; the donor serving it is SIGKILLed mid-stream. The joiner's download
     falls over to the other donor; it joins with the right state and agrees at the end."""
     faults = tmp_path / "faults.json"
-    faults.write_text(json.dumps({"serve_delay_ms": 150}))
+    FaultPlan(serve_delay_ms=150).write(faults)
     common = [*FAST, "--run-id", "donors", "--rounds", "16", "--averaging-timeout", "8"]
     slow = [*common, "--fault-file", str(faults)]
     first = spawn("a", "start", *slow, "--min-peers", "2")
@@ -162,9 +162,9 @@ def test_a_trimmed_mean_shrugs_off_one_bad_peer(spawn, scenario, tmp_path):
     second = spawn("b", "join", first.address(), *common, "--min-peers", "3")
     bad = spawn("c", "join", first.address(), *common, "--min-peers", "3", "--fault-file", str(faults))
     bad.wait_event("round", lambda e: e["outer_step"] >= 2 and e["group_size"] == 3)
-    faults.write_text(json.dumps({"corrupt_next": 1}))
+    FaultPlan(corrupt_next=1).write(faults)
     bad.wait_event("round", lambda e: "sending a corrupt" in bad.stderr(), timeout=60)
-    faults.write_text(json.dumps({"corrupt_next": 1, "oversize_next": 1}))
+    FaultPlan(corrupt_next=1, oversize_next=1).write(faults)
     for peer in (first, second, bad):
         assert peer.wait() == 0, peer.stderr()
     assert "sending a corrupt (NaN) update" in bad.stderr()

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from swarm.faults import FaultPlan
 from tests.integration.conftest import FAST, max_abs_diff
 
 LIAR = """
@@ -170,7 +171,7 @@ def test_a_donor_serving_a_made_up_state_is_refused(spawn, tmp_path):
     the two honest peers' sketches disagree, and it takes the state from one of them instead:
     it averages with them on their θ, never the made-up one."""
     liar = tmp_path / "liar.json"
-    liar.write_text(json.dumps({"serve_noise": 0.05, "state_priority": 1e6}))
+    FaultPlan(serve_noise=0.05, state_priority=1e6).write(liar)
     common = [*FAST, "--rounds", "20", "--run-id", "made-up-state"]
     first = spawn("a", "start", *common, "--min-peers", "3")
     second = spawn("b", "join", first.address(), *common, "--min-peers", "3")

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from swarm.dht import NetworkConfig, dht_time
+from swarm.faults import FaultPlan
 from swarm.monitor import SwarmMonitor, dht_reader, replay
 from swarm.records import ControlState, PeerHeartbeat, RunKeys, Stage
 from swarm.session import connect
@@ -293,11 +294,11 @@ def test_an_injected_corrupt_update_is_rejected_by_the_group(spawn, tmp_path):
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common, "--fault-file", str(faults))
     second.wait_event("round", lambda e: e["outer_step"] >= 2)
-    faults.write_text(json.dumps({"corrupt_next": 1}))
+    FaultPlan(corrupt_next=1).write(faults)
     second.wait_event("round", lambda e: e["alone_reason"] and "NaN" in e["alone_reason"])
     # Then a lying peer: 1000x the update it declares. The mean is larger than the declared
     # norms allow, so every member refuses the round (optim.robust).
-    faults.write_text(json.dumps({"corrupt_next": 1, "oversize_next": 1}))
+    FaultPlan(corrupt_next=1, oversize_next=1).write(faults)
     for peer in (first, second):
         assert peer.wait() == 0, peer.stderr()
     for peer in (first, second):

@@ -50,24 +50,9 @@ class FakeFaults:
     def reason(self, peer: str) -> str | None:
         return None if peer != peer_id(2) else "this peer runs on another machine"
 
-    def _record(self, fault: str, peer: str, argument: Any = None) -> str:
-        self.calls.append((fault, peer, argument))
-        return f"{fault} {peer[:10]}"
-
-    def kill(self, peer: str) -> str:
-        return self._record("kill", peer)
-
-    def freeze(self, peer: str, seconds: float) -> str:
-        return self._record("freeze", peer, seconds)
-
-    def throttle(self, peer: str, milliseconds: int) -> str:
-        return self._record("throttle", peer, milliseconds)
-
-    def corrupt(self, peer: str) -> str:
-        return self._record("corrupt", peer)
-
-    def oversize(self, peer: str) -> str:
-        return self._record("oversize", peer)
+    def inject(self, peer: str, request) -> str:
+        self.calls.append((request.fault.value, peer, request.argument))
+        return f"{request.fault.value} {peer[:10]}"
 
 
 class FakeSource:

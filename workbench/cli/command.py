@@ -12,6 +12,7 @@ import argparse
 import faulthandler
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -199,6 +200,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args.verbose)
     if not faulthandler.is_enabled():  # a crash in native code (torch, gloo) still names its Python line
         faulthandler.enable()
+        if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack, for a peer that hangs
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.command == "config":
         from workbench.cli.config import run_config_command
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from swarm.errors import SwarmError
+from swarm.faults import FaultPlan
 from workbench.cli.argv import method_arguments, model_flags, optimizer_arguments
 from workbench.config import RunConfig
 
@@ -85,12 +86,10 @@ class LocalPeer:
     def fault_file(self) -> Path:
         return self.directory / "faults.json"
 
-    def write_faults(self, **faults: Any) -> None:
-        """Merge ``faults`` into the file the peer reads between inner steps (``--fault-file``)."""
-        current = json.loads(self.fault_file.read_text()) if self.fault_file.exists() else {}
-        temporary = self.fault_file.with_suffix(".tmp")
-        temporary.write_text(json.dumps({**current, **faults}))
-        os.replace(temporary, self.fault_file)
+    def write_faults(self, **faults: float) -> None:
+        """Merge ``faults`` (swarm.faults.FaultPlan's fields) into the file the peer reads
+        between inner steps (``--fault-file``)."""
+        FaultPlan.update(self.fault_file, **faults)
 
     def log_tail(self, lines: int = 8) -> str:
         log = self.directory / "peer.log"

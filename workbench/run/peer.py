@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import signal
 import threading
 import time
@@ -36,6 +35,7 @@ from optim.diloco import DiLoCo
 from optim.streaming import StreamingConfig, StreamingDiLoCo, StreamingRounds, split_fragments
 from swarm.dht import NetworkConfig, visible_addresses
 from swarm.errors import SwarmError
+from swarm.faults import FaultReader
 from swarm.manifest import model_fingerprint
 from swarm.records import PeerHeartbeat, RunKeys, RunManifest, Stage
 from swarm.session import connect
@@ -71,10 +71,8 @@ class Peer:
         self.group_size = 0
         self.dp_bytes = 0
         self.last_error: str | None = None
-        self._faults_seen = 0.0  # mtime of the fault file last read
+        self.faults = FaultReader(config.peer.fault_file)
         self.throttle = 0.0
-        self._corrupt_token = None
-        self._oversize_token = None
         self.control_version = 0
         """The owner's ControlState version whose settings this peer applied."""
         self.checkpoints = 0
@@ -640,28 +638,21 @@ class Peer:
         self.beat(stage)
 
     def read_faults(self) -> None:
-        """Testing (``--fault-file``): apply faults injected by the demo's UI, between inner steps."""
-        path = self.config.peer.fault_file
-        if path is None:
-            return
+        """Testing (``--fault-file``, which only the local lab passes): apply the faults it
+        injects (swarm.faults), between inner steps."""
         try:
-            mtime = os.stat(path).st_mtime
-            if mtime != self._faults_seen:
-                self._faults_seen = mtime
-                faults = json.loads(Path(path).read_text())
-                self.throttle = max(0.0, float(faults.get("throttle_ms", 0))) / 1000
-                token = faults.get("corrupt_next")  # a new value asks for one more corrupt update
-                if token and token != self._corrupt_token and self.averager is not None:
-                    self._corrupt_token = token
-                    self.averager.corrupt_next = True
-                token = faults.get("oversize_next")  # likewise, one update 1000x larger than declared
-                if token and token != self._oversize_token and self.averager is not None:
-                    self._oversize_token = token
-                    self.averager.scale_next = 1000.0
-                logger.warning("%s: fault injection: %s", self.name, faults)
-        except (OSError, ValueError, TypeError, AttributeError) as error:
-            if not isinstance(error, FileNotFoundError):
-                logger.warning("%s: unreadable fault file %s: %s", self.name, path, error)
+            changed = self.faults.poll()
+        except (OSError, ValueError) as error:
+            logger.warning("%s: unusable fault file %s: %s", self.name, self.faults.path, error)
+            changed = None
+        if changed is not None:
+            plan, fired = changed
+            self.throttle = plan.throttle_ms / 1000
+            if self.averager is not None and "corrupt_next" in fired:
+                self.averager.corrupt_next = True
+            if self.averager is not None and "oversize_next" in fired:
+                self.averager.scale_next = 1000.0
+            logger.warning("%s: fault injection: %s", self.name, plan)
         if self.throttle:
             time.sleep(self.throttle)
 

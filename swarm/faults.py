@@ -1,0 +1,137 @@
+"""Fault injection, typed: what the local lab (``workbench demo``'s monitor, the tests) may
+inject into a peer it launched, and how the peer reads it.
+
+Two halves. A front end asks for a :class:`FaultRequest` (kill, freeze, throttle, one corrupt
+update, one oversized update) through a :class:`FaultInjector`, which only a launcher that owns
+the peer's process provides. Faults that act inside the peer travel as a :class:`FaultPlan`:
+a small JSON file named by the peer's ``--fault-file`` (the launcher passes it; a peer started
+by hand has none, and then nothing here runs). The peer reads it with a :class:`FaultReader`
+between inner steps; its averager reads the state-serving faults when it serves a state.
+Unknown keys and non-numbers are refused, so a typo in a test cannot silently inject nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+class Fault(enum.Enum):
+    KILL = "kill"  # SIGKILL: the round falls back, the peer drops out
+    FREEZE = "freeze"  # SIGSTOP for ``argument`` seconds: a straggler
+    THROTTLE = "throttle"  # ``argument`` ms of sleep per inner step (0 removes it)
+    CORRUPT = "corrupt"  # one NaN update next round
+    OVERSIZE = "oversize"  # one update 1000x larger than declared next round
+
+
+@dataclass(frozen=True)
+class FaultRequest:
+    fault: Fault
+    argument: float | None = None
+
+
+class FaultInjector(Protocol):
+    """Faults a front end can inject into peers this machine launched (``workbench demo``)."""
+
+    def reason(self, peer_id: str) -> str | None:
+        """Why faults cannot be injected into this peer (None: they can)."""
+
+    def inject(self, peer_id: str, request: FaultRequest) -> str:
+        """Inject it; returns a sentence for the event log. Raises SwarmError or OSError."""
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """The faults acting inside one peer (its ``--fault-file``); every field 0 means none."""
+
+    throttle_ms: float = 0.0
+    """Sleep this long per inner step (a slow peer)."""
+    corrupt_next: float = 0.0
+    """A token: each new value makes the peer send one NaN update (a faulty peer)."""
+    oversize_next: float = 0.0
+    """A token: each new value makes the peer send one update 1000x what it declares."""
+    serve_delay_ms: float = 0.0
+    """Sleep this long per streamed part of a served state (a test can kill a donor mid-download)."""
+    serve_noise: float = 0.0
+    """Serve θ with this much relative noise (a lying donor; this peer's own θ is untouched)."""
+    state_priority: float = 0.0
+    """Declare this outer step to joiners, to be picked as their donor first."""
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan:
+        """From the file's JSON; ValueError naming an unknown key or a value that is no number."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("a fault file holds one JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        values = {}
+        for key, value in data.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"fault {key} must be a finite number (got {value!r})")
+            values[key] = max(0.0, float(value))
+        return cls(**values)
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str] | None) -> FaultPlan:
+        """The plan in ``path``; no faults when there is no path or no file yet."""
+        if not path:
+            return cls()
+        try:
+            return cls.parse(Path(path).read_text())
+        except FileNotFoundError:
+            return cls()
+
+    def write(self, path: str | os.PathLike[str]) -> None:
+        """Atomically (a peer may read it at any moment): the fields that are set."""
+        target = Path(path)
+        temporary = target.with_suffix(".tmp")
+        temporary.write_text(json.dumps({k: v for k, v in dataclasses.asdict(self).items() if v}))
+        os.replace(temporary, target)
+
+    @classmethod
+    def update(cls, path: str | os.PathLike[str], **changes: float) -> FaultPlan:
+        """Merge ``changes`` (field names, TypeError for others) into the plan in ``path``."""
+        plan = dataclasses.replace(cls.read(path), **changes)
+        plan.write(path)
+        return plan
+
+
+class FaultReader:
+    """A peer's view of its fault file: re-read only when it changed; a one-shot fault (a new
+    ``corrupt_next`` / ``oversize_next`` token) is reported once."""
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        self.path = path
+        self.plan = FaultPlan()
+        self._seen: float | None = None
+        self._tokens = {"corrupt_next": 0.0, "oversize_next": 0.0}
+
+    def poll(self) -> tuple[FaultPlan, set[str]] | None:
+        """(the plan, the one-shot faults newly asked for) if the file changed since the last
+        poll, else None. ValueError/OSError for a file that cannot be used (the plan is kept)."""
+        if not self.path:
+            return None
+        try:
+            changed = os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return None
+        if changed == self._seen:
+            return None
+        self._seen = changed
+        self.plan = FaultPlan.read(self.path)
+        fired = set()
+        for name, last in self._tokens.items():
+            token = getattr(self.plan, name)
+            if token and token != last:
+                self._tokens[name] = token
+                fired.add(name)
+        return self.plan, fired
