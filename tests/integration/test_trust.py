@@ -169,7 +169,7 @@ def test_a_stopped_peer_takes_its_children_along_without_a_traceback(spawn, how)
         second.process.send_signal(signal.SIGTERM)
     else:
         os.killpg(second.process.pid, signal.SIGTERM if "SIGTERM" in how else signal.SIGINT)
-    assert second.wait(timeout=30) == 0, second.stderr()[-3000:]
+    assert second.wait(timeout=30) == 0, second.stderr()[-8000:]
     gone, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, [p.cmdline()[:3] for p in alive]
     assert "Traceback" not in second.stderr() and "Task exception was never retrieved" not in second.stderr()

@@ -17,6 +17,7 @@ at the end, the global params to ``<run_dir>/global_params.pt``; the demo launch
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import logging
 import math
@@ -810,16 +811,31 @@ def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | Non
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         summary = peer.run()
-        peer.close("finished")
+        _close_within(peer, "finished")
         return summary
     except KeyboardInterrupt:
-        peer.close("interrupted")
+        _close_within(peer, "interrupted")
         raise
     except BaseException:
-        peer.close("error")
+        _close_within(peer, "error")
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+CLOSE_DEADLINE = 20.0
+"""Seconds a peer may take to leave (announce it, stop its averager and DHT processes)."""
+
+
+def _close_within(peer: Peer, reason: str) -> None:
+    """``peer.close(reason)``, and a peer told to stop is gone within ``CLOSE_DEADLINE``
+    whatever its child processes do: past it, every thread's stack goes to stderr (where the
+    shutdown hung) and the process exits with status 1."""
+    faulthandler.dump_traceback_later(CLOSE_DEADLINE, exit=True)
+    try:
+        peer.close(reason)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
