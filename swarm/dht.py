@@ -108,8 +108,8 @@ _CANCELLED_STEP_NOISE = _CancelledStepNoise()
 
 @contextlib.contextmanager
 def quiet_children() -> Iterator[None]:
-    """Processes forked inside (hivemind's DHT and averager) get the default SIGTERM, not this
-    process's handler: a peer turns SIGTERM into KeyboardInterrupt, and a child inheriting that
+    """Processes forked inside (hivemind's DHT and averager) get the default SIGTERM and SIGHUP,
+    not this process's handlers: a peer turns them into KeyboardInterrupt, and a child inheriting that
     printed a KeyboardInterrupt traceback when a whole process group was terminated (a service
     manager, a closed terminal). With the default, a child just ends; the parent still shuts the
     others down in order. Only the main thread can touch signal handlers.
@@ -122,11 +122,13 @@ def quiet_children() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    stops = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
+    previous = {s: signal.signal(s, signal.SIG_DFL) for s in stops}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> hivemind.DHT

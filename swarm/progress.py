@@ -53,7 +53,7 @@ class ProgressBoard:
     def publish_now(self, heartbeat: PeerHeartbeat, timeout: float = 3.0) -> None:
         """Store and wait until stored (used for the last word: leaving)."""
         try:
-            if not self.store.store(self.key, heartbeat, ttl=self.ttl, wait=True):
+            if not self.store.store(self.key, heartbeat, ttl=self.ttl, wait=True, timeout=timeout):
                 logger.debug("the DHT kept an older heartbeat over this one")
         except SwarmError as error:
             logger.debug("%s", error)

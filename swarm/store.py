@@ -52,8 +52,11 @@ class SignedStore:
             self.failures += 1
             self.last_failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
-    def store(self, key: str, record: BaseModel, *, ttl: float, wait: bool = False) -> bool:
-        """Store ``record`` under our key; with ``wait``, block until stored (or the timeout)."""
+    def store(
+        self, key: str, record: BaseModel, *, ttl: float, wait: bool = False, timeout: float | None = None
+    ) -> bool:
+        """Store ``record`` under our key; with ``wait``, block until stored (or ``timeout``,
+        this store's own by default)."""
         from hivemind.utils import get_dht_time
 
         future = self.dht.store(
@@ -66,7 +69,7 @@ class SignedStore:
         if not wait:
             future.add_done_callback(self._note)
             return True
-        return bool(wait_for(future, self.timeout, f"storing {key}"))
+        return bool(wait_for(future, self.timeout if timeout is None else timeout, f"storing {key}"))
 
     def read(self, key: str, model: type[BaseModel]) -> dict[str, BaseModel]:
         """Every valid record under ``key`` by its writer's public key (malformed ones dropped).

@@ -68,3 +68,58 @@ def test_demo_runs_other_methods_over_the_real_swarm(tmp_path, method_flags, pee
     assert data["final_loss"] < data["initial_loss"]
     commands = (tmp_path / "commands.txt").read_text()
     assert all(flag in commands for flag in peer_flags), commands
+
+
+def _processes_of(run_dir) -> list:
+    """Every live process whose command line names ``run_dir`` (the demo's peers carry it in
+    --run-dir, their hivemind children inherit nothing of it, so their parents are checked)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run_dir) in part for part in process.info["cmdline"] or []):
+                found.append(process)
+                found += process.children(recursive=True)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return [p for p in found if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_closing_the_terminal_stops_the_demo_and_every_peer(tmp_path):
+    """SIGHUP to the demo (what a closed terminal or SSH session sends it) mid-run: the demo
+    stops every peer it started, which announce leaving, and nothing of the run is left
+    within 10 s (the peers run in their own sessions: the terminal's SIGHUP reaches only the
+    demo)."""
+    import signal
+    import time
+
+    import psutil
+
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "workbench", "demo", "--peers", "2", "--headless", *FAST,
+         "--rounds", "500", "--run-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        metrics = [tmp_path / f"peer-{i}" / "metrics.jsonl" for i in range(2)]
+        while not all(m.exists() and '"event": "round"' in m.read_text() for m in metrics):
+            assert demo.poll() is None and time.monotonic() < deadline, demo.communicate()[1][-3000:]
+            time.sleep(0.5)
+        peers = _processes_of(tmp_path)
+        assert len(peers) >= 2  # the peers and their hivemind processes
+        demo.send_signal(signal.SIGHUP)
+        started = time.monotonic()
+        demo.wait(timeout=30)
+        gone, alive = psutil.wait_procs(peers, timeout=max(0.1, 10 - (time.monotonic() - started)))
+        assert not alive and not _processes_of(tmp_path), [p.cmdline()[:4] for p in alive]
+        assert time.monotonic() - started < 10.0
+        for m in metrics:
+            left = [json.loads(line) for line in m.read_text().splitlines() if '"event": "left"' in line]
+            assert left and left[-1]["reason"] == "interrupted", m.read_text()[-2000:]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        for process in _processes_of(tmp_path):
+            process.kill()

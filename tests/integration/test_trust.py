@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -150,6 +151,7 @@ def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
     [
         pytest.param("SIGTERM to the peer", marks=pytest.mark.faults),
         "SIGTERM to its process group",  # the case that printed children's tracebacks
+        "SIGHUP to its process group",  # its terminal or SSH session closed
         pytest.param("Ctrl+C in its terminal", marks=pytest.mark.faults),
     ],
 )
@@ -168,10 +170,13 @@ def test_a_stopped_peer_takes_its_children_along_without_a_traceback(spawn, how)
     if how == "SIGTERM to the peer":
         second.process.send_signal(signal.SIGTERM)
     else:
-        os.killpg(second.process.pid, signal.SIGTERM if "SIGTERM" in how else signal.SIGINT)
+        sent = {"SIGTERM": signal.SIGTERM, "SIGHUP": signal.SIGHUP}.get(how.split()[0], signal.SIGINT)
+        os.killpg(second.process.pid, sent)
+    stopping = time.monotonic()
     assert second.wait(timeout=30) == 0, second.stderr()[-8000:]
     gone, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, [p.cmdline()[:3] for p in alive]
+    assert time.monotonic() - stopping < 10.0  # the peer and all its processes
     assert "Traceback" not in second.stderr() and "Task exception was never retrieved" not in second.stderr()
     first.process.send_signal(signal.SIGINT)
     assert first.wait(timeout=30) == 0

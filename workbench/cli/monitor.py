@@ -74,7 +74,10 @@ def run_monitor_command(args: argparse.Namespace, argv: list[str]) -> int:
             connect_timeout=args.connect_timeout,
             record_to=args.record,
         )
-    run_app(source)
+    from workbench.run.stopping import stopped_by_signals
+
+    with stopped_by_signals():  # a closed terminal (SIGHUP) closes the source's DHT process too
+        run_app(source)
     return 0
 
 

@@ -30,6 +30,7 @@ from swarm.errors import SwarmError
 from swarm.faults import FaultPlan
 from workbench.cli.argv import method_arguments, model_flags, optimizer_arguments
 from workbench.config import RunConfig
+from workbench.run.stopping import not_interrupted, stopped_by_signals
 
 
 class LaunchError(SwarmError):
@@ -245,8 +246,19 @@ class LocalSwarm:
             p.process.poll() == 0 and p.last("done") for p in self.peers
         )
 
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self, grace: float = 8.0) -> None:
-        """SIGINT every peer (they announce leaving and shut down), then SIGKILL stragglers."""
+        """SIGINT every peer (they announce leaving and shut down), then SIGKILL stragglers;
+        a second Ctrl+C or a closing terminal meanwhile waits until they are stopped."""
+        with not_interrupted():
+            self._stop(grace)
+
+    def _stop(self, grace: float) -> None:
         for peer in self.peers:
             if peer.process.poll() is None:
                 peer.process.send_signal(signal.SIGINT)
@@ -358,9 +370,8 @@ def run_demo(config: RunConfig, *, peers: int, run_dir: Path, timeout: float, sh
     """Run the demo to the end; ``show(event)`` is called for every peer event."""
     swarm = LocalSwarm(config, peers=peers, run_dir=run_dir)
     started = time.monotonic()
-    # `timeout` and service managers stop with SIGTERM: stop the peers then too, not only on Ctrl+C.
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    try:
+    # `timeout`, service managers (SIGTERM) and a closed terminal (SIGHUP) stop the peers too.
+    with stopped_by_signals(), swarm:
         swarm.start()
         for event in (e for p in swarm.peers for e in p.events):
             show(event)
@@ -374,9 +385,6 @@ def run_demo(config: RunConfig, *, peers: int, run_dir: Path, timeout: float, sh
         for event in swarm.poll():
             show(event)
         return swarm.result(time.monotonic() - started)
-    finally:
-        swarm.stop()
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> int:
@@ -386,9 +394,8 @@ def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> in
     from workbench.sources import DemoSource
 
     swarm = LocalSwarm(config, peers=peers, run_dir=run_dir)
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     source = None
-    try:
+    with stopped_by_signals(), swarm:
         swarm.start()
         source = DemoSource.of(swarm)
         app = SwarmApp(source)
@@ -409,13 +416,12 @@ def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> in
 
         watcher = threading.Thread(target=supervise, daemon=True)
         watcher.start()
-        app.run()
-        stop.set()
-    finally:
-        if source is not None:
-            source.close()
-        swarm.stop()
-        signal.signal(signal.SIGTERM, previous)
+        try:
+            app.run()
+        finally:
+            stop.set()
+            if source is not None:
+                source.close()
     swarm.poll()
     finals = [peer.last("done") for peer in swarm.peers if peer.last("done")]
     if finals:
@@ -427,10 +433,6 @@ def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> in
     else:
         console.print(f"stopped; logs in {run_dir}", soft_wrap=True)
     return 0
-
-
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:

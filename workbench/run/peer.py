@@ -21,7 +21,6 @@ import faulthandler
 import json
 import logging
 import math
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from workbench.config import RunConfig
 from workbench.run.data import evaluate
 from workbench.run.node import CHECK, STEP, SYNC, NodeGroup
 from workbench.run.progress_bar import progress
+from workbench.run.stopping import stopped_by_signals
 from workbench.run.training import build_training, train_step
 
 logger = logging.getLogger(__name__)
@@ -771,7 +771,8 @@ class Peer:
 
     def close(self, reason: str) -> None:
         """Announce departure (best effort), then shut down the averager before the DHT."""
-        if self.board is not None and self.peer_id:
+        dht_alive = self.dht is not None and getattr(self.dht, "is_alive", lambda: True)()  # may be signalled
+        if self.board is not None and self.peer_id and dht_alive:
             self.stage = Stage.LEAVING
             try:
                 self.board.publish_now(self.heartbeat(), timeout=2.0)
@@ -802,25 +803,19 @@ class Peer:
 
 
 def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
-    """Run a peer in the main thread; Ctrl+C (or SIGTERM) stops it cleanly within seconds."""
+    """Run a peer in the main thread; Ctrl+C, SIGTERM or SIGHUP stops it cleanly within seconds."""
     peer = Peer(config, on_started=on_started)
-    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        # Started as a background job of a non-interactive shell (`cmd &`), which ignores SIGINT:
-        # a peer must still leave cleanly when told to, so take SIGINT back.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    try:
-        summary = peer.run()
-        _close_within(peer, "finished")
-        return summary
-    except KeyboardInterrupt:
-        _close_within(peer, "interrupted")
-        raise
-    except BaseException:
-        _close_within(peer, "error")
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with stopped_by_signals():  # SIGTERM, SIGHUP (a closed terminal): like Ctrl+C
+        try:
+            summary = peer.run()
+            _close_within(peer, "finished")
+            return summary
+        except KeyboardInterrupt:
+            _close_within(peer, "interrupted")
+            raise
+        except BaseException:
+            _close_within(peer, "error")
+            raise
 
 
 CLOSE_DEADLINE = 20.0
@@ -836,7 +831,3 @@ def _close_within(peer: Peer, reason: str) -> None:
         peer.close(reason)
     finally:
         faulthandler.cancel_dump_traceback_later()
-
-
-def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt

@@ -1,0 +1,53 @@
+"""How a workbench process is told to stop: Ctrl+C (SIGINT), a service manager or `timeout`
+(SIGTERM), a closed terminal or SSH session (SIGHUP). All three raise KeyboardInterrupt in
+the main thread, so one ``except KeyboardInterrupt`` path stops cleanly: a peer announces
+leaving and shuts its child processes down, the demo stops every peer it started."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """Within: SIGTERM and SIGHUP raise KeyboardInterrupt like Ctrl+C (restored on exit). A
+    process started in the background of a non-interactive shell ignores SIGINT: take it back."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = {s: signal.signal(s, _raise_keyboard_interrupt) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def not_interrupted() -> Iterator[None]:
+    """Within: Ctrl+C, SIGTERM and SIGHUP are held back and delivered on exit, so that a
+    shutdown already under way (stopping the demo's peers) is not cut short by a second
+    signal, such as the terminal closing a few seconds after `q`. (Python runs signal handlers
+    in the main thread whichever thread the kernel picked, so the handlers are swapped rather
+    than the signal mask.) Only the main thread may change handlers: elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    held = (signal.SIGINT, *STOP_SIGNALS)
+    previous = {s: signal.signal(s, lambda signum, frame: arrived.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if arrived:
+            signal.raise_signal(arrived[0])  # now handled as it would have been
