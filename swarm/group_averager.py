@@ -121,6 +121,7 @@ class GroupAverager(DecentralizedAverager):
         self._unreachable = 0  # consecutive rings this peer could not set up
         self._boards = RendezvousBoards()  # the rendezvous of the groups this peer leads
         self._sketch_lock: asyncio.Lock | None = None  # made in the averager process's loop
+        self._running: set[asyncio.Task] = set()  # see _keep_running
         self._sketch_after = 0.0
         # A donor may send at most this much: 8 copies of the parameters and 64 MiB of slack
         # (θ, momentum, a queued update and AdamW's two moments are 5).
@@ -153,6 +154,23 @@ class GroupAverager(DecentralizedAverager):
 
             install()
         super().run()
+
+    def _keep_running(self) -> None:
+        """Keep the current task referenced until it is done. hivemind's averager process starts
+        each request from the peer (a step, a state download) as a task it keeps no reference to
+        (``_run_internal``: ``task = asyncio.create_task(...)``, overwritten by the next one), and
+        asyncio holds only weak references to tasks: once the task waits on something only it
+        references, the garbage collector may destroy it mid-flight ("Task was destroyed but it
+        is pending!"). The peer then waits on a step that never begins (its round mates' ring
+        waits for it until the timeout) or a download that never ends."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _step(self, **kwargs: Any):
+        self._keep_running()
+        return await super()._step(**kwargs)
 
     def step(self, gather: Any = None, **kwargs: Any):
         """hivemind's step; this member's data-plane address travels with its gathered info."""
@@ -304,6 +322,7 @@ class GroupAverager(DecentralizedAverager):
     ) -> None:
         # In the averager process. Donors in order of the priority they declare (their outer
         # step; anyone can declare any, which is why the joiner checks what it gets).
+        self._keep_running()
         try:
             key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
             found = await self.dht.get(key, latest=True, return_future=True)
