@@ -171,10 +171,18 @@ def _print_join_command(config: RunConfig, addresses: list[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
     except BrokenPipeError:  # `workbench ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    if argv is None and _ran_a_peer:  # this process is the peer (not main() called by a library)
+        from workbench.run.stopping import end_process
+
+        end_process(code)
+    return code
+
+
+_ran_a_peer = False
 
 
 def _one_line_errors(run, errors) -> int:
@@ -244,15 +252,18 @@ def _main(argv: Sequence[str] | None = None) -> int:
             from workbench.local.launch import run_demo_command
 
             return run_demo_command(config, args)
-        from workbench.run.node import follow, leave, node_world
+        from workbench.run.node import follow, node_world
+        from workbench.run.stopping import end_process
 
         if node_world()[0] > 0:  # a torchrun rank other than 0: rank 0 is the node's peer
-            leave(follow(config))
+            end_process(follow(config))
         from workbench.run.peer import run_peer
 
         on_started = (
             (lambda addresses: _print_join_command(config, addresses)) if args.command == "start" else None
         )
+        global _ran_a_peer
+        _ran_a_peer = True
         run_peer(config, on_started=on_started)
         return 0
     except (SwarmError, DataError) as error:

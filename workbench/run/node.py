@@ -14,7 +14,7 @@ action:
               start: after an outer step, a state download or a resume)
     CHECK     the largest parameter difference between any rank and rank 0 (end of run)
     STOP      followers return (after a barrier: nothing is in flight when the group is
-              destroyed), and end their process at once (see :func:`leave`)
+              destroyed), and end their process at once (:func:`workbench.run.stopping.end_process`)
 
 The node's averaging weight is the samples of all its ranks, so a 2-rank node counts twice as
 much as a 1-process peer with the same batch size.
@@ -22,10 +22,8 @@ much as a 1-process peer with the same batch size.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import sys
 from datetime import timedelta
 
 import torch
@@ -160,17 +158,3 @@ def follow(config) -> int:
         return 0
     finally:
         node.close()
-
-
-def leave(code: int) -> None:
-    """End a follower's process now, after its group is destroyed: flush the logs and skip
-    interpreter finalization. Finalization destroys whatever torch and gloo still hold (worker
-    threads, their last work items) in a half-torn-down interpreter, where a stray one ends the
-    process in ``std::terminate`` (SIGABRT, "terminate called without an active exception");
-    torchrun then takes the whole node down, rank 0 and its final checkpoint included. A
-    follower has nothing left to save, so it has nothing to lose by not finalizing."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing to say
-            stream.flush()
-    os._exit(code)

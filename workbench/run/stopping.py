@@ -6,7 +6,11 @@ leaving and shuts its child processes down, the demo stops every peer it started
 from __future__ import annotations
 
 import contextlib
+import logging
+import multiprocessing
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -51,3 +55,21 @@ def not_interrupted() -> Iterator[None]:
             signal.signal(s, handler)
         if arrived:
             signal.raise_signal(arrived[0])  # now handled as it would have been
+
+
+def end_process(code: int) -> None:
+    """End this process now with ``code``, after its work is shut down: flush the logs, stop
+    any child process left, and skip interpreter finalization. Finalization destroys whatever
+    torch, gloo and hivemind still hold in a half-torn-down interpreter, where a stray C++
+    thread ends the process in ``std::terminate`` (SIGABRT, "terminate called without an active
+    exception") after it already said "stopped." or finished its run: exit status -6 for a run
+    that succeeded (and torchrun then takes the whole node down). Only for a process's own
+    entry point: a peer's or a node rank's, never a library call."""
+    logging.shutdown()
+    for child in multiprocessing.active_children():  # normally none: the peer shut them down
+        child.terminate()
+        child.join(1.0)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing to say
+            stream.flush()
+    os._exit(code)
