@@ -17,9 +17,10 @@ from typing import Any
 
 from rich.text import Text
 from textual import on, work
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, ComposeResult, ScreenStackError, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Label, RichLog, Sparkline, Static
 from textual_plotext import PlotextPlot
@@ -174,6 +175,10 @@ class SwarmApp(App[None]):
 
     def show(self, snapshot: SwarmSnapshot) -> None:
         """Take a new snapshot: record what accumulates, then render unless updates are paused."""
+        try:
+            log = self.query_one("#events", RichLog)
+        except (NoMatches, ScreenStackError):  # the app is closing, its screen gone: a last poll, dropped
+            return
         self.snapshot = snapshot
         self._throughput.append(sum(p.tokens_per_second for p in snapshot.peers.values()))
         sent = sum(p.bytes_sent for p in snapshot.peers.values())
@@ -181,7 +186,6 @@ class SwarmApp(App[None]):
             rate = max(0, sent - self._last_sent[1]) / (snapshot.time - self._last_sent[0])
             self._bandwidth.append(rate)
         self._last_sent = (snapshot.time, sent)
-        log = self.query_one("#events", RichLog)
         for event in snapshot.new_events:
             stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
             style = EVENT_STYLE.get(event.kind, "")

@@ -191,3 +191,12 @@ async def test_256_peers_render(app) -> None:
     async with app.run_test(size=(160, 50)) as pilot:
         await started(app, pilot)
         assert app.query_one("#peers", DataTable).row_count == 256
+
+
+def test_a_snapshot_that_arrives_while_the_app_closes_is_dropped() -> None:
+    """The poll worker's last snapshot can land after the screen is gone (seen under load as a
+    WorkerFailed: NoMatches '#events' at exit): it is dropped, not an error."""
+    source = FakeSource()
+    app = SwarmApp(source, poll=False)
+    app.show(source.poll())
+    assert app.snapshot is None
