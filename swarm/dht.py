@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -131,10 +132,32 @@ def quiet_children() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+@functools.cache
+def _quiet_dht_class():
+    """hivemind's DHT, whose process ends quietly when a request's pipe is lost in transit.
+
+    A request from the peer can carry a connection (a future's pipe), which the DHT process
+    fetches from the sender through multiprocessing's resource sharer. When the peer is
+    stopping at that very moment, the fetch fails (EOFError) and hivemind's loop dies with a
+    traceback in the log of a peer that stopped cleanly. Only that failure is quieted."""
+    import hivemind
+
+    class QuietDHT(hivemind.DHT):
+        def run(self) -> None:
+            try:
+                super().run()
+            except (EOFError, ConnectionError) as error:
+                if not _in_resource_sharer(error.__traceback__):
+                    raise
+                logger.debug("the DHT process stops: a request's pipe was lost with its sender (%s)", error)
+
+    return QuietDHT
+
+
 def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> hivemind.DHT
     """Start a DHT node in a child process; returns once it is connected to the swarm.
     ``validators``: the run's record validators (see :func:`swarm.validators.record_validators`)."""
-    import hivemind  # heavy import (~2 s), kept out of `workbench --help`
+    import hivemind  # noqa: F401 - heavy (~2 s, kept out of `workbench --help`); before its log level is set
 
     if "HIVEMIND_LOGLEVEL" not in os.environ:
         # Used as a library (a notebook, the monitor): hivemind's INFO lines ("Checking that
@@ -158,7 +181,7 @@ def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> h
     )
     if config.identity_path:
         kwargs["identity_path"] = config.identity_path
-    dht = hivemind.DHT(**kwargs)
+    dht = _quiet_dht_class()(**kwargs)
     try:
         with quiet_children():
             dht.run_in_background(await_ready=True, timeout=config.connect_timeout + 5)
