@@ -48,6 +48,11 @@ class RingUnreachable(RuntimeError):
     leaving once the ring was up."""
 
 
+class MemberMissing(RuntimeError):
+    """A member hivemind put in the group never came to its ring: it gave up on the group during
+    matchmaking (a follower whose wait for the leader's go timed out, under load), or left."""
+
+
 class RingTampered(RuntimeError):
     """The ring's sum does not match the members' sketches: something else than the members'
     contributions went into it."""
@@ -81,7 +86,7 @@ class DirectPlane:
         # Rings by members in rank order, with the id they were made under: the same group
         # reuses its connections next round if every member still holds that ring.
         self._rings: dict[tuple[str, ...], tuple[bytes, torch.distributed.ProcessGroup]] = {}
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="sketch-exchange")
+        self._pool = ThreadPoolExecutor(3, thread_name_prefix="sketch-exchange")
         self._send = lambda ring, wire: ring.allreduce([wire])  # tests put an impostor here
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
@@ -105,6 +110,7 @@ class DirectPlane:
         codec: str,
         timeout: float,
         reusable: frozenset[bytes] | None = None,
+        arrival: float = 5.0,
     ) -> None:
         """Replace ``tensors`` in place by the group's weighted mean (``total``: the sum of
         every member's weight, from the gathered info), checked against the members' sketches.
@@ -112,6 +118,10 @@ class DirectPlane:
         ring is used again only if its id is among them (None: trust this side's cache), since
         a member that lost its side of the ring (a failed round, a process suspended past the
         ring's timeout) would set up a new one while this one waited on the old.
+        ``arrival``: seconds every member has to show up at the board before the ring runs
+        (:class:`MemberMissing` otherwise). hivemind's matchmaking can hand the leader a group
+        whose follower has already given up on it; on a kept ring the others would then wait in
+        gloo for the ring's whole ``timeout``.
         On any error the tensors hold garbage: the caller keeps its own copy."""
         if not total > 0:
             raise RuntimeError(f"the group's weights sum to {total}")
@@ -134,6 +144,15 @@ class DirectPlane:
         # changes it, so its sketch is taken first.
         others = [f"sketch/{r}" for r in range(len(members)) if r != rank]
         abort = threading.Event()
+        # Everyone here? Posted first, answered while this member sketches its update.
+        present = self._pool.submit(
+            board.exchange,
+            f"here/{rank}",
+            b"",
+            [f"here/{r}" for r in range(len(members)) if r != rank],
+            min(arrival, timeout),
+            abort,
+        )
 
         def own_sketch() -> Sketch:
             return Sketch(tuple(sketcher.rows(flat).tolist()), float(torch.linalg.vector_norm(flat)))
@@ -148,6 +167,13 @@ class DirectPlane:
             sketched = self._pool.submit(own_sketch)
         exchange = self._pool.submit(lambda: post(sketched.result()))
         try:
+            try:
+                present.result()
+            except Exception as error:
+                raise MemberMissing(
+                    f"not every member of the group came to its ring within {min(arrival, timeout):.0f} s "
+                    f"({one_line(error)}); one gave up on the group during matchmaking or left"
+                ) from None
             key = tuple(members)
             ring_id, ring = self._rings.pop(key, (b"", None))  # kept below only if the sum checks out
             if ring is not None and reusable is not None and ring_id not in reusable:
@@ -166,7 +192,7 @@ class DirectPlane:
             parts = [mine, *map(Sketch.from_bytes, exchange.result(timeout=timeout))]
         finally:
             abort.set()  # a failed round leaves no request polling on for the next one to queue behind
-            wait([sketched])  # nothing reads ``flat`` (maybe a kept buffer) once this returns
+            wait([sketched, present])  # nothing reads ``flat`` (maybe a kept buffer) once this returns
         why = mismatch(result, parts, codec)
         if why is not None:
             raise RingTampered(why)

@@ -219,6 +219,9 @@ class GroupAverager(DecentralizedAverager):
                 # Below hivemind's own deadline for this step, so that a member gone mid-ring
                 # ends in our error, not in hivemind cancelling the wait on a running thread.
                 timeout=0.75 * (self._allreduce_timeout or 60.0),
+                # A follower gives up on its leader request_timeout s after the group's scheduled
+                # time; the leader may already have begun: twice that, and the round fails fast.
+                arrival=max(5.0, 2 * float(self.request_timeout or 3.0)),
             )
             try:
                 async with enter_asynchronously(self.get_tensors()) as local_tensors:

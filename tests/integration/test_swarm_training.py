@@ -148,13 +148,6 @@ def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_i
     assert done["final_eval_loss"] < done["initial_eval_loss"]
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug, under investigation (session note 2026-12-01): with --overlap, the round "
-    "in flight when a joiner starts downloading can stall (one member's step never begins, the "
-    "other's ring waits 22.5 s, the donors' state requests wait on that round and time out); "
-    "failed 2 of the last 3 fresh runs",
-)
 def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn):
     """--overlap: each round's all-reduce runs while the next round trains. Peers report a
     round one sync later, a joiner gets the mean in flight with the state, and all three end

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from swarm.dataplane import DirectPlane, RingTampered, RingUnreachable
+from swarm.dataplane import DirectPlane, MemberMissing, RingTampered, RingUnreachable
 from swarm.rendezvous import BoardClient, RendezvousBoards, RendezvousError, RingStore, pack, unpack
 from swarm.sketch import ROWS, Sketch, mismatch, sketch
 
@@ -25,17 +25,19 @@ class SharedBoard:
     def set(self, key: str, value: bytes) -> None:
         self.values[(self.group, key)] = bytes(value)
 
-    def get(self, key: str, timeout: float) -> bytes:
+    def get(self, key: str, timeout: float, abort=None) -> bytes:
         deadline = time.monotonic() + timeout
         while (self.group, key) not in self.values:
             if time.monotonic() > deadline:
                 raise RendezvousError(f"no member posted {key!r} within {timeout:.0f} s")
+            if abort is not None and abort.is_set():
+                raise RendezvousError("the round ended")
             time.sleep(0.002)
         return self.values[(self.group, key)]
 
     def exchange(self, key: str, value: bytes, want: list[str], timeout: float, abort=None) -> list[bytes]:
         self.set(key, value)
-        return [self.get(k, timeout) for k in want]
+        return [self.get(k, timeout, abort) for k in want]
 
 
 def _member(rank: int, size: int, values, weights, codec: str, rounds: int, tamper: bool, out) -> None:
@@ -168,9 +170,64 @@ def test_a_ring_is_reused_only_if_every_member_still_holds_it(agree):
         assert results[0][1] != 1.5 and results[1][1] != 1.5, results
 
 
+def _member_that_may_skip_a_round(rank: int, values, out) -> None:
+    """Three rounds among 2 members on one kept ring; member 1 skips round 1, as a follower that
+    gave up on its leader during matchmaking (hivemind's leader begins the round all the same)."""
+    plane = DirectPlane("127.0.0.1")
+    results = []
+    for r in range(3):
+        if r == 1 and rank == 1:
+            results.append("skipped")
+            while ("gave up", 0) not in values:  # back for the next group, as matchmaking would
+                time.sleep(0.01)
+            continue
+        tensors = [torch.full((6,), float(rank + 1))]
+        started = time.monotonic()
+        try:
+            plane.all_reduce(
+                tensors,
+                board=SharedBoard(values, f"round{r}".encode()),
+                seed=f"round{r}".encode(),
+                members=["a", "b"],
+                rank=rank,
+                weight=1.0,
+                total=2.0,
+                codec="none",
+                timeout=60,  # the ring's: a kept ring would wait this long in gloo for the other
+                arrival=2,
+                reusable=frozenset(plane.ring_ids()) if r else None,
+            )
+            results.append(float(tensors[0][0]))
+        except MemberMissing as error:
+            results.append(("missing", time.monotonic() - started, str(error)))
+            values[("gave up", rank)] = True
+    out.put((rank, results, len(plane._rings)))
+
+
+def test_a_member_that_never_comes_fails_the_round_in_seconds_and_the_ring_is_kept():
+    context = mp.get_context("spawn")
+    manager = context.Manager()
+    out, values = context.Queue(), manager.dict()
+    members = [context.Process(target=_member_that_may_skip_a_round, args=(r, values, out)) for r in range(2)]
+    for m in members:
+        m.start()
+    results = {rank: (rounds, rings) for rank, rounds, rings in (out.get(timeout=90) for _ in members)}
+    for m in members:
+        m.join(timeout=30)
+    manager.shutdown()
+    (first, rings0), (second, rings1) = results[0], results[1]
+    assert first[0] == second[0] == 1.5
+    kind, seconds, why = first[1]
+    assert kind == "missing" and seconds < 10, first[1]  # not the ring's 60 s
+    assert "did not come" in why or "within 2 s" in why, why
+    # Nothing moved on the ring while one member was away: both use it again next round.
+    assert first[2] == second[2] == 1.5
+    assert rings0 == rings1 == 1
+
+
 def test_an_unreachable_member_fails_within_the_timeout():
     plane = DirectPlane("127.0.0.1")
-    board = SharedBoard({}, b"g")  # the other member never posts its address
+    board = SharedBoard({(b"g", "here/0"): b""}, b"g")  # the other member came, but never posts its address
     started = time.monotonic()
     with pytest.raises(RingUnreachable):
         plane.all_reduce(
