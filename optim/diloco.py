@@ -25,10 +25,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -37,7 +35,7 @@ from optim.averager import Averager, RoundReport
 from optim.background import in_background, landed, read_settled
 from optim.codecs import encoded_nbytes
 from optim.config import DiLoCoConfig
-from optim.robust import check_round
+from optim.contribution import InFlight, Outgoing, global_norm, judge, own_share
 from optim.state import OuterState, inner_state_tensors, load_inner_state
 
 __all__ = [  # the config and state live in their own modules; importing them from here still works
@@ -82,7 +80,7 @@ class DiLoCo:
         self.lock = threading.RLock()
         self.codec = config.make_codec()
         self._pending: list[list[torch.Tensor]] = []  # averaged Δ waiting to be applied (delay > 0)
-        self._inflight: _InFlight | None = None  # with overlap: the round being averaged
+        self._inflight: InFlight | None = None  # with overlap: the round being averaged
         self._last_future: concurrent.futures.Future | None = None  # the next round starts after it
         # What compression dropped, per peer, added back next round (never lost; see codecs).
         self.feedback = config.make_feedback(self.codec)
@@ -259,7 +257,7 @@ class DiLoCo:
             return self._sync_overlapped(outgoing)
         sent = [d.clone() for d in outgoing.deltas] if self.offset else []
         report = self.average(outgoing.deltas, outgoing.info, weight=outgoing.weight)
-        refused = self._judge(outgoing, report)
+        refused = judge(outgoing, report, self.config.outlier_ratio)
         if refused:
             logger.error("%s", refused)
         elif self.config.delay:
@@ -268,14 +266,14 @@ class DiLoCo:
             self.apply_outer_step(outgoing.deltas)
         if self.offset:  # as overlapped: this round's share is learnt once its mean lands
             self.apply_eager(sent, self._share)
-            self._share = _own_share(report, outgoing.weight)
+            self._share = own_share(report, outgoing.weight)
         self._next_round()
         return report
 
-    def _outgoing(self, info: dict[str, Any] | None) -> _Outgoing:
+    def _outgoing(self, info: dict[str, Any] | None) -> Outgoing:
         """This peer's Δ for the round, as it goes on the wire (clipped, compressed)."""
         deltas = self.compute_pseudo_gradients()
-        local_norm = _global_norm(deltas)
+        local_norm = global_norm(deltas)
         diverged = not all(torch.isfinite(d).all() for d in deltas)
         if diverged:
             # This peer diverged: sending its update would poison everyone's θ. It contributes
@@ -293,38 +291,9 @@ class DiLoCo:
             deltas, payload_bytes = self.compress(deltas)
         weight = 0.0 if diverged else float(max(self.samples_this_round, 1))
         # What the robust check of every member reads: this peer's declared norm and weight.
-        info = dict(info or {}, norm=_global_norm(deltas), weight=weight)
+        info = dict(info or {}, norm=global_norm(deltas), weight=weight)
         info.setdefault("outer_step", self.outer_step_count)
-        return _Outgoing(deltas, info, weight, local_norm, payload_bytes, diverged, self.outer_step_count)
-
-    def _judge(self, outgoing: _Outgoing, report: RoundReport) -> str | None:
-        """Fill in the report once ``outgoing.deltas`` hold the mean; why the mean must not be
-        applied, or None."""
-        report.info = outgoing.info
-        if outgoing.diverged:
-            report.error = (
-                "this peer's pseudo-gradient held NaN/Inf: not sent; it took the group's update "
-                "(lower the inner learning rate)"
-            )
-        report.local_norm, report.mean_norm = outgoing.local_norm, _global_norm(outgoing.deltas)
-        report.payload_bytes = outgoing.payload_bytes
-        refused = check_round(
-            report.mean_norm,
-            report.group_info,
-            ratio=self.config.outlier_ratio,
-            misreport=not report.robust_mean,
-        )
-        if refused and report.group_size > 1:
-            why = f"round {outgoing.outer_step}: {refused}; the global params were left unchanged"
-        elif not all(torch.isfinite(d).all() for d in outgoing.deltas):
-            why = (
-                f"round {outgoing.outer_step}: the averaged update holds NaN/Inf; the global params "
-                "were left unchanged (a peer diverged: lower the inner learning rate)"
-            )
-        else:
-            return None
-        report.error = why
-        return why
+        return Outgoing(deltas, info, weight, local_norm, payload_bytes, diverged, self.outer_step_count)
 
     def _next_round(self) -> None:
         self.restore_parameters()
@@ -334,13 +303,13 @@ class DiLoCo:
 
     # --- overlapped rounds --------------------------------------------------------------
 
-    def _sync_overlapped(self, outgoing: _Outgoing) -> RoundReport:
+    def _sync_overlapped(self, outgoing: Outgoing) -> RoundReport:
         """Apply the previous round's mean, start this round's all-reduce in the background,
         and move the clock on at once: the all-reduce has the next round's inner steps to run."""
         report, mean = RoundReport(group_size=1, pending=True, info=outgoing.info), None  # first round
         if self._inflight is not None:
             report, mean = self._collect(self._inflight)
-            self._share = _own_share(report, self._inflight.outgoing.weight)
+            self._share = own_share(report, self._inflight.outgoing.weight)
         sent = [d.clone() for d in outgoing.deltas] if self.offset else []  # the all-reduce overwrites them
         with self.lock:  # θ, the clock and the in-flight round change together (see outer_state)
             if self._pending:  # queued in a downloaded state: the donor's, not our stale round's
@@ -349,7 +318,7 @@ class DiLoCo:
                 self._apply(mean)
             if self.offset:
                 self.apply_eager(sent, self._share)
-            self._inflight = _InFlight(
+            self._inflight = InFlight(
                 outgoing,
                 in_background(
                     self.average,
@@ -409,10 +378,10 @@ class DiLoCo:
             self.offset_optimizer.zero_grad(set_to_none=True)
         self._proxy = proxy
 
-    def _collect(self, inflight: _InFlight) -> tuple[RoundReport, list[torch.Tensor] | None]:
+    def _collect(self, inflight: InFlight) -> tuple[RoundReport, list[torch.Tensor] | None]:
         """Wait for a round in flight: its report, and its mean unless refused."""
         report = inflight.future.result()  # re-raises only what stops the run
-        refused = self._judge(inflight.outgoing, report)
+        refused = judge(inflight.outgoing, report, self.config.outlier_ratio)
         if refused:
             logger.error("%s", refused)
             return report, None
@@ -450,13 +419,13 @@ class DiLoCo:
         joiner applies it at the end of its first round, as this peer will."""
         return read_settled(self, inflight_timeout, self._state_with)
 
-    def _state_with(self, inflight: _InFlight | None) -> OuterState:
+    def _state_with(self, inflight: InFlight | None) -> OuterState:
         """The state, its queued means and ``inflight``'s mean if it arrived (under the lock)."""
         keys, tensors = getattr(self, "_inner_snapshot", ([], []))
         pending = [[d.clone() for d in update] for update in self._pending]
         if landed(inflight):
             report = dataclasses.replace(inflight.future.result())
-            if not self._judge(inflight.outgoing, report):
+            if not judge(inflight.outgoing, report, self.config.outlier_ratio):
                 pending.append([d.clone() for d in inflight.outgoing.deltas])
         return OuterState(
             outer_step=self.outer_step_count,
@@ -503,35 +472,3 @@ class DiLoCo:
         """Per-tensor L2 norms of θ: peers on the same trajectory agree to ~1e-6 relative."""
         with self.lock:
             return [float(g.double().norm()) for g in self.global_params]
-
-
-@dataclass
-class _Outgoing:
-    """One round's contribution; ``deltas`` hold the group's mean once averaged."""
-
-    deltas: list[torch.Tensor]
-    info: dict[str, Any]
-    weight: float
-    local_norm: float
-    payload_bytes: int
-    diverged: bool
-    outer_step: int
-
-
-@dataclass
-class _InFlight:
-    outgoing: _Outgoing
-    future: concurrent.futures.Future
-
-
-def _own_share(report: RoundReport, weight: float) -> float:
-    """This peer's share of a round's weighted mean: its weight over the group's (1 alone)."""
-    if report.group_size <= 1:
-        return 1.0
-    weights = [i.get("weight") for i in report.group_info if isinstance(i, dict)]
-    total = sum(float(w) for w in weights if isinstance(w, (int, float)) and math.isfinite(w) and w > 0)
-    return min(1.0, weight / total) if total > 0 else 1.0
-
-
-def _global_norm(tensors: list[torch.Tensor]) -> float:
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])))

@@ -179,6 +179,17 @@ class RunConfig:
         with τ > 0): a peer's clock is one past the round it averages."""
         return self.diloco.overlap or (self.method == "streaming" and self.sync_delay > 0)
 
+    @property
+    def round_steps(self) -> int:
+        """Inner steps between two syncs: H, or H/F for streaming (one fragment per sync)."""
+        inner = self.diloco.inner_steps
+        return inner // self.fragments if self.method == "streaming" else inner
+
+    @property
+    def total_rounds(self) -> int:
+        """Syncs in a run of ``--rounds``: streaming syncs every fragment once per round."""
+        return self.peer.rounds * (self.fragments if self.method == "streaming" else 1)
+
     def __post_init__(self) -> None:
         if self.method not in ("diloco", "dp", "streaming"):
             raise ValueError(f"unknown method '{self.method}'; choose diloco, dp or streaming")

@@ -6,8 +6,6 @@ import math
 import signal
 import time
 
-import pytest
-
 from tests.integration.conftest import FAST, max_abs_diff
 
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
-import workbench.run.peer as peer_module
+import workbench.run.joining as peer_module
 from swarm.records import PeerHeartbeat, Stage
-from workbench.run.peer import Peer
+from workbench.run.joining import wait_for_peers
 
 
 def _beat(peer: str, stage: Stage) -> PeerHeartbeat:
@@ -30,13 +29,7 @@ class Board:
 
 
 def _wait(board: Board, min_peers: int, wait_timeout: float = 60.0) -> None:
-    peer = SimpleNamespace(
-        config=SimpleNamespace(peer=SimpleNamespace(min_peers=min_peers, wait_timeout=wait_timeout)),
-        board=board,
-        beat=lambda stage: None,
-        name="a",
-    )
-    Peer.wait_for_peers(peer)
+    wait_for_peers(board, lambda stage: None, wanted=min_peers, timeout=wait_timeout, name="a")
 
 
 def test_a_peer_still_downloading_the_state_is_not_counted_yet(monkeypatch):

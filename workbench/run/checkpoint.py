@@ -82,3 +82,61 @@ def load(directory: str | Path) -> tuple[dict[str, Any], Path]:
             raise CheckpointError(f"cannot resume: {newest}; and {previous}") from None
         logger.warning("%s; resuming from the previous checkpoint %s", newest, directory / PREVIOUS)
         return payload, directory / PREVIOUS
+
+
+# --- a peer's training state, in and out of a checkpoint -----------------------------------------
+
+
+def training_state(rounds: Any, model: Any, inner_optimizer: Any, batches: Any) -> dict[str, Any]:
+    """What a checkpoint holds of a peer's training: the outer state (``rounds``: DiLoCo or
+    streaming rounds), the model, AdamW, the error-feedback residuals and the data position."""
+    import dataclasses
+
+    feedback = getattr(rounds, "feedback", None)
+    if isinstance(feedback, list):  # streaming: one residual memory per fragment
+        residuals = [f.residuals if f is not None else None for f in feedback]
+    else:
+        residuals = feedback.residuals if feedback is not None else None
+    return {
+        "outer": dataclasses.asdict(rounds.outer_state()),
+        "model": model.state_dict(),
+        "inner_optimizer": inner_optimizer.state_dict(),
+        "feedback": residuals,
+        "data": batches.state_dict() if batches is not None else None,
+    }
+
+
+def restore_training(
+    payload: dict[str, Any], rounds: Any, model: Any, inner_optimizer: Any, batches: Any
+) -> None:
+    """The inverse of :func:`training_state`."""
+    from optim.diloco import OuterState
+
+    model.load_state_dict(payload["model"])
+    inner_optimizer.load_state_dict(payload["inner_optimizer"])
+    rounds.load_outer_state(OuterState(**payload["outer"]))
+    inner_optimizer.load_state_dict(payload["inner_optimizer"])  # load_outer_state may reset it
+    feedback = getattr(rounds, "feedback", None)
+    if isinstance(feedback, list):
+        for memory, residuals in zip(feedback, payload.get("feedback") or []):
+            if memory is not None:
+                memory.residuals = residuals
+    elif feedback is not None:
+        feedback.residuals = payload.get("feedback")
+    if payload.get("data") is not None and batches is not None:
+        batches.load_state_dict(payload["data"])
+
+
+def load_for(directory: str | Path, *, run_id: str, fingerprint: str) -> tuple[dict[str, Any], Path]:
+    """:func:`load`, refusing a checkpoint of another run or model (``--resume``)."""
+    payload, path = load(directory)
+    if payload.get("run_id") != run_id:
+        raise CheckpointError(
+            f"{path} belongs to run '{payload.get('run_id')}', not '{run_id}': pass --run-id {payload.get('run_id')}"
+        )
+    if payload.get("fingerprint") != fingerprint:
+        raise CheckpointError(
+            f"{path} was written for model fingerprint {payload.get('fingerprint')}, this peer's is "
+            f"{fingerprint}: resume with the flags the peer ran with"
+        )
+    return payload, path

@@ -158,3 +158,21 @@ def make_exporters(
             WandbExporter(wandb_project, directory=wandb_dir, name=name, mode=wandb_mode, config=config)
         )
     return exporters
+
+
+def peer_exporters(config: Any, run_dir: Path | None, name: str, peer_id: str) -> list[Exporter]:
+    """The exporters a peer's flags ask for (``--tensorboard``, ``--wandb-project``), fed every
+    event as metrics.jsonl is; none by default."""
+    import dataclasses
+
+    peer = config.peer
+    if peer.tensorboard is None and not peer.wandb_project:
+        return []
+    return make_exporters(
+        tensorboard=str(run_dir / "tensorboard") if peer.tensorboard == "" and run_dir else peer.tensorboard,
+        wandb_project=peer.wandb_project,
+        wandb_mode=peer.wandb_mode,
+        wandb_dir=run_dir or Path("."),
+        name=name,
+        config=dict(method=config.method, outer=dataclasses.asdict(config.diloco), peer_id=peer_id),
+    )

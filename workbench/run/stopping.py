@@ -6,13 +6,14 @@ leaving and shuts its child processes down, the demo stops every peer it started
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import multiprocessing
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
 
@@ -73,3 +74,18 @@ def end_process(code: int) -> None:
         with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing to say
             stream.flush()
     os._exit(code)
+
+
+CLOSE_DEADLINE = 20.0
+"""Seconds a peer may take to leave (announce it, stop its averager and DHT processes)."""
+
+
+def close_within(close: Callable[[str], None], reason: str, deadline: float = CLOSE_DEADLINE) -> None:
+    """``close(reason)``, and a process told to stop is gone within ``deadline`` seconds whatever
+    its child processes do: past it, every thread's stack goes to stderr (where the shutdown
+    hung) and the process exits with status 1."""
+    faulthandler.dump_traceback_later(deadline, exit=True)
+    try:
+        close(reason)
+    finally:
+        faulthandler.cancel_dump_traceback_later()

@@ -1,0 +1,316 @@
+"""The monitor's widgets: the run summary, the peers table, the loss chart, the rates (tokens/s
+and bandwidth sparklines) and the event log. Each takes a :class:`~swarm.monitor.SwarmSnapshot`
+through ``show``; what the user changes (sort, filter, chart window) is a reactive attribute
+that re-renders its widget. :class:`tui.app.SwarmApp` composes them."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.reactive import reactive
+from textual.widgets import DataTable, Label, RichLog, Sparkline, Static
+from textual_plotext import PlotextPlot
+
+from swarm.monitor import SwarmSnapshot
+from tui.format import (
+    STAGE_STYLE,
+    bytes_saved,
+    eta_seconds,
+    human_bytes,
+    human_duration,
+    human_rate,
+    matches,
+    peer_row,
+    sort_key,
+)
+
+COLUMNS = [
+    ("name", "name"),
+    ("stage", "stage"),
+    ("inner", "inner"),
+    ("outer", "outer"),
+    ("lag", "lag"),
+    ("loss", "loss"),
+    ("speed", "smp/s"),
+    ("sent", "sent"),
+    ("received", "recv"),
+    ("round", "round"),
+    ("group", "grp"),
+    ("control", "ctl"),
+]
+# Fixed widths, wide enough for the values these columns take in practice: a column that widens makes the
+# table re-measure all its rows (a 200 ms refresh with 256 peers), so none ever does. The name
+# column sizes itself when a row is added.
+WIDTHS = {
+    "stage": 11,
+    "inner": 7,
+    "outer": 5,
+    "lag": 3,
+    "loss": 5,
+    "speed": 6,
+    "sent": 8,
+    "received": 8,
+    "round": 6,
+    "group": 3,
+    "control": 4,
+}
+WINDOWS = [30.0, 60.0, 120.0, 300.0, 900.0, 3600.0, float("inf")]
+EVENT_STYLE = {
+    "joined": "green",
+    "left": "red",
+    "round": "blue",
+    "control": "magenta",
+    "lagging": "yellow",
+    "error": "bold red",
+}
+
+
+def summary_text(s: SwarmSnapshot, *, published: Any = None, updates_paused: bool = False) -> str:
+    """The run summary line, as Textual markup (``published``: the last ControlState this
+    monitor published, which the snapshot may not show yet)."""
+    clients = sum(1 for p in s.peers.values() if not p.addresses)
+    sent, dp = bytes_saved(s)
+    parts = [
+        f"[dim]round[/] [b]{s.outer_round}[/]",
+        f"[dim]peers[/] [b]{len(s.peers)}[/]" + (f" [dim]({clients} clients)[/]" if clients else ""),
+        f"[dim]tokens/s[/] [b]{human_rate(sum(p.tokens_per_second for p in s.peers.values()))}[/]",
+        f"[dim]sent[/] [b]{human_bytes(sent)}[/]"
+        + (f" [dim](data-parallel {human_bytes(dp)}: {dp / sent:.0f}x more)[/]" if sent and dp else ""),
+        f"[dim]ETA[/] [b]{human_duration(eta_seconds(s))}[/]",
+    ]
+    control = s.control
+    version = max(control.version if control else 0, published.version if published else 0)
+    if version:
+        applied, total = s.applied(version)
+        color = "green" if applied == total else "yellow"
+        parts.append(f"[dim]control[/] [{color}]{applied}/{total} peers applied v{version}[/]")
+    if s.lagging:
+        parts.append(f"[yellow]{len(s.lagging)} lagging[/]")
+    if s.ignored:  # peers caught lying (swarm.claims): their events say who and why
+        parts.append(f"[red]{len(s.ignored)} ignored for lying[/]")
+    if updates_paused:
+        parts.append("[b reverse yellow] UPDATES PAUSED (p) [/]")
+    return "  ".join(parts)
+
+
+class RunSummary(Static):
+    """One line about the whole run: round, peers, tokens/s, bytes, ETA, steering, warnings."""
+
+    def show(self, snapshot: SwarmSnapshot, *, published: Any = None, updates_paused: bool = False) -> None:
+        self.update(summary_text(snapshot, published=published, updates_paused=updates_paused))
+
+
+class PeersTable(DataTable):
+    """One row per peer, updated in place (keyed by peer id); sorted and filtered by the user."""
+
+    sort_column: reactive[str | None] = reactive(None, init=False)
+    sort_reverse: reactive[bool] = reactive(False, init=False)
+    filter_text: reactive[str] = reactive("", init=False)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
+        self.snapshot: SwarmSnapshot | None = None
+        self._rows: dict[str, dict[str, str]] = {}
+        for key, label in COLUMNS:
+            self.add_column(label, key=key, width=WIDTHS.get(key))
+
+    def watch_sort_column(self) -> None:
+        self.show()
+
+    def watch_sort_reverse(self) -> None:
+        self.show()
+
+    def watch_filter_text(self) -> None:
+        self.show()
+
+    def sort_by(self, column: str) -> None:
+        """Sort by ``column``; the same column again reverses the order."""
+        reverse = not self.sort_reverse if column == self.sort_column else False
+        self.set_reactive(PeersTable.sort_reverse, reverse)  # both, then one render
+        self.set_reactive(PeersTable.sort_column, column)
+        self.show()
+        self.notify(f"sorted by {dict(COLUMNS)[column]}{' (descending)' if reverse else ''}", timeout=2)
+
+    def sort_next(self) -> None:
+        keys = [key for key, _ in COLUMNS]
+        current = keys.index(self.sort_column) if self.sort_column in keys else -1
+        self.sort_by(keys[(current + 1) % len(keys)])
+
+    def visible_peers(self) -> list:
+        s = self.snapshot
+        assert s is not None
+        peers = [p for p in s.peers.values() if matches(p, self.filter_text)]
+        column = self.sort_column or "name"
+        return sorted(peers, key=lambda p: sort_key(p, column, s.outer_round), reverse=self.sort_reverse)
+
+    def selected_peer(self) -> tuple[str, str] | None:
+        """(peer id, name) of the row under the cursor, or None."""
+        if not self.row_count or self.snapshot is None:
+            return None
+        row_key, _ = self.coordinate_to_cell_key(self.cursor_coordinate)
+        peer_id = str(row_key.value)
+        peer = self.snapshot.peers.get(peer_id)
+        return (peer_id, peer.name if peer else peer_id)
+
+    def show(self, snapshot: SwarmSnapshot | None = None) -> None:
+        """Render ``snapshot`` (or the last one again): add and remove only what changed."""
+        self.snapshot = snapshot or self.snapshot
+        s = self.snapshot
+        if s is None:
+            return
+        peers = self.visible_peers()
+        wanted = [p.peer_id for p in peers]
+        for gone in set(self._rows) - set(wanted):
+            self.remove_row(gone)
+            del self._rows[gone]
+        for p in peers:
+            cells = peer_row(p, s.outer_round)
+            styled = {
+                **cells,
+                "name": _NameCell(cells["name"], p.peer_id),
+                "stage": Text(cells["stage"], style=STAGE_STYLE.get(p.stage, ""), justify="left", end=""),
+            }
+            if p.peer_id in s.lagging:
+                styled["lag"] = Text(cells["lag"], style="bold yellow", justify="left", end="")
+            old = self._rows.get(p.peer_id)
+            if old is None:
+                self.add_row(*(styled[key] for key, _ in COLUMNS), key=p.peer_id)
+            else:
+                for key, _ in COLUMNS:
+                    if old[key] != cells[key]:
+                        self.update_cell(p.peer_id, key, styled[key])
+            self._rows[p.peer_id] = cells
+        order = [str(key.value) for key in self.rows]
+        if order != wanted:
+            # DataTable sorts by cell values; the name cell carries its peer id (see _NameCell),
+            # so the order computed above (numbers as numbers, missing last, ties by name) applies.
+            selected = self.selected_peer()
+            position = {peer_id: index for index, peer_id in enumerate(wanted)}
+            self.sort("name", key=lambda cell: position.get(getattr(cell, "peer_id", ""), 0))
+            if selected is not None and selected[0] in position:
+                self.move_cursor(row=self.get_row_index(selected[0]))
+
+
+class LossChart(PlotextPlot):
+    """Each peer's loss over the last ``WINDOWS[window]`` seconds (8 peers at most), and their mean."""
+
+    window: reactive[int] = reactive(2, init=False)  # index into WINDOWS: 120 s
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.snapshot: SwarmSnapshot | None = None
+
+    def validate_window(self, window: int) -> int:
+        return min(max(window, 0), len(WINDOWS) - 1)
+
+    def watch_window(self) -> None:
+        self.show()
+
+    def show(self, snapshot: SwarmSnapshot | None = None) -> None:
+        self.snapshot = snapshot or self.snapshot
+        s = self.snapshot
+        if s is None:
+            return
+        plt = self.plt
+        plt.clear_data()
+        plt.clear_figure()
+        window = WINDOWS[self.window]
+        since = s.time - window
+        label = "all" if window == float("inf") else human_duration(window)
+        plt.title(f"loss (window {label}, +/-)")
+        series = []
+        for peer_id, peer in sorted(s.peers.items(), key=lambda kv: kv[1].name):
+            points = [(t, v) for t, v in s.history.get(peer_id, {}).get("loss", []) if t >= since]
+            if points:
+                series.append((peer.name, points))
+        for name, points in series[:8]:
+            plt.plot([t - s.time for t, _ in points], [v for _, v in points], marker="braille", label=name)
+        if len(series) > 1:
+            mean = _mean_series([points for _, points in series])
+            if mean:
+                plt.plot(
+                    [t - s.time for t, _ in mean],
+                    [v for _, v in mean],
+                    marker="braille",
+                    label="mean",
+                    color="white",
+                )
+        plt.xlabel("seconds ago")
+        self.refresh()
+
+
+class Rates(Vertical):
+    """The swarm's tokens/s and bytes sent/s over the last 120 readings, as sparklines."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._throughput: deque[float] = deque(maxlen=120)
+        self._bandwidth: deque[float] = deque(maxlen=120)
+        self._last_sent: tuple[float, int] | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Label("tokens/s", classes="spark-label", id="throughput-label")
+        yield Sparkline([], id="throughput")
+        yield Label("bandwidth (bytes sent/s, all peers)", classes="spark-label", id="bandwidth-label")
+        yield Sparkline([], id="bandwidth")
+
+    def record(self, snapshot: SwarmSnapshot) -> None:
+        """Take a reading (every snapshot, even while the screen is frozen)."""
+        self._throughput.append(sum(p.tokens_per_second for p in snapshot.peers.values()))
+        sent = sum(p.bytes_sent for p in snapshot.peers.values())
+        if self._last_sent is not None and snapshot.time > self._last_sent[0]:
+            rate = max(0, sent - self._last_sent[1]) / (snapshot.time - self._last_sent[0])
+            self._bandwidth.append(rate)
+        self._last_sent = (snapshot.time, sent)
+
+    def show(self) -> None:
+        self.query_one("#throughput", Sparkline).data = list(self._throughput) or [0.0]
+        self.query_one("#bandwidth", Sparkline).data = list(self._bandwidth) or [0.0]
+        rate = self._throughput[-1] if self._throughput else 0
+        self.query_one("#throughput-label", Label).update(f"tokens/s  [b]{human_rate(rate)}[/b]")
+        bandwidth = self._bandwidth[-1] if self._bandwidth else 0
+        self.query_one("#bandwidth-label", Label).update(
+            f"bandwidth, all peers  [b]{human_bytes(bandwidth)}/s[/b]"
+        )
+
+
+class EventLog(RichLog):
+    """The swarm's events (joined, left, rounds, steering, lagging, errors), newest last."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(markup=True, wrap=False, max_lines=500, **kwargs)
+
+    def add(self, events: list[Any]) -> None:
+        for event in events:
+            stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
+            style = EVENT_STYLE.get(event.kind, "")
+            self.write(Text.assemble((f"{stamp} ", "dim"), (f"{event.kind:>7} ", style), event.message))
+
+
+class _NameCell(Text):
+    """The name cell, which also knows its row's peer id (for sorting by our own order)."""
+
+    def __init__(self, name: str, peer_id: str) -> None:
+        super().__init__(name, justify="left", end="")
+        self.peer_id = peer_id
+
+
+def _mean_series(series: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The mean loss over peers at each time one of them reported (last value carried forward)."""
+    times = sorted({t for points in series for t, _ in points})
+    mean, latest = [], [None] * len(series)
+    cursors = [0] * len(series)
+    for t in times:
+        for i, points in enumerate(series):
+            while cursors[i] < len(points) and points[cursors[i]][0] <= t:
+                latest[i] = points[cursors[i]][1]
+                cursors[i] += 1
+        known = [v for v in latest if v is not None]
+        if len(known) == len(series):
+            mean.append((t, sum(known) / len(known)))
+    return mean

@@ -1,0 +1,98 @@
+"""The run owner's steering, as one peer applies it (the records: :mod:`swarm.steering`).
+
+New settings (outer lr, H, codec) and checkpoint requests are applied at a round boundary, at
+the outer step the owner named, so that every peer changes θ the same way; a pause is honoured
+between inner steps, with heartbeats going on."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from swarm.records import Stage
+
+logger = logging.getLogger(__name__)
+
+
+class Steering:
+    """Applies the owner's :class:`swarm.steering.ControlState` versions to one peer.
+
+    ``watcher``: the owner's control record (None: a run without a manifest, no steering);
+    ``emit`` (event, **fields), ``publish`` (heartbeat now), ``beat`` (stage) and ``checkpoint``
+    (write one, its path or None) are the peer's."""
+
+    def __init__(
+        self,
+        watcher: Any,
+        *,
+        name: str,
+        peer_id: str,
+        joiner: bool,
+        emit: Callable[..., None],
+        publish: Callable[[], None],
+        beat: Callable[[Stage], None],
+        checkpoint: Callable[[], Any],
+    ) -> None:
+        self.watcher = watcher
+        self.name, self.peer_id, self.joiner = name, peer_id, joiner
+        self.emit, self.publish, self.beat, self.checkpoint = emit, publish, beat, checkpoint
+        self.version = 0
+        """The owner's ControlState version whose settings this peer applied."""
+        self.checkpoints = 0
+        """Checkpoint requests seen (a counter in the control record)."""
+
+    def apply(self, outer: Any, *, data_parallel: bool) -> None:
+        """At a round boundary: adopt the owner's newest settings once their step has come.
+
+        Every peer applies a version at the same outer step (``from_step``), so a new outer lr
+        changes θ the same way everywhere. A bad value is logged and skipped, never half-applied.
+        """
+        if self.watcher is None:
+            return
+        control = self.watcher.poll(force=True)
+        if control is None or control.version <= self.version:
+            return
+        if self.version == 0 and self.joiner:
+            self.checkpoints = control.checkpoint  # a joiner does not replay old checkpoint requests
+        if outer.outer_step_count < control.from_step:
+            return
+        changes: dict[str, Any] = {}
+        if not data_parallel:
+            try:
+                changes = outer.retune(
+                    outer_lr=control.outer_lr, inner_steps=control.inner_steps, codec=control.codec
+                )
+            except ValueError as error:
+                logger.error("%s: control v%d not applied: %s", self.name, control.version, error)
+                changes = {"error": str(error)}
+        elif control.outer_lr or control.inner_steps or control.codec:
+            logger.warning("%s: outer lr, H and codec do not apply to data-parallel; ignored", self.name)
+        if control.checkpoint > self.checkpoints:
+            self.checkpoints = control.checkpoint
+            changes["checkpoint"] = str(self.checkpoint())
+        self.version = control.version
+        self.emit(
+            "control_applied", version=control.version, outer_step=outer.outer_step_count, changes=changes
+        )
+        logger.info("%s: applied control v%d: %s", self.name, control.version, changes or "no change")
+        self.publish()
+
+    def wait_while_paused(self, outer_step: int, stage: Stage) -> None:
+        """Between inner steps: idle while the owner has this peer paused (heartbeats go on),
+        then go back to ``stage``."""
+        if self.watcher is None:
+            return
+        control = self.watcher.poll()
+        if control is None or not control.pauses(self.peer_id, self.name):
+            return
+        logger.info("%s: paused by the run owner (control v%d)", self.name, control.version)
+        self.emit("paused", version=control.version, outer_step=outer_step)
+        while control is not None and control.pauses(self.peer_id, self.name):
+            self.beat(Stage.PAUSED)
+            time.sleep(0.2)
+            control = self.watcher.poll()
+        logger.info("%s: resumed", self.name)
+        self.emit("resumed", outer_step=outer_step)
+        self.beat(stage)

@@ -1,0 +1,169 @@
+"""Joining a run: the run exists, it trains the same model with the same optimizer settings
+(the manifest's fingerprint), and ``--min-peers`` are there before the first round."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from swarm.errors import SwarmError
+from swarm.manifest import model_fingerprint
+from swarm.records import RunKeys, RunManifest, Stage
+from workbench.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+
+def check_run_exists(board: Any, run_id: str, timeout: float = 10.0) -> None:
+    """A joiner must find at least one live peer of the run, or the run id is wrong."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if board.fetch():
+            return
+        time.sleep(0.3)
+    raise SwarmError(
+        f"connected to the swarm, but no live peer of run '{run_id}' answered within "
+        f"{timeout:.0f} s: check --run-id matches the command `workbench start` printed"
+    )
+
+
+def fingerprint(config: RunConfig, model: Any) -> tuple[str, str]:
+    """(fingerprint, summary) of a peer's model and the optimizer settings all peers share."""
+    optimizer = dict(
+        method=config.method,
+        fragments=config.fragments if config.method == "streaming" else None,
+        outer=dataclasses.asdict(config.diloco),
+        compression=config.averaging.compression,
+    )
+    summary = (
+        f"{type(model).__name__} {model.num_params() / 1e6:.2f}M params, {config.method} "
+        f"H={config.diloco.inner_steps} outer lr {config.diloco.outer_lr} codec {config.diloco.codec}"
+    )
+    return model_fingerprint(model, optimizer), summary
+
+
+def settle_manifest(
+    config: RunConfig, store: Any, keys: RunKeys, model: Any, name: str
+) -> RunManifest | None:
+    """The first peer publishes the run manifest (and becomes the owner named in the join
+    command); a joiner finds it and refuses a run with another model. None: a joiner found no
+    manifest (its owner left?), so nothing is checked and steering is off."""
+    from swarm.identity import key_hash
+    from swarm.manifest import check_fingerprint, find_manifest, publish_manifest
+
+    fingerprint_, summary = fingerprint(config, model)
+    if not config.network.initial_peers:
+        manifest = RunManifest(
+            run_id=config.peer.run_id,
+            owner=key_hash(store.public_key),
+            fingerprint=fingerprint_,
+            summary=summary,
+            created=time.time(),
+        )
+        publish_manifest(store, keys, manifest)
+        config.peer.owner = manifest.owner  # the join command names it: joiners trust only this owner
+        return manifest
+    manifest = find_manifest(store, keys, owner=config.peer.owner)
+    if manifest is None:
+        logger.warning(
+            "%s: run '%s' has no manifest in the DHT (its owner left?): cannot check the model "
+            "fingerprint, and steering is off for this peer",
+            name,
+            config.peer.run_id,
+        )
+    else:
+        check_fingerprint(manifest, fingerprint_, summary)
+    return manifest
+
+
+def download_state(
+    averager: Any, rounds: Any, *, emit: Callable[..., None], name: str, run_id: str, reason: str
+) -> bool:
+    """Adopt the global state of the most advanced peer whose θ the others confirm (three
+    tries, a second apart); False if nobody could serve it."""
+    from workbench.run.progress_bar import progress
+
+    started = time.monotonic()
+    for attempt in range(3):
+        with progress(f"{name}: downloading the global state ({reason})"):
+            state = averager.download_state()
+        if state is not None:
+            try:
+                rounds.load_outer_state(state)
+            except ValueError as error:
+                raise SwarmError(
+                    f"run '{run_id}' trains another model: {error} (use the --model and flags from the run's join command)"
+                ) from None
+            averager.set_state_priority(state.outer_step)
+            seconds = time.monotonic() - started
+            logger.info(
+                "%s: downloaded the global state at outer step %d (%s, %.1f s)",
+                name,
+                state.outer_step,
+                reason,
+                seconds,
+            )
+            emit("state_downloaded", outer_step=state.outer_step, reason=reason, seconds=seconds)
+            return True
+        logger.info("%s: no peer served the state yet (attempt %d of 3)", name, attempt + 1)
+        time.sleep(1.0)
+    return False
+
+
+def wait_for_peers(
+    board: Any, beat: Callable[[Stage], None], *, wanted: int, timeout: float, name: str
+) -> None:
+    """``--min-peers``: wait until ``wanted`` peers (this one included) can train.
+
+    A peer still downloading the state does not count yet: starting without it would put
+    this peer a round ahead by the time the download lands, and with ``--overlap`` the
+    first round would then be averaged alone (the state served to the newcomer waits for
+    that round's mean, so the newcomer cannot be waited for)."""
+    if wanted <= 1:
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        beat(Stage.JOINING)
+        present = sum(p.stage is not Stage.DOWNLOADING for p in board.fetch().values())
+        if present >= wanted:
+            return
+        if time.monotonic() > deadline:
+            logger.warning(
+                "%s: only %d of %d peers after %.0f s; starting anyway", name, present, wanted, timeout
+            )
+            return
+        time.sleep(0.3)
+
+
+def steps_this_round(board: Any, peer_id: str, outer_step: int, steps: int) -> int:
+    """``steps`` (H), or fewer for a peer that joined mid-round, so that it reaches the barrier
+    with the others (the most advanced of them training this round, from their heartbeats)."""
+    mates = [
+        p.inner_step
+        for p in board.fetch().values()
+        if p.peer_id != peer_id and p.outer_step == outer_step and p.stage is Stage.TRAINING
+    ]
+    return max(1, steps - max(mates)) if mates else steps
+
+
+def peer_batches(config: RunConfig, corpus: Any, peer_id: str):
+    """A peer's stream of training batches: its shard (``--shard i/n``, the same stream
+    ``optim.sim`` gives virtual peer i), or its own stream seeded by the run seed and its id."""
+    block, batch = config.model.block_size, config.data.batch_size
+    shard = config.peer.shard
+    if shard is not None and corpus.presharded:  # a dataset sharded by record
+        return corpus.batches(block_size=block, batch_size=batch, seed=config.peer.seed + shard)
+    if shard is not None:
+        return corpus.batches(
+            block_size=block,
+            batch_size=batch,
+            seed=config.peer.seed,
+            shard=shard,
+            num_shards=config.peer.num_shards,
+        )
+    # Each peer draws from its own stream: seed mixed with the peer id.
+    seed = (config.peer.seed * 1_000_003 + int.from_bytes(peer_id.encode()[-8:], "little")) % 2**62
+    return corpus.batches(block_size=block, batch_size=batch, seed=seed)

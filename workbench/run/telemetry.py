@@ -1,0 +1,105 @@
+"""What a peer tells others about itself: what its rounds measured (:class:`RoundStats`, read
+by its heartbeat and its summary) and its events (:class:`Events`: ``<run_dir>/metrics.jsonl``
+and the exporters, TensorBoard and W&B, fed the same records)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RoundStats:
+    """A peer's running figures, as its heartbeat shows them."""
+
+    last_loss: float | None = None
+    samples_per_second: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    last_round_seconds: float | None = None
+    group_size: int = 0
+    dp_bytes: int = 0
+    """What data-parallel would have all-reduced for the same inner steps (fp32 gradients)."""
+    last_error: str | None = None
+
+
+class Events:
+    """One JSON object per line in ``metrics.jsonl``, and the same record to every exporter; an
+    exporter that fails is dropped (a dashboard must never stop training)."""
+
+    def __init__(self) -> None:
+        self.name = "peer"
+        self._file = None
+        self.exporters: list[Any] = []
+
+    def open(self, run_dir: Path | None, *, name: str, exporters: list[Any]) -> None:
+        self.name = name
+        if run_dir is not None:
+            self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.exporters = exporters
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"event": event, "time": time.time(), "peer": self.name, **fields}
+        if self._file:
+            self._file.write(json.dumps(record) + "\n")
+        for exporter in self.exporters:
+            try:
+                exporter.write(record)
+            except Exception as error:  # noqa: BLE001 - a dashboard must never stop training
+                logger.warning("%s: dropping the %s exporter: %s", self.name, type(exporter).__name__, error)
+                self.exporters.remove(exporter)
+                break
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+        for exporter in self.exporters:
+            try:
+                exporter.close()
+            except Exception as error:  # noqa: BLE001
+                logger.warning("closing the %s exporter: %s", type(exporter).__name__, error)
+        self.exporters = []
+
+
+def round_fields(
+    report: Any,
+    info: dict[str, Any],
+    outer_step: int,
+    stats: RoundStats,
+    *,
+    eval_loss: float,
+    resync: str | None,
+) -> dict[str, Any]:
+    """A ``round`` event's fields from the sync's report (:class:`optim.averager.RoundReport`)
+    and the info this peer sent with it (its outer step and θ fingerprint)."""
+    return dict(
+        outer_step=outer_step,
+        loss=stats.last_loss,
+        eval_loss=eval_loss,
+        group_size=report.group_size,
+        pending=report.pending,  # overlapped: the first sync has nothing averaged yet
+        plane=report.plane,
+        bytes_sent=report.bytes_sent,
+        bytes_received=report.bytes_received,
+        averaging_seconds=report.seconds,
+        alone_reason=report.error,
+        resync=resync,
+        samples_per_second=stats.samples_per_second,
+        # |θ| as this round started: equal on peers at the same outer step that agree
+        # (the model itself may differ: an eager peer trains θ + its own offset)
+        global_norm=math.sqrt(sum(f * f for f in info["fingerprint"])),
+        local_update_norm=report.local_norm,
+        mean_update_norm=report.mean_norm,
+        # each member's averaging weight (samples this round; a torchrun node: all ranks')
+        group_weights=sorted(
+            float(g["weight"]) for g in report.group_info if isinstance(g.get("weight"), (int, float))
+        ),
+    )
