@@ -14,7 +14,9 @@ member info and every fallback, and moves only the tensor bytes over TCP with gl
 3. every member's weight travels with the gathered info, so each sends ``x * w / Σw`` (fp16 on
    the wire with the fp16 codec) and the ring's sum is the weighted mean, identical on every
    member. The ring is kept for the next round when the group is the same;
-4. the sum is checked before it is used: every member posts a sketch of what it sent to the
+4. the ring runs once every member has shown up at the board (a member hivemind's matchmaking
+   counted in but that gave up on the group fails the round in seconds, not at gloo's timeout);
+5. the sum is checked before it is used: every member posts a sketch of what it sent to the
    board, and the result's sketch must match their sum (:mod:`swarm.sketch`). A ring an
    outsider got into (or a member that sent something else than it claims) fails the round,
    which falls back like any failed round; the ring is never reused.
@@ -144,13 +146,14 @@ class DirectPlane:
         # changes it, so its sketch is taken first.
         others = [f"sketch/{r}" for r in range(len(members)) if r != rank]
         abort = threading.Event()
+        arrival = min(arrival, timeout)
         # Everyone here? Posted first, answered while this member sketches its update.
         present = self._pool.submit(
             board.exchange,
             f"here/{rank}",
             b"",
             [f"here/{r}" for r in range(len(members)) if r != rank],
-            min(arrival, timeout),
+            arrival,
             abort,
         )
 
@@ -171,7 +174,7 @@ class DirectPlane:
                 present.result()
             except Exception as error:
                 raise MemberMissing(
-                    f"not every member of the group came to its ring within {min(arrival, timeout):.0f} s "
+                    f"not every member of the group came to its ring within {arrival:.0f} s "
                     f"({one_line(error)}); one gave up on the group during matchmaking or left"
                 ) from None
             key = tuple(members)

@@ -114,6 +114,23 @@ def test_a_substituted_contribution_fails_the_round_on_every_member():
         assert rings == 0  # a ring that carried a wrong sum is never used again
 
 
+def _pair_round(plane: DirectPlane, values, r: int, rank: int, **options) -> float:
+    """Round ``r`` of two members (each sends rank + 1): the mean it got (1.5 when averaged)."""
+    tensors = [torch.full((6,), float(rank + 1))]
+    plane.all_reduce(
+        tensors,
+        board=SharedBoard(values, f"round{r}".encode()),
+        seed=f"round{r}".encode(),
+        members=["a", "b"],
+        rank=rank,
+        weight=1.0,
+        total=2.0,
+        codec="none",
+        **options,
+    )
+    return float(tensors[0][0])
+
+
 def _member_that_may_forget(rank: int, values, agree: bool, out) -> None:
     """Two rounds among 2 members; between them member 1 loses its side of their ring (as a
     peer whose round failed, or that was suspended past the ring's timeout, does)."""
@@ -129,21 +146,8 @@ def _member_that_may_forget(rank: int, values, agree: bool, out) -> None:
         while ("held", r, 1 - rank) not in values:
             time.sleep(0.01)
         held = frozenset(values[("held", r, 0)]) & frozenset(values[("held", r, 1)])
-        tensors = [torch.full((6,), float(rank + 1))]
         try:
-            plane.all_reduce(
-                tensors,
-                board=SharedBoard(values, f"round{r}".encode()),
-                seed=f"round{r}".encode(),
-                members=["a", "b"],
-                rank=rank,
-                weight=1.0,
-                total=2.0,
-                codec="none",
-                timeout=4,
-                reusable=held if agree else None,
-            )
-            results.append(float(tensors[0][0]))
+            results.append(_pair_round(plane, values, r, rank, timeout=4, reusable=held if agree else None))
         except Exception as error:  # noqa: BLE001 - reported to the test
             results.append(type(error).__name__)
     out.put((rank, results))
@@ -181,23 +185,11 @@ def _member_that_may_skip_a_round(rank: int, values, out) -> None:
             while ("gave up", 0) not in values:  # back for the next group, as matchmaking would
                 time.sleep(0.01)
             continue
-        tensors = [torch.full((6,), float(rank + 1))]
         started = time.monotonic()
         try:
-            plane.all_reduce(
-                tensors,
-                board=SharedBoard(values, f"round{r}".encode()),
-                seed=f"round{r}".encode(),
-                members=["a", "b"],
-                rank=rank,
-                weight=1.0,
-                total=2.0,
-                codec="none",
-                timeout=60,  # the ring's: a kept ring would wait this long in gloo for the other
-                arrival=2,
-                reusable=frozenset(plane.ring_ids()) if r else None,
-            )
-            results.append(float(tensors[0][0]))
+            # timeout: the ring's; a kept ring would wait this long in gloo for the other
+            reusable = frozenset(plane.ring_ids()) if r else None
+            results.append(_pair_round(plane, values, r, rank, timeout=60, arrival=2, reusable=reusable))
         except MemberMissing as error:
             results.append(("missing", time.monotonic() - started, str(error)))
             values[("gave up", rank)] = True
