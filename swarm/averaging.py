@@ -69,7 +69,7 @@ class SwarmAverager:
         keys: RunKeys,
         tensors_like: Sequence[torch.Tensor],
         board: ProgressBoard,
-        beat: Callable[[Stage], None],
+        beat: Callable[[Stage | None], None],
         state_provider: Callable[[], OuterState],
         config: AveragingConfig,
         client_mode: bool = False,
@@ -91,7 +91,9 @@ class SwarmAverager:
         round it trains, one past the round it averages, and this thread leaves its stage alone."""
         self.lag = int(overlapped)
         """How far a round mate's clock is past the round being averaged."""
-        self.beat = (lambda stage: None) if overlapped else beat
+        # Overlapped, this thread only keeps the heartbeat alive (beat(None)): the main thread
+        # may wait for this round longer than a heartbeat lives.
+        self.beat = (lambda stage: beat(None)) if overlapped else beat
         self.config = config
         self.peer_id = dht.peer_id.to_base58()
         self.vouching = Vouching()

@@ -41,18 +41,30 @@ class Serving:
     def __init__(self) -> None:
         self._count = 0
         self._lock = threading.Lock()
+        self.on_change: Callable[[], None] = lambda: None
+        """Called (from the thread that serves) when this peer starts or stops answering: the
+        peer republishes its heartbeat, whose ``serving`` the others' barrier reads."""
 
     def wrap(self, provider: Callable[[], T]) -> Callable[[], T]:
         def provide() -> T:
-            with self._lock:
-                self._count += 1
+            self._count_by(1)
             try:
                 return provider()
             finally:
-                with self._lock:
-                    self._count -= 1
+                self._count_by(-1)
 
         return provide
+
+    def _count_by(self, change: int) -> None:
+        with self._lock:
+            before = self._count > 0
+            self._count += change
+            changed = (self._count > 0) != before
+        if changed:
+            try:
+                self.on_change()
+            except Exception as error:  # noqa: BLE001 - a heartbeat not sent must not fail a download
+                logger.debug("could not republish the heartbeat: %s", error)
 
     @property
     def answering(self) -> bool:
@@ -67,7 +79,7 @@ class RoundBarrier:
         *,
         board: Any,
         peer_id: str,
-        beat: Callable[[Stage], None],
+        beat: Callable[[Stage | None], None],
         config: AveragingConfig,
         overlapped: bool = False,
         vouching: Vouching | None = None,
@@ -98,17 +110,24 @@ class RoundBarrier:
         mean already. A peer downloading the state (a joiner, a straggler catching up) is waited
         for, or it would land a few rounds behind again and chase the swarm for ever; but not
         while this peer serves a state (to it or as its witness): the state served holds this
-        round's mean, which this wait would hold back. The downloader then lands past this
-        round, its mean queued, and the next round waits for it.
+        round's mean, which this wait would hold back. The same holds while another member of
+        this round (a peer at ``r + 1``) says it serves: its answer waits for this round too, so
+        waiting for the downloader would wait for this peer itself (until the heartbeats of both
+        expired). The downloader then lands past this round, its mean queued, and the next
+        round waits for it.
         """
         r = outer_step
         if self.overlapped:
+
+            def served_now(others: list[PeerHeartbeat]) -> bool:
+                return self.serving.answering or any(o.serving and o.outer_step == r + 1 for o in others)
+
             return self._barrier(
                 r,
                 behind=lambda p: p.outer_step > r + 1,
-                busy=lambda p: (
+                busy=lambda p, others: (
                     (p.outer_step == r and p.stage is not Stage.DOWNLOADING)
-                    or (p.stage is Stage.DOWNLOADING and not self.serving.answering)
+                    or (p.stage is Stage.DOWNLOADING and not served_now(others))
                 ),
                 ready=lambda p: p.outer_step == r + 1 and p.stage is not Stage.DOWNLOADING,
                 # Nobody at r + 1 (the others download or straggle): no group can form, and
@@ -118,7 +137,7 @@ class RoundBarrier:
         return self._barrier(
             r,
             behind=lambda p: p.outer_step > r,
-            busy=lambda p: (
+            busy=lambda p, others: (
                 p.stage is Stage.DOWNLOADING  # a joiner: it will land on this round
                 or (p.outer_step == r and p.stage in (Stage.JOINING, Stage.TRAINING))
                 # a heartbeat from just before its last round ended: it is about to train this one
@@ -132,11 +151,12 @@ class RoundBarrier:
         outer_step: int,
         *,
         behind: Callable[[PeerHeartbeat], bool],
-        busy: Callable[[PeerHeartbeat], bool],
+        busy: Callable[[PeerHeartbeat, list[PeerHeartbeat]], bool],
         ready: Callable[[PeerHeartbeat], bool],
         need_ready: bool = False,
     ) -> Verdict:
-        """Wait while some other live peer is ``busy`` (at most ``round_wait``); BEHIND as soon
+        """Wait while some other live peer is ``busy`` (judged among all others; at most
+        ``round_wait``); BEHIND as soon
         as one is past the round (``behind``); after the wait, average with the ``ready``.
 
         Heartbeats are claims (swarm.claims): "past the round" is believed from a peer that
@@ -177,10 +197,10 @@ class RoundBarrier:
             # A joiner downloading the state is waited for like a vouched peer (a download of a
             # large state legitimately takes long); one that never shows up is struck all the same.
             trusted = [p for p in others if p.peer_id in vouched or p.stage is Stage.DOWNLOADING]
-            busy_peers = [p for p in others if busy(p) and (now < grace or p in trusted)]
+            busy_peers = [p for p in others if busy(p, others) and (now < grace or p in trusted)]
             if now >= grace:
                 for p in others:
-                    if busy(p) and p not in trusted:
+                    if busy(p, others) and p not in trusted:
                         self.strike(
                             p, outer_step, f"said it was still training round {outer_step} and never averaged"
                         )

@@ -95,6 +95,11 @@ class PeerHeartbeat(BaseModel):
     """Why this peer's last round went wrong (fell back to a local step, rejected update, ...)."""
     ignored: dict[str, str] = Field(default_factory=dict, max_length=16)
     """Peers this one caught lying (peer id -> why), for the UIs; a claim like any other."""
+    serving: bool = False
+    """Answering a request for its state right now (a joiner's download or a witness's sketch).
+    With ``--overlap`` that answer waits for the round in flight, so the others of that round do
+    not wait for the downloader (:mod:`swarm.barrier`). A claim: a peer that always says so
+    only makes downloaders land a round later."""
 
     @field_validator("ignored")
     @classmethod

@@ -163,7 +163,10 @@ def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn)
     rounds = first.events("round")
     assert [r["outer_step"] for r in rounds] == list(range(1, 21))
     # The first sync only starts round 0's all-reduce; every later one reports the round before.
-    assert rounds[0]["group_size"] == 1 and all(r["group_size"] >= 2 for r in rounds[1:]), rounds
+    assert rounds[0]["group_size"] == 1 and all(r["group_size"] >= 2 for r in rounds[1:]), (
+        [(r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds],
+        first.stderr()[-6000:],
+    )
     downloads = third.events("state_downloaded")
     assert downloads and downloads[0]["outer_step"] >= 3, third.stderr()[-4000:]
     joined = next((r for r in third.events("round") if r["group_size"] == 3), None)

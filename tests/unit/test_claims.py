@@ -290,6 +290,50 @@ def test_an_overlapped_barrier_waits_for_a_downloader_unless_this_peer_serves_it
     assert not swarm.serving.answering
 
 
+def test_an_overlapped_barrier_does_not_wait_for_a_downloader_that_a_round_mate_serves():
+    """The overlapped joiner stall (seen in CI): the joiner downloaded from peer b, whose answer
+    waits for b's round in flight; peer a, a member of that round but not serving, waited for the
+    joiner, so the round, the download and a's wait held each other until heartbeats expired.
+    A round mate (at r + 1) that says it serves now lets the round go on; one that is not a
+    round mate (behind, at r) does not, nor does a claim from before the round."""
+    joiner = beat("joiner", 0, Stage.DOWNLOADING)
+    for donor, waits in [
+        (beat("b", 8, Stage.TRAINING, serving=True), False),  # round 7's mate, serving
+        (beat("b", 8, Stage.TRAINING), True),  # not serving: the joiner lands on this round
+        (beat("b", 7, Stage.TRAINING, serving=True), True),  # still training round 7 itself
+    ]:
+        swarm = averager(FakeBoard(joiner, donor), vouched=["b"], round_wait=1.0)
+        swarm.overlapped = True
+        started = time.monotonic()
+        swarm.wait_for_round_mates(7)
+        assert (time.monotonic() - started >= 1.0) is waits, donor
+
+
+def test_serving_says_when_it_starts_and_stops_answering():
+    import threading
+
+    from swarm.barrier import Serving
+
+    serving, changes = Serving(), []
+    serving.on_change = lambda: changes.append(serving.answering)
+    both_in, release = threading.Barrier(3), threading.Event()
+
+    def answer():
+        both_in.wait(5)
+        release.wait(5)
+
+    threads = [threading.Thread(target=serving.wrap(answer)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    both_in.wait(5)  # both requests are being answered
+    release.set()
+    for thread in threads:
+        thread.join(5)
+    assert changes == [True, False]  # two requests at once: one start, one stop
+    serving.on_change = lambda: 1 / 0  # a failing republish never fails the answer
+    assert serving.wrap(lambda: "state")() == "state"
+
+
 def test_a_forged_heartbeat_is_dropped_and_said_once_per_forging_key(caplog):
     from swarm.progress import ProgressBoard
     from swarm.records import RunKeys

@@ -52,6 +52,7 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         rounds=40,
         last_error=None,
         ignored={},
+        serving=False,
     )
     record.update(overrides)
     return record

@@ -43,7 +43,14 @@ def plane_location(config: RunConfig) -> dict[str, Any]:
 
 
 def build_outer(
-    config: RunConfig, model, inner_optimizer, *, dht, keys: RunKeys, board, beat: Callable[[Stage], None]
+    config: RunConfig,
+    model,
+    inner_optimizer,
+    *,
+    dht,
+    keys: RunKeys,
+    board,
+    beat: Callable[[Stage | None], None],
 ) -> OuterLoop:
     """The outer optimizer of ``config.method`` on ``model``, averaging over ``dht``."""
     from swarm.averaging import SwarmAverager

@@ -125,6 +125,8 @@ class Peer:
             beat=self.beat,
         )
         self.diloco, self.averager, self.dp = self.outer.rounds, self.outer.averager, self.outer.dp
+        for averager in self.outer.averagers:  # "serving" is in the heartbeat: say it at once
+            averager.serving.on_change = self.publish
         self._announce()
 
     def _steering(self, watcher: Any) -> Steering:
@@ -175,10 +177,14 @@ class Peer:
 
     # --- heartbeats and events ---------------------------------------------------------------
 
-    def beat(self, stage: Stage) -> None:
-        """Publish this peer's heartbeat (throttled; immediately when the stage changes)."""
-        changed = stage is not self.stage
-        self.stage = stage
+    def beat(self, stage: Stage | None) -> None:
+        """Publish this peer's heartbeat (throttled; immediately when the stage changes).
+        ``None`` keeps it alive in the stage it has: a round averaging in the background
+        (``--overlap``) while the main thread waits for it, or a download, must not let the
+        heartbeat expire (10 s), or the others would count this peer gone."""
+        changed = stage is not None and stage is not self.stage
+        if stage is not None:
+            self.stage = stage
         if self.board is None or not self.peer_id:
             return
         self.board.publish(self.heartbeat(), force=changed)
@@ -219,6 +225,7 @@ class Peer:
             rounds=self.config.total_rounds if self.config.peer.rounds else 0,
             last_error=stats.last_error[:300] if stats.last_error else None,
             ignored={peer: why[:200] for peer, why in list(self.board.ignored.items())[-16:]},
+            serving=bool(self.averager and self.averager.serving.answering),
         )
 
     def emit(self, event: str, **fields: Any) -> None:
