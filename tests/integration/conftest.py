@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -98,9 +99,24 @@ class PeerProcess:
         return torch.load(self.directory / "global_params.pt")
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        kill_group(self.process)
+
+
+def helper(script: str, *args: str) -> subprocess.Popen:
+    """``python -c script args...`` in its own process group, stdout piped (an attacker, a
+    squatter): stop it with :func:`kill_group`, which takes its hivemind children along."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL a process started in its own session and everything it started. hivemind's DHT
+    runs in a forked child with its own p2p daemon: killing the parent alone left both running
+    (and training the suite's CPU) long after the test."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from swarm.faults import FaultPlan
-from tests.integration.conftest import FAST, max_abs_diff
+from tests.integration.conftest import FAST, helper, kill_group, max_abs_diff
 
 LIAR = """
 import sys, time
@@ -59,9 +59,7 @@ def test_a_lying_heartbeat_moves_nothing(spawn, mode):
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common)
     first.wait_event("round", lambda e: e["outer_step"] >= 1)
-    liar = subprocess.Popen(
-        [sys.executable, "-c", LIAR, mode, first.address(), run_id], stdout=subprocess.PIPE, text=True
-    )
+    liar = helper(LIAR, mode, first.address(), run_id)
     try:
         assert liar.stdout.readline().strip() == "ready"
         # `status` from a third process: the liar shows as ignored (its own reading for absurd
@@ -83,7 +81,7 @@ def test_a_lying_heartbeat_moves_nothing(spawn, mode):
         for peer in (first, second):
             peer.wait_event("round", lambda e: e["outer_step"] >= step, timeout=120)
     finally:
-        liar.kill()
+        kill_group(liar)
     for peer in (first, second):
         peer.process.send_signal(signal.SIGINT)
     for peer in (first, second):
@@ -128,9 +126,7 @@ def test_a_competing_manifest_neither_hides_the_run_nor_takes_its_steering(spawn
     common = [*FAST, "--run-id", run_id]
     owner = spawn("a", "start", *common, "--rounds", "40", "--min-peers", "2")
     address = owner.address()
-    squatter = subprocess.Popen(
-        [sys.executable, "-c", SQUATTER, address, run_id], stdout=subprocess.PIPE, text=True
-    )
+    squatter = helper(SQUATTER, address, run_id)
     try:
         squatter_hash = squatter.stdout.readline().strip()
         joiner = spawn("b", "join", address, *common, "--rounds", "40")
@@ -158,7 +154,7 @@ def test_a_competing_manifest_neither_hides_the_run_nor_takes_its_steering(spawn
         )  # fmt: skip
         assert refused.returncode == 2 and "does not match" in refused.stderr, refused.stderr[-2000:]
     finally:
-        squatter.kill()
+        kill_group(squatter)
     for peer in (owner, joiner):
         assert peer.wait(timeout=150) == 0, peer.stderr()[-3000:]
     assert joiner.events("round")[-1]["group_size"] == 2
