@@ -138,7 +138,7 @@ SPARSELOCO_LABEL = "topk 128/4096 2-bit + EF 0.95"
 def methods(H: int, *, diloco: DiLoCoConfig | None = None) -> list[tuple[str, str, MethodSpec]]:
     """(row name, codec label, spec) for every row after the swept dp and diloco fp32 rows;
     ``diloco``: DiLoCo's best swept outer settings (the paper's when None)."""
-    from workbench.names import DELAYED_OUTER
+    from optim.api import DELAYED_OUTER
 
     base = diloco or DiLoCoConfig(inner_steps=H)
     rows = [
@@ -175,7 +175,7 @@ def methods(H: int, *, diloco: DiLoCoConfig | None = None) -> list[tuple[str, st
 
 
 def run_row(config: BenchConfig, spec: MethodSpec, *, inner_lr: float = 1e-3) -> SimResult:
-    H = 1 if spec.method in ("dp", "streaming") else config.inner_steps  # streaming: per step
+    H = spec.loop_steps()  # dp and streaming: per step
     points = max(1, config.history_points)
     sim = SimConfig(
         peers=config.peers,
@@ -206,13 +206,14 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
         nonlocal done
         result = run_row(config, spec, inner_lr=inner_lr)
         dp = rows[0] if rows else None
+        outer = not spec.outer_method.every_step
         row = {
             "method": name,
             "codec": codec,
-            "H": 1 if spec.method == "dp" else H,
+            "H": H if outer else 1,
             "inner_lr": inner_lr,
-            "outer_lr": None if spec.method == "dp" else spec.diloco.outer_lr,
-            "outer_momentum": None if spec.method == "dp" else spec.diloco.outer_momentum,
+            "outer_lr": spec.diloco.outer_lr if outer else None,
+            "outer_momentum": spec.diloco.outer_momentum if outer else None,
             "outer_rounds": result.rounds,
             "initial_eval_loss": result.initial_eval_loss,
             "final_eval_loss": result.final_eval_loss,

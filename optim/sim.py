@@ -20,10 +20,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, cast
 
 import torch
 
+from optim.api import OuterOptimizer, Rounds
 from optim.averager import RoundReport
 from optim.inner import inner_step
 
@@ -134,22 +135,13 @@ class _PeerAverager:
         return self.swarm._all_reduce(self.rank, tensors, weight, info)
 
 
-class OuterMethod(Protocol):
-    """What the simulator drives: the two hooks around an inner optimizer step."""
-
-    outer_step_count: int
-
-    def before_inner_step(self, *, samples: int) -> RoundReport | None: ...
-    def after_inner_step(self, *, samples: int) -> RoundReport | None: ...
-
-
 @dataclass(kw_only=True)
 class VirtualPeer:
     """Everything one virtual peer trains with; built by the caller's factory."""
 
     model: torch.nn.Module
     inner_optimizer: torch.optim.Optimizer
-    outer: OuterMethod
+    outer: OuterOptimizer
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
     inner_steps: int
     """Steps per round of the method (1 for data-parallel): stragglers run a fraction of it."""
@@ -215,9 +207,10 @@ def simulate(
                     )
                     if i < todo - 1 or peer.inner_steps == 1:
                         report = peer.outer.after_inner_step(samples=len(x))
-                    else:  # the last step of a (possibly short) round: sync now
-                        peer.outer.note_inner_step(samples=len(x))  # type: ignore[attr-defined]
-                        report = peer.outer.sync()  # type: ignore[attr-defined]
+                    else:  # the last step of a (possibly short) round: sync now (DiLoCo's rounds)
+                        diloco = cast(Rounds, peer.outer)
+                        diloco.note_inner_step(samples=len(x))
+                        report = diloco.sync()
                     _account(rank, report)
                 if config.on_round is not None:
                     config.on_round(

@@ -10,6 +10,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from optim.api import Method, Sync, method, names
 from optim.diloco import DiLoCoConfig
 from swarm.averaging_config import AveragingConfig
 from swarm.dht import NetworkConfig
@@ -174,45 +175,53 @@ class RunConfig:
     peer: PeerConfig = field(default_factory=PeerConfig)
 
     @property
+    def outer_method(self) -> Method:
+        """What :attr:`method` does (:mod:`optim.api`)."""
+        return method(self.method)
+
+    @property
     def overlapped(self) -> bool:
         """Rounds average in the background while the next trains (``--overlap``, or streaming
         with τ > 0): a peer's clock is one past the round it averages."""
-        return self.diloco.overlap or (self.method == "streaming" and self.sync_delay > 0)
+        return self.diloco.overlap or (self.outer_method.fragmented and self.sync_delay > 0)
 
     @property
     def round_steps(self) -> int:
-        """Inner steps between two syncs: H, or H/F for streaming (one fragment per sync)."""
-        inner = self.diloco.inner_steps
-        return inner // self.fragments if self.method == "streaming" else inner
+        """Inner steps between two syncs: H, or H/F for streaming (one fragment per sync).
+        Data-parallel keeps its state with DiLoCo(H=1), so its H is 1 here too."""
+        return self.diloco.inner_steps // (self.fragments if self.outer_method.fragmented else 1)
 
     @property
     def total_rounds(self) -> int:
         """Syncs in a run of ``--rounds``: streaming syncs every fragment once per round."""
-        return self.peer.rounds * (self.fragments if self.method == "streaming" else 1)
+        return self.peer.rounds * self.outer_method.syncs_per_round(self.fragments)
 
     def __post_init__(self) -> None:
-        if self.method not in ("diloco", "dp", "streaming"):
-            raise ValueError(f"unknown method '{self.method}'; choose diloco, dp or streaming")
-        if self.method == "streaming" and (
+        if self.method not in names(real_peers=True):
+            raise ValueError(
+                f"unknown method '{self.method}'; choose {', '.join(names(real_peers=True))} "
+                "(local_sgd and sparseloco are diloco with their preset's settings)"
+            )
+        if self.outer_method.fragmented and (
             self.fragments < 1 or self.diloco.inner_steps % self.fragments or self.diloco.delay
         ):
             raise ValueError(
                 f"streaming on real peers needs --inner-steps ({self.diloco.inner_steps}) divisible by "
                 f"--fragments ({self.fragments}) and no --delay; e.g. --inner-steps 48 --fragments 4"
             )
-        if self.method != "streaming" and (self.sync_delay or self.alpha is not None):
+        if not self.outer_method.fragmented and (self.sync_delay or self.alpha is not None):
             raise ValueError(f"--sync-delay and --alpha belong to --method streaming (got {self.method})")
         per_fragment = self.diloco.inner_steps // max(self.fragments, 1)
-        if self.method == "streaming" and not 0 <= self.sync_delay < per_fragment:
+        if self.outer_method.fragmented and not 0 <= self.sync_delay < per_fragment:
             raise ValueError(
                 f"--sync-delay must be below the {per_fragment} inner steps between two fragment syncs "
                 f"(H/F = {self.diloco.inner_steps}/{self.fragments}; got {self.sync_delay})"
             )
         if self.alpha is not None and not 0 <= self.alpha < 1:
             raise ValueError(f"--alpha must be in [0, 1) (got {self.alpha})")
-        if self.diloco.overlap and self.method != "diloco":
+        if self.diloco.overlap and self.outer_method.sync is not Sync.ROUNDS:
             raise ValueError(f"--overlap works with --method diloco only (got {self.method})")
-        if self.method == "dp" and (
+        if self.outer_method.every_step and (
             self.diloco.inner_steps,
             self.diloco.outer_lr,
             self.diloco.outer_momentum,

@@ -15,15 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from optim.data_parallel import DataParallel
-from optim.diloco import DiLoCo, DiLoCoConfig
+from optim.api import METHODS, Method, Sync, method
+from optim.diloco import DiLoCoConfig
 from optim.sim import InProcessSwarm, SimConfig, SimResult, VirtualPeer, simulate
-from optim.streaming import StreamingConfig, StreamingDiLoCo
+from optim.streaming import StreamingConfig
 from workbench.config import TrainConfig
 from workbench.run.data import ByteCorpus, DataConfig, evaluate
 from workbench.run.model import ModelConfig, build_model, preset
-
-METHODS = ("dp", "local_sgd", "diloco", "sparseloco", "streaming")
 
 
 @dataclass(kw_only=True)
@@ -31,7 +29,8 @@ class MethodSpec:
     """Which outer method, and its DiLoCo settings where it has any."""
 
     method: str = "diloco"
-    """dp (data-parallel, the baseline), local_sgd (FedAvg), diloco or sparseloco."""
+    """A name in :data:`optim.api.METHODS`: dp (data-parallel, the baseline), local_sgd (FedAvg),
+    diloco, sparseloco or streaming."""
     diloco: DiLoCoConfig
     """Inner steps, outer lr/momentum, codec and error feedback (diloco; H and codec for the rest)."""
     fragments: int = 4
@@ -47,14 +46,22 @@ class MethodSpec:
         )
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown method '{self.method}'; choose one of: {', '.join(METHODS)}")
-        if self.method == "dp" and self.diloco.codec != "none":
+        chosen = method(self.method)  # raises ValueError naming the choices
+        if chosen.every_step and self.diloco.codec != "none":
             raise ValueError(
                 "the data-parallel baseline sends fp32 gradients; use --codec none with --method dp"
             )
-        if self.method == "streaming":
+        if chosen.fragmented:
             self.streaming_config()  # raises ValueError for a bad fragment setting
+
+    @property
+    def outer_method(self) -> Method:
+        return METHODS[self.method]
+
+    def loop_steps(self) -> int:
+        """Inner steps per round of the simulator's loop: H, or 1 where the method decides on
+        its own when to sync (data-parallel every step, streaming one fragment at a time)."""
+        return self.diloco.inner_steps if self.outer_method.sync is Sync.ROUNDS else 1
 
     def outer_config(self) -> DiLoCoConfig:
         """The outer settings as given: build them with the method's preset
@@ -82,8 +89,7 @@ def run_simulation(
         block_size=model.block_size, batch_size=data.batch_size, num_batches=eval_batches
     )
     device = torch.device("cpu")
-    # dp syncs every step; streaming decides inside after_inner_step which fragment syncs when
-    H = 1 if spec.method in ("dp", "streaming") else spec.outer_config().inner_steps
+    H = spec.loop_steps()
     total = sim.steps
 
     def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
@@ -94,13 +100,15 @@ def run_simulation(
             weight_decay=train.weight_decay,
             betas=(train.beta1, train.beta2),
         )
-        averager = swarm.averager(rank)
-        if spec.method == "dp":
-            outer = DataParallel(net, inner, averager)
-        elif spec.method == "streaming":
-            outer = StreamingDiLoCo(net, inner, averager, spec.streaming_config())
-        else:
-            outer = DiLoCo(net, inner, averager, spec.outer_config())
+        outer = spec.outer_method.build(
+            net,
+            inner,
+            swarm.averager(rank),
+            spec.outer_config(),
+            fragments=spec.fragments,
+            sync_delay=spec.sync_delay,
+            alpha=spec.alpha,
+        )
 
         def set_lr(step: int) -> None:
             for group in inner.param_groups:
@@ -143,8 +151,10 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     )
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0 (got {args.threads}); 0 lets torch decide")
-    if stragglers and args.method in ("dp", "streaming"):
-        raise ValueError(f"--straggler applies to round-based methods; {args.method} syncs every step")
+    if stragglers and spec.outer_method.sync is not Sync.ROUNDS:
+        raise ValueError(
+            f"--straggler applies to round-based methods; {args.method} syncs {spec.outer_method.sync.value}"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     result = run_simulation(
@@ -157,9 +167,11 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     summary = {
         "method": args.method,
         "peers": args.peers,
-        "inner_steps": 1 if args.method == "dp" else args.inner_steps,
+        "inner_steps": 1 if spec.outer_method.every_step else args.inner_steps,
         **(
-            {"fragments": args.fragments, "sync_delay": args.sync_delay} if args.method == "streaming" else {}
+            {"fragments": args.fragments, "sync_delay": args.sync_delay}
+            if spec.outer_method.fragmented
+            else {}
         ),
         "codec": spec.diloco.codec,
         "steps": args.steps,
@@ -170,7 +182,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         "outer_rounds": result.rounds,
         "peak_bytes_per_sync": result.peak_bytes_per_sync,
         "params_max_abs_diff": result.params_max_abs_diff,
-        "config": effective(args.method, spec.diloco, **(streaming if args.method == "streaming" else {})),
+        "config": effective(args.method, spec.diloco, **(streaming if spec.outer_method.fragmented else {})),
     }
     if args.json:
         print(json.dumps(summary), flush=True)

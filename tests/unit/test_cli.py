@@ -366,11 +366,9 @@ def test_choice_lists_match_their_registries():
     from optim.codecs import CODECS
     from workbench import names
     from workbench.run.model import PRESETS
-    from workbench.simulate import METHODS
 
     assert tuple(sorted(CODECS)) == names.UPDATE_CODECS
     assert tuple(sorted(PRESETS)) == names.MODEL_PRESETS
-    assert names.SIMULATE_METHODS == METHODS
 
 
 def test_help_does_not_import_torch():

@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 
 def method_arguments(config: RunConfig) -> list[str]:
     """``--method`` and the schedule flags of a dp or streaming run (a diloco run: none)."""
-    if config.method == "dp":
-        return ["--method", "dp"]
-    if config.method != "streaming":
+    chosen = config.outer_method
+    if chosen.every_step:
+        return ["--method", chosen.name]
+    if not chosen.fragmented:
         return []
     args = ["--method", "streaming", "--fragments", str(config.fragments)]
     if config.sync_delay:
@@ -31,17 +32,16 @@ def optimizer_arguments(config: RunConfig, *, changed_only: bool = False) -> lis
     or local_sgd run is a diloco run with the preset's settings spelled out); ``changed_only``:
     only those that differ from DiLoCoConfig's defaults (for a join command people read)."""
     from optim.diloco import DiLoCoConfig
-    from workbench.cli.optimizer_flags import USES
 
     values = _optimizer_values(config.diloco)
     if changed_only:
         defaults = _optimizer_values(DiLoCoConfig())
-        # A delayed run's outer defaults are not DiLoCoConfig's (names.DELAYED_OUTER): spell them out.
+        # A delayed run's outer defaults are not DiLoCoConfig's (optim.api.DELAYED_OUTER): spell them out.
         kept = ("outer_lr", "outer_momentum") if config.diloco.delay == 1 else ()
         values = {k: v for k, v in values.items() if v != defaults[k] or k in kept}
     args = []
     for dest, value in values.items():
-        if dest not in USES[config.method] or value is None:
+        if dest not in config.outer_method.knobs or value is None:
             continue
         flag = "--" + dest.replace("_", "-")
         if value is True:

@@ -12,34 +12,15 @@ import argparse
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from optim.api import DELAYED_OUTER, KNOBS, METHODS, STREAMING_KNOBS, method
 from swarm.bounds import parser as bounded
-from workbench.names import DELAYED_OUTER, SIMULATE_METHODS, UPDATE_CODECS
+from workbench.names import UPDATE_CODECS
 
 if TYPE_CHECKING:
     from optim.diloco import DiLoCoConfig
 
-METHODS = SIMULATE_METHODS
-"""dp, local_sgd, diloco, sparseloco, streaming: the same for real peers and the simulator."""
-
-# The flags each method can use beyond --inner-steps and --inner-lr (by argparse dest).
-OUTER = ("outer_lr", "outer_momentum")
-ROUNDS = ("delay", "overlap", "eager", "outlier_ratio", "clip_norm")
-CODEC = ("update_codec", "topk_density", "topk_chunk", "topk_bits", "error_feedback", "ef_decay")
-STREAMING = ("fragments", "sync_delay", "alpha")
-USES: dict[str, tuple[str, ...]] = {
-    "dp": ("clip_norm",),
-    "local_sgd": (*ROUNDS, *CODEC),
-    "diloco": (*OUTER, *ROUNDS, *CODEC),
-    "sparseloco": ("outer_lr", *ROUNDS, *CODEC),
-    "streaming": (*OUTER, *CODEC, *STREAMING, "outlier_ratio", "clip_norm"),
-}
-WHY: dict[str, str] = {
-    "dp": "it averages gradients every step (no outer optimizer)",
-    "local_sgd": "it is DiLoCo with outer lr 1 and no momentum (use --method diloco to choose them)",
-    "sparseloco": "its error feedback stands in for outer momentum",
-    "streaming": "it syncs fragments on their own schedule (--sync-delay, --alpha)",
-    "diloco": "they belong to --method streaming",
-}
+# Each method's flags beyond --inner-steps and --inner-lr are its knobs in optim.api (a flag's
+# argparse dest is the knob's name).
 
 
 def flag(dest: str) -> str:
@@ -63,7 +44,7 @@ def add_optimizer_options(group: argparse._ArgumentGroup, *, simulate: bool = Fa
     group.add_argument(
         "--method",
         default="diloco",
-        choices=METHODS,
+        choices=tuple(METHODS),
         help="outer method: diloco, local_sgd (FedAvg), sparseloco (chunked top-k, 2-bit values, error "
         "feedback), streaming (fragments synced in turn) or dp (data-parallel: gradients averaged every "
         "step, the baseline)",
@@ -165,41 +146,30 @@ def add_optimizer_options(group: argparse._ArgumentGroup, *, simulate: bool = Fa
 
 def given(args: argparse.Namespace) -> dict[str, Any]:
     """The optimizer flags given explicitly (not None), by dest."""
-    names = {*OUTER, *ROUNDS, *CODEC, *STREAMING}
-    return {name: getattr(args, name) for name in sorted(names) if getattr(args, name, None) is not None}
+    return {name: getattr(args, name) for name in sorted(KNOBS) if getattr(args, name, None) is not None}
 
 
 def check_method_flags(args: argparse.Namespace) -> None:
     """Raise ValueError (one line) for a flag ``args.method`` cannot use."""
-    method = args.method
-    wrong = [name for name in given(args) if name not in USES[method]]
+    chosen = method(args.method)
+    wrong = [name for name in given(args) if name not in chosen.knobs]
     if wrong:
-        usable = ", ".join(flag(n) for n in USES[method]) or "no outer flags"
+        usable = ", ".join(flag(n) for n in chosen.knobs) or "no outer flags"
         raise ValueError(
-            f"--method {method} cannot use {', '.join(flag(n) for n in wrong)}: {WHY[method]}; "
+            f"--method {chosen.name} cannot use {', '.join(flag(n) for n in wrong)}: {chosen.why_not}; "
             f"it takes {usable}"
         )
 
 
 def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
     """The method's preset, then every optimizer flag given explicitly on top of it."""
-    from optim.data_parallel import data_parallel_state
-    from optim.diloco import DiLoCoConfig
-    from optim.local_sgd import local_sgd
-    from optim.sparseloco import sparseloco
-
     check_method_flags(args)
-    H = args.inner_steps
-    if args.method == "dp":  # gradients every step; --inner-steps and the outer flags do not apply
-        return replace(data_parallel_state(), clip_norm=args.clip_norm or 0.0)
-    base = {
-        "diloco": DiLoCoConfig(inner_steps=H),
-        "streaming": DiLoCoConfig(inner_steps=H),  # DiLoCo's outer step, one fragment at a time
-        "local_sgd": local_sgd(inner_steps=H),
-        "sparseloco": sparseloco(inner_steps=H),
-    }[args.method]
+    chosen = method(args.method)
+    base = chosen.config(args.inner_steps)
+    if chosen.every_step:  # gradients every step; --inner-steps and the outer flags do not apply
+        return replace(base, clip_norm=args.clip_norm or 0.0)
     overrides = given(args)
-    for name in STREAMING:
+    for name in STREAMING_KNOBS:
         overrides.pop(name, None)
     if "update_codec" in overrides:
         overrides["codec"] = overrides.pop("update_codec")
@@ -212,9 +182,9 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
             f"--{'' if overrides['eager'] else 'no-'}eager chooses how a late mean is applied: "
             "add --overlap (or --delay 1)"
         )
-    if args.method == "diloco" and overrides.get("delay") == 1:
+    if chosen.name == "diloco" and overrides.get("delay") == 1:
         # A delayed round's update is a round stale and the paper's 0.9 momentum compounds it
-        # (the naive delay diverges): defaults measured for each (workbench.names.DELAYED_OUTER).
+        # (the naive delay diverges): defaults measured for each (optim.api.DELAYED_OUTER).
         lr, momentum = DELAYED_OUTER["naive" if overrides.get("eager") is False else "eager"]
         overrides.setdefault("outer_lr", lr)
         overrides.setdefault("outer_momentum", momentum)
@@ -223,14 +193,15 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
     return replace(base, **overrides, nesterov=nesterov)
 
 
-def effective(method: str, config: DiLoCoConfig, **streaming: Any) -> dict[str, Any]:
+def effective(name: str, config: DiLoCoConfig, **streaming: Any) -> dict[str, Any]:
     """The settings a run uses, for ``simulate --json``'s ``config`` object."""
+    outer = not method(name).every_step
     return {
-        "method": method,
-        "inner_steps": 1 if method == "dp" else config.inner_steps,
-        "outer_lr": None if method == "dp" else config.outer_lr,
-        "outer_momentum": None if method == "dp" else config.outer_momentum,
-        "nesterov": method != "dp" and config.nesterov,
+        "method": name,
+        "inner_steps": config.inner_steps if outer else 1,
+        "outer_lr": config.outer_lr if outer else None,
+        "outer_momentum": config.outer_momentum if outer else None,
+        "nesterov": outer and config.nesterov,
         "codec": config.codec,
         "topk_density": config.topk_density if config.codec == "topk" else None,
         "chunk": config.topk_chunk if config.codec == "topk" else None,

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from optim.api import method
 from swarm.averaging_config import CODEC_BYTES
 from swarm.bounds import parser as bounded
 from workbench.cli.optimizer_flags import add_optimizer_options, outer_config
@@ -263,9 +264,6 @@ def apply_settings(
     return layer(args, subparser(parser, command), rest, known_elsewhere=known)
 
 
-METHOD_PRESETS = ("diloco", "local_sgd", "sparseloco", "dp", "streaming")
-
-
 def parse_shard(text: str | None) -> tuple[int | None, int]:
     """``--shard I/N`` as (I, N); (None, 1) when not given."""
     if text is None:
@@ -305,7 +303,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     from workbench.run.data import DataConfig
 
     return RunConfig(
-        method=args.method if args.method in ("dp", "streaming") else "diloco",
+        method=method(args.method).real_peers,
         fragments=args.fragments or 4,
         sync_delay=getattr(args, "sync_delay", None) or 0,
         alpha=getattr(args, "alpha", None),

@@ -255,7 +255,7 @@ class Experiment:
             sync_delay=self.flags.get("sync_delay") or 0,
             alpha=self.flags.get("alpha"),
         )
-        H = 1 if self.method in ("dp", "streaming") else spec.outer_config().inner_steps
+        H = spec.loop_steps()
         source = SimSource(self.name, self.peers, inner_steps=H)
         self._source = source
         started = time.monotonic()

@@ -34,7 +34,7 @@ def fingerprint(config: RunConfig, model: Any) -> tuple[str, str]:
     """(fingerprint, summary) of a peer's model and the optimizer settings all peers share."""
     optimizer = dict(
         method=config.method,
-        fragments=config.fragments if config.method == "streaming" else None,
+        fragments=config.fragments if config.outer_method.fragmented else None,
         outer=dataclasses.asdict(config.diloco),
         compression=config.averaging.compression,
     )

@@ -65,13 +65,13 @@ def build_outer(
         overlapped=config.overlapped,
         **plane_location(config),
     )
-    if config.method == "streaming":
+    if config.outer_method.fragmented:
         return _streaming(config, model, inner_optimizer, dht, SwarmAverager, common)
     diloco = DiLoCo(model, inner_optimizer, averager=None, config=config.diloco)  # type: ignore[arg-type]
     averager = SwarmAverager(
         dht, tensors_like=diloco.global_params, state_provider=diloco.outer_state, **common
     )
-    if config.method == "dp":
+    if config.outer_method.every_step:
         # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
         # swarm of one then just keeps θ, the step clock and the state served to joiners.
         diloco.averager = LocalAverager()

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import workbench.run.checkpoint as checkpoint
+from optim.api import Sync
 from optim.data_parallel import DataParallel
 from swarm.dht import NetworkConfig, visible_addresses
 from swarm.errors import SwarmError
@@ -94,7 +95,7 @@ class Peer:
         self.device, self.corpus, self.eval_set = training.device, training.corpus, training.eval_set
         self.model, self.inner_optimizer = training.model, training.inner_optimizer
         self.node = NodeGroup.from_env()  # None outside torchrun
-        if self.node is not None and cfg.method != "diloco":
+        if self.node is not None and cfg.outer_method.sync is not Sync.ROUNDS:
             raise ValueError(f"a torchrun node peer runs --method diloco (got {cfg.method})")
         self.keys = RunKeys(cfg.peer.run_id, cfg.peer.secret)
         network = cfg.network
@@ -392,7 +393,7 @@ class Peer:
         summary = dict(
             peer_id=self.peer_id,
             # whole-model rounds (streaming syncs one fragment per sync: F syncs make a round)
-            outer_rounds=self.diloco.outer_step_count // (cfg.fragments if cfg.method == "streaming" else 1),
+            outer_rounds=self.diloco.outer_step_count // cfg.outer_method.syncs_per_round(cfg.fragments),
             syncs=self.diloco.outer_step_count,
             initial_eval_loss=initial_eval,
             final_eval_loss=final_eval,
