@@ -8,7 +8,9 @@ unchanged for that round, and nobody's θ drifts or becomes NaN.
 Two rules:
 
 - **outlier**: a member whose update norm is more than ``ratio`` times the median of the other
-  members' norms (a diverging or malicious peer);
+  members' norms (a diverging or malicious peer), times how many more samples than theirs it
+  declares, if more: with time-boxed rounds a fast peer trains several times the steps of a
+  slow one and its pseudo-gradient grows with them (21x for 20x the steps, measured);
 - **misreport**: the mean's norm is larger than the reported norms allow (by the triangle
   inequality ``|Σ wᵢΔᵢ / Σ wᵢ| ≤ Σ wᵢ|Δᵢ| / Σ wᵢ``): a member sent more than it declared.
 
@@ -47,13 +49,14 @@ def check_round(
     members = [m for m in _members(group_info) if m[2] > 0]
     if ratio <= 0 or len(members) < 2:
         return None
-    for peer, norm, _ in members:
-        others = [n for p, n, _ in members if p != peer]
-        median = statistics.median(others)
-        if norm > ratio * max(median, 1e-12):
+    for peer, norm, weight in members:
+        median = statistics.median(n for p, n, _ in members if p != peer)
+        more = max(1.0, weight / statistics.median(w for p, _, w in members if p != peer))
+        if norm > ratio * more * max(median, 1e-12):
+            allowed = f"{ratio:g}x" if more == 1 else f"{ratio * more:.3g}x for {more:.3g}x their samples"
             return (
                 f"peer {peer[-12:]} sent an update of norm {norm:.3g}, {norm / max(median, 1e-12):.0f}x the "
-                f"median of the others ({median:.3g}; limit {ratio:g}x): the round's mean was refused"
+                f"median of the others ({median:.3g}; limit {allowed}): the round's mean was refused"
             )
     if not misreport:
         return None

@@ -41,6 +41,14 @@ class SimConfig:
     """Rank -> fraction of each round's inner steps it runs, e.g. {3: 0.5}."""
     dropout: float = 0.0
     """Probability that a peer misses a round's all-reduce (never all peers at once)."""
+    speeds: list[float] = field(default_factory=list)
+    """Each peer's speed on the virtual clock (inner steps per ``step_seconds``), e.g.
+    [1, 1, 0.5, 0.5]; empty: all 1. A round lasts as long as its slowest peer's steps."""
+    round_seconds: float = 0.0
+    """Time-boxed rounds on the virtual clock: each peer runs the steps that fit in this many
+    virtual seconds at its speed (at least 1, at most H); 0: H steps each."""
+    step_seconds: float = 1.0
+    """Virtual seconds of one inner step at speed 1."""
     seed: int = 0
     """Seeds model init (shared), each peer's data order and the fault schedule."""
     eval_every: int = 0
@@ -63,6 +71,25 @@ class SimConfig:
             raise ValueError(f"dropout must be in [0, 1) (got {self.dropout})")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (got {self.eval_every})")
+        if self.speeds and (len(self.speeds) != self.peers or not all(0 < s <= 1e6 for s in self.speeds)):
+            raise ValueError(
+                f"speeds must give one positive speed per peer ({self.peers}), e.g. 1,1,0.5,0.5 (got {self.speeds})"
+            )
+        if not 0 <= self.round_seconds <= 1e9 or not 0 < self.step_seconds <= 1e9:
+            raise ValueError(
+                f"round_seconds must be >= 0 and step_seconds > 0 (got {self.round_seconds}, {self.step_seconds})"
+            )
+
+    def speed(self, rank: int) -> float:
+        return self.speeds[rank] if self.speeds else 1.0
+
+    def steps_in_round(self, rank: int, todo: int) -> int:
+        """Of ``todo`` inner steps (H, or what is left of the run), those this peer runs in a
+        round: a straggler's fraction, or what fits in the time box at its speed."""
+        todo = max(1, round(todo * self.stragglers.get(rank, 1.0)))
+        if self.round_seconds:
+            todo = min(todo, max(1, int(self.round_seconds * self.speed(rank) / self.step_seconds + 1e-9)))
+        return todo
 
 
 class InProcessSwarm:
@@ -166,6 +193,13 @@ class SimResult:
     params_max_abs_diff: float
     """Largest difference between any peer's parameters and peer 0's at the end."""
     history: list[dict[str, float]] = field(default_factory=list)
+    virtual_seconds: float = 0.0
+    """The run's length on the virtual clock (``SimConfig.speeds``): per round, the slowest
+    peer's steps; the all-reduce itself takes no virtual time."""
+    utilization: list[float] = field(default_factory=list)
+    """Per peer: the share of the virtual time it spent in inner steps (the rest it waited)."""
+    steps_per_peer: list[int] = field(default_factory=list)
+    """Inner steps each peer ran (time boxes and stragglers run fewer or more than H per round)."""
     final_params: list[torch.Tensor] = field(default_factory=list)
     """Peer 0's model parameters at the end (for DiLoCo: the global params after the last round)."""
 
@@ -184,15 +218,18 @@ def simulate(
     history: list[dict[str, float]] = []
     errors: list[BaseException] = []
     start = time.monotonic()
+    # Steps each peer ran in each round, for the virtual clock.
+    ran: list[dict[int, int]] = [{} for _ in range(config.peers)]
 
     def run(rank: int) -> None:
         peer = peers[rank]
-        fraction = config.stragglers.get(rank, 1.0)
         rounds = -(-config.steps // peer.inner_steps)  # ceil
         try:
             for round_index in range(rounds):
                 todo = min(peer.inner_steps, config.steps - round_index * peer.inner_steps)
-                todo = max(1, round(todo * fraction)) if peer.inner_steps > 1 else todo
+                if peer.inner_steps > 1:
+                    todo = config.steps_in_round(rank, todo)
+                ran[rank][round_index] = todo
                 for i in range(todo):
                     peer.set_lr(round_index * peer.inner_steps + i)
                     x, y = next(peer.batches)
@@ -256,6 +293,11 @@ def simulate(
         thread.join()
     if errors:
         raise errors[0]
+    busy = [sum(steps.values()) * config.step_seconds / config.speed(rank) for rank, steps in enumerate(ran)]
+    virtual = sum(
+        max(ran[rank].get(r, 0) * config.step_seconds / config.speed(rank) for rank in range(config.peers))
+        for r in range(max((len(steps) for steps in ran), default=0))
+    )
     reference = list(peers[0].model.parameters())
     diff = max(
         (
@@ -276,5 +318,8 @@ def simulate(
         seconds=time.monotonic() - start,
         params_max_abs_diff=diff,
         history=history,
+        virtual_seconds=virtual,
+        utilization=[b / virtual if virtual else 0.0 for b in busy],
+        steps_per_peer=[sum(steps.values()) for steps in ran],
         final_params=[p.detach().to("cpu", torch.float32, copy=True) for p in peers[0].model.parameters()],
     )

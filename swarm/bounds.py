@@ -60,6 +60,8 @@ BOUNDS: dict[str, Bound] = {
     "outlier_ratio": Bound(0, 1e6),
     "clip_norm": Bound(0, 1e12),
     "rounds": Bound(0, 10**9, integer=True),
+    "round_seconds": Bound(0, _DAY),
+    "step_seconds": Bound(0, _DAY, open_low=True),
     "steps": Bound(1, 10**9, integer=True),
     "eval_every": Bound(1, 10**9, integer=True),
     "checkpoint_every": Bound(0, 10**9, integer=True),

@@ -95,6 +95,8 @@ class PeerHeartbeat(BaseModel):
     """Why this peer's last round went wrong (fell back to a local step, rejected update, ...)."""
     ignored: dict[str, str] = Field(default_factory=dict, max_length=16)
     """Peers this one caught lying (peer id -> why), for the UIs; a claim like any other."""
+    last_round_steps: int = Field(default=0, ge=0)
+    """Inner steps this peer ran in its last round: its H, or what fit in a time-boxed round."""
     serving: bool = False
     """Answering a request for its state right now (a joiner's download or a witness's sketch).
     With ``--overlap`` that answer waits for the round in flight, so the others of that round do
@@ -135,6 +137,10 @@ class ControlState(BaseModel):
     lr changes θ: peers applying it at different rounds would drift apart)."""
     outer_lr: float | None = Field(default=None, gt=BOUNDS["outer_lr"].low, le=BOUNDS["outer_lr"].high)
     inner_steps: int | None = Field(default=None, ge=BOUNDS["inner_steps"].low, le=BOUNDS["inner_steps"].high)
+    round_seconds: float | None = Field(
+        default=None, ge=BOUNDS["round_seconds"].low, le=BOUNDS["round_seconds"].high
+    )
+    """Time-boxed rounds of this many seconds (0: back to H steps each)."""
     codec: str | None = Field(default=None, max_length=16)
     """Codec of the pseudo-gradients (optim.codecs name: none, fp16, bf16, int8, int4, topk)."""
     paused: list[str] = Field(default_factory=list, max_length=1024)
@@ -161,7 +167,9 @@ class ControlState(BaseModel):
         return {
             k: v
             for k, v in self.model_dump().items()
-            if k not in ("version", "time", "from_step") and v not in (None, [], 0)
+            if k not in ("version", "time", "from_step")
+            and v not in (None, [])
+            and (v != 0 or k == "round_seconds")  # round_seconds 0 turns time boxes off
         }
 
 

@@ -109,6 +109,7 @@ class Steering:
         inner_steps: int | None = None,
         codec: str | None = None,
         paused: list[str] | None = None,
+        round_seconds: float | None = None,
         checkpoint: bool = False,
         from_step: int | None = None,
     ) -> ControlState:
@@ -124,7 +125,13 @@ class Steering:
             raise SwarmError(reason)
         current = self.current()
         base = current.model_dump() if current else {"version": 0}
-        updates = dict(outer_lr=outer_lr, inner_steps=inner_steps, codec=codec, paused=paused)
+        updates = dict(
+            outer_lr=outer_lr,
+            inner_steps=inner_steps,
+            codec=codec,
+            paused=paused,
+            round_seconds=round_seconds,
+        )
         fields = {**base, **{k: v for k, v in updates.items() if v is not None}}
         fields["version"] = base["version"] + 1
         fields["checkpoint"] = base.get("checkpoint", 0) + (1 if checkpoint else 0)

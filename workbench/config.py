@@ -74,6 +74,10 @@ class PeerConfig:
     """Shown in monitors; defaults to the start of the peer id."""
     rounds: int = 0
     """Stop after this many outer rounds (0: run until Ctrl+C)."""
+    round_seconds: float = 0.0
+    """Time-boxed rounds: each round's inner steps end after this many seconds (at least one
+    step, at most H), so a fast peer trains more steps than a slow one and its pseudo-gradient
+    weighs its samples; 0: every round is H steps."""
     min_peers: int = 1
     """Wait for this many peers (this one included) before the first round."""
     wait_timeout: float = 120.0

@@ -134,6 +134,16 @@ def run_simulation(
     return simulate(make_peer, lambda net: evaluate(net, held_out, device), sim)
 
 
+def parse_speeds(text: str | None) -> list[float]:
+    """``--speeds 1,1,0.5,0.5`` as floats (empty: every peer at speed 1)."""
+    if not text:
+        return []
+    try:
+        return [float(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--speeds '{text}' must be numbers separated by commas, e.g. 1,1,0.5,0.5") from None
+
+
 def run_simulate_command(args: argparse.Namespace) -> int:
     stragglers = {}
     for text in args.straggler:
@@ -147,13 +157,21 @@ def run_simulate_command(args: argparse.Namespace) -> int:
     streaming = dict(fragments=args.fragments or 4, sync_delay=args.sync_delay or 0, alpha=args.alpha)
     spec = MethodSpec(method=args.method, diloco=outer_config(args), **streaming)
     sim = SimConfig(
-        peers=args.peers, steps=args.steps, stragglers=stragglers, dropout=args.dropout, seed=args.seed
+        peers=args.peers,
+        steps=args.steps,
+        stragglers=stragglers,
+        dropout=args.dropout,
+        seed=args.seed,
+        speeds=parse_speeds(args.speeds),
+        round_seconds=args.round_seconds,
+        step_seconds=args.step_seconds,
     )
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0 (got {args.threads}); 0 lets torch decide")
-    if stragglers and spec.outer_method.sync is not Sync.ROUNDS:
+    if (stragglers or args.round_seconds) and spec.outer_method.sync is not Sync.ROUNDS:
         raise ValueError(
-            f"--straggler applies to round-based methods; {args.method} syncs {spec.outer_method.sync.value}"
+            f"--straggler and --round-seconds apply to round-based methods; {args.method} syncs "
+            f"{spec.outer_method.sync.value}"
         )
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -182,7 +200,14 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         "outer_rounds": result.rounds,
         "peak_bytes_per_sync": result.peak_bytes_per_sync,
         "params_max_abs_diff": result.params_max_abs_diff,
-        "config": effective(args.method, spec.diloco, **(streaming if spec.outer_method.fragmented else {})),
+        "virtual_seconds": result.virtual_seconds,
+        "utilization": [round(u, 4) for u in result.utilization],
+        "steps_per_peer": result.steps_per_peer,
+        "config": {
+            **effective(args.method, spec.diloco, **(streaming if spec.outer_method.fragmented else {})),
+            "round_seconds": args.round_seconds,
+            "speeds": sim.speeds or None,
+        },
     }
     if args.json:
         print(json.dumps(summary), flush=True)

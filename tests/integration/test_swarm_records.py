@@ -175,6 +175,8 @@ def test_steering_reaches_every_peer(spawn):
         "0.35",
         "--inner-steps",
         "4",
+        "--round-seconds",  # a box longer than 4 steps take: the run goes on as before
+        "30",
         "--json",
         "--wait",
         "60",
@@ -219,7 +221,7 @@ def test_steering_reaches_every_peer(spawn):
         applied = peer.events("control_applied")
         assert applied[0]["version"] == version
         assert applied[0]["outer_step"] == from_step  # the same step on every peer
-        assert applied[0]["changes"] == {"outer_lr": 0.35, "inner_steps": 4}
+        assert applied[0]["changes"] == {"outer_lr": 0.35, "inner_steps": 4, "round_seconds": 30.0}
         assert applied[-1]["version"] == version + 2  # the resume, applied by both
     # Both applied the change at the same round, so they agreed on θ until the pause; the paused
     # peer caught up by downloading the state, so they hold the same θ again after it.

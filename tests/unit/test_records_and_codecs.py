@@ -53,6 +53,7 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         last_error=None,
         ignored={},
         serving=False,
+        last_round_steps=0,
     )
     record.update(overrides)
     return record

@@ -28,6 +28,22 @@ def test_honest_rounds_pass() -> None:
     assert check_round(5.0, [member("a", 5.0)], ratio=10) is None  # alone: nothing to compare
 
 
+def test_a_peer_that_trained_more_steps_may_send_a_larger_update() -> None:
+    """Time-boxed rounds: the fast peer ran 20x the slow one's samples and its pseudo-gradient
+    is 21x as large (measured on two real peers): an honest round. The same norm for the same
+    samples is still an outlier, and a peer with fewer samples gains no slack."""
+    fast, slow = member("fast", 6.73, weight=20 * 64.0), member("slow", 0.327, weight=64.0)
+    assert check_round(1.0, [fast, slow], ratio=10) is None
+    verdict = check_round(1.0, [member("fast", 6.73, weight=64.0), slow], ratio=10)
+    assert verdict is not None and "fast" in verdict and "limit 10x" in verdict
+    verdict = check_round(
+        1.0, [member("fast", 0.327, weight=64.0), member("slow", 6.73, weight=4.0)], ratio=10
+    )
+    assert verdict is not None and "slow" in verdict and "limit 10x" in verdict
+    verdict = check_round(1.0, [member("fast", 100.0, weight=2 * 64.0), slow], ratio=10)
+    assert verdict is not None and "limit 20x for 2x their samples" in verdict
+
+
 def test_a_mean_larger_than_the_declared_norms_is_a_misreport() -> None:
     verdict = check_round(30.0, [member("a", 1.0), member("b", 1.2)], ratio=10)
     assert verdict is not None and "more than it declared" in verdict

@@ -168,6 +168,10 @@ def test_a_failing_peer_stops_the_run_without_hanging():
         (dict(stragglers={5: 0.5}), "straggler"),
         (dict(stragglers={0: 0.0}), "straggler"),
         (dict(dropout=1.0), "dropout"),
+        (dict(peers=2, speeds=[1.0]), "speeds"),
+        (dict(peers=2, speeds=[1.0, 0.0]), "speeds"),
+        (dict(round_seconds=-1.0), "round_seconds"),
+        (dict(step_seconds=0.0), "step_seconds"),
     ],
 )
 def test_sim_config_rejects_bad_values(kwargs, message):
@@ -293,3 +297,24 @@ def test_your_own_module_is_for_the_simulator_only():
         Experiment(backend="local", model=_Bigram(), loss_fn=_next_token_loss)
     with pytest.raises(ValueError, match="loss_fn goes with model"):
         Experiment(backend="sim", model="tiny", loss_fn=_next_token_loss)
+
+
+def test_time_boxed_rounds_on_the_virtual_clock():
+    """Two peers at half speed: with fixed H every round lasts as long as their steps and the
+    fast peers idle half the time; with a time box each runs what fits (the fast ones H, the
+    slow ones H/2), rounds take half as long and nobody idles. Deterministic: no wall clock."""
+    speeds = [1.0, 1.0, 0.5, 0.5]
+    fixed = simulate(factory("diloco", H=4), mse, SimConfig(peers=4, steps=16, speeds=speeds))
+    assert fixed.steps_per_peer == [16] * 4 and fixed.virtual_seconds == 32.0
+    assert fixed.utilization == [0.5, 0.5, 1.0, 1.0]
+    config = SimConfig(peers=4, steps=16, speeds=speeds, round_seconds=4.0)
+    boxed = simulate(factory("diloco", H=4), mse, config)
+    assert boxed.steps_per_peer == [16, 16, 8, 8] and boxed.virtual_seconds == 16.0
+    assert boxed.utilization == [1.0] * 4 and boxed.rounds == 4
+    assert boxed.params_max_abs_diff == 0.0  # unequal H, one θ
+    assert boxed.final_eval_loss < boxed.initial_eval_loss
+    again = simulate(factory("diloco", H=4), mse, config)
+    assert again.final_eval_loss == boxed.final_eval_loss
+    # At least one step per round, at most H, whatever the box.
+    assert SimConfig(peers=2, speeds=[1.0, 0.01], round_seconds=4.0).steps_in_round(1, 4) == 1
+    assert SimConfig(peers=2, speeds=[100.0, 1.0], round_seconds=4.0).steps_in_round(0, 4) == 4

@@ -74,6 +74,10 @@ def test_bytes_follow_the_method_and_codec(capsys, corpus: Path) -> None:
         (["--straggler", "9:0.5"], "straggler"),
         (["--peers", "0"], "peers"),
         (["--density", "0"], "density"),
+        (["--speeds", "1,fast"], "--speeds '1,fast' must be numbers"),
+        (["--peers", "2", "--speeds", "1,1,1"], "one positive speed per peer"),
+        (["--method", "dp", "--round-seconds", "5"], "--round-seconds apply to round-based methods"),
+        (["--round-seconds", "-1"], "--round-seconds: must be in [0, 86400]"),
     ],
 )
 def test_bad_simulate_input_is_one_line(capsys, corpus: Path, args: list[str], message: str) -> None:
@@ -82,3 +86,31 @@ def test_bad_simulate_input_is_one_line(capsys, corpus: Path, args: list[str], m
     assert code == 2
     # "error: ..." from the command, "workbench simulate: error: ..." from a flag's own bounds
     assert len(err) == 1 and "error: " in err[0] and message in err[0], err
+
+
+def test_simulate_reports_the_virtual_clock(capsys, corpus: Path) -> None:
+    common = [
+        "--data",
+        str(corpus),
+        "--peers",
+        "2",
+        "--steps",
+        "8",
+        "--inner-steps",
+        "4",
+        "--speeds",
+        "1,0.5",
+    ]
+    fixed = run(capsys, *common)
+    boxed = run(capsys, *common, "--round-seconds", "4", "--step-seconds", "1")
+    assert (fixed["virtual_seconds"], fixed["utilization"], fixed["steps_per_peer"]) == (
+        16.0,
+        [0.5, 1.0],
+        [8, 8],
+    )
+    assert (boxed["virtual_seconds"], boxed["utilization"], boxed["steps_per_peer"]) == (
+        8.0,
+        [1.0, 1.0],
+        [8, 4],
+    )
+    assert boxed["config"]["round_seconds"] == 4.0 and boxed["config"]["speeds"] == [1.0, 0.5]

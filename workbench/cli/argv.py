@@ -112,6 +112,8 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
         parts += ["--tokenizer", config.data.tokenizer]
     if config.peer.rounds:  # the inner lr schedule (cosine to the end) depends on the run's length
         parts += ["--rounds", str(config.peer.rounds)]
+    if config.peer.round_seconds:  # rounds of the same length for every peer
+        parts += ["--round-seconds", repr(config.peer.round_seconds)]
     if config.peer.owner:
         parts += ["--owner", config.peer.owner]
     if config.peer.secret:  # never print the secret itself: it is shared privately

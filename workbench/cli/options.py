@@ -102,6 +102,14 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         help="stop after this many outer rounds (default: 0 = never)",
     )
     group.add_argument(
+        "--round-seconds",
+        type=bounded("round_seconds"),
+        default=0.0,
+        metavar="T",
+        help="time-boxed rounds: each peer trains as many inner steps as fit in T seconds (at least "
+        "1, at most --inner-steps), weighted by its samples in the mean (default: 0 = H steps each)",
+    )
+    group.add_argument(
         "--eval-every",
         type=bounded("eval_every"),
         default=1,
@@ -341,6 +349,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
             run_id=getattr(args, "run_id", "workbench"),
             name=getattr(args, "name", None),
             rounds=args.rounds,
+            round_seconds=getattr(args, "round_seconds", 0.0) or 0.0,
             eval_every=args.eval_every,
             min_peers=getattr(args, "min_peers", 1),
             seed=args.seed,

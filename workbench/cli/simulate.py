@@ -40,6 +40,26 @@ def add_simulate_parser(commands) -> None:
     parser.add_argument(
         "--dropout", type=bounded("dropout"), default=0.0, help="probability a peer misses a round"
     )
+    parser.add_argument(
+        "--speeds",
+        metavar="S1,S2,...",
+        help="each peer's speed on a virtual clock, e.g. 1,1,0.5,0.5: a speed-1 peer's inner step "
+        "takes --step-seconds; the JSON reports virtual_seconds and each peer's utilization",
+    )
+    parser.add_argument(
+        "--round-seconds",
+        type=bounded("round_seconds"),
+        default=0.0,
+        metavar="T",
+        help="time-boxed rounds on the virtual clock: each peer runs the steps that fit in T at its "
+        "speed (at least 1, at most --inner-steps; default 0: H steps each)",
+    )
+    parser.add_argument(
+        "--step-seconds",
+        type=bounded("step_seconds"),
+        default=1.0,
+        help="virtual seconds of one inner step at speed 1 (default: 1)",
+    )
     parser.add_argument("--seed", type=bounded("seed"), default=0)
     parser.add_argument(
         "--threads", type=bounded("threads"), default=1, help="torch threads per process (default: 1)"

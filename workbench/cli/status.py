@@ -78,6 +78,7 @@ def render(data: dict[str, Any]) -> None:
         "stage",
         "outer",
         "inner",
+        "last H",
         "loss",
         "samples/s",
         "MB sent",
@@ -96,6 +97,7 @@ def render(data: dict[str, Any]) -> None:
             p["stage"],
             str(p["outer_step"]),
             f"{p['inner_step']}/{p['inner_steps']}",
+            str(p.get("last_round_steps") or ""),  # time-boxed rounds: each peer's own H
             "" if p["loss"] is None else f"{p['loss']:.3f}",
             f"{p['samples_per_second']:.0f}",
             f"{p['bytes_sent'] / 1e6:.1f}",

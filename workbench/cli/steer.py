@@ -34,6 +34,12 @@ def add_steer_parser(commands) -> None:
         "--inner-steps", type=bounded("inner_steps"), metavar="H", help="new inner steps per round"
     )
     parser.add_argument(
+        "--round-seconds",
+        type=bounded("round_seconds"),
+        metavar="T",
+        help="time-boxed rounds of T seconds of inner steps (0: back to H steps each)",
+    )
+    parser.add_argument(
         "--update-codec", metavar="CODEC", help="new pseudo-gradient codec (none, fp16, int8, ...)"
     )
     parser.add_argument(
@@ -61,11 +67,15 @@ def run_steer_command(args: argparse.Namespace) -> int:
     from workbench.cli.status import open_observer
 
     RunKeys(args.run_id, args.secret)
-    if not any(
-        [args.outer_lr, args.inner_steps, args.update_codec, args.pause, args.resume, args.checkpoint]
+    if (
+        not any(
+            [args.outer_lr, args.inner_steps, args.update_codec, args.pause, args.resume, args.checkpoint]
+        )
+        and args.round_seconds is None
     ):
         raise SwarmError(
-            "nothing to change: give --outer-lr, --inner-steps, --update-codec, --pause, --resume or --checkpoint"
+            "nothing to change: give --outer-lr, --inner-steps, --round-seconds, --update-codec, --pause, "
+            "--resume or --checkpoint"
         )
     session, _ = open_observer(args, signing_key=args.key)
     try:
@@ -86,6 +96,7 @@ def run_steer_command(args: argparse.Namespace) -> int:
             outer_lr=args.outer_lr,
             inner_steps=args.inner_steps,
             codec=args.update_codec,
+            round_seconds=args.round_seconds,
             paused=paused if (args.pause or args.resume) else None,
             checkpoint=args.checkpoint,
             from_step=args.from_step,

@@ -123,6 +123,8 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         *optimizer_arguments(config),
         "--rounds",
         str(config.peer.rounds),
+        "--round-seconds",
+        repr(config.peer.round_seconds),
         "--eval-every",
         str(config.peer.eval_every),
         "--codec",

@@ -42,6 +42,8 @@ class Steering:
         """The owner's ControlState version whose settings this peer applied."""
         self.checkpoints = 0
         """Checkpoint requests seen (a counter in the control record)."""
+        self.round_seconds: float | None = None
+        """The owner's time box for rounds (None: the peer's own ``--round-seconds``)."""
 
     def apply(self, outer: Any, *, data_parallel: bool) -> None:
         """At a round boundary: adopt the owner's newest settings once their step has come.
@@ -69,6 +71,9 @@ class Steering:
                 changes = {"error": str(error)}
         elif control.outer_lr or control.inner_steps or control.codec:
             logger.warning("%s: outer lr, H and codec do not apply to data-parallel; ignored", self.name)
+        if control.round_seconds is not None and control.round_seconds != self.round_seconds:
+            self.round_seconds = control.round_seconds
+            changes["round_seconds"] = control.round_seconds
         if control.checkpoint > self.checkpoints:
             self.checkpoints = control.checkpoint
             changes["checkpoint"] = str(self.checkpoint())

@@ -227,6 +227,7 @@ class Peer:
             last_error=stats.last_error[:300] if stats.last_error else None,
             ignored={peer: why[:200] for peer, why in list(self.board.ignored.items())[-16:]},
             serving=bool(self.averager and self.averager.serving.answering),
+            last_round_steps=stats.last_round_steps,
         )
 
     def emit(self, event: str, **fields: Any) -> None:
@@ -331,11 +332,12 @@ class Peer:
         world = self.node.world_size if self.node is not None else 1
         total_inner = self.config.total_rounds * self.config.round_steps if cfg.peer.rounds else None
         steps, compute, samples, dp_report = 0, 0.0, 0, None
-        for _ in range(
-            joining.steps_this_round(
-                self.board, self.peer_id, self.diloco.outer_step_count, self.config.round_steps
-            )
-        ):
+        cap = joining.steps_this_round(
+            self.board, self.peer_id, self.diloco.outer_step_count, cfg.round_steps
+        )
+        box, started = self.round_seconds, time.monotonic()
+        # Time-boxed rounds: as many steps as fit in the box (at least one, at most H).
+        while steps < cap and not (box and steps and time.monotonic() - started >= box):
             self.steering.wait_while_paused(self.diloco.outer_step_count, self.stage)
             self.faults.apply(self.averager)
             self.beat(Stage.TRAINING)
@@ -352,7 +354,14 @@ class Peer:
             samples += len(x) * world
             steps += 1
         self.stats.samples_per_second = samples / max(time.monotonic() - round_start, 1e-9)
+        self.stats.last_round_steps = steps
         return steps, compute, dp_report
+
+    @property
+    def round_seconds(self) -> float:
+        """The time box of a round's inner steps (0: H steps): the owner's, else this peer's."""
+        steered = self.steering.round_seconds
+        return steered if steered is not None else self.config.peer.round_seconds
 
     def _report_round(
         self,

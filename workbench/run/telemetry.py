@@ -24,6 +24,8 @@ class RoundStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     last_round_seconds: float | None = None
+    last_round_steps: int = 0
+    """Inner steps of the last round: H, or what fit in a time-boxed round."""
     group_size: int = 0
     dp_bytes: int = 0
     """What data-parallel would have all-reduced for the same inner steps (fp32 gradients)."""
@@ -93,6 +95,7 @@ def round_fields(
         alone_reason=report.error,
         resync=resync,
         samples_per_second=stats.samples_per_second,
+        inner_steps=stats.last_round_steps,  # this peer's H of the round (time boxes: its own)
         # |θ| as this round started: equal on peers at the same outer step that agree
         # (the model itself may differ: an eager peer trains θ + its own offset)
         global_norm=math.sqrt(sum(f * f for f in info["fingerprint"])),
