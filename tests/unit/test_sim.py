@@ -318,3 +318,14 @@ def test_time_boxed_rounds_on_the_virtual_clock():
     # At least one step per round, at most H, whatever the box.
     assert SimConfig(peers=2, speeds=[1.0, 0.01], round_seconds=4.0).steps_in_round(1, 4) == 1
     assert SimConfig(peers=2, speeds=[100.0, 1.0], round_seconds=4.0).steps_in_round(0, 4) == 4
+
+
+def test_an_experiment_runs_time_boxed_rounds_on_the_virtual_clock():
+    from workbench import Experiment
+
+    common = dict(backend="sim", model=_Bigram, loss_fn=_next_token_loss, peers=2, steps=40, inner_steps=10)
+    run = Experiment(**common, batch_size=8, inner_lr=0.05, speeds=[1.0, 0.5], round_seconds=10)
+    run.run().wait(timeout=120)
+    assert run.result.steps_per_peer == [40, 20] and run.result.utilization == [1.0, 1.0]
+    with pytest.raises(ValueError, match="backend='sim'"):
+        Experiment(backend="local", speeds=[1.0, 0.5])

@@ -130,10 +130,17 @@ class Experiment:
         name: str | None = None,
         initial_peers: list[str] | None = None,
         run_dir: str | Path | None = None,
+        speeds: list[float] | None = None,
         **flags: Any,
     ) -> None:
+        """``speeds`` (sim only): each virtual peer's speed on the simulator's virtual clock, with
+        ``round_seconds`` then in virtual seconds (a speed-1 step takes one); on real peers
+        ``round_seconds`` is wall time and each peer's speed is its own."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
+        if speeds is not None and backend != "sim":
+            raise ValueError("speeds= sets the simulator's virtual clock: use it with backend='sim'")
+        self.speeds = list(speeds or [])
         self.backend = backend
         self.peers = peers
         self.make_model = _custom_model(flags, backend)  # your own nn.Module (sim), else None
@@ -279,6 +286,8 @@ class Experiment:
                 seed=self.config.peer.seed,
                 eval_every=every,
                 on_round=on_round,
+                speeds=self.speeds,
+                round_seconds=self.config.peer.round_seconds,
             ),
         )
         self.result = result
