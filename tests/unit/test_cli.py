@@ -292,11 +292,13 @@ def _round_trip(start_flags: list[str]) -> tuple[RunConfig, RunConfig]:
         ["--inner-steps", "10"],
         ["--codec", "int8"],
         ["--codec", "fp16", "--model", "tiny", "--run-id", "r_1", "--inner-steps", "7"],
+        ["--round-seconds", "30", "--inner-steps", "500"],
     ],
     ids=lambda flags: " ".join(flags) or "defaults",
 )
 def test_join_command_round_trips_through_the_parser(flags: list[str]) -> None:
     starter, joiner = _round_trip(flags)
+    assert joiner.peer.round_seconds == starter.peer.round_seconds
     assert joiner.network.initial_peers == [ADDRESS]
     assert joiner.peer.run_id == starter.peer.run_id
     assert joiner.model == starter.model

@@ -32,6 +32,8 @@ def test_peer_arguments_rebuild_the_same_config(tmp_path: Path) -> None:
             "fp16",
             "--rounds",
             "3",
+            "--round-seconds",
+            "2.5",
             "--batch-size",
             "4",
             "--seed",
@@ -54,6 +56,7 @@ def test_peer_arguments_rebuild_the_same_config(tmp_path: Path) -> None:
     assert rebuilt.averaging == config.averaging
     assert rebuilt.train == config.train
     assert rebuilt.peer.run_id == "demo-x" and rebuilt.peer.min_peers == 3 and rebuilt.peer.rounds == 3
+    assert rebuilt.peer.round_seconds == 2.5
     assert rebuilt.peer.run_dir == str(tmp_path / "peer-1") and rebuilt.peer.name == "peer-1"
 
 
