@@ -39,6 +39,7 @@ from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.barrier import RoundBarrier, Serving, Verdict
 from swarm.claims import Vouching, judge_state
+from swarm.deadlines import LearnedDeadline
 from swarm.dht import quiet_children
 from swarm.errors import SwarmError
 from swarm.group_averager import VERIFIERS, GroupAverager, fault_value
@@ -109,6 +110,14 @@ class SwarmAverager:
             serving=self.serving,
         )
         self._last_return = time.monotonic()
+        self.averaging_deadline = LearnedDeadline(
+            ceiling=config.averaging_timeout,
+            floor=min(config.averaging_timeout, max(15.0, 5 * config.matchmaking_time)),
+            factor=3.0,
+            margin=2 * config.matchmaking_time + 2.0,
+        )
+        """How long a round's matchmaking and all-reduce may take: learned from the last
+        successful rounds (``averaging_timeout`` until 5 were seen, and never more)."""
         self.corrupt_next = False
         """Testing: send NaN instead of this peer's update in the next round (a faulty peer)."""
         self.scale_next = 0.0
@@ -172,7 +181,9 @@ class SwarmAverager:
             report = self._alone(info, verdict.value)
             report.stale = verdict is Verdict.BEHIND
             return report
-        deadline = time.monotonic() + self.config.averaging_timeout
+        started = time.monotonic()
+        budget = self.averaging_deadline.seconds
+        deadline = started + budget
         attempt, direct_before = 0, self.averager.direct_rounds.value
         while True:
             attempt += 1
@@ -194,6 +205,7 @@ class SwarmAverager:
             if not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
                 return self._failed(info, error)
             logger.debug("round %d: attempt %d failed (%s); retrying", outer_step, attempt, error)
+        self.averaging_deadline.observe(time.monotonic() - started)
         # Success: the buffers now hold the group's weighted mean. Its members (hivemind's
         # authenticated peer ids, not what they wrote in their info) are vouched for.
         self.vouching.averaged_with([peer.to_base58() for peer in gathered if hasattr(peer, "to_base58")])
@@ -244,13 +256,13 @@ class SwarmAverager:
         )
         try:
             # Poll rather than block, so heartbeats continue and Ctrl+C lands here.
-            hard_deadline = deadline + 10.0
+            begun, hard_deadline = time.monotonic(), deadline + 10.0
             outer_step, next_check = int(info.get("outer_step", 0)), time.monotonic() + 1.0
             while not control.done():
                 self.beat(Stage.AVERAGING)
                 if time.monotonic() > hard_deadline:  # hivemind missed its own deadline
                     control.cancel()
-                    return None, f"averaging did not finish in {self.config.averaging_timeout:.0f} s"
+                    return None, f"averaging did not finish by its deadline ({hard_deadline - begun:.0f} s)"
                 if time.monotonic() > next_check:
                     # Came too late for this round's group (e.g. a joiner that downloaded the
                     # state while the others were averaging): they are past this round and wait

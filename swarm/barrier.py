@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from swarm.averaging_config import AveragingConfig
 from swarm.claims import STRIKES, Vouching
+from swarm.deadlines import LearnedDeadline
 from swarm.records import PeerHeartbeat, Stage
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,14 @@ class RoundBarrier:
         self.gap = 0.0
         """Seconds between this peer's last two rounds (its inner steps): what an honest
         newcomer's "still training" may cost before it is treated as a stranger's claim."""
+        self.wait = LearnedDeadline(
+            ceiling=config.round_wait,
+            floor=min(config.round_wait, max(5.0, 2 * config.matchmaking_time)),
+            margin=config.matchmaking_time,
+        )
+        """How long to wait for a round mate still training: learned from how long this
+        barrier waited for its last round mates (``round_wait`` until it has seen 5 rounds). A
+        peer downloading the state gets the whole ``round_wait``."""
 
     def wait_for_round_mates(self, outer_step: int) -> Verdict:
         """The barrier: wait until every other live peer has finished this round's inner steps.
@@ -156,7 +165,7 @@ class RoundBarrier:
         need_ready: bool = False,
     ) -> Verdict:
         """Wait while some other live peer is ``busy`` (judged among all others; at most
-        ``round_wait``); BEHIND as soon
+        the learned wait, :attr:`wait`, or ``round_wait`` for a downloader); BEHIND as soon
         as one is past the round (``behind``); after the wait, average with the ``ready``.
 
         Heartbeats are claims (swarm.claims): "past the round" is believed from a peer that
@@ -165,7 +174,7 @@ class RoundBarrier:
         of this peer's own rounds. Claims not acted on are strikes; three rounds of them and the
         claimant is ignored for the rest of the run."""
         started = time.monotonic()
-        deadline = started + self.config.round_wait
+        learned = self.wait.seconds
         # What an honest newcomer costs: about one round of inner steps (measured between this
         # peer's rounds), and at least a couple of matchmaking windows.
         grace = started + min(
@@ -206,13 +215,19 @@ class RoundBarrier:
                         )
             waiting = [p.name for p in busy_peers]
             if not waiting:
+                self.wait.observe(now - started)  # how far behind this peer its last mate came
                 return Verdict.AVERAGE if not need_ready or any(map(ready, others)) else Verdict.ALONE
-            if now > deadline:
+            # A downloader gets the whole round wait (a large state takes long); a round mate
+            # still training, what the last rounds' arrivals say (never more).
+            downloading = any(p.stage is Stage.DOWNLOADING for p in busy_peers)
+            limit = self.config.round_wait if downloading else learned
+            if now > started + limit:
                 logger.warning(
-                    "round %d: not waiting longer than %.0f s for %s",
+                    "round %d: not waiting longer than %.1f s for %s%s",
                     outer_step,
-                    self.config.round_wait,
+                    limit,
                     waiting,
+                    "" if limit >= self.config.round_wait else " (learned from the last rounds' arrivals)",
                 )
                 for p in busy_peers:
                     if p.peer_id not in vouched:  # "downloading" for a whole round wait

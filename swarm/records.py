@@ -95,6 +95,11 @@ class PeerHeartbeat(BaseModel):
     """Why this peer's last round went wrong (fell back to a local step, rejected update, ...)."""
     ignored: dict[str, str] = Field(default_factory=dict, max_length=16)
     """Peers this one caught lying (peer id -> why), for the UIs; a claim like any other."""
+    round_wait_seconds: float = Field(default=0.0, ge=0)
+    """How long this peer's barrier now waits for a round mate still training (learned from the
+    last rounds' arrivals, :mod:`swarm.deadlines`; 0: not known)."""
+    averaging_deadline_seconds: float = Field(default=0.0, ge=0)
+    """How long this peer now gives a round's matchmaking and all-reduce (learned likewise)."""
     last_round_steps: int = Field(default=0, ge=0)
     """Inner steps this peer ran in its last round: its H, or what fit in a time-boxed round."""
     serving: bool = False

@@ -54,6 +54,8 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         ignored={},
         serving=False,
         last_round_steps=0,
+        round_wait_seconds=0.0,
+        averaging_deadline_seconds=0.0,
     )
     record.update(overrides)
     return record

@@ -228,6 +228,8 @@ class Peer:
             ignored={peer: why[:200] for peer, why in list(self.board.ignored.items())[-16:]},
             serving=bool(self.averager and self.averager.serving.answering),
             last_round_steps=stats.last_round_steps,
+            round_wait_seconds=self.averager.barrier.wait.seconds if self.averager else 0.0,
+            averaging_deadline_seconds=self.averager.averaging_deadline.seconds if self.averager else 0.0,
         )
 
     def emit(self, event: str, **fields: Any) -> None:

@@ -1,0 +1,86 @@
+"""Deadlines learned from the last rounds (swarm.deadlines) and the barrier that uses them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from swarm.averaging_config import AveragingConfig
+from swarm.barrier import RoundBarrier, Verdict
+from swarm.deadlines import LearnedDeadline
+from swarm.records import PeerHeartbeat, Stage
+
+
+def test_the_configured_value_until_enough_rounds_then_a_high_percentile_within_bounds():
+    deadline = LearnedDeadline(ceiling=60.0, floor=5.0, margin=1.0)
+    for seconds in (0.5, 0.7, 0.4, 0.6):
+        deadline.observe(seconds)
+    assert deadline.seconds == 60.0 and not deadline.learned  # 4 rounds: not yet
+    deadline.observe(0.8)
+    assert deadline.learned and deadline.seconds == 5.0  # 2 x 0.8 + 1 = 2.6, below the floor
+    for seconds in (10.0, 12.0, 11.0, 9.0, 14.0, 13.0, 12.0, 10.0, 11.0, 12.0):
+        deadline.observe(seconds)
+    assert deadline.seconds == pytest.approx(2 * 13.0 + 1.0)  # the 90th percentile of 15 rounds
+    for _ in range(20):
+        deadline.observe(100.0)
+    assert deadline.seconds == 60.0  # never more than configured
+    deadline.observe(float("nan"))
+    deadline.observe(-1.0)
+    assert deadline.seconds == 60.0
+    with pytest.raises(ValueError, match="floor"):
+        LearnedDeadline(ceiling=1.0, floor=2.0)
+
+
+class Board:
+    def __init__(self, *beats: PeerHeartbeat) -> None:
+        self.beats = {b.peer_id: b for b in beats}
+
+    def fetch(self) -> dict[str, PeerHeartbeat]:
+        return dict(self.beats)
+
+    def ignore(self, peer_id: str, reason: str) -> None:
+        self.beats.pop(peer_id, None)
+
+
+def beat(peer: str, step: int, stage: Stage) -> PeerHeartbeat:
+    return PeerHeartbeat(
+        peer_id=peer, name=peer, stage=stage, outer_step=step, inner_step=0, inner_steps=5, time=0.0
+    )
+
+
+def barrier(board: Board) -> RoundBarrier:
+    config = AveragingConfig(matchmaking_time=0.5, round_wait=30.0)
+    made = RoundBarrier(board=board, peer_id="me", beat=lambda stage: None, config=config)
+    made.vouching.averaged_with(["slow"])  # a round mate: waited for the whole (learned) wait
+    return made
+
+
+def test_a_round_mate_that_is_late_every_round_is_left_out_sooner():
+    """Round mates used to arrive within a second: a mate still training 5 s after this peer
+    came is not waited for the configured 30 s, but the learned 5 s (the floor)."""
+    board = Board(beat("slow", 7, Stage.TRAINING))
+    swarm = barrier(board)
+    for _ in range(5):
+        swarm.wait.observe(0.8)
+    started = time.monotonic()
+    assert swarm.wait_for_round_mates(7) is Verdict.ALONE  # nobody ready: step alone
+    assert 5.0 <= time.monotonic() - started < 8.0
+
+
+def test_a_downloading_peer_still_gets_the_whole_round_wait():
+    board = Board(beat("joiner", 0, Stage.DOWNLOADING), beat("slow", 7, Stage.WAITING))
+    swarm = barrier(board)
+    swarm.config.round_wait = 7.0
+    for _ in range(5):
+        swarm.wait.observe(0.0)
+    started = time.monotonic()
+    assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE
+    assert time.monotonic() - started >= 7.0  # not the learned 5 s
+
+
+def test_the_barrier_learns_from_how_long_it_waited():
+    board = Board(beat("slow", 7, Stage.WAITING))
+    swarm = barrier(board)
+    assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE  # nobody busy: waited ~0 s
+    assert len(swarm.wait._seen) == 1 and swarm.wait._seen[0] < 0.5
