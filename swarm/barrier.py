@@ -98,7 +98,7 @@ class RoundBarrier:
         newcomer's "still training" may cost before it is treated as a stranger's claim."""
         self.wait = LearnedDeadline(
             ceiling=config.round_wait,
-            floor=min(config.round_wait, max(5.0, 2 * config.matchmaking_time)),
+            floor=min(config.round_wait, max(10.0, 4 * config.matchmaking_time)),
             margin=config.matchmaking_time,
         )
         """How long to wait for a round mate still training: learned from how long this
