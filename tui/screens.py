@@ -84,6 +84,13 @@ class PeerScreen(ModalScreen[None]):
                     ("sent / received", f"{human_bytes(p.bytes_sent)} / {human_bytes(p.bytes_received)}"),
                     ("data-parallel would have sent", human_bytes(p.dp_bytes)),
                     ("last round", human_duration(p.last_round_seconds)),
+                    ("inner steps last round", p.last_round_steps or "-"),
+                    (
+                        "waits for a mate / averaging",
+                        f"{p.round_wait_seconds:.1f} s / {p.averaging_deadline_seconds:.1f} s"
+                        if p.round_wait_seconds
+                        else "-",
+                    ),
                     ("group size", p.group_size or "-"),
                     ("control version", p.control_version or "-"),
                     ("last problem", p.last_error or "-"),

@@ -89,6 +89,9 @@ def summary_text(s: SwarmSnapshot, *, published: Any = None, updates_paused: boo
         applied, total = s.applied(version)
         color = "green" if applied == total else "yellow"
         parts.append(f"[dim]control[/] [{color}]{applied}/{total} peers applied v{version}[/]")
+    waits = sorted(p.round_wait_seconds for p in s.peers.values() if p.round_wait_seconds)
+    if waits:  # the deadlines the peers learned from the last rounds (swarm.deadlines)
+        parts.append(f"[dim]waits[/] [b]{waits[len(waits) // 2]:.0f} s[/]")
     if s.lagging:
         parts.append(f"[yellow]{len(s.lagging)} lagging[/]")
     if s.ignored:  # peers caught lying (swarm.claims): their events say who and why

@@ -121,12 +121,12 @@ function render({ model, el: root }) {
     const row = el("div", { class: "swb-row" });
     const table = el("table", { class: "swb-peers" });
     const head = el("tr");
-    for (const h of ["name", "stage", "outer", "inner", "loss", "samples/s", "sent", "group", "ctl", ""]) head.appendChild(el("th", { text: h }));
+    for (const h of ["name", "stage", "outer", "inner", "last H", "loss", "samples/s", "sent", "group", "ctl", ""]) head.appendChild(el("th", { text: h }));
     table.appendChild(head);
     const paused = (snap.control && snap.control.paused) || [];
     for (const p of peers) {
       const tr = el("tr", { "data-peer": p.peer_id });
-      const cells = [p.name, p.stage, p.outer_step, `${p.inner_step}/${p.inner_steps}`,
+      const cells = [p.name, p.stage, p.outer_step, `${p.inner_step}/${p.inner_steps}`, p.last_round_steps || "-",
         p.loss == null ? "-" : p.loss.toFixed(3), (p.samples_per_second || 0).toFixed(1),
         bytes(p.bytes_sent || 0), p.group_size || "-", p.control_version ? `v${p.control_version}` : "-"];
       cells.forEach((c, i) => tr.appendChild(el("td", { text: String(c), class: i === 1 ? `stage stage-${p.stage}` : "" })));

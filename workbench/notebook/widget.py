@@ -142,6 +142,7 @@ class SwarmWidget(anywidget.AnyWidget):
                     p["stage"],
                     p["outer_step"],
                     f"{p['inner_step']}/{p['inner_steps']}",
+                    p.get("last_round_steps") or "-",
                     "-" if p["loss"] is None else f"{p['loss']:.3f}",
                     f"{p['samples_per_second']:.1f}",
                     p["bytes_sent"],
@@ -151,7 +152,8 @@ class SwarmWidget(anywidget.AnyWidget):
             for p in snap.get("peers", [])
         )
         head = "".join(
-            f"<th>{h}</th>" for h in ("name", "stage", "outer", "inner", "loss", "samples/s", "bytes sent")
+            f"<th>{h}</th>"
+            for h in ("name", "stage", "outer", "inner", "last H", "loss", "samples/s", "bytes sent")
         )
         return (
             f"<div><b>{html.escape(self.title)}</b>: round {snap.get('outer_round', 0)}, "
