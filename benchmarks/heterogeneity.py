@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -128,7 +129,12 @@ def run_swarm(
     curve = [(r["time"] - begin, r["eval_loss"]) for r in rounds[0]]
     return dict(
         seconds=end - begin,
-        final_eval_loss=statistics.mean(r[-1]["eval_loss"] for r in rounds),
+        # At the end every peer evaluates the global params it ends on (a run stopped with
+        # Ctrl+C too); the last round's eval where a peer left no summary.
+        final_eval_loss=statistics.mean(
+            (_events(metrics(i), "done") or [{}])[0].get("final_eval_loss") or rounds[i][-1]["eval_loss"]
+            for i in range(peers)
+        ),
         fast_peer_utilization=statistics.mean(utilization),
         rounds=len(rounds[0]),
         steps_per_round={f"p{i}": [r["inner_steps"] for r in rounds[i]] for i in range(peers)},
@@ -148,12 +154,17 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=8, help="the fixed run's rounds (default 8)")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(
+        "--peer-flags",
+        default="",
+        help="more flags for every peer of both modes, e.g. '--overlap --eval-every 2'",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "heterogeneity.json")
     args = parser.parse_args()
     step_ms = measure_step_ms(args.model, args.batch_size)
     common = [
         "--model", args.model, "--batch-size", str(args.batch_size), "--threads", "1",
-        "--run-id", "hetero", "--matchmaking-time", "1.0",
+        "--run-id", "hetero", "--matchmaking-time", "1.0", *shlex.split(args.peer_flags),
     ]  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -192,6 +203,7 @@ def main() -> None:
         model=args.model,
         inner_steps=args.inner_steps,
         step_ms=round(step_ms, 2),
+        peer_flags=args.peer_flags,
         rows=rows,
     )
     for row in rows:
