@@ -362,7 +362,12 @@ class GroupAverager(DecentralizedAverager):
         logger.info("downloading the state from %s", peer)
         try:
             stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            # Bounded: dialing a frozen donor (SIGSTOP, a laptop asleep) stalls in libp2p's
+            # protocol negotiation for about 30 s before the stream resets; the next donor waits.
+            stream = await asyncio.wait_for(
+                stub.rpc_download_state(averaging_pb2.DownloadRequest()),
+                timeout=self.next_chunk_timeout or self.request_timeout,
+            )
             metadata, tensors, parts, received = None, [], [], 0
             async for message in aiter_with_timeout(
                 stream, timeout=self.next_chunk_timeout or self.request_timeout
