@@ -203,7 +203,7 @@ class SwarmAverager:
                 and (self.overlapped or p.stage in (Stage.WAITING, Stage.AVERAGING))
             ]
             if not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
-                return self._failed(info, error)
+                return self._failed(info, error, mates=[p.peer_id for p in mates])
             logger.debug("round %d: attempt %d failed (%s); retrying", outer_step, attempt, error)
         self.averaging_deadline.observe(time.monotonic() - started)
         # Success: the buffers now hold the group's weighted mean. Its members (hivemind's
@@ -287,11 +287,18 @@ class SwarmAverager:
             return None, f"averaging failed: {type(error).__name__}: {error}"
         return (gathered, "") if gathered else (None, "could not find a group")
 
-    def _failed(self, info: dict[str, Any], reason: str) -> RoundReport:
+    def _failed(self, info: dict[str, Any], reason: str, *, mates: list[str]) -> RoundReport:
         """The others of this round were ready but the round failed for this peer: they may
-        have averaged without it, so after its local step its θ is presumed stale."""
+        have averaged without it, so after its local step its θ is presumed stale.
+
+        Unless the round failed for them too: then every one of them would download the
+        others' θ at once (each from the other, with two peers), land on different clocks and
+        miss the next round's group as well, for ever (seen with --overlap after a straggler
+        came back). So when round mates are still here, only a peer with a mate that sorts
+        before it (peer ids) fetches the state: the first one keeps its θ for the others to
+        fetch. If the others did average without it, the next group's θ check catches it."""
         report = self._alone(info, reason)
-        report.stale = True
+        report.stale = not mates or any(mate < self.peer_id for mate in mates)
         return report
 
     def _alone(self, info: dict[str, Any], reason: str) -> RoundReport:

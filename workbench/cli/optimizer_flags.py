@@ -144,6 +144,19 @@ def add_optimizer_options(group: argparse._ArgumentGroup, *, simulate: bool = Fa
     )
 
 
+def add_round_seconds(group: Any, *, virtual: bool = False) -> None:
+    """``--round-seconds``: time-boxed rounds (on the simulator's virtual clock if ``virtual``)."""
+    where = "virtual seconds at its speed" if virtual else "seconds"
+    group.add_argument(
+        "--round-seconds",
+        type=bounded("round_seconds"),
+        default=0.0,
+        metavar="T",
+        help=f"time-boxed rounds: each peer trains as many inner steps as fit in T {where} (at least "
+        "1, at most --inner-steps), weighted by its samples in the mean (default: 0 = H steps each)",
+    )
+
+
 def given(args: argparse.Namespace) -> dict[str, Any]:
     """The optimizer flags given explicitly (not None), by dest."""
     return {name: getattr(args, name) for name in sorted(KNOBS) if getattr(args, name, None) is not None}

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from optim.api import method
 from swarm.averaging_config import CODEC_BYTES
 from swarm.bounds import parser as bounded
-from workbench.cli.optimizer_flags import add_optimizer_options, outer_config
+from workbench.cli.optimizer_flags import add_optimizer_options, add_round_seconds, outer_config
 from workbench.names import MODEL_PRESETS, WANDB_MODES
 
 if TYPE_CHECKING:  # torch-backed modules load only when a command runs
@@ -101,14 +101,7 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="stop after this many outer rounds (default: 0 = never)",
     )
-    group.add_argument(
-        "--round-seconds",
-        type=bounded("round_seconds"),
-        default=0.0,
-        metavar="T",
-        help="time-boxed rounds: each peer trains as many inner steps as fit in T seconds (at least "
-        "1, at most --inner-steps), weighted by its samples in the mean (default: 0 = H steps each)",
-    )
+    add_round_seconds(group)
     group.add_argument(
         "--eval-every",
         type=bounded("eval_every"),

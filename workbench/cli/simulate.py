@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from swarm.bounds import parser as bounded
-from workbench.cli.optimizer_flags import add_optimizer_options
+from workbench.cli.optimizer_flags import add_optimizer_options, add_round_seconds
 
 
 def add_simulate_parser(commands) -> None:
@@ -46,14 +46,7 @@ def add_simulate_parser(commands) -> None:
         help="each peer's speed on a virtual clock, e.g. 1,1,0.5,0.5: a speed-1 peer's inner step "
         "takes --step-seconds; the JSON reports virtual_seconds and each peer's utilization",
     )
-    parser.add_argument(
-        "--round-seconds",
-        type=bounded("round_seconds"),
-        default=0.0,
-        metavar="T",
-        help="time-boxed rounds on the virtual clock: each peer runs the steps that fit in T at its "
-        "speed (at least 1, at most --inner-steps; default 0: H steps each)",
-    )
+    add_round_seconds(parser, virtual=True)
     parser.add_argument(
         "--step-seconds",
         type=bounded("step_seconds"),
