@@ -155,6 +155,13 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                     type="integer",
                     disabled=disabled,
                 )
+                yield Label("round seconds")
+                yield Input(
+                    placeholder=str(self.current.get("round_seconds") or "unchanged (0: H steps)"),
+                    id="round-seconds",
+                    type="number",
+                    disabled=disabled,
+                )
                 yield Label("codec")
                 yield Select(
                     [(name, name) for name in bounds.UPDATE_CODECS],
@@ -186,6 +193,9 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
         steps = self.query_one("#inner-steps", Input).value.strip()
         if steps:
             changes["inner_steps"] = bounds.check("inner_steps", int(steps))
+        box = self.query_one("#round-seconds", Input).value.strip()
+        if box:  # time-boxed rounds (0 turns them off)
+            changes["round_seconds"] = bounds.check("round_seconds", float(box))
         codec = self.query_one("#codec", Select).selection  # None while blank
         if codec is not None:
             changes["codec"] = codec

@@ -92,6 +92,7 @@ async def test_steering_form_confirms_then_publishes(app) -> None:
         assert isinstance(app.screen, SteerScreen)
         app.screen.query_one("#outer-lr", Input).value = "0.5"
         app.screen.query_one("#inner-steps", Input).value = "25"
+        app.screen.query_one("#round-seconds", Input).value = "12"
         app.screen.query_one("#toggle-pause", Checkbox).value = True
         app.screen.query_one("#codec", Select).value = "int8"
         await pilot.click("#review")
@@ -101,7 +102,7 @@ async def test_steering_form_confirms_then_publishes(app) -> None:
         await app.workers.wait_for_complete()
         await pilot.pause()
         assert app.source.published == [
-            {"outer_lr": 0.5, "inner_steps": 25, "codec": "int8", "paused": ["alpha"]}
+            {"outer_lr": 0.5, "inner_steps": 25, "round_seconds": 12.0, "codec": "int8", "paused": ["alpha"]}
         ]
         summary = str(app.query_one("#summary", Static).render())
         assert "0/4 peers applied v1" in summary

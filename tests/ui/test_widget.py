@@ -35,12 +35,16 @@ def test_steer_from_the_front_end_and_from_python() -> None:
     assert w.source.published == [{"outer_lr": 0.5, "inner_steps": 30}]
     w.steer(outer_lr=0.25)
     assert w.source.published[-1] == {"outer_lr": 0.25}
+    w.set_state({"command": {"action": "steer", "round_seconds": 12, "nonce": 6}})
+    assert w.source.published[-1] == {"round_seconds": 12.0}
+    w.set_state({"command": {"action": "steer", "round_seconds": -1, "nonce": 7}})
+    assert w.message == "refused: --round-seconds must be in [0, 86400] (got -1.0)"
 
 
 def test_bad_commands_are_refused_with_a_message() -> None:
     w = widget()
     w.set_state({"command": {"action": "steer", "nonce": 3}})
-    assert w.message == "refused: nothing to change: give an outer lr or H"
+    assert w.message == "refused: nothing to change: give an outer lr, H or round seconds"
     w.set_state({"command": {"action": "explode", "nonce": 4}})
     assert w.message.startswith("refused: unknown command")
     assert w.source.published == []

@@ -146,16 +146,18 @@ function render({ model, el: root }) {
     const controls = el("div", { class: "swb-controls" });
     const lr = el("input", { type: "number", step: "0.05", min: "0", placeholder: "outer lr", class: "swb-lr" });
     const h = el("input", { type: "number", step: "1", min: "1", placeholder: "H", class: "swb-h" });
+    const seconds = el("input", { type: "number", step: "1", min: "0", placeholder: "round s", class: "swb-round-seconds" });
     const steer = el("button", { class: "swb-steer", text: "steer" });
-    for (const node of [lr, h, steer]) if (reason) { node.disabled = true; node.title = reason; }
+    for (const node of [lr, h, seconds, steer]) if (reason) { node.disabled = true; node.title = reason; }
     steer.addEventListener("click", () => {
       const command = { action: "steer" };
       if (lr.value) command.outer_lr = parseFloat(lr.value);
       if (h.value) command.inner_steps = parseInt(h.value, 10);
+      if (seconds.value) command.round_seconds = parseFloat(seconds.value);
       send(command);
     });
     controls.appendChild(el("span", { text: "steer:" }));
-    controls.append(lr, h, steer);
+    controls.append(lr, h, seconds, steer);
     box.appendChild(controls);
     if (reason) box.appendChild(el("div", { class: "swb-reason", text: `steering disabled: ${reason}` }));
     box.appendChild(el("div", { class: "swb-message", text: model.get("message") || "" }));

@@ -18,6 +18,7 @@ from typing import Any
 import anywidget
 import traitlets
 
+from swarm import bounds
 from swarm.errors import SwarmError
 
 logger = logging.getLogger(__name__)
@@ -108,10 +109,14 @@ class SwarmWidget(anywidget.AnyWidget):
             result = self.source.steer(paused=[p for p in paused if p != peer])
         elif action == "steer":
             changes = {
-                k: command[k] for k in ("outer_lr", "inner_steps", "codec") if command.get(k) is not None
+                k: command[k]
+                for k in ("outer_lr", "inner_steps", "round_seconds", "codec")
+                if command.get(k) is not None
             }
             if not changes:
-                raise ValueError("nothing to change: give an outer lr or H")
+                raise ValueError("nothing to change: give an outer lr, H or round seconds")
+            if "round_seconds" in changes:  # the same bounds as the flag and every peer's check
+                changes["round_seconds"] = bounds.check("round_seconds", float(changes["round_seconds"]))
             result = self.source.steer(**changes)
         else:
             raise ValueError(f"unknown command {action!r}")
