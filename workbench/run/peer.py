@@ -42,7 +42,7 @@ from workbench.run.faults import InjectedFaults
 from workbench.run.node import CHECK, STEP, SYNC, NodeGroup
 from workbench.run.outer import OuterLoop, build_outer
 from workbench.run.stopping import close_within, stopped_by_signals
-from workbench.run.telemetry import Events, RoundStats, round_fields
+from workbench.run.telemetry import Events, RoundStats, heartbeat_of, round_fields
 from workbench.run.training import build_training, train_step
 
 logger = logging.getLogger(__name__)
@@ -201,36 +201,7 @@ class Peer:
         self.board.publish(self.heartbeat(), force=True)
 
     def heartbeat(self) -> PeerHeartbeat:
-        from hivemind.utils import get_dht_time
-
-        stats, diloco = self.stats, self.diloco
-        return PeerHeartbeat(
-            peer_id=self.peer_id,
-            name=self.name,
-            stage=self.stage,
-            outer_step=diloco.outer_step_count if diloco else 0,
-            inner_step=diloco.inner_step_count if diloco else 0,
-            inner_steps=self.config.round_steps,
-            loss=stats.last_loss,
-            samples_per_second=stats.samples_per_second,
-            bytes_sent=stats.bytes_sent,
-            bytes_received=stats.bytes_received,
-            device=str(self.device or "cpu"),
-            time=get_dht_time(),
-            last_round_seconds=stats.last_round_seconds,
-            group_size=stats.group_size,
-            control_version=self.steering.version,
-            addresses=[] if self.config.network.client_mode else self.addresses[:16],
-            tokens_per_second=stats.samples_per_second * self.config.model.block_size,
-            dp_bytes=stats.dp_bytes,
-            rounds=self.config.total_rounds if self.config.peer.rounds else 0,
-            last_error=stats.last_error[:300] if stats.last_error else None,
-            ignored={peer: why[:200] for peer, why in list(self.board.ignored.items())[-16:]},
-            serving=bool(self.averager and self.averager.serving.answering),
-            last_round_steps=stats.last_round_steps,
-            round_wait_seconds=self.averager.barrier.wait.seconds if self.averager else 0.0,
-            averaging_deadline_seconds=self.averager.averaging_deadline.seconds if self.averager else 0.0,
-        )
+        return heartbeat_of(self)
 
     def emit(self, event: str, **fields: Any) -> None:
         self.events.emit(event, **fields)

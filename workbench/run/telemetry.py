@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from swarm.records import PeerHeartbeat
+
 logger = logging.getLogger(__name__)
 
 
@@ -105,4 +107,38 @@ def round_fields(
         group_weights=sorted(
             float(g["weight"]) for g in report.group_info if isinstance(g.get("weight"), (int, float))
         ),
+    )
+
+
+def heartbeat_of(peer: Any) -> PeerHeartbeat:
+    """A :class:`workbench.run.peer.Peer`'s heartbeat now: its stage, clock, figures and claims."""
+    from hivemind.utils import get_dht_time
+
+    stats, diloco = peer.stats, peer.diloco
+    return PeerHeartbeat(
+        peer_id=peer.peer_id,
+        name=peer.name,
+        stage=peer.stage,
+        outer_step=diloco.outer_step_count if diloco else 0,
+        inner_step=diloco.inner_step_count if diloco else 0,
+        inner_steps=peer.config.round_steps,
+        loss=stats.last_loss,
+        samples_per_second=stats.samples_per_second,
+        bytes_sent=stats.bytes_sent,
+        bytes_received=stats.bytes_received,
+        device=str(peer.device or "cpu"),
+        time=get_dht_time(),
+        last_round_seconds=stats.last_round_seconds,
+        group_size=stats.group_size,
+        control_version=peer.steering.version,
+        addresses=[] if peer.config.network.client_mode else peer.addresses[:16],
+        tokens_per_second=stats.samples_per_second * peer.config.model.block_size,
+        dp_bytes=stats.dp_bytes,
+        rounds=peer.config.total_rounds if peer.config.peer.rounds else 0,
+        last_error=stats.last_error[:300] if stats.last_error else None,
+        ignored={peer: why[:200] for peer, why in list(peer.board.ignored.items())[-16:]},
+        serving=bool(peer.averager and peer.averager.serving.answering),
+        last_round_steps=stats.last_round_steps,
+        round_wait_seconds=peer.averager.barrier.wait.seconds if peer.averager else 0.0,
+        averaging_deadline_seconds=peer.averager.averaging_deadline.seconds if peer.averager else 0.0,
     )
