@@ -350,3 +350,21 @@ def test_a_forged_heartbeat_is_dropped_and_said_once_per_forging_key(caplog):
     assert [r.getMessage() for r in caplog.records if "forged" in r.getMessage()] == [
         "dropping heartbeats that claim peer id victim but are signed by another key (forged)"
     ]
+
+
+def test_after_a_round_that_failed_for_all_only_the_later_ids_fetch_the_state():
+    """Seen with --overlap after a frozen straggler came back: both peers' round failed, both
+    fetched the other's θ at once, landed on different clocks and missed every group after.
+    Now the peer whose round mates all sort after it keeps its θ; the others fetch it."""
+    from swarm.averaging import SwarmAverager
+
+    class Member:
+        peer_id = "QmB"
+        _alone = SwarmAverager._alone
+
+    def stale(mates: list[str]) -> bool:
+        return SwarmAverager._failed(Member(), {"outer_step": 3}, "could not find a group", mates=mates).stale
+
+    assert not stale(["QmC", "QmD"])  # the first: the others come to it
+    assert stale(["QmA"]) and stale(["QmC", "QmA"])
+    assert stale([])  # nobody left in this round: the others moved on without it
