@@ -97,6 +97,55 @@ def utilization() -> list[str]:
     ]
 
 
+def _heterogeneity_rows(rows: list[dict]) -> list[str]:
+    lines = [
+        "| mode | seconds | rounds | steps per round (fast / slow) | final eval loss | fast peers' utilization | reached fixed's final loss |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    fixed = next((r for r in rows if r["mode"] == "fixed"), None)
+
+    def span(steps: list[list[int]]) -> str:
+        flat = [s for peer in steps for s in peer]
+        return f"{min(flat)}" if min(flat) == max(flat) else f"{min(flat)}-{max(flat)}"
+
+    for r in rows:
+        per_peer = list(r["steps_per_round"].values())
+        half = len(per_peer) // 2  # the benchmark slows the last peers
+        reached = "—"
+        if r.get("seconds_to_fixed_final_loss") is not None and fixed:
+            reached = f"at {r['seconds_to_fixed_final_loss']:.1f} s ({r['seconds_to_fixed_final_loss'] / fixed['seconds']:.2f}x)"
+        elif r["mode"] != "fixed":
+            reached = "not reached"
+        mode = r["mode"] + (f" ({r['round_seconds']:.2f} s)" if r.get("round_seconds") else "")
+        lines.append(
+            f"| {mode} | {r['seconds']:.1f} | {r['rounds']} | {span(per_peer[:half])} / {span(per_peer[half:])} | "
+            f"{r['final_eval_loss']:.4f} | {r['fast_peer_utilization']:.2f} | {reached} |"
+        )
+    return lines
+
+
+def heterogeneity() -> list[str]:
+    data = _load("heterogeneity")
+    lines = ["## Peers of different speeds (`benchmarks/heterogeneity.py`)", ""]
+    if not data:
+        return [*lines, "Not run yet.", ""]
+    lines += [
+        f"`python -m benchmarks.heterogeneity` ({data.get('date', '-')}, {data.get('machine', '-')}): "
+        f"{data['peers']} real peers on 127.0.0.1 (`{data['model']}` model), {data['slow_peers']} of them "
+        f"slowed to half speed by the lab's throttle (one step: {data['step_ms']:.0f} ms). `fixed`: "
+        f"H={data['inner_steps']} every round. `timeboxed`: `--round-seconds` set to the fast peers' time "
+        "for H steps in the fixed run, for the same wall-clock budget. Targets (issue #18): time-boxed "
+        "fast-peer utilization **>= 0.9**, and the fixed run's final loss reached in **<= 0.75x** its time.",
+        "",
+        *_heterogeneity_rows(data["rows"]),
+        "",
+    ]
+    for variant in data.get("variants", []):
+        lines += [f'With `--peer-flags "{variant["peer_flags"]}"` (every peer of both modes):', ""]
+        lines += [*_heterogeneity_rows(variant["rows"]), ""]
+    return lines
+
+
 def overheads() -> list[str]:
     data = _load("overheads")
     tui = _load("tui_refresh")
@@ -178,7 +227,16 @@ def main() -> None:
         if DOC.exists() and "<!-- notes -->" in DOC.read_text()
         else ""
     )
-    body = [HEADER, *allreduce(), *trust(), *utilization(), *overheads(), *train_step(), "<!-- notes -->"]
+    body = [
+        HEADER,
+        *allreduce(),
+        *trust(),
+        *utilization(),
+        *heterogeneity(),
+        *overheads(),
+        *train_step(),
+        "<!-- notes -->",
+    ]
     DOC.write_text("\n".join(body) + (notes if notes else "\n"))
     print(f"wrote {DOC}")
 

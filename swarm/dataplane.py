@@ -24,9 +24,11 @@ member info and every fallback, and moves only the tensor bytes over TCP with gl
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import logging
+import math
 import socket
 import threading
 from collections.abc import Sequence
@@ -35,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from swarm.rendezvous import Rendezvous, RingStore
-from swarm.sketch import Sketch, Sketcher, mismatch
+from swarm.sketch import CHUNK, ROWS, Sketch, Sketcher, mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,21 @@ class MemberMissing(RuntimeError):
 class RingTampered(RuntimeError):
     """The ring's sum does not match the members' sketches: something else than the members'
     contributions went into it."""
+
+
+SEGMENT = 1 << 19
+"""Elements per segment of the ring (2 MB in float32): the ring reduces one while the member
+sketches the next. A vector up to twice this goes round in one piece."""
+MAX_SEGMENTS = 8
+
+
+def segments(count: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` bounds cutting ``count`` elements into pieces of whole sketch chunks."""
+    pieces = min(MAX_SEGMENTS, count // SEGMENT)
+    if pieces <= 1:
+        return [(0, count)]
+    size = -(-count // pieces // CHUNK) * CHUNK  # rounded up to whole chunks
+    return [(lo, min(lo + size, count)) for lo in range(0, count, size)]
 
 
 DIRECT_CODECS = ("none", "fp16")  # int8 needs hivemind's quantizer: it takes hivemind's path
@@ -128,6 +145,18 @@ class DirectPlane:
         if not total > 0:
             raise RuntimeError(f"the group's weights sum to {total}")
         count = sum(t.numel() for t in tensors)
+        abort = threading.Event()
+        arrival = min(arrival, timeout)
+        # Everyone here? Posted before anything else, answered while this member scales and
+        # sketches its update (the board's round trip is the longest of these).
+        present = self._pool.submit(
+            board.exchange,
+            f"here/{rank}",
+            b"",
+            [f"here/{r}" for r in range(len(members)) if r != rank],
+            arrival,
+            abort,
+        )
         single = len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous()
         # One buffer on the wire; a lone float32 tensor is reduced in place, without copies. The
         # buffers are kept from round to round: a fresh 100 MB tensor costs more in page faults
@@ -137,39 +166,45 @@ class DirectPlane:
         else:
             pieces = [t.detach().reshape(-1).float() for t in tensors]
             flat = torch.cat(pieces, out=self._scratch(torch.float32, count))
-        flat.mul_(weight / total)
+        scale = weight / total
         sketcher = Sketcher(seed, flat.numel())  # R, drawn once for both sketches
-        wire = self._scratch(torch.float16, count).copy_(flat) if codec == "fp16" else flat
-        # What this member sends (before the codec's rounding) is sketched, posted, and the
-        # others' collected while the ring runs (one request that the board answers when the last
-        # member's sketch lands): off the critical path. A ring that reduces ``flat`` itself
-        # changes it, so its sketch is taken first.
+        wire = self._scratch(torch.float16, count) if codec == "fp16" else flat
+        # The vector goes round in segments, each scaled, sketched and handed to the ring in
+        # turn: the ring reduces one segment while this member sketches the next, and the sum's
+        # sketch is taken of each segment as it comes back. What this member sends (before the
+        # codec's rounding) is sketched: before it goes (a ring that reduces ``flat`` itself
+        # changes it), or, with fp16, while its copy on the wire goes round.
+        bounds = segments(count)
+        rows = torch.zeros(len(bounds), ROWS, dtype=torch.float64)  # own, per segment
+        squares = [0.0] * len(bounds)
+
+        def prepare(index: int) -> None:
+            lo, hi = bounds[index]
+            flat[lo:hi].mul_(scale)
+            if wire is not flat:
+                wire[lo:hi].copy_(flat[lo:hi])
+
+        def sketch_own(index: int) -> None:
+            nonlocal exchange
+            lo, hi = bounds[index]
+            rows[index] = sketcher.rows(flat[lo:hi], lo)
+            squares[index] = float(torch.linalg.vector_norm(flat[lo:hi])) ** 2
+            if index == len(bounds) - 1:  # all sketched: posted, answered while the ring runs
+                exchange = self._pool.submit(post)
+
+        def own() -> Sketch:
+            return Sketch(tuple(rows.sum(0).tolist()), math.sqrt(sum(squares)))
+
+        def post() -> list[bytes]:
+            return board.exchange(f"sketch/{rank}", own().to_bytes(), others, timeout, abort)
+
         others = [f"sketch/{r}" for r in range(len(members)) if r != rank]
-        abort = threading.Event()
-        arrival = min(arrival, timeout)
-        # Everyone here? Posted first, answered while this member sketches its update.
-        present = self._pool.submit(
-            board.exchange,
-            f"here/{rank}",
-            b"",
-            [f"here/{r}" for r in range(len(members)) if r != rank],
-            arrival,
-            abort,
-        )
-
-        def own_sketch() -> Sketch:
-            return Sketch(tuple(sketcher.rows(flat).tolist()), float(torch.linalg.vector_norm(flat)))
-
-        def post(mine: Sketch) -> list[bytes]:
-            return board.exchange(f"sketch/{rank}", mine.to_bytes(), others, timeout, abort)
-
-        if wire is flat:
-            sketched = Future()
-            sketched.set_result(own_sketch())
-        else:
-            sketched = self._pool.submit(own_sketch)
-        exchange = self._pool.submit(lambda: post(sketched.result()))
+        works: list[torch.distributed.Work] = []
+        exchange: Future | None = None
         try:
+            prepare(0)  # while the board answers whether everyone is here
+            if wire is flat:
+                sketch_own(0)
             try:
                 present.result()
             except Exception as error:
@@ -187,15 +222,28 @@ class DirectPlane:
                     ring = self._connect(board, rank, len(members), timeout)
                 except Exception as error:
                     raise RingUnreachable(one_line(error)) from None
-            self._send(ring, wire).wait()
-            mine = sketched.result(timeout=timeout)  # read ``flat`` before it takes the sum
-            if wire is not flat:
-                flat.copy_(wire)
-            result = Sketch(tuple(sketcher.rows(flat).tolist()), 0.0)
-            parts = [mine, *map(Sketch.from_bytes, exchange.result(timeout=timeout))]
+            for index, (lo, hi) in enumerate(bounds):
+                if index:
+                    prepare(index)
+                    if wire is flat:
+                        sketch_own(index)
+                works.append(self._send(ring, wire[lo:hi]))
+                if wire is not flat:
+                    sketch_own(index)
+            result = torch.zeros(ROWS, dtype=torch.float64)
+            for work, (lo, hi) in zip(works, bounds):
+                work.wait()
+                if wire is not flat:
+                    flat[lo:hi].copy_(wire[lo:hi])
+                result += sketcher.rows(flat[lo:hi], lo)
+            parts = [own(), *map(Sketch.from_bytes, exchange.result(timeout=timeout))]
+            result = Sketch(tuple(result.tolist()), 0.0)
         finally:
             abort.set()  # a failed round leaves no request polling on for the next one to queue behind
-            wait([sketched, present])  # nothing reads ``flat`` (maybe a kept buffer) once this returns
+            for work in works:  # nothing writes ``flat`` (maybe the caller's tensor) once this returns
+                with contextlib.suppress(Exception):  # the first failure is already raised
+                    work.wait()
+            wait([present] if exchange is None else [present, exchange])
         why = mismatch(result, parts, codec)
         if why is not None:
             raise RingTampered(why)

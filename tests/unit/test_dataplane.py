@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from swarm.dataplane import DirectPlane, MemberMissing, RingTampered, RingUnreachable
+from swarm.dataplane import SEGMENT, DirectPlane, MemberMissing, RingTampered, RingUnreachable, segments
 from swarm.rendezvous import BoardClient, RendezvousBoards, RendezvousError, RingStore, pack, unpack
 from swarm.sketch import ROWS, Sketch, mismatch, sketch
 
@@ -112,6 +112,62 @@ def test_a_substituted_contribution_fails_the_round_on_every_member():
     for _, rounds, rings in results:
         assert isinstance(rounds[0], str) and "off by" in rounds[0]
         assert rings == 0  # a ring that carried a wrong sum is never used again
+
+
+def _long_member(rank: int, values, codec: str, tamper: bool, out) -> None:
+    """One round of two members on a vector long enough to go round in segments."""
+    plane = DirectPlane("127.0.0.1")
+    if tamper:  # an impostor that changes only the ring's second segment
+        calls = []
+
+        def send(ring, segment):
+            calls.append(segment.numel())
+            return ring.allreduce([segment.zero_() if len(calls) == 2 else segment])
+
+        plane._send = send
+    vector = torch.full((3 * SEGMENT + 1000,), float(rank + 1))
+    vector[::7] = -float(rank + 1)
+    try:
+        plane.all_reduce(
+            [vector],
+            board=SharedBoard(values, b"long"),
+            seed=b"long",
+            members=["a", "b"],
+            rank=rank,
+            weight=1.0,
+            total=2.0,
+            codec=codec,
+            timeout=20,
+        )
+        out.put((rank, vector.tolist()))
+    except RingTampered as error:
+        out.put((rank, str(error)))
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+@pytest.mark.parametrize("tamper", [False, True], ids=["honest", "one-segment-changed"])
+def test_a_long_vector_goes_round_in_segments_and_every_segment_is_checked(codec, tamper):
+    assert len(segments(3 * SEGMENT + 1000)) == 3
+    context = mp.get_context("spawn")
+    manager = context.Manager()
+    out, values = context.Queue(), manager.dict()
+    members = [
+        context.Process(target=_long_member, args=(r, values, codec, tamper and r == 1, out))
+        for r in range(2)
+    ]
+    for m in members:
+        m.start()
+    results = dict(out.get(timeout=90) for _ in members)
+    for m in members:
+        m.join(timeout=30)
+    manager.shutdown()
+    if tamper:
+        assert all(isinstance(r, str) and "off by" in r for r in results.values()), results
+        return
+    expected = torch.full((3 * SEGMENT + 1000,), 1.5)
+    expected[::7] = -1.5
+    assert torch.equal(torch.tensor(results[0]), torch.tensor(results[1]))
+    assert torch.allclose(torch.tensor(results[0]), expected, rtol=1e-3)
 
 
 def _pair_round(plane: DirectPlane, values, r: int, rank: int, **options) -> float:
