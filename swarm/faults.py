@@ -135,3 +135,12 @@ class FaultReader:
                 self._tokens[name] = token
                 fired.add(name)
         return self.plan, fired
+
+
+def fault_value(fault_file: str | None, key: str) -> float:
+    """A state-serving fault of the local lab (``serve_delay_ms``, ``serve_noise``,
+    ``state_priority``), 0 if there is none or the file is half-written."""
+    try:
+        return float(getattr(FaultPlan.read(fault_file), key))
+    except (OSError, ValueError):
+        return 0.0

@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's n
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import (
@@ -33,6 +34,8 @@ from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
 from optim.diloco import OuterState
+from swarm import gathered
+from swarm.consensus import CHECKED_CODECS, FAILED, Post, TensorSketcher, disagreement, scaled
 from swarm.dataplane import (
     DIRECT_CODECS,
     MAX_RINGS,
@@ -43,7 +46,7 @@ from swarm.dataplane import (
     one_line,
 )
 from swarm.errors import SwarmError
-from swarm.faults import FaultPlan
+from swarm.faults import fault_value
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
 from swarm.sketch import Sketch, state_sketches
 
@@ -86,15 +89,6 @@ def _quiet_cancelled_result(original: Callable[[Any, Any], None]) -> Callable[[A
 
 
 StepControl.set_result = _quiet_cancelled_result(StepControl.set_result)
-
-
-# Gathered data, around the caller's own: whether this member takes direct rings, its weight, a
-# random nonce for the group's sketch seed (gathered over hivemind's encrypted channel).
-_PLANE, _WEIGHT, _NONCE, _USER, _RINGS = "dataplane", "weight", "nonce", "user", "rings"
-
-
-def _unwrap(data: Any) -> Any:
-    return data[_USER] if isinstance(data, dict) and _USER in data else data
 
 
 class GroupAverager(DecentralizedAverager):
@@ -178,44 +172,51 @@ class GroupAverager(DecentralizedAverager):
         weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
         kept = self._ring_ids.raw
         data = {
-            _PLANE: bool(self._plane_enabled.value),
-            _WEIGHT: weight,
-            _NONCE: secrets.token_bytes(16),
-            _RINGS: [
+            gathered.PLANE: bool(self._plane_enabled.value),
+            gathered.WEIGHT: weight,
+            gathered.NONCE: secrets.token_bytes(16),
+            gathered.RINGS: [
                 ring
                 for ring in (kept[i : i + RING_ID_BYTES] for i in range(0, len(kept), RING_ID_BYTES))
                 if any(ring)
             ],
         }
-        return super().step(gather={**data, _USER: gather}, **kwargs)
+        return super().step(gather={**data, gathered.USER: gather}, **kwargs)
+
+    def _group_board(self, group_info, members: list[Any]) -> tuple[BoardClient, list[PeerID], bytes]:
+        """The group's board, its members in rank order (by peer id, not hivemind's random
+        order: the same members next round find their ring connected), and its secret seed (the
+        group id and every member's gathered nonce). The board is held by the first member in
+        hivemind's order that accepts connections (a peer in client mode cannot hold it)."""
+        peer_ids = sorted(group_info.peer_ids, key=lambda p: p.to_bytes())
+        modes = [self.serializer.loads(g)[1] for g in group_info.gathered]
+        hosts = [p for p, mode in zip(group_info.peer_ids, modes) if mode != AveragingMode.CLIENT.value]
+        leader = hosts[0] if hosts else group_info.peer_ids[0]
+        if leader == self.peer_id:
+            self._boards.open(group_info.group_id, [p.to_bytes() for p in peer_ids])
+        board = BoardClient(
+            group_info.group_id,
+            self._board_caller(leader, asyncio.get_running_loop()),
+            pause=0.002 if leader == self.peer_id else 0.0,  # a missed wake-up costs 2 ms
+            wait=self._boards.wait_change if leader == self.peer_id else None,
+        )
+        return board, peer_ids, group_info.group_id + gathered.nonces(members)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):
         # In hivemind's averager process, once the group is formed (and triggered).
         members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
-        direct = [isinstance(m, dict) and _USER in m and m.get(_PLANE) is True for m in members]
-        if self._plane is not None and all(direct):
-            # Ranks by peer id, not hivemind's order (random per group): the same members next
-            # round find their ring already connected. The board's holder is hivemind's leader.
-            peer_ids = sorted(group_info.peer_ids, key=lambda p: p.to_bytes())
-            leader = group_info.peer_ids[0]
-            if leader == self.peer_id:
-                self._boards.open(group_info.group_id, [p.to_bytes() for p in peer_ids])
-            nonces = b"".join(m.get(_NONCE) or b"" for m in members if isinstance(m.get(_NONCE), bytes))
+        if self._plane is not None and all(map(gathered.takes_direct_rings, members)):
+            board, peer_ids, seed = self._group_board(group_info, members)
             ring = functools.partial(
                 self._plane.all_reduce,
-                board=BoardClient(
-                    group_info.group_id,
-                    self._board_caller(leader, asyncio.get_running_loop()),
-                    pause=0.002 if leader == self.peer_id else 0.0,  # a missed wake-up costs 2 ms
-                    wait=self._boards.wait_change if leader == self.peer_id else None,
-                ),
-                seed=group_info.group_id + nonces,
+                board=board,
+                seed=seed,
                 members=[p.to_base58() for p in peer_ids],
                 rank=peer_ids.index(self.peer_id),
                 weight=kwargs["weight"],
-                total=sum(_weight(m) for m in members),
+                total=sum(gathered.weight_of(m) for m in members),
                 codec=self._codec,
-                reusable=_held_by_all(members),
+                reusable=gathered.held_by_all(members),
                 # Below hivemind's own deadline for this step, so that a member gone mid-ring
                 # ends in our error, not in hivemind cancelling the wait on a running thread.
                 timeout=0.75 * (self._allreduce_timeout or 60.0),
@@ -250,9 +251,47 @@ class GroupAverager(DecentralizedAverager):
             running = self._running_groups.get(group_info.group_id)
             if running is not None and not running.done():
                 running.set_result(None)  # no hivemind runner for this group: nothing to wait for
-            return {peer: _unwrap(m) for peer, m in zip(group_info.peer_ids, members)}
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        return {peer: _unwrap(data) for peer, data in gathered.items()}
+            return {peer: gathered.unwrap(m) for peer, m in zip(group_info.peer_ids, members)}
+        if self._aggregate == "mean" and self._codec in CHECKED_CODECS:
+            results = await self._checked_butterfly(group_info, members, min_vector_size, **kwargs)
+        else:  # trimmed means and int8: unchecked (swarm.consensus says why)
+            results = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        return {peer: gathered.unwrap(data) for peer, data in results.items()}
+
+    async def _checked_butterfly(self, group_info, members: list[Any], min_vector_size: int, **kwargs: Any):
+        """hivemind's all-reduce, then the check that every member got the group's mean
+        (:mod:`swarm.consensus`); a member that did not fails the round for all."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + 0.75 * (self._allreduce_timeout or 60.0)
+        board, peer_ids, seed = self._group_board(group_info, members)
+        rank = peer_ids.index(self.peer_id)
+        share = kwargs["weight"] / (sum(gathered.weight_of(m) for m in members) or 1.0)
+        async with enter_asynchronously(self.get_tensors()) as local_tensors:
+            sketcher = TensorSketcher(seed, [t.numel() for t in local_tensors])
+            sent = await loop.run_in_executor(None, sketcher.sketch, local_tensors)
+        try:
+            results = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                got = await loop.run_in_executor(None, sketcher.sketch, local_tensors)
+        except Exception:  # the others learn it at once instead of waiting for this member
+            await loop.run_in_executor(None, _or_error, functools.partial(board.set, f"mean/{rank}", FAILED))
+            raise
+        if board.held_here:  # a fresh lease, however long the all-reduce took
+            self._boards.open(group_info.group_id, [p.to_bytes() for p in peer_ids], renew=True)
+        post = Post(scaled(sent, share), sent.norm, got.rows).to_bytes()
+        others = [f"mean/{r}" for r in range(len(peer_ids)) if r != rank]
+        exchange = functools.partial(
+            board.exchange, f"mean/{rank}", post, others, max(1.0, deadline - time.monotonic())
+        )
+        answers = await loop.run_in_executor(None, _or_error, exchange)
+        if isinstance(answers, str):
+            raise AllreduceException(
+                f"hivemind's all-reduce: the members' check did not complete ({answers})"
+            )
+        why = disagreement([*answers[:rank], post, *answers[rank:]], self._codec)
+        if why is not None:
+            raise AllreduceException(f"hivemind's all-reduce gave the members different results: {why}")
+        return results
 
     def _publish_ring_ids(self) -> None:
         kept = b"".join(self._plane.ring_ids()) if self._plane is not None else b""
@@ -453,31 +492,9 @@ class GroupAverager(DecentralizedAverager):
         return metadata, [*state.params, *state.momentum, *queued, *state.inner], None
 
 
-def _held_by_all(members: list[Any]) -> frozenset[bytes]:
-    """The ring ids every member says it keeps (a malformed list counts as none kept)."""
-    held = None
-    for member in members:
-        rings = member.get(_RINGS) if isinstance(member, dict) else None
-        if not isinstance(rings, list) or len(rings) > MAX_RINGS:
-            return frozenset()
-        ids = {r for r in rings if isinstance(r, bytes) and len(r) == RING_ID_BYTES}
-        held = ids if held is None else held & ids
-    return frozenset(held or ())
-
-
-def _weight(member: Any) -> float:
-    """A member's gathered weight; anything but a finite number >= 0 counts as 0."""
+def _or_error(call: Callable[[], Any]) -> Any:
+    """``call()``, or its error as one line (for a board request run in an executor)."""
     try:
-        weight = float(member.get(_WEIGHT, 0.0))
-    except (TypeError, ValueError, AttributeError):
-        return 0.0
-    return weight if math.isfinite(weight) and weight >= 0 else 0.0
-
-
-def fault_value(fault_file: str | None, key: str) -> float:
-    """A state-serving fault of the local lab (swarm.faults: ``serve_delay_ms``,
-    ``serve_noise``, ``state_priority``), 0 if there is none or the file is half-written."""
-    try:
-        return float(getattr(FaultPlan.read(fault_file), key))
-    except (OSError, ValueError):
-        return 0.0
+        return call()
+    except Exception as error:  # noqa: BLE001 - reported by the caller as a failed round
+        return one_line(error)

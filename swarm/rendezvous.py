@@ -80,11 +80,15 @@ class RendezvousBoards:
         with self._changed:
             self._changed.wait(timeout)
 
-    def open(self, group_id: bytes, members: Sequence[bytes]) -> None:
+    def open(self, group_id: bytes, members: Sequence[bytes], renew: bool = False) -> None:
+        """Open a group's board (no-op if open); ``renew``: also give an open one a fresh lease,
+        its values kept (after a long all-reduce)."""
         with self._lock:
             self._expire()
             if group_id not in self._boards:
                 self._boards[group_id] = _Board(tuple(members), created=self._clock())
+            elif renew:
+                self._boards[group_id].created = self._clock()
             while len(self._boards) > MAX_GROUPS:
                 self._boards.popitem(last=False)
 
@@ -176,6 +180,7 @@ class BoardClient:
         wait: Callable[[float], None] | None = None,
     ) -> None:
         self.group_id, self._call, self._pause = group_id, call, pause
+        self.held_here = wait is not None  # the board's holder waits on it instead of polling
         self._wait = wait or time.sleep  # between polls: a board in this process wakes us itself
 
     def set(self, key: str, value: bytes) -> None:

@@ -107,18 +107,19 @@ def slack(codec: str, members: int) -> float:
     return SIGMAS * ((members + 1) * wire + 2.0**-24 * 4096)
 
 
-def mismatch(result: Sketch, parts: list[Sketch], codec: str) -> str | None:
-    """Why the ring's result does not match the sum of the members' sketches, or None.
+def mismatch(result: Sketch, parts: list[Sketch], codec: str, *, allowance: float = 0.0) -> str | None:
+    """Why the ring's result does not match the sum of the members' sketches, or None
+    (``allowance``: rounding allowed on top of the ring's, per row).
 
     A non-finite value (a member sent NaN, or says it did) cannot be checked here: the mean is
     then NaN too, and the outer step's own check refuses it, naming the NaN (optim.robust)."""
     values = [*result.rows, *(v for p in parts for v in (*p.rows, p.norm))]
     if not all(math.isfinite(v) for v in values) or any(p.norm < 0 for p in parts):
         return None if not all(math.isfinite(v) for v in result.rows) else "a member's sketch is not finite"
-    bound = slack(codec, len(parts)) * sum(p.norm for p in parts) + 1e-30
+    bound = slack(codec, len(parts)) * sum(p.norm for p in parts) + allowance + 1e-30
     worst = max(abs(r - sum(p.rows[i] for p in parts)) for i, r in enumerate(result.rows))
     if worst > bound:
-        return f"the ring's sum is off by {worst:.3g} (rounding allows {bound:.3g})"
+        return f"the sum is off by {worst:.3g} (rounding allows {bound:.3g})"
     return None
 
 

@@ -1,0 +1,109 @@
+"""hivemind's all-reduce, checked (swarm.consensus): two real GroupAverager processes on
+hivemind's data plane. hivemind lets a member whose stream back from a reducer fails keep its
+own values for that part and still report success; with the check, that round fails for both."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+SHAPES = [(300, 400), (17,), (90_000,)]  # several of hivemind's 512 KB parts, both peers reduce some
+WEIGHTS = [1.0, 3.0]
+
+
+def _member(rank: int, codec: str, addresses, faulty_round: int, out) -> None:
+    mp.set_start_method("fork", force=True)  # the averager process inherits the patch below
+    try:
+        _rounds(rank, codec, addresses, faulty_round, out)
+    except BaseException:
+        import traceback
+
+        out.put((rank, traceback.format_exc()))
+        raise
+
+
+def _rounds(rank: int, codec: str, addresses, faulty_round: int, out) -> None:
+    from hivemind import DHT
+    from hivemind.averaging.allreduce import AllReduceRunner
+
+    from swarm.averaging import CODECS
+    from swarm.group_averager import GroupAverager
+
+    torch.set_num_threads(1)
+    fault = mp.get_context("fork").Value("b", 0)  # inherited by the averager process (forked)
+    original = AllReduceRunner._communicate_with_peer
+
+    async def keeps_own_values(self, peer_id):
+        """As when the stream back from that reducer fails: zero deltas, so this member keeps
+        its own values for that reducer's parts (hivemind's register_failed_reducer)."""
+        if fault.value and peer_id != self.peer_id:
+            container, index = self.tensor_part_container, self.ordered_peer_ids.index(peer_id)
+            real = container.register_processed_part
+            container.register_processed_part = lambda p, i, part: real(
+                p, i, torch.zeros_like(part) if p == index else part
+            )
+        return await original(self, peer_id)
+
+    AllReduceRunner._communicate_with_peer = keeps_own_values
+    if rank == 0:
+        dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        addresses.put([str(a) for a in dht.get_visible_maddrs()])
+    else:
+        dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=addresses.get())
+    tensors = [torch.zeros(s) for s in SHAPES]
+    averager = GroupAverager(
+        tensors, dht, prefix="check", state_provider=None, compression=CODECS[codec](), codec=codec,
+        data_plane="hivemind", min_matchmaking_time=2.0, request_timeout=3.0, allreduce_timeout=30.0,
+        next_chunk_timeout=10.0, target_group_size=2, allow_state_sharing=False, start=True,
+    )  # fmt: skip
+    results = []
+    for round_ in range(2):
+        fault.value = int(rank == 1 and round_ == faulty_round)
+        with averager.get_tensors() as local:
+            for i, t in enumerate(local):
+                t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(10 * round_ + rank)) + i)
+        try:
+            group = averager.step(weight=WEIGHTS[rank], timeout=60, allow_retries=False)
+            with averager.get_tensors() as local:
+                results.append((len(group), [t.clone().reshape(-1)[:2000].tolist() for t in local]))
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            results.append(str(error))
+    out.put((rank, results))
+    averager.shutdown()
+    dht.shutdown()
+
+
+def _expected(round_: int) -> list[torch.Tensor]:
+    means = []
+    for i, shape in enumerate(SHAPES):
+        parts = [
+            torch.randn(shape, generator=torch.Generator().manual_seed(10 * round_ + r)) + i for r in range(2)
+        ]
+        means.append((sum(w * p for w, p in zip(WEIGHTS, parts)) / sum(WEIGHTS)).reshape(-1)[:2000])
+    return means
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_a_member_left_with_its_own_values_fails_the_round_for_both(codec):
+    context = mp.get_context("spawn")
+    out, addresses = context.Queue(), context.Queue()
+    members = [context.Process(target=_member, args=(r, codec, addresses, 1, out)) for r in range(2)]
+    for m in members:
+        m.start()
+    results = dict(out.get(timeout=150) for _ in members)
+    assert not any(isinstance(r, str) for r in results.values()), results
+    for m in members:
+        m.join(timeout=30)
+    tolerance = 1e-5 if codec == "none" else 3e-3
+    # Round 0, honest: both hold the weighted mean.
+    for rank in range(2):
+        size, got = results[rank][0]
+        assert size == 2
+        for tensor, mean in zip(got, _expected(0)):
+            assert torch.allclose(torch.tensor(tensor), mean, atol=tolerance), rank
+    # Round 1: process 1 silently kept its own values for member 0's parts; both rounds fail.
+    for rank in range(2):
+        assert isinstance(results[rank][1], str), (rank, results[rank][1])
+        assert "did not get the group's mean" in results[rank][1], results[rank][1]

@@ -1,0 +1,67 @@
+"""swarm.consensus: the check that hivemind's all-reduce gave every member the group's mean."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.consensus import FAILED, Post, TensorSketcher, disagreement
+from swarm.sketch import ROWS, Sketcher
+
+SHAPES = [(64, 33), (7,), (5000,), (3, 3)]
+WEIGHTS = [1.0, 2.0, 5.0]
+
+
+def _wire(x: torch.Tensor, codec: str) -> torch.Tensor:
+    return x.half().float() if codec == "fp16" else x
+
+
+def _round(codec: str, left_out: bool = False) -> list[bytes]:
+    """Three members' posts after a round with hivemind's arithmetic: member j gets
+    ``x_j + Q(mean - Q(x_j))``; ``left_out``: member 1 kept its own values in one tensor, as
+    after a reducer that failed towards it."""
+    torch.manual_seed(0)
+    updates = [[torch.randn(s) * (j + 1) for s in SHAPES] for j in range(len(WEIGHTS))]
+    total = sum(WEIGHTS)
+    means = [
+        sum(w * _wire(u[t], codec) for w, u in zip(WEIGHTS, updates)) / total for t in range(len(SHAPES))
+    ]
+    sketcher = TensorSketcher(b"group-seed", [torch.Size(s).numel() for s in SHAPES])
+    posts = []
+    for j, (weight, mine) in enumerate(zip(WEIGHTS, updates)):
+        got = [x + _wire(m - _wire(x, codec), codec) for x, m in zip(mine, means)]
+        if left_out and j == 1:
+            got[2] = mine[2].clone()
+        norm = sketcher.sketch(mine).norm
+        posts.append(Post(sketcher.sketch(mine, weight / total), norm, sketcher.sketch(got).rows).to_bytes())
+    return posts
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_members_that_got_the_mean_up_to_rounding_agree(codec):
+    assert disagreement(_round(codec), codec) is None
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_a_member_that_kept_its_own_values_for_a_part_fails_the_round(codec):
+    why = disagreement(_round(codec, left_out=True), codec)
+    assert why is not None and why.startswith("member 1 did not get the group's mean")
+
+
+def test_a_failed_or_malformed_post_fails_the_round():
+    posts = _round("none")
+    assert disagreement([posts[0], FAILED, posts[2]], "none") == "member 1's all-reduce failed"
+    assert "malformed" in disagreement([posts[0], posts[1], posts[2][:-8]], "none")
+
+
+def test_the_sketch_of_a_tensor_list_is_the_sum_of_its_tensors_sketches():
+    tensors = [torch.randn(s) for s in SHAPES]
+    sketcher = TensorSketcher(b"seed", [t.numel() for t in tensors])
+    whole = torch.tensor(sketcher.sketch(tensors).rows)
+    parts = sum(torch.tensor(sketcher.sketch([t if i == k else torch.zeros_like(t) for i, t in enumerate(tensors)]).rows)
+                for k in range(len(tensors)))  # fmt: skip
+    assert torch.allclose(whole, parts, rtol=1e-6, atol=1e-6)
+    # Each tensor starts on a chunk boundary of one R: the same as a padded flat vector.
+    padded = torch.cat([torch.nn.functional.pad(t.reshape(-1), (0, -t.numel() % 4096)) for t in tensors])
+    direct = Sketcher(b"seed", padded.numel()).rows(padded).float()
+    assert torch.allclose(whole, direct, rtol=1e-6, atol=1e-6) and len(whole) == ROWS
