@@ -168,7 +168,7 @@ class SwarmAverager:
     def all_reduce(
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
     ) -> RoundReport:
-        info = dict(info or {}, peer=self.peer_id)
+        info = dict(info or {}, peer=self.peer_id, arrived=time.time())  # wall clock: the others read it
         self.barrier.gap = time.monotonic() - self._last_return
         try:
             return self._round(tensors, weight=weight, info=info)

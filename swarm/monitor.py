@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.errors import SwarmError
+from swarm.narration import DEPARTED_SECONDS, Departed, RoundSeen, left_how, round_sentence
 from swarm.records import ControlState, PeerHeartbeat, RunManifest, Stage, parse_record
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class SwarmSnapshot:
     """Peer ids more than one round behind."""
     ignored: dict[str, str] = field(default_factory=dict)
     """Peers ignored for lying (peer id -> why); they are not in ``peers``."""
+    departed: dict[str, Departed] = field(default_factory=dict)
+    """Peers that left in the last 5 minutes (or since the user last cleared them): how, when."""
 
     @property
     def samples_per_second(self) -> float:
@@ -136,6 +139,7 @@ class SwarmSnapshot:
             ],
             "events": [e.to_json() for e in self.new_events],
             "ignored": [{"peer_id": k, "reason": v} for k, v in sorted(self.ignored.items())],
+            "departed": [d.to_json() for d in sorted(self.departed.values(), key=lambda d: d.time)],
         }
 
 
@@ -160,6 +164,11 @@ class SwarmMonitor:
         self._lagging: set[str] = set()
         self._ignored: set[str] = set()
         self._round = 0
+        self._told = 0  # the last round told as an event
+        self._seen: dict[int, dict[str, RoundSeen]] = {}  # outer step -> peer -> its round there
+        self._first_seen: dict[int, float] = {}
+        self._departed: dict[str, Departed] = {}
+        self._killed: set[str] = set()
         self._record = open(record_to, "a", buffering=1) if record_to else None  # noqa: SIM115
         if self._record and self._record.tell() == 0:
             self._record.write(json.dumps({"format": RECORD_FORMAT}) + "\n")
@@ -179,6 +188,14 @@ class SwarmMonitor:
             yield self.poll()
             time.sleep(max(0.0, interval - (time.monotonic() - started)))
 
+    def note_killed(self, peer_id: str) -> None:
+        """This front end killed ``peer_id``: when it vanishes, say so (not "heartbeat expired")."""
+        self._killed.add(peer_id)
+
+    def clear_departed(self) -> None:
+        """Forget the peers that left (the user cleared them from the screen)."""
+        self._departed.clear()
+
     def close(self) -> None:
         if self._record:
             self._record.close()
@@ -197,6 +214,9 @@ class SwarmMonitor:
         ignored = _ignored(reading)
         for pid in sorted(set(ignored) - self._ignored):
             event("ignored", f"ignoring {self._names.get(pid, pid[-8:])}: {ignored[pid]}", pid)
+            last = self._known.get(pid) or reading.peers.get(pid)
+            if last is not None:
+                self._departed[pid] = Departed(last, f"ignored for lying: {ignored[pid]}", now)
         self._ignored |= set(ignored)
         alive = {
             pid: p for pid, p in reading.peers.items() if p.stage is not Stage.LEAVING and pid not in ignored
@@ -205,7 +225,8 @@ class SwarmMonitor:
             self._names[pid] = p.name
             before = self._known.get(pid)
             if before is None:
-                event("joined", f"{p.name} joined ({p.device}, outer step {p.outer_step})", pid)
+                back = " again" if self._departed.pop(pid, None) else ""
+                event("joined", f"{p.name} joined{back} ({p.device}, outer step {p.outer_step})", pid)
             elif p.control_version > before.control_version:
                 event("control", f"{p.name} applied control v{p.control_version}", pid)
             if p.last_error and (before is None or before.last_error != p.last_error):
@@ -214,22 +235,20 @@ class SwarmMonitor:
         for pid, before in self._known.items():
             if pid in alive:
                 continue
-            gone = reading.peers.get(pid)
-            how = (
-                "left"
-                if gone is not None and gone.stage is Stage.LEAVING
-                else "timed out (heartbeat expired)"
-            )
-            event("left", f"{before.name} {how} at outer step {before.outer_step}", pid)
+            if pid in ignored:
+                continue  # told above
+            how = left_how(reading.peers.get(pid), killed=pid in self._killed)
+            self._killed.discard(pid)
+            self._departed[pid] = Departed(before, how, now)
+            event("left", f"{before.name} left at outer step {before.outer_step} ({how})", pid)
             self._lagging.discard(pid)
         self._known = dict(alive)
+        for pid in [pid for pid, d in self._departed.items() if now - d.time > DEPARTED_SECONDS]:
+            del self._departed[pid]
 
         top = max((p.outer_step for p in alive.values()), default=self._round)
-        if top > self._round and alive:
-            groups = sorted({p.group_size for p in alive.values() if p.outer_step == top and p.group_size})
-            self._round = top
-            at_top = sum(p.outer_step == top for p in alive.values())
-            event("round", f"round {top} done ({at_top}/{len(alive)} peers there, group {groups or '?'})")
+        self._round = max(self._round, top)
+        self._tell_rounds(alive, now, event)
         lagging = {
             pid
             for pid, p in alive.items()
@@ -254,7 +273,35 @@ class SwarmMonitor:
             outer_round=self._round,
             lagging=sorted(lagging),
             ignored=ignored,
+            departed=dict(self._departed),
         )
+
+    def _tell_rounds(self, alive: dict[str, PeerHeartbeat], now: float, event: Callable[..., None]) -> None:
+        """Tell the latest round every training peer has finished (or that one finished over
+        10 s ago): who averaged, who came last, who stepped alone and why, who was not there.
+        Each peer's round is taken from its last heartbeat at that outer step."""
+        for pid, p in alive.items():
+            if p.outer_step > self._told:
+                self._seen.setdefault(p.outer_step, {})[pid] = RoundSeen.of(p)
+                self._first_seen.setdefault(p.outer_step, now)
+        training = [
+            p for p in alive.values() if p.stage not in (Stage.DOWNLOADING, Stage.JOINING, Stage.PAUSED)
+        ]
+        settled = [
+            step
+            for step in self._seen
+            if all(p.outer_step >= step for p in training) or now - self._first_seen[step] > 10.0
+        ]
+        if not settled:
+            return
+        step = max(settled)
+        seen = {pid: r for pid, r in self._seen[step].items() if pid in alive}
+        absent = {pid: p for pid, p in alive.items() if pid not in self._seen[step] and p.outer_step <= step}
+        event("round", round_sentence(step, seen, absent))
+        self._told = step
+        for old in [s for s in self._seen if s <= step]:
+            del self._seen[old]
+            self._first_seen.pop(old, None)
 
     def _remember(self, pid: str, p: PeerHeartbeat) -> None:
         metrics = self._history.setdefault(pid, {})

@@ -107,6 +107,12 @@ class PeerHeartbeat(BaseModel):
     With ``--overlap`` that answer waits for the round in flight, so the others of that round do
     not wait for the downloader (:mod:`swarm.barrier`). A claim: a peer that always says so
     only makes downloaders land a round later."""
+    last_round_spread: float = Field(default=0.0, ge=0, le=86400)
+    """Seconds between the first and the last arrival of its last round's group (wall clocks)."""
+    last_round_last: str = Field(default="", max_length=64)
+    """The name of the member of its last round's group that arrived last."""
+    last_round_alone: str = Field(default="", max_length=200)
+    """Why it stepped alone in its last round ("" when it averaged)."""
 
     @field_validator("ignored")
     @classmethod

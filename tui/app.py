@@ -48,6 +48,7 @@ class SwarmApp(App[None]):
         Binding("plus,equals_sign", "window(1)", "Window+", show=False),
         Binding("minus", "window(-1)", "Window-", show=False),
         Binding("x", "export", "Export", show=False),
+        Binding("c", "clear_departed", "Clear left"),
         Binding("escape", "clear_filter", show=False),
     ]
 
@@ -188,6 +189,12 @@ class SwarmApp(App[None]):
     @on(DataTable.RowSelected)
     def row_selected(self) -> None:
         self.action_details()
+
+    def action_clear_departed(self) -> None:
+        hidden = self.table.clear_departed()
+        self.notify(
+            f"cleared {hidden} peer{'s' if hidden != 1 else ''} that left" if hidden else "no peer left"
+        )
 
     def action_details(self) -> None:
         peer = self.selected_peer()

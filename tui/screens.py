@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.markup import escape
@@ -33,6 +34,7 @@ HELP = """\
 | `+` `-` | widen / narrow the loss chart's time window |
 | `m` | maximize the focused panel (`esc` restores) |
 | `x` | export the current snapshot as JSON |
+| `c` | clear the peers that left from the table (they go by themselves after 5 minutes) |
 | `ctrl+p` | command palette: steer, export, screenshot, themes (ANSI fallback) |
 | `?` / `f1` | this help |
 | `q` | quit |
@@ -68,8 +70,15 @@ class PeerScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         p = self.snapshot.peers.get(self.peer_id)
+        gone = self.snapshot.departed.get(self.peer_id)
         with VerticalScroll(id="dialog"):
-            if p is None:
+            if p is None and gone is not None:
+                when = time.strftime("%H:%M:%S", time.localtime(gone.time))
+                yield Label(
+                    f"{gone.heartbeat.name} left the run at {when} ({gone.how}), at outer step "
+                    f"{gone.heartbeat.outer_step}."
+                )
+            elif p is None:
                 yield Label("This peer has left the run.")
             else:
                 yield Static(Text.from_markup(f"[b]{p.name}[/b]  [dim]{p.peer_id}[/dim]"))
@@ -92,6 +101,7 @@ class PeerScreen(ModalScreen[None]):
                         else "-",
                     ),
                     ("group size", p.group_size or "-"),
+                    ("last round's group", _last_round(p)),
                     ("control version", p.control_version or "-"),
                     ("last problem", p.last_error or "-"),
                     ("addresses", "\n".join(p.addresses) or "none (client mode)"),
@@ -111,7 +121,8 @@ class PeerScreen(ModalScreen[None]):
             events = [e for e in self.snapshot.events if e.peer_id == self.peer_id][-12:]
             yield Label("recent events" if events else "no events yet", classes="section")
             for event in events:
-                yield Static(f"[dim]{event.kind:>8}[/dim] {event.message}")
+                when = time.strftime("%H:%M:%S", time.localtime(event.time))
+                yield Static(f"[dim]{when}[/dim] {escape(event.message)}")
             yield Button("Close", id="close", variant="primary")
 
     @on(Button.Pressed, "#close")
@@ -277,3 +288,12 @@ class FaultScreen(ModalScreen[FaultRequest | None]):
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+def _last_round(p: Any) -> str:
+    """Who came last to this peer's last round and how late, or why it stepped alone."""
+    if p.last_round_alone:
+        return f"stepped alone: {p.last_round_alone}"
+    if p.last_round_last:
+        return f"{p.group_size} peers, {p.last_round_last} came last, {p.last_round_spread:.1f} s after the first"
+    return "-"

@@ -47,7 +47,7 @@ COLUMNS = [
 # table re-measure all its rows (a 200 ms refresh with 256 peers), so none ever does. The name
 # column sizes itself when a row is added.
 WIDTHS = {
-    "stage": 11,
+    "stage": 13,
     "inner": 7,
     "outer": 5,
     "lag": 3,
@@ -67,7 +67,14 @@ EVENT_STYLE = {
     "control": "magenta",
     "lagging": "yellow",
     "error": "bold red",
+    "ignored": "bold red",
 }
+LEFT_AS = {
+    "clean exit": "exit",
+    "heartbeat expired": "expired",
+    "killed from the monitor": "killed",
+}
+"""A departed peer's stage cell: how it left (a lie: "lying"), then when."""
 
 
 def summary_text(s: SwarmSnapshot, *, published: Any = None, updates_paused: bool = False) -> str:
@@ -119,6 +126,8 @@ class PeersTable(DataTable):
         super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
         self.snapshot: SwarmSnapshot | None = None
         self._rows: dict[str, dict[str, str]] = {}
+        self._dimmed: set[str] = set()  # rows shown as departed
+        self.cleared_before = float("-inf")  # peers that left before this (reading) time are hidden
         for key, label in COLUMNS:
             self.add_column(label, key=key, width=WIDTHS.get(key))
 
@@ -145,11 +154,31 @@ class PeersTable(DataTable):
         self.sort_by(keys[(current + 1) % len(keys)])
 
     def visible_peers(self) -> list:
+        """Live peers in the user's order, then the peers that left (dimmed, newest first)."""
         s = self.snapshot
         assert s is not None
         peers = [p for p in s.peers.values() if matches(p, self.filter_text)]
         column = self.sort_column or "name"
-        return sorted(peers, key=lambda p: sort_key(p, column, s.outer_round), reverse=self.sort_reverse)
+        live = sorted(peers, key=lambda p: sort_key(p, column, s.outer_round), reverse=self.sort_reverse)
+        return live + [d.heartbeat for d in self.departed()]
+
+    def departed(self) -> list:
+        """The peers that left since the user last cleared them, newest first."""
+        s = self.snapshot
+        assert s is not None
+        gone = [d for pid, d in s.departed.items() if d.time > self.cleared_before and pid not in s.peers]
+        return sorted(
+            (d for d in gone if matches(d.heartbeat, self.filter_text)), key=lambda d: d.time, reverse=True
+        )
+
+    def clear_departed(self) -> int:
+        """Hide the peers that left so far (key ``c``); how many were hidden."""
+        if self.snapshot is None:
+            return 0
+        hidden = len(self.departed())
+        self.cleared_before = self.snapshot.time
+        self.show()
+        return hidden
 
     def selected_peer(self) -> tuple[str, str] | None:
         """(peer id, name) of the row under the cursor, or None."""
@@ -157,7 +186,8 @@ class PeersTable(DataTable):
             return None
         row_key, _ = self.coordinate_to_cell_key(self.cursor_coordinate)
         peer_id = str(row_key.value)
-        peer = self.snapshot.peers.get(peer_id)
+        gone = self.snapshot.departed.get(peer_id)
+        peer = self.snapshot.peers.get(peer_id) or (gone.heartbeat if gone else None)
         return (peer_id, peer.name if peer else peer_id)
 
     def show(self, snapshot: SwarmSnapshot | None = None) -> None:
@@ -168,17 +198,27 @@ class PeersTable(DataTable):
             return
         peers = self.visible_peers()
         wanted = [p.peer_id for p in peers]
-        for gone in set(self._rows) - set(wanted):
-            self.remove_row(gone)
+        departed = {d.heartbeat.peer_id: d for d in self.departed()}
+        restyled = (self._dimmed ^ set(departed)) & set(self._rows)  # left or came back
+        for gone in (set(self._rows) - set(wanted)) | restyled:
+            self.remove_row(gone)  # re-added below in its new style if still shown
             del self._rows[gone]
+        self._dimmed = set(departed)
         for p in peers:
             cells = peer_row(p, s.outer_round)
-            styled = {
-                **cells,
-                "name": _NameCell(cells["name"], p.peer_id),
-                "stage": Text(cells["stage"], style=STAGE_STYLE.get(p.stage, ""), justify="left", end=""),
-            }
-            if p.peer_id in s.lagging:
+            left = departed.get(p.peer_id)
+            if left is not None:
+                how = LEFT_AS.get(left.how, "lying")
+                cells |= {"stage": f"{how} {time.strftime('%H:%M', time.localtime(left.time))}", "lag": "-"}
+                styled = {key: Text(str(value), style="dim", end="") for key, value in cells.items()}
+                styled["name"] = _NameCell(cells["name"], p.peer_id, style="dim")
+            else:
+                styled = {
+                    **cells,
+                    "name": _NameCell(cells["name"], p.peer_id),
+                    "stage": Text(cells["stage"], style=STAGE_STYLE.get(p.stage, ""), justify="left", end=""),
+                }
+            if p.peer_id in s.lagging and left is None:
                 styled["lag"] = Text(cells["lag"], style="bold yellow", justify="left", end="")
             old = self._rows.get(p.peer_id)
             if old is None:
@@ -291,15 +331,15 @@ class EventLog(RichLog):
     def add(self, events: list[Any]) -> None:
         for event in events:
             stamp = time.strftime("%H:%M:%S", time.localtime(event.time))
-            style = EVENT_STYLE.get(event.kind, "")
-            self.write(Text.assemble((f"{stamp} ", "dim"), (f"{event.kind:>7} ", style), event.message))
+            # The message is a sentence that says what kind of event it is; the colour says it too.
+            self.write(Text.assemble((f"{stamp} ", "dim"), (event.message, EVENT_STYLE.get(event.kind, ""))))
 
 
 class _NameCell(Text):
     """The name cell, which also knows its row's peer id (for sorting by our own order)."""
 
-    def __init__(self, name: str, peer_id: str) -> None:
-        super().__init__(name, justify="left", end="")
+    def __init__(self, name: str, peer_id: str, style: str = "") -> None:
+        super().__init__(name, style=style, justify="left", end="")
         self.peer_id = peer_id
 
 

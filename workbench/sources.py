@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -135,8 +136,9 @@ class ReplaySource:
 class LocalFaults:
     """Fault injection into the peers of a :class:`~workbench.local.launch.LocalSwarm` (this machine's)."""
 
-    def __init__(self, swarm) -> None:
+    def __init__(self, swarm, on_kill: Callable[[str], None] | None = None) -> None:
         self.swarm = swarm
+        self.on_kill = on_kill  # the monitor's note_killed: the peer's departure is told as a kill
 
     def _peer(self, peer_id: str):
         for peer in self.swarm.peers:
@@ -163,6 +165,8 @@ class LocalFaults:
         peer = self._checked(peer_id)
         fault, argument = request.fault, request.argument
         if fault is Fault.KILL:
+            if self.on_kill is not None:
+                self.on_kill(peer_id)
             peer.kill()
             return f"killed {peer.name} (SIGKILL): watch the others fall back and carry on"
         if fault is Fault.FREEZE:
@@ -188,7 +192,7 @@ class DemoSource(LiveSource):
     def __init__(self, session, swarm) -> None:
         super().__init__(session)
         self.title = f"demo {self.keys.run_id} ({swarm.count} local peers)"
-        self.faults = LocalFaults(swarm)
+        self.faults = LocalFaults(swarm, on_kill=self.monitor.note_killed)
 
     @classmethod
     def of(cls, swarm) -> DemoSource:

@@ -35,6 +35,8 @@ def heartbeat(index: int, t: float, step: int, **overrides: Any) -> PeerHeartbea
         time=t,
         last_round_seconds=14.0 + index / 2,
         group_size=4,
+        last_round_spread=1.8,
+        last_round_last="delta",
         control_version=0,
         rounds=40,
         addresses=[f"/ip4/127.0.0.1/tcp/{40000 + index}/p2p/{peer_id(index)}"] if index != 2 else [],
@@ -60,7 +62,11 @@ class FakeSource:
 
     interval = 0.05
 
-    def __init__(self, *, peers: int = 4, steps: int = 12, owner: bool = True, faults: bool = True) -> None:
+    def __init__(
+        self, *, peers: int = 4, steps: int = 12, owner: bool = True, faults: bool = True, leavers: int = 0
+    ) -> None:
+        """``leavers``: that many more peers, gone after step 8 (the first says it leaves, the
+        next ones' heartbeats expire, the third is killed from the monitor)."""
         self.title = "run fake-run"
         self.owner = owner
         self.faults = FakeFaults() if faults else None
@@ -71,6 +77,13 @@ class FakeSource:
         for step in range(1, steps + 1):
             t = 1000.0 + 10 * step
             beats = {peer_id(i): heartbeat(i, t, step) for i in range(min(peers, 3 if step < 3 else peers))}
+            for i in range(peers, peers + leavers):
+                if step <= 8:
+                    beats[peer_id(i)] = heartbeat(i, t, step)
+                elif step == 9 and i == peers:
+                    beats[peer_id(i)] = heartbeat(i, t, step - 1, stage="leaving")
+                if step == 8 and i == peers + 2:
+                    self.monitor.note_killed(peer_id(i))
             self.snapshots.append(self.monitor.ingest(Reading(t, "fake-run", beats)))
         self.position = 0
         self.closed = False

@@ -201,3 +201,30 @@ def test_a_snapshot_that_arrives_while_the_app_closes_is_dropped() -> None:
     app = SwarmApp(source, poll=False)
     app.show(source.poll())
     assert app.snapshot is None
+
+
+async def test_peers_that_left_stay_below_the_live_ones_until_cleared() -> None:
+    app = SwarmApp(FakeSource(leavers=3), poll=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot, readings=8)
+        assert names(app) == ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "peer-006"]
+        await started(app, pilot)
+        assert names(app) == ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "peer-006"]
+        table = app.query_one("#peers", DataTable)
+        stages = {str(table.get_row(peer_id(i))[0]): str(table.get_row(peer_id(i))[1]) for i in range(4, 7)}
+        assert [s.split()[0] for s in stages.values()] == ["exit", "expired", "killed"], stages
+        app.sort_by("loss")  # the user's order applies to the live peers; those that left stay below
+        app.sort_by("loss")
+        await pilot.pause()
+        assert sorted(names(app)[4:]) == ["echo", "foxtrot", "peer-006"]  # they left together
+        assert names(app)[:4] == ["delta", "charlie", "bravo", "alpha"]
+        await pilot.press("down", "down", "down", "down", "enter")  # a peer that left: how and when
+        await pilot.pause()
+        assert isinstance(app.screen, PeerScreen)
+        await pilot.press("escape")
+        await pilot.press("c")
+        await pilot.pause()
+        assert names(app) == ["delta", "charlie", "bravo", "alpha"]
+        app.show(app.source.snapshots[-1])  # the same departures are not shown again
+        await pilot.pause()
+        assert len(names(app)) == 4

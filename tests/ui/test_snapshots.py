@@ -68,3 +68,8 @@ def test_peer_detail(snap_compare) -> None:
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=(120, 40), run_before=open_detail)
+
+
+def test_peers_that_left_stay_dimmed_with_how_and_when(snap_compare) -> None:
+    app, feed = fed(leavers=3)
+    assert snap_compare(app, terminal_size=(160, 50), run_before=feed)

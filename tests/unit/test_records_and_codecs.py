@@ -56,6 +56,9 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         last_round_steps=0,
         round_wait_seconds=0.0,
         averaging_deadline_seconds=0.0,
+        last_round_spread=0.0,
+        last_round_last="",
+        last_round_alone="",
     )
     record.update(overrides)
     return record

@@ -207,10 +207,16 @@ def readings() -> list[Reading]:
 def test_the_monitor_derives_events() -> None:
     monitor = SwarmMonitor()
     kinds = [[e.kind for e in monitor.ingest(r).new_events] for r in readings()]
-    assert kinds == [["joined"], ["joined", "round"], ["round", "lagging"], ["control", "left"], ["round"]]
+    # Round 4 is told once every training peer finished it: here when the laggard b leaves.
+    assert kinds == [["joined"], ["joined", "round"], ["lagging"], ["control", "left", "round"], ["round"]]
     snapshot = monitor.ingest(Reading(16.0, "r", {}))
-    assert [e.kind for e in snapshot.new_events] == ["left"] and "timed out" in snapshot.new_events[0].message
+    assert [e.kind for e in snapshot.new_events] == ["left"]
+    assert snapshot.new_events[0].message == "a left at outer step 5 (heartbeat expired)"
     assert snapshot.peers == {} and snapshot.outer_round == 5
+    assert {d.heartbeat.name: d.how for d in snapshot.departed.values()} == {
+        "a": "heartbeat expired",
+        "b": "clean exit",
+    }
 
 
 def test_the_monitor_keeps_bounded_history() -> None:

@@ -66,6 +66,7 @@ def open_observer(args: argparse.Namespace, *, signing_key: str | None = None):
 
 def render(data: dict[str, Any]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     control = data.get("control") or {}
@@ -117,8 +118,13 @@ def render(data: dict[str, Any]) -> None:
         )
     for liar in data.get("ignored", []):
         console.print(f"  [red]ignored[/red] {liar['peer_id'][-12:]}: {liar['reason']}")
+    for gone in data.get("departed", []):
+        when = time.strftime("%H:%M:%S", time.localtime(gone["time"]))
+        console.print(
+            f"  [dim]left[/dim] {gone['name']} at {when} ({gone['how']}), outer step {gone['outer_step']}"
+        )
     for event in data.get("events", []):
-        console.print(f"  [dim]{event['kind']}[/dim] {event['message']}")
+        console.print(f"  {escape(event['message'])}")
 
 
 def run_status_command(args: argparse.Namespace) -> int:

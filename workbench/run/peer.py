@@ -255,7 +255,9 @@ class Peer:
         if self.node is not None:  # the node's ranks start the round from rank 0's θ and AdamW
             self.node.command(SYNC)
             self.node.sync_state(self.model, self.inner_optimizer)
-        info = dict(outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint())
+        info = dict(
+            outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint(), name=self.name
+        )
         steps, compute, dp_report = self.train_round(info, round_start)
         if self.node is not None:  # every rank holds the same θ_local now, or the node is broken
             self.node.command(CHECK)
@@ -271,6 +273,7 @@ class Peer:
         stats.bytes_received += report.bytes_received
         stats.group_size = report.group_size
         stats.last_error = report.error
+        stats.arrivals(report)
         # Data-parallel would have all-reduced fp32 gradients after each of these inner steps.
         group = max(report.group_size, 1)
         stats.dp_bytes += int(steps * 2 * 4 * self.model.num_params() * (group - 1) / group)

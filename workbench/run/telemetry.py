@@ -32,6 +32,31 @@ class RoundStats:
     dp_bytes: int = 0
     """What data-parallel would have all-reduced for the same inner steps (fp32 gradients)."""
     last_error: str | None = None
+    last_round_spread: float = 0.0
+    """Seconds between the first and the last arrival of the last round's group."""
+    last_round_last: str = ""
+    """Who of the last round's group arrived last."""
+    last_round_alone: str = ""
+    """Why this peer stepped alone in its last round ("" when it averaged)."""
+
+    def arrivals(self, report: Any) -> None:
+        """The last round's arrivals from its members' info (other peers' claims: malformed
+        entries are skipped, names cut to 64 characters), or why this peer was alone."""
+        alone = report.group_size <= 1
+        self.last_round_alone = (report.error or "no other peer in this round")[:200] if alone else ""
+        times = [
+            (float(g["arrived"]), str(g.get("name") or "")[:64])
+            for g in (report.group_info if not alone else [])
+            if isinstance(g, dict)
+            and isinstance(g.get("arrived"), (int, float))
+            and not isinstance(g.get("arrived"), bool)
+            and math.isfinite(g["arrived"])
+        ]
+        if len(times) < 2:
+            self.last_round_spread, self.last_round_last = 0.0, ""
+            return
+        last, name = max(times)
+        self.last_round_spread, self.last_round_last = min(last - min(times)[0], 86400.0), name
 
 
 class Events:
@@ -98,6 +123,8 @@ def round_fields(
         resync=resync,
         samples_per_second=stats.samples_per_second,
         inner_steps=stats.last_round_steps,  # this peer's H of the round (time boxes: its own)
+        arrival_spread=stats.last_round_spread,  # the group's first to last arrival, and who was last
+        last_arrived=stats.last_round_last,
         # |θ| as this round started: equal on peers at the same outer step that agree
         # (the model itself may differ: an eager peer trains θ + its own offset)
         global_norm=math.sqrt(sum(f * f for f in info["fingerprint"])),
@@ -141,4 +168,7 @@ def heartbeat_of(peer: Any) -> PeerHeartbeat:
         last_round_steps=stats.last_round_steps,
         round_wait_seconds=peer.averager.barrier.wait.seconds if peer.averager else 0.0,
         averaging_deadline_seconds=peer.averager.averaging_deadline.seconds if peer.averager else 0.0,
+        last_round_spread=stats.last_round_spread,
+        last_round_last=stats.last_round_last,
+        last_round_alone=stats.last_round_alone,
     )

@@ -1,0 +1,155 @@
+"""The monitor's sentences (swarm.narration): rounds as a person would tell them, and peers that
+left kept on screen with how and when."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from swarm.monitor import Reading, SwarmMonitor
+from swarm.narration import RoundSeen, round_sentence
+from swarm.records import PeerHeartbeat
+
+
+def hb(name: str, t: float, outer: int, **kw: Any) -> PeerHeartbeat:
+    fields = dict(
+        peer_id=f"id-{name}", name=name, stage="training", outer_step=outer, inner_step=1, inner_steps=5
+    )
+    return PeerHeartbeat.model_validate({**fields, "time": t, **kw})
+
+
+def reading(t: float, *beats: PeerHeartbeat) -> Reading:
+    return Reading(t, "r", {b.peer_id: b for b in beats})
+
+
+def test_a_round_where_everyone_averaged_names_the_last_to_arrive() -> None:
+    monitor = SwarmMonitor()
+    monitor.ingest(reading(1.0, *(hb(n, 1.0, 2) for n in ("peer-0", "peer-1", "peer-2", "peer-3"))))
+    done = dict(group_size=4, last_round_spread=1.83, last_round_last="peer-2")
+    snapshot = monitor.ingest(
+        reading(2.0, *(hb(n, 2.0, 3, **done) for n in ("peer-0", "peer-1", "peer-2", "peer-3")))
+    )
+    rounds = [e.message for e in snapshot.new_events if e.kind == "round"]
+    assert rounds == ["round 3: 4 peers averaged (peer-2 arrived 1.8 s after the first)"]
+
+
+def test_a_round_is_told_once_every_training_peer_finished_it() -> None:
+    monitor = SwarmMonitor()
+    monitor.ingest(reading(1.0, hb("a", 1.0, 0), hb("b", 1.0, 0)))
+    first = monitor.ingest(reading(2.0, hb("a", 2.0, 1, group_size=2, last_round_last="b"), hb("b", 2.0, 0)))
+    assert not [e for e in first.new_events if e.kind == "round"]  # b is still training round 1
+    both = monitor.ingest(
+        reading(
+            3.0,
+            hb("a", 3.0, 1, group_size=2, last_round_last="b"),
+            hb("b", 3.0, 1, group_size=2, last_round_last="b"),
+        )
+    )
+    assert [e.message for e in both.new_events if e.kind == "round"] == [
+        "round 1: 2 peers averaged (all arrived within 0.1 s)"
+    ]
+
+
+def test_a_fallback_says_who_stepped_alone_and_why_and_who_was_not_there() -> None:
+    monitor = SwarmMonitor()
+    monitor.ingest(reading(1.0, hb("a", 1.0, 4), hb("b", 1.0, 4), hb("c", 1.0, 4), hb("d", 1.0, 4)))
+    pair = dict(group_size=2, last_round_spread=0.4, last_round_last="b")
+    why = "averaging failed: AllreduceException: could not find a group"
+    snapshot = monitor.ingest(
+        reading(
+            2.0,
+            hb("a", 2.0, 5, **pair),
+            hb("b", 2.0, 5, **pair),
+            hb("c", 2.0, 5, group_size=1, last_round_alone=why),
+            hb("d", 2.0, 4, stage="downloading"),
+        )
+    )
+    assert [e.message for e in snapshot.new_events if e.kind == "round"] == [
+        "round 5: 2 peers averaged (b arrived 0.4 s after the first); "
+        f"c stepped alone ({why}); d was downloading the state"
+    ]
+
+
+def test_sentences_for_several_groups_and_for_no_group() -> None:
+    pair = RoundSeen("x", 2, 0.0, "", "")
+    seen = {"a": pair, "b": pair, "c": pair, "d": pair}
+    assert round_sentence(7, seen, {}) == "round 7: 4 peers averaged in groups of 2 and 2"
+    alone = {
+        "a": RoundSeen("a", 1, 0.0, "", "no other peer in this round"),
+        "b": RoundSeen("b", 1, 0.0, "", ""),
+    }
+    behind = {"c": hb("c", 0.0, 5)}
+    assert round_sentence(7, alone, behind) == (
+        "round 7: no group formed; a stepped alone (no other peer in this round); "
+        "b stepped alone (no reason given); c was 2 rounds behind"
+    )
+
+
+def test_a_peer_that_leaves_stays_with_how_and_when_until_cleared_or_five_minutes() -> None:
+    monitor = SwarmMonitor()
+    monitor.ingest(reading(1.0, hb("a", 1.0, 1), hb("b", 1.0, 1), hb("c", 1.0, 1)))
+    monitor.note_killed("id-b")
+    snapshot = monitor.ingest(reading(2.0, hb("a", 2.0, 1), hb("c", 2.0, 1, stage="leaving")))
+    assert {d.heartbeat.name: (d.how, d.time) for d in snapshot.departed.values()} == {
+        "b": ("killed from the monitor", 2.0),
+        "c": ("clean exit", 2.0),
+    }
+    lefts = sorted(e.message for e in snapshot.new_events if e.kind == "left")
+    assert lefts == [
+        "b left at outer step 1 (killed from the monitor)",
+        "c left at outer step 1 (clean exit)",
+    ]
+    assert [d["name"] for d in snapshot.to_json()["departed"]] == ["b", "c"]
+    # b comes back: no longer departed, and the event says so
+    back = monitor.ingest(reading(3.0, hb("a", 3.0, 1), hb("b", 3.0, 1)))
+    assert set(back.departed) == {"id-c"}
+    assert [e.message for e in back.new_events] == ["b joined again (cpu, outer step 1)"]
+    assert set(monitor.ingest(reading(303.0, hb("a", 303.0, 1), hb("b", 303.0, 1))).departed) == set()
+    monitor.ingest(reading(304.0, hb("a", 304.0, 1)))
+    monitor.clear_departed()
+    assert monitor.ingest(reading(305.0, hb("a", 305.0, 1))).departed == {}
+
+
+def test_a_peer_ignored_for_lying_is_kept_as_such() -> None:
+    monitor = SwarmMonitor()
+    monitor.ingest(reading(1.0, hb("a", 1.0, 1), hb("b", 1.0, 1)))
+    snapshot = monitor.ingest(
+        Reading(2.0, "r", {"id-a": hb("a", 2.0, 1), "id-b": hb("b", 2.0, 1)}, ignored={"id-b": "absurd loss"})
+    )
+    assert snapshot.departed["id-b"].how == "ignored for lying: absurd loss"
+    assert [e.kind for e in snapshot.new_events] == ["ignored"]
+
+
+def test_a_peer_reads_its_rounds_arrivals_from_the_members_info_and_skips_malformed_ones() -> None:
+    from types import SimpleNamespace
+
+    from workbench.run.telemetry import RoundStats
+
+    stats = RoundStats()
+    infos = [
+        {"arrived": 100.0, "name": "a"},
+        {"arrived": 101.8, "name": "b" * 100},
+        {"arrived": float("nan"), "name": "liar"},
+        {"arrived": True, "name": "bool"},
+        {"arrived": "soon", "name": "str"},
+        "not a dict",
+    ]
+    stats.arrivals(SimpleNamespace(group_size=3, error=None, group_info=infos))
+    assert (round(stats.last_round_spread, 3), stats.last_round_last, stats.last_round_alone) == (
+        1.8,
+        "b" * 64,
+        "",
+    )
+    stats.arrivals(SimpleNamespace(group_size=1, error="averaging failed: x", group_info=[]))
+    assert (stats.last_round_spread, stats.last_round_last, stats.last_round_alone) == (
+        0.0,
+        "",
+        "averaging failed: x",
+    )
+    PeerHeartbeat.model_validate(
+        dict(peer_id="p", name="n", stage="training", outer_step=1, inner_step=0, inner_steps=5, time=0.0)
+        | dict(
+            last_round_spread=stats.last_round_spread,
+            last_round_last=stats.last_round_last,
+            last_round_alone=stats.last_round_alone,
+        )
+    )
