@@ -28,6 +28,7 @@ class Fault(enum.Enum):
     THROTTLE = "throttle"  # ``argument`` ms of sleep per inner step (0 removes it)
     CORRUPT = "corrupt"  # one NaN update next round
     OVERSIZE = "oversize"  # one update 1000x larger than declared next round
+    RESTART = "restart"  # start a stopped peer again (its identity, checkpoint): it rejoins
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class FaultInjector(Protocol):
 
     def reason(self, peer_id: str) -> str | None:
         """Why faults cannot be injected into this peer (None: they can)."""
+
+    def stopped(self, peer_id: str) -> bool:
+        """Whether this is a peer launched here that has stopped (it can be restarted)."""
 
     def inject(self, peer_id: str, request: FaultRequest) -> str:
         """Inject it; returns a sentence for the event log. Raises SwarmError or OSError."""

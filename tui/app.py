@@ -266,8 +266,10 @@ class SwarmApp(App[None]):
             if faults is not None
             else ("fault injection works on peers this machine launched (`workbench demo`)")
         )
+        stopped = faults is not None and faults.stopped(peer[0])
         self.push_screen(
-            FaultScreen(name=peer[1], reason=reason), lambda choice: self._fault_chosen(peer, choice)
+            FaultScreen(name=peer[1], reason=reason, stopped=stopped),
+            lambda choice: self._fault_chosen(peer, choice),
         )
 
     def _fault_chosen(self, peer: tuple[str, str], request: FaultRequest | None) -> None:

@@ -242,6 +242,10 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
     def publish(self) -> None:
         self.dismiss(self.changes)
 
+    @on(Button.Pressed, "#restart")
+    def restart(self) -> None:
+        self.dismiss(FaultRequest(Fault.RESTART))
+
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
         self.dismiss(None)
@@ -266,13 +270,23 @@ class FaultScreen(ModalScreen[FaultRequest | None]):
         ),
     ]
 
-    def __init__(self, *, name: str, reason: str | None) -> None:
+    def __init__(self, *, name: str, reason: str | None, stopped: bool = False) -> None:
         super().__init__()
         self.peer_name = name
         self.reason = reason
+        self.stopped = stopped
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
+            if self.stopped:  # a demo peer that was killed or exited: it can only be brought back
+                yield Label(f"[b]{self.peer_name} is not running[/b]")
+                yield Button(
+                    "Restart: the same identity and run dir; it downloads the state and rejoins",
+                    id="restart",
+                    variant="primary",
+                )
+                yield Button("Cancel", id="cancel")
+                return
             yield Label(f"[b]Inject a fault into {self.peer_name}[/b]")
             if self.reason:
                 yield Label(f"[b red]Disabled:[/b red] {self.reason}", id="reason")
@@ -284,6 +298,10 @@ class FaultScreen(ModalScreen[FaultRequest | None]):
     def chosen(self, event: Button.Pressed) -> None:
         request, _ = self.FAULTS[int(str(event.button.id).split("-")[1])]
         self.dismiss(request)
+
+    @on(Button.Pressed, "#restart")
+    def restart(self) -> None:
+        self.dismiss(FaultRequest(Fault.RESTART))
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:

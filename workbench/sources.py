@@ -155,6 +155,10 @@ class LocalFaults:
             return f"{peer.name} is not running"
         return None
 
+    def stopped(self, peer_id: str) -> bool:
+        peer = self._peer(peer_id)
+        return peer is not None and peer.process.poll() is not None
+
     def _checked(self, peer_id: str):
         reason = self.reason(peer_id)
         if reason:
@@ -162,6 +166,11 @@ class LocalFaults:
         return self._peer(peer_id)
 
     def inject(self, peer_id: str, request: FaultRequest) -> str:
+        if request.fault is Fault.RESTART:
+            if not self.stopped(peer_id):
+                raise SwarmError(self.reason(peer_id) or "only a stopped peer can be restarted")
+            peer = self.swarm.restart(self._peer(peer_id).name)
+            return f"restarted {peer.name} with its identity and run dir: it downloads the state and rejoins"
         peer = self._checked(peer_id)
         fault, argument = request.fault, request.argument
         if fault is Fault.KILL:

@@ -123,3 +123,59 @@ def test_closing_the_terminal_stops_the_demo_and_every_peer(tmp_path):
             demo.kill()
         for process in _processes_of(tmp_path):
             process.kill()
+
+
+def test_a_killed_demo_peer_restarted_from_the_monitor_downloads_the_state_and_rejoins(tmp_path):
+    """The monitor's fault menu on a demo peer: Kill, then Restart on the stopped peer. It comes
+    back with the same identity (peer id) and run dir, downloads the swarm's state and averages
+    with the other peer again."""
+    import time
+    import uuid
+    from dataclasses import replace
+
+    from swarm.faults import Fault, FaultRequest
+    from workbench.cli.command import build_config, build_parser
+    from workbench.local.launch import LocalSwarm
+    from workbench.sources import LocalFaults
+
+    args = build_parser().parse_args(["demo", *FAST, "--rounds", "1000", "--run-dir", str(tmp_path)])
+    config = build_config(args)
+    config = replace(config, peer=replace(config.peer, run_id=f"restart-{uuid.uuid4().hex[:6]}", min_peers=2))
+    killed: list[str] = []
+
+    def wait_for(what, predicate, seconds=90.0):
+        deadline = time.monotonic() + seconds
+        while not predicate():
+            swarm.poll()
+            assert time.monotonic() < deadline, (
+                f"no {what} within {seconds:.0f} s:\n{swarm.peers[1].log_tail(20)}"
+            )
+            time.sleep(0.3)
+
+    with LocalSwarm(config, peers=2, run_dir=tmp_path) as swarm:
+        swarm.start()
+        faults = LocalFaults(swarm, on_kill=killed.append)
+        wait_for(
+            "first rounds",
+            lambda: all(sum(e["event"] == "round" for e in p.events) >= 2 for p in swarm.peers),
+        )
+        peer_id = swarm.peers[1].last("started")["peer_id"]
+        assert not faults.stopped(peer_id)
+        faults.inject(peer_id, FaultRequest(Fault.KILL))
+        wait_for("exit", lambda: swarm.peers[1].process.poll() is not None, 10)
+        assert killed == [peer_id] and faults.stopped(peer_id)
+        before = len(swarm.peers[1].events)
+        message = faults.inject(peer_id, FaultRequest(Fault.RESTART))
+        assert "restarted peer-1" in message and swarm.peers[1].process.poll() is None
+        assert len(swarm.peers[1].events) == before  # its earlier events are kept
+
+        def rejoined() -> bool:
+            new = swarm.peers[1].events[before:]
+            downloaded = [i for i, e in enumerate(new) if e["event"] == "state_downloaded"]
+            return bool(downloaded) and any(
+                e["event"] == "round" and e["group_size"] == 2 for e in new[downloaded[0] :]
+            )
+
+        wait_for("download and a pair round after the restart", rejoined)
+        starts = [e for e in swarm.peers[1].events if e["event"] == "started"]
+        assert len(starts) == 2 and starts[1]["peer_id"] == peer_id  # the same identity

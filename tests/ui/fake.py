@@ -52,6 +52,9 @@ class FakeFaults:
     def reason(self, peer: str) -> str | None:
         return None if peer != peer_id(2) else "this peer runs on another machine"
 
+    def stopped(self, peer: str) -> bool:
+        return peer == peer_id(6)  # the third leaver (FakeSource(leavers=3)), killed from here
+
     def inject(self, peer: str, request) -> str:
         self.calls.append((request.fault.value, peer, request.argument))
         return f"{request.fault.value} {peer[:10]}"

@@ -228,3 +228,16 @@ async def test_peers_that_left_stay_below_the_live_ones_until_cleared() -> None:
         app.show(app.source.snapshots[-1])  # the same departures are not shown again
         await pilot.pause()
         assert len(names(app)) == 4
+
+
+async def test_f_on_a_stopped_demo_peer_offers_a_restart() -> None:
+    app = SwarmApp(FakeSource(leavers=3), poll=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        table = app.query_one("#peers", DataTable)
+        table.move_cursor(row=table.get_row_index(peer_id(6)))  # killed from the monitor
+        await pilot.press("f")
+        assert isinstance(app.screen, FaultScreen) and not app.screen.query(".fault")
+        await pilot.click("#restart")
+        await pilot.pause()
+        assert app.source.faults.calls == [("restart", peer_id(6), None)]

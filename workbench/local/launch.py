@@ -30,6 +30,7 @@ from swarm.errors import SwarmError
 from swarm.faults import FaultPlan
 from workbench.cli.argv import method_arguments, model_flags, optimizer_arguments
 from workbench.config import RunConfig
+from workbench.run.checkpoint import NAME as CHECKPOINT
 from workbench.run.stopping import not_interrupted, stopped_by_signals
 
 
@@ -182,10 +183,13 @@ class LocalSwarm:
         self.run_dir = run_dir
         self.peers: list[LocalPeer] = []
 
-    def _spawn(self, command: str, name: str, extra: list[str]) -> LocalPeer:
+    def _spawn(self, command: str, name: str, extra: list[str], *, again: bool = False) -> LocalPeer:
+        """Start one peer in ``run_dir/name``; ``again``: a restart, which keeps its log of events
+        (and its identity key and checkpoints, as every start does)."""
         directory = self.run_dir / name
         directory.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "global_params.pt", "faults.json"):  # a reused --run-dir: start clean
+        # A reused --run-dir starts clean; a restarted peer keeps its events and loses its faults.
+        for stale in ("faults.json",) if again else ("metrics.jsonl", "global_params.pt", "faults.json"):
             (directory / stale).unlink(missing_ok=True)
         argv = [
             sys.executable,
@@ -197,7 +201,7 @@ class LocalSwarm:
         ]
         with open(self.run_dir / "commands.txt", "a") as file:
             file.write(" ".join(["workbench", *argv[3:]]) + "\n")
-        log = open(directory / "peer.log", "wb")  # noqa: SIM115 - the child owns it
+        log = open(directory / "peer.log", "ab" if again else "wb")  # noqa: SIM115 - the child owns it
         # A new session: Ctrl+C in the demo's terminal reaches the launcher only, which then
         # stops each peer itself (in order, with a deadline).
         process = subprocess.Popen(
@@ -210,7 +214,30 @@ class LocalSwarm:
         )
         log.close()
         peer = LocalPeer(name=name, directory=directory, process=process)
-        self.peers.append(peer)
+        if not again:
+            self.peers.append(peer)
+        return peer
+
+    def restart(self, name: str) -> LocalPeer:
+        """Start a stopped peer again in its own directory: its identity key (the same peer id),
+        its last checkpoint if it wrote one (``--resume``), and its shard. It joins through a
+        running peer, downloads the swarm's state and trains to the run's end."""
+        index = next((i for i, p in enumerate(self.peers) if p.name == name), None)
+        if index is None:
+            raise LaunchError(f"no peer named {name} was launched here")
+        old = self.peers[index]
+        if old.process.poll() is None:
+            raise LaunchError(f"{name} is still running")
+        live = [p for p in self.peers if p.process.poll() is None and p.last("started")]
+        if not live:
+            raise LaunchError("no running peer to join through: every peer of this demo has stopped")
+        extra = [live[0].last("started")["addresses"][0], "--shard", f"{index}/{self.count}"]
+        if (old.directory / CHECKPOINT).exists():
+            extra += ["--resume", str(old.directory)]
+        old.poll_events()
+        peer = self._spawn("join", name, extra, again=True)
+        peer.events, peer._offset = old.events, old._offset
+        self.peers[index] = peer
         return peer
 
     def start(self, timeout: float = 120.0) -> None:
