@@ -70,13 +70,13 @@ class SwarmApp(App[None]):
         yield Header(show_clock=self.clock)
         yield RunSummary("waiting for the first reading...", id="summary")
         with Horizontal(id="main"):
-            with Vertical(id="left"):
+            with Vertical(id="left"):  # the table as tall as its peers, the event log under it
                 yield PeersTable(id="peers")
                 yield Input(placeholder="filter: name, stage, device or peer id (esc clears)", id="filter")
+                yield EventLog(id="events")
             with Vertical(id="right"):
                 yield LossChart(id="loss")
                 yield Rates(id="rates")
-        yield EventLog(id="events")
         yield Footer()
 
     @property

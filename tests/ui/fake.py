@@ -36,7 +36,7 @@ def heartbeat(index: int, t: float, step: int, **overrides: Any) -> PeerHeartbea
         last_round_seconds=14.0 + index / 2,
         group_size=4,
         last_round_spread=1.8,
-        last_round_last="delta",
+        last_round_last="bravo",
         control_version=0,
         rounds=40,
         addresses=[f"/ip4/127.0.0.1/tcp/{40000 + index}/p2p/{peer_id(index)}"] if index != 2 else [],
@@ -79,10 +79,12 @@ class FakeSource:
         self.snapshots: list[SwarmSnapshot] = []
         for step in range(1, steps + 1):
             t = 1000.0 + 10 * step
-            beats = {peer_id(i): heartbeat(i, t, step) for i in range(min(peers, 3 if step < 3 else peers))}
+            count = min(peers, 3 if step < 3 else peers)
+            group = dict(group_size=count + (leavers if step <= 8 else 0))  # everyone averaged together
+            beats = {peer_id(i): heartbeat(i, t, step, **group) for i in range(count)}
             for i in range(peers, peers + leavers):
                 if step <= 8:
-                    beats[peer_id(i)] = heartbeat(i, t, step)
+                    beats[peer_id(i)] = heartbeat(i, t, step, **group)
                 elif step == 9 and i == peers:
                     beats[peer_id(i)] = heartbeat(i, t, step - 1, stage="leaving")
                 if step == 8 and i == peers + 2:

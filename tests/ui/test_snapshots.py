@@ -1,4 +1,4 @@
-"""SVG snapshots of the monitor at 80x24 and 160x50 (pytest-textual-snapshot).
+"""SVG snapshots of the monitor at 80x24, 160x50 and 200x60 (pytest-textual-snapshot).
 
 Regenerate after an intended change with `pytest tests/ui --snapshot-update`, then look at the
 SVGs in tests/ui/__snapshots__/ before committing them.
@@ -31,9 +31,10 @@ def fed(**options) -> tuple[SwarmApp, object]:
     return app, feed
 
 
-@pytest.mark.parametrize("size", [(80, 24), (160, 50)], ids=["80x24", "160x50"])
-def test_overview(snap_compare, size) -> None:
-    app, feed = fed()
+@pytest.mark.parametrize("peers", [3, 64], ids=["3-peers", "64-peers"])
+@pytest.mark.parametrize("size", [(80, 24), (160, 50), (200, 60)], ids=["80x24", "160x50", "200x60"])
+def test_overview(snap_compare, size, peers) -> None:
+    app, feed = fed(peers=peers)
     assert snap_compare(app, terminal_size=size, run_before=feed)
 
 
