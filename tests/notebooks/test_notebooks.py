@@ -32,9 +32,17 @@ def test_notebook_runs(name: str) -> None:
     tagged = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, "one cell tagged 'parameters'"
     tagged[0].source = SMALL[name]
-    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+    ).execute()
     outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
+    # No library log lines in a notebook unless the user turns logging on (hivemind's
+    # "[INFO] Checking that identity ..." used to show in red under the cell).
+    logs = [o.text for o in outputs if o.output_type == "stream" and o.name == "stderr"]
+    assert not [
+        line for text in logs for line in text.splitlines() if "[INFO]" in line or "[DEBUG]" in line
+    ], logs
     widgets = [o for o in outputs if WIDGET in o.get("data", {})]
     if name != "02_optimizers":
         assert widgets, "the notebook shows the live widget"
