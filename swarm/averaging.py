@@ -85,6 +85,8 @@ class SwarmAverager:
         self.dht = dht
         self.board = board
         self.serving = serving if serving is not None else Serving()
+        self.on_download: Callable[[float | None], None] | None = None
+        """Told the download's progress every 50 ms while it runs (a terminal's progress bar)."""
         """Set while this peer answers a state request (see the overlapped barrier)."""
         state_provider = self.serving.wrap(state_provider)
         self.overlapped = overlapped
@@ -373,6 +375,12 @@ class SwarmAverager:
         others.sort(key=lambda p: (p.peer_id not in vouched, -p.outer_step, random.random()))
         return [p.peer_id for p in others[: VERIFIERS + 1]]  # one more: the donor is never asked
 
+    def download_progress(self) -> float | None:
+        """The share of the state received in the download in progress (0..1), None if the
+        donor has not said how large it is yet (what it says is shown, never trusted)."""
+        received, announced = self.averager.download[:]
+        return min(1.0, received / announced) if announced > 0 else None
+
     def _fetch_state(self, skipped: set[str], deadline: float) -> tuple[Any, ...] | None:
         """(the state, or None if malformed; its donor; the seed; the witnesses' answers) from
         the best donor not skipped, or None.
@@ -387,6 +395,8 @@ class SwarmAverager:
         try:
             while not future.done():
                 self.beat(Stage.DOWNLOADING)
+                if self.on_download is not None:
+                    self.on_download(self.download_progress())
                 if time.monotonic() > deadline:
                     future.cancel()
                     logger.warning("no peer served the state in time")

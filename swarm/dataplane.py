@@ -31,8 +31,9 @@ import logging
 import math
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import torch
 
@@ -88,6 +89,14 @@ def bindable(host: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def or_error(call: Callable[[], Any]) -> Any:
+    """``call()``, or its error as one line (for a board request run in an executor)."""
+    try:
+        return call()
+    except Exception as error:  # noqa: BLE001 - reported by the caller as a failed round
+        return one_line(error)
 
 
 def one_line(error: BaseException) -> str:

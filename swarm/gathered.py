@@ -6,11 +6,25 @@ other machines: every reader here treats a malformed value as absent."""
 from __future__ import annotations
 
 import math
+import secrets
 from typing import Any
 
 from swarm.dataplane import MAX_RINGS, RING_ID_BYTES
 
 PLANE, WEIGHT, NONCE, USER, RINGS = "dataplane", "weight", "nonce", "user", "rings"
+
+
+def own(plane: bool, weight: float, kept: bytes, user: Any) -> dict[str, Any]:
+    """What this member gathers: ``plane`` (it takes direct rings), its ``weight``, a fresh
+    nonce, the ring ids in ``kept`` (a zero-padded array of them) and the caller's ``user`` data."""
+    rings = (kept[i : i + RING_ID_BYTES] for i in range(0, len(kept), RING_ID_BYTES))
+    return {
+        PLANE: plane,
+        WEIGHT: weight,
+        NONCE: secrets.token_bytes(16),
+        RINGS: [ring for ring in rings if any(ring)],
+        USER: user,
+    }
 
 
 def unwrap(data: Any) -> Any:

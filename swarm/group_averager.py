@@ -44,6 +44,7 @@ from swarm.dataplane import (
     RingUnreachable,
     bindable,
     one_line,
+    or_error,
 )
 from swarm.errors import SwarmError
 from swarm.faults import fault_value
@@ -126,6 +127,7 @@ class GroupAverager(DecentralizedAverager):
         # after each direct round, read here before each step).
         self._ring_ids = mp.Array("c", MAX_RINGS * RING_ID_BYTES)
         self.direct_rounds = mp.Value("q", 0)  # rounds the direct plane carried, for reports
+        self.download = mp.Array("d", 2)  # the download in progress: bytes received, bytes announced
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):
             bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
@@ -170,18 +172,8 @@ class GroupAverager(DecentralizedAverager):
         """hivemind's step; this member's data-plane address travels with its gathered info."""
         weight = kwargs.get("weight")
         weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
-        kept = self._ring_ids.raw
-        data = {
-            gathered.PLANE: bool(self._plane_enabled.value),
-            gathered.WEIGHT: weight,
-            gathered.NONCE: secrets.token_bytes(16),
-            gathered.RINGS: [
-                ring
-                for ring in (kept[i : i + RING_ID_BYTES] for i in range(0, len(kept), RING_ID_BYTES))
-                if any(ring)
-            ],
-        }
-        return super().step(gather={**data, gathered.USER: gather}, **kwargs)
+        mine = gathered.own(bool(self._plane_enabled.value), weight, self._ring_ids.raw, gather)
+        return super().step(gather=mine, **kwargs)
 
     def _group_board(self, group_info, members: list[Any]) -> tuple[BoardClient, list[PeerID], bytes]:
         """The group's board, its members in rank order (by peer id, not hivemind's random
@@ -274,7 +266,7 @@ class GroupAverager(DecentralizedAverager):
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 got = await loop.run_in_executor(None, sketcher.sketch, local_tensors)
         except Exception:  # the others learn it at once instead of waiting for this member
-            await loop.run_in_executor(None, _or_error, functools.partial(board.set, f"mean/{rank}", FAILED))
+            await loop.run_in_executor(None, or_error, functools.partial(board.set, f"mean/{rank}", FAILED))
             raise
         if board.held_here:  # a fresh lease, however long the all-reduce took
             self._boards.open(group_info.group_id, [p.to_bytes() for p in peer_ids], renew=True)
@@ -283,7 +275,7 @@ class GroupAverager(DecentralizedAverager):
         exchange = functools.partial(
             board.exchange, f"mean/{rank}", post, others, max(1.0, deadline - time.monotonic())
         )
-        answers = await loop.run_in_executor(None, _or_error, exchange)
+        answers = await loop.run_in_executor(None, or_error, exchange)
         if isinstance(answers, str):
             raise AllreduceException(
                 f"hivemind's all-reduce: the members' check did not complete ({answers})"
@@ -408,6 +400,7 @@ class GroupAverager(DecentralizedAverager):
                 timeout=self.next_chunk_timeout or self.request_timeout,
             )
             metadata, tensors, parts, received = None, [], [], 0
+            self.download[:] = [0.0, 0.0]
             async for message in aiter_with_timeout(
                 stream, timeout=self.next_chunk_timeout or self.request_timeout
             ):
@@ -418,6 +411,10 @@ class GroupAverager(DecentralizedAverager):
                     )
                 if message.metadata:
                     metadata = self.serializer.loads(message.metadata)
+                    announced = metadata.get("bytes") if isinstance(metadata, dict) else None
+                    if isinstance(announced, int) and 0 < announced <= self._state_limit:  # for display only
+                        self.download[1] = float(announced)
+                self.download[0] = float(received)
                 if message.tensor_part.dtype and parts:  # the first part of the next tensor
                     tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
                     parts = []
@@ -488,13 +485,11 @@ class GroupAverager(DecentralizedAverager):
             num_pending=len(state.pending),
             inner_keys=state.inner_keys,
         )
-        queued = [t for update in state.pending for t in update]
-        return metadata, [*state.params, *state.momentum, *queued, *state.inner], None
-
-
-def _or_error(call: Callable[[], Any]) -> Any:
-    """``call()``, or its error as one line (for a board request run in an executor)."""
-    try:
-        return call()
-    except Exception as error:  # noqa: BLE001 - reported by the caller as a failed round
-        return one_line(error)
+        tensors = [
+            *state.params,
+            *state.momentum,
+            *(t for update in state.pending for t in update),
+            *state.inner,
+        ]
+        metadata["bytes"] = sum(t.numel() * t.element_size() for t in tensors)  # a joiner's progress
+        return metadata, tensors, None

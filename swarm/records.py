@@ -113,6 +113,8 @@ class PeerHeartbeat(BaseModel):
     """The name of the member of its last round's group that arrived last."""
     last_round_alone: str = Field(default="", max_length=200)
     """Why it stepped alone in its last round ("" when it averaged)."""
+    download_progress: float = Field(default=0.0, ge=0, le=1)
+    """While downloading the state: the share received of what the donor said it would send."""
 
     @field_validator("ignored")
     @classmethod

@@ -62,11 +62,18 @@ def bytes_saved(snapshot: SwarmSnapshot) -> tuple[int, int]:
     return sum(p.bytes_sent for p in peers), sum(p.dp_bytes for p in peers)
 
 
+def stage_text(p: PeerHeartbeat) -> str:
+    """The stage, with a download's progress once the donor has said how large the state is."""
+    if p.stage is Stage.DOWNLOADING and p.download_progress > 0:
+        return f"download {p.download_progress:.0%}"
+    return p.stage.value
+
+
 def peer_row(p: PeerHeartbeat, top: int) -> dict[str, str]:
     """The peers table's cells for one heartbeat (column key -> text)."""
     return {
         "name": p.name,
-        "stage": p.stage.value,
+        "stage": stage_text(p),
         "inner": f"{p.inner_step}/{p.inner_steps}",
         "outer": str(p.outer_step),
         "lag": str(max(0, top - p.outer_step)),

@@ -259,6 +259,7 @@ def test_a_killed_peer_shows_as_left_within_its_ttl(spawn, tmp_path):
         wait_until(left, 25, "the monitor to report the killed peer as left")
         assert time.monotonic() - killed <= session.board.ttl + 5
         assert victim not in live[-1].peers and len(live[-1].peers) == 1
+        assert live[-1].departed[victim].how == "heartbeat expired"  # kept on screen, with how
         # The survivor keeps training (alone) instead of waiting for the dead peer.
         step = first.events("round")[-1]["outer_step"]
         first.wait_event("round", lambda e: e["outer_step"] >= step + 2, timeout=60)
@@ -267,6 +268,40 @@ def test_a_killed_peer_shows_as_left_within_its_ttl(spawn, tmp_path):
         session.close()
     replayed = list(replay(recording))
     assert [json.dumps(s.to_json()) for s in replayed] == [json.dumps(s.to_json()) for s in live]
+
+
+def test_a_joiners_download_shows_its_progress_on_the_board(spawn, tmp_path):
+    """A donor serving slowly (fault injection: 40 ms per streamed part): the joiner's
+    heartbeats say "downloading" with the share received of what the donor announced, rising,
+    which the monitor and `status` show ("download 37%")."""
+    faults = tmp_path / "faults.json"
+    FaultPlan(serve_delay_ms=40).write(faults)
+    common = [*FAST, "--run-id", "progress", "--rounds", "300"]
+    first = spawn("a", "start", *common, "--fault-file", str(faults))
+    first.wait_event("round")
+    keys = RunKeys("progress")
+    session = observer(first.address(), keys)
+    monitor = SwarmMonitor(dht_reader(session.board, session.store, keys))
+    shares: list[float] = []
+    try:
+        joiner = spawn("b", "join", first.address(), *common)
+
+        def downloaded() -> bool:
+            snapshot = monitor.poll()
+            shares.extend(
+                p.download_progress
+                for p in snapshot.peers.values()
+                if p.name == "b" and p.stage is Stage.DOWNLOADING
+            )
+            return bool(joiner.events("state_downloaded"))
+
+        wait_until(downloaded, 90, "the joiner's download")
+    finally:
+        monitor.close()
+        session.close()
+    seconds = joiner.events("state_downloaded")[0]["seconds"]
+    assert any(0 < share < 1 for share in shares), (shares, seconds)
+    assert shares == sorted(shares), shares  # one donor, one stream: it only grows
 
 
 def test_status_needs_an_address():

@@ -59,6 +59,7 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         last_round_spread=0.0,
         last_round_last="",
         last_round_alone="",
+        download_progress=0.0,
     )
     record.update(overrides)
     return record

@@ -95,7 +95,7 @@ def render(data: dict[str, Any]) -> None:
     for p in data["peers"]:
         table.add_row(
             p["name"] + (" (lagging)" if p.get("lagging") else ""),
-            p["stage"],
+            p["stage"] + (f" {p['download_progress']:.0%}" if p.get("download_progress") else ""),
             str(p["outer_step"]),
             f"{p['inner_step']}/{p['inner_steps']}",
             str(p.get("last_round_steps") or ""),  # time-boxed rounds: each peer's own H

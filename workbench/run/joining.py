@@ -88,8 +88,12 @@ def download_state(
 
     started = time.monotonic()
     for attempt in range(3):
-        with progress(f"{name}: downloading the global state ({reason})"):
-            state = averager.download_state()
+        with progress(f"{name}: downloading the global state ({reason})", total=1.0, unit="share") as bar:
+            averager.on_download = bar.show
+            try:
+                state = averager.download_state()
+            finally:
+                averager.on_download = None
         if state is not None:
             try:
                 rounds.load_outer_state(state)

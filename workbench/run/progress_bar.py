@@ -11,10 +11,14 @@ from typing import Protocol
 
 class Bar(Protocol):
     def advance(self, amount: float) -> None: ...
+    def show(self, completed: float | None) -> None: ...
 
 
 class _Nothing:
     def advance(self, amount: float) -> None:
+        pass
+
+    def show(self, completed: float | None) -> None:
         pass
 
 
@@ -24,6 +28,11 @@ class _RichBar:
 
     def advance(self, amount: float) -> None:
         self.progress.advance(self.task, amount)
+
+    def show(self, completed: float | None) -> None:
+        """Set how much is done (None: not known yet)."""
+        if completed is not None:
+            self.progress.update(self.task, completed=completed)
 
 
 @contextlib.contextmanager
@@ -38,6 +47,7 @@ def progress(description: str, *, total: float | None = None, unit: str = "") ->
         DownloadColumn,
         Progress,
         SpinnerColumn,
+        TaskProgressColumn,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
@@ -45,10 +55,13 @@ def progress(description: str, *, total: float | None = None, unit: str = "") ->
 
     columns = [SpinnerColumn(), TextColumn("{task.description}")]
     if total is not None:
-        columns += [
-            BarColumn(),
-            DownloadColumn() if unit == "bytes" else TextColumn("{task.completed:.0f}/{task.total:.0f}"),
-        ]
+        if unit == "share":  # ``total`` is 1: a percentage
+            columns += [BarColumn(), TaskProgressColumn()]
+        else:
+            columns += [
+                BarColumn(),
+                DownloadColumn() if unit == "bytes" else TextColumn("{task.completed:.0f}/{task.total:.0f}"),
+            ]
         columns += [TimeRemainingColumn()]
     columns += [TimeElapsedColumn()]
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:

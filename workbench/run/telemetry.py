@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarm.records import PeerHeartbeat
+from swarm.records import PeerHeartbeat, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -171,4 +171,9 @@ def heartbeat_of(peer: Any) -> PeerHeartbeat:
         last_round_spread=stats.last_round_spread,
         last_round_last=stats.last_round_last,
         last_round_alone=stats.last_round_alone,
+        download_progress=(
+            (peer.averager.download_progress() or 0.0)
+            if peer.averager and peer.stage is Stage.DOWNLOADING
+            else 0.0
+        ),
     )

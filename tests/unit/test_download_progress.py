@@ -1,0 +1,45 @@
+"""A state download's progress: what the averager process counts, what the heartbeat and the
+monitor show, and the terminal's bar."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from swarm.averaging import SwarmAverager
+from swarm.records import PeerHeartbeat
+from tui.format import peer_row, stage_text
+
+
+def _progress(received: float, announced: float) -> float | None:
+    return SwarmAverager.download_progress(
+        SimpleNamespace(averager=SimpleNamespace(download=[received, announced]))
+    )
+
+
+def test_the_share_received_of_what_the_donor_announced() -> None:
+    assert _progress(50.0, 200.0) == 0.25
+    assert _progress(10.0, 0.0) is None  # the donor has not said yet
+    assert _progress(300.0, 200.0) == 1.0  # a donor that announced too little: shown as done, never more
+
+
+def test_the_heartbeat_bounds_it_and_the_table_shows_it() -> None:
+    base = dict(peer_id="p", name="b", outer_step=0, inner_step=0, inner_steps=5, time=0.0)
+    downloading = PeerHeartbeat.model_validate({**base, "stage": "downloading", "download_progress": 0.37})
+    assert stage_text(downloading) == "download 37%" and peer_row(downloading, 3)["stage"] == "download 37%"
+    assert stage_text(downloading.model_copy(update={"download_progress": 0.0})) == "downloading"
+    training = PeerHeartbeat.model_validate({**base, "stage": "training", "download_progress": 0.5})
+    assert stage_text(training) == "training"
+    with pytest.raises(ValidationError):
+        PeerHeartbeat.model_validate({**base, "stage": "downloading", "download_progress": 1.5})
+
+
+def test_the_bar_is_silent_without_a_terminal(capsys) -> None:
+    from workbench.run.progress_bar import progress
+
+    with progress("downloading", total=1.0, unit="share") as bar:
+        bar.show(None)
+        bar.show(0.5)
+    assert capsys.readouterr().err == ""
