@@ -348,3 +348,48 @@ def test_an_injected_corrupt_update_is_rejected_by_the_group(spawn, tmp_path):
     assert "sending a corrupt (NaN) update" in second.stderr()
     assert "sending 1000x this round's update" in second.stderr()
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
+
+
+def test_closing_the_monitors_terminal_stops_it_and_its_dht_processes(spawn, tmp_path):
+    """`workbench monitor` in a terminal (a pty here), then SIGHUP, as when the terminal or the
+    SSH session closes: the monitor and the processes it started (hivemind's DHT process and its
+    p2p daemon) are gone within 10 s."""
+    import os
+    import pty
+
+    import psutil
+
+    peer = spawn("a", "start", *FAST, "--run-id", "hangup", "--rounds", "300")
+    peer.wait_event("round")
+    leader, follower = pty.openpty()
+    monitor = subprocess.Popen(
+        [sys.executable, "-m", "workbench", "monitor", peer.address(), "--run-id", "hangup"],
+        stdin=follower, stdout=follower, stderr=follower, start_new_session=True,
+        env={**os.environ, "TERM": "xterm-256color", "COLUMNS": "120", "LINES": "40"},
+    )  # fmt: skip
+    os.close(follower)
+    try:
+        process = psutil.Process(monitor.pid)
+        deadline = time.monotonic() + 60
+        while len(process.children(recursive=True)) < 2:  # its DHT process and p2p daemon are up
+            assert monitor.poll() is None and time.monotonic() < deadline, "the monitor did not start"
+            os.read(leader, 65536) if _readable(leader) else time.sleep(0.2)
+        children = process.children(recursive=True)
+        time.sleep(2.0)  # the app is drawing
+        monitor.send_signal(signal.SIGHUP)
+        hung_up = time.monotonic()
+        while monitor.poll() is None and time.monotonic() - hung_up < 15:
+            os.read(leader, 65536) if _readable(leader) else time.sleep(0.1)  # keep the pty drained
+        gone, alive = psutil.wait_procs(children, timeout=max(0.1, 10 - (time.monotonic() - hung_up)))
+        assert monitor.poll() is not None and not alive, [p.cmdline()[:3] for p in alive]
+        assert time.monotonic() - hung_up < 10.0
+    finally:
+        if monitor.poll() is None:
+            os.killpg(monitor.pid, signal.SIGKILL)
+        os.close(leader)
+
+
+def _readable(fd: int) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], 0.1)[0])
