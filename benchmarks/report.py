@@ -133,7 +133,8 @@ def heterogeneity() -> list[str]:
         f"`python -m benchmarks.heterogeneity` ({data.get('date', '-')}, {data.get('machine', '-')}): "
         f"{data['peers']} real peers on 127.0.0.1 (`{data['model']}` model), {data['slow_peers']} of them "
         f"slowed to half speed by the lab's throttle (one step: {data['step_ms']:.0f} ms). `fixed`: "
-        f"H={data['inner_steps']} every round. `timeboxed`: `--round-seconds` set to the fast peers' time "
+        f"H={data['inner_steps']} every round, peer flags `{data.get('peer_flags') or 'none'}`. `timeboxed`: "
+        "`--round-seconds` set to the fast peers' time "
         "for H steps in the fixed run, for the same wall-clock budget. Targets (issue #18): time-boxed "
         "fast-peer utilization **>= 0.9**, and the fixed run's final loss reached in **<= 0.75x** its time.",
         "",
@@ -141,7 +142,13 @@ def heterogeneity() -> list[str]:
         "",
     ]
     for variant in data.get("variants", []):
-        lines += [f'With `--peer-flags "{variant["peer_flags"]}"` (every peer of both modes):', ""]
+        setting = f"H={variant['inner_steps']}, " if "inner_steps" in variant else ""
+        flags = variant["peer_flags"] or "none"
+        label = variant.get("label", "another setting")
+        lines += [
+            f"{label[:1].upper()}{label[1:]} ({setting}peer flags: `{flags}`, every peer of both modes):",
+            "",
+        ]
         lines += [*_heterogeneity_rows(variant["rows"]), ""]
     return lines
 
