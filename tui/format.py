@@ -75,6 +75,7 @@ def peer_row(p: PeerHeartbeat, top: int) -> dict[str, str]:
         "name": p.name,
         "stage": stage_text(p),
         "inner": f"{p.inner_step}/{p.inner_steps}",
+        "h": str(p.last_round_steps or "-"),  # inner steps its last round took (time boxes: its own)
         "outer": str(p.outer_step),
         "lag": str(max(0, top - p.outer_step)),
         "loss": "-" if p.loss is None else f"{p.loss:.3f}",
@@ -91,6 +92,7 @@ def sort_key(p: PeerHeartbeat, column: str, top: int):
     """A value to sort peers by ``column`` (numbers as numbers; missing values last)."""
     numeric = {
         "inner": p.inner_step,
+        "h": p.last_round_steps,
         "outer": p.outer_step,
         "lag": top - p.outer_step,
         "loss": p.loss if p.loss is not None else math.inf,

@@ -33,6 +33,7 @@ COLUMNS = [
     ("name", "name"),
     ("stage", "stage"),
     ("inner", "inner"),
+    ("h", "H"),
     ("outer", "outer"),
     ("lag", "lag"),
     ("loss", "loss"),
@@ -49,6 +50,7 @@ COLUMNS = [
 WIDTHS = {
     "stage": 13,
     "inner": 7,
+    "h": 4,
     "outer": 5,
     "lag": 3,
     "loss": 5,

@@ -25,6 +25,7 @@ def heartbeat(index: int, t: float, step: int, **overrides: Any) -> PeerHeartbea
         outer_step=max(0, step - (2 if index == 3 else 0)),  # delta lags two rounds
         inner_step=(7 * index + step) % 20,
         inner_steps=20,
+        last_round_steps=20 - index % 3 * 4,  # time boxes: slower peers fit fewer steps
         loss=round(3.2 - 0.05 * step + 0.03 * index, 4),
         samples_per_second=20.0 + index,
         tokens_per_second=(20.0 + index) * 128,

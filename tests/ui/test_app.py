@@ -38,7 +38,7 @@ async def test_the_table_shows_every_live_peer_keyed_by_id(app) -> None:
         table = app.query_one("#peers", DataTable)
         assert [str(k.value) for k in table.rows] == [peer_id(i) for i in range(4)]
         row = table.get_row(peer_id(3))
-        assert str(row[4]) == "2"  # delta lags two rounds
+        assert str(row[5]) == "2"  # delta lags two rounds
         summary = str(app.query_one("#summary", Static).render())
         assert "round 12" in summary and "peers 4" in summary and "1 lagging" in summary
         assert "20x more" in summary  # bytes sent vs what data-parallel would have sent
