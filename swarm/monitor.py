@@ -287,11 +287,22 @@ class SwarmMonitor:
         training = [
             p for p in alive.values() if p.stage not in (Stage.DOWNLOADING, Stage.JOINING, Stage.PAUSED)
         ]
+        # A round is told when every training peer finished it, or 10 s after the first did if
+        # most have (a laggard does not hold it up; one peer claiming a far-off step tells nothing).
         settled = [
             step
             for step in self._seen
-            if all(p.outer_step >= step for p in training) or now - self._first_seen[step] > 10.0
+            if all(p.outer_step >= step for p in training)
+            or (
+                now - self._first_seen[step] > 10.0
+                and 2 * sum(p.outer_step >= step for p in training) > len(training)
+            )
         ]
+        for stale in [s for s, t in self._first_seen.items() if now - t > 60.0 and s not in settled]:
+            del self._seen[stale], self._first_seen[stale]  # never settled: a claim nobody followed
+        for far in sorted(self._seen)[64:]:  # and at most 64 pending rounds, the nearest kept
+            del self._seen[far], self._first_seen[far]
+        settled = [step for step in settled if step in self._seen]
         if not settled:
             return
         step = max(settled)

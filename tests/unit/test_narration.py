@@ -153,3 +153,18 @@ def test_a_peer_reads_its_rounds_arrivals_from_the_members_info_and_skips_malfor
             last_round_alone=stats.last_round_alone,
         )
     )
+
+
+def test_one_peer_claiming_a_far_off_round_tells_nothing_and_is_forgotten() -> None:
+    monitor = SwarmMonitor()
+    monitor.ingest(reading(1.0, hb("a", 1.0, 1), hb("b", 1.0, 1), hb("liar", 1.0, 1)))
+    rounds = []
+    for t in range(2, 80):
+        step = 1 + t // 5  # the honest peers finish a round every 5 s
+        beats = [hb("a", t, step), hb("b", t, step), hb("liar", t, 10**9 + t)]  # a new claim each time
+        rounds += [
+            e.message for e in monitor.ingest(reading(float(t), *beats)).new_events if e.kind == "round"
+        ]
+    assert rounds and not any("1000000000" in r for r in rounds)
+    assert rounds[-1].startswith("round 16: ")  # the honest rounds are told up to the last
+    assert len(monitor._seen) <= 64  # claims nobody follows are dropped (after 60 s, beyond 64)
