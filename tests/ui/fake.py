@@ -42,6 +42,8 @@ def heartbeat(index: int, t: float, step: int, **overrides: Any) -> PeerHeartbea
         rounds=40,
         addresses=[f"/ip4/127.0.0.1/tcp/{40000 + index}/p2p/{peer_id(index)}"] if index != 2 else [],
     )
+    if fields["stage"] == "downloading":
+        fields["download_progress"] = 0.37
     fields.update(overrides)
     return PeerHeartbeat.model_validate(fields)
 
@@ -54,7 +56,7 @@ class FakeFaults:
         return None if peer != peer_id(2) else "this peer runs on another machine"
 
     def stopped(self, peer: str) -> bool:
-        return peer == peer_id(6)  # the third leaver (FakeSource(leavers=3)), killed from here
+        return peer == peer_id(6)  # FakeSource(leavers=3)'s third leaver, killed from the monitor
 
     def inject(self, peer: str, request) -> str:
         self.calls.append((request.fault.value, peer, request.argument))

@@ -45,12 +45,45 @@ window.rendered = true;
 </script></body></html>"""
 
 
+def _page(source: FakeSource):
+    """(the widget over ``source``'s last snapshot, a function that opens it in a browser page)."""
+    source.position = len(source.snapshots) - 1
+    return SwarmWidget(source, autostart=False)
+
+
+def test_the_widget_shows_downloads_and_the_peers_that_left() -> None:
+    from playwright.sync_api import sync_playwright
+
+    widget = _page(FakeSource(peers=6, leavers=3))
+    script = Path(__file__).parents[2] / "workbench" / "notebook" / "widget.js"
+    state = json.dumps({k: v for k, v in widget.get_state().items() if k in SYNCED})
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.expose_function("pyGetState", lambda: state)
+            page.route(
+                "http://widget.test/widget.js",
+                lambda route: route.fulfill(body=script.read_text(), content_type="text/javascript"),
+            )
+            page.route(
+                "http://widget.test/", lambda route: route.fulfill(body=PAGE, content_type="text/html")
+            )
+            page.goto("http://widget.test/")
+            page.wait_for_function("window.rendered === true", timeout=10_000)
+            stages = page.locator("table.swb-peers tr[data-peer] td.stage").all_inner_texts()
+            assert "download 37%" in stages, stages
+            gone = page.locator("table.swb-peers tr.swb-departed td.stage").all_inner_texts()
+            assert len(gone) == 3 and sum("(killed from the monitor)" in g for g in gone) == 1, gone
+        finally:
+            browser.close()
+
+
 def test_the_widget_renders_peers_and_a_click_reaches_python() -> None:
     from playwright.sync_api import sync_playwright
 
     source = FakeSource()
-    source.position = len(source.snapshots) - 1
-    widget = SwarmWidget(source, autostart=False)
+    widget = _page(source)
     script = Path(__file__).parents[2] / "workbench" / "notebook" / "widget.js"
 
     def state() -> str:

@@ -14,6 +14,7 @@ const CSS = `
 .swb td.stage-paused { color: #b58900; font-weight: 600; }
 .swb td.stage-training { color: #2aa198; }
 .swb td.stage-averaging { color: #d33682; }
+.swb tr.swb-departed td { color: #93a1a1; }
 .swb button { font-size: 12px; padding: 1px 8px; cursor: pointer; }
 .swb button:disabled { cursor: not-allowed; }
 .swb-controls { display: flex; gap: 8px; align-items: center; margin-top: 8px; flex-wrap: wrap; }
@@ -129,6 +130,7 @@ function render({ model, el: root }) {
       const cells = [p.name, p.stage, p.outer_step, `${p.inner_step}/${p.inner_steps}`, p.last_round_steps || "-",
         p.loss == null ? "-" : p.loss.toFixed(3), (p.samples_per_second || 0).toFixed(1),
         bytes(p.bytes_sent || 0), p.group_size || "-", p.control_version ? `v${p.control_version}` : "-"];
+      if (p.stage === "downloading" && p.download_progress > 0) cells[1] = `download ${Math.round(100 * p.download_progress)}%`;
       cells.forEach((c, i) => tr.appendChild(el("td", { text: String(c), class: i === 1 ? `stage stage-${p.stage}` : "" })));
       const isPaused = paused.includes(p.peer_id) || paused.includes(p.name);
       const button = el("button", { class: isPaused ? "swb-resume" : "swb-pause", text: isPaused ? "resume" : "pause" });
@@ -137,6 +139,14 @@ function render({ model, el: root }) {
       const td = el("td");
       td.appendChild(button);
       tr.appendChild(td);
+      table.appendChild(tr);
+    }
+    // Peers that left (the last 5 minutes): dimmed below the live ones, with how and when.
+    for (const d of [...(snap.departed || [])].reverse()) {
+      const when = new Date(d.time * 1000).toLocaleTimeString();
+      const tr = el("tr", { class: "swb-departed", "data-peer": d.peer_id });
+      const cells = [d.name, `left ${when} (${d.how})`, d.outer_step, "-", "-", "-", "-", "-", "-", "-", ""];
+      cells.forEach((c, i) => tr.appendChild(el("td", { text: String(c), class: i === 1 ? "stage" : "" })));
       table.appendChild(tr);
     }
     row.appendChild(table);
