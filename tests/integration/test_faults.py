@@ -132,9 +132,12 @@ def test_a_donor_killed_mid_download_the_joiner_takes_another(spawn, scenario, t
     assert donor is not None, joiner.stderr()[-3000:]
     time.sleep(0.5)  # a few parts in
     assert not joiner.events("state_downloaded"), "the download finished before the kill"
+    # The surviving donor serves the retry at full speed: the stream under way read its delay
+    # when it began. (Written after the kill, this raced the joiner's retry, which then took
+    # 20 s at the injected speed.)
+    faults.write_text("{}")
+    killed_at = time.time()  # before kill(), which returns once the donor's processes are gone
     donor.kill()
-    killed_at = time.time()
-    faults.write_text("{}")  # the surviving donor serves the retry at full speed
     other = second if donor is first else first
     joined = joiner.wait_event("state_downloaded", timeout=90)
     assert joined["reason"] == "joining"
