@@ -78,7 +78,17 @@ class Sync(enum.Enum):
 # command line's flag without its dashes, the TOML key, the Experiment keyword).
 OUTER = ("outer_lr", "outer_momentum")
 ROUND_KNOBS = ("delay", "overlap", "eager", "outlier_ratio", "clip_norm")
-CODEC_KNOBS = ("update_codec", "topk_density", "topk_chunk", "topk_bits", "error_feedback", "ef_decay")
+CODEC_KNOBS = (
+    "update_codec",
+    "topk_density",
+    "topk_chunk",
+    "topk_bits",
+    "topk_mean",
+    "error_feedback",
+    "ef_decay",
+)
+TOPK_MEANS = ("group", "kept")
+"""How a group averages sparse updates (``DiLoCoConfig.topk_mean``)."""
 STREAMING_KNOBS = ("fragments", "sync_delay", "alpha")
 KNOBS = (*OUTER, *ROUND_KNOBS, *CODEC_KNOBS, *STREAMING_KNOBS)
 

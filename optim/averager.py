@@ -41,8 +41,12 @@ class RoundReport:
     stale: bool = False
     """This peer's global state is known to be behind the group's: fetch it before going on."""
     robust_mean: bool = False
-    """The mean is already robust (a trimmed mean): no bound from the members' declared norms
-    applies to it, so the misreport check is skipped (NaN and outlier checks stay)."""
+    """No bound from the members' declared norms applies to the mean (a trimmed mean; a sparse
+    mean over the members that kept each coordinate, checked before it was spread), so the
+    misreport check is skipped (NaN and outlier checks stay)."""
+    refused: str | None = None
+    """Why a check made while the mean was formed refuses it (the round is then refused like
+    one the robust check refuses; :func:`optim.contribution.judge`)."""
 
     plane: str = ""
     """The transport that carried the all-reduce (a swarm's "direct" ring or "hivemind"'s path);

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from optim.api import TOPK_MEANS
 from optim.codecs import Codec, ErrorFeedback, make_codec
 
 
@@ -30,6 +31,11 @@ class DiLoCoConfig:
     topk_bits: int = 16
     """Bits per kept value of the topk codec: 16 (fp16) or 2 (SparseLoCo's quantizer, with
     12-bit in-chunk indices when ``topk_chunk`` <= 4096: 1.75 B per kept value)."""
+    topk_mean: str = "group"
+    """How the group's sparse updates are averaged: "group" divides each coordinate by the
+    whole group's weight; "kept" averages it over the members that kept it (SparseLoCo's
+    reference rule; the all-reduce then also carries each member's kept-mask, see
+    :func:`optim.contribution.spread_over_keepers`)."""
     error_feedback: bool = False
     """Keep what the codec dropped and add it to the next round's pseudo-gradient."""
     error_decay: float = 1.0
@@ -89,6 +95,13 @@ class DiLoCoConfig:
         if not 0 < self.topk_density <= 1:
             raise ValueError(
                 f"topk density must be in (0, 1] (got {self.topk_density}); SparseLoCo uses 0.01-0.03"
+            )
+        if self.topk_mean not in TOPK_MEANS:
+            raise ValueError(f"topk_mean must be one of {', '.join(TOPK_MEANS)} (got {self.topk_mean!r})")
+        if self.topk_mean == "kept" and self.codec != "topk":
+            raise ValueError(
+                f"topk_mean 'kept' averages the coordinates a top-k codec kept; codec {self.codec!r} "
+                "keeps them all: use codec 'topk' or topk_mean 'group'"
             )
         self.make_codec()  # raises ValueError for an unknown codec
 

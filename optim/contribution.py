@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from optim.averager import RoundReport
-from optim.robust import check_round
+from optim.robust import check_round, misreported
 
 
 @dataclass
@@ -57,7 +57,7 @@ def judge(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> str 
         )
     report.local_norm, report.mean_norm = outgoing.local_norm, global_norm(outgoing.deltas)
     report.payload_bytes = outgoing.payload_bytes
-    refused = check_round(
+    refused = report.refused or check_round(
         report.mean_norm,
         report.group_info,
         ratio=outlier_ratio,
@@ -74,3 +74,53 @@ def judge(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> str 
         return None
     report.error = why
     return why
+
+
+def keepers(deltas: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1 where this peer's compressed Δ kept a coordinate (nonzero), else 0. Averaged alongside
+    the Δ with the same weights, each becomes the share of the group's weight that kept it."""
+    return [(d != 0).to(torch.float32) for d in deltas]
+
+
+@torch.no_grad()
+def spread_over_keepers(deltas: list[torch.Tensor], shares: list[torch.Tensor], report: RoundReport) -> None:
+    """Turn the group's weighted mean (in ``deltas``) into, per coordinate, the weighted mean over
+    the members that kept it (SparseLoCo's reference rule): divide by the share of the group's
+    weight that kept it (``shares``: the averaged :func:`keepers`). A share below half the
+    smallest member's is a coordinate nobody kept (a lossy wire codec may leave noise there): 0.
+
+    The misreport check bounds the group's mean, not this one (with members keeping different
+    coordinates it is larger by design), so it runs here first, on the group's mean. The kept
+    mean has its own bound: each coordinate lies between its keepers' values, so its norm is at
+    most ``sqrt(Σ |Δ_i|²)`` over the declared norms; a member whose mask lies (a negative or
+    fractional share, to scale up the others' values) fails it. Either failure leaves the
+    group's mean and sets ``report.refused``: :func:`judge` refuses the round on every member."""
+    if report.group_size <= 1:
+        floor = 0.5
+    else:
+        members = [i for i in report.group_info if isinstance(i, dict) and _positive(i.get("weight"))]
+        weights = [float(i["weight"]) for i in members]
+        floor = 0.5 * min(weights) / sum(weights) if weights else 0.5
+        if not report.robust_mean:
+            report.refused = misreported(global_norm(deltas), report.group_info)
+            if report.refused:
+                return
+    spread = [
+        torch.where(share >= floor, d / share.clamp(min=floor), 0.0) for d, share in zip(deltas, shares)
+    ]
+    if report.group_size > 1:
+        norms = [float(i["norm"]) for i in members if _positive(i.get("norm")) or i.get("norm") == 0]
+        bound = math.sqrt(sum(n * n for n in norms)) * 1.05 + 1e-6
+        if len(norms) < len(members) or global_norm(spread) > bound:
+            report.refused = (
+                f"the mean over the members that kept each coordinate has norm {global_norm(spread):.3g}, "
+                f"more than their reported norms allow ({bound:.3g}): a member's kept-mask is not 0/1"
+            )
+            return
+    for d, s in zip(deltas, spread):
+        d.copy_(s)
+    report.robust_mean = True  # checked above, on the group's mean
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0

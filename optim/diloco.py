@@ -35,7 +35,7 @@ from optim.averager import Averager, RoundReport
 from optim.background import in_background, landed, read_settled
 from optim.codecs import encoded_nbytes
 from optim.config import DiLoCoConfig
-from optim.contribution import InFlight, Outgoing, global_norm, judge, own_share
+from optim.contribution import InFlight, Outgoing, global_norm, judge, keepers, own_share, spread_over_keepers
 from optim.state import OuterState, inner_state_tensors, load_inner_state
 
 __all__ = [  # the config and state live in their own modules; importing them from here still works
@@ -173,8 +173,11 @@ class DiLoCo:
         if weight is None:
             weight = float(max(self.samples_this_round, 1))
         backup = [d.clone() for d in deltas]  # a transport may fail after writing half a mean
+        kept = keepers(deltas) if self.config.topk_mean == "kept" else []
         try:
-            report = self.averager.all_reduce(deltas, weight=weight, info=info)
+            report = self.averager.all_reduce([*deltas, *kept], weight=weight, info=info)
+            if kept:
+                spread_over_keepers(deltas, kept, report)
         except threading.BrokenBarrierError:
             raise  # the in-process swarm lost a peer: stop, do not train on alone
         except Exception as error:  # the transport failed: this round is a local step

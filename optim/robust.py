@@ -58,7 +58,14 @@ def check_round(
                 f"peer {peer[-12:]} sent an update of norm {norm:.3g}, {norm / max(median, 1e-12):.0f}x the "
                 f"median of the others ({median:.3g}; limit {allowed}): the round's mean was refused"
             )
-    if not misreport:
+    return misreported(mean_norm, group_info) if misreport else None
+
+
+def misreported(mean_norm: float, group_info: list[Any]) -> str | None:
+    """Why the weighted mean's norm is more than the members' declared (norm, weight) allow, or
+    None (fewer than two members with a weight: nothing to check)."""
+    members = [m for m in _members(group_info) if m[2] > 0]
+    if len(members) < 2:
         return None
     total = sum(w for _, _, w in members)
     bound = sum(w * n for _, n, w in members) / total

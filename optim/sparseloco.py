@@ -11,11 +11,14 @@ deviations wide, each level the mean of the values it holds) with a 12-bit in-ch
 group's mean of the sparse updates is applied with plain SGD, lr 1, no momentum: the
 accumulator plays the role outer momentum plays in DiLoCo.
 
+Each coordinate of the group's update is averaged over the peers that kept it, as in the
+reference (``topk_mean="kept"``): the all-reduce carries each peer's kept-mask next to its values
+(the mask is implied by the indices in the encoded update, so the payload does not grow).
+
 Implemented as a preset of :class:`~optim.diloco.DiLoCo` (codec ``topk`` with ``chunk``,
-``value_bits=2`` and error feedback with ``decay``). Differences from the reference code, kept
-on purpose: chunks are 4096 consecutive elements of the flattened tensor (the reference cuts 2-D
-weights into 64x64 blocks, the same size); the mean divides by the group size (the reference
-averages each index over the peers that selected it).
+``value_bits=2``, ``topk_mean="kept"`` and error feedback with ``decay``). One difference from
+the reference code, kept on purpose: chunks are 4096 consecutive elements of the flattened
+tensor (the reference cuts 2-D weights into 64x64 blocks, the same size).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def sparseloco(
     chunk: int = CHUNK,
     bits: int = 2,
     decay: float = DECAY,
+    mean: str = "kept",
 ) -> DiLoCoConfig:
     """SparseLoCo's published configuration (each knob overridable): chunked top-k, 2-bit values,
     error feedback decaying by ``decay``; outer SGD lr 1, no momentum."""
@@ -48,6 +52,7 @@ def sparseloco(
         topk_density=density,
         topk_chunk=chunk,
         topk_bits=bits,
+        topk_mean=mean,
         error_feedback=True,
         error_decay=decay,
     )

@@ -70,6 +70,11 @@ class StreamingConfig:
             raise ValueError(
                 "streaming delays merges with sync_delay (in steps), not the outer delay (in rounds)"
             )
+        if self.outer.topk_mean != "group":
+            raise ValueError(
+                "streaming averages each fragment over the whole group: topk_mean 'kept' is for "
+                "diloco and sparseloco (use topk_mean 'group')"
+            )
         if self.fragments > self.inner_steps:
             raise ValueError(
                 f"fragments ({self.fragments}) must not exceed inner_steps ({self.inner_steps}): each fragment "

@@ -61,6 +61,7 @@ def _optimizer_values(d) -> dict[str, str | bool | None]:
         "topk_density": repr(d.topk_density),
         "topk_chunk": str(d.topk_chunk),
         "topk_bits": str(d.topk_bits),
+        "topk_mean": d.topk_mean,
         "ef_decay": repr(d.error_decay),
         "delay": str(d.delay),
         "outlier_ratio": repr(d.outlier_ratio),

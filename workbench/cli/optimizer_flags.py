@@ -12,7 +12,7 @@ import argparse
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from optim.api import DELAYED_OUTER, KNOBS, METHODS, STREAMING_KNOBS, method
+from optim.api import DELAYED_OUTER, KNOBS, METHODS, STREAMING_KNOBS, TOPK_MEANS, method
 from swarm.bounds import parser as bounded
 from workbench.names import UPDATE_CODECS
 
@@ -79,6 +79,12 @@ def add_optimizer_options(group: argparse._ArgumentGroup, *, simulate: bool = Fa
         choices=(2, 16),
         help="bits per value the topk codec keeps: 16 (fp16) or 2 (4 levels, 12-bit indices; "
         "default: 16; sparseloco: 2)",
+    )
+    group.add_argument(
+        "--topk-mean",
+        choices=TOPK_MEANS,
+        help="how the group averages sparse updates: over the whole group, or each coordinate over "
+        "the peers that kept it (default: group; sparseloco: kept)",
     )
     group.add_argument(
         "--error-feedback",
@@ -219,6 +225,7 @@ def effective(name: str, config: DiLoCoConfig, **streaming: Any) -> dict[str, An
         "topk_density": config.topk_density if config.codec == "topk" else None,
         "chunk": config.topk_chunk if config.codec == "topk" else None,
         "topk_bits": config.topk_bits if config.codec == "topk" else None,
+        "topk_mean": config.topk_mean if config.codec == "topk" else None,
         "error_feedback": config.error_feedback,
         "ef_decay": config.error_decay if config.error_feedback else None,
         "delay": config.delay,

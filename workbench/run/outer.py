@@ -42,6 +42,12 @@ def plane_location(config: RunConfig) -> dict[str, Any]:
     return dict(plane_host=network.host, plane_advertise=advertise)
 
 
+def averaged_like(tensors: list, config: RunConfig) -> list:
+    """The tensors a round all-reduces: the Δ, and with ``topk_mean="kept"`` a kept-mask of each
+    (optim.contribution.keepers)."""
+    return [*tensors, *tensors] if config.diloco.topk_mean == "kept" else list(tensors)
+
+
 def build_outer(
     config: RunConfig,
     model,
@@ -69,7 +75,10 @@ def build_outer(
         return _streaming(config, model, inner_optimizer, dht, SwarmAverager, common)
     diloco = DiLoCo(model, inner_optimizer, averager=None, config=config.diloco)  # type: ignore[arg-type]
     averager = SwarmAverager(
-        dht, tensors_like=diloco.global_params, state_provider=diloco.outer_state, **common
+        dht,
+        tensors_like=averaged_like(diloco.global_params, config),
+        state_provider=diloco.outer_state,
+        **common,
     )
     if config.outer_method.every_step:
         # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
