@@ -87,8 +87,6 @@ CODEC_KNOBS = (
     "error_feedback",
     "ef_decay",
 )
-TOPK_MEANS = ("group", "kept")
-"""How a group averages sparse updates (``DiLoCoConfig.topk_mean``)."""
 STREAMING_KNOBS = ("fragments", "sync_delay", "alpha")
 KNOBS = (*OUTER, *ROUND_KNOBS, *CODEC_KNOBS, *STREAMING_KNOBS)
 

@@ -30,6 +30,8 @@ class RoundReport:
     independent of the transport; what the optimizer benchmarks compare)."""
     seconds: float = 0.0
     """Wall time of the round, matchmaking included."""
+    matchmaking_seconds: float = 0.0
+    """Of which: from this peer's request until its group formed (0 when no group formed)."""
     group_info: list[dict[str, Any]] = field(default_factory=list)
     """The ``info`` every group member sent (this peer's included), for consistency checks."""
     error: str | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from optim.api import TOPK_MEANS
+from optim.choices import TOPK_MEANS
 from optim.codecs import Codec, ErrorFeedback, make_codec
 
 

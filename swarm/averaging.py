@@ -6,9 +6,11 @@ One round, as :meth:`SwarmAverager.all_reduce` runs it:
    seconds) until every live peer at the same outer step has finished its inner steps.
    Without it the first peer to finish would average with whoever happens to be matchmaking
    and the swarm would split into groups holding different global params.
-2. **Matchmaking + all-reduce.** ``step(scheduled_time=now + matchmaking_time)``: peers that
-   passed the barrier within that window form one group; the weighted mean replaces the
-   tensors. Each member's ``info`` (outer step, fingerprint of θ) is all-gathered.
+2. **Matchmaking + all-reduce.** ``step(scheduled_time=now + window)``: peers that passed the
+   barrier within that window form one group, as soon as every round mate the barrier saw
+   ready has joined (else when the window ends); the weighted mean replaces the tensors. Each
+   member's ``info`` (outer step, fingerprint of θ) is all-gathered. The window is learned
+   from how long the last groups took to form (``matchmaking_time`` at most).
 3. **Fallback.** No group (a lone peer) or a failed round: keep this peer's own tensors and
    say so in the report; the outer step is then a local one.
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import signal
 import time
@@ -39,7 +40,7 @@ from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.barrier import RoundBarrier, Serving, Verdict
 from swarm.claims import Vouching, judge_state
-from swarm.deadlines import LearnedDeadline
+from swarm.deadlines import LearnedDeadline, matchmaking_window
 from swarm.dht import quiet_children
 from swarm.errors import SwarmError
 from swarm.group_averager import VERIFIERS, GroupAverager, fault_value
@@ -120,6 +121,9 @@ class SwarmAverager:
         )
         """How long a round's matchmaking and all-reduce may take: learned from the last
         successful rounds (``averaging_timeout`` until 5 were seen, and never more)."""
+        self.matchmaking_window = matchmaking_window(config.matchmaking_time)
+        self.formed_after = 0.0
+        """How long the last successful attempt's group took to form (s)."""
         self.corrupt_next = False
         """Testing: send NaN instead of this peer's update in the next round (a faulty peer)."""
         self.scale_next = 0.0
@@ -145,7 +149,8 @@ class SwarmAverager:
             plane_host=plane_host,
             plane_advertise=plane_advertise,
             codec=config.compression,
-            min_matchmaking_time=config.matchmaking_time,
+            # The shortest window; each step asks for the learned one (scheduled_time).
+            min_matchmaking_time=self.matchmaking_window.floor,
             request_timeout=max(3.0, config.matchmaking_time),
             allreduce_timeout=config.averaging_timeout,
             next_chunk_timeout=min(10.0, config.averaging_timeout),
@@ -189,7 +194,7 @@ class SwarmAverager:
         attempt, direct_before = 0, self.averager.direct_rounds.value
         while True:
             attempt += 1
-            gathered, error = self._attempt(tensors, weight, info, deadline)
+            gathered, error = self._attempt(tensors, weight, info, deadline, attempt)
             if gathered:
                 break
             # We retry here rather than let hivemind do it: hivemind retries on the buffers as a
@@ -225,16 +230,24 @@ class SwarmAverager:
             bytes_received=moved,
             group_info=[data for data in gathered.values() if isinstance(data, dict)],
             robust_mean=self.config.aggregate == "trimmed-mean",
+            matchmaking_seconds=self.formed_after,
             plane="direct" if self.averager.direct_rounds.value > direct_before else "hivemind",
         )
 
     def _attempt(
-        self, tensors: Sequence[torch.Tensor], weight: float, info: dict[str, Any], deadline: float
+        self,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        info: dict[str, Any],
+        deadline: float,
+        attempt: int = 1,
     ) -> tuple[dict[Any, Any] | None, str]:
         """One matchmaking + all-reduce from this peer's own tensors; (gathered, why it failed)."""
         from hivemind.utils import get_dht_time
 
         self.beat(Stage.AVERAGING)
+        # A retry waits out the whole window: whoever the barrier expected did not all come.
+        window = self.matchmaking_window.seconds if attempt == 1 else self.config.matchmaking_time
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
@@ -248,11 +261,13 @@ class SwarmAverager:
                 for buffer in buffers:
                     buffer.mul_(factor)
                 logger.warning("fault injection: sending %gx this round's update", factor)
+        asked = time.time()  # the averager process stamps the group's forming with time.time()
         control = self.averager.step(
             allow_retries=False,  # see all_reduce
             gather=info,
             weight=weight,
-            scheduled_time=get_dht_time() + self.config.matchmaking_time,
+            expected=self.barrier.expected if attempt == 1 else 0,
+            scheduled_time=get_dht_time() + window,
             timeout=max(self.config.matchmaking_time + 0.5, deadline - time.monotonic()),
             wait=False,
         )
@@ -287,6 +302,10 @@ class SwarmAverager:
             raise
         except (Exception, asyncio.CancelledError) as error:  # hivemind may cancel a step it gave up on
             return None, f"averaging failed: {type(error).__name__}: {error}"
+        self.formed_after = 0.0
+        if gathered and self.averager.assembled.value > asked:
+            self.formed_after = self.averager.assembled.value - asked
+            self.matchmaking_window.observe(self.formed_after)
         return (gathered, "") if gathered else (None, "could not find a group")
 
     def _failed(self, info: dict[str, Any], reason: str, *, mates: list[str]) -> RoundReport:
@@ -446,53 +465,3 @@ def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:
         inner=list(rest[pending * count :]),
         inner_keys=[list(k) for k in inner_keys],
     )
-
-
-def diverged_from_group(
-    mine: dict[str, Any], group: list[dict[str, Any]], *, rel_tol: float = 1e-5
-) -> str | None:
-    """Why this peer's global params before the round differ from the group's, or None.
-
-    Members of one round must start it from the same θ. If this peer was behind (a lower
-    outer step) or on another trajectory (e.g. it stepped alone while others averaged), its θ
-    is now wrong and it must download the state. Among members at the same step, the
-    trajectory held by most members wins; ties go to the lowest peer id.
-    """
-    # Other peers' info is untrusted input: skip members whose info does not parse.
-    others = [g for g in map(_parse_info, group) if g is not None and g["peer"] != mine.get("peer")]
-    mine = _parse_info(mine) or {"peer": str(mine.get("peer")), "outer_step": -1, "fingerprint": []}
-    if not others:
-        return None
-    top = max(g["outer_step"] for g in [mine, *others])
-    if mine["outer_step"] < top:
-        return f"behind the group (outer step {mine['outer_step']} < {top})"
-    same = [g for g in [mine, *others] if g["outer_step"] == top]
-
-    def close(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        fa, fb = a["fingerprint"], b["fingerprint"]
-        return len(fa) == len(fb) and all(
-            abs(x - y) <= rel_tol * max(abs(x), abs(y), 1e-12) for x, y in zip(fa, fb)
-        )
-
-    def rank(member: dict[str, Any]) -> tuple[int, str]:
-        agreeing = [g for g in same if close(member, g)]
-        return -len(agreeing), min(g["peer"] for g in agreeing)  # most agreeing first, then lowest id
-
-    best = min(same, key=rank)
-    if close(mine, best):
-        return None
-    return f"its global params differ from the group's ({-rank(best)[0]} of {len(same)} peers agree on another state)"
-
-
-def _parse_info(info: Any) -> dict[str, Any] | None:
-    """A group member's info as {peer: str, outer_step: int, fingerprint: [float]}, or None."""
-    if not isinstance(info, dict):
-        return None
-    step, fingerprint = info.get("outer_step"), info.get("fingerprint") or []
-    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(fingerprint, list):
-        return None
-    if not all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fingerprint
-    ):
-        return None
-    return {"peer": str(info.get("peer")), "outer_step": step, "fingerprint": [float(x) for x in fingerprint]}

@@ -104,6 +104,10 @@ class RoundBarrier:
         """How long to wait for a round mate still training: learned from how long this
         barrier waited for its last round mates (``round_wait`` until it has seen 5 rounds). A
         peer downloading the state gets the whole ``round_wait``."""
+        self.expected = 0
+        """The group the last AVERAGE verdict expects: this peer and the round mates it saw
+        ready (0 after any other verdict). Matchmaking forms the group as soon as that many
+        joined instead of waiting out its window."""
 
     def wait_for_round_mates(self, outer_step: int) -> Verdict:
         """The barrier: wait until every other live peer has finished this round's inner steps.
@@ -175,6 +179,7 @@ class RoundBarrier:
         claimant is ignored for the rest of the run."""
         started = time.monotonic()
         learned = self.wait.seconds
+        self.expected = 0
         # What an honest newcomer costs: about one round of inner steps (measured between this
         # peer's rounds), and at least a couple of matchmaking windows.
         grace = started + min(
@@ -216,7 +221,10 @@ class RoundBarrier:
             waiting = [p.name for p in busy_peers]
             if not waiting:
                 self.wait.observe(now - started)  # how far behind this peer its last mate came
-                return Verdict.AVERAGE if not need_ready or any(map(ready, others)) else Verdict.ALONE
+                if need_ready and not any(map(ready, others)):
+                    return Verdict.ALONE
+                self.expected = 1 + sum(map(ready, others))
+                return Verdict.AVERAGE
             # A downloader gets the whole round wait (a large state takes long); a round mate
             # still training, what the last rounds' arrivals say (never more).
             downloading = any(p.stage is Stage.DOWNLOADING for p in busy_peers)

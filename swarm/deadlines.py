@@ -59,3 +59,16 @@ class LearnedDeadline:
             return self.ceiling
         high = seen[min(len(seen) - 1, math.ceil(self.quantile * len(seen)) - 1)]
         return min(self.ceiling, max(self.floor, self.factor * high + self.margin))
+
+
+MATCHMAKING_FLOOR = 0.5
+"""The shortest matchmaking window a peer learns (s): a group on one machine forms in ~0.1 s;
+across the internet a join request and the leader's answer take a few round trips."""
+
+
+def matchmaking_window(ceiling: float) -> LearnedDeadline:
+    """How long matchmaking waits for a round's group to form: learned from how long the last
+    groups took (from this peer's step until its group formed; a group that was not complete
+    took the whole window, which pushes it back up), within ``MATCHMAKING_FLOOR``..``ceiling``
+    (``--matchmaking-time``)."""
+    return LearnedDeadline(ceiling=ceiling, floor=min(ceiling, MATCHMAKING_FLOOR), factor=2.0, margin=0.25)

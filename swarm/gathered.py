@@ -1,7 +1,8 @@
 """What each member of a hivemind group gathers with the others, around the caller's own data:
 whether it takes direct rings, its weight, a random nonce for the group's sketch seed (all
-gathered over hivemind's encrypted channel) and the ring ids it keeps. All of it comes from
-other machines: every reader here treats a malformed value as absent."""
+gathered over hivemind's encrypted channel) and the ring ids it keeps; and the check of the
+user data every member sent (:func:`diverged_from_group`). All of it comes from other machines:
+every reader here treats a malformed value as absent."""
 
 from __future__ import annotations
 
@@ -60,3 +61,53 @@ def weight_of(member: Any) -> float:
 def nonces(members: list[Any]) -> bytes:
     """Every member's nonce, in the group's order (the group's sketch seed after its id)."""
     return b"".join(m[NONCE] for m in members if isinstance(m, dict) and isinstance(m.get(NONCE), bytes))
+
+
+def diverged_from_group(
+    mine: dict[str, Any], group: list[dict[str, Any]], *, rel_tol: float = 1e-5
+) -> str | None:
+    """Why this peer's global params before the round differ from the group's, or None.
+
+    Members of one round must start it from the same θ. If this peer was behind (a lower
+    outer step) or on another trajectory (e.g. it stepped alone while others averaged), its θ
+    is now wrong and it must download the state. Among members at the same step, the
+    trajectory held by most members wins; ties go to the lowest peer id.
+    """
+    # Other peers' info is untrusted input: skip members whose info does not parse.
+    others = [g for g in map(_parse_info, group) if g is not None and g["peer"] != mine.get("peer")]
+    mine = _parse_info(mine) or {"peer": str(mine.get("peer")), "outer_step": -1, "fingerprint": []}
+    if not others:
+        return None
+    top = max(g["outer_step"] for g in [mine, *others])
+    if mine["outer_step"] < top:
+        return f"behind the group (outer step {mine['outer_step']} < {top})"
+    same = [g for g in [mine, *others] if g["outer_step"] == top]
+
+    def close(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        fa, fb = a["fingerprint"], b["fingerprint"]
+        return len(fa) == len(fb) and all(
+            abs(x - y) <= rel_tol * max(abs(x), abs(y), 1e-12) for x, y in zip(fa, fb)
+        )
+
+    def rank(member: dict[str, Any]) -> tuple[int, str]:
+        agreeing = [g for g in same if close(member, g)]
+        return -len(agreeing), min(g["peer"] for g in agreeing)  # most agreeing first, then lowest id
+
+    best = min(same, key=rank)
+    if close(mine, best):
+        return None
+    return f"its global params differ from the group's ({-rank(best)[0]} of {len(same)} peers agree on another state)"
+
+
+def _parse_info(info: Any) -> dict[str, Any] | None:
+    """A group member's info as {peer: str, outer_step: int, fingerprint: [float]}, or None."""
+    if not isinstance(info, dict):
+        return None
+    step, fingerprint = info.get("outer_step"), info.get("fingerprint") or []
+    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(fingerprint, list):
+        return None
+    if not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fingerprint
+    ):
+        return None
+    return {"peer": str(info.get("peer")), "outer_step": step, "fingerprint": [float(x) for x in fingerprint]}

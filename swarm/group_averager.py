@@ -22,7 +22,6 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's n
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.control import StepControl
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import (
     deserialize_torch_tensor,
@@ -34,7 +33,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
 from optim.diloco import OuterState
-from swarm import gathered
+from swarm import gathered, hivemind_fixes  # noqa: F401 - hivemind_fixes patches StepControl
 from swarm.consensus import CHECKED_CODECS, FAILED, Post, TensorSketcher, disagreement, scaled
 from swarm.dataplane import (
     DIRECT_CODECS,
@@ -56,40 +55,6 @@ logger = logging.getLogger(__name__)
 SEED_BYTES = 16  # a joiner's seed for sketching the θ it downloaded
 VERIFIERS = 4  # peers asked to confirm a downloaded state
 MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
-
-
-def _quiet_step_control_del(original: Callable[[Any], None]) -> Callable[[Any], None]:
-    """hivemind's ``StepControl.__del__`` asserts that a trigger was attached; a step that a
-    signal interrupted before hivemind attached one (SIGTERM to a peer's process group kills the
-    averager first) then printed an AssertionError traceback at exit. Nothing is pending then."""
-
-    def __del__(self) -> None:
-        if getattr(self, "_trigger", None) is not None:
-            original(self)
-
-    return __del__
-
-
-StepControl.__del__ = _quiet_step_control_del(StepControl.__del__)
-
-
-def _quiet_cancelled_result(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-    """A peer cancels a step whose group it no longer wants (the others finished the round);
-    when the all-reduce had just begun in hivemind's averager process, hivemind then sets the
-    cancelled step's result and logs "Task exception was never retrieved ... InvalidStateError"
-    with a traceback. The peer has moved on (its round falls back; a stale θ is re-downloaded):
-    the result has nobody to go to."""
-
-    def set_result(self, result: Any) -> None:
-        if self.cancelled():
-            logger.debug("a cancelled averaging step finished anyway; its result is dropped")
-            return
-        original(self, result)
-
-    return set_result
-
-
-StepControl.set_result = _quiet_cancelled_result(StepControl.set_result)
 
 
 class GroupAverager(DecentralizedAverager):
@@ -128,6 +93,10 @@ class GroupAverager(DecentralizedAverager):
         self._ring_ids = mp.Array("c", MAX_RINGS * RING_ID_BYTES)
         self.direct_rounds = mp.Value("q", 0)  # rounds the direct plane carried, for reports
         self.download = mp.Array("d", 2)  # the download in progress: bytes received, bytes announced
+        # The group the next step expects (0: unknown), set here and read by the averager process;
+        # and when the averager process last formed a group (time.time(), for the learned window).
+        self._expected = mp.Value("i", 0)
+        self.assembled = mp.Value("d", 0.0)
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):
             bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
@@ -166,10 +135,17 @@ class GroupAverager(DecentralizedAverager):
 
     async def _step(self, **kwargs: Any):
         self._keep_running()
+        # A leader forms the group as soon as the expected members joined, rather than at the end
+        # of the matchmaking window (hivemind's target group size, which it reads per join).
+        expected = self._expected.value
+        self._matchmaking.target_group_size = expected if expected >= 2 else None
         return await super()._step(**kwargs)
 
-    def step(self, gather: Any = None, **kwargs: Any):
-        """hivemind's step; this member's data-plane address travels with its gathered info."""
+    def step(self, gather: Any = None, expected: int = 0, **kwargs: Any):
+        """hivemind's step; this member's data-plane address travels with its gathered info.
+        ``expected``: the members this round's group should have (this one included; 0: not
+        known, the group forms when the matchmaking window ends)."""
+        self._expected.value = expected
         weight = kwargs.get("weight")
         weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
         mine = gathered.own(bool(self._plane_enabled.value), weight, self._ring_ids.raw, gather)
@@ -196,6 +172,7 @@ class GroupAverager(DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):
         # In hivemind's averager process, once the group is formed (and triggered).
+        self.assembled.value = time.time()
         members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
         if self._plane is not None and all(map(gathered.takes_direct_rings, members)):
             board, peer_ids, seed = self._group_board(group_info, members)

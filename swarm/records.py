@@ -100,6 +100,9 @@ class PeerHeartbeat(BaseModel):
     last rounds' arrivals, :mod:`swarm.deadlines`; 0: not known)."""
     averaging_deadline_seconds: float = Field(default=0.0, ge=0)
     """How long this peer now gives a round's matchmaking and all-reduce (learned likewise)."""
+    matchmaking_window_seconds: float = Field(default=0.0, ge=0)
+    """How long this peer's matchmaking now waits for its round's group to form (learned from
+    how long the last groups took; a complete group forms sooner)."""
     last_round_steps: int = Field(default=0, ge=0)
     """Inner steps this peer ran in its last round: its H, or what fit in a time-boxed round."""
     serving: bool = False

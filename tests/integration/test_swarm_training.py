@@ -27,6 +27,10 @@ def test_two_peers_agree_and_learn(spawn):
         assert all(r["group_size"] == 2 for r in rounds), [
             (r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds
         ]
+        # The barrier saw the other ready, so the group formed as soon as both had joined,
+        # not when the 1 s matchmaking window ended (hivemind's target group size, per round).
+        formed = [r["matchmaking_seconds"] for r in rounds]
+        assert any(0 < s < 0.9 for s in formed), formed
         done = peer.events("done")[0]
         assert math.isfinite(done["final_eval_loss"])
         assert done["final_eval_loss"] < done["initial_eval_loss"] - 0.5

@@ -8,7 +8,7 @@ import pytest
 
 from swarm.averaging_config import AveragingConfig
 from swarm.barrier import RoundBarrier, Verdict
-from swarm.deadlines import LearnedDeadline
+from swarm.deadlines import MATCHMAKING_FLOOR, LearnedDeadline, matchmaking_window
 from swarm.records import PeerHeartbeat, Stage
 
 
@@ -84,3 +84,28 @@ def test_the_barrier_learns_from_how_long_it_waited():
     swarm = barrier(board)
     assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE  # nobody busy: waited ~0 s
     assert len(swarm.wait._seen) == 1 and swarm.wait._seen[0] < 0.5
+
+
+def test_the_barrier_expects_the_round_mates_it_saw_ready():
+    """Matchmaking forms the group as soon as these joined (swarm.group_averager): this peer
+    and the two ready mates; a straggler a round behind is not expected."""
+    board = Board(beat("a", 7, Stage.WAITING), beat("b", 7, Stage.AVERAGING), beat("c", 6, Stage.TRAINING))
+    swarm = barrier(board)
+    assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE
+    assert swarm.expected == 3
+    board.beats = {}
+    assert swarm.wait_for_round_mates(8) is Verdict.ALONE and swarm.expected == 0
+
+
+def test_the_matchmaking_window_is_learned_within_its_bounds():
+    """What a peer's window does with the times its last groups took to form."""
+    window = matchmaking_window(2.0)
+    for _ in range(5):
+        window.observe(0.05)  # complete groups, formed at once
+    assert window.seconds == MATCHMAKING_FLOOR
+    for _ in range(3):
+        window.observe(MATCHMAKING_FLOOR)  # groups that waited out the window: a mate came late
+    assert window.seconds == pytest.approx(2 * MATCHMAKING_FLOOR + 0.25)
+    for _ in range(5):
+        window.observe(2.0)
+    assert window.seconds == 2.0  # never more than --matchmaking-time

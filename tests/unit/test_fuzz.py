@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.addresses import AddressError, parse_peer_address
-from swarm.averaging import _parse_info, diverged_from_group
 from swarm.errors import SwarmError
+from swarm.gathered import _parse_info, diverged_from_group
 from swarm.monitor import Reading
 from swarm.records import ControlState, PeerHeartbeat, RunManifest, check_run_id, parse_record
 from workbench.cli.options import parse_shard

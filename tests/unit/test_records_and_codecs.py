@@ -14,8 +14,9 @@ import torch
 from hivemind.compression import CompressionInfo
 from pydantic import ValidationError
 
-from swarm.averaging import CODECS, diverged_from_group
+from swarm.averaging import CODECS
 from swarm.averaging_config import CODEC_BYTES
+from swarm.gathered import diverged_from_group
 from swarm.records import PeerHeartbeat, Stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +57,7 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         last_round_steps=0,
         round_wait_seconds=0.0,
         averaging_deadline_seconds=0.0,
+        matchmaking_window_seconds=0.0,
         last_round_spread=0.0,
         last_round_last="",
         last_round_alone="",

@@ -12,7 +12,8 @@ import argparse
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from optim.api import DELAYED_OUTER, KNOBS, METHODS, STREAMING_KNOBS, TOPK_MEANS, method
+from optim.api import DELAYED_OUTER, KNOBS, METHODS, STREAMING_KNOBS, method
+from optim.choices import TOPK_MEANS
 from swarm.bounds import parser as bounded
 from workbench.names import UPDATE_CODECS
 

@@ -111,10 +111,12 @@ def render(data: dict[str, Any]) -> None:
     console.print(table)
     waits = sorted(p.get("round_wait_seconds") or 0.0 for p in data["peers"])
     limits = sorted(p.get("averaging_deadline_seconds") or 0.0 for p in data["peers"])
+    windows = sorted(p.get("matchmaking_window_seconds") or 0.0 for p in data["peers"])
     if waits and waits[-1]:
         console.print(
             f"  deadlines (median of the peers, learned from the last rounds): the barrier waits "
-            f"{waits[len(waits) // 2]:.1f} s for a round mate, averaging gives up after {limits[len(limits) // 2]:.1f} s"
+            f"{waits[len(waits) // 2]:.1f} s for a round mate, matchmaking {windows[len(windows) // 2]:.1f} s "
+            f"for the group, averaging gives up after {limits[len(limits) // 2]:.1f} s"
         )
     for liar in data.get("ignored", []):
         console.print(f"  [red]ignored[/red] {liar['peer_id'][-12:]}: {liar['reason']}")

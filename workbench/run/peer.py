@@ -280,7 +280,7 @@ class Peer:
         stats.last_round_seconds = time.monotonic() - round_start
         resync = f"out of step with the swarm ({report.error})" if report.stale else None
         if report.group_size > 1:
-            from swarm.averaging import diverged_from_group
+            from swarm.gathered import diverged_from_group
 
             # (overlapped, the report is the previous round's: judge it by what went with it)
             resync = diverged_from_group((report.info or info) | {"peer": self.peer_id}, report.group_info)

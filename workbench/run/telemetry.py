@@ -119,6 +119,7 @@ def round_fields(
         bytes_sent=report.bytes_sent,
         bytes_received=report.bytes_received,
         averaging_seconds=report.seconds,
+        matchmaking_seconds=report.matchmaking_seconds,  # of which: until the group formed
         alone_reason=report.error,
         resync=resync,
         samples_per_second=stats.samples_per_second,
@@ -168,6 +169,7 @@ def heartbeat_of(peer: Any) -> PeerHeartbeat:
         last_round_steps=stats.last_round_steps,
         round_wait_seconds=peer.averager.barrier.wait.seconds if peer.averager else 0.0,
         averaging_deadline_seconds=peer.averager.averaging_deadline.seconds if peer.averager else 0.0,
+        matchmaking_window_seconds=peer.averager.matchmaking_window.seconds if peer.averager else 0.0,
         last_round_spread=stats.last_round_spread,
         last_round_last=stats.last_round_last,
         last_round_alone=stats.last_round_alone,
