@@ -105,9 +105,10 @@ class RoundBarrier:
         barrier waited for its last round mates (``round_wait`` until it has seen 5 rounds). A
         peer downloading the state gets the whole ``round_wait``."""
         self.expected = 0
-        """The group the last AVERAGE verdict expects: this peer and the round mates it saw
-        ready (0 after any other verdict). Matchmaking forms the group as soon as that many
-        joined instead of waiting out its window."""
+        """The group the last AVERAGE verdict expects: this peer and its round mates, when it
+        saw every other live peer ready (0 otherwise, and after any other verdict).
+        Matchmaking forms the group as soon as that many joined instead of waiting out its
+        window."""
 
     def wait_for_round_mates(self, outer_step: int) -> Verdict:
         """The barrier: wait until every other live peer has finished this round's inner steps.
@@ -223,7 +224,10 @@ class RoundBarrier:
                 self.wait.observe(now - started)  # how far behind this peer its last mate came
                 if need_ready and not any(map(ready, others)):
                     return Verdict.ALONE
-                self.expected = 1 + sum(map(ready, others))
+                # Only when every other live peer is ready: one that looks neither busy nor
+                # ready (a straggler, or a heartbeat a round or two stale in a fast swarm) may
+                # still come, and so may be in another peer's view of this round's group.
+                self.expected = 1 + len(others) if all(map(ready, others)) else 0
                 return Verdict.AVERAGE
             # A downloader gets the whole round wait (a large state takes long); a round mate
             # still training, what the last rounds' arrivals say (never more).

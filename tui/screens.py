@@ -95,7 +95,7 @@ class PeerScreen(ModalScreen[None]):
                     ("last round", human_duration(p.last_round_seconds)),
                     ("inner steps last round", p.last_round_steps or "-"),
                     (
-                        "waits for a mate / a group / averaging",
+                        "waits: mate / group / avg",
                         f"{p.round_wait_seconds:.1f} s / {p.matchmaking_window_seconds:.1f} s / "
                         f"{p.averaging_deadline_seconds:.1f} s"
                         if p.round_wait_seconds

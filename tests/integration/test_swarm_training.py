@@ -43,7 +43,7 @@ def test_two_peers_agree_and_learn(spawn):
 
 def test_late_joiner_downloads_state_and_matches(spawn):
     """A third peer joining mid-run downloads θ, momentum and step, then tracks the others."""
-    common = [*FAST, "--rounds", "20", "--run-id", "late-join"]
+    common = [*FAST, "--rounds", "50", "--run-id", "late-join"]
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
     first.wait_event("round", lambda e: e["outer_step"] >= 2)
@@ -125,7 +125,7 @@ def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_i
     common = [
         *FAST[:2], "--inner-steps", "6", *FAST[4:],
         "--method", "streaming", "--fragments", "2", "--sync-delay", "2",
-        "--rounds", "10", "--run-id", "streaming-tau",
+        "--rounds", "50", "--run-id", "streaming-tau",
     ]  # fmt: skip
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common, "--min-peers", "2")

@@ -86,13 +86,16 @@ def test_the_barrier_learns_from_how_long_it_waited():
     assert len(swarm.wait._seen) == 1 and swarm.wait._seen[0] < 0.5
 
 
-def test_the_barrier_expects_the_round_mates_it_saw_ready():
+def test_the_barrier_expects_its_round_mates_only_when_every_live_peer_is_ready():
     """Matchmaking forms the group as soon as these joined (swarm.group_averager): this peer
-    and the two ready mates; a straggler a round behind is not expected."""
-    board = Board(beat("a", 7, Stage.WAITING), beat("b", 7, Stage.AVERAGING), beat("c", 6, Stage.TRAINING))
+    and the two ready mates. A peer that looks neither busy nor ready (a straggler, or its
+    heartbeat a round stale) may still come: then nothing is expected and the window decides."""
+    board = Board(beat("a", 7, Stage.WAITING), beat("b", 7, Stage.AVERAGING))
     swarm = barrier(board)
     assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE
     assert swarm.expected == 3
+    board.beats["c"] = beat("c", 6, Stage.TRAINING)
+    assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE and swarm.expected == 0
     board.beats = {}
     assert swarm.wait_for_round_mates(8) is Verdict.ALONE and swarm.expected == 0
 
