@@ -352,14 +352,16 @@ class SwarmAverager:
         peers this one averaged with, for the run.
         """
         deadline = time.monotonic() + timeout
-        skipped = set(self._refused_donors)
+        skipped = set(self._refused_donors)  # not asked to serve again in this call
+        distrusted = set(self._refused_donors)  # not asked to witness either
         for _ in range(DONORS_PER_TRY):
-            got = self._fetch_state(skipped, deadline)
+            got = self._fetch_state(skipped, distrusted, deadline)
             if got is None:
                 return None
             state, donor, seed, answers = got
             skipped.add(donor)
             if state is None:
+                distrusted.add(donor)
                 continue
             vouched = set(self.vouching.vouched)
             verdict = judge_state(
@@ -373,14 +375,15 @@ class SwarmAverager:
             logger.warning(
                 "refused the state served by %s: %s; trying another donor", donor[-8:], verdict.why
             )
-            if verdict.blame:
+            if verdict.blame:  # otherwise (a round ended mid-download) it may witness the next
+                distrusted.add(donor)
                 self._refused_donors.add(donor)
                 self.board.ignore(
                     donor, f"served a θ at outer step {state.outer_step} that its round mates contradict"
                 )
         return None
 
-    def _verifiers(self, skipped: set[str]) -> list[str]:
+    def _verifiers(self, distrusted: set[str]) -> list[str]:
         """Peers to ask about a downloaded θ, best witnesses first: round mates, then the most
         advanced (a donor is among the most advanced)."""
         vouched = self.vouching.vouched
@@ -388,7 +391,7 @@ class SwarmAverager:
             p
             for p in self.board.fetch().values()
             if p.peer_id != self.peer_id
-            and p.peer_id not in skipped
+            and p.peer_id not in distrusted
             and p.stage not in (Stage.DOWNLOADING, Stage.JOINING)
         ]
         others.sort(key=lambda p: (p.peer_id not in vouched, -p.outer_step, random.random()))
@@ -400,16 +403,18 @@ class SwarmAverager:
         received, announced = self.averager.download[:]
         return min(1.0, received / announced) if announced > 0 else None
 
-    def _fetch_state(self, skipped: set[str], deadline: float) -> tuple[Any, ...] | None:
+    def _fetch_state(
+        self, skipped: set[str], distrusted: set[str], deadline: float
+    ) -> tuple[Any, ...] | None:
         """(the state, or None if malformed; its donor; the seed; the witnesses' answers) from
-        the best donor not skipped, or None.
+        the best donor not skipped (its witnesses: peers not distrusted), or None.
 
         Polls rather than blocks so that this peer's heartbeat ("downloading") stays alive:
         the others' round barrier waits for a downloading peer only while it can see it.
         """
         remaining = max(1.0, deadline - time.monotonic())
         future = self.averager.load_state_from_peers(
-            wait=False, timeout=remaining, exclude=sorted(skipped), verifiers=self._verifiers(skipped)
+            wait=False, timeout=remaining, exclude=sorted(skipped), verifiers=self._verifiers(distrusted)
         )
         try:
             while not future.done():

@@ -31,6 +31,10 @@ FAST = [
     "--matchmaking-time",
     "1.0",
 ]
+JOIN_ROUNDS = 60
+"""Rounds of a run that a peer joins mid-way: FAST rounds take about 0.2-0.4 s (a group forms as
+soon as its members joined), and a joiner needs 5-10 s to start (corpus, key, daemon; more on a
+loaded machine): 20 rounds were over before it could reach the first peer."""
 
 
 class PeerProcess:

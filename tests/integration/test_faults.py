@@ -12,7 +12,7 @@ import time
 import pytest
 
 from swarm.faults import FaultPlan
-from tests.integration.conftest import FAST, max_abs_diff
+from tests.integration.conftest import FAST, JOIN_ROUNDS, max_abs_diff
 
 
 def _after(events: list[dict], moment: float) -> list[dict]:
@@ -113,7 +113,7 @@ def test_a_donor_killed_mid_download_the_joiner_takes_another(spawn, scenario, t
     falls over to the other donor; it joins with the right state and agrees at the end."""
     faults = tmp_path / "faults.json"
     FaultPlan(serve_delay_ms=150).write(faults)
-    common = [*FAST, "--run-id", "donors", "--rounds", "16", "--averaging-timeout", "8"]
+    common = [*FAST, "--run-id", "donors", "--rounds", str(JOIN_ROUNDS), "--averaging-timeout", "8"]
     slow = [*common, "--fault-file", str(faults)]
     first = spawn("a", "start", *slow, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *slow, "--min-peers", "2")

@@ -6,7 +6,7 @@ import math
 import signal
 import time
 
-from tests.integration.conftest import FAST, max_abs_diff
+from tests.integration.conftest import FAST, JOIN_ROUNDS, max_abs_diff
 
 
 def test_two_peers_agree_and_learn(spawn):
@@ -43,7 +43,7 @@ def test_two_peers_agree_and_learn(spawn):
 
 def test_late_joiner_downloads_state_and_matches(spawn):
     """A third peer joining mid-run downloads θ, momentum and step, then tracks the others."""
-    common = [*FAST, "--rounds", "50", "--run-id", "late-join"]
+    common = [*FAST, "--rounds", str(JOIN_ROUNDS), "--run-id", "late-join"]
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
     first.wait_event("round", lambda e: e["outer_step"] >= 2)
@@ -125,7 +125,7 @@ def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_i
     common = [
         *FAST[:2], "--inner-steps", "6", *FAST[4:],
         "--method", "streaming", "--fragments", "2", "--sync-delay", "2",
-        "--rounds", "50", "--run-id", "streaming-tau",
+        "--rounds", str(JOIN_ROUNDS), "--run-id", "streaming-tau",
     ]  # fmt: skip
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
@@ -135,7 +135,7 @@ def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_i
         assert peer.wait() == 0, peer.stderr()
         assert "Traceback" not in peer.stderr(), peer.stderr()
     syncs = first.events("round")
-    assert [r["outer_step"] for r in syncs] == list(range(1, 21))  # 10 rounds of 2 fragments
+    assert [r["outer_step"] for r in syncs] == list(range(1, 2 * JOIN_ROUNDS + 1))  # 2 fragments a round
     # The first sync only starts fragment 0's all-reduce; every later one reports the one before.
     assert syncs[0]["pending"] and all(r["group_size"] >= 2 for r in syncs[1:]), syncs
     downloads = third.events("state_downloaded")
@@ -154,9 +154,7 @@ def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn)
     """--overlap: each round's all-reduce runs while the next round trains. Peers report a
     round one sync later, a joiner gets the mean in flight with the state, and all three end
     on the same global params (the run's last mean applied by every peer)."""
-    # 20 rounds: the joiner needs a few seconds to start (corpus, key, daemon); on a loaded
-    # machine 12 short rounds were over before it could reach the first peer.
-    common = [*FAST, "--rounds", "20", "--run-id", "overlap", "--overlap"]
+    common = [*FAST, "--rounds", str(JOIN_ROUNDS), "--run-id", "overlap", "--overlap"]
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
     first.wait_event("round", lambda e: e["outer_step"] >= 3)
@@ -165,7 +163,7 @@ def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn)
         assert peer.wait() == 0, peer.stderr()
         assert "Traceback" not in peer.stderr(), peer.stderr()
     rounds = first.events("round")
-    assert [r["outer_step"] for r in rounds] == list(range(1, 21))
+    assert [r["outer_step"] for r in rounds] == list(range(1, JOIN_ROUNDS + 1))
     # The first sync only starts round 0's all-reduce; every later one reports the round before.
     assert rounds[0]["group_size"] == 1 and all(r["group_size"] >= 2 for r in rounds[1:]), (
         [(r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds],
