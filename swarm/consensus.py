@@ -14,6 +14,12 @@ contributions, so all reach the same verdict from the same posts: a round that d
 everyone the mean fails for all of them, like any failed round. A member whose all-reduce failed
 posts :data:`FAILED` so that the others do not wait for it.
 
+With ``--aggregate trimmed-mean`` the result is not linear in the contributions, so it cannot
+be checked against their sketches: :func:`disagreement` then checks that every member got the
+same result (up to each one's own rounding), which catches a member left with its own values for
+a part, the fault that matters here (a reducer's trimming is its own business: it is the robust
+rule).
+
 Tolerance: hivemind returns to member j ``x_j + Q(mean - Q(x_j))`` for the parts others reduce
 (``Q``: the wire codec), so its result differs from the mean by about one rounding of its own
 unscaled ``x_j`` and of the delta, on top of the contributions' roundings that the direct plane
@@ -89,8 +95,9 @@ class Post:
         return cls(Sketch.from_bytes(data[:size]), own_norm, tuple(got))
 
 
-def disagreement(posts: Sequence[bytes], codec: str) -> str | None:
-    """Why the members (posts in rank order) did not all end with the group's mean, or None.
+def disagreement(posts: Sequence[bytes], codec: str, *, linear: bool = True) -> str | None:
+    """Why the members (posts in rank order) did not all end with the group's mean, or None
+    (``linear=False``, a trimmed mean: why they did not all end with the same result).
 
     Non-finite values are let through, as on the direct plane: the mean is then not finite and
     the outer step's own check refuses it, naming the NaN (optim.robust)."""
@@ -104,6 +111,8 @@ def disagreement(posts: Sequence[bytes], codec: str) -> str | None:
             return f"member {rank} posted a malformed check ({error})"
     sent = [p.sent for p in parsed]
     wire = WIRE_EPSILON.get(codec, WIRE_EPSILON["fp16"])
+    if not linear:
+        return _unequal(parsed, wire)
     for rank, post in enumerate(parsed):
         if not math.isfinite(post.own_norm) or post.own_norm < 0:
             if math.isfinite(post.own_norm):
@@ -114,4 +123,26 @@ def disagreement(posts: Sequence[bytes], codec: str) -> str | None:
         why = mismatch(Sketch(post.got, 0.0), sent, codec, allowance=allowance)
         if why is not None:
             return f"member {rank} did not get the group's mean: {why}"
+    return None
+
+
+def _unequal(parsed: list[Post], wire: float) -> str | None:
+    """Why some member's result differs from the first member's by more than their own roundings
+    (each member adds the result it got for another reducer's part to its own ``x_j``, rounded
+    by the wire codec, about ``|x_j|`` and the result's size, which is at most ``sqrt(Σ |x_i|²)``
+    for a trimmed mean), or None."""
+    norms = [p.own_norm for p in parsed]
+    if not all(math.isfinite(v) for v in [*norms, *(v for p in parsed for v in p.got)]):
+        return None  # NaN: the outer step's own check refuses it
+    if any(n < 0 for n in norms):
+        return "a member posted a negative norm"
+    result = math.sqrt(sum(n * n for n in norms))
+    first = parsed[0]
+    for rank, post in enumerate(parsed[1:], start=1):
+        bound = SIGMAS * wire * (3 * (post.own_norm + first.own_norm) + 2 * result) + 1e-30
+        worst = max(abs(a - b) for a, b in zip(post.got, first.got))
+        if worst > bound:
+            return (
+                f"member {rank}'s result differs from member 0's by {worst:.3g} (rounding allows {bound:.3g})"
+            )
     return None

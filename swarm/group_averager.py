@@ -221,15 +221,16 @@ class GroupAverager(DecentralizedAverager):
             if running is not None and not running.done():
                 running.set_result(None)  # no hivemind runner for this group: nothing to wait for
             return {peer: gathered.unwrap(m) for peer, m in zip(group_info.peer_ids, members)}
-        if self._aggregate == "mean" and self._codec in CHECKED_CODECS:
+        if self._codec in CHECKED_CODECS:
             results = await self._checked_butterfly(group_info, members, min_vector_size, **kwargs)
-        else:  # trimmed means and int8: unchecked (swarm.consensus says why)
+        else:  # int8: unchecked (swarm.consensus says why)
             results = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return {peer: gathered.unwrap(data) for peer, data in results.items()}
 
     async def _checked_butterfly(self, group_info, members: list[Any], min_vector_size: int, **kwargs: Any):
-        """hivemind's all-reduce, then the check that every member got the group's mean
-        (:mod:`swarm.consensus`); a member that did not fails the round for all."""
+        """hivemind's all-reduce, then the check that every member got the group's mean (a
+        trimmed mean: the same result; :mod:`swarm.consensus`); a member that did not fails the
+        round for all."""
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + 0.75 * (self._allreduce_timeout or 60.0)
         board, peer_ids, seed = self._group_board(group_info, members)
@@ -257,7 +258,8 @@ class GroupAverager(DecentralizedAverager):
             raise AllreduceException(
                 f"hivemind's all-reduce: the members' check did not complete ({answers})"
             )
-        why = disagreement([*answers[:rank], post, *answers[rank:]], self._codec)
+        posts = [*answers[:rank], post, *answers[rank:]]
+        why = disagreement(posts, self._codec, linear=self._aggregate == "mean")
         if why is not None:
             raise AllreduceException(f"hivemind's all-reduce gave the members different results: {why}")
         return results

@@ -16,15 +16,19 @@ def _wire(x: torch.Tensor, codec: str) -> torch.Tensor:
     return x.half().float() if codec == "fp16" else x
 
 
-def _round(codec: str, left_out: bool = False) -> list[bytes]:
+def _round(codec: str, left_out: bool = False, median: bool = False) -> list[bytes]:
     """Three members' posts after a round with hivemind's arithmetic: member j gets
     ``x_j + Q(mean - Q(x_j))``; ``left_out``: member 1 kept its own values in one tensor, as
-    after a reducer that failed towards it."""
+    after a reducer that failed towards it; ``median``: the trimmed mean of three (per
+    coordinate, the middle value) instead of the weighted mean."""
     torch.manual_seed(0)
     updates = [[torch.randn(s) * (j + 1) for s in SHAPES] for j in range(len(WEIGHTS))]
     total = sum(WEIGHTS)
     means = [
-        sum(w * _wire(u[t], codec) for w, u in zip(WEIGHTS, updates)) / total for t in range(len(SHAPES))
+        torch.stack([_wire(u[t], codec) for u in updates]).median(0).values
+        if median
+        else sum(w * _wire(u[t], codec) for w, u in zip(WEIGHTS, updates)) / total
+        for t in range(len(SHAPES))
     ]
     sketcher = TensorSketcher(b"group-seed", [torch.Size(s).numel() for s in SHAPES])
     posts = []
@@ -65,3 +69,12 @@ def test_the_sketch_of_a_tensor_list_is_the_sum_of_its_tensors_sketches():
     padded = torch.cat([torch.nn.functional.pad(t.reshape(-1), (0, -t.numel() % 4096)) for t in tensors])
     direct = Sketcher(b"seed", padded.numel()).rows(padded).float()
     assert torch.allclose(whole, direct, rtol=1e-6, atol=1e-6) and len(whole) == ROWS
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_a_trimmed_mean_is_checked_for_agreement(codec):
+    """A trimmed mean is not the sum of the contributions: the members must agree on it."""
+    assert disagreement(_round(codec, median=True), codec, linear=False) is None
+    assert disagreement(_round(codec, median=True), codec) is not None  # not the linear mean
+    why = disagreement(_round(codec, left_out=True, median=True), codec, linear=False)
+    assert why is not None and why.startswith("member 1's result differs from member 0's")
