@@ -213,6 +213,11 @@ class RunConfig:
                 f"streaming on real peers needs --inner-steps ({self.diloco.inner_steps}) divisible by "
                 f"--fragments ({self.fragments}) and no --delay; e.g. --inner-steps 48 --fragments 4"
             )
+        if self.outer_method.fragmented and self.diloco.topk_mean != "group":
+            raise ValueError(
+                "--topk-mean kept is for --method diloco and sparseloco: streaming averages each "
+                "fragment over the whole group (drop --topk-mean)"
+            )
         if not self.outer_method.fragmented and (self.sync_delay or self.alpha is not None):
             raise ValueError(f"--sync-delay and --alpha belong to --method streaming (got {self.method})")
         per_fragment = self.diloco.inner_steps // max(self.fragments, 1)

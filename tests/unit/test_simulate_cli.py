@@ -62,6 +62,26 @@ def test_bytes_follow_the_method_and_codec(capsys, corpus: Path) -> None:
     assert diloco["bytes_per_peer"] / sparse["bytes_per_peer"] > 50  # 1 % of entries, 6 B each
 
 
+def test_sparseloco_averages_each_kept_coordinate_over_its_keepers_unless_told(capsys, corpus: Path) -> None:
+    common = [
+        "--data",
+        str(corpus),
+        "--peers",
+        "2",
+        "--steps",
+        "8",
+        "--inner-steps",
+        "4",
+        "--method",
+        "sparseloco",
+    ]
+    kept = run(capsys, *common)
+    group = run(capsys, *common, "--topk-mean", "group")
+    assert kept["config"]["topk_mean"] == "kept" and group["config"]["topk_mean"] == "group"
+    assert kept["bytes_per_peer"] == group["bytes_per_peer"]  # the mask is implied by the indices
+    assert kept["final_eval_loss"] != group["final_eval_loss"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -78,6 +98,11 @@ def test_bytes_follow_the_method_and_codec(capsys, corpus: Path) -> None:
         (["--peers", "2", "--speeds", "1,1,1"], "one positive speed per peer"),
         (["--method", "dp", "--round-seconds", "5"], "--round-seconds apply to round-based methods"),
         (["--round-seconds", "-1"], "--round-seconds: must be in [0, 86400]"),
+        (["--method", "diloco", "--topk-mean", "kept"], "keeps them all"),
+        (
+            ["--method", "streaming", "--update-codec", "topk", "--topk-mean", "kept"],
+            "for diloco and sparseloco",
+        ),
     ],
 )
 def test_bad_simulate_input_is_one_line(capsys, corpus: Path, args: list[str], message: str) -> None:
