@@ -63,18 +63,7 @@ def test_bytes_follow_the_method_and_codec(capsys, corpus: Path) -> None:
 
 
 def test_sparseloco_averages_each_kept_coordinate_over_its_keepers_unless_told(capsys, corpus: Path) -> None:
-    common = [
-        "--data",
-        str(corpus),
-        "--peers",
-        "2",
-        "--steps",
-        "8",
-        "--inner-steps",
-        "4",
-        "--method",
-        "sparseloco",
-    ]
+    common = ["--data", str(corpus), *"--peers 2 --steps 8 --inner-steps 4 --method sparseloco".split()]
     kept = run(capsys, *common)
     group = run(capsys, *common, "--topk-mean", "group")
     assert kept["config"]["topk_mean"] == "kept" and group["config"]["topk_mean"] == "group"
