@@ -83,32 +83,35 @@ def keepers(deltas: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def spread_over_keepers(deltas: list[torch.Tensor], shares: list[torch.Tensor], report: RoundReport) -> None:
+def spread_over_keepers(
+    deltas: list[torch.Tensor], shares: list[torch.Tensor], report: RoundReport, *, check: bool = True
+) -> None:
     """Turn the group's weighted mean (in ``deltas``) into, per coordinate, the weighted mean over
     the members that kept it (SparseLoCo's reference rule): divide by the share of the group's
-    weight that kept it (``shares``: the averaged :func:`keepers`). A share below half the
-    smallest member's is a coordinate nobody kept (a lossy wire codec may leave noise there): 0.
+    weight that kept it (``shares``: the averaged :func:`keepers`), and by no less than half the
+    smallest member's share (a coordinate nobody kept is 0 either way; a continuous rule, so
+    that members whose copies of the result differ by rounding divide alike).
 
     The misreport check bounds the group's mean, not this one (with members keeping different
     coordinates it is larger by design), so it runs here first, on the group's mean. The kept
     mean has its own bound: each coordinate lies between its keepers' values, so its norm is at
     most ``sqrt(Σ |Δ_i|²)`` over the declared norms; a member whose mask lies (a negative or
-    fractional share, to scale up the others' values) fails it. Either failure leaves the
-    group's mean and sets ``report.refused``: :func:`judge` refuses the round on every member."""
+    fractional share, to scale up the others' values) by more than that allows fails it, and a
+    smaller lie is bounded by it. Either failure leaves the group's mean and sets
+    ``report.refused``: :func:`judge` refuses the round (``check=False``, with the robust checks
+    turned off: neither runs)."""
     if report.group_size <= 1:
         floor = 0.5
     else:
         members = [i for i in report.group_info if isinstance(i, dict) and _positive(i.get("weight"))]
         weights = [float(i["weight"]) for i in members]
         floor = 0.5 * min(weights) / sum(weights) if weights else 0.5
-        if not report.robust_mean:
+        if check and not report.robust_mean:
             report.refused = misreported(global_norm(deltas), report.group_info)
             if report.refused:
                 return
-    spread = [
-        torch.where(share >= floor, d / share.clamp(min=floor), 0.0) for d, share in zip(deltas, shares)
-    ]
-    if report.group_size > 1:
+    spread = [d / share.clamp(min=floor) for d, share in zip(deltas, shares)]
+    if check and report.group_size > 1:
         norms = [float(i["norm"]) for i in members if _positive(i.get("norm")) or i.get("norm") == 0]
         bound = math.sqrt(sum(n * n for n in norms)) * 1.05 + 1e-6
         if len(norms) < len(members) or global_norm(spread) > bound:

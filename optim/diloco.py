@@ -177,7 +177,7 @@ class DiLoCo:
         try:
             report = self.averager.all_reduce([*deltas, *kept], weight=weight, info=info)
             if kept:
-                spread_over_keepers(deltas, kept, report)
+                spread_over_keepers(deltas, kept, report, check=self.config.outlier_ratio > 0)
         except threading.BrokenBarrierError:
             raise  # the in-process swarm lost a peer: stop, do not train on alone
         except Exception as error:  # the transport failed: this round is a local step
@@ -295,6 +295,8 @@ class DiLoCo:
         weight = 0.0 if diverged else float(max(self.samples_this_round, 1))
         # What the robust check of every member reads: this peer's declared norm and weight.
         info = dict(info or {}, norm=global_norm(deltas), weight=weight)
+        if self.config.topk_mean == "kept":  # how the group scales the kept-masks (swarm.gathered)
+            info["kept"] = int(sum(int(torch.count_nonzero(d)) for d in deltas))
         info.setdefault("outer_step", self.outer_step_count)
         return Outgoing(deltas, info, weight, local_norm, payload_bytes, diverged, self.outer_step_count)
 

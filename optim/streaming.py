@@ -73,7 +73,7 @@ class StreamingConfig:
         if self.outer.topk_mean != "group":
             raise ValueError(
                 "streaming averages each fragment over the whole group: topk_mean 'kept' is for "
-                "diloco and sparseloco (use topk_mean 'group')"
+                "diloco, local_sgd and sparseloco (use topk_mean 'group')"
             )
         if self.fragments > self.inner_steps:
             raise ValueError(

@@ -82,7 +82,10 @@ class SwarmAverager:
         plane_advertise: str | None = None,
         overlapped: bool = False,
         serving: Serving | None = None,
+        masks: int = 0,
     ) -> None:
+        """``masks``: the last tensors of ``tensors_like`` are kept-masks (``--topk-mean kept``),
+        scaled in the group's all-reduce like the updates beside them (gathered.mask_scale)."""
         self.dht = dht
         self.board = board
         self.serving = serving if serving is not None else Serving()
@@ -144,6 +147,7 @@ class SwarmAverager:
             prefix=keys.group(group),  # peers average only with the same group name and shapes
             state_provider=state_provider,
             fault_file=fault_file,
+            masks=masks,
             data_plane=plane,
             aggregate=config.aggregate,
             plane_host=plane_host,
@@ -375,8 +379,9 @@ class SwarmAverager:
             logger.warning(
                 "refused the state served by %s: %s; trying another donor", donor[-8:], verdict.why
             )
-            if verdict.blame:  # otherwise (a round ended mid-download) it may witness the next
+            if verdict.contradicted:  # else (a round ended mid-download) it may witness the next
                 distrusted.add(donor)
+            if verdict.blame:
                 self._refused_donors.add(donor)
                 self.board.ignore(
                     donor, f"served a θ at outer step {state.outer_step} that its round mates contradict"

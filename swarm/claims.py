@@ -106,6 +106,9 @@ class StateVerdict:
     why: str
     blame: bool = False
     """The donor served a θ that peers this one averaged with contradict: never ask it again."""
+    contradicted: bool = False
+    """Peers at the donor's step hold another θ (with ``blame`` or not): not a witness for the
+    next donor either. A state refused only because nobody else holds its step is not."""
 
 
 def judge_state(
@@ -148,6 +151,7 @@ def judge_state(
             False,
             f"{who} hold another θ at outer step {step} ({len(against)} of {len(witnesses)} disagree)",
             blame=trusted,
+            contradicted=True,
         )
     if donor in vouched:
         return StateVerdict(

@@ -131,11 +131,14 @@ def _unequal(parsed: list[Post], wire: float) -> str | None:
     (each member adds the result it got for another reducer's part to its own ``x_j``, rounded
     by the wire codec, about ``|x_j|`` and the result's size, which is at most ``sqrt(Σ |x_i|²)``
     for a trimmed mean), or None."""
+    finite = [all(math.isfinite(v) for v in p.got) for p in parsed]
+    if not any(finite):
+        return None  # NaN for everyone: the outer step's own check refuses it on every member
+    if not all(finite):
+        return f"members {[r for r, f in enumerate(finite) if not f]} got a non-finite result, the others did not"
     norms = [p.own_norm for p in parsed]
-    if not all(math.isfinite(v) for v in [*norms, *(v for p in parsed for v in p.got)]):
-        return None  # NaN: the outer step's own check refuses it
-    if any(n < 0 for n in norms):
-        return "a member posted a negative norm"
+    if not all(math.isfinite(n) and n >= 0 for n in norms):
+        return "a member posted a norm that is negative or not finite"
     result = math.sqrt(sum(n * n for n in norms))
     first = parsed[0]
     for rank, post in enumerate(parsed[1:], start=1):

@@ -63,6 +63,30 @@ def nonces(members: list[Any]) -> bytes:
     return b"".join(m[NONCE] for m in members if isinstance(m, dict) and isinstance(m.get(NONCE), bytes))
 
 
+def mask_scale(members: list[Any], codec: str) -> float:
+    """The factor every member multiplies its kept-masks by before a kept-mean all-reduce
+    (``--topk-mean kept``; :func:`optim.contribution.keepers`), the same on every member: the
+    power of two nearest the members' median root-mean-square kept value (``norm / sqrt(kept)``
+    from their gathered info). Masks of 1 would be far larger than the updates beside them, and
+    the sum checks' tolerance grows with the norm of the whole vector (swarm.sketch): scaled,
+    the masks weigh about what the updates do. A power of two is exact on an fp16 wire; with
+    fp16 it stays above 2^-12 (fp16 keeps full precision above 2^-14)."""
+    rms = []
+    for member in members:
+        info = unwrap(member)
+        if not isinstance(info, dict):
+            continue
+        norm, kept = info.get("norm"), info.get("kept")
+        numbers = isinstance(norm, (int, float)) and isinstance(kept, int) and not isinstance(kept, bool)
+        if numbers and math.isfinite(norm) and norm > 0 and kept > 0:
+            rms.append(norm / math.sqrt(kept))
+    if not rms:
+        return 1.0
+    rms.sort()
+    exponent = round(math.log2(rms[len(rms) // 2]))
+    return 2.0 ** min(max(exponent, -12 if codec == "fp16" else -60), 20)
+
+
 def diverged_from_group(
     mine: dict[str, Any], group: list[dict[str, Any]], *, rel_tol: float = 1e-5
 ) -> str | None:

@@ -70,11 +70,13 @@ class GroupAverager(DecentralizedAverager):
         plane_host: str = "127.0.0.1",
         plane_advertise: str | None = None,
         codec: str = "none",
+        masks: int = 0,
         **kwargs: Any,
     ) -> None:
         self._state_provider = state_provider
         self._fault_file = fault_file
         self._codec = codec
+        self._masks = masks  # the last tensors averaged are kept-masks (--topk-mean kept)
         self._aggregate = aggregate
         self._plane: DirectPlane | None = None
         self._plane_used = False
@@ -85,7 +87,8 @@ class GroupAverager(DecentralizedAverager):
         self._sketch_after = 0.0
         # A donor may send at most this much: 8 copies of the parameters and 64 MiB of slack
         # (θ, momentum, a queued update and AdamW's two moments are 5).
-        self._state_limit = 8 * 4 * sum(t.numel() for t in args[0]) + (64 << 20)
+        params = args[0][: len(args[0]) - masks]  # a state holds no masks
+        self._state_limit = 8 * 4 * sum(t.numel() for t in params) + (64 << 20)
         # Cleared in the averager process when a ring fails; read here before each step.
         self._plane_enabled = mp.Value("b", 0)
         # The ids of the rings the averager process keeps, for the gathered info (written there
@@ -174,6 +177,25 @@ class GroupAverager(DecentralizedAverager):
         # In hivemind's averager process, once the group is formed (and triggered).
         self.assembled.value = time.time()
         members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
+        if not self._masks:
+            return await self._reduce(group_info, members, min_vector_size, **kwargs)
+        # Kept-masks go round scaled to the size of the updates beside them, so that the sum
+        # checks' tolerance stays that of the updates (gathered.mask_scale); on a failure the
+        # tensors hold garbage anyway (the caller keeps its own copy).
+        scale = gathered.mask_scale(members, self._codec)
+        await self._scale_masks(scale)
+        results = await self._reduce(group_info, members, min_vector_size, **kwargs)
+        await self._scale_masks(1.0 / scale)
+        return results
+
+    async def _scale_masks(self, factor: float) -> None:
+        async with enter_asynchronously(self.get_tensors()) as tensors:
+            for mask in tensors[len(tensors) - self._masks :]:
+                mask.mul_(factor)
+
+    async def _reduce(self, group_info, members: list[Any], min_vector_size: int, **kwargs: Any):
+        """The group's all-reduce on the direct plane if every member takes direct rings, else
+        hivemind's, checked (:mod:`swarm.consensus`); the members' gathered data."""
         if self._plane is not None and all(map(gathered.takes_direct_rings, members)):
             board, peer_ids, seed = self._group_board(group_info, members)
             ring = functools.partial(

@@ -215,8 +215,15 @@ class RunConfig:
             )
         if self.outer_method.fragmented and self.diloco.topk_mean != "group":
             raise ValueError(
-                "--topk-mean kept is for --method diloco and sparseloco: streaming averages each "
-                "fragment over the whole group (drop --topk-mean)"
+                "--topk-mean kept is for --method diloco, local_sgd and sparseloco: streaming averages "
+                "each fragment over the whole group (drop --topk-mean)"
+            )
+        if self.diloco.topk_mean == "kept" and (
+            self.averaging.aggregate != "mean" or self.averaging.compression not in ("none", "fp16")
+        ):
+            raise ValueError(
+                "--topk-mean kept divides by the members' summed weights and needs an exact wire: use "
+                "--aggregate mean and --codec none or fp16 (or --topk-mean group)"
             )
         if not self.outer_method.fragmented and (self.sync_delay or self.alpha is not None):
             raise ValueError(f"--sync-delay and --alpha belong to --method streaming (got {self.method})")

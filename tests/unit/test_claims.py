@@ -231,6 +231,7 @@ def test_judge_state_takes_the_word_of_round_mates_then_the_majority():
     assert verdict.accept and "2 of 3" in verdict.why
     verdict = judge_state(7, bad, honest, donor="d", vouched=set())
     assert not verdict.accept and not verdict.blame  # strangers disagree: skip the donor, once
+    assert verdict.contradicted  # and do not ask it to witness the next donor's state
     # The donor's own vote breaks one liar's objection, not two.
     assert judge_state(7, good, _answers(7, a=0.0, c=0.05), donor="d", vouched=set()).accept
     assert not judge_state(7, good, _answers(7, a=0.0, c=0.05, cc=0.05), donor="d", vouched=set()).accept
@@ -251,6 +252,7 @@ def test_judge_state_without_witnesses_at_the_step():
     behind = _answers(5, a=0.0, b=0.0)
     verdict = judge_state(1_000_000, good, behind, donor="d", vouched=set())
     assert not verdict.accept and "no peer asked holds outer step 1000000" in verdict.why
+    assert not verdict.contradicted  # nobody contradicted it: it may witness the next donor
     assert judge_state(8, good, behind, donor="d", vouched={"d"}).accept
     # Everyone else moved on during the download: nobody can confirm it, nobody contradicts it.
     verdict = judge_state(3, good, behind, donor="d", vouched=set())

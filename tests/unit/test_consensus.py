@@ -78,3 +78,10 @@ def test_a_trimmed_mean_is_checked_for_agreement(codec):
     assert disagreement(_round(codec, median=True), codec) is not None  # not the linear mean
     why = disagreement(_round(codec, left_out=True, median=True), codec, linear=False)
     assert why is not None and why.startswith("member 1's result differs from member 0's")
+    # A NaN posted by one member does not switch the check off: it fails the round for all.
+    posts = _round(codec, median=True)
+    nan = Post.from_bytes(posts[1])
+    nan_norm = Post(nan.sent, float("nan"), nan.got).to_bytes()
+    nan_got = Post(nan.sent, nan.own_norm, (float("nan"),) * ROWS).to_bytes()
+    assert "not finite" in disagreement([posts[0], nan_norm, posts[2]], codec, linear=False)
+    assert "non-finite result" in disagreement([posts[0], nan_got, posts[2]], codec, linear=False)

@@ -111,5 +111,44 @@ def test_the_kept_mean_needs_a_topk_codec_and_not_streaming() -> None:
         DiLoCoConfig(codec="int8", topk_mean="kept")
     with pytest.raises(ValueError, match="one of group, kept"):
         DiLoCoConfig(codec="topk", topk_mean="some")
-    with pytest.raises(ValueError, match="for diloco and sparseloco"):
+    with pytest.raises(ValueError, match="local_sgd and sparseloco"):
         StreamingConfig(outer=DiLoCoConfig(codec="topk", topk_mean="kept"), fragments=2)
+
+
+def test_masks_scaled_to_the_updates_leave_the_sum_check_its_power():
+    """On real peers the masks go round beside the updates, and the rings' and hivemind's sum
+    checks allow rounding in proportion to the norm of the whole vector (swarm.sketch). Masks of
+    1 beside kept values of ~0.01 hid a member left out of half its update; scaled by
+    gathered.mask_scale (the members' root-mean-square kept value), the check catches it."""
+    from swarm.gathered import mask_scale
+    from swarm.sketch import mismatch, sketch
+
+    torch.manual_seed(0)
+    count, kept = 1 << 17, (1 << 17) * 3 // 100
+    updates = []
+    for _ in range(2):
+        delta = torch.zeros(count)
+        delta[torch.randperm(count)[:kept]] = torch.randn(kept) * 0.01
+        updates.append(delta)
+    infos = [{"norm": float(d.norm()), "kept": int(torch.count_nonzero(d))} for d in updates]
+    scale = mask_scale(infos, "fp16")
+    assert scale == 2.0**-7  # 0.01 is about 2^-6.6
+    for factor, caught in ((1.0, False), (scale, True)):
+        sent = [0.5 * torch.cat([d, factor * keepers([d])[0]]) for d in updates]
+        seed = b"group-seed"
+        left_out = sent[0] + sent[1]
+        left_out[: count // 2] = sent[1][: count // 2]  # member 0 missing from half of the Δ
+        why = mismatch(sketch(left_out, seed, norm=False), [sketch(s, seed) for s in sent], "fp16")
+        assert (why is not None) == caught, (factor, why)
+
+
+def test_real_peers_refuse_the_kept_mean_where_it_cannot_hold():
+    """A trimmed mean has no weights to divide by, and int8's rounding blurs the masks."""
+    from swarm.averaging_config import AveragingConfig
+    from workbench.config import RunConfig
+
+    kept = DiLoCoConfig(codec="topk", topk_mean="kept")
+    RunConfig(diloco=kept)
+    for averaging in (AveragingConfig(aggregate="trimmed-mean"), AveragingConfig(compression="int8")):
+        with pytest.raises(ValueError, match="needs an exact wire"):
+            RunConfig(diloco=kept, averaging=averaging)

@@ -63,12 +63,14 @@ def test_bytes_follow_the_method_and_codec(capsys, corpus: Path) -> None:
 
 
 def test_sparseloco_averages_each_kept_coordinate_over_its_keepers_unless_told(capsys, corpus: Path) -> None:
-    common = ["--data", str(corpus), *"--peers 2 --steps 8 --inner-steps 4 --method sparseloco".split()]
+    common = ["--data", str(corpus), "--peers", "2", "--steps", "8", "--inner-steps", "4", "--method", "sparseloco"]  # fmt: skip
     kept = run(capsys, *common)
     group = run(capsys, *common, "--topk-mean", "group")
     assert kept["config"]["topk_mean"] == "kept" and group["config"]["topk_mean"] == "group"
     assert kept["bytes_per_peer"] == group["bytes_per_peer"]  # the mask is implied by the indices
     assert kept["final_eval_loss"] != group["final_eval_loss"]
+    int8 = run(capsys, *common, "--update-codec", "int8")  # another codec: the whole group's mean
+    assert int8["config"]["codec"] == "int8" and int8["config"]["topk_mean"] is None
 
 
 @pytest.mark.parametrize(
@@ -90,7 +92,7 @@ def test_sparseloco_averages_each_kept_coordinate_over_its_keepers_unless_told(c
         (["--method", "diloco", "--topk-mean", "kept"], "keeps them all"),
         (
             ["--method", "streaming", "--update-codec", "topk", "--topk-mean", "kept"],
-            "for diloco and sparseloco",
+            "local_sgd and sparseloco",
         ),
     ],
 )

@@ -195,6 +195,8 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
         overrides["codec"] = overrides.pop("update_codec")
     if "ef_decay" in overrides:
         overrides["error_decay"] = overrides.pop("ef_decay")
+    if overrides.get("codec", "topk") != "topk" and "topk_mean" not in overrides:
+        overrides["topk_mean"] = "group"  # sparseloco's kept mean needs its top-k codec
     if overrides.get("overlap") and overrides.get("delay") is None:
         overrides["delay"] = 1
     if "eager" in overrides and overrides.get("delay", base.delay) != 1:

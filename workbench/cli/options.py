@@ -119,7 +119,7 @@ def _add_training_options(parser: argparse.ArgumentParser) -> None:
         type=bounded("matchmaking_time"),
         default=2.0,
         help="the longest a round's group stays open; a complete group forms at once, and the "
-        "window is learned from the last rounds, at least 0.5 s (default: 2)",
+        "window is learned from the last rounds (default: 2)",
     )
     group.add_argument(
         "--averaging-timeout",

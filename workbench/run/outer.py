@@ -74,10 +74,12 @@ def build_outer(
     if config.outer_method.fragmented:
         return _streaming(config, model, inner_optimizer, dht, SwarmAverager, common)
     diloco = DiLoCo(model, inner_optimizer, averager=None, config=config.diloco)  # type: ignore[arg-type]
+    tensors = averaged_like(diloco.global_params, config)
     averager = SwarmAverager(
         dht,
-        tensors_like=averaged_like(diloco.global_params, config),
+        tensors_like=tensors,
         state_provider=diloco.outer_state,
+        masks=len(tensors) - len(diloco.global_params),
         **common,
     )
     if config.outer_method.every_step:
