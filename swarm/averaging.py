@@ -270,7 +270,7 @@ class SwarmAverager:
             allow_retries=False,  # see all_reduce
             gather=info,
             weight=weight,
-            expected=self.barrier.expected if attempt == 1 else 0,
+            expected=self.barrier.expected if attempt == 1 else (),
             scheduled_time=get_dht_time() + window,
             timeout=max(self.config.matchmaking_time + 0.5, deadline - time.monotonic()),
             wait=False,

@@ -104,11 +104,10 @@ class RoundBarrier:
         """How long to wait for a round mate still training: learned from how long this
         barrier waited for its last round mates (``round_wait`` until it has seen 5 rounds). A
         peer downloading the state gets the whole ``round_wait``."""
-        self.expected = 0
-        """The group the last AVERAGE verdict expects: this peer and its round mates, when it
-        saw every other live peer ready (0 otherwise, and after any other verdict).
-        Matchmaking forms the group as soon as that many joined instead of waiting out its
-        window."""
+        self.expected: tuple[str, ...] = ()
+        """The round mates the last AVERAGE verdict expects (peer ids), when it saw every other
+        live peer ready (none otherwise, and after any other verdict). Matchmaking forms the
+        group as soon as these joined instead of waiting out its window."""
 
     def wait_for_round_mates(self, outer_step: int) -> Verdict:
         """The barrier: wait until every other live peer has finished this round's inner steps.
@@ -180,7 +179,7 @@ class RoundBarrier:
         claimant is ignored for the rest of the run."""
         started = time.monotonic()
         learned = self.wait.seconds
-        self.expected = 0
+        self.expected = ()
         # What an honest newcomer costs: about one round of inner steps (measured between this
         # peer's rounds), and at least a couple of matchmaking windows.
         grace = started + min(
@@ -227,7 +226,7 @@ class RoundBarrier:
                 # Only when every other live peer is ready: one that looks neither busy nor
                 # ready (a straggler, or a heartbeat a round or two stale in a fast swarm) may
                 # still come, and so may be in another peer's view of this round's group.
-                self.expected = 1 + len(others) if all(map(ready, others)) else 0
+                self.expected = tuple(p.peer_id for p in others) if all(map(ready, others)) else ()
                 return Verdict.AVERAGE
             # A downloader gets the whole round wait (a large state takes long); a round mate
             # still training, what the last rounds' arrivals say (never more).

@@ -33,7 +33,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
 from optim.diloco import OuterState
-from swarm import gathered, hivemind_fixes  # noqa: F401 - hivemind_fixes patches StepControl
+from swarm import gathered
 from swarm.consensus import CHECKED_CODECS, FAILED, Post, TensorSketcher, disagreement, scaled
 from swarm.dataplane import (
     DIRECT_CODECS,
@@ -47,6 +47,7 @@ from swarm.dataplane import (
 )
 from swarm.errors import SwarmError
 from swarm.faults import fault_value
+from swarm.hivemind_fixes import ExpectedMembers  # importing it also patches StepControl
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
 from swarm.sketch import Sketch, state_sketches
 
@@ -54,7 +55,10 @@ logger = logging.getLogger(__name__)
 
 SEED_BYTES = 16  # a joiner's seed for sketching the θ it downloaded
 VERIFIERS = 4  # peers asked to confirm a downloaded state
-MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
+MAX_SKETCH_ANSWER = 1 << 20
+EXPECTED_BYTES = (
+    1 << 16
+)  # the expected members' ids (~47 bytes each): about 1,300 peers  # 72 bytes a tensor: room for 14,000 tensors
 
 
 class GroupAverager(DecentralizedAverager):
@@ -98,7 +102,7 @@ class GroupAverager(DecentralizedAverager):
         self.download = mp.Array("d", 2)  # the download in progress: bytes received, bytes announced
         # The group the next step expects (0: unknown), set here and read by the averager process;
         # and when the averager process last formed a group (time.time(), for the learned window).
-        self._expected = mp.Value("i", 0)
+        self._expected = mp.Array("c", EXPECTED_BYTES)
         self.assembled = mp.Value("d", 0.0)
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):
@@ -140,15 +144,15 @@ class GroupAverager(DecentralizedAverager):
         self._keep_running()
         # A leader forms the group as soon as the expected members joined, rather than at the end
         # of the matchmaking window (hivemind's target group size, which it reads per join).
-        expected = self._expected.value
-        self._matchmaking.target_group_size = expected if expected >= 2 else None
+        self._matchmaking.target_group_size = ExpectedMembers.parse(self._matchmaking, self._expected.value)
         return await super()._step(**kwargs)
 
-    def step(self, gather: Any = None, expected: int = 0, **kwargs: Any):
+    def step(self, gather: Any = None, expected: Sequence[str] = (), **kwargs: Any):
         """hivemind's step; this member's data-plane address travels with its gathered info.
-        ``expected``: the members this round's group should have (this one included; 0: not
-        known, the group forms when the matchmaking window ends)."""
-        self._expected.value = expected
+        ``expected``: the other members this round's group should have (base58 peer ids; none:
+        not known, the group forms when the matchmaking window ends)."""
+        wanted = ",".join(expected).encode()
+        self._expected.value = wanted if len(wanted) < EXPECTED_BYTES else b""
         weight = kwargs.get("weight")
         weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
         mine = gathered.own(bool(self._plane_enabled.value), weight, self._ring_ids.raw, gather)

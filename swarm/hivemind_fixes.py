@@ -1,4 +1,5 @@
-"""Fixes to hivemind's step control, applied once on import (by :mod:`swarm.group_averager`)."""
+"""Fixes to hivemind's step control, applied once on import (by :mod:`swarm.group_averager`),
+and :class:`ExpectedMembers`, a group target made of peer ids."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hivemind.averaging.control import StepControl
+from hivemind.p2p import PeerID
 
 logger = logging.getLogger(__name__)
 
@@ -43,3 +45,29 @@ def _quiet_cancelled_result(original: Callable[[Any, Any], None]) -> Callable[[A
 
 
 StepControl.set_result = _quiet_cancelled_result(StepControl.set_result)
+
+
+class ExpectedMembers:
+    """A target group size that counts identities. hivemind's leader checks
+    ``len(current_followers) + 1 >= target_group_size`` on every join (and refuses joiners once
+    it holds): with this as the target, that holds once every expected peer has joined, so an
+    unexpected joiner (a stranger in a public run, a peer this one's view missed) can neither
+    complete the group early nor take an expected mate's place."""
+
+    def __init__(self, matchmaking: Any, expected: set[PeerID]) -> None:
+        self._matchmaking = matchmaking
+        self._expected = expected
+
+    def __le__(self, count: object) -> bool:  # ``count >= target``, reflected
+        joined = set(self._matchmaking.current_followers) | {self._matchmaking.peer_id}
+        return self._expected <= joined
+
+    @classmethod
+    def parse(cls, matchmaking: Any, raw: bytes) -> ExpectedMembers | None:
+        """From the comma-separated base58 ids the peer's process wrote; None (the window
+        decides) for none or anything that does not parse."""
+        try:
+            ids = {PeerID.from_base58(text) for text in raw.decode().split(",") if text}
+        except Exception:  # noqa: BLE001 - not ids: no early group
+            return None
+        return cls(matchmaking, ids | {matchmaking.peer_id}) if ids else None

@@ -87,17 +87,17 @@ def test_the_barrier_learns_from_how_long_it_waited():
 
 
 def test_the_barrier_expects_its_round_mates_only_when_every_live_peer_is_ready():
-    """Matchmaking forms the group as soon as these joined (swarm.group_averager): this peer
-    and the two ready mates. A peer that looks neither busy nor ready (a straggler, or its
+    """Matchmaking forms the group as soon as these joined (swarm.hivemind_fixes): the two
+    ready mates. A peer that looks neither busy nor ready (a straggler, or its
     heartbeat a round stale) may still come: then nothing is expected and the window decides."""
     board = Board(beat("a", 7, Stage.WAITING), beat("b", 7, Stage.AVERAGING))
     swarm = barrier(board)
     assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE
-    assert swarm.expected == 3
+    assert sorted(swarm.expected) == ["a", "b"]
     board.beats["c"] = beat("c", 6, Stage.TRAINING)
-    assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE and swarm.expected == 0
+    assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE and swarm.expected == ()
     board.beats = {}
-    assert swarm.wait_for_round_mates(8) is Verdict.ALONE and swarm.expected == 0
+    assert swarm.wait_for_round_mates(8) is Verdict.ALONE and swarm.expected == ()
 
 
 def test_the_matchmaking_window_is_learned_within_its_bounds():
@@ -112,3 +112,22 @@ def test_the_matchmaking_window_is_learned_within_its_bounds():
     for _ in range(5):
         window.observe(2.0)
     assert window.seconds == 2.0  # never more than --matchmaking-time
+
+
+def test_a_group_is_complete_when_the_expected_peers_joined_whoever_else_did():
+    """hivemind's leader checks ``len(followers) + 1 >= target_group_size`` on each join."""
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    from swarm.hivemind_fixes import ExpectedMembers
+
+    me, a, b, stranger = (PeerID(bytes([i]) * 34) for i in range(4))
+    leader = SimpleNamespace(peer_id=me, current_followers={})
+    target = ExpectedMembers.parse(leader, f"{a.to_base58()},{b.to_base58()}".encode())
+    leader.current_followers[stranger] = None
+    leader.current_followers[a] = None
+    assert not len(leader.current_followers) + 1 >= target  # 3 members, but not b: not yet
+    leader.current_followers[b] = None
+    assert len(leader.current_followers) + 1 >= target
+    assert ExpectedMembers.parse(leader, b"") is None and ExpectedMembers.parse(leader, b"not-an-id!") is None
