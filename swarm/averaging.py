@@ -255,6 +255,7 @@ class SwarmAverager:
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
+            self.averager.generation.value += 1  # an abandoned step must not rescale these
             if self.corrupt_next:  # fault injection: behave like a faulty peer, once
                 self.corrupt_next = False
                 for buffer in buffers:

@@ -63,14 +63,16 @@ def nonces(members: list[Any]) -> bytes:
     return b"".join(m[NONCE] for m in members if isinstance(m, dict) and isinstance(m.get(NONCE), bytes))
 
 
-def mask_scale(members: list[Any], codec: str) -> float:
+def mask_scale(members: list[Any], codec: str, *, limit: int) -> float:
     """The factor every member multiplies its kept-masks by before a kept-mean all-reduce
     (``--topk-mean kept``; :func:`optim.contribution.keepers`), the same on every member: the
-    power of two nearest the members' median root-mean-square kept value (``norm / sqrt(kept)``
-    from their gathered info). Masks of 1 would be far larger than the updates beside them, and
-    the sum checks' tolerance grows with the norm of the whole vector (swarm.sketch): scaled,
-    the masks weigh about what the updates do. A power of two is exact on an fp16 wire; with
-    fp16 it stays above 2^-12 (fp16 keeps full precision above 2^-14)."""
+    power of two nearest the members' lower-median root-mean-square kept value (``norm /
+    sqrt(kept)`` from their gathered info; a ``kept`` above ``limit``, the masks' size, is not
+    believed). Masks of 1 would be far larger than the updates beside them, and the sum checks'
+    tolerance grows with the norm of the whole vector (swarm.sketch): scaled, the masks weigh
+    about what the updates do. A power of two is exact on an fp16 wire, between 2^-12 and 2^15
+    there (fp16 keeps full precision from 2^-14 and ends at 65504); the lower median of two is
+    the smaller, so one member cannot blow the masks up by declaring a tiny ``kept``."""
     rms = []
     for member in members:
         info = unwrap(member)
@@ -78,13 +80,15 @@ def mask_scale(members: list[Any], codec: str) -> float:
             continue
         norm, kept = info.get("norm"), info.get("kept")
         numbers = isinstance(norm, (int, float)) and isinstance(kept, int) and not isinstance(kept, bool)
-        if numbers and math.isfinite(norm) and norm > 0 and kept > 0:
+        if numbers and math.isfinite(norm) and norm > 0 and 0 < kept <= limit:
             rms.append(norm / math.sqrt(kept))
     if not rms:
         return 1.0
     rms.sort()
-    exponent = round(math.log2(rms[len(rms) // 2]))
-    return 2.0 ** min(max(exponent, -12 if codec == "fp16" else -60), 20)
+    mantissa, exponent = math.frexp(rms[(len(rms) - 1) // 2])  # exact: x = mantissa * 2^exponent
+    nearest = exponent if mantissa >= math.sqrt(0.5) else exponent - 1
+    low, high = (-12, 15) if codec == "fp16" else (-60, 60)
+    return 2.0 ** min(max(nearest, low), high)
 
 
 def diverged_from_group(

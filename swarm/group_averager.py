@@ -23,9 +23,7 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import (
-    deserialize_torch_tensor,
-)
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
@@ -55,10 +53,8 @@ logger = logging.getLogger(__name__)
 
 SEED_BYTES = 16  # a joiner's seed for sketching the θ it downloaded
 VERIFIERS = 4  # peers asked to confirm a downloaded state
-MAX_SKETCH_ANSWER = 1 << 20
-EXPECTED_BYTES = (
-    1 << 16
-)  # the expected members' ids (~47 bytes each): about 1,300 peers  # 72 bytes a tensor: room for 14,000 tensors
+MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
+EXPECTED_BYTES = 1 << 16  # the expected members' ids (~47 bytes each): about 1,300 peers
 
 
 class GroupAverager(DecentralizedAverager):
@@ -100,10 +96,9 @@ class GroupAverager(DecentralizedAverager):
         self._ring_ids = mp.Array("c", MAX_RINGS * RING_ID_BYTES)
         self.direct_rounds = mp.Value("q", 0)  # rounds the direct plane carried, for reports
         self.download = mp.Array("d", 2)  # the download in progress: bytes received, bytes announced
-        # The group the next step expects (0: unknown), set here and read by the averager process;
-        # and when the averager process last formed a group (time.time(), for the learned window).
-        self._expected = mp.Array("c", EXPECTED_BYTES)
-        self.assembled = mp.Value("d", 0.0)
+        self._expected = mp.Array("c", EXPECTED_BYTES)  # the next step's round mates (ids)
+        self.assembled = mp.Value("d", 0.0)  # when a group last formed (time.time())
+        self.generation = mp.Value("q", 0)  # bumped (under the buffers' lock) as the peer fills them
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):
             bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
@@ -149,8 +144,7 @@ class GroupAverager(DecentralizedAverager):
 
     def step(self, gather: Any = None, expected: Sequence[str] = (), **kwargs: Any):
         """hivemind's step; this member's data-plane address travels with its gathered info.
-        ``expected``: the other members this round's group should have (base58 peer ids; none:
-        not known, the group forms when the matchmaking window ends)."""
+        ``expected``: the other members of this round's group (base58 ids; none: the window)."""
         wanted = ",".join(expected).encode()
         self._expected.value = wanted if len(wanted) < EXPECTED_BYTES else b""
         weight = kwargs.get("weight")
@@ -183,19 +177,24 @@ class GroupAverager(DecentralizedAverager):
         members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
         if not self._masks:
             return await self._reduce(group_info, members, min_vector_size, **kwargs)
-        # Kept-masks go round scaled to the size of the updates beside them, so that the sum
-        # checks' tolerance stays that of the updates (gathered.mask_scale); on a failure the
-        # tensors hold garbage anyway (the caller keeps its own copy).
-        scale = gathered.mask_scale(members, self._codec)
-        await self._scale_masks(scale)
+        # Kept-masks go round scaled like the updates beside them (gathered.mask_scale says why);
+        # a failure leaves garbage anyway (the caller keeps its own copy).
+        limit = sum(t.numel() for t in self._averaged_tensors[len(self._averaged_tensors) - self._masks :])
+        scale = gathered.mask_scale(members, self._codec, limit=limit)
+        loop = asyncio.get_running_loop()
+        generation = await loop.run_in_executor(None, self._scale_masks, scale, None)
         results = await self._reduce(group_info, members, min_vector_size, **kwargs)
-        await self._scale_masks(1.0 / scale)
+        await loop.run_in_executor(None, self._scale_masks, 1.0 / scale, generation)
         return results
 
-    async def _scale_masks(self, factor: float) -> None:
-        async with enter_asynchronously(self.get_tensors()) as tensors:
-            for mask in tensors[len(tensors) - self._masks :]:
-                mask.mul_(factor)
+    def _scale_masks(self, factor: float, generation: int | None) -> int:
+        """Masks times ``factor``, unless refilled since ``generation`` (an abandoned step that
+        finished late); the generation they hold."""
+        with self.get_tensors() as tensors:
+            if generation is None or generation == self.generation.value:
+                for mask in tensors[len(tensors) - self._masks :]:
+                    mask.mul_(factor)
+            return self.generation.value
 
     async def _reduce(self, group_info, members: list[Any], min_vector_size: int, **kwargs: Any):
         """The group's all-reduce on the direct plane if every member takes direct rings, else

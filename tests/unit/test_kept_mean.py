@@ -131,8 +131,11 @@ def test_masks_scaled_to_the_updates_leave_the_sum_check_its_power():
         delta[torch.randperm(count)[:kept]] = torch.randn(kept) * 0.01
         updates.append(delta)
     infos = [{"norm": float(d.norm()), "kept": int(torch.count_nonzero(d))} for d in updates]
-    scale = mask_scale(infos, "fp16")
+    scale = mask_scale(infos, "fp16", limit=count)
     assert scale == 2.0**-7  # 0.01 is about 2^-6.6
+    liar = {"norm": infos[0]["norm"] * 100, "kept": 1}  # would make the masks weigh 1000x the updates
+    assert mask_scale([*infos, liar], "fp16", limit=count) == scale  # the lower median
+    assert mask_scale([{"norm": 1e9, "kept": 1}], "fp16", limit=count) == 2.0**15  # within fp16
     for factor, caught in ((1.0, False), (scale, True)):
         sent = [0.5 * torch.cat([d, factor * keepers([d])[0]]) for d in updates]
         seed = b"group-seed"
