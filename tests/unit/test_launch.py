@@ -10,7 +10,8 @@ from rich.console import Console
 
 from workbench.cli.argv import join_command
 from workbench.cli.command import build_config, build_parser
-from workbench.local.launch import DemoTable, LaunchError, _describe, peer_arguments
+from workbench.local.demo_table import DemoTable, describe
+from workbench.local.launch import LaunchError, peer_arguments
 
 
 def test_peer_arguments_rebuild_the_same_config(tmp_path: Path) -> None:
@@ -92,7 +93,7 @@ def test_demo_table_tracks_rounds_and_bytes() -> None:
 
 
 def test_describe_round_mentions_a_lone_round() -> None:
-    line = _describe(
+    line = describe(
         {
             "peer": "peer-2",
             "event": "round",
@@ -105,7 +106,7 @@ def test_describe_round_mentions_a_lone_round() -> None:
         }
     )
     assert "round   3" in line and "group 1" in line and "alone: no other peer" in line
-    assert _describe({"peer": "p", "event": "left", "reason": "finished"}) is None
+    assert describe({"peer": "p", "event": "left", "reason": "finished"}) is None
 
 
 def test_data_parallel_method_round_trips(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from swarm.errors import SwarmError
 from swarm.faults import FaultPlan
 from workbench.cli.argv import method_arguments, model_flags, optimizer_arguments
 from workbench.config import RunConfig
+from workbench.local.demo_table import DemoTable, describe
 from workbench.run.checkpoint import NAME as CHECKPOINT
 from workbench.run.stopping import not_interrupted, stopped_by_signals
 
@@ -324,77 +325,6 @@ class LocalSwarm:
         }
 
 
-class DemoTable:
-    """A live per-peer table for `workbench demo --no-tui` in a terminal."""
-
-    def __init__(self, *, peers: int, rounds: int) -> None:
-        self.rounds = rounds
-        self.rows: dict[str, dict[str, Any]] = {f"peer-{i}": {"stage": "starting"} for i in range(peers)}
-        self.started = time.monotonic()
-
-    def update(self, event: dict[str, Any]) -> None:
-        row = self.rows.setdefault(event["peer"], {})
-        kind = event["event"]
-        if kind == "started":
-            row.update(stage="joining", device=event["device"])
-        elif kind == "state_downloaded":
-            row.update(stage=f"synced @ {event['outer_step']}")
-        elif kind == "initial_eval":
-            row.update(stage="training", eval=event["eval_loss"])
-        elif kind == "round":
-            row.update(
-                stage="training",
-                round=event["outer_step"],
-                loss=event["loss"],
-                eval=event["eval_loss"],
-                group=event["group_size"],
-                speed=event["samples_per_second"],
-                sent=row.get("sent", 0) + event["bytes_sent"],
-            )
-        elif kind == "done":
-            row.update(stage="done")
-
-    def render(self):
-        from rich.table import Table
-
-        done = min((row.get("round", 0) for row in self.rows.values()), default=0)
-        title = f"round {done}/{self.rounds}   {time.monotonic() - self.started:.0f} s"
-        table = Table(title=title, title_justify="left", expand=False)
-        for column in ("peer", "stage", "round", "loss", "eval loss", "group", "samples/s", "MB sent"):
-            table.add_column(column, justify="left" if column in ("peer", "stage") else "right")
-        for name, row in self.rows.items():
-            table.add_row(
-                name,
-                row.get("stage", ""),
-                str(row.get("round", "")),
-                f"{row['loss']:.3f}" if "loss" in row else "",
-                f"{row['eval']:.3f}" if "eval" in row else "",
-                str(row.get("group", "")),
-                f"{row['speed']:.0f}" if "speed" in row else "",
-                f"{row.get('sent', 0) / 1e6:.1f}",
-            )
-        return table
-
-
-def _describe(event: dict[str, Any]) -> str | None:
-    if event["event"] == "round":
-        alone = f"  alone: {event['alone_reason']}" if event.get("alone_reason") else ""
-        return (
-            f"{event['peer']:>8}  round {event['outer_step']:>3}  loss {event['loss']:.3f}  "
-            f"eval {event['eval_loss']:.3f}  group {event['group_size']}  "
-            f"{event['samples_per_second']:.0f} samples/s{alone}"
-        )
-    if event["event"] == "started":
-        return f"{event['peer']:>8}  started on {event['device']} ({event['params']:,} params)"
-    if event["event"] == "state_downloaded":
-        return f"{event['peer']:>8}  downloaded the global state at outer step {event['outer_step']}"
-    if event["event"] == "initial_eval":
-        return f"{event['peer']:>8}  initial eval loss {event['eval_loss']:.3f}"
-    if event["event"] == "done":
-        return f"{event['peer']:>8}  done: eval loss {event['initial_eval_loss']:.3f} -> {event['final_eval_loss']:.3f}"
-    return None
-
-
 def run_demo(config: RunConfig, *, peers: int, run_dir: Path, timeout: float, show) -> dict[str, Any]:
     """Run the demo to the end; ``show(event)`` is called for every peer event."""
     swarm = LocalSwarm(config, peers=peers, run_dir=run_dir)
@@ -490,7 +420,7 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
     if headless:
 
         def show(event: dict[str, Any]) -> None:
-            line = _describe(event)
+            line = describe(event)
             if line:
                 console.print(line, highlight=False, soft_wrap=True)
 
