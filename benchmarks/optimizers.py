@@ -129,9 +129,10 @@ contiguous group is bigger than a quarter); F=8 gives 7.2x (tiny) / 6.3x (small)
 SWEEP_INNER_LR = (1e-3, 2e-3, 4e-3, 8e-3)
 """Inner (AdamW) peak learning rates tried for dp and for DiLoCo (outer 0.7 / Nesterov 0.9), with
 the schedule every row uses (warmup, then cosine to 10 %): neither baseline is a straw man."""
-SWEEP_OUTER = ((0.7, 0.9), (0.8, 0.3), (1.0, 0.0))
+SWEEP_OUTER = ((0.7, 0.9), (0.8, 0.3), (0.8, 0.6), (0.9, 0.5), (1.0, 0.0))
 """(outer lr, outer momentum) tried for DiLoCo at its best inner lr (the paper's 0.7/0.9 first),
-and for the eager overlapped row at DiLoCo's best inner lr."""
+and for the eager overlapped row at DiLoCo's best inner lr. 0.8/0.6 and 0.9/0.5 were added after
+the 2026-12-01 run (side runs: 1.5177 and 1.5195 against its best, 0.8/0.3's 1.5465)."""
 SWEEP_EF_DECAY = (0.95, 0.9, 0.8, 0.7)
 """SparseLoCo's error-feedback decay β tried at DiLoCo's best inner lr (the published 0.95 first;
 outer lr 1, the mean over the peers that kept each coordinate, as published): its row is the
@@ -463,7 +464,13 @@ def estimate(config: BenchConfig, probe_steps: int = 20) -> float:
     probe = dataclasses.replace(config, steps=probe_steps, inner_steps=probe_steps, history_points=1)
     dp = run_row(probe, MethodSpec(method="dp", diloco=DiLoCoConfig(inner_steps=1))).seconds
     local = run_row(probe, MethodSpec(method="diloco", diloco=DiLoCoConfig(inner_steps=probe_steps))).seconds
-    others = len(methods(config.inner_steps)) + len(SWEEP_INNER_LR) + 2 * len(SWEEP_OUTER) - 1
+    others = (
+        len(methods(config.inner_steps))
+        + len(SWEEP_INNER_LR)
+        + 2 * len(SWEEP_OUTER)
+        - 1
+        + len(SWEEP_EF_DECAY)
+    )
     return (dp * len(SWEEP_INNER_LR) + local * others) / probe_steps * config.steps
 
 
