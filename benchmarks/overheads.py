@@ -7,8 +7,12 @@
    second, signed, to a real DHT) against the same steps without, in alternating blocks; and
    the cost of one heartbeat call against one inner step, both measured here.
 2. **Joining**: a new peer starts its DHT, finds the run and downloads the global state of a
-   25 M-parameter model (θ, outer momentum and AdamW's two moments: 400 MB) from a real peer on
-   loopback. Baseline: the same bytes over one plain TCP socket on loopback, in this run.
+   25 M-parameter model (θ, outer momentum and AdamW's two moments: 400 MB) from real peers on
+   loopback: from one donor over hivemind's stream, then over the direct transport
+   (swarm.state_transfer) from one and from three donors. The donors share θ and momentum and
+   each has its own moments, as peers of a run do. ``join`` holds the three-donor run (its
+   fields, plus ``donors``), ``join.runs`` all three. Baseline: the same bytes over one plain TCP
+   socket on loopback, in this run.
 3. **CLI start-up**: `workbench --help` against `python -c pass`, median of 5 runs each.
 
 Writes benchmarks/results/overheads.json.
@@ -26,6 +30,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from swarm.download import Downloading
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -90,7 +96,8 @@ def heartbeats(blocks: int, steps: int) -> dict:
     )
 
 
-def _serve_state(params: int, addresses, ready, stop) -> None:
+def _serve_state(params: int, seed: int, plane: str, initial, addresses, ready, stop) -> None:
+    mp.set_start_method("fork", force=True)  # spawned, this process would spawn the averager too
     import torch
 
     from optim.diloco import OuterState
@@ -99,19 +106,20 @@ def _serve_state(params: int, addresses, ready, stop) -> None:
     from swarm.records import RunKeys
     from swarm.session import connect
 
-    session = connect(NetworkConfig(), RunKeys("join-bench"))
-    tensors = [torch.randn(params)]
+    session = connect(NetworkConfig(initial_peers=initial), RunKeys("join-bench"))
+    shared = torch.Generator().manual_seed(0)  # θ and momentum: the swarm's consensus
+    local = torch.Generator().manual_seed(seed)  # AdamW's moments: each donor's own
     state = OuterState(
         outer_step=7,
-        params=tensors,
-        momentum=[torch.randn(params)],
+        params=[torch.randn(params, generator=shared)],
+        momentum=[torch.randn(params, generator=shared)],
         pending=[],
-        inner=[torch.randn(params), torch.rand(params)],
+        inner=[torch.randn(params, generator=local), torch.rand(params, generator=local)],
         inner_keys=["exp_avg", "exp_avg_sq"],
     )
     averager = GroupAverager(
         [torch.zeros(params)], session.dht, prefix="joinbench", state_provider=lambda: state,
-        declare_state_period=1, start=True,
+        declare_state_period=1, data_plane=plane, start=True,
     )  # fmt: skip
     averager.state_sharing_priority = 7.0
     addresses.put([str(a) for a in session.dht.get_visible_maddrs()])
@@ -121,7 +129,23 @@ def _serve_state(params: int, addresses, ready, stop) -> None:
     session.dht.shutdown()
 
 
-def join(params: int) -> dict:
+class _Joiner(Downloading):
+    """The download a joining peer runs (direct transport, else hivemind's stream), without the
+    rest of the peer: no heartbeat, no witnesses."""
+
+    def __init__(self, averager) -> None:
+        self.averager, self.on_download = averager, None
+
+    def beat(self, stage) -> None:
+        pass
+
+    def _verifiers(self, distrusted: set[str]) -> list[str]:
+        return []
+
+
+def join(params: int, donors: int, plane: str = "direct") -> dict:
+    """A joiner's download from ``donors`` donors (each a process with its own DHT and
+    averager), over the direct transport or hivemind's stream (``plane``)."""
     import torch
 
     from swarm.dht import NetworkConfig
@@ -129,27 +153,36 @@ def join(params: int) -> dict:
     from swarm.records import RunKeys
     from swarm.session import connect
 
-    context = mp.get_context("fork")
+    context = mp.get_context("spawn")  # a fork of this process after an earlier run would hang
     addresses, ready, stop = context.Queue(), context.Event(), context.Event()
-    donor = context.Process(target=_serve_state, args=(params, addresses, ready, stop))
-    donor.start()
-    initial = addresses.get(timeout=120)
+    processes, initial = [], []
+    for index in range(donors):
+        process = context.Process(
+            target=_serve_state, args=(params, 1 + index, plane, initial, addresses, ready, stop)
+        )
+        process.start()
+        processes.append(process)
+        found = addresses.get(timeout=120)
+        initial = initial or found
     ready.set()
-    time.sleep(3)  # the donor declares its state (every second)
+    time.sleep(3)  # the donors declare their state (every second)
     start = time.perf_counter()
     session = connect(NetworkConfig(initial_peers=initial), RunKeys("join-bench"))
     averager = GroupAverager(
         [torch.zeros(params)], session.dht, prefix="joinbench", state_provider=None,
-        allow_state_sharing=False, start=True,
+        allow_state_sharing=False, data_plane=plane, start=True,
     )  # fmt: skip
     connected = time.perf_counter()
-    metadata, tensors = averager.load_state_from_peers(timeout=300)
+    state, *_ = _Joiner(averager)._fetch_state(set(), set(), time.monotonic() + 300)
     done = time.perf_counter()
+    tensors = [*state.params, *state.momentum, *state.inner]
     size = sum(t.numel() * t.element_size() for t in tensors)
+    served_by = int(averager.download[2])
     stop.set()
     averager.shutdown()
     session.dht.shutdown()
-    donor.join(timeout=30)
+    for process in processes:
+        process.join(timeout=30)
     baseline = _tcp_seconds(size)
     download = done - connected
     return dict(
@@ -161,6 +194,9 @@ def join(params: int) -> dict:
         download_mb_s=size / 1e6 / download,
         tcp_baseline_seconds=baseline,
         ratio_to_tcp=baseline / download,
+        donors=donors,
+        served_by=served_by,
+        transport=plane,
     )
 
 
@@ -211,8 +247,12 @@ def main() -> None:
     result = dict(benchmark="overheads")
     result["heartbeats"] = heartbeats(blocks=3 if args.quick else 6, steps=10 if args.quick else 20)
     print("heartbeats:", json.dumps(result["heartbeats"]), flush=True)
-    result["join"] = join(5_000_000 if args.quick else 25_000_000)
-    print("join:", json.dumps(result["join"]), flush=True)
+    params = 5_000_000 if args.quick else 25_000_000
+    runs = []
+    for donors, plane in ((1, "hivemind"), (1, "direct"), (3, "direct")):
+        runs.append(join(params, donors, plane))
+        print("join:", json.dumps(runs[-1]), flush=True)
+    result["join"] = dict(runs[-1], runs=runs, goal="join_seconds < 2 and ratio_to_tcp >= 0.25 with 3 donors")
     result["cli"] = cli_start()
     print("cli:", json.dumps(result["cli"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -39,14 +38,13 @@ from optim.averager import RoundReport
 from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.barrier import RoundBarrier, Serving, Verdict
-from swarm.claims import Vouching, judge_state
+from swarm.claims import Vouching
 from swarm.deadlines import LearnedDeadline, matchmaking_window
 from swarm.dht import quiet_children
-from swarm.errors import SwarmError
-from swarm.group_averager import VERIFIERS, GroupAverager, fault_value
+from swarm.download import Downloading
+from swarm.group_averager import GroupAverager, fault_value
 from swarm.progress import ProgressBoard
 from swarm.records import RunKeys, Stage
-from swarm.sketch import state_sketches
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +56,8 @@ CODECS: dict[str, Callable[[], Any]] = {
 }
 assert set(CODECS) == set(CODEC_BYTES), f"{set(CODECS)=} {set(CODEC_BYTES)=}"
 
-DONORS_PER_TRY = 4  # donors tried (each checked) in one download_state call
 
-
-class SwarmAverager:
+class SwarmAverager(Downloading):
     """An :class:`optim.Averager` over hivemind; also downloads and serves the global state."""
 
     def __init__(
@@ -345,134 +341,5 @@ class SwarmAverager:
             claimed = fault_value(self.averager._fault_file, "state_priority")  # testing: a lying donor
             self.averager.state_sharing_priority = claimed or float(outer_step)
 
-    def download_state(self, *, timeout: float = 60.0) -> OuterState | None:
-        """The global state of the most advanced peer whose θ the others confirm, or None if
-        nobody served one in time.
-
-        Any peer can declare itself the most advanced and serve a made-up θ. So each state is
-        checked before it is used: while it streams, up to ``VERIFIERS`` other peers (those this
-        one averaged with first) are asked for their θ's sketches under a seed the donor never
-        sees, and the θ that arrived is sketched under it (:func:`swarm.claims.judge_state`
-        decides). A refused donor is skipped for the rest of this call; one contradicted by
-        peers this one averaged with, for the run.
-        """
-        deadline = time.monotonic() + timeout
-        skipped = set(self._refused_donors)  # not asked to serve again in this call
-        distrusted = set(self._refused_donors)  # not asked to witness either
-        for _ in range(DONORS_PER_TRY):
-            got = self._fetch_state(skipped, distrusted, deadline)
-            if got is None:
-                return None
-            state, donor, seed, answers = got
-            skipped.add(donor)
-            if state is None:
-                distrusted.add(donor)
-                continue
-            vouched = set(self.vouching.vouched)
-            verdict = judge_state(
-                state.outer_step, state_sketches(state.params, seed), answers, donor=donor, vouched=vouched
-            )
-            if verdict.accept:
-                logger.info(
-                    "the state served by %s at outer step %d: %s", donor[-8:], state.outer_step, verdict.why
-                )
-                return state
-            logger.warning(
-                "refused the state served by %s: %s; trying another donor", donor[-8:], verdict.why
-            )
-            if verdict.contradicted:  # else (a round ended mid-download) it may witness the next
-                distrusted.add(donor)
-            if verdict.blame:
-                self._refused_donors.add(donor)
-                self.board.ignore(
-                    donor, f"served a θ at outer step {state.outer_step} that its round mates contradict"
-                )
-        return None
-
-    def _verifiers(self, distrusted: set[str]) -> list[str]:
-        """Peers to ask about a downloaded θ, best witnesses first: round mates, then the most
-        advanced (a donor is among the most advanced)."""
-        vouched = self.vouching.vouched
-        others = [
-            p
-            for p in self.board.fetch().values()
-            if p.peer_id != self.peer_id
-            and p.peer_id not in distrusted
-            and p.stage not in (Stage.DOWNLOADING, Stage.JOINING)
-        ]
-        others.sort(key=lambda p: (p.peer_id not in vouched, -p.outer_step, random.random()))
-        return [p.peer_id for p in others[: VERIFIERS + 1]]  # one more: the donor is never asked
-
-    def download_progress(self) -> float | None:
-        """The share of the state received in the download in progress (0..1), None if the
-        donor has not said how large it is yet (what it says is shown, never trusted)."""
-        received, announced = self.averager.download[:]
-        return min(1.0, received / announced) if announced > 0 else None
-
-    def _fetch_state(
-        self, skipped: set[str], distrusted: set[str], deadline: float
-    ) -> tuple[Any, ...] | None:
-        """(the state, or None if malformed; its donor; the seed; the witnesses' answers) from
-        the best donor not skipped (its witnesses: peers not distrusted), or None.
-
-        Polls rather than blocks so that this peer's heartbeat ("downloading") stays alive:
-        the others' round barrier waits for a downloading peer only while it can see it.
-        """
-        remaining = max(1.0, deadline - time.monotonic())
-        future = self.averager.load_state_from_peers(
-            wait=False, timeout=remaining, exclude=sorted(skipped), verifiers=self._verifiers(distrusted)
-        )
-        try:
-            while not future.done():
-                self.beat(Stage.DOWNLOADING)
-                if self.on_download is not None:
-                    self.on_download(self.download_progress())
-                if time.monotonic() > deadline:
-                    future.cancel()
-                    logger.warning("no peer served the state in time")
-                    return None
-                time.sleep(0.05)
-            result = future.result()
-        except KeyboardInterrupt:
-            future.cancel()
-            raise
-        except Exception as error:  # a timeout inside hivemind, ...
-            logger.warning("state download failed: %s: %s", type(error).__name__, error)
-            return None
-        if result is None:
-            return None
-        metadata, tensors, donor, seed, answers = result
-        try:
-            return _parse_state(metadata, tensors), donor, seed, answers
-        except (SwarmError, KeyError, TypeError, ValueError) as error:
-            logger.warning(
-                "%s served an incomplete or malformed state (%s); trying another donor", donor[-8:], error
-            )
-            return None, donor, seed, answers
-
     def shutdown(self) -> None:
         self.averager.shutdown()
-
-
-def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:
-    """Rebuild an OuterState from what GroupAverager.get_current_state sent."""
-    if not isinstance(metadata, dict):
-        raise SwarmError("the state's metadata is not a dict")
-    count = int(metadata.get("num_params", -1))
-    inner_keys = metadata.get("inner_keys") or []
-    pending = int(metadata.get("num_pending", 0))
-    if count < 1 or len(tensors) != (2 + pending) * count + len(inner_keys):
-        raise SwarmError(
-            f"{len(tensors)} tensors for {count} params: the donor left mid-download (hivemind ends a "
-            "broken stream as if it were complete) or runs another version of workbench"
-        )
-    rest = tensors[2 * count :]
-    queued = [[t.float() for t in rest[i * count : (i + 1) * count]] for i in range(pending)]
-    return OuterState(
-        outer_step=int(metadata["outer_step"]),
-        params=[t.float() for t in tensors[:count]],
-        momentum=[t.float() for t in tensors[count : 2 * count]],
-        pending=queued,
-        inner=list(rest[pending * count :]),
-        inner_keys=[list(k) for k in inner_keys],
-    )

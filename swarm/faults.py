@@ -64,6 +64,9 @@ class FaultPlan:
     """Sleep this long per streamed part of a served state (a test can kill a donor mid-download)."""
     serve_noise: float = 0.0
     """Serve θ with this much relative noise (a lying donor; this peer's own θ is untouched)."""
+    serve_bad_slices: float = 0.0
+    """Flip a byte of every slice served over the direct transport (a donor whose slices do not
+    match the hashes it offered)."""
     state_priority: float = 0.0
     """Declare this outer step to joiners, to be picked as their donor first."""
 

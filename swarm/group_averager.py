@@ -8,27 +8,19 @@ state served to joiners, with sketches of θ for the witnesses who check a downl
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
-import math
 import multiprocessing as mp
-import random
-import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's name to detect streams
+from typing import Any
 
-import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.asyncio import enter_asynchronously
 
 from optim.diloco import OuterState
 from swarm import gathered
@@ -43,21 +35,19 @@ from swarm.dataplane import (
     one_line,
     or_error,
 )
-from swarm.errors import SwarmError
 from swarm.faults import fault_value
 from swarm.hivemind_fixes import ExpectedMembers  # importing it also patches StepControl
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
-from swarm.sketch import Sketch, state_sketches
+from swarm.state_sharing import VERIFIERS, StateSharing
 
 logger = logging.getLogger(__name__)
 
-SEED_BYTES = 16  # a joiner's seed for sketching the θ it downloaded
-VERIFIERS = 4  # peers asked to confirm a downloaded state
-MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
+__all__ = ["VERIFIERS", "GroupAverager", "fault_value"]
+
 EXPECTED_BYTES = 1 << 16  # the expected members' ids (~47 bytes each): about 1,300 peers
 
 
-class GroupAverager(DecentralizedAverager):
+class GroupAverager(StateSharing, DecentralizedAverager):
     """DecentralizedAverager whose downloadable state is DiLoCo's global state."""
 
     def __init__(
@@ -74,7 +64,6 @@ class GroupAverager(DecentralizedAverager):
         **kwargs: Any,
     ) -> None:
         self._state_provider = state_provider
-        self._fault_file = fault_file
         self._codec = codec
         self._masks = masks  # the last tensors averaged are kept-masks (--topk-mean kept)
         self._aggregate = aggregate
@@ -82,27 +71,30 @@ class GroupAverager(DecentralizedAverager):
         self._plane_used = False
         self._unreachable = 0  # consecutive rings this peer could not set up
         self._boards = RendezvousBoards()  # the rendezvous of the groups this peer leads
-        self._sketch_lock: asyncio.Lock | None = None  # made in the averager process's loop
         self._running: set[asyncio.Task] = set()  # see _keep_running
-        self._sketch_after = 0.0
-        # A donor may send at most this much: 8 copies of the parameters and 64 MiB of slack
-        # (θ, momentum, a queued update and AdamW's two moments are 5).
-        params = args[0][: len(args[0]) - masks]  # a state holds no masks
-        self._state_limit = 8 * 4 * sum(t.numel() for t in params) + (64 << 20)
         # Cleared in the averager process when a ring fails; read here before each step.
         self._plane_enabled = mp.Value("b", 0)
         # The ids of the rings the averager process keeps, for the gathered info (written there
         # after each direct round, read here before each step).
         self._ring_ids = mp.Array("c", MAX_RINGS * RING_ID_BYTES)
         self.direct_rounds = mp.Value("q", 0)  # rounds the direct plane carried, for reports
-        self.download = mp.Array("d", 2)  # the download in progress: bytes received, bytes announced
         self._expected = mp.Array("c", EXPECTED_BYTES)  # the next step's round mates (ids)
         self.assembled = mp.Value("d", 0.0)  # when a group last formed (time.time())
         self.generation = mp.Value("q", 0)  # bumped (under the buffers' lock) as the peer fills them
+        bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
+        bindable_ = bool(bind) and bindable(bind)
+        # A donor may send at most this much: 8 copies of the parameters and 64 MiB of slack
+        # (θ, momentum, a queued update and AdamW's two moments are 5).
+        params = args[0][: len(args[0]) - masks]  # a state holds no masks
+        self._init_state_sharing(
+            fault_file=fault_file,
+            direct=data_plane == "direct",
+            state_host=bind if data_plane == "direct" and bindable_ else None,
+            limit=8 * 4 * sum(t.numel() for t in params) + (64 << 20),
+        )
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):
-            bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
-            if bind and bindable(bind):
+            if bindable_:
                 self._plane = DirectPlane(bind)
                 self._plane_enabled.value = 1
             elif plane_host == "0.0.0.0":
@@ -318,182 +310,3 @@ class GroupAverager(DecentralizedAverager):
         else:
             answer = await self._boards.answer(context.remote_id.to_bytes(), unpack(request.metadata))
         return averaging_pb2.DownloadData(metadata=pack(answer))
-
-    async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        # Runs in hivemind's averager process. Testing: a fault file's ``serve_delay_ms`` slows
-        # the stream down part by part, so that a test can kill this donor mid-download.
-        delay = fault_value(self._fault_file, "serve_delay_ms") / 1000
-        if delay:
-            logger.warning("serving the state slowly (fault injection: %.0f ms per part)", delay * 1000)
-        async for message in super().rpc_download_state(request, context):
-            yield message
-            if delay:
-                await asyncio.sleep(delay)
-
-    # --- downloads that the joiner checks (see SwarmAverager.download_state) ----------------------
-
-    def load_state_from_peers(
-        self,
-        wait: bool = True,
-        timeout: float | None = None,
-        exclude: Sequence[str] = (),
-        verifiers: Sequence[str] = (),
-    ):
-        """hivemind's download, skipping the donors in ``exclude`` (base58 peer ids). While the
-        state streams, up to ``VERIFIERS`` of ``verifiers`` (never the donor) are asked for their
-        θ's sketches under a seed drawn for this donor, which the donor never sees. A result is
-        (metadata, tensors, the donor's peer id, the seed, {verifier: (outer step, sketches) or
-        None})."""
-        future = MPFuture()
-        request = dict(timeout=timeout, future=future, exclude=tuple(exclude), verifiers=tuple(verifiers))
-        self._outer_pipe.send(("_load_state_from_peers", [], request))
-        return future.result(timeout=timeout) if wait else future
-
-    async def _load_state_from_peers(
-        self,
-        future: MPFuture,
-        timeout: float | None = None,
-        exclude: Sequence[str] = (),
-        verifiers: Sequence[str] = (),
-    ) -> None:
-        # In the averager process. Donors in order of the priority they declare (their outer
-        # step; anyone can declare any, which is why the joiner checks what it gets).
-        self._keep_running()
-        try:
-            key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-            found = await self.dht.get(key, latest=True, return_future=True)
-            declared = found.value if found is not None and isinstance(found.value, dict) else {}
-            donors = []
-            for subkey, entry in declared.items():
-                priority = getattr(entry, "value", None)
-                if not isinstance(priority, (int, float)) or not math.isfinite(priority):
-                    continue
-                try:
-                    peer = PeerID(subkey)
-                except Exception:  # noqa: BLE001 - a made-up subkey is just skipped
-                    continue
-                if peer != self.peer_id and peer.to_base58() not in exclude:
-                    donors.append((float(priority), random.random(), peer))
-            for _, _, peer in sorted(donors, key=lambda d: d[:2], reverse=True):
-                donor = peer.to_base58()
-                seed = secrets.token_bytes(SEED_BYTES)
-                asked = [v for v in verifiers if v != donor][:VERIFIERS]
-                # Asked while the state streams (not after): a round can end during a download,
-                # and the witnesses' θ should be of the step the donor serves.
-                witnesses = asyncio.ensure_future(self._sketches_from(asked, seed, timeout=10.0))
-                got = await self._download_from(peer)
-                if got is not None:
-                    future.set_result((*got, donor, seed, await witnesses))
-                    return
-                witnesses.cancel()
-        finally:
-            if not future.done():
-                future.set_result(None)
-
-    async def _download_from(self, peer: PeerID) -> tuple[Any, list[torch.Tensor]] | None:
-        """One donor's state stream, at most ``self._state_limit`` bytes; None if it failed."""
-        logger.info("downloading the state from %s", peer)
-        try:
-            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-            # Bounded: dialing a frozen donor (SIGSTOP, a laptop asleep) stalls in libp2p's
-            # protocol negotiation for about 30 s before the stream resets; the next donor waits.
-            stream = await asyncio.wait_for(
-                stub.rpc_download_state(averaging_pb2.DownloadRequest()),
-                timeout=self.next_chunk_timeout or self.request_timeout,
-            )
-            metadata, tensors, parts, received = None, [], [], 0
-            self.download[:] = [0.0, 0.0]
-            async for message in aiter_with_timeout(
-                stream, timeout=self.next_chunk_timeout or self.request_timeout
-            ):
-                received += len(message.tensor_part.buffer) + len(message.metadata)
-                if received > self._state_limit:
-                    raise SwarmError(
-                        f"it sent over {self._state_limit >> 20} MiB, more than this model's state"
-                    )
-                if message.metadata:
-                    metadata = self.serializer.loads(message.metadata)
-                    announced = metadata.get("bytes") if isinstance(metadata, dict) else None
-                    if isinstance(announced, int) and 0 < announced <= self._state_limit:  # for display only
-                        self.download[1] = float(announced)
-                self.download[0] = float(received)
-                if message.tensor_part.dtype and parts:  # the first part of the next tensor
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-                parts.append(message.tensor_part)
-            if parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        except Exception as error:  # noqa: BLE001 - a donor gone or misbehaving: try the next
-            logger.warning("state download from %s failed: %s", peer, one_line(error))
-            return None
-        return (metadata, tensors) if metadata else None
-
-    async def rpc_theta_sketch(
-        self, request: averaging_pb2.DownloadData, context: P2PContext
-    ) -> averaging_pb2.DownloadData:
-        """Sketches of this peer's θ under a joiner's seed, for checking a state it downloaded."""
-        seed = unpack(request.metadata).get("seed") if len(request.metadata) <= 256 else None
-        if not isinstance(seed, bytes) or len(seed) != SEED_BYTES or not self.allow_state_sharing:
-            return averaging_pb2.DownloadData(metadata=pack({"ok": False}))
-        if self._sketch_lock is None:
-            self._sketch_lock = asyncio.Lock()
-        async with self._sketch_lock:  # each answer costs a copy of the state: one at a time
-            await asyncio.sleep(max(0.0, self._sketch_after - time.monotonic()))
-            metadata, tensors, _ = await self._get_current_state_from_host_process()
-            metadata = self.serializer.loads(metadata)
-            params = tensors[: int(metadata["num_params"])]
-            sketches = await asyncio.get_running_loop().run_in_executor(None, state_sketches, params, seed)
-            self._sketch_after = time.monotonic() + 0.1
-        answer = {
-            "ok": True,
-            "outer_step": int(metadata["outer_step"]),
-            "sketches": [s.to_bytes() for s in sketches],
-        }
-        return averaging_pb2.DownloadData(metadata=pack(answer))
-
-    async def _sketches_from(
-        self, peers: list[str], seed: bytes, timeout: float
-    ) -> dict[str, tuple[int, list[Sketch]] | None]:
-        """Each peer's (outer step, θ sketches) under ``seed``, or None for it."""
-
-        async def ask(peer: str) -> tuple[str, tuple[int, list[Sketch]] | None]:
-            try:
-                stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-                request = averaging_pb2.DownloadData(metadata=pack({"seed": seed}))
-                answer = await stub.rpc_theta_sketch(request, timeout=timeout)
-                message = unpack(answer.metadata) if len(answer.metadata) <= MAX_SKETCH_ANSWER else {}
-                step, raw = message.get("outer_step"), message.get("sketches")
-                if message.get("ok") is not True or not isinstance(step, int) or not isinstance(raw, list):
-                    return peer, None
-                return peer, (step, [Sketch.from_bytes(b) for b in raw])
-            except Exception as error:  # noqa: BLE001 - no answer, a malformed one: not a witness
-                logger.debug("no θ sketch from %s: %s", peer, one_line(error))
-                return peer, None
-
-        return dict(await asyncio.gather(*map(ask, peers)))
-
-    def get_current_state(self):
-        state = self._state_provider()
-        noise = fault_value(self._fault_file, "serve_noise")
-        if noise:  # fault injection: a donor serving a made-up θ (this peer's own is untouched)
-            logger.warning("fault injection: serving θ with %g relative noise", noise)
-            state = dataclasses.replace(
-                state,
-                params=[p + noise * p.norm() / p.numel() ** 0.5 * torch.randn_like(p) for p in state.params],
-            )
-        metadata = dict(
-            outer_step=state.outer_step,
-            num_params=len(state.params),
-            num_pending=len(state.pending),
-            inner_keys=state.inner_keys,
-        )
-        tensors = [
-            *state.params,
-            *state.momentum,
-            *(t for update in state.pending for t in update),
-            *state.inner,
-        ]
-        metadata["bytes"] = sum(t.numel() * t.element_size() for t in tensors)  # a joiner's progress
-        return metadata, tensors, None

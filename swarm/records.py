@@ -118,6 +118,9 @@ class PeerHeartbeat(BaseModel):
     """Why it stepped alone in its last round ("" when it averaged)."""
     download_progress: float = Field(default=0.0, ge=0, le=1)
     """While downloading the state: the share received of what the donor said it would send."""
+    download_donors: int = Field(default=0, ge=0, le=64)
+    """While downloading the state: how many donors serve it (the direct transport takes slices
+    from several at once; hivemind's stream, from one)."""
 
     @field_validator("ignored")
     @classmethod

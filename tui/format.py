@@ -65,7 +65,8 @@ def bytes_saved(snapshot: SwarmSnapshot) -> tuple[int, int]:
 def stage_text(p: PeerHeartbeat) -> str:
     """The stage, with a download's progress once the donor has said how large the state is."""
     if p.stage is Stage.DOWNLOADING and p.download_progress > 0:
-        return f"download {p.download_progress:.0%}"
+        donors = f" from {p.download_donors} donors" if p.download_donors > 1 else ""
+        return f"download {p.download_progress:.0%}{donors}"
     return p.stage.value
 
 

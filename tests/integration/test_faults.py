@@ -155,6 +155,71 @@ def test_a_donor_killed_mid_download_the_joiner_takes_another(spawn, scenario, t
 
 
 @pytest.mark.faults
+def test_donors_sending_slices_that_do_not_match_their_hashes_are_dropped(spawn, scenario, tmp_path):
+    """Over the direct transport, both donors flip a byte of every slice they serve (fault
+    injection; their offers' hashes are of their true state). The joiner checks each slice
+    against the hash in its donor's offer, drops every donor it gets one from, falls back to
+    hivemind's stream (which the fault leaves alone), and ends on the swarm's θ. (With one honest
+    donor at the same outer step, its slices would be taken instead: tests/unit/
+    test_state_transfer.py; here the donors' steps may differ by one in rounds this short.)"""
+    bad = tmp_path / "bad.json"
+    FaultPlan(serve_bad_slices=1).write(bad)
+    common = [*FAST, "--run-id", "bad-slices", "--rounds", str(JOIN_ROUNDS), "--fault-file", str(bad)]
+    first = spawn("a", "start", *common, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
+    second.wait_event("round", lambda e: e["outer_step"] >= 2)
+    started = time.time()
+    joiner = spawn("c", "join", first.address(), second.address(), *common)
+    joined = joiner.wait_event("state_downloaded", timeout=90)
+    for peer in (first, second, joiner):
+        assert peer.wait() == 0, peer.stderr()
+    log = joiner.stderr()
+    assert "does not match the hash it offered" in log, log[-3000:]
+    assert "direct state download failed" in log and "trying hivemind's stream" in log
+    assert "Traceback" not in log
+    scenario.update(
+        rounds_lost=0, recover_seconds=joined["time"] - started, download_seconds=round(joined["seconds"], 1)
+    )
+    together = [e for e in joiner.events("round") if e["group_size"] == 3]
+    assert together, "the joiner never averaged with the others"
+    assert max_abs_diff(second.global_params(), joiner.global_params()) <= 1e-5
+
+
+@pytest.mark.faults
+def test_every_donor_gone_mid_download_the_joiner_starts_cleanly(spawn, scenario, tmp_path):
+    """Both donors serve slowly; both are SIGKILLed while the joiner downloads. The joiner says
+    so in one line per try, finds nobody left to serve the state and starts from the seed's
+    init: no traceback, no half-written state, finite losses."""
+    faults = tmp_path / "faults.json"
+    FaultPlan(serve_delay_ms=150).write(faults)
+    common = [*FAST, "--run-id", "donors-gone", "--rounds", "6", "--averaging-timeout", "8"]
+    slow = [*common, "--fault-file", str(faults)]
+    first = spawn("a", "start", *slow, "--rounds", str(JOIN_ROUNDS), "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *slow, "--rounds", str(JOIN_ROUNDS), "--min-peers", "2")
+    second.wait_event("round", lambda e: e["outer_step"] >= 2)
+    served = {peer.name: peer.stderr().count(_SERVING) for peer in (first, second)}
+    joiner = spawn("c", "join", first.address(), second.address(), *common)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(
+        peer.stderr().count(_SERVING) > served[peer.name] for peer in (first, second)
+    ):
+        time.sleep(0.05)
+    time.sleep(0.5)  # a few parts in
+    assert not joiner.events("state_downloaded"), "the download finished before the kill"
+    killed_at = time.time()
+    first.kill()
+    second.kill()
+    assert joiner.wait(timeout=240) == 0, joiner.stderr()
+    log = joiner.stderr()
+    assert "no peer could serve the global state; starting from the seed's init" in log, log[-3000:]
+    assert "Traceback" not in log
+    assert not joiner.events("state_downloaded")
+    rounds = joiner.events("round")
+    assert rounds and all(math.isfinite(r["eval_loss"]) for r in rounds)
+    scenario.update(rounds_lost=0, recover_seconds=rounds[0]["time"] - killed_at)
+
+
+@pytest.mark.faults
 def test_a_trimmed_mean_shrugs_off_one_bad_peer(spawn, scenario, tmp_path):
     """--aggregate trimmed-mean over 3 real peers: one sends NaN once and 1000x its update once;
     per coordinate its value is dropped, so the honest peers refuse no round, no θ is NaN, and

@@ -15,7 +15,7 @@ from tui.format import peer_row, stage_text
 
 def _progress(received: float, announced: float) -> float | None:
     return SwarmAverager.download_progress(
-        SimpleNamespace(averager=SimpleNamespace(download=[received, announced]))
+        SimpleNamespace(averager=SimpleNamespace(download=[received, announced, 1.0]))
     )
 
 
@@ -30,6 +30,10 @@ def test_the_heartbeat_bounds_it_and_the_table_shows_it() -> None:
     downloading = PeerHeartbeat.model_validate({**base, "stage": "downloading", "download_progress": 0.37})
     assert stage_text(downloading) == "download 37%" and peer_row(downloading, 3)["stage"] == "download 37%"
     assert stage_text(downloading.model_copy(update={"download_progress": 0.0})) == "downloading"
+    several = downloading.model_copy(update={"download_donors": 3})
+    assert stage_text(several) == "download 37% from 3 donors"
+    with pytest.raises(ValidationError):  # a claim, bounded like every other
+        PeerHeartbeat.model_validate({**base, "stage": "downloading", "download_donors": 10_000})
     training = PeerHeartbeat.model_validate({**base, "stage": "training", "download_progress": 0.5})
     assert stage_text(training) == "training"
     with pytest.raises(ValidationError):

@@ -62,6 +62,7 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         last_round_last="",
         last_round_alone="",
         download_progress=0.0,
+        download_donors=0,
     )
     record.update(overrides)
     return record
@@ -334,7 +335,7 @@ def test_numpy_is_below_2_4_for_hiveminds_int8_codec() -> None:
 
 def test_served_state_round_trips_with_queued_updates() -> None:
     """What GroupAverager sends, _parse_state rebuilds (params, momentum, queue, inner)."""
-    from swarm.averaging import _parse_state
+    from swarm.download import _parse_state
     from swarm.errors import SwarmError
 
     params = [torch.randn(3, 2), torch.randn(4)]

@@ -130,7 +130,9 @@ function render({ model, el: root }) {
       const cells = [p.name, p.stage, p.outer_step, `${p.inner_step}/${p.inner_steps}`, p.last_round_steps || "-",
         p.loss == null ? "-" : p.loss.toFixed(3), (p.samples_per_second || 0).toFixed(1),
         bytes(p.bytes_sent || 0), p.group_size || "-", p.control_version ? `v${p.control_version}` : "-"];
-      if (p.stage === "downloading" && p.download_progress > 0) cells[1] = `download ${Math.round(100 * p.download_progress)}%`;
+      if (p.stage === "downloading" && p.download_progress > 0) {
+        cells[1] = `download ${Math.round(100 * p.download_progress)}%` + (p.download_donors > 1 ? ` from ${p.download_donors} donors` : "");
+      }
       cells.forEach((c, i) => tr.appendChild(el("td", { text: String(c), class: i === 1 ? `stage stage-${p.stage}` : "" })));
       const isPaused = paused.includes(p.peer_id) || paused.includes(p.name);
       const button = el("button", { class: isPaused ? "swb-resume" : "swb-pause", text: isPaused ? "resume" : "pause" });

@@ -88,8 +88,14 @@ def download_state(
 
     started = time.monotonic()
     for attempt in range(3):
-        with progress(f"{name}: downloading the global state ({reason})", total=1.0, unit="share") as bar:
-            averager.on_download = bar.show
+        title = f"{name}: downloading the global state ({reason})"
+        with progress(title, total=1.0, unit="share") as bar:
+
+            def show(share: float | None, bar=bar, title=title) -> None:
+                donors = averager.download_donors()
+                bar.show(share, f"{title} from {donors} donors" if donors > 1 else None)
+
+            averager.on_download = show
             try:
                 state = averager.download_state()
             finally:

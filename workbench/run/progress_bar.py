@@ -11,14 +11,14 @@ from typing import Protocol
 
 class Bar(Protocol):
     def advance(self, amount: float) -> None: ...
-    def show(self, completed: float | None) -> None: ...
+    def show(self, completed: float | None, description: str | None = None) -> None: ...
 
 
 class _Nothing:
     def advance(self, amount: float) -> None:
         pass
 
-    def show(self, completed: float | None) -> None:
+    def show(self, completed: float | None, description: str | None = None) -> None:
         pass
 
 
@@ -29,8 +29,10 @@ class _RichBar:
     def advance(self, amount: float) -> None:
         self.progress.advance(self.task, amount)
 
-    def show(self, completed: float | None) -> None:
-        """Set how much is done (None: not known yet)."""
+    def show(self, completed: float | None, description: str | None = None) -> None:
+        """Set how much is done (None: not known yet), and a new description if given."""
+        if description is not None:
+            self.progress.update(self.task, description=description)
         if completed is not None:
             self.progress.update(self.task, completed=completed)
 

@@ -178,4 +178,9 @@ def heartbeat_of(peer: Any) -> PeerHeartbeat:
             if peer.averager and peer.stage is Stage.DOWNLOADING
             else 0.0
         ),
+        download_donors=(
+            min(64, peer.averager.download_donors())
+            if peer.averager and peer.stage is Stage.DOWNLOADING
+            else 0
+        ),
     )

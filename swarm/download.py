@@ -1,0 +1,246 @@
+"""A joiner's download of the global state, checked before it is used: the half of
+:class:`swarm.averaging.SwarmAverager` that runs in the peer's own process.
+
+Each try asks the averager process for the donors' offers of the direct transport
+(:mod:`swarm.state_transfer`) and, when there are any, fetches the slices from all of them
+straight into this process's memory (one copy of the state, nothing handed across processes).
+Without offers, or when the slices cannot all be had, hivemind's stream from one donor at a time
+(:meth:`swarm.group_averager.GroupAverager.load_state_from_peers`). Either way, other peers'
+sketches of their θ, taken under a seed no donor sees, decide whether the state is taken
+(:func:`swarm.claims.judge_state`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from optim.diloco import OuterState
+from swarm.claims import judge_state
+from swarm.errors import SwarmError
+from swarm.records import Stage
+from swarm.sketch import state_sketches
+from swarm.state_sharing import SEED_BYTES, VERIFIERS
+from swarm.state_transfer import TransferFailed, fetch
+
+logger = logging.getLogger(__name__)
+
+DONORS_PER_TRY = 4  # donors tried (each checked) in one download_state call
+
+
+class Downloading:
+    """Mixin for :class:`swarm.averaging.SwarmAverager` (its ``averager``, ``board``,
+    ``vouching``, ``beat``, ``on_download``, ``peer_id`` and ``_refused_donors``)."""
+
+    def download_state(self, *, timeout: float = 60.0) -> OuterState | None:
+        """The global state of the most advanced peer whose θ the others confirm, or None if
+        nobody served one in time.
+
+        Any peer can declare itself the most advanced and serve a made-up θ. So each state is
+        checked before it is used: while it streams, up to ``VERIFIERS`` other peers (those this
+        one averaged with first) are asked for their θ's sketches under a seed the donor never
+        sees, and the θ that arrived is sketched under it (:func:`swarm.claims.judge_state`
+        decides). A refused donor is skipped for the rest of this call; one contradicted by
+        peers this one averaged with, for the run.
+        """
+        deadline = time.monotonic() + timeout
+        skipped = set(self._refused_donors)  # not asked to serve again in this call
+        distrusted = set(self._refused_donors)  # not asked to witness either
+        for _ in range(DONORS_PER_TRY):
+            got = self._fetch_state(skipped, distrusted, deadline)
+            if got is None:
+                return None
+            state, donor, seed, answers = got
+            skipped.add(donor)
+            if state is None:
+                distrusted.add(donor)
+                continue
+            vouched = set(self.vouching.vouched)
+            verdict = judge_state(
+                state.outer_step, state_sketches(state.params, seed), answers, donor=donor, vouched=vouched
+            )
+            if verdict.accept:
+                logger.info(
+                    "the state served by %s at outer step %d: %s", donor[-8:], state.outer_step, verdict.why
+                )
+                return state
+            logger.warning(
+                "refused the state served by %s: %s; trying another donor", donor[-8:], verdict.why
+            )
+            if verdict.contradicted:  # else (a round ended mid-download) it may witness the next
+                distrusted.add(donor)
+            if verdict.blame:
+                self._refused_donors.add(donor)
+                self.board.ignore(
+                    donor, f"served a θ at outer step {state.outer_step} that its round mates contradict"
+                )
+        return None
+
+    def _verifiers(self, distrusted: set[str]) -> list[str]:
+        """Peers to ask about a downloaded θ, best witnesses first: round mates, then the most
+        advanced (a donor is among the most advanced)."""
+        vouched = self.vouching.vouched
+        others = [
+            p
+            for p in self.board.fetch().values()
+            if p.peer_id != self.peer_id
+            and p.peer_id not in distrusted
+            and p.stage not in (Stage.DOWNLOADING, Stage.JOINING)
+        ]
+        others.sort(key=lambda p: (p.peer_id not in vouched, -p.outer_step, random.random()))
+        return [p.peer_id for p in others[: VERIFIERS + 1]]  # one more: the donor is never asked
+
+    def download_progress(self) -> float | None:
+        """The share of the state received in the download in progress (0..1), None if the
+        donor has not said how large it is yet (what it says is shown, never trusted)."""
+        received, announced = self.averager.download[0], self.averager.download[1]
+        return min(1.0, received / announced) if announced > 0 else None
+
+    def download_donors(self) -> int:
+        """How many donors serve the download in progress (or served the last one)."""
+        return int(self.averager.download[2])
+
+    def _fetch_state(
+        self, skipped: set[str], distrusted: set[str], deadline: float
+    ) -> tuple[Any, ...] | None:
+        """(the state, or None if malformed; its donor; the seed; the witnesses' answers) from
+        the best donors not skipped (its witnesses: peers not distrusted), or None. Over the
+        direct transport when donors offer it, else (or if it fails) hivemind's stream."""
+        verifiers = self._verifiers(distrusted)
+        result = self._fetch_direct(skipped, verifiers, deadline)
+        if result is None:
+            remaining = max(1.0, deadline - time.monotonic())
+            future = self.averager.load_state_from_peers(
+                wait=False, timeout=remaining, exclude=sorted(skipped), verifiers=verifiers
+            )
+            result = self._wait(future.done, deadline, future.cancel) and future.result()
+        if not result:
+            return None
+        metadata, tensors, donor, seed, answers = result
+        try:
+            return _parse_state(metadata, tensors), donor, seed, answers
+        except (SwarmError, KeyError, TypeError, ValueError) as error:
+            logger.warning(
+                "%s served an incomplete or malformed state (%s); trying another donor", donor[-8:], error
+            )
+            return None, donor, seed, answers
+
+    def _fetch_direct(
+        self, skipped: set[str], verifiers: list[str], deadline: float
+    ) -> tuple[Any, ...] | None:
+        """(metadata, tensors, the first donor, the seed, the witnesses' answers) over the direct
+        transport (:mod:`swarm.state_transfer`), straight into this process's memory; None if
+        no donor offers it or the slices could not all be had."""
+        asked = time.perf_counter()
+        offers = self.averager.state_offers(sorted(skipped))
+        if not self._wait(offers.done, deadline, offers.cancel) or offers.exception() or not offers.result():
+            return None
+        first, step, metadata, layout = _freshest(offers.result())
+        chosen = [
+            first,
+            *(
+                o
+                for o, s, m, lay in offers.result()
+                if o is not first and (s, m, lay) == (step, metadata, layout)
+            ),
+        ]
+        seed = secrets.token_bytes(SEED_BYTES)
+        witnesses = self.averager.theta_sketches([v for v in verifiers if v != first.peer][:VERIFIERS], seed)
+        flat = torch.empty(layout.total, dtype=torch.uint8)
+        progress = self.averager.download
+        progress[:] = [0.0, float(layout.total), float(len(chosen))]
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["donors"] = fetch(
+                    layout, flat, chosen, progress=lambda received: progress.__setitem__(0, float(received))
+                )
+            except TransferFailed as error:
+                outcome["error"] = error
+
+        started = time.perf_counter()
+        thread = threading.Thread(target=run, name="state-download", daemon=True)
+        thread.start()
+        if not self._wait(lambda: not thread.is_alive(), deadline, lambda: None) or "error" in outcome:
+            logger.warning(
+                "direct state download failed (%s); trying hivemind's stream", outcome.get("error")
+            )
+            witnesses.cancel()
+            return None
+        seconds = time.perf_counter() - started
+        helped = [d for d in outcome["donors"] if d.delivered]
+        progress[2] = float(len(helped))
+        logger.info(
+            "downloaded the state at outer step %d (%.0f MB) from %d donor(s) in %.2f s (%.0f MB/s; "
+            "their offers took %.2f s)",
+            step,
+            layout.total / 1e6,
+            len(helped),
+            seconds,
+            layout.total / 1e6 / max(seconds, 1e-9),
+            started - asked,
+        )
+        answers = witnesses.result() if self._wait(witnesses.done, deadline, witnesses.cancel) else {}
+        return self.averager.serializer.loads(metadata), layout.views(flat), first.peer, seed, answers or {}
+
+    def _wait(self, done: Callable[[], bool], deadline: float, cancel: Callable[[], Any]) -> bool:
+        """Wait until ``done()``, keeping this peer's heartbeat ("downloading") alive and the
+        progress shown: the others' round barrier waits for a downloading peer only while it can
+        see it. False (after ``cancel()``) at the deadline."""
+        try:
+            while not done():
+                self.beat(Stage.DOWNLOADING)
+                if self.on_download is not None:
+                    self.on_download(self.download_progress())
+                if time.monotonic() > deadline:
+                    cancel()
+                    logger.warning("no peer served the state in time")
+                    return False
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            cancel()
+            raise
+        return True
+
+
+def _freshest(offers: list[tuple[Any, int, bytes, Any]]) -> tuple[Any, int, bytes, Any]:
+    """The offer to assemble the state from: of the latest outer step offered (the donors'
+    declared priorities are up to ``declare_state_period`` old), the one most other offers
+    share it with (they serve its slices too), the first by declared priority on a tie."""
+
+    def same(offer) -> int:
+        return sum((o[1], o[2], o[3]) == (offer[1], offer[2], offer[3]) for o in offers)
+
+    return max(offers, key=lambda offer: (offer[1], same(offer), -offers.index(offer)))
+
+
+def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:
+    """Rebuild an OuterState from what GroupAverager.get_current_state sent."""
+    if not isinstance(metadata, dict):
+        raise SwarmError("the state's metadata is not a dict")
+    count = int(metadata.get("num_params", -1))
+    inner_keys = metadata.get("inner_keys") or []
+    pending = int(metadata.get("num_pending", 0))
+    if count < 1 or len(tensors) != (2 + pending) * count + len(inner_keys):
+        raise SwarmError(
+            f"{len(tensors)} tensors for {count} params: the donor left mid-download (hivemind ends a "
+            "broken stream as if it were complete) or runs another version of workbench"
+        )
+    rest = tensors[2 * count :]
+    queued = [[t.float() for t in rest[i * count : (i + 1) * count]] for i in range(pending)]
+    return OuterState(
+        outer_step=int(metadata["outer_step"]),
+        params=[t.float() for t in tensors[:count]],
+        momentum=[t.float() for t in tensors[count : 2 * count]],
+        pending=queued,
+        inner=list(rest[pending * count :]),
+        inner_keys=[list(k) for k in inner_keys],
+    )

@@ -1,0 +1,381 @@
+"""The state a peer serves to joiners, and the download a joiner checks: the half of
+:class:`swarm.group_averager.GroupAverager` that runs in hivemind's averager process for late
+joiners.
+
+A joiner first tries the direct transport (:mod:`swarm.state_transfer`): offers from up to
+``MAX_DONORS`` donors over hivemind's authenticated channel, then slices from all of them in
+parallel over plain sockets, each checked against its donor's hash. When no donor offers (a
+private run, a donor in client mode, older peers) or the slices cannot all be had, it falls back
+to hivemind's stream from one donor at a time. Either way, while the state arrives up to
+``VERIFIERS`` other peers are asked for their θ's sketches under a seed the donors never see
+(:meth:`SwarmAverager.download_state` judges with them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import multiprocessing as mp
+import random
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's name to detect streams
+
+import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
+
+from swarm.dataplane import one_line
+from swarm.errors import SwarmError
+from swarm.faults import fault_value
+from swarm.rendezvous import pack, unpack
+from swarm.sketch import Sketch, state_sketches
+from swarm.state_transfer import (
+    HASH_BYTES,
+    TOKEN_BYTES,
+    DonorOffer,
+    Layout,
+    Snapshot,
+    StateServer,
+)
+
+logger = logging.getLogger(__name__)
+
+SEED_BYTES = 16  # a joiner's seed for sketching the θ it downloaded
+VERIFIERS = 4  # peers asked to confirm a downloaded state
+MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
+MAX_DONORS = 4  # donors asked for an offer in one direct download
+MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadata
+SNAPSHOT_SECONDS = 30.0  # a snapshot is served at most this long, even at the same step
+
+
+class StateSharing:
+    """Mixin for hivemind's DecentralizedAverager: the state served and downloaded.
+    :meth:`_init_state_sharing` before hivemind's ``__init__``."""
+
+    def _init_state_sharing(
+        self, *, fault_file: str | None, direct: bool, state_host: str | None, limit: int
+    ) -> None:
+        """``direct``: download over the direct transport when donors offer it (else hivemind's
+        path only: a private run, ``--data-plane hivemind``). ``state_host``: the address its
+        listener binds to serve joiners (``--host``; None: serve over hivemind's path only).
+        ``limit``: the most bytes a donor may send."""
+        self._fault_file = fault_file
+        self._state_direct = direct
+        self._state_host = state_host
+        self._state_limit = limit
+        self._server: StateServer | None = None  # made in the averager process at the first offer
+        self._snapshot: tuple[float, float, Snapshot] | None = None  # (priority, taken at, snapshot)
+        self._snapshot_lock: asyncio.Lock | None = None
+        self._sketch_lock: asyncio.Lock | None = None  # made in the averager process's loop
+        self._sketch_after = 0.0
+        # The download in progress: bytes received, bytes announced, donors serving it.
+        self.download = mp.Array("d", 3)
+
+    # --- the direct transport: donor side ------------------------------------------------------
+
+    async def rpc_state_offer(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """An offer of this peer's state for the direct transport (:mod:`swarm.state_transfer`):
+        its layout, a hash per slice, this peer's listener and a token for the caller only (this
+        channel is hivemind's: authenticated and encrypted)."""
+        if self._state_host is None or not self.allow_state_sharing or len(request.metadata) > 256:
+            return averaging_pb2.DownloadData(metadata=pack({"ok": False}))
+        try:
+            snapshot = await self._current_snapshot()
+            if self._server is None:
+                self._server = StateServer(self._state_host)
+                self._server.delay = lambda: fault_value(self._fault_file, "serve_delay_ms")
+                self._server.tamper = lambda: fault_value(self._fault_file, "serve_bad_slices")
+            token = self._server.offer(snapshot, context.remote_id.to_base58())
+        except Exception as error:  # noqa: BLE001 - the joiner falls back to hivemind's stream
+            logger.warning("could not offer the state for a direct download: %s", one_line(error))
+            return averaging_pb2.DownloadData(metadata=pack({"ok": False}))
+        answer = {
+            "ok": True,
+            "step": snapshot.step,
+            "metadata": snapshot.metadata,
+            "layout": snapshot.layout.to_wire(),
+            "hashes": b"".join(snapshot.hashes),
+            "address": list(self._server.address),
+            "token": token,
+        }
+        return averaging_pb2.DownloadData(metadata=pack(answer))
+
+    async def _current_snapshot(self) -> Snapshot:
+        """The snapshot of this peer's state at its declared step (one for all joiners of it)."""
+        if self._snapshot_lock is None:
+            self._snapshot_lock = asyncio.Lock()
+        async with self._snapshot_lock:
+            priority = self.state_sharing_priority
+            if self._snapshot is not None:
+                at, taken, snapshot = self._snapshot
+                if at == priority and time.monotonic() - taken < SNAPSHOT_SECONDS:
+                    return snapshot
+            self._snapshot = None  # the old one is freed once its joiners are done
+            metadata, tensors, _ = await self._get_current_state_from_host_process()
+            parsed = self.serializer.loads(metadata)
+            shared = (2 + int(parsed["num_pending"])) * int(parsed["num_params"])
+            snapshot = await asyncio.get_running_loop().run_in_executor(
+                None, Snapshot.take, int(parsed["outer_step"]), metadata, tensors, shared
+            )
+            self._snapshot = (priority, time.monotonic(), snapshot)
+            return snapshot
+
+    # --- the direct transport: joiner side -----------------------------------------------------
+
+    async def _offer_from(self, peer: PeerID) -> tuple[DonorOffer, int, bytes, Layout] | None:
+        """(the offer, its step, its metadata, its layout) from ``peer``, None if it made none."""
+        try:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            answer = await stub.rpc_state_offer(averaging_pb2.DownloadData(metadata=pack({})), timeout=10)
+            message = unpack(answer.metadata) if len(answer.metadata) <= MAX_OFFER else {}
+            if message.get("ok") is not True:
+                return None
+            layout = Layout.from_wire(message.get("layout"), self._state_limit)
+            step, metadata, hashes = message.get("step"), message.get("metadata"), message.get("hashes")
+            host, port = message.get("address") or (None, None)
+            token = message.get("token")
+            count = len(layout.slices())
+            if not (
+                isinstance(step, int)
+                and isinstance(metadata, bytes)
+                and isinstance(hashes, bytes)
+                and len(hashes) == count * HASH_BYTES
+                and isinstance(host, str)
+                and isinstance(port, int)
+                and 0 < port < 65536
+                and isinstance(token, bytes)
+                and len(token) == TOKEN_BYTES
+            ):
+                raise ValueError("a malformed offer")
+            split = [hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(count)]
+            return DonorOffer(peer.to_base58(), (host, port), token, split), step, metadata, layout
+        except Exception as error:  # noqa: BLE001 - no offer: hivemind's stream is the fallback
+            logger.debug("no state offer from %s: %s", peer, one_line(error))
+            return None
+
+    def state_offers(self, exclude: Sequence[str] = ()) -> MPFuture:
+        """(From the peer's process.) The offers of the donors not in ``exclude`` (base58 ids)
+        for the direct transport, the first donors by declared priority first: a future of
+        ``[(DonorOffer, outer step, metadata bytes, Layout), ...]`` (empty: nobody offers)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_state_offers", [], dict(future=future, exclude=tuple(exclude))))
+        return future
+
+    async def _state_offers(self, future: MPFuture, exclude: Sequence[str]) -> None:
+        self._keep_running()
+        try:
+            donors = await self._donors(exclude) if self._state_direct else []
+            offers = await asyncio.gather(*map(self._offer_from, donors[:MAX_DONORS]))
+            future.set_result([o for o in offers if o is not None])
+        except BaseException as error:  # noqa: BLE001 - never leave the peer's future pending
+            if not future.done():
+                future.set_exception(error)
+
+    def theta_sketches(self, peers: Sequence[str], seed: bytes) -> MPFuture:
+        """(From the peer's process.) A future of ``{peer: (outer step, θ sketches under seed)
+        or None}`` (see :meth:`rpc_theta_sketch`)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_theta_sketches", [], dict(future=future, peers=list(peers), seed=seed)))
+        return future
+
+    async def _theta_sketches(self, future: MPFuture, peers: list[str], seed: bytes) -> None:
+        self._keep_running()
+        try:
+            future.set_result(await self._sketches_from(peers, seed, timeout=10.0))
+        except BaseException as error:  # noqa: BLE001 - never leave the peer's future pending
+            if not future.done():
+                future.set_exception(error)
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        # Runs in hivemind's averager process. Testing: a fault file's ``serve_delay_ms`` slows
+        # the stream down part by part (64 KiB), so that a test can kill this donor mid-download;
+        # the direct transport is slowed alike (StateServer.delay).
+        delay = fault_value(self._fault_file, "serve_delay_ms") / 1000
+        if delay:
+            logger.warning("serving the state slowly (fault injection: %.0f ms per part)", delay * 1000)
+        async for message in super().rpc_download_state(request, context):
+            yield message
+            if delay:
+                await asyncio.sleep(delay)
+
+    # --- downloads that the joiner checks (see SwarmAverager.download_state) ------------------
+
+    def load_state_from_peers(
+        self,
+        wait: bool = True,
+        timeout: float | None = None,
+        exclude: Sequence[str] = (),
+        verifiers: Sequence[str] = (),
+    ):
+        """hivemind's download, skipping the donors in ``exclude`` (base58 peer ids). While the
+        state streams, up to ``VERIFIERS`` of ``verifiers`` (never the donor) are asked for their
+        θ's sketches under a seed drawn for this donor, which the donor never sees. A result is
+        (metadata, tensors, the donor's peer id, the seed, {verifier: (outer step, sketches) or
+        None})."""
+        future = MPFuture()
+        request = dict(timeout=timeout, future=future, exclude=tuple(exclude), verifiers=tuple(verifiers))
+        self._outer_pipe.send(("_load_state_from_peers", [], request))
+        return future.result(timeout=timeout) if wait else future
+
+    async def _load_state_from_peers(
+        self,
+        future: MPFuture,
+        timeout: float | None = None,
+        exclude: Sequence[str] = (),
+        verifiers: Sequence[str] = (),
+    ) -> None:
+        # In the averager process. Donors in order of the priority they declare (their outer
+        # step; anyone can declare any, which is why the joiner checks what it gets).
+        self._keep_running()
+        try:
+            for peer in await self._donors(exclude):
+                donor = peer.to_base58()
+                seed = secrets.token_bytes(SEED_BYTES)
+                asked = [v for v in verifiers if v != donor][:VERIFIERS]
+                # Asked while the state streams (not after): a round can end during a download,
+                # and the witnesses' θ should be of the step the donor serves.
+                witnesses = asyncio.ensure_future(self._sketches_from(asked, seed, timeout=10.0))
+                got = await self._download_from(peer)
+                if got is not None:
+                    future.set_result((*got, donor, seed, await witnesses))
+                    return
+                witnesses.cancel()
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _donors(self, exclude: Sequence[str]) -> list[PeerID]:
+        """The peers that declare a state, highest declared priority first (ties at random)."""
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        found = await self.dht.get(key, latest=True, return_future=True)
+        declared = found.value if found is not None and isinstance(found.value, dict) else {}
+        donors = []
+        for subkey, entry in declared.items():
+            priority = getattr(entry, "value", None)
+            if not isinstance(priority, (int, float)) or not math.isfinite(priority):
+                continue
+            try:
+                peer = PeerID(subkey)
+            except Exception:  # noqa: BLE001 - a made-up subkey is just skipped
+                continue
+            if peer != self.peer_id and peer.to_base58() not in exclude:
+                donors.append((float(priority), random.random(), peer))
+        return [peer for _, _, peer in sorted(donors, key=lambda d: d[:2], reverse=True)]
+
+    async def _download_from(self, peer: PeerID) -> tuple[Any, list[torch.Tensor]] | None:
+        """One donor's state stream, at most ``self._state_limit`` bytes; None if it failed."""
+        logger.info("downloading the state from %s", peer)
+        try:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            # Bounded: dialing a frozen donor (SIGSTOP, a laptop asleep) stalls in libp2p's
+            # protocol negotiation for about 30 s before the stream resets; the next donor waits.
+            stream = await asyncio.wait_for(
+                stub.rpc_download_state(averaging_pb2.DownloadRequest()),
+                timeout=self.next_chunk_timeout or self.request_timeout,
+            )
+            metadata, tensors, parts, received = None, [], [], 0
+            self.download[:] = [0.0, 0.0, 1.0]
+            async for message in aiter_with_timeout(
+                stream, timeout=self.next_chunk_timeout or self.request_timeout
+            ):
+                received += len(message.tensor_part.buffer) + len(message.metadata)
+                if received > self._state_limit:
+                    raise SwarmError(
+                        f"it sent over {self._state_limit >> 20} MiB, more than this model's state"
+                    )
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                    announced = metadata.get("bytes") if isinstance(metadata, dict) else None
+                    if isinstance(announced, int) and 0 < announced <= self._state_limit:  # for display only
+                        self.download[1] = float(announced)
+                self.download[0] = float(received)
+                if message.tensor_part.dtype and parts:  # the first part of the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        except Exception as error:  # noqa: BLE001 - a donor gone or misbehaving: try the next
+            logger.warning("state download from %s failed: %s", peer, one_line(error))
+            return None
+        return (metadata, tensors) if metadata else None
+
+    async def rpc_theta_sketch(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """Sketches of this peer's θ under a joiner's seed, for checking a state it downloaded."""
+        seed = unpack(request.metadata).get("seed") if len(request.metadata) <= 256 else None
+        if not isinstance(seed, bytes) or len(seed) != SEED_BYTES or not self.allow_state_sharing:
+            return averaging_pb2.DownloadData(metadata=pack({"ok": False}))
+        if self._sketch_lock is None:
+            self._sketch_lock = asyncio.Lock()
+        async with self._sketch_lock:  # each answer costs a copy of the state: one at a time
+            await asyncio.sleep(max(0.0, self._sketch_after - time.monotonic()))
+            metadata, tensors, _ = await self._get_current_state_from_host_process()
+            metadata = self.serializer.loads(metadata)
+            params = tensors[: int(metadata["num_params"])]
+            sketches = await asyncio.get_running_loop().run_in_executor(None, state_sketches, params, seed)
+            self._sketch_after = time.monotonic() + 0.1
+        answer = {
+            "ok": True,
+            "outer_step": int(metadata["outer_step"]),
+            "sketches": [s.to_bytes() for s in sketches],
+        }
+        return averaging_pb2.DownloadData(metadata=pack(answer))
+
+    async def _sketches_from(
+        self, peers: list[str], seed: bytes, timeout: float
+    ) -> dict[str, tuple[int, list[Sketch]] | None]:
+        """Each peer's (outer step, θ sketches) under ``seed``, or None for it."""
+
+        async def ask(peer: str) -> tuple[str, tuple[int, list[Sketch]] | None]:
+            try:
+                stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+                request = averaging_pb2.DownloadData(metadata=pack({"seed": seed}))
+                answer = await stub.rpc_theta_sketch(request, timeout=timeout)
+                message = unpack(answer.metadata) if len(answer.metadata) <= MAX_SKETCH_ANSWER else {}
+                step, raw = message.get("outer_step"), message.get("sketches")
+                if message.get("ok") is not True or not isinstance(step, int) or not isinstance(raw, list):
+                    return peer, None
+                return peer, (step, [Sketch.from_bytes(b) for b in raw])
+            except Exception as error:  # noqa: BLE001 - no answer, a malformed one: not a witness
+                logger.debug("no θ sketch from %s: %s", peer, one_line(error))
+                return peer, None
+
+        return dict(await asyncio.gather(*map(ask, peers)))
+
+    def get_current_state(self):
+        state = self._state_provider()
+        noise = fault_value(self._fault_file, "serve_noise")
+        if noise:  # fault injection: a donor serving a made-up θ (this peer's own is untouched)
+            logger.warning("fault injection: serving θ with %g relative noise", noise)
+            state = dataclasses.replace(
+                state,
+                params=[p + noise * p.norm() / p.numel() ** 0.5 * torch.randn_like(p) for p in state.params],
+            )
+        metadata = dict(
+            outer_step=state.outer_step,
+            num_params=len(state.params),
+            num_pending=len(state.pending),
+            inner_keys=state.inner_keys,
+        )
+        tensors = [
+            *state.params,
+            *state.momentum,
+            *(t for update in state.pending for t in update),
+            *state.inner,
+        ]
+        metadata["bytes"] = sum(t.numel() * t.element_size() for t in tensors)  # a joiner's progress
+        return metadata, tensors, None

@@ -1,0 +1,474 @@
+"""A joiner's state download from several donors at once, over direct TCP connections.
+
+hivemind's download streams the whole state from one donor, as protobuf messages through both
+peers' p2p daemons: 76 MB/s for a 400 MB state on this machine, 0.02x a raw TCP copy
+(docs/performance.md). Here hivemind keeps what it is good at, finding donors and proving who
+they are, and the bytes take a plain socket:
+
+1. **Offer.** The joiner asks each donor over hivemind's authenticated, encrypted channel
+   (``rpc_state_offer``). A donor answers with its outer step, the state's :class:`Layout`, a
+   SHA-256 of every slice of its bytes, the address of its listener (bound to ``--host`` only)
+   and a random token for this joiner. The donor takes one :class:`Snapshot` per outer step and
+   serves every joiner of that step from it: no copy of the state per joiner.
+2. **Slices.** The joiner connects to each donor's listener and proves it holds a token before
+   the donor reads anything else (a stranger who found the port gets nothing and can ask for
+   nothing). Then it asks for slices by index; each one arrives straight into the joiner's
+   buffer and is checked against the hash in that donor's offer.
+3. **Who serves what.** The state has two regions. The *shared* one (θ, the outer momentum,
+   queued updates) is the swarm's consensus: a slice of it is taken from any donor whose hash
+   for it equals the first donor's, so the assembled θ is bit for bit the first donor's and the
+   witnesses' check of it (:func:`swarm.claims.judge_state`) holds for the whole. The *local*
+   region (the donor's own inner-optimizer moments, different on every peer) is taken slice by
+   slice from any donor at the same step, each checked against its own donor's hash. Slices
+   only one donor can serve are fetched first, so it is not left with a tail at the end.
+4. **Failure.** A donor that cannot be reached, stalls, dies mid-slice or sends a slice that
+   does not match its hash is dropped for this download; its slice goes back to the others.
+   When nobody left can serve a slice, :class:`TransferFailed`: the caller falls back to
+   hivemind's download.
+
+The bytes are not encrypted: a private run (``--secret``) downloads over hivemind's encrypted
+path, as its rounds do (the cost is in docs/performance.md). They are authenticated by the
+hashes, which travel over hivemind's channel.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import functools
+import hashlib
+import hmac
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SLICE_BYTES = 4 << 20
+"""The smallest slice: a round trip per slice costs ~0.1 ms on loopback, 4 MiB ~1-2 ms."""
+MAX_SLICES = 2048  # a larger state gets larger slices: an offer's hashes stay within 64 KiB
+MAX_TENSORS = 1 << 16
+ALIGN = 64  # each tensor starts at a multiple of this in the flat buffer
+TOKEN_BYTES = 32
+HASH_BYTES = 32
+TOKEN_SECONDS = 300.0  # an offer can be used this long after it was made
+MAX_TOKENS = 256  # offers remembered (oldest forgotten): joiners are few, fresh keys are free
+MAX_CONNECTIONS = 16
+SLOW_PART = 1 << 16
+HASH_THREADS = 4
+END = 0xFFFFFFFF  # a slice index that closes the connection
+INDEX = struct.Struct("!I")
+DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (
+        torch.float32, torch.float16, torch.bfloat16, torch.float64,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}  # fmt: skip
+
+
+class TransferFailed(RuntimeError):
+    """The state could not be assembled from the donors offered (the caller falls back)."""
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a state lies in one flat byte buffer, and how it is cut into slices.
+
+    ``specs``: (dtype name, shape) per tensor; the first ``shared`` of them are the shared
+    region. Slices never cross the regions' boundary."""
+
+    specs: tuple[tuple[str, tuple[int, ...]], ...]
+    shared: int
+    slice_bytes: int
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], shared: int) -> Layout:
+        specs = tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors)
+        layout = cls(specs, shared, SLICE_BYTES)
+        total = layout.offsets()[-1]
+        return cls(specs, shared, max(SLICE_BYTES, _aligned(-(-total // (MAX_SLICES - 2)))))
+
+    def offsets(self) -> list[int]:
+        """The byte offset of each tensor, then the buffer's size."""
+        return self._offsets
+
+    @functools.cached_property
+    def _offsets(self) -> list[int]:
+        offsets, position = [], 0
+        for dtype, shape in self.specs:
+            offsets.append(position)
+            position += _aligned(DTYPES[dtype].itemsize * _numel(shape))
+        return [*offsets, position]
+
+    @property
+    def total(self) -> int:
+        return self.offsets()[-1]
+
+    def slices(self) -> list[tuple[int, int, bool]]:
+        """``(lo, hi, shared)`` byte bounds of every slice."""
+        return self._slices
+
+    @functools.cached_property
+    def _slices(self) -> list[tuple[int, int, bool]]:
+        offsets = self.offsets()
+        boundary = offsets[self.shared]
+        cuts = []
+        for lo, hi, shared in ((0, boundary, True), (boundary, offsets[-1], False)):
+            cuts += [(a, min(a + self.slice_bytes, hi), shared) for a in range(lo, hi, self.slice_bytes)]
+        return cuts
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors, as views into ``flat`` (uint8, ``total`` bytes)."""
+        offsets = self.offsets()
+        return [
+            flat[lo : lo + DTYPES[dtype].itemsize * _numel(shape)].view(DTYPES[dtype]).view(shape)
+            for (dtype, shape), lo in zip(self.specs, offsets)
+        ]
+
+    def to_wire(self) -> dict:
+        return {
+            "specs": [[d, list(s)] for d, s in self.specs],
+            "shared": self.shared,
+            "slice": self.slice_bytes,
+        }
+
+    @classmethod
+    def from_wire(cls, message: object, limit: int) -> Layout:
+        """A layout from a donor: ValueError unless well formed and at most ``limit`` bytes."""
+        if not isinstance(message, dict):
+            raise ValueError("no layout")
+        specs, shared, size = message.get("specs"), message.get("shared"), message.get("slice")
+        if not isinstance(specs, list) or not 0 < len(specs) <= MAX_TENSORS:
+            raise ValueError("a layout needs 1 to 65536 tensors")
+        parsed = []
+        for spec in specs:
+            if not (
+                isinstance(spec, list) and len(spec) == 2 and spec[0] in DTYPES and isinstance(spec[1], list)
+            ):
+                raise ValueError("a tensor's spec is [dtype, shape]")
+            shape = spec[1]
+            if len(shape) > 8 or not all(isinstance(n, int) and 0 <= n < 1 << 40 for n in shape):
+                raise ValueError("a shape of up to 8 sizes")
+            parsed.append((spec[0], tuple(shape)))
+        if not isinstance(shared, int) or not 0 <= shared <= len(parsed):
+            raise ValueError("a shared region of 0 to all tensors")
+        layout = cls(tuple(parsed), shared, size if isinstance(size, int) else 0)
+        if layout.total > limit:
+            raise ValueError(f"a state of {layout.total >> 20} MiB, more than this model's")
+        if not layout.slice_bytes >= SLICE_BYTES or len(layout.slices()) > MAX_SLICES:
+            raise ValueError("slices too small")
+        return layout
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _hash(view: memoryview) -> bytes:
+    return hashlib.sha256(view).digest()  # releases the GIL: slices are hashed in parallel
+
+
+@dataclass
+class Snapshot:
+    """One donor's state at one outer step, with a hash per slice; served to every joiner of
+    that step, from the tensors themselves (no flat copy)."""
+
+    step: int
+    metadata: bytes
+    layout: Layout
+    data: list[memoryview]  # each tensor's bytes
+    hashes: list[bytes]
+
+    @classmethod
+    def take(cls, step: int, metadata: bytes, tensors: Sequence[torch.Tensor], shared: int) -> Snapshot:
+        """``tensors``: a copy of the state that nobody changes any more (held, not copied)."""
+        layout = Layout.of(tensors, shared)
+        data = [memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors]
+        snapshot = cls(step, metadata, layout, data, [])
+        with _pool(HASH_THREADS) as pool:
+            snapshot.hashes = list(pool(snapshot.hash, range(len(layout.slices()))))
+        return snapshot
+
+    def pieces(self, index: int) -> list[memoryview | bytes]:
+        """Slice ``index`` as the tensors' bytes it covers and the zeros that pad them."""
+        lo, hi, _ = self.layout.slices()[index]
+        offsets = self.layout.offsets()
+        pieces: list[memoryview | bytes] = []
+        for k in range(max(0, bisect.bisect_right(offsets, lo) - 1), len(self.data)):
+            start, end, padded = offsets[k], offsets[k] + len(self.data[k]), offsets[k + 1]
+            if start >= hi:
+                break
+            if lo < end and start < hi:
+                pieces.append(self.data[k][max(lo, start) - start : min(hi, end) - start])
+            if lo < padded and end < hi and end < padded:
+                pieces.append(bytes(min(hi, padded) - max(lo, end)))
+        return pieces
+
+    def hash(self, index: int) -> bytes:
+        digest = hashlib.sha256()
+        for piece in self.pieces(index):
+            digest.update(piece)  # releases the GIL: slices are hashed in parallel
+        return digest.digest()
+
+
+@contextlib.contextmanager
+def _pool(workers: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="state-hash") as executor:
+        yield executor.map
+
+
+@dataclass
+class _Offer:
+    snapshot: Snapshot
+    joiner: str
+    expires: float
+
+
+class StateServer:
+    """The donor's listener (bound to one address, ``--host``): serves the slices of the
+    snapshots it offered, to whoever shows one of the offers' tokens first."""
+
+    def __init__(self, host: str) -> None:
+        """Testing (the fault file): ``tamper()`` > 0 flips a byte of every slice served;
+        ``delay()`` sleeps that many ms per 64 KiB sent, as hivemind's stream is slowed."""
+        self._socket = socket.create_server((host, 0), backlog=MAX_CONNECTIONS)
+        self.address = (host, self._socket.getsockname()[1])
+        self._offers: dict[bytes, _Offer] = {}  # sha256(token) -> offer
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._open: set[socket.socket] = set()  # connections being served, cut by close()
+        self.tamper: Callable[[], float] = lambda: 0.0
+        self.delay: Callable[[], float] = lambda: 0.0
+        self.served = 0  # bytes served, for the logs and tests
+        threading.Thread(target=self._accept, name="state-server", daemon=True).start()
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+        with self._lock:
+            return len(self._open)
+
+    def offer(self, snapshot: Snapshot, joiner: str) -> bytes:
+        """A token that lets ``joiner`` (sent over hivemind's channel only) fetch ``snapshot``."""
+        token = secrets.token_bytes(TOKEN_BYTES)
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, o in self._offers.items() if o.expires < now]:
+                del self._offers[key]
+            self._offers[hashlib.sha256(token).digest()] = _Offer(snapshot, joiner, now + TOKEN_SECONDS)
+            while len(self._offers) > MAX_TOKENS:
+                del self._offers[next(iter(self._offers))]
+        return token
+
+    def close(self) -> None:
+        """Stop listening and cut every connection being served (as if this process died)."""
+        with self._lock:
+            sockets = [self._socket, *self._open]
+        for each in sockets:
+            with contextlib.suppress(OSError):
+                each.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it; close alone does not
+            with contextlib.suppress(OSError):
+                each.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except OSError:  # closed
+                return
+            if not self._slots.acquire(blocking=False):
+                connection.close()  # a flood of connections gets nothing but a closed socket
+                continue
+            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with self._lock:
+            self._open.add(connection)
+        try:
+            with connection:
+                connection.settimeout(5.0)  # a connection that holds a slot idle loses it
+                token = _receive(connection, TOKEN_BYTES)
+                key = hashlib.sha256(token).digest()
+                with self._lock:
+                    offer = self._offers.get(key)
+                if offer is None or offer.expires < time.monotonic():
+                    return  # not one of ours: nothing read beyond the token, nothing sent
+                if self.delay():
+                    logger.warning(
+                        "serving the state slowly (fault injection: %.0f ms per part)", self.delay()
+                    )
+                snapshot = offer.snapshot
+                count = len(snapshot.hashes)
+                while True:
+                    (index,) = INDEX.unpack(_receive(connection, INDEX.size))
+                    if index >= count:
+                        return  # END, or an index out of range
+                    pieces = snapshot.pieces(index)
+                    if self.tamper():
+                        pieces = [bytes([pieces[0][0] ^ 0xFF]), pieces[0][1:], *pieces[1:]]
+                    delay = self.delay() / 1000
+                    for piece in pieces:
+                        step = SLOW_PART if delay else len(piece)  # slowed like hivemind's stream
+                        for lo in range(0, len(piece), step):
+                            if delay:
+                                time.sleep(delay)
+                            connection.sendall(piece[lo : lo + step])
+                        self.served += len(piece)
+        except (OSError, ConnectionError) as error:
+            logger.debug("state connection ended: %s", error)
+        finally:
+            with self._lock:
+                self._open.discard(connection)
+            self._slots.release()
+
+
+def _receive(connection: socket.socket, count: int) -> bytes:
+    data = bytearray(count)
+    _receive_into(connection, memoryview(data))
+    return bytes(data)
+
+
+def _receive_into(connection: socket.socket, view: memoryview) -> None:
+    while view:
+        got = connection.recv_into(view)
+        if not got:
+            raise ConnectionError("the other side closed the connection")
+        view = view[got:]
+
+
+@dataclass
+class DonorOffer:
+    """One donor's offer, as the joiner holds it."""
+
+    peer: str
+    address: tuple[str, int]
+    token: bytes
+    hashes: list[bytes]
+    delivered: int = 0  # bytes it sent that checked out
+    why: str = ""  # why it was dropped ("" while it serves)
+
+
+@dataclass
+class _Work:
+    layout: Layout
+    flat: torch.Tensor
+    donors: list[DonorOffer]
+    timeout: float
+    progress: Callable[[int], None]
+    slices: list[tuple[int, int, bool]] = field(init=False)
+    pending: set[int] = field(init=False)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.slices = self.layout.slices()
+        self.pending = set(range(len(self.slices)))
+
+    def servable(self, donor: DonorOffer, index: int) -> bool:
+        """A shared slice only from donors that hold the first donor's bytes; a local one from any."""
+        return not self.slices[index][2] or donor.hashes[index] == self.donors[0].hashes[index]
+
+    def order(self, donor: DonorOffer) -> list[int]:
+        """The pending slices ``donor`` can serve, those fewest live donors can serve first."""
+        live = [d for d in self.donors if not d.why]
+        with self.lock:
+            mine = [i for i in self.pending if self.servable(donor, i)]
+        return sorted(mine, key=lambda i: (sum(self.servable(d, i) for d in live), i))
+
+    def claim(self, index: int) -> bool:
+        with self.lock:
+            if index in self.pending:
+                self.pending.discard(index)
+                return True
+            return False
+
+    def give_back(self, index: int) -> None:
+        with self.lock:
+            self.pending.add(index)
+
+
+def fetch(
+    layout: Layout,
+    flat: torch.Tensor,
+    donors: Sequence[DonorOffer],
+    *,
+    timeout: float = 10.0,
+    progress: Callable[[int], None] = lambda received: None,
+) -> list[DonorOffer]:
+    """Fill ``flat`` (uint8, ``layout.total`` bytes) with the first donor's shared region and a
+    local region from any of them (see the module's docstring); the donors, each with what it
+    delivered and why it was dropped. :class:`TransferFailed` if a slice is left that no live
+    donor can serve. ``progress`` is told the bytes received so far."""
+    work = _Work(layout, flat, list(donors), timeout, progress)
+    if any(len(d.hashes) != len(work.slices) for d in work.donors):
+        raise TransferFailed("an offer's hashes do not cover the layout's slices")
+    received = [0]
+
+    def serve(donor: DonorOffer) -> None:
+        data = memoryview(flat.numpy())
+        asked: collections.deque[int] = collections.deque()  # requested, not yet received
+        try:
+            with socket.create_connection(donor.address, timeout=timeout) as connection:
+                connection.settimeout(timeout)
+                connection.sendall(donor.token)
+                order = iter(work.order(donor))
+
+                def ask() -> None:
+                    for index in order:
+                        if work.claim(index):
+                            asked.append(index)
+                            connection.sendall(INDEX.pack(index))
+                            return
+
+                ask()
+                ask()  # one ahead: the donor sends the next slice while this one is hashed
+                while asked:
+                    index = asked[0]
+                    lo, hi, _ = work.slices[index]
+                    _receive_into(connection, data[lo:hi])
+                    ask()
+                    if not hmac.compare_digest(_hash(data[lo:hi]), donor.hashes[index]):
+                        raise ValueError(f"slice {index} does not match the hash it offered")
+                    asked.popleft()
+                    donor.delivered += hi - lo
+                    with work.lock:
+                        received[0] += hi - lo
+                        work.progress(received[0])
+                connection.sendall(INDEX.pack(END))
+        except (OSError, ConnectionError, ValueError) as error:
+            donor.why = str(error) or type(error).__name__
+            logger.warning("state download: dropped donor %s: %s", donor.peer[-8:], donor.why)
+        finally:
+            for index in asked:  # what it was asked for and did not deliver goes to the others
+                work.give_back(index)
+
+    # Rounds: a donor dropped mid-way leaves its slice to those still serving; they may all
+    # have finished their own lists by then, so anything left starts another round.
+    while work.pending:
+        live = [d for d in work.donors if not d.why and any(work.servable(d, i) for i in work.pending)]
+        if not live:
+            why = "; ".join(f"{d.peer[-8:]}: {d.why}" for d in work.donors if d.why) or "no donor holds them"
+            raise TransferFailed(f"{len(work.pending)} slice(s) left that no donor can serve ({why})")
+        threads = [threading.Thread(target=serve, args=(d,), name="state-fetch", daemon=True) for d in live]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    return work.donors

@@ -1,0 +1,185 @@
+"""The direct state transport (swarm.state_transfer): slices from several donors, each checked;
+donors that die or lie are dropped; strangers without a token get nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+import pytest
+import torch
+
+from swarm import state_transfer
+from swarm.state_transfer import (
+    MAX_CONNECTIONS,
+    DonorOffer,
+    Layout,
+    Snapshot,
+    StateServer,
+    TransferFailed,
+    fetch,
+)
+
+
+@pytest.fixture(autouse=True)
+def small_slices(monkeypatch):
+    monkeypatch.setattr(state_transfer, "SLICE_BYTES", 4096)
+
+
+def state(seed: int, shared_seed: int = 0) -> list[torch.Tensor]:
+    """θ and momentum from ``shared_seed`` (the consensus), inner moments from ``seed``."""
+    shared = torch.Generator().manual_seed(shared_seed)
+    local = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(3000, generator=shared),
+        torch.randn(7, 5, generator=shared),  # a tensor that is no multiple of the alignment
+        torch.randn(3000, generator=shared),
+        torch.randn(7, 5, generator=shared),
+        torch.randn(2500, generator=local),
+        torch.rand(2500, generator=local).double(),
+        torch.tensor(17, dtype=torch.int64),
+    ]
+
+
+def serve(tensors, shared=4, step=9):
+    server = StateServer("127.0.0.1")
+    snapshot = Snapshot.take(step, b"meta", tensors, shared)
+    token = server.offer(snapshot, "joiner")
+    return server, snapshot, token
+
+
+def offer(name, server, snapshot, token) -> DonorOffer:
+    return DonorOffer(name, server.address, token, list(snapshot.hashes))
+
+
+def download(snapshot: Snapshot, offers: list[DonorOffer], **kwargs) -> list[torch.Tensor]:
+    flat = torch.empty(snapshot.layout.total, dtype=torch.uint8)
+    fetch(snapshot.layout, flat, offers, timeout=kwargs.pop("timeout", 5.0), **kwargs)
+    return snapshot.layout.views(flat)
+
+
+def test_three_donors_share_the_consensus_and_each_serves_its_own_moments():
+    donors = [serve(state(seed)) for seed in (1, 2, 3)]
+    for server, _, _ in donors:
+        server.delay = lambda: 5.0  # ms per slice: a network slower than this loopback
+    offers = [offer(f"donor{i}", *d) for i, d in enumerate(donors)]
+    seen = []
+    got = download(donors[0][1], offers, progress=seen.append)
+    first = state(1)
+    for mine, theirs in zip(got[:4], first[:4]):
+        assert torch.equal(mine, theirs)  # the shared region is the first donor's, bit for bit
+    assert all(o.delivered > 0 and not o.why for o in offers), [(o.delivered, o.why) for o in offers]
+    assert seen[-1] == donors[0][1].layout.total and seen == sorted(seen)
+    for server, _, _ in donors:
+        server.close()
+
+
+def test_local_slices_are_whole_slices_of_some_donor():
+    donors = [serve(state(seed)) for seed in (1, 2)]
+    offers = [offer(f"donor{i}", *d) for i, d in enumerate(donors)]
+    layout = donors[0][1].layout
+    flat = torch.empty(layout.total, dtype=torch.uint8)
+    fetch(layout, flat, offers)
+    for i, (lo, hi, shared) in enumerate(layout.slices()):
+        sources = [bytes(flat[lo:hi].numpy()) == b"".join(d[1].pieces(i)) for d in donors]
+        assert sources[0] if shared else any(sources), (lo, hi, shared)
+    for server, _, _ in donors:
+        server.close()
+
+
+def test_a_donor_with_another_consensus_serves_only_moments():
+    honest = [serve(state(1)), serve(state(2))]
+    other = serve(state(3, shared_seed=5))  # a θ of its own (a donor a round behind, a liar)
+    offers = [offer("a", *honest[0]), offer("b", *honest[1]), offer("c", *other)]
+    got = download(honest[0][1], offers)
+    assert all(torch.equal(a, b) for a, b in zip(got[:4], state(1)[:4]))
+    layout = honest[0][1].layout
+    shared_bytes = sum(hi - lo for lo, hi, shared in layout.slices() if shared)
+    assert offers[2].delivered <= layout.total - shared_bytes
+    for server, _, _ in [*honest, other]:
+        server.close()
+
+
+def test_a_donor_whose_slices_do_not_match_its_hashes_is_dropped():
+    good, bad = serve(state(1)), serve(state(1))
+    bad[0].tamper = lambda: 1.0
+    offers = [offer("bad", *bad), offer("good", *good)]  # the liar even comes first
+    got = download(bad[1], offers)
+    assert all(torch.equal(a, b) for a, b in zip(got, state(1)))
+    assert "does not match" in offers[0].why and offers[0].delivered == 0
+    assert offers[1].delivered == good[1].layout.total
+    good[0].close()
+    bad[0].close()
+
+
+def test_a_donor_that_dies_mid_download_leaves_its_slices_to_the_others():
+    dying, staying = serve(state(1)), serve(state(1))
+    calls = []
+
+    def die_on_the_second_slice() -> float:
+        calls.append(1)
+        if len(calls) == 2:
+            dying[0].close()  # its listener and the connection in flight, mid-slice
+        return 1.0
+
+    dying[0].delay = die_on_the_second_slice
+    staying[0].delay = lambda: 5.0  # leaves the dying donor slices to take
+    offers = [offer("dying", *dying), offer("staying", *staying)]
+    got = download(dying[1], offers)
+    assert all(torch.equal(a, b) for a, b in zip(got, state(1)))
+    assert offers[0].why and offers[1].delivered > 0
+    assert offers[0].delivered + offers[1].delivered == dying[1].layout.total
+    staying[0].close()
+
+
+def test_no_donor_left_is_a_clear_failure():
+    server, snapshot, token = serve(state(1))
+    server.close()
+    with pytest.raises(TransferFailed, match="no donor can serve"):
+        download(snapshot, [offer("gone", server, snapshot, token)], timeout=1.0)
+
+
+def test_a_stranger_without_a_token_gets_nothing():
+    server, snapshot, _ = serve(state(1))
+    with socket.create_connection(server.address, timeout=5) as stranger:
+        stranger.sendall(b"\0" * 32 + (0).to_bytes(4, "big"))
+        with contextlib.suppress(ConnectionResetError):  # closed with the index unread: a reset
+            assert stranger.recv(1 << 16) == b""  # closed, nothing sent
+    with pytest.raises(TransferFailed):  # a made-up token is a stranger too
+        download(snapshot, [DonorOffer("x", server.address, b"\1" * 32, list(snapshot.hashes))], timeout=1.0)
+    assert server.served == 0
+    server.close()
+
+
+def test_a_flood_of_connections_does_not_stop_the_joiner():
+    server, snapshot, token = serve(state(1))
+    idle = [socket.create_connection(server.address) for _ in range(MAX_CONNECTIONS + 4)]
+    deadline = time.monotonic() + 30
+    while server.connections < MAX_CONNECTIONS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.connections == MAX_CONNECTIONS  # the rest were closed at once
+    for connection in idle:  # they time out on their own; here they just go away
+        connection.close()
+    while server.connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    got = download(snapshot, [offer("d", server, snapshot, token)])
+    assert all(torch.equal(a, b) for a, b in zip(got, state(1)))
+    server.close()
+
+
+def test_a_layout_from_the_network_is_bounded():
+    layout = Layout.of(state(1), shared=4)
+    assert Layout.from_wire(layout.to_wire(), limit=layout.total) == layout
+    with pytest.raises(ValueError, match="more than this model"):
+        Layout.from_wire(layout.to_wire(), limit=layout.total - 1)
+    for bad in (
+        None,
+        {"specs": [], "shared": 0, "slice": 4096},
+        {"specs": [["float32", [-1]]], "shared": 0, "slice": 4096},
+        {"specs": [["object", [3]]], "shared": 0, "slice": 4096},
+        {"specs": [["float32", [3]]], "shared": 2, "slice": 4096},
+        {"specs": [["float32", [1 << 20]]], "shared": 1, "slice": 16},
+    ):
+        with pytest.raises(ValueError):
+            Layout.from_wire(bad, limit=1 << 30)
