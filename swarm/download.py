@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import random
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from swarm.claims import judge_state
 from swarm.errors import SwarmError
 from swarm.records import Stage
 from swarm.sketch import state_sketches
-from swarm.state_sharing import SEED_BYTES, VERIFIERS
+from swarm.state_sharing import VERIFIERS
 from swarm.state_transfer import TransferFailed, fetch
 
 logger = logging.getLogger(__name__)
@@ -139,20 +138,18 @@ class Downloading:
         transport (:mod:`swarm.state_transfer`), straight into this process's memory; None if
         no donor offers it or the slices could not all be had."""
         asked = time.perf_counter()
-        offers = self.averager.state_offers(sorted(skipped))
-        if not self._wait(offers.done, deadline, offers.cancel) or offers.exception() or not offers.result():
+        offers = self.averager.state_offers(sorted(skipped), verifiers)
+        if not self._wait(offers.done, deadline, offers.cancel) or offers.exception():
             return None
-        first, step, metadata, layout = _freshest(offers.result())
+        made, seed = offers.result()
+        if not made:
+            return None
+        first, step, metadata, layout = _freshest(made)
         chosen = [
             first,
-            *(
-                o
-                for o, s, m, lay in offers.result()
-                if o is not first and (s, m, lay) == (step, metadata, layout)
-            ),
+            *(o for o, s, m, lay in made if o is not first and (s, m, lay) == (step, metadata, layout)),
         ]
-        seed = secrets.token_bytes(SEED_BYTES)
-        witnesses = self.averager.theta_sketches([v for v in verifiers if v != first.peer][:VERIFIERS], seed)
+        witnesses = self.averager.theta_sketches(seed)  # asked while the donors made their offers
         flat = torch.empty(layout.total, dtype=torch.uint8)
         progress = self.averager.download
         progress[:] = [0.0, float(layout.total), float(len(chosen))]
@@ -189,7 +186,8 @@ class Downloading:
             started - asked,
         )
         answers = witnesses.result() if self._wait(witnesses.done, deadline, witnesses.cancel) else {}
-        return self.averager.serializer.loads(metadata), layout.views(flat), first.peer, seed, answers or {}
+        answers = {peer: answer for peer, answer in (answers or {}).items() if peer != first.peer}
+        return self.averager.serializer.loads(metadata), layout.views(flat), first.peer, seed, answers
 
     def _wait(self, done: Callable[[], bool], deadline: float, cancel: Callable[[], Any]) -> bool:
         """Wait until ``done()``, keeping this peer's heartbeat ("downloading") alive and the

@@ -21,7 +21,7 @@ import multiprocessing as mp
 import random
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's name to detect streams
 
 import torch
@@ -53,7 +53,8 @@ VERIFIERS = 4  # peers asked to confirm a downloaded state
 MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
 MAX_DONORS = 4  # donors asked for an offer in one direct download
 MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadata
-SNAPSHOT_SECONDS = 30.0  # a snapshot is served at most this long, even at the same step
+OFFER_GRACE = 0.25  # s to wait for more offers once the first came in (see _first_offers)
+SNAPSHOT_SECONDS = 1.0  # joiners asking within this long (and at the same declared step) share a snapshot
 
 
 class StateSharing:
@@ -76,6 +77,7 @@ class StateSharing:
         self._snapshot_lock: asyncio.Lock | None = None
         self._sketch_lock: asyncio.Lock | None = None  # made in the averager process's loop
         self._sketch_after = 0.0
+        self._witnesses: dict[bytes, asyncio.Future] = {}  # seed -> answers of the early witnesses
         # The download in progress: bytes received, bytes announced, donors serving it.
         self.download = mp.Array("d", 3)
 
@@ -110,16 +112,23 @@ class StateSharing:
         }
         return averaging_pb2.DownloadData(metadata=pack(answer))
 
+    def _fresh_snapshot(self) -> Snapshot | None:
+        """The snapshot taken in the last ``SNAPSHOT_SECONDS`` at this peer's declared step."""
+        if self._snapshot is None:
+            return None
+        at, taken, snapshot = self._snapshot
+        fresh = at == self.state_sharing_priority and time.monotonic() - taken < SNAPSHOT_SECONDS
+        return snapshot if fresh else None
+
     async def _current_snapshot(self) -> Snapshot:
         """The snapshot of this peer's state at its declared step (one for all joiners of it)."""
         if self._snapshot_lock is None:
             self._snapshot_lock = asyncio.Lock()
         async with self._snapshot_lock:
             priority = self.state_sharing_priority
-            if self._snapshot is not None:
-                at, taken, snapshot = self._snapshot
-                if at == priority and time.monotonic() - taken < SNAPSHOT_SECONDS:
-                    return snapshot
+            fresh = self._fresh_snapshot()
+            if fresh is not None:
+                return fresh
             self._snapshot = None  # the old one is freed once its joiners are done
             metadata, tensors, _ = await self._get_current_state_from_host_process()
             parsed = self.serializer.loads(metadata)
@@ -163,35 +172,87 @@ class StateSharing:
             logger.debug("no state offer from %s: %s", peer, one_line(error))
             return None
 
-    def state_offers(self, exclude: Sequence[str] = ()) -> MPFuture:
+    def state_offers(self, exclude: Sequence[str] = (), verifiers: Sequence[str] = ()) -> MPFuture:
         """(From the peer's process.) The offers of the donors not in ``exclude`` (base58 ids)
-        for the direct transport, the first donors by declared priority first: a future of
-        ``[(DonorOffer, outer step, metadata bytes, Layout), ...]`` (empty: nobody offers)."""
+        for the direct transport: a future of ``([(DonorOffer, outer step, metadata bytes,
+        Layout), ...], seed)`` (no offers: nobody makes one). The ``verifiers`` are asked for
+        their θ's sketches under ``seed`` while the donors prepare their offers: at once if they
+        were not asked for one, else as soon as their offer binds them to their state (the
+        answer of the donor the joiner takes the state from is then left out);
+        :meth:`theta_sketches` collects the answers."""
         future = MPFuture()
-        self._outer_pipe.send(("_state_offers", [], dict(future=future, exclude=tuple(exclude))))
+        request = dict(future=future, exclude=tuple(exclude), verifiers=tuple(verifiers))
+        self._outer_pipe.send(("_state_offers", [], request))
         return future
 
-    async def _state_offers(self, future: MPFuture, exclude: Sequence[str]) -> None:
+    async def _state_offers(self, future: MPFuture, exclude: Sequence[str], verifiers: Sequence[str]) -> None:
         self._keep_running()
         try:
-            donors = await self._donors(exclude) if self._state_direct else []
-            offers = await asyncio.gather(*map(self._offer_from, donors[:MAX_DONORS]))
-            future.set_result([o for o in offers if o is not None])
+            donors = (await self._donors(exclude))[:MAX_DONORS] if self._state_direct else []
+            seed = secrets.token_bytes(SEED_BYTES)
+            witnesses: list[asyncio.Future] = []
+            if donors:
+                # A donor learns the seed only once its offer's hashes bind it to its state.
+                asked = {d.to_base58() for d in donors}
+                early = [v for v in verifiers if v not in asked][:VERIFIERS]
+                witnesses.append(asyncio.ensure_future(self._sketches_from(early, seed, timeout=10.0)))
+                self._witnesses[seed] = witnesses
+                while len(self._witnesses) > MAX_DONORS:
+                    for task in self._witnesses.pop(next(iter(self._witnesses))):
+                        task.cancel()
+
+            def bound(offer: DonorOffer) -> None:
+                if offer.peer in verifiers:
+                    # It sketches the θ it offered: a donor with --overlap would otherwise answer
+                    # after its next round in flight, a step past the state it serves.
+                    asked = self._sketches_from([offer.peer], seed, timeout=10.0, token=offer.token)
+                    witnesses.append(asyncio.ensure_future(asked))
+
+            future.set_result((await self._first_offers(donors, bound), seed))
         except BaseException as error:  # noqa: BLE001 - never leave the peer's future pending
             if not future.done():
                 future.set_exception(error)
 
-    def theta_sketches(self, peers: Sequence[str], seed: bytes) -> MPFuture:
+    async def _first_offers(
+        self, donors: list[PeerID], bound: Callable[[DonorOffer], None]
+    ) -> list[tuple[DonorOffer, int, bytes, Layout]]:
+        """The offers that come in by the time the first one did plus half as long again (at
+        least ``OFFER_GRACE`` s): a donor still preparing its snapshot (with ``--overlap``, after
+        its round in flight) does not hold the joiner up."""
+        started = time.monotonic()
+        pending = {asyncio.ensure_future(self._offer_from(d)) for d in donors}
+        offers, deadline = [], None
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                break
+            for task in done:
+                if task.result() is not None:
+                    offers.append(task.result())
+                    bound(task.result()[0])
+            if offers and deadline is None:
+                deadline = time.monotonic() + max(OFFER_GRACE, 0.5 * (time.monotonic() - started))
+        for task in pending:
+            task.cancel()
+        order = {d.to_base58(): i for i, d in enumerate(donors)}
+        return sorted(offers, key=lambda o: order[o[0].peer])  # by declared priority
+
+    def theta_sketches(self, seed: bytes) -> MPFuture:
         """(From the peer's process.) A future of ``{peer: (outer step, θ sketches under seed)
-        or None}`` (see :meth:`rpc_theta_sketch`)."""
+        or None}`` (see :meth:`rpc_theta_sketch`) from the witnesses :meth:`state_offers` asked
+        under ``seed``."""
         future = MPFuture()
-        self._outer_pipe.send(("_theta_sketches", [], dict(future=future, peers=list(peers), seed=seed)))
+        self._outer_pipe.send(("_theta_sketches", [], dict(future=future, seed=seed)))
         return future
 
-    async def _theta_sketches(self, future: MPFuture, peers: list[str], seed: bytes) -> None:
+    async def _theta_sketches(self, future: MPFuture, seed: bytes) -> None:
         self._keep_running()
         try:
-            future.set_result(await self._sketches_from(peers, seed, timeout=10.0))
+            answers: dict = {}
+            for answered in await asyncio.gather(*self._witnesses.pop(seed, [])):
+                answers.update(answered)
+            future.set_result(answers)
         except BaseException as error:  # noqa: BLE001 - never leave the peer's future pending
             if not future.done():
                 future.set_exception(error)
@@ -315,19 +376,27 @@ class StateSharing:
     async def rpc_theta_sketch(
         self, request: averaging_pb2.DownloadData, context: P2PContext
     ) -> averaging_pb2.DownloadData:
-        """Sketches of this peer's θ under a joiner's seed, for checking a state it downloaded."""
-        seed = unpack(request.metadata).get("seed") if len(request.metadata) <= 256 else None
+        """Sketches of this peer's θ under a joiner's seed, for checking a state it downloaded:
+        of the snapshot it offered that joiner if the request names the offer's token, else of
+        its θ now."""
+        message = unpack(request.metadata) if len(request.metadata) <= 256 else {}
+        seed, token = message.get("seed"), message.get("token")
         if not isinstance(seed, bytes) or len(seed) != SEED_BYTES or not self.allow_state_sharing:
             return averaging_pb2.DownloadData(metadata=pack({"ok": False}))
         if self._sketch_lock is None:
             self._sketch_lock = asyncio.Lock()
+        offered = self._server.offered(token) if isinstance(token, bytes) and self._server else None
+        snapshot = offered or self._fresh_snapshot()
         async with self._sketch_lock:  # each answer costs a copy of the state: one at a time
-            await asyncio.sleep(max(0.0, self._sketch_after - time.monotonic()))
-            metadata, tensors, _ = await self._get_current_state_from_host_process()
+            if snapshot is not None:  # offered to a joiner (who now asks it to witness)
+                metadata, tensors = snapshot.metadata, snapshot.tensors
+            else:
+                await asyncio.sleep(max(0.0, self._sketch_after - time.monotonic()))
+                metadata, tensors, _ = await self._get_current_state_from_host_process()
+                self._sketch_after = time.monotonic() + 0.1
             metadata = self.serializer.loads(metadata)
             params = tensors[: int(metadata["num_params"])]
             sketches = await asyncio.get_running_loop().run_in_executor(None, state_sketches, params, seed)
-            self._sketch_after = time.monotonic() + 0.1
         answer = {
             "ok": True,
             "outer_step": int(metadata["outer_step"]),
@@ -336,14 +405,16 @@ class StateSharing:
         return averaging_pb2.DownloadData(metadata=pack(answer))
 
     async def _sketches_from(
-        self, peers: list[str], seed: bytes, timeout: float
+        self, peers: list[str], seed: bytes, timeout: float, token: bytes | None = None
     ) -> dict[str, tuple[int, list[Sketch]] | None]:
-        """Each peer's (outer step, θ sketches) under ``seed``, or None for it."""
+        """Each peer's (outer step, θ sketches) under ``seed``, or None for it. ``token``: of
+        the offer the (one) peer made this joiner: it sketches the θ it offered."""
 
         async def ask(peer: str) -> tuple[str, tuple[int, list[Sketch]] | None]:
             try:
                 stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
-                request = averaging_pb2.DownloadData(metadata=pack({"seed": seed}))
+                asked = {"seed": seed} if token is None else {"seed": seed, "token": token}
+                request = averaging_pb2.DownloadData(metadata=pack(asked))
                 answer = await stub.rpc_theta_sketch(request, timeout=timeout)
                 message = unpack(answer.metadata) if len(answer.metadata) <= MAX_SKETCH_ANSWER else {}
                 step, raw = message.get("outer_step"), message.get("sketches")

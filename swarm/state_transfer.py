@@ -192,6 +192,7 @@ class Snapshot:
     step: int
     metadata: bytes
     layout: Layout
+    tensors: list[torch.Tensor]
     data: list[memoryview]  # each tensor's bytes
     hashes: list[bytes]
 
@@ -199,8 +200,9 @@ class Snapshot:
     def take(cls, step: int, metadata: bytes, tensors: Sequence[torch.Tensor], shared: int) -> Snapshot:
         """``tensors``: a copy of the state that nobody changes any more (held, not copied)."""
         layout = Layout.of(tensors, shared)
-        data = [memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors]
-        snapshot = cls(step, metadata, layout, data, [])
+        tensors = [t.detach().contiguous() for t in tensors]
+        data = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
+        snapshot = cls(step, metadata, layout, tensors, data, [])
         with _pool(HASH_THREADS) as pool:
             snapshot.hashes = list(pool(snapshot.hash, range(len(layout.slices()))))
         return snapshot
@@ -277,6 +279,12 @@ class StateServer:
             while len(self._offers) > MAX_TOKENS:
                 del self._offers[next(iter(self._offers))]
         return token
+
+    def offered(self, token: bytes) -> Snapshot | None:
+        """The snapshot offered under ``token``, while the offer lasts."""
+        with self._lock:
+            offer = self._offers.get(hashlib.sha256(token).digest())
+        return offer.snapshot if offer is not None and offer.expires >= time.monotonic() else None
 
     def close(self) -> None:
         """Stop listening and cut every connection being served (as if this process died)."""

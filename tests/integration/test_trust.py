@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from tests.integration.conftest import FAST, max_abs_diff
+from tests.integration.conftest import FAST, JOIN_ROUNDS, PeerProcess, max_abs_diff
 from workbench.local import netlab
 
 
@@ -179,6 +179,48 @@ def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
         assert [(r["group_size"], r["plane"]) for r in peer.events("round")] == [(2, "direct")] * 4
         assert "frame #" not in peer.stderr() and "Traceback" not in peer.stderr()
     assert max_abs_diff(peers[0].global_params(), peers[1].global_params()) <= 1e-5
+
+
+@pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_path):
+    """Three network namespaces, the README's multi-machine flags: a joiner that comes in while
+    two peers train gets its offers over hivemind, its slices over TCP from the donors'
+    listeners on their announced addresses, checks them, and then averages with both."""
+    port = 31337
+    peers: list[PeerProcess] = []
+    with netlab.NetLab(3, rate=None) as lab:
+
+        def start(i: int, args: list[str]) -> PeerProcess:
+            name = "abc"[i]
+            flags = [
+                "--host",
+                "0.0.0.0",
+                "--port",
+                str(port),
+                "--announce",
+                f"/ip4/{lab.address(i)}/tcp/{port}",
+            ]
+            where = [*flags, "--name", name, "--run-dir", str(tmp_path / name)]
+            peers.append(PeerProcess(name, [*args, *where], tmp_path, wrap=lambda argv: lab.command(i, argv)))
+            return peers[-1]
+
+        common = [*FAST, "--run-id", "readme-join", "--rounds", str(JOIN_ROUNDS)]
+        try:
+            first = start(0, ["start", *common, "--min-peers", "2"])
+            address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
+            start(1, ["join", address, *common])
+            first.wait_event("round", lambda e: e["outer_step"] >= 2, timeout=120)
+            joiner = start(2, ["join", address, *common])
+            for peer in peers:
+                assert peer.wait(timeout=240) == 0, peer.stderr()[-3000:]
+        finally:
+            for peer in peers:
+                peer.kill()
+    log = joiner.stderr()
+    assert "downloaded the state at outer step" in log, log[-3000:]  # the direct transport
+    assert "frame #" not in log and "Traceback" not in log
+    assert any(r["group_size"] == 3 and r["plane"] == "direct" for r in joiner.events("round"))
+    assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
 
 
 @pytest.mark.parametrize(

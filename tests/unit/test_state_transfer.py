@@ -183,3 +183,15 @@ def test_a_layout_from_the_network_is_bounded():
     ):
         with pytest.raises(ValueError):
             Layout.from_wire(bad, limit=1 << 30)
+
+
+def test_the_joiner_assembles_from_the_freshest_offer_that_most_donors_share():
+    from swarm.download import _freshest
+
+    def made(peer: str, step: int, layout: str = "L") -> tuple:
+        return (DonorOffer(peer, ("127.0.0.1", 1), b"t" * 32, []), step, b"meta", layout)
+
+    offers = [made("a", 5), made("b", 6, "X"), made("c", 6), made("d", 6)]
+    assert _freshest(offers)[0].peer == "c"  # step 6, shared with d; b's layout is its own
+    assert _freshest([made("a", 6), made("b", 6)])[0].peer == "a"  # a tie: the declared priority
+    assert _freshest([made("a", 6), made("b", 7)])[0].peer == "b"  # priorities are minutes old
