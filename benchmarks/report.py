@@ -172,7 +172,9 @@ def overheads() -> list[str]:
             if goal != "—":
                 met = run["join_seconds"] < 2 and run["ratio_to_tcp"] >= 0.25
                 goal += f": {'met' if met else 'missed'}"
-            fresh = f", into fresh memory {run['tcp_fresh_seconds']:.2f} s" if "tcp_fresh_seconds" in run else ""
+            fresh = (
+                f", into fresh memory {run['tcp_fresh_seconds']:.2f} s" if "tcp_fresh_seconds" in run else ""
+            )
             lines.append(
                 f"| joining: DHT + download of a {run['params'] / 1e6:.0f} M-param state ({run['state_mb']:.0f} MB; "
                 f"{how}) | {run['join_seconds']:.1f} s (download {run['download_seconds']:.2f} s, "
