@@ -10,9 +10,12 @@
    25 M-parameter model (θ, outer momentum and AdamW's two moments: 400 MB) from real peers on
    loopback: from one donor over hivemind's stream, then over the direct transport
    (swarm.state_transfer) from one and from three donors. The donors share θ and momentum and
-   each has its own moments, as peers of a run do. ``join`` holds the three-donor run (its
-   fields, plus ``donors``), ``join.runs`` all three. Baseline: the same bytes over one plain TCP
-   socket on loopback, in this run.
+   each has its own moments, as peers of a run do. The first download finds the donors cold
+   (each takes its snapshot: a copy of the state from its training process, and a hash of every
+   slice); a second download right after it, as a second joiner of that step would, finds the
+   snapshots taken (``second_download_seconds``). ``join`` holds the three-donor run (its
+   fields, plus ``donors``), ``join.runs`` all three. Baseline: the same bytes over one plain
+   TCP socket on loopback, in this run, into a reused buffer and into fresh memory.
 3. **CLI start-up**: `workbench --help` against `python -c pass`, median of 5 runs each.
 
 Writes benchmarks/results/overheads.json.
@@ -178,6 +181,10 @@ def join(params: int, donors: int, plane: str = "direct") -> dict:
     tensors = [*state.params, *state.momentum, *state.inner]
     size = sum(t.numel() * t.element_size() for t in tensors)
     served_by = int(averager.download[2])
+    del state, tensors
+    again = time.perf_counter()  # a second joiner at the same step: the donors' snapshots are taken
+    _Joiner(averager)._fetch_state(set(), set(), time.monotonic() + 300)
+    second = time.perf_counter() - again
     stop.set()
     averager.shutdown()
     session.dht.shutdown()
@@ -196,6 +203,8 @@ def join(params: int, donors: int, plane: str = "direct") -> dict:
         tcp_baseline_seconds=baseline,
         ratio_to_tcp=baseline / download,
         tcp_fresh_seconds=fresh,
+        second_download_seconds=second,
+        second_ratio_to_tcp=baseline / second,
         donors=donors,
         served_by=served_by,
         transport=plane,

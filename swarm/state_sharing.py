@@ -1,14 +1,14 @@
-"""The state a peer serves to joiners, and the download a joiner checks: the half of
+"""The state a peer serves to joiners, and the requests a joiner makes: the half of
 :class:`swarm.group_averager.GroupAverager` that runs in hivemind's averager process for late
-joiners.
+joiners (the joiner's own half is :mod:`swarm.download`).
 
-A joiner first tries the direct transport (:mod:`swarm.state_transfer`): offers from up to
-``MAX_DONORS`` donors over hivemind's authenticated channel, then slices from all of them in
-parallel over plain sockets, each checked against its donor's hash. When no donor offers (a
-private run, a donor in client mode, older peers) or the slices cannot all be had, it falls back
-to hivemind's stream from one donor at a time. Either way, while the state arrives up to
-``VERIFIERS`` other peers are asked for their θ's sketches under a seed the donors never see
-(:meth:`SwarmAverager.download_state` judges with them).
+A donor answers ``rpc_state_offer`` with an offer for the direct transport
+(:mod:`swarm.state_transfer`): a snapshot of its state (one per outer step, shared by the
+joiners that ask within ``SNAPSHOT_SECONDS``), a hash per slice, its listener's address and a
+token. For a joiner, :meth:`StateSharing.state_offers` collects up to ``MAX_DONORS`` offers and
+asks witnesses for their θ's sketches meanwhile; :meth:`StateSharing.load_state_from_peers` is
+hivemind's stream from one donor at a time, the fallback (a private run, a donor in client mode,
+slices that could not all be had).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
 MAX_DONORS = 4  # donors asked for an offer in one direct download
 MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadata
 OFFER_GRACE = 0.25  # s to wait for more offers once the first came in (see _first_offers)
-SNAPSHOT_SECONDS = 1.0  # joiners asking within this long (and at the same declared step) share a snapshot
+SNAPSHOT_SECONDS = 10.0  # joiners asking within this long (and at the same declared step) share a snapshot
 
 
 class StateSharing:
