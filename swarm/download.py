@@ -27,7 +27,7 @@ from swarm.errors import SwarmError
 from swarm.records import Stage
 from swarm.sketch import state_sketches
 from swarm.state_sharing import VERIFIERS
-from swarm.state_transfer import TransferFailed, fetch
+from swarm.state_transfer import fetch, freshest
 
 logger = logging.getLogger(__name__)
 
@@ -144,31 +144,41 @@ class Downloading:
         made, seed = offers.result()
         if not made:
             return None
-        first, step, metadata, layout = _freshest(made)
+        first, step, metadata, layout = freshest(made)
         chosen = [
             first,
             *(o for o, s, m, lay in made if o is not first and (s, m, lay) == (step, metadata, layout)),
         ]
-        witnesses = self.averager.theta_sketches(seed)  # asked while the donors made their offers
+        witnesses = self.averager.theta_sketches(seed)  # asked once the offers were in
         flat = torch.empty(layout.total, dtype=torch.uint8)
         progress = self.averager.download
         progress[:] = [0.0, float(layout.total), float(len(chosen))]
         outcome: dict[str, Any] = {}
+        stop = threading.Event()
 
         def run() -> None:
             try:
                 outcome["donors"] = fetch(
-                    layout, flat, chosen, progress=lambda received: progress.__setitem__(0, float(received))
+                    layout,
+                    flat,
+                    chosen,
+                    progress=lambda received: progress.__setitem__(0, float(received)),
+                    cancel=stop,
                 )
-            except TransferFailed as error:
+            except Exception as error:  # noqa: BLE001 - reported below, then hivemind's stream
                 outcome["error"] = error
 
         started = time.perf_counter()
         thread = threading.Thread(target=run, name="state-download", daemon=True)
         thread.start()
-        if not self._wait(lambda: not thread.is_alive(), deadline, lambda: None) or "error" in outcome:
+        finished = self._wait(lambda: not thread.is_alive(), deadline, stop.set)
+        # A donor whose slices did not match its hashes may still serve over hivemind's stream:
+        # its bytes may have been changed on the way (this transport is not encrypted), and what
+        # the stream brings is checked by the witnesses like any state.
+        if not finished or "error" in outcome:
             logger.warning(
-                "direct state download failed (%s); trying hivemind's stream", outcome.get("error")
+                "direct state download failed (%s); trying hivemind's stream",
+                outcome.get("error", "too slow"),
             )
             witnesses.cancel()
             return None
@@ -185,8 +195,12 @@ class Downloading:
             layout.total / 1e6 / max(seconds, 1e-9),
             started - asked,
         )
-        answers = witnesses.result() if self._wait(witnesses.done, deadline, witnesses.cancel) else {}
-        answers = {peer: answer for peer, answer in (answers or {}).items() if peer != first.peer}
+        # Not checked is not taken: witnesses that did not answer by the deadline would read as
+        # "nobody answered", which judge_state takes on the donor's word.
+        if not self._wait(witnesses.done, deadline, witnesses.cancel) or witnesses.exception():
+            logger.warning("the witnesses of the state downloaded did not answer in time; not taken")
+            return None
+        answers = {peer: answer for peer, answer in witnesses.result().items() if peer != first.peer}
         return self.averager.serializer.loads(metadata), layout.views(flat), first.peer, seed, answers
 
     def _wait(self, done: Callable[[], bool], deadline: float, cancel: Callable[[], Any]) -> bool:
@@ -207,17 +221,6 @@ class Downloading:
             cancel()
             raise
         return True
-
-
-def _freshest(offers: list[tuple[Any, int, bytes, Any]]) -> tuple[Any, int, bytes, Any]:
-    """The offer to assemble the state from: of the latest outer step offered (the donors'
-    declared priorities are up to ``declare_state_period`` old), the one most other offers
-    share it with (they serve its slices too), the first by declared priority on a tie."""
-
-    def same(offer) -> int:
-        return sum((o[1], o[2], o[3]) == (offer[1], offer[2], offer[3]) for o in offers)
-
-    return max(offers, key=lambda offer: (offer[1], same(offer), -offers.index(offer)))
 
 
 def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:

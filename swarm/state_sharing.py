@@ -21,7 +21,7 @@ import multiprocessing as mp
 import random
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's name to detect streams
 
 import torch
@@ -44,6 +44,7 @@ from swarm.state_transfer import (
     Layout,
     Snapshot,
     StateServer,
+    freshest,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,8 +118,10 @@ class StateSharing:
         if self._snapshot is None:
             return None
         at, taken, snapshot = self._snapshot
-        fresh = at == self.state_sharing_priority and time.monotonic() - taken < SNAPSHOT_SECONDS
-        return snapshot if fresh else None
+        if at == self.state_sharing_priority and time.monotonic() - taken < SNAPSHOT_SECONDS:
+            return snapshot
+        self._snapshot = None  # freed once the offers of it expire (swarm.state_transfer)
+        return None
 
     async def _current_snapshot(self) -> Snapshot:
         """The snapshot of this peer's state at its declared step (one for all joiners of it)."""
@@ -129,7 +132,6 @@ class StateSharing:
             fresh = self._fresh_snapshot()
             if fresh is not None:
                 return fresh
-            self._snapshot = None  # the old one is freed once its joiners are done
             metadata, tensors, _ = await self._get_current_state_from_host_process()
             parsed = self.serializer.loads(metadata)
             shared = (2 + int(parsed["num_pending"])) * int(parsed["num_params"])
@@ -166,6 +168,9 @@ class StateSharing:
                 and len(token) == TOKEN_BYTES
             ):
                 raise ValueError("a malformed offer")
+            parsed = self.serializer.loads(metadata)
+            if not isinstance(parsed, dict) or parsed.get("outer_step") != step:
+                raise ValueError("an offer whose step is not its state's")
             split = [hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(count)]
             return DonorOffer(peer.to_base58(), (host, port), token, split), step, metadata, layout
         except Exception as error:  # noqa: BLE001 - no offer: hivemind's stream is the fallback
@@ -175,11 +180,12 @@ class StateSharing:
     def state_offers(self, exclude: Sequence[str] = (), verifiers: Sequence[str] = ()) -> MPFuture:
         """(From the peer's process.) The offers of the donors not in ``exclude`` (base58 ids)
         for the direct transport: a future of ``([(DonorOffer, outer step, metadata bytes,
-        Layout), ...], seed)`` (no offers: nobody makes one). The ``verifiers`` are asked for
-        their θ's sketches under ``seed`` while the donors prepare their offers: at once if they
-        were not asked for one, else as soon as their offer binds them to their state (the
-        answer of the donor the joiner takes the state from is then left out);
-        :meth:`theta_sketches` collects the answers."""
+        Layout), ...], seed)`` (no offers: nobody makes one). Once they are in, and not before
+        (every donor asked is bound to its state by its hashes then, so no donor can learn the
+        seed in time to aim a θ at it, even from a witness it colludes with), the ``verifiers``
+        but the donor whose θ will be taken (:func:`swarm.state_transfer.freshest`) are asked
+        for their θ's sketches under ``seed``, while the slices arrive; a donor among them
+        sketches the state it offered. :meth:`theta_sketches` collects the answers."""
         future = MPFuture()
         request = dict(future=future, exclude=tuple(exclude), verifiers=tuple(verifiers))
         self._outer_pipe.send(("_state_offers", [], request))
@@ -189,33 +195,25 @@ class StateSharing:
         self._keep_running()
         try:
             donors = (await self._donors(exclude))[:MAX_DONORS] if self._state_direct else []
+            offers = await self._first_offers(donors)
             seed = secrets.token_bytes(SEED_BYTES)
-            witnesses: list[asyncio.Future] = []
-            if donors:
-                # A donor learns the seed only once its offer's hashes bind it to its state.
-                asked = {d.to_base58() for d in donors}
-                early = [v for v in verifiers if v not in asked][:VERIFIERS]
-                witnesses.append(asyncio.ensure_future(self._sketches_from(early, seed, timeout=10.0)))
-                self._witnesses[seed] = witnesses
+            if offers:
+                first = freshest(offers)[0].peer
+                tokens = {o.peer: o.token for o, *_ in offers}
+                witnesses = [v for v in verifiers if v != first][:VERIFIERS]
+                self._witnesses[seed] = [
+                    asyncio.ensure_future(self._sketches_from([v], seed, timeout=10.0, token=tokens.get(v)))
+                    for v in witnesses
+                ]
                 while len(self._witnesses) > MAX_DONORS:
                     for task in self._witnesses.pop(next(iter(self._witnesses))):
                         task.cancel()
-
-            def bound(offer: DonorOffer) -> None:
-                if offer.peer in verifiers:
-                    # It sketches the θ it offered: a donor with --overlap would otherwise answer
-                    # after its next round in flight, a step past the state it serves.
-                    asked = self._sketches_from([offer.peer], seed, timeout=10.0, token=offer.token)
-                    witnesses.append(asyncio.ensure_future(asked))
-
-            future.set_result((await self._first_offers(donors, bound), seed))
+            future.set_result((offers, seed))
         except BaseException as error:  # noqa: BLE001 - never leave the peer's future pending
             if not future.done():
                 future.set_exception(error)
 
-    async def _first_offers(
-        self, donors: list[PeerID], bound: Callable[[DonorOffer], None]
-    ) -> list[tuple[DonorOffer, int, bytes, Layout]]:
+    async def _first_offers(self, donors: list[PeerID]) -> list[tuple[DonorOffer, int, bytes, Layout]]:
         """The offers that come in by the time the first one did plus half as long again (at
         least ``OFFER_GRACE`` s): a donor still preparing its snapshot (with ``--overlap``, after
         its round in flight) does not hold the joiner up."""
@@ -227,10 +225,7 @@ class StateSharing:
             done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 break
-            for task in done:
-                if task.result() is not None:
-                    offers.append(task.result())
-                    bound(task.result()[0])
+            offers += [task.result() for task in done if task.result() is not None]
             if offers and deadline is None:
                 deadline = time.monotonic() + max(OFFER_GRACE, 0.5 * (time.monotonic() - started))
         for task in pending:

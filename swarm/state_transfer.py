@@ -59,9 +59,13 @@ MAX_TENSORS = 1 << 16
 ALIGN = 64  # each tensor starts at a multiple of this in the flat buffer
 TOKEN_BYTES = 32
 HASH_BYTES = 32
-TOKEN_SECONDS = 300.0  # an offer can be used this long after it was made
+TOKEN_SECONDS = 120.0  # an offer can be used this long after it was made
 MAX_TOKENS = 256  # offers remembered (oldest forgotten): joiners are few, fresh keys are free
 MAX_CONNECTIONS = 16
+TOKEN_WAIT = 5.0  # s for a connection to show its token, in all
+IDLE_SECONDS = 30.0  # a joiner asks for its next slice within this long, or is cut off
+MIN_RATE = 256 << 10  # bytes/s: a donor slower than this over a whole slice is dropped
+MAX_SNAPSHOTS = 2  # snapshots kept alive by offers (older offers expire)
 SLOW_PART = 1 << 16
 HASH_THREADS = 4
 END = 0xFFFFFFFF  # a slice index that closes the connection
@@ -273,9 +277,18 @@ class StateServer:
         token = secrets.token_bytes(TOKEN_BYTES)
         now = time.monotonic()
         with self._lock:
-            for key in [k for k, o in self._offers.items() if o.expires < now]:
+            # One offer per joiner (its last), the latest MAX_SNAPSHOTS snapshots: whoever asks,
+            # and however often, the offers keep at most that many copies of the state alive.
+            for key in [k for k, o in self._offers.items() if o.expires < now or o.joiner == joiner]:
                 del self._offers[key]
             self._offers[hashlib.sha256(token).digest()] = _Offer(snapshot, joiner, now + TOKEN_SECONDS)
+            kept: list[int] = []
+            for offer in reversed(self._offers.values()):
+                if id(offer.snapshot) not in kept:
+                    kept.append(id(offer.snapshot))
+            kept = kept[:MAX_SNAPSHOTS]
+            for key in [k for k, o in self._offers.items() if id(o.snapshot) not in kept]:
+                del self._offers[key]
             while len(self._offers) > MAX_TOKENS:
                 del self._offers[next(iter(self._offers))]
         return token
@@ -312,8 +325,7 @@ class StateServer:
             self._open.add(connection)
         try:
             with connection:
-                connection.settimeout(5.0)  # a connection that holds a slot idle loses it
-                token = _receive(connection, TOKEN_BYTES)
+                token = _receive(connection, TOKEN_BYTES, TOKEN_WAIT)  # holding a slot idle loses it
                 key = hashlib.sha256(token).digest()
                 with self._lock:
                     offer = self._offers.get(key)
@@ -326,7 +338,7 @@ class StateServer:
                 snapshot = offer.snapshot
                 count = len(snapshot.hashes)
                 while True:
-                    (index,) = INDEX.unpack(_receive(connection, INDEX.size))
+                    (index,) = INDEX.unpack(_receive(connection, INDEX.size, IDLE_SECONDS))
                     if index >= count:
                         return  # END, or an index out of range
                     pieces = snapshot.pieces(index)
@@ -348,14 +360,21 @@ class StateServer:
             self._slots.release()
 
 
-def _receive(connection: socket.socket, count: int) -> bytes:
+def _receive(connection: socket.socket, count: int, seconds: float) -> bytes:
     data = bytearray(count)
-    _receive_into(connection, memoryview(data))
+    _receive_into(connection, memoryview(data), seconds)
     return bytes(data)
 
 
-def _receive_into(connection: socket.socket, view: memoryview) -> None:
+def _receive_into(connection: socket.socket, view: memoryview, seconds: float) -> None:
+    """Fill ``view`` within ``seconds`` in all (a peer trickling a byte at a time does not hold
+    a connection open for longer)."""
+    deadline = time.monotonic() + seconds
     while view:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{len(view)} bytes still missing after {seconds:.0f} s")
+        connection.settimeout(left)
         got = connection.recv_into(view)
         if not got:
             raise ConnectionError("the other side closed the connection")
@@ -374,6 +393,17 @@ class DonorOffer:
     why: str = ""  # why it was dropped ("" while it serves)
 
 
+def freshest(offers: list[tuple[DonorOffer, int, bytes, Layout]]) -> tuple[DonorOffer, int, bytes, Layout]:
+    """The offer to assemble the state from: of the latest outer step offered (the donors'
+    declared priorities are up to ``declare_state_period`` old), the one most other offers
+    share it with (they serve its slices too), the first (by declared priority) on a tie."""
+
+    def same(offer) -> int:
+        return sum((o[1], o[2], o[3]) == (offer[1], offer[2], offer[3]) for o in offers)
+
+    return max(offers, key=lambda offer: (offer[1], same(offer), -offers.index(offer)))
+
+
 @dataclass
 class _Work:
     layout: Layout
@@ -388,10 +418,16 @@ class _Work:
     def __post_init__(self) -> None:
         self.slices = self.layout.slices()
         self.pending = set(range(len(self.slices)))
+        first = self.donors[0].hashes
+        shared = [i for i, (_, _, s) in enumerate(self.slices) if s]
+        self.agree = {id(d): all(d.hashes[i] == first[i] for i in shared) for d in self.donors}
 
     def servable(self, donor: DonorOffer, index: int) -> bool:
-        """A shared slice only from donors that hold the first donor's bytes; a local one from any."""
-        return not self.slices[index][2] or donor.hashes[index] == self.donors[0].hashes[index]
+        """A shared slice only from donors that hold the first donor's bytes; a local one (the
+        donor's own moments) only from donors that hold the first donor's whole θ and momentum."""
+        if not self.slices[index][2]:
+            return self.agree[id(donor)]
+        return donor.hashes[index] == self.donors[0].hashes[index]
 
     def order(self, donor: DonorOffer) -> list[int]:
         """The pending slices ``donor`` can serve, those fewest live donors can serve first."""
@@ -419,11 +455,14 @@ def fetch(
     *,
     timeout: float = 10.0,
     progress: Callable[[int], None] = lambda received: None,
+    cancel: threading.Event | None = None,
 ) -> list[DonorOffer]:
     """Fill ``flat`` (uint8, ``layout.total`` bytes) with the first donor's shared region and a
     local region from any of them (see the module's docstring); the donors, each with what it
     delivered and why it was dropped. :class:`TransferFailed` if a slice is left that no live
-    donor can serve. ``progress`` is told the bytes received so far."""
+    donor can serve. ``progress`` is told the bytes received so far. ``cancel``: set, the
+    download stops at the next slice (:class:`TransferFailed`)."""
+    cancel = cancel or threading.Event()
     work = _Work(layout, flat, list(donors), timeout, progress)
     if any(len(d.hashes) != len(work.slices) for d in work.donors):
         raise TransferFailed("an offer's hashes do not cover the layout's slices")
@@ -447,10 +486,10 @@ def fetch(
 
                 ask()
                 ask()  # one ahead: the donor sends the next slice while this one is hashed
-                while asked:
+                while asked and not cancel.is_set():
                     index = asked[0]
                     lo, hi, _ = work.slices[index]
-                    _receive_into(connection, data[lo:hi])
+                    _receive_into(connection, data[lo:hi], timeout + (hi - lo) / MIN_RATE)
                     ask()
                     if not hmac.compare_digest(_hash(data[lo:hi]), donor.hashes[index]):
                         raise ValueError(f"slice {index} does not match the hash it offered")
@@ -460,7 +499,7 @@ def fetch(
                         received[0] += hi - lo
                         work.progress(received[0])
                 connection.sendall(INDEX.pack(END))
-        except (OSError, ConnectionError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - any failure drops this donor, never the download
             donor.why = str(error) or type(error).__name__
             logger.warning("state download: dropped donor %s: %s", donor.peer[-8:], donor.why)
         finally:
@@ -470,6 +509,8 @@ def fetch(
     # Rounds: a donor dropped mid-way leaves its slice to those still serving; they may all
     # have finished their own lists by then, so anything left starts another round.
     while work.pending:
+        if cancel.is_set():
+            raise TransferFailed("cancelled")
         live = [d for d in work.donors if not d.why and any(work.servable(d, i) for i in work.pending)]
         if not live:
             why = "; ".join(f"{d.peer[-8:]}: {d.why}" for d in work.donors if d.why) or "no donor holds them"
