@@ -197,13 +197,24 @@ class Downloading:
         )
         # Not checked is not taken: witnesses that did not answer by the deadline would read as
         # "nobody answered", which judge_state takes on the donor's word.
-        if not self._wait(witnesses.done, deadline, witnesses.cancel) or witnesses.exception():
-            logger.warning("the witnesses of the state downloaded did not answer in time; not taken")
+        late = "the witnesses of the state downloaded did not answer in time; not taken"
+        if not self._wait(witnesses.done, deadline, witnesses.cancel, late):
+            return None
+        if witnesses.exception() is not None:
+            logger.warning(
+                "asking witnesses about the state downloaded failed (%s); not taken", witnesses.exception()
+            )
             return None
         answers = {peer: answer for peer, answer in witnesses.result().items() if peer != first.peer}
         return self.averager.serializer.loads(metadata), layout.views(flat), first.peer, seed, answers
 
-    def _wait(self, done: Callable[[], bool], deadline: float, cancel: Callable[[], Any]) -> bool:
+    def _wait(
+        self,
+        done: Callable[[], bool],
+        deadline: float,
+        cancel: Callable[[], Any],
+        late: str = "no peer served the state in time",
+    ) -> bool:
         """Wait until ``done()``, keeping this peer's heartbeat ("downloading") alive and the
         progress shown: the others' round barrier waits for a downloading peer only while it can
         see it. False (after ``cancel()``) at the deadline."""
@@ -214,7 +225,7 @@ class Downloading:
                     self.on_download(self.download_progress())
                 if time.monotonic() > deadline:
                     cancel()
-                    logger.warning("no peer served the state in time")
+                    logger.warning(late)
                     return False
                 time.sleep(0.05)
         except KeyboardInterrupt:

@@ -237,3 +237,58 @@ def test_a_cancelled_download_stops():
     with pytest.raises(TransferFailed, match="cancelled"):
         fetch(snapshot.layout, flat, [offer("d", server, snapshot, token)], cancel=stop)
     server.close()
+
+
+class _Averager:
+    """What swarm.download asks of hivemind's averager process, answered here."""
+
+    def __init__(self, offers: list, answers: dict | None) -> None:
+        from concurrent.futures import Future
+
+        from hivemind.utils.serializer import MSGPackSerializer
+
+        self.serializer = MSGPackSerializer
+        self.download = [0.0, 0.0, 0.0]
+        self.offers, self.answers = Future(), Future()
+        self.offers.set_result((offers, b"s" * 16))
+        if answers is not None:
+            self.answers.set_result(answers)
+
+    def state_offers(self, exclude, verifiers):
+        return self.offers
+
+    def theta_sketches(self, seed):
+        return self.answers
+
+
+def _joiner(averager):
+    from swarm.download import Downloading
+
+    class Joiner(Downloading):
+        def __init__(self) -> None:
+            self.averager, self.on_download = averager, None
+
+        def beat(self, stage) -> None:
+            pass
+
+    return Joiner()
+
+
+def test_a_direct_download_is_taken_only_with_its_witnesses_answers(caplog):
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    server = StateServer("127.0.0.1")
+    metadata = MSGPackSerializer.dumps({"outer_step": 9})
+    snapshot = Snapshot.take(9, metadata, state(1), 4)
+    made = [(offer("d", server, snapshot, server.offer(snapshot, "j")), 9, metadata, snapshot.layout)]
+    answered = _joiner(_Averager(made, {"d": (9, []), "w": (9, [])}))._fetch_direct(
+        set(), [], time.monotonic() + 30
+    )
+    meta, tensors, donor, _, answers = answered
+    assert meta == {"outer_step": 9} and donor == "d" and list(answers) == ["w"]  # the donor's own left out
+    assert all(torch.equal(a, b) for a, b in zip(tensors, state(1)))
+    made[0][0].token = server.offer(snapshot, "j")
+    silent = _joiner(_Averager(made, None))  # the witnesses never answer
+    assert silent._fetch_direct(set(), [], time.monotonic() + 1.0) is None
+    assert "did not answer in time; not taken" in caplog.text
+    server.close()
