@@ -108,6 +108,9 @@ class RoundBarrier:
         """The round mates the last AVERAGE verdict expects (peer ids), when it saw every other
         live peer ready (none otherwise, and after any other verdict). Matchmaking forms the
         group as soon as these joined instead of waiting out its window."""
+        self.clock: Callable[[], float] = time.monotonic
+        self.sleep: Callable[[float], None] = time.sleep
+        """The barrier's time (unit tests run it on a fake clock)."""
 
     def wait_for_round_mates(self, outer_step: int) -> Verdict:
         """The barrier: wait until every other live peer has finished this round's inner steps.
@@ -177,7 +180,7 @@ class RoundBarrier:
         peer waiting the full ``round_wait`` only for such a peer, an unvouched one for about one
         of this peer's own rounds. Claims not acted on are strikes; three rounds of them and the
         claimant is ignored for the rest of the run."""
-        started = time.monotonic()
+        started = self.clock()
         learned = self.wait.seconds
         self.expected = ()
         # What an honest newcomer costs: about one round of inner steps (measured between this
@@ -207,7 +210,7 @@ class RoundBarrier:
                     f"claimed outer step {p.outer_step} ahead of every peer that averaged with this one",
                 )
             others = [p for p in others if p not in ahead]
-            now = time.monotonic()
+            now = self.clock()
             # A joiner downloading the state is waited for like a vouched peer (a download of a
             # large state legitimately takes long); one that never shows up is struck all the same.
             trusted = [p for p in others if p.peer_id in vouched or p.stage is Stage.DOWNLOADING]
@@ -249,7 +252,7 @@ class RoundBarrier:
             if waiting != waited_for:
                 logger.debug("round %d: waiting for %s", outer_step, ", ".join(waiting))
                 waited_for = waiting
-            time.sleep(0.1)
+            self.sleep(0.1)
 
     def believed_ahead(
         self, ahead: Callable[[PeerHeartbeat], bool], others: list[PeerHeartbeat] | None = None

@@ -4,8 +4,6 @@ network; tests/integration/test_lies.py plays the same lies against real peers."
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -84,7 +82,22 @@ def averager(board: FakeBoard, vouched=(), round_wait: float = 30.0) -> RoundBar
     )
     barrier.gap = 0.5
     barrier.vouching.averaged_with(list(vouched))
+    barrier.clock = clock = FakeClock()
+    barrier.sleep = clock.sleep
     return barrier
+
+
+class FakeClock:
+    """Time that passes only when the barrier sleeps: its waits cost no real time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def test_a_vouched_peer_ahead_sends_this_peer_to_fetch_the_state():
@@ -111,9 +124,9 @@ def test_before_anyone_vouched_most_of_the_others_must_be_ahead():
 def test_a_stranger_forever_training_costs_about_one_round_not_the_round_wait():
     board = FakeBoard(beat("mate", 4), beat("liar", 4, Stage.TRAINING))
     swarm = averager(board, vouched=["mate"], round_wait=60.0)
-    started = time.monotonic()
+    started = swarm.clock()
     assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE
-    assert time.monotonic() - started < 10  # the grace: max(5 s, 1.5 rounds), not 60 s
+    assert 5 <= swarm.clock() - started < 5.5  # the grace: max(5 s, 1.5 rounds), not 60 s
     for step in range(5, 4 + STRIKES):
         board.beats.update(mate=beat("mate", step), liar=beat("liar", step, Stage.TRAINING))
         swarm.wait_for_round_mates(step)
@@ -123,9 +136,9 @@ def test_a_stranger_forever_training_costs_about_one_round_not_the_round_wait():
 def test_a_vouched_peer_still_training_is_waited_for():
     board = FakeBoard(beat("mate", 4, Stage.TRAINING))
     swarm = averager(board, vouched=["mate"], round_wait=7.0)
-    started = time.monotonic()
+    started = swarm.clock()
     assert swarm.wait_for_round_mates(4) is Verdict.ALONE  # nobody ready after the full wait
-    assert time.monotonic() - started >= 7
+    assert 7 <= swarm.clock() - started < 7.5
     assert not board.ignored
 
 
@@ -268,9 +281,9 @@ def test_an_overlapped_barrier_waits_for_a_downloader_unless_this_peer_serves_it
     board = FakeBoard(beat("straggler", 2, Stage.DOWNLOADING))
     swarm = averager(board, vouched=["straggler"], round_wait=1.0)
     swarm.overlapped = True
-    started = time.monotonic()
+    started = swarm.clock()
     assert swarm.wait_for_round_mates(7) is Verdict.ALONE  # waited the whole round wait, then alone
-    assert time.monotonic() - started >= 1.0
+    assert swarm.clock() - started >= 1.0
 
     release, entered = threading.Event(), threading.Event()
 
@@ -284,9 +297,9 @@ def test_an_overlapped_barrier_waits_for_a_downloader_unless_this_peer_serves_it
     served.start()
     assert entered.wait(5) and swarm.serving.answering, "a request being answered counts"
     swarm.config.round_wait = 30.0
-    started = time.monotonic()
+    started = swarm.clock()
     assert swarm.wait_for_round_mates(7) is Verdict.ALONE  # not held back while serving
-    assert time.monotonic() - started < 1.0
+    assert swarm.clock() - started < 1.0
     release.set()
     served.join(5)
     assert not swarm.serving.answering
@@ -306,9 +319,9 @@ def test_an_overlapped_barrier_does_not_wait_for_a_downloader_that_a_round_mate_
     ]:
         swarm = averager(FakeBoard(joiner, donor), vouched=["b"], round_wait=1.0)
         swarm.overlapped = True
-        started = time.monotonic()
+        started = swarm.clock()
         swarm.wait_for_round_mates(7)
-        assert (time.monotonic() - started >= 1.0) is waits, donor
+        assert (swarm.clock() - started >= 1.0) is waits, donor
 
 
 def test_serving_says_when_it_starts_and_stops_answering():

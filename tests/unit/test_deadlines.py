@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from swarm.averaging_config import AveragingConfig
 from swarm.barrier import RoundBarrier, Verdict
 from swarm.deadlines import MATCHMAKING_FLOOR, LearnedDeadline, matchmaking_window
 from swarm.records import PeerHeartbeat, Stage
+from tests.unit.test_claims import FakeClock
 
 
 def test_the_configured_value_until_enough_rounds_then_a_high_percentile_within_bounds():
@@ -53,6 +52,8 @@ def barrier(board: Board) -> RoundBarrier:
     config = AveragingConfig(matchmaking_time=0.5, round_wait=30.0)
     made = RoundBarrier(board=board, peer_id="me", beat=lambda stage: None, config=config)
     made.vouching.averaged_with(["slow"])  # a round mate: waited for the whole (learned) wait
+    made.clock = clock = FakeClock()
+    made.sleep = clock.sleep
     return made
 
 
@@ -63,9 +64,9 @@ def test_a_round_mate_that_is_late_every_round_is_left_out_sooner():
     swarm = barrier(board)
     for _ in range(5):
         swarm.wait.observe(0.8)
-    started = time.monotonic()
+    started = swarm.clock()
     assert swarm.wait_for_round_mates(7) is Verdict.ALONE  # nobody ready: step alone
-    assert 10.0 <= time.monotonic() - started < 13.0
+    assert 10.0 <= swarm.clock() - started < 10.5
 
 
 def test_a_downloading_peer_still_gets_the_whole_round_wait():
@@ -74,9 +75,9 @@ def test_a_downloading_peer_still_gets_the_whole_round_wait():
     swarm.config.round_wait = 12.0
     for _ in range(5):
         swarm.wait.observe(0.0)
-    started = time.monotonic()
+    started = swarm.clock()
     assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE
-    assert time.monotonic() - started >= 12.0  # not the learned 10 s
+    assert 12.0 <= swarm.clock() - started < 12.5  # not the learned 10 s
 
 
 def test_the_barrier_learns_from_how_long_it_waited():
