@@ -26,8 +26,8 @@ from swarm.claims import judge_state
 from swarm.errors import SwarmError
 from swarm.records import Stage
 from swarm.sketch import state_sketches
+from swarm.state_fetch import fetch, freshest
 from swarm.state_sharing import VERIFIERS
-from swarm.state_transfer import fetch, freshest
 
 logger = logging.getLogger(__name__)
 

@@ -37,15 +37,8 @@ from swarm.errors import SwarmError
 from swarm.faults import fault_value
 from swarm.rendezvous import pack, unpack
 from swarm.sketch import Sketch, state_sketches
-from swarm.state_transfer import (
-    HASH_BYTES,
-    TOKEN_BYTES,
-    DonorOffer,
-    Layout,
-    Snapshot,
-    StateServer,
-    freshest,
-)
+from swarm.state_fetch import DonorOffer, freshest
+from swarm.state_transfer import HASH_BYTES, TOKEN_BYTES, Layout, Snapshot, StateServer
 
 logger = logging.getLogger(__name__)
 

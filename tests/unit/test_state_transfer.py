@@ -12,15 +12,8 @@ import pytest
 import torch
 
 from swarm import state_transfer
-from swarm.state_transfer import (
-    MAX_CONNECTIONS,
-    DonorOffer,
-    Layout,
-    Snapshot,
-    StateServer,
-    TransferFailed,
-    fetch,
-)
+from swarm.state_fetch import DonorOffer, fetch
+from swarm.state_transfer import MAX_CONNECTIONS, Layout, Snapshot, StateServer, TransferFailed
 
 
 @pytest.fixture(autouse=True)
@@ -188,7 +181,7 @@ def test_a_layout_from_the_network_is_bounded():
 
 
 def test_the_joiner_assembles_from_the_freshest_offer_that_most_donors_share():
-    from swarm.state_transfer import freshest as _freshest
+    from swarm.state_fetch import freshest as _freshest
 
     def made(peer: str, step: int, layout: str = "L") -> tuple:
         return (DonorOffer(peer, ("127.0.0.1", 1), b"t" * 32, []), step, b"meta", layout)
