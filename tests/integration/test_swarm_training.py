@@ -74,8 +74,11 @@ def test_late_joiner_downloads_state_and_matches(spawn):
     params = [p.global_params() for p in (first, second, third)]
     assert max_abs_diff(params[0], params[1]) <= 1e-5
     assert max_abs_diff(params[0], params[2]) <= 1e-5
-    # Every peer accepts connections here: the groups moved their tensors over a gloo ring.
-    assert "averaging over the direct data plane (a gloo ring of 3)" in third.stderr()
+    # Every peer accepts connections here: the groups of three moved their tensors over a gloo
+    # ring. (The log's "averaging over the direct data plane" line names only the first ring,
+    # which may have been of two: a round the joiner averaged with one other while the third
+    # was still finishing its download or matchmaking.)
+    assert any(r["group_size"] == 3 and r["plane"] == "direct" for r in rounds), rounds
     # The joiner checked what it downloaded against the other peer (see test_lies.py).
     assert "peers at outer step" in third.stderr() or "averaged with this one" in third.stderr()
     # Over the direct transport (swarm.state_transfer; a tiny model's 2 MB state is two slices,

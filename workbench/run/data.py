@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sysconfig
 import zlib
 from collections.abc import Iterator
@@ -133,11 +134,13 @@ def _jsonl_documents(path: Path, relative: str, data: bytes, field: str) -> Iter
 def stdlib_sources() -> list[Path]:
     """The standard library's ``.py`` files, sorted, without site-packages and test folders."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p
-        for p in root.rglob("*.py")
-        if p.is_file() and not _EXCLUDED_DIRS & set(p.relative_to(root).parts[:-1])
-    )
+    files = []
+    # Pruned as it walks: site-packages alone can hold 10x the stdlib's files (torch's), and
+    # walking it cost every peer 1.5 s at start-up.
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in _EXCLUDED_DIRS]
+        files.extend(Path(folder, n) for n in names if n.endswith(".py") and os.path.isfile(Path(folder, n)))
+    files.sort()
     if not files:
         raise DataError(
             f"found no Python standard library sources under {root}; "
