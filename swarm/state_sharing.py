@@ -91,6 +91,13 @@ class StateSharing:
                 self._server = StateServer(self._state_host)
                 self._server.delay = lambda: fault_value(self._fault_file, "serve_delay_ms")
                 self._server.tamper = lambda: fault_value(self._fault_file, "serve_bad_slices")
+                host, port = self._server.address
+                logger.info(
+                    "serving the state to joiners on %s:%d (TCP; a joiner shows the token of its "
+                    "offer first, anything else is closed unanswered)",
+                    host,
+                    port,
+                )
             token = self._server.offer(snapshot, context.remote_id.to_base58())
         except Exception as error:  # noqa: BLE001 - the joiner falls back to hivemind's stream
             logger.warning("could not offer the state for a direct download: %s", one_line(error))

@@ -7,7 +7,9 @@ run id, the peers' ids)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import time
 import psutil
 import pytest
 
+from swarm.state_transfer import TOKEN_WAIT
 from tests.integration.conftest import FAST, PeerProcess, max_abs_diff
 from workbench.local import netlab
 
@@ -181,11 +184,51 @@ def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
     assert max_abs_diff(peers[0].global_params(), peers[1].global_params()) <= 1e-5
 
 
+STRANGER = """
+import json, os, socket, sys, threading, time
+from swarm.state_transfer import INDEX, MAX_CONNECTIONS, TOKEN_BYTES
+host, port = sys.argv[1], int(sys.argv[2])
+attacks = {
+    "silent": b"",
+    "a made-up token": os.urandom(TOKEN_BYTES) + INDEX.pack(0),
+    "garbage": os.urandom(4096),
+    **{f"flood {i}": b"" for i in range(MAX_CONNECTIONS + 8)},
+}
+results = {}
+
+def attack(name, payload):
+    started = time.monotonic()
+    got = b""
+    with socket.create_connection((host, port), timeout=20) as s:
+        try:
+            s.sendall(payload)
+            while chunk := s.recv(65536):
+                got += chunk
+        except TimeoutError:  # still open after 20 s
+            got = None
+        except OSError:  # reset: closed too
+            pass
+    results[name] = {"bytes": -1 if got is None else len(got), "seconds": time.monotonic() - started}
+
+threads = [threading.Thread(target=attack, args=item) for item in attacks.items()]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(results))
+"""
+"""A stranger on another machine at a donor's state listener, as the README deploys it: no
+token, a made-up one, garbage, and a flood of idle connections, all at once."""
+
+
 @pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
 def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_path):
     """Three network namespaces, the README's multi-machine flags: a joiner that comes in while
     two peers train gets its offers over hivemind, its slices over TCP from the donors'
-    listeners on their announced addresses, checks them, and then averages with both."""
+    listeners on their announced addresses, checks them, and then averages with both. A
+    stranger on the joiner's machine then tries the first donor's listener without the token
+    of an offer: it gets not one byte, every connection is closed within the token's wait, and
+    the three go on averaging."""
     port = 31337
     peers: list[PeerProcess] = []
     with netlab.NetLab(3, rate=None) as lab:
@@ -212,6 +255,7 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
             first.wait_event("round", lambda e: e["outer_step"] >= 2, timeout=120)
             joiner = start(2, ["join", address, *common])
             joiner.wait_event("state_downloaded", timeout=120)
+            attacked = _stranger_at_the_state_listener(lab, first)
             # Three rounds of three, then stop all at once (the last round may be cut short).
             together = joiner.wait_event("round", lambda e: e["group_size"] == 3, timeout=120)
             first.wait_event("round", lambda e: e["outer_step"] >= together["outer_step"] + 3, timeout=120)
@@ -226,11 +270,28 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
     assert "downloaded the state at outer step" in log, log[-3000:]  # the direct transport
     assert "frame #" not in log and "Traceback" not in log
     assert together["plane"] == "direct"
+    assert attacked and all(r["bytes"] == 0 for r in attacked.values()), attacked
+    assert max(r["seconds"] for r in attacked.values()) < TOKEN_WAIT + 5, attacked
     # The same θ at every round the three averaged together (each round's all-gathered
     # fingerprints would have sent one of them to download the state otherwise).
     mates = {r["outer_step"]: r for r in first.events("round") if r["group_size"] == 3}
     shared = [r for r in joiner.events("round") if r["group_size"] == 3 and r["outer_step"] in mates]
     assert shared and all(not r["resync"] for r in shared), shared
+
+
+def _stranger_at_the_state_listener(lab: netlab.NetLab, donor: PeerProcess) -> dict:
+    """What the stranger (STRANGER, in namespace 2) got from ``donor``'s state listener, per
+    connection: the bytes it received and the seconds until the donor closed it."""
+    found = re.search(r"serving the state to joiners on ([\d.]+):(\d+)", donor.stderr())
+    assert found, donor.stderr()[-3000:]
+    run = subprocess.run(
+        lab.command(2, [sys.executable, "-c", STRANGER, *found.groups()]),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
 
 
 @pytest.mark.parametrize(
