@@ -133,10 +133,12 @@ SWEEP_OUTER = ((0.7, 0.9), (0.8, 0.3), (0.8, 0.6), (0.9, 0.5), (1.0, 0.0))
 """(outer lr, outer momentum) tried for DiLoCo at its best inner lr (the paper's 0.7/0.9 first),
 and for the eager overlapped row at DiLoCo's best inner lr. 0.8/0.6 and 0.9/0.5 were added after
 the 2026-12-01 run (side runs: 1.5177 and 1.5195 against its best, 0.8/0.3's 1.5465)."""
-SWEEP_EF_DECAY = (0.95, 0.9, 0.8, 0.7)
-"""SparseLoCo's error-feedback decay β tried at DiLoCo's best inner lr (the published 0.95 first;
-outer lr 1, the mean over the peers that kept each coordinate, as published): its row is the
-best, as DiLoCo's is the best of its outer sweep."""
+SWEEP_SPARSELOCO_OUTER = ((1.0, 0.95), (1.0, 0.9), (1.0, 0.8), (1.0, 0.7), (1.5, 0.7), (2.0, 0.7))
+"""(outer lr, error-feedback decay β) tried for SparseLoCo at DiLoCo's best inner lr (the
+published 1 / 0.95 first; the mean over the peers that kept each coordinate, as published): its
+row is the best, as DiLoCo's is the best of its outer sweep. Outer lr 1.5 and 2 were added after
+the 2026-12-01 runs (a side sweep: lr 1.5 / β 0.7 1.5474 against 1.5670 at lr 1.25 and 1.5671
+at lr 1, β 0.6 worse at both lrs)."""
 
 
 def sparseloco_label(decay: float) -> str:
@@ -209,7 +211,7 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
     rows: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
     start = time.monotonic()
-    total = 2 * len(SWEEP_INNER_LR) + 2 * len(SWEEP_OUTER) - 1 + len(SWEEP_EF_DECAY) + len(methods(H))
+    total = 2 * len(SWEEP_INNER_LR) + 2 * len(SWEEP_OUTER) - 1 + len(SWEEP_SPARSELOCO_OUTER) + len(methods(H))
     done = 0
 
     def run(name: str, codec: str, spec: MethodSpec, inner_lr: float) -> dict[str, Any]:
@@ -283,10 +285,13 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
         run(
             "sparseloco",
             sparseloco_label(decay),
-            MethodSpec(method="sparseloco", diloco=sparseloco(inner_steps=H, decay=decay)),
+            MethodSpec(
+                method="sparseloco",
+                diloco=dataclasses.replace(sparseloco(inner_steps=H, decay=decay), outer_lr=o_lr),
+            ),
             lr,
         )
-        for decay in SWEEP_EF_DECAY
+        for o_lr, decay in SWEEP_SPARSELOCO_OUTER
     ]
     rows.append(best("sparseloco", sparse))
     for name, codec, spec in methods(H, diloco=diloco):
@@ -469,7 +474,7 @@ def estimate(config: BenchConfig, probe_steps: int = 20) -> float:
         + len(SWEEP_INNER_LR)
         + 2 * len(SWEEP_OUTER)
         - 1
-        + len(SWEEP_EF_DECAY)
+        + len(SWEEP_SPARSELOCO_OUTER)
     )
     return (dp * len(SWEEP_INNER_LR) + local * others) / probe_steps * config.steps
 
