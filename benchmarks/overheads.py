@@ -42,6 +42,7 @@ RESULTS = Path(__file__).parent / "results"
 def heartbeats(blocks: int, steps: int) -> dict:
     import torch
 
+    from optim.eager import AdamW
     from optim.inner import inner_step
     from swarm.dht import NetworkConfig
     from swarm.progress import ProgressBoard
@@ -55,7 +56,7 @@ def heartbeats(blocks: int, steps: int) -> dict:
     board = ProgressBoard(session.store, RunKeys("overheads"))
     config = preset("small")
     model = build_model(config, seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = AdamW(model.parameters(), lr=1e-3)
     batches = ByteCorpus.load(DataConfig(max_bytes=2_000_000)).batches(
         block_size=config.block_size, batch_size=16, seed=0
     )

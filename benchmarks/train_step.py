@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from optim import DiLoCo, DiLoCoConfig, LocalAverager
+from optim.eager import AdamW
 from workbench.run.data import ByteCorpus, DataConfig
 from workbench.run.model import autocast_context, build_model, pick_device, preset
 
@@ -36,7 +37,7 @@ def measure(preset_name: str, steps: int, device: torch.device, batch_size: int)
     config = preset(preset_name)
     corpus = ByteCorpus.load(DataConfig(max_bytes=2_000_000))
     model = build_model(config, seed=0).to(device)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    inner = AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     outer = DiLoCo(model, inner, LocalAverager(), DiLoCoConfig(inner_steps=10**9))
     batches = corpus.batches(block_size=config.block_size, batch_size=batch_size, seed=0)
     losses = []

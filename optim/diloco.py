@@ -36,6 +36,7 @@ from optim.background import in_background, landed, read_settled
 from optim.codecs import encoded_nbytes
 from optim.config import DiLoCoConfig
 from optim.contribution import InFlight, Outgoing, global_norm, judge, keepers, own_share, spread_over_keepers
+from optim.eager import SGD
 from optim.state import OuterState, inner_state_tensors, load_inner_state
 
 __all__ = [  # the config and state live in their own modules; importing them from here still works
@@ -125,8 +126,8 @@ class DiLoCo:
         self._proxy: list[torch.Tensor] | None = None  # last round's share · Δ, applied eagerly
         self._share = 1.0  # this peer's share of the last mean that landed (its weight / the group's)
 
-    def _outer_sgd(self, params: list[torch.Tensor]) -> torch.optim.SGD:
-        return torch.optim.SGD(
+    def _outer_sgd(self, params: list[torch.Tensor]) -> SGD:
+        return SGD(
             params,
             lr=self.config.outer_lr,
             momentum=self.config.outer_momentum,

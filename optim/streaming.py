@@ -38,6 +38,7 @@ from optim.diloco import (
     load_inner_state,
     read_settled,
 )
+from optim.eager import SGD
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class StreamingDiLoCo:
         )
         assert len(self.averagers) == len(self.fragments), f"{len(self.averagers)=} {len(self.fragments)=}"
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
-        self.outer_optimizer = torch.optim.SGD(
+        self.outer_optimizer = SGD(
             self.global_params,
             lr=config.outer.outer_lr,
             momentum=config.outer.outer_momentum,

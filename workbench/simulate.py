@@ -17,6 +17,7 @@ import torch
 
 from optim.api import METHODS, Method, Sync, method
 from optim.diloco import DiLoCoConfig
+from optim.eager import AdamW
 from optim.sim import InProcessSwarm, SimConfig, SimResult, VirtualPeer, simulate
 from optim.streaming import StreamingConfig
 from workbench.config import TrainConfig
@@ -94,7 +95,7 @@ def run_simulation(
 
     def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
         net = make_model() if make_model is not None else build_model(model, seed=sim.seed)
-        inner = torch.optim.AdamW(
+        inner = AdamW(
             net.parameters(),
             lr=train.inner_lr,
             weight_decay=train.weight_decay,

@@ -148,7 +148,24 @@ def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_i
     assert downloads and downloads[0]["outer_step"] >= 3, third.stderr()[-4000:]
     joined = next((r for r in third.events("round") if r["group_size"] == 3), None)
     assert joined is not None, (third.events("round"), third.stderr()[-4000:])
-    assert not any(r["resync"] for p in (first, second) for r in p.events("round")), "no false resyncs"
+    # No false resyncs. A round that some peer averaged alone (it failed under load, or the
+    # others formed without it) leaves that peer's θ apart, and at the next group the θ check
+    # sends one of the pair to download the state: which one, the check cannot tell (with two,
+    # the lower peer id wins). Any other resync means the fingerprints that streaming sends,
+    # taken at the sync with a fragment in flight, disagreed although every θ was the same.
+    everyone = [r for p in (first, second, third) for r in p.events("round")]
+    alone = {r["outer_step"] for r in everyone if r["group_size"] == 1 and not r["pending"]}
+    unexplained = [
+        (p.name, r["outer_step"], r["resync"])
+        for p in (first, second)
+        for r in p.events("round")
+        if r["resync"] and not alone & set(range(r["outer_step"] - 2, r["outer_step"] + 1))
+    ]
+    rounds = {
+        p.name: [(r["outer_step"], r["group_size"], r["alone_reason"]) for r in p.events("round")]
+        for p in (first, second, third)
+    }
+    assert not unexplained, (unexplained, rounds, first.stderr()[-4000:], second.stderr()[-4000:])
     params = [p.global_params() for p in (first, second, third)]
     assert max_abs_diff(params[0], params[1]) <= 1e-5
     assert max_abs_diff(params[0], params[2]) <= 1e-5

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from optim.eager import AdamW
 from optim.inner import inner_step
 from workbench.config import RunConfig
 from workbench.run.data import ByteCorpus
@@ -65,7 +66,7 @@ def build_training(cfg: RunConfig) -> Training:
     else:  # a preset reads bytes, or a tokenizer's ids when --tokenizer is given
         shape = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
         model = build_model(shape, seed=cfg.peer.seed).to(device)
-    inner_optimizer = torch.optim.AdamW(
+    inner_optimizer = AdamW(
         model.parameters(),
         lr=cfg.train.inner_lr,
         weight_decay=cfg.train.weight_decay,
