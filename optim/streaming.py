@@ -331,12 +331,13 @@ class StreamingRounds:
                 s.merge(*s._pending.pop(s.step_count))
                 self._clock += 1
         else:
-            if info and "fingerprint" in info:  # taken at the sync, where every peer's θ is the same
-                info = dict(info, fingerprint=self.fingerprint())
             # Normally merged τ steps into this round already; a round shorter than τ (H
-            # steered down) merges here, before the next fragment goes out.
+            # steered down, a joiner's or a resynced peer's first round cut to meet the
+            # others at the barrier) merges here, before the next fragment goes out.
             report = self._land() if self._inflight is not None else self._landed
             self._landed = None
+            if info and "fingerprint" in info:  # taken after that merge: every peer's θ is the same here
+                info = dict(info, fingerprint=self.fingerprint())
             start = time.monotonic()
             deltas, weight, payload = s.outgoing(fragment)
             info = dict(info or {})

@@ -31,6 +31,9 @@ FAST = [
     "--matchmaking-time",
     "1.0",
 ]
+NETNS = pytest.mark.xdist_group("netns")
+"""For tests in network namespaces: `make test` runs them on one worker, one at a time (two labs
+at once could pick the same 10.x subnet)."""
 JOIN_ROUNDS = 60
 """Rounds of a run that a peer joins mid-way: FAST rounds take about 0.2-0.4 s (a group forms as
 soon as its members joined), and a joiner needs 5-10 s to start (corpus, key, daemon; more on a

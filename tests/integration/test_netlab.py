@@ -10,10 +10,13 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.integration.conftest import FAST, PeerProcess
+from tests.integration.conftest import FAST, NETNS, PeerProcess
 from workbench.local import netlab
 
-pytestmark = pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+pytestmark = [
+    pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}"),
+    NETNS,
+]
 
 RECEIVE = """
 import socket, sys, time

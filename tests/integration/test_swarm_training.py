@@ -152,12 +152,13 @@ def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_i
     # others formed without it) leaves that peer's θ apart, and at the next group the θ check
     # sends one of the pair to download the state: which one, the check cannot tell (with two,
     # the lower peer id wins). Any other resync means the fingerprints that streaming sends,
-    # taken at the sync with a fragment in flight, disagreed although every θ was the same.
+    # taken at the sync with a fragment in flight, disagreed although every θ was the same (the
+    # joiner's first round, cut short to meet the others, once sent its θ before the merge).
     everyone = [r for p in (first, second, third) for r in p.events("round")]
     alone = {r["outer_step"] for r in everyone if r["group_size"] == 1 and not r["pending"]}
     unexplained = [
         (p.name, r["outer_step"], r["resync"])
-        for p in (first, second)
+        for p in (first, second, third)
         for r in p.events("round")
         if r["resync"] and not alone & set(range(r["outer_step"] - 2, r["outer_step"] + 1))
     ]

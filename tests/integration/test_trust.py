@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from swarm.state_transfer import MAX_CONNECTIONS, TOKEN_WAIT
-from tests.integration.conftest import FAST, PeerProcess, max_abs_diff
+from tests.integration.conftest import FAST, NETNS, PeerProcess, max_abs_diff
 from workbench.local import netlab
 
 
@@ -166,6 +166,7 @@ def test_a_peer_behind_nat_falls_back_to_hivemind_cleanly(spawn):
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
 
 
+@NETNS
 @pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
 def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
     """Two peers in their own network namespaces, started exactly as the README says for
@@ -226,6 +227,7 @@ print(json.dumps(results))
 token, a made-up one and garbage at once, then a flood of idle connections."""
 
 
+@NETNS
 @pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
 def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_path):
     """Three network namespaces, the README's multi-machine flags: a joiner that comes in while

@@ -278,3 +278,39 @@ def test_a_state_served_while_a_fragment_is_in_flight_is_the_state_once_it_lands
     )
     joiner.load_outer_state(landed)
     assert joiner.outer_step_count == 4 and joiner.fingerprint() == rounds.fingerprint()
+
+
+class _Recording(LocalAverager):
+    """A swarm of one that keeps the info each all-reduce went out with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: list[dict] = []
+
+    def all_reduce(self, tensors, *, weight, info=None):
+        self.sent.append(dict(info or {}))
+        return super().all_reduce(tensors, weight=weight, info=info)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3], ids=["shorter-than-tau", "tau", "full"])
+def test_the_fingerprint_sent_with_a_fragment_is_the_global_params_after_the_merge(steps):
+    """The θ check compares the fingerprints that go out with a fragment. A round shorter than
+    τ (a joiner's or a resynced peer's first round, cut to meet the others at the barrier)
+    merges the fragment in flight at the sync: its fingerprint must include that merge, as its
+    round mates' (who merged τ steps in) do, or the group sends it to download the state again
+    and again (seen with 3 real peers: 10 resyncs in 20 syncs after a joiner came)."""
+    from optim.streaming import StreamingRounds
+
+    config = streaming(inner_steps=6, fragments=2, sync_delay=2, outer_lr=0.7, outer_momentum=0.9)
+    model = init_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    averager = _Recording()
+    rounds = StreamingRounds(StreamingDiLoCo(model, inner, averager, config))
+    data = stream(0)
+    _train(model, inner, data, rounds.steps_per_round, rounds.note_inner_step)
+    rounds.sync(info={"fingerprint": []})  # fragment 0 goes out
+    _train(model, inner, data, steps, rounds.note_inner_step)  # it lands after τ = 2 steps
+    merged_before_sync = rounds._inflight is None
+    rounds.sync(info={"fingerprint": []})  # fragment 1 goes out, with this round's fingerprint
+    assert merged_before_sync == (steps >= 2)
+    assert averager.sent[-1]["fingerprint"] == rounds.fingerprint()
