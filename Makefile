@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 # set (CI, some containers) none of them caches its bytecode, and each compiled the project's
 # modules again: about 0.4 s of CPU per process. compileall writes the caches all the same.
 bytecode: bootstrap
-	@$(BIN)/python -m compileall -q optim swarm workbench tui benchmarks > /dev/null
+	@$(BIN)/python -m compileall -q optim swarm workbench tui benchmarks
 
 demo: bytecode
 	$(BIN)/workbench demo --peers $(PEERS) --rounds $(ROUNDS)

@@ -29,15 +29,48 @@ def _train(adamw: type[torch.optim.Optimizer], sgd: type[torch.optim.Optimizer])
     inner.load_state_dict(inner.state_dict())
     outer.load_state_dict(outer.state_dict())
     assert len(hooked) == 5, "step hooks run"
-    assert torch.is_grad_enabled(), "the step restores the grad mode"
     return [p.detach() for p in model.parameters()] + global_params, inner.state_dict(), outer.state_dict()
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    """Two optimizer state dicts, equal bit for bit."""
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    return all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+        for x, y in ((a["state"][i], b["state"][i]) for i in a["state"])
+    )
 
 
 def test_the_same_steps_and_state_as_torchs_own():
     got, expected = _train(AdamW, SGD), _train(torch.optim.AdamW, torch.optim.SGD)
     assert all(torch.equal(a, b) for a, b in zip(got[0], expected[0]))
-    assert str(got[1]) == str(expected[1]) and str(got[2]) == str(expected[2])
+    assert _same_state(got[1], expected[1]) and _same_state(got[2], expected[2])
+    assert got[1]["state"] and all(got[2]["state"][i]["momentum_buffer"] is not None for i in got[2]["state"])
     assert isinstance(AdamW([torch.zeros(1, requires_grad=True)]), torch.optim.AdamW)
+
+
+def test_a_step_leaves_the_grad_mode_as_it_found_it():
+    param = torch.zeros(2, requires_grad=True)
+    optimizer = AdamW([param], lr=0.1)
+    param.grad = torch.ones(2)
+    with torch.no_grad():
+        optimizer.step()
+        assert not torch.is_grad_enabled()
+    optimizer.step()  # in grad mode: the step turns it off inside (an in-place update of a leaf
+    assert torch.is_grad_enabled()  # that requires grad would raise otherwise), then back on
+
+
+def test_torchs_step_hooks_are_unwrapped_too():
+    """torch wraps a class's step in its profiling hooks at the class's first instance: the
+    plain step lies under both that and the grad-mode wrapper."""
+    from optim.eager import _unwrapped
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    assert getattr(torch.optim.SGD.step, "hooked", False)
+    plain = _unwrapped(torch.optim.SGD.step)
+    assert plain.__code__.co_filename.endswith("sgd.py") and plain.__name__ == "step"
+    assert AdamW.step.__qualname__ == "AdamW.step"
 
 
 def test_a_process_that_trains_never_imports_the_compiler():
