@@ -149,6 +149,8 @@ class Peer:
         self.beat(Stage.DOWNLOADING if cfg.network.initial_peers else Stage.JOINING)
         addresses = visible_addresses(self.dht)
         self.addresses = addresses
+        if self.on_started:  # first: whoever sees the "started" event can read the join command
+            self.on_started(addresses)
         self.emit(
             "started",
             peer_id=self.peer_id,
@@ -159,8 +161,6 @@ class Peer:
             params=self.model.num_params(),
             data=self.corpus.source,
         )
-        if self.on_started:
-            self.on_started(addresses)
 
     def fingerprint(self) -> tuple[str, str]:
         """(fingerprint, summary) of this peer's model and the optimizer settings all peers share."""
