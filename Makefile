@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 # Every peer, monitor and CLI call is a fresh Python process. Where PYTHONDONTWRITEBYTECODE is
-# set (CI, some containers) none of them caches its bytecode, and each compiled the project's
+# set (this machine sets it) none of them caches its bytecode, and each compiled the project's
 # modules again: about 0.4 s of CPU per process. compileall writes the caches all the same.
 bytecode: bootstrap
 	@$(BIN)/python -m compileall -q optim swarm workbench tui benchmarks
