@@ -30,11 +30,8 @@ demo: bytecode
 
 # Two workers (pytest-xdist): the integration tests wait on peers more than they compute, and
 # one at a time left a core idle. Tests in network namespaces share a worker (xdist_group).
-# Tests marked `alone` then run by themselves (a monitor's hang-up under the other worker's load:
-# see the mark in tests/integration/test_swarm_records.py).
 test: bytecode
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not faults and not soak and not alone"
-	$(BIN)/python -m pytest -q -m "alone and not faults and not soak"
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not faults and not soak"
 
 # Slow fault scenarios (a frozen straggler, a killed donor, ...), each with a summary line:
 # survived or not, rounds lost, seconds to recover (also kept in benchmarks/results/faults.json).

@@ -1,8 +1,10 @@
 """The swarm monitor: a Textual app over a :class:`~workbench.sources.SnapshotSource`.
 
 It renders snapshots and sends commands through the source (steering, fault injection); it
-holds no networking or training logic. Polling runs in a thread worker and hands each
-snapshot to the UI thread, so the screen never waits on the DHT.
+holds no networking or training logic. Polling runs in a thread worker and posts each snapshot
+to the UI thread, so the screen never waits on the DHT. The worker never waits on the UI either:
+a signal (SIGHUP, SIGTERM) ends the UI's event loop wherever it is, and a thread still waiting
+on that loop would hold the process's exit forever.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from textual.app import App, ComposeResult, ScreenStackError, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input
 
@@ -99,6 +102,10 @@ class SwarmApp(App[None]):
             self.poll_source()
 
     def on_unmount(self) -> None:
+        self.stop_polling()
+
+    def stop_polling(self) -> None:
+        """End the polling thread after its current read (also when the UI ended without unmounting)."""
         self._stop.set()
 
     def on_resize(self) -> None:
@@ -106,16 +113,36 @@ class SwarmApp(App[None]):
 
     # --- polling (worker thread) ---------------------------------------------------------------
 
+    class SnapshotRead(Message):
+        """A snapshot the polling thread read, for the UI thread."""
+
+        def __init__(self, snapshot: SwarmSnapshot) -> None:
+            super().__init__()
+            self.snapshot = snapshot
+
+    class Published(Message):
+        """Steering the publishing thread published, for the UI thread."""
+
+        def __init__(self, state: Any) -> None:  # (Message.control is Textual's: the sender widget)
+            super().__init__()
+            self.state = state
+
     @work(thread=True, exclusive=True, group="poll")
     def poll_source(self) -> None:
+        # post_message and notify queue and return (call_from_thread would wait on the UI)
         while not self._stop.is_set():
             try:
                 snapshot = self.source.poll()
             except Exception as error:  # the DHT hiccupped: say so, keep the last view, retry
-                self.call_from_thread(self.notify, f"poll failed: {error}", severity="warning", timeout=4)
+                self.notify(f"poll failed: {error}", severity="warning", timeout=4)
             else:
-                self.call_from_thread(self.show, snapshot)
+                if not self.post_message(self.SnapshotRead(snapshot)):
+                    return  # the app is closing
             self._stop.wait(self.source.interval)
+
+    @on(SnapshotRead)
+    def _snapshot_read(self, message: SnapshotRead) -> None:
+        self.show(message.snapshot)
 
     # --- rendering (UI thread) -------------------------------------------------------------------
 
@@ -247,13 +274,16 @@ class SwarmApp(App[None]):
         try:
             control = self.source.steer(**changes)
         except (SwarmError, ValueError) as error:
-            self.call_from_thread(self.notify, str(error), severity="error", timeout=8)
+            self.notify(str(error), severity="error", timeout=8)
             return
-        self.published = control
-        message = f"published control v{control.version}, applied from outer step {control.from_step}"
-        self.call_from_thread(self.notify, message)
+        self.post_message(self.Published(control))
+
+    @on(Published)
+    def _published(self, message: Published) -> None:
+        control = self.published = message.state
+        self.notify(f"published control v{control.version}, applied from outer step {control.from_step}")
         if self.snapshot is not None:
-            self.call_from_thread(self.render_summary)
+            self.render_summary()
 
     def action_faults(self) -> None:
         peer = self.selected_peer()
@@ -306,7 +336,9 @@ class SwarmApp(App[None]):
 
 def run_app(source) -> None:
     """Run the monitor over ``source`` until the user quits; always closes the source."""
+    app = SwarmApp(source)
     try:
-        SwarmApp(source).run()
+        app.run()
     finally:
+        app.stop_polling()  # a signal can end the UI before it unmounts
         source.close()

@@ -361,10 +361,6 @@ def _p2p_daemon_among(processes) -> bool:
     return False
 
 
-# Alone: beside the other xdist worker's peers, the monitor outlived the hang-up in 2 of 6 suites
-# (still running 15 s after SIGHUP), and 2 of 24 times beside two CPU burners; by itself it never
-# failed in CI. Why a loaded monitor misses the signal is open: see the session notes.
-@pytest.mark.alone
 def test_closing_the_monitors_terminal_stops_it_and_its_dht_processes(spawn, tmp_path):
     """`workbench monitor` in a terminal (a pty here), then SIGHUP, as when the terminal or the
     SSH session closes: the monitor and the processes it started (hivemind's DHT process and its
