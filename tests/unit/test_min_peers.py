@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 import workbench.run.joining as peer_module
+from swarm.errors import SwarmError
 from swarm.records import PeerHeartbeat, Stage
 from workbench.run.joining import wait_for_peers
 
@@ -45,3 +48,25 @@ def test_min_peers_still_gives_up_after_the_wait_timeout(monkeypatch):
     started = time.monotonic()
     _wait(board, min_peers=2, wait_timeout=0.2)
     assert 0.2 <= time.monotonic() - started < 5.0 and board.reads > 1
+
+
+class EmptyBoard:
+    def fetch(self) -> dict[str, PeerHeartbeat]:
+        return {}
+
+
+def _waited(connect_timeout: float, monkeypatch) -> float:
+    """Seconds check_run_exists waits for a run nobody is in (on a fake clock)."""
+    clock = [0.0]
+    monkeypatch.setattr(peer_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(peer_module.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    with pytest.raises(SwarmError, match="no live peer of run 'gone'") as error:
+        peer_module.check_run_exists(EmptyBoard(), "gone", connect_timeout)
+    assert f"within {min(max(connect_timeout, 3), 10):.0f} s" in str(error.value)
+    return clock[0]
+
+
+def test_a_joiner_waits_for_its_run_as_long_as_its_connect_timeout_says_within_3_to_10_s(monkeypatch):
+    assert 5.0 <= _waited(5.0, monkeypatch) < 5.4
+    assert 3.0 <= _waited(1.0, monkeypatch) < 3.4
+    assert 10.0 <= _waited(20.0, monkeypatch) < 10.4

@@ -173,7 +173,8 @@ def _add_peer_options(parser: argparse.ArgumentParser) -> None:
         "--connect-timeout",
         type=bounded("connect_timeout"),
         default=20.0,
-        help="seconds to reach the bootstrap peers",
+        help="seconds to reach the bootstrap peers (default 20), and then for a joiner to find a "
+        "live peer of its run (3 to 10 s of it)",
     )
     add_run_access_options(group)
     group.add_argument(

@@ -17,8 +17,15 @@ from workbench.config import RunConfig
 logger = logging.getLogger(__name__)
 
 
-def check_run_exists(board: Any, run_id: str, timeout: float = 10.0) -> None:
-    """A joiner must find at least one live peer of the run, or the run id is wrong."""
+RUN_WAIT = (3.0, 10.0)
+"""Seconds a joiner waits for a live peer of its run: its --connect-timeout, within these."""
+
+
+def check_run_exists(board: Any, run_id: str, connect_timeout: float = RUN_WAIT[1]) -> None:
+    """A joiner must find at least one live peer of the run, or the run id is wrong. It waits
+    ``connect_timeout`` seconds, within :data:`RUN_WAIT` (a live peer's heartbeat is read at
+    once; the floor leaves the DHT a moment to answer)."""
+    timeout = min(max(connect_timeout, RUN_WAIT[0]), RUN_WAIT[1])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if board.fetch():

@@ -114,7 +114,7 @@ class Peer:
             self.run_dir, name=self.name, exporters=peer_exporters(cfg, self.run_dir, self.name, self.peer_id)
         )
         if cfg.network.initial_peers:
-            joining.check_run_exists(self.board, cfg.peer.run_id)
+            joining.check_run_exists(self.board, cfg.peer.run_id, cfg.network.connect_timeout)
         self._check_manifest()
         self.outer = build_outer(
             cfg,
