@@ -32,7 +32,10 @@ def allreduce() -> list[str]:
         return [*lines, "Not run yet.", ""]
     lines += [
         "One all-reduce of a float32 tensor among local processes, matchmaking excluded; median",
-        "of repeats, slowest member. `direct` is the default data plane (hivemind finds the group,",
+        "of repeats, slowest member. The baseline is gloo's all-reduce of the same tensor by the",
+        "same processes, one just before each measured all-reduce (interleaved since 2026-12-02;",
+        "each row's ratio is to the gloo samples taken beside it, the gloo row is all of",
+        "them). `direct` is the default data plane (hivemind finds the group,",
         "the bytes move over the group's gloo ring, `swarm/dataplane.py`); `hivemind` is",
         "hivemind's own butterfly all-reduce. Goal: at least **0.5x gloo**.",
         "",
