@@ -4,13 +4,15 @@
 
 Baseline: gloo's all_reduce of the same float32 tensor by the same processes, one just before
 each measured all-reduce (interleaved: a drift in the machine's speed moves both alike; run
-one after the other, the same code's ratio moved from 0.50x to 0.29x between two days). Measured: one all-reduce of the workbench's averager
-(hivemind's DecentralizedAverager as the peers run it), timed from the moment every member has
-its group (matchmaking excluded: ``require_trigger``) to the slowest member's finish, for each
-data plane (``hivemind``: hivemind's butterfly all-reduce through its p2p daemon; ``direct``:
-the group's own gloo ring over TCP, when available) and wire codec. Reported: seconds per
-all-reduce (median of the repeats), "bus" throughput (2(n-1)/n of the tensor per member, what a
-ring or butterfly moves) and the ratio to gloo. Writes benchmarks/results/allreduce.json.
+one phase after the other, the same code's ratio moved from 0.50x to 0.29x between two days).
+Measured: one all-reduce of the workbench's averager (hivemind's DecentralizedAverager as the
+peers run it), timed from the moment every member has its group (matchmaking excluded:
+``require_trigger``) to the slowest member's finish, for each data plane (``hivemind``:
+hivemind's butterfly all-reduce through its p2p daemon; ``direct``: the group's own gloo ring
+over TCP, when available) and wire codec. Reported: seconds per all-reduce (median of the
+repeats), "bus" throughput (2(n-1)/n of the tensor per member, what a ring or butterfly moves),
+the gloo all-reduces beside them (``baseline_seconds``) and the ratio to gloo (the median of
+the attempts' ratios). Writes benchmarks/results/allreduce.json.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def _averager_worker(
     from swarm.group_averager import GroupAverager
 
     torch.set_num_threads(1)
+    # Before hivemind's DHT and averager fork from this process: they inherit gloo's sockets,
+    # unused, and are shut down before the group is destroyed (a failed run kills them all).
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     if rank == 0:
         dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
@@ -107,7 +111,7 @@ def _averager_worker(
             except Exception as error:  # noqa: BLE001 - a group not found: retried below
                 whole, why = False, error
             else:
-                why = f"a group of fewer than {world}"
+                why = f"a group of fewer than {world} (here or on another member)"
             finished = time.perf_counter() - start
             # Counted only if every member averaged in the whole group; else all try again
             # (hivemind's matchmaking now and then misses a member on 2 busy cores).
@@ -115,7 +119,7 @@ def _averager_worker(
             barrier.wait()
             if any(failed):
                 failures += 1
-                if failures > 5:
+                if failures >= 5:
                     raise RuntimeError(f"{mb} MB {codec} {plane}: 5 attempts failed, the last: {why}")
                 barrier.wait()  # everyone read the flags before they are set again
                 continue
@@ -155,6 +159,12 @@ def _run(target, world: int, *args) -> list[dict]:
         if p.exitcode not in (0, None):
             raise RuntimeError(f"a benchmark worker exited with {p.exitcode}")
     return [r for _, r in sorted(results, key=lambda x: x[0])]
+
+
+def _paired_ratio(baseline: list[list[float]], measured: list[list[float]]) -> float:
+    """Median over repeats of gloo's time over ours, each the slowest member's, attempt by
+    attempt (the pairs the interleaving made)."""
+    return statistics.median(max(b) / max(m) for b, m in zip(zip(*baseline), zip(*measured)))
 
 
 def _slowest(per_member: list[list[float]]) -> float:
@@ -214,7 +224,10 @@ def main() -> None:
                             codec=codec,
                             seconds=seconds,
                             bus_mb_s=moved / seconds,
-                            ratio=beside / seconds,
+                            ratio=_paired_ratio(
+                                [o[(mb, codec, plane)][1] for o in ours],
+                                [o[(mb, codec, plane)][0] for o in ours],
+                            ),
                             baseline_seconds=beside,
                         )
                     )

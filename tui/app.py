@@ -9,6 +9,7 @@ on that loop would hold the process's exit forever.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -25,6 +26,7 @@ from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input
+from textual.worker import get_current_worker
 
 from swarm.errors import SwarmError
 from swarm.faults import FaultRequest
@@ -105,7 +107,7 @@ class SwarmApp(App[None]):
         self.stop_polling()
 
     def stop_polling(self) -> None:
-        """End the polling thread after its current read (also when the UI ended without unmounting)."""
+        """End the polling thread after its current read."""
         self._stop.set()
 
     def on_resize(self) -> None:
@@ -129,15 +131,23 @@ class SwarmApp(App[None]):
 
     @work(thread=True, exclusive=True, group="poll")
     def poll_source(self) -> None:
-        # post_message and notify queue and return (call_from_thread would wait on the UI)
-        while not self._stop.is_set():
+        # post_message and notify queue and return (call_from_thread would wait on the UI). The
+        # loop ends on unmount, when Textual cancels its workers (its message loop ended, even
+        # by a signal), or when the app no longer takes messages: Python 3.11's asyncio.run
+        # waits for this thread before run_app's finally can stop it.
+        worker = get_current_worker()
+        while not (self._stop.is_set() or worker.is_cancelled):
             try:
                 snapshot = self.source.poll()
             except Exception as error:  # the DHT hiccupped: say so, keep the last view, retry
-                self.notify(f"poll failed: {error}", severity="warning", timeout=4)
+                with contextlib.suppress(RuntimeError):  # the app's loop is closed
+                    self.notify(f"poll failed: {error}", severity="warning", timeout=4)
             else:
-                if not self.post_message(self.SnapshotRead(snapshot)):
-                    return  # the app is closing
+                try:
+                    if not self.post_message(self.SnapshotRead(snapshot)):
+                        return  # the app is closing
+                except RuntimeError:  # its event loop is closed
+                    return
             self._stop.wait(self.source.interval)
 
     @on(SnapshotRead)
@@ -340,5 +350,5 @@ def run_app(source) -> None:
     try:
         app.run()
     finally:
-        app.stop_polling()  # a signal can end the UI before it unmounts
+        app.stop_polling()  # a signal can end the UI before it unmounts (and its workers are cancelled)
         source.close()

@@ -190,6 +190,18 @@ def pytest_terminal_summary(terminalreporter) -> None:
 _SUMMARY_KEYS = {"scenario", "survived", "rounds_lost", "recover_seconds", "test_seconds"}
 
 
+def assert_grouped(rounds: list[dict], *, skip: int = 1, share: float = 0.05, context: str = "") -> None:
+    """Every round after the first ``skip`` averaged in a group, but for a few (``share``) that
+    failed and say why (``alone_reason``): on a loaded machine an honest round can fail (a
+    member gives up on its leader during matchmaking) and the peer falls back to its own
+    update; beside a busy test suite this happened to 1 of 119 syncs."""
+    later = rounds[skip:]
+    apart = [r for r in later if r["group_size"] < 2]
+    summary = [(r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds]
+    assert all(r["alone_reason"] for r in apart), ("a round alone with no reason", summary, context)
+    assert len(apart) <= share * len(later), (f"{len(apart)} of {len(later)} rounds alone", summary, context)
+
+
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     assert len(a) == len(b)
     return max(float((x - y).abs().max()) for x, y in zip(a, b))

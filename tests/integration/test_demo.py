@@ -164,6 +164,7 @@ def test_a_killed_demo_peer_restarted_from_the_monitor_downloads_the_state_and_r
         faults.inject(peer_id, FaultRequest(Fault.KILL))
         wait_for("exit", lambda: swarm.peers[1].process.poll() is not None, 10)
         assert killed == [peer_id] and faults.stopped(peer_id)
+        swarm.poll()  # what it wrote between the last read and its death
         before = len(swarm.peers[1].events)
         message = faults.inject(peer_id, FaultRequest(Fault.RESTART))
         assert "restarted peer-1" in message and swarm.peers[1].process.poll() is None

@@ -60,8 +60,8 @@ class Monitor:
 
     def drain(self) -> None:
         """A terminal reads what the app draws, or the app blocks on a full pty."""
-        if select.select([self.leader], [], [], 0)[0]:
-            with contextlib.suppress(OSError):  # the child closed its end
+        with contextlib.suppress(OSError):  # the child closed its end
+            while select.select([self.leader], [], [], 0)[0]:
                 self.output.extend(os.read(self.leader, 65536))
 
     def close(self) -> None:

@@ -55,18 +55,22 @@ class EmptyBoard:
         return {}
 
 
-def _waited(connect_timeout: float, monkeypatch) -> float:
+def _waited(connect_timeout: float) -> float:
     """Seconds check_run_exists waits for a run nobody is in (on a fake clock)."""
     clock = [0.0]
-    monkeypatch.setattr(peer_module.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(peer_module.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
     with pytest.raises(SwarmError, match="no live peer of run 'gone'") as error:
-        peer_module.check_run_exists(EmptyBoard(), "gone", connect_timeout)
+        peer_module.check_run_exists(
+            EmptyBoard(), "gone", connect_timeout, clock=lambda: clock[0], sleep=sleep
+        )
     assert f"within {min(max(connect_timeout, 3), 10):.0f} s" in str(error.value)
     return clock[0]
 
 
-def test_a_joiner_waits_for_its_run_as_long_as_its_connect_timeout_says_within_3_to_10_s(monkeypatch):
-    assert 5.0 <= _waited(5.0, monkeypatch) < 5.4
-    assert 3.0 <= _waited(1.0, monkeypatch) < 3.4
-    assert 10.0 <= _waited(20.0, monkeypatch) < 10.4
+def test_a_joiner_waits_for_its_run_as_long_as_its_connect_timeout_says_within_3_to_10_s():
+    assert 5.0 <= _waited(5.0) < 5.4
+    assert 3.0 <= _waited(1.0) < 3.4
+    assert 10.0 <= _waited(20.0) < 10.4

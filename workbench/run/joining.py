@@ -21,16 +21,23 @@ RUN_WAIT = (3.0, 10.0)
 """Seconds a joiner waits for a live peer of its run: its --connect-timeout, within these."""
 
 
-def check_run_exists(board: Any, run_id: str, connect_timeout: float = RUN_WAIT[1]) -> None:
+def check_run_exists(
+    board: Any,
+    run_id: str,
+    connect_timeout: float = RUN_WAIT[1],
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
     """A joiner must find at least one live peer of the run, or the run id is wrong. It waits
     ``connect_timeout`` seconds, within :data:`RUN_WAIT` (a live peer's heartbeat is read at
     once; the floor leaves the DHT a moment to answer)."""
     timeout = min(max(connect_timeout, RUN_WAIT[0]), RUN_WAIT[1])
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    deadline = clock() + timeout
+    while clock() < deadline:
         if board.fetch():
             return
-        time.sleep(0.3)
+        sleep(0.3)
     raise SwarmError(
         f"connected to the swarm, but no live peer of run '{run_id}' answered within "
         f"{timeout:.0f} s: check --run-id matches the command `workbench start` printed"
