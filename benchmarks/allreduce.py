@@ -214,8 +214,9 @@ def main() -> None:
             )
             for codec in codecs:
                 for plane in planes:
-                    seconds = _slowest([o[(mb, codec, plane)][0] for o in ours])
-                    beside = _slowest([o[(mb, codec, plane)][1] for o in ours])
+                    measured = [o[(mb, codec, plane)][0] for o in ours]
+                    beside = [o[(mb, codec, plane)][1] for o in ours]
+                    seconds = _slowest(measured)
                     rows.append(
                         dict(
                             peers=world,
@@ -224,11 +225,8 @@ def main() -> None:
                             codec=codec,
                             seconds=seconds,
                             bus_mb_s=moved / seconds,
-                            ratio=_paired_ratio(
-                                [o[(mb, codec, plane)][1] for o in ours],
-                                [o[(mb, codec, plane)][0] for o in ours],
-                            ),
-                            baseline_seconds=beside,
+                            ratio=_paired_ratio(beside, measured),
+                            baseline_seconds=_slowest(beside),
                         )
                     )
             for row in rows[-1 - len(codecs) * len(planes) :]:
