@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from workbench.settings.commands import command_settings
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -31,45 +33,60 @@ def optimizer_arguments(config: RunConfig, *, changed_only: bool = False) -> lis
     """The optimizer flags that rebuild ``config.diloco``, those its method takes (a sparseloco
     or local_sgd run is a diloco run with the preset's settings spelled out); ``changed_only``:
     only those that differ from DiLoCoConfig's defaults (for a join command people read)."""
-    from optim.diloco import DiLoCoConfig
+    from workbench.config import RunConfig
 
-    values = _optimizer_values(config.diloco)
+    knobs = config.outer_method.knobs
+    values = _optimizer_values(config, knobs)
     if changed_only:
-        defaults = _optimizer_values(DiLoCoConfig())
+        defaults = _optimizer_values(RunConfig(), knobs)
         # A delayed run's outer defaults are not DiLoCoConfig's (optim.api.DELAYED_OUTER): spell them out.
         kept = ("outer_lr", "outer_momentum") if config.diloco.delay == 1 else ()
         values = {k: v for k, v in values.items() if v != defaults[k] or k in kept}
+    settings = command_settings("start")
+    return [part for key, value in values.items() for part in settings[key].render(value)]
+
+
+OPTIMIZER_ORDER = (
+    "outer_lr",
+    "outer_momentum",
+    "update_codec",
+    "topk_density",
+    "topk_chunk",
+    "topk_bits",
+    "topk_mean",
+    "ef_decay",
+    "delay",
+    "outlier_ratio",
+    "clip_norm",
+    "error_feedback",
+    "overlap",
+    "eager",
+)
+"""The order optimizer flags are written in (join commands printed before the schema kept it)."""
+
+
+def _optimizer_values(config: RunConfig, knobs: Sequence[str]) -> dict[str, Any]:
+    """The optimizer settings among ``knobs``, read where the schema says they live."""
+    settings = command_settings("start")
+    values = {key: settings[key].read(config) for key in OPTIMIZER_ORDER if key in knobs}
+    if "eager" in values and config.diloco.delay != 1:
+        values["eager"] = None  # no late mean to apply: --eager would be refused
+    return values
+
+
+def setting_arguments(config: RunConfig, keys: Sequence[str], *, changed_only: bool = False) -> list[str]:
+    """The flags of ``keys`` (settings with a place in the config) that rebuild ``config``;
+    ``changed_only``: only those that differ from the defaults."""
+    from workbench.config import RunConfig
+
+    settings = command_settings("start")
+    defaults = RunConfig()
     args = []
-    for dest, value in values.items():
-        if dest not in config.outer_method.knobs or value is None:
-            continue
-        flag = "--" + dest.replace("_", "-")
-        if value is True:
-            args.append(flag)
-        elif value is False:
-            args.append("--no-" + flag[2:])
-        else:
-            args += [flag, value]
+    for key in keys:
+        value = settings[key].read(config)
+        if not changed_only or value != settings[key].read(defaults):
+            args += settings[key].render(value)
     return args
-
-
-def _optimizer_values(d) -> dict[str, str | bool | None]:
-    return {
-        "outer_lr": repr(d.outer_lr),
-        "outer_momentum": repr(d.outer_momentum),
-        "update_codec": d.codec,
-        "topk_density": repr(d.topk_density),
-        "topk_chunk": str(d.topk_chunk),
-        "topk_bits": str(d.topk_bits),
-        "topk_mean": d.topk_mean,
-        "ef_decay": repr(d.error_decay),
-        "delay": str(d.delay),
-        "outlier_ratio": repr(d.outlier_ratio),
-        "clip_norm": repr(d.clip_norm),
-        "error_feedback": d.error_feedback or None,
-        "overlap": d.overlap or None,
-        "eager": None if d.eager is None or d.delay != 1 else d.eager,
-    }
 
 
 def model_flags(config: RunConfig) -> list[str]:
@@ -93,30 +110,16 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     from workbench.config import RunConfig
 
     parts = ["workbench", "join", *method_arguments(config)]
-    if config.peer.run_id != "workbench":
-        parts += ["--run-id", config.peer.run_id]
-    defaults = RunConfig()
+    parts += setting_arguments(config, ("run_id",), changed_only=True)
     model = model_flags(config)  # a model folder must exist on the joiner's machine too
-    if model != model_flags(defaults):
+    if model != model_flags(RunConfig()):
         parts += model
     # Settings every peer must share, or their global params drift apart round after round.
-    for flag, value, default in (
-        ("--inner-steps", config.diloco.inner_steps, defaults.diloco.inner_steps),
-        ("--inner-lr", config.train.inner_lr, defaults.train.inner_lr),
-        ("--codec", config.averaging.compression, defaults.averaging.compression),
-        ("--aggregate", config.averaging.aggregate, defaults.averaging.aggregate),
-    ):
-        if value != default:
-            parts += [flag, str(value)]
+    parts += setting_arguments(config, ("inner_steps", "inner_lr", "codec", "aggregate"), changed_only=True)
     parts += optimizer_arguments(config, changed_only=True)
-    if config.data.tokenizer:  # token ids shape the model: every peer needs the same tokenizer
-        parts += ["--tokenizer", config.data.tokenizer]
-    if config.peer.rounds:  # the inner lr schedule (cosine to the end) depends on the run's length
-        parts += ["--rounds", str(config.peer.rounds)]
-    if config.peer.round_seconds:  # rounds of the same length for every peer
-        parts += ["--round-seconds", repr(config.peer.round_seconds)]
-    if config.peer.owner:
-        parts += ["--owner", config.peer.owner]
+    # Token ids shape the model, the inner lr's cosine follows the run's length, rounds of the
+    # same length for every peer, the run's owner.
+    parts += setting_arguments(config, ("tokenizer", "rounds", "round_seconds", "owner"), changed_only=True)
     if config.peer.secret:  # never print the secret itself: it is shared privately
         parts += ["--secret", "SECRET"]
     return " ".join(parts + list(addresses))

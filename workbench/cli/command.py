@@ -17,18 +17,16 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from swarm.bounds import parser as bounded
 from swarm.errors import SwarmError
 from workbench.cli.options import (
     EXIT_INTERRUPTED,
     EXIT_USER_ERROR,
-    _add_peer_options,
-    _add_training_options,
     _Parser,
     _where_from,
     apply_settings,
     build_config,
 )
+from workbench.settings.commands import add_demo_options, add_peer_options
 
 if TYPE_CHECKING:
     from workbench.config import RunConfig
@@ -67,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  torchrun --nproc-per-node 2 -m workbench start --run-dir runs/node   # a 2-GPU node as one peer",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_peer_options(start)
+    add_peer_options(start)
 
     join = commands.add_parser(
         "join",
@@ -81,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument(
         "peers", nargs="+", metavar="MULTIADDR", help="e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW..."
     )
-    _add_peer_options(join)
+    add_peer_options(join)
 
     demo = commands.add_parser(
         "demo",
@@ -92,27 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  workbench demo --peers 2 --rounds 3 --headless --json > result.json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--peers", type=bounded("peers"), default=4, help="number of peers (default: 4)")
-    demo.add_argument(
-        "--headless",
-        action="store_true",
-        help="show progress lines instead of a UI (automatic without a terminal)",
-    )
-    demo.add_argument(
-        "--no-tui", action="store_true", help="a simple live table instead of the swarm monitor app"
-    )
-    demo.add_argument("--json", action="store_true", help="print one JSON result object on stdout at the end")
-    demo.add_argument(
-        "--run-dir", metavar="DIR", help="keep each peer's metrics and logs here (default: a temp dir)"
-    )
-    demo.add_argument(
-        "--timeout",
-        type=bounded("timeout"),
-        default=900.0,
-        help="give up after this many seconds (default: 900)",
-    )
-    _add_training_options(demo)
-    demo.set_defaults(inner_steps=20, rounds=8, threads=1, model="small")
+    add_demo_options(demo)
 
     from workbench.cli.simulate import add_simulate_parser
 

@@ -18,7 +18,7 @@ EPILOG = """examples:
 
 
 def add_config_parser(commands) -> None:
-    from workbench.cli.options import _add_peer_options
+    from workbench.settings.commands import add_peer_options
 
     config = commands.add_parser(
         "config",
@@ -38,7 +38,7 @@ def add_config_parser(commands) -> None:
     )
     show.add_argument("--sources", action="store_true", help="say where each setting came from")
     show.add_argument("--json", action="store_true", help="one JSON object: settings and sources")
-    _add_peer_options(show)
+    add_peer_options(show)
     keys = actions.add_parser(
         "keys",
         help="every key a config file may hold, with its flag and meaning",

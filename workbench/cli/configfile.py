@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from workbench.settings import Setting
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -70,93 +72,26 @@ def read_file(path: str | os.PathLike) -> dict[str, Any]:
     return flat
 
 
-def _check(action: argparse.Action, key: str, value: Any, origin: str) -> Any:
-    """A file's value for ``action``, checked like the flag would be."""
-    flag = action.option_strings[-1]
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-        if not isinstance(value, bool):
-            raise ConfigError(
-                f"{origin}: {key} must be true or false (it is the switch {flag}), got {value!r}"
-            )
-        return value  # the key names the setting (``eager = false`` is --no-eager)
-    if isinstance(action, argparse._AppendAction):
-        items = value if isinstance(value, list) else [value]
-        return [_scalar(action, key, item, origin, flag) for item in items]
-    return _scalar(action, key, value, origin, flag)
+def _setting(key: str) -> Setting:
+    from workbench.settings.commands import PEER_COMMANDS, command_settings
+
+    return next(command_settings(c)[key] for c in PEER_COMMANDS if key in command_settings(c))
 
 
-def _scalar(action: argparse.Action, key: str, value: Any, origin: str, flag: str) -> Any:
-    kind = action.type or str
-    if isinstance(value, (bool, list, dict)):
-        ok = False
-    elif getattr(kind, "numeric", False):  # a bounded number (swarm.bounds): the flag's own check
-        ok = isinstance(value, int) or (kind.__name__ == "number" and isinstance(value, float))
-        if ok:
-            try:
-                value = kind(str(value))
-            except argparse.ArgumentTypeError as error:
-                raise ConfigError(f"{origin}: {key} = {value!r}: {error}") from None
-    elif kind is int:
-        ok = isinstance(value, int)
-    elif kind is float:
-        ok, value = (
-            isinstance(value, (int, float)),
-            float(value) if isinstance(value, (int, float)) else value,
-        )
-    else:
-        ok = isinstance(value, str)
-        if ok and kind is not str:
-            try:
-                value = kind(value)
-            except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
-                raise ConfigError(f"{origin}: {key} = {value!r}: {error}") from None
-    if not ok:
-        names = {int: "an integer", float: "a number", "integer": "an integer", "number": "a number"}
-        expected = names.get(kind if kind in (int, float) else getattr(kind, "__name__", ""), "a string")
-        raise ConfigError(
-            f"{origin}: {key} must be {expected} (like {flag}), got {type(value).__name__} {value!r}"
-        )
-    if action.choices is not None and value not in action.choices:
-        raise ConfigError(f"{origin}: {key} = {value!r} is not one of {', '.join(map(str, action.choices))}")
-    return value
-
-
-def _from_env(action: argparse.Action, key: str, text: str, variable: str) -> Any:
-    """An environment variable's text for ``action``, converted like the flag's argument."""
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-        truth = {
-            "1": True,
-            "true": True,
-            "yes": True,
-            "on": True,
-            "0": False,
-            "false": False,
-            "no": False,
-            "off": False,
-        }
-        if text.strip().lower() not in truth:
-            raise ConfigError(f"{variable}={text!r}: use 1/0, true/false, yes/no or on/off")
-        value = truth[text.strip().lower()]
-        return value if isinstance(action, argparse._StoreTrueAction) else not value
-    if isinstance(action, argparse._AppendAction):
-        return [_env_scalar(action, item, variable) for item in text.split()]
-    return _env_scalar(action, text, variable)
-
-
-def _env_scalar(action: argparse.Action, text: str, variable: str) -> Any:
+def _check(key: str, value: Any, origin: str) -> Any:
+    """A file's value for ``key``, checked like the flag would be."""
     try:
-        value = (action.type or str)(text)
-    except argparse.ArgumentTypeError as error:
-        raise ConfigError(f"{variable}={text!r}: {error}") from None
-    except (TypeError, ValueError):
-        names = {int: "an integer", float: "a number", "integer": "an integer", "number": "a number"}
-        kind = names.get(
-            action.type if action.type in (int, float) else getattr(action.type, "__name__", ""), "a value"
-        )
-        raise ConfigError(f"{variable}={text!r} must be {kind}") from None
-    if action.choices is not None and value not in action.choices:
-        raise ConfigError(f"{variable}={text!r} is not one of {', '.join(map(str, action.choices))}")
-    return value
+        return _setting(key).check(value, f"{origin}: {key}")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _from_env(key: str, text: str, variable: str) -> Any:
+    """An environment variable's text for ``key``, converted like the flag's argument."""
+    try:
+        return _setting(key).from_text(text, variable)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def explicit_keys(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -191,10 +126,10 @@ def layer(
     given = explicit_keys(parser, argv) & set(actions)
     sources = {key: "flag" if key in given else "default" for key in actions}
     # Lowest first, so that a higher layer overwrites.
-    for key, action in actions.items():
+    for key in actions:
         variable = ENV_PREFIX + key.upper()
         if key not in given and variable in environ:
-            setattr(args, key, _from_env(action, key, environ[variable], variable))
+            setattr(args, key, _from_env(key, environ[variable], variable))
             sources[key] = f"env {variable}"
     path = getattr(args, "config", None)
     if path:
@@ -206,7 +141,7 @@ def layer(
                 hint = f" (did you mean {close[0]}?)" if close else " (see `workbench config keys`)"
                 raise ConfigError(f"{path}: unknown key '{key}'{hint}")
             if key not in given:
-                setattr(args, key, _check(actions[key], key, value, str(path)))
+                setattr(args, key, _check(key, value, str(path)))
                 sources[key] = f"file {path}"
     return sources
 

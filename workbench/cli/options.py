@@ -5,17 +5,16 @@ they build; shared by the CLI, ``config``, ``status``/``steer``, the demo launch
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from optim.api import method
-from swarm.averaging_config import CODEC_BYTES
-from swarm.bounds import parser as bounded
-from workbench.cli.optimizer_flags import add_optimizer_options, add_round_seconds, outer_config
-from workbench.names import MODEL_PRESETS, WANDB_MODES
+from workbench.cli.optimizer_flags import outer_config
+from workbench.names import MODEL_PRESETS
+from workbench.settings import add_section
+from workbench.settings.commands import PEER_COMMANDS, command_settings
+from workbench.settings.run import RunAccess
 
 if TYPE_CHECKING:  # torch-backed modules load only when a command runs
     from workbench.config import RunConfig
@@ -25,217 +24,9 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 
 
-def _add_training_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        metavar="FILE",
-        help="read settings from this TOML file (keys are the flags' names: inner_steps = 20); "
-        "flags given here override it, WORKBENCH_* variables sit below it",
-    )
-    group = parser.add_argument_group("model and data")
-    group.add_argument(
-        "--model",
-        default="small",
-        type=_model_name,
-        metavar="PRESET|DIR",
-        help=f"model preset ({', '.join(MODEL_PRESETS)}; default: small, ~1.9M params) or a folder with a "
-        "Hugging Face causal-LM config.json, and its weights if it has them (pip install '.[hf]')",
-    )
-    group.add_argument(
-        "--block-size",
-        type=bounded("block_size"),
-        metavar="T",
-        help="context length in tokens (default: the preset's, 128)",
-    )
-    group.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="train on this Hugging Face tokenizer's ids instead of bytes (a local folder, or a hub name)",
-    )
-    group.add_argument(
-        "--dataset",
-        metavar="NAME|PATH",
-        help="read documents with the datasets library: a save_to_disk folder, data files "
-        "(.jsonl/.json/.csv/.parquet/.txt) or a hub name; with --shard each peer reads its own records",
-    )
-    group.add_argument("--dataset-subset", metavar="NAME", help="the hub dataset's configuration name")
-    group.add_argument(
-        "--dataset-split", default="train", help="the dataset's split to read (default: train)"
-    )
-    group.add_argument(
-        "--streaming",
-        action="store_true",
-        default=None,
-        help="stream the dataset's records instead of downloading and preparing it whole",
-    )
-    group.add_argument(
-        "--data",
-        metavar="PATH",
-        help="text file, .jsonl file (one record per line) or folder to train on (default: the Python "
-        "stdlib's source)",
-    )
-    group.add_argument(
-        "--text-field",
-        default="text",
-        help="in a .jsonl data file or a dataset, the field holding each record's text (default: text)",
-    )
-    group.add_argument(
-        "--batch-size", type=bounded("batch_size"), default=16, help="sequences per inner step (default: 16)"
-    )
-    group.add_argument(
-        "--device", default="auto", help="auto, cpu or cuda[:N] (default: auto = CUDA when present)"
-    )
-    group.add_argument(
-        "--seed", type=bounded("seed"), default=0, help="model init and data order seed (default: 0)"
-    )
-    group.add_argument("--shard", metavar="I/N", help="read only shard I of N slices of the data (e.g. 0/4)")
-    group.add_argument(
-        "--threads", type=bounded("threads"), default=0, help="torch CPU threads (default: torch decides)"
-    )
-
-    group = parser.add_argument_group("DiLoCo")
-    add_optimizer_options(group)
-    group.add_argument(
-        "--rounds",
-        type=bounded("rounds"),
-        default=0,
-        help="stop after this many outer rounds (default: 0 = never)",
-    )
-    add_round_seconds(group)
-    group.add_argument(
-        "--eval-every",
-        type=bounded("eval_every"),
-        default=1,
-        metavar="ROUNDS",
-        help="evaluate the global params every ROUNDS rounds, and after the last (default: 1)",
-    )
-
-    group = parser.add_argument_group("averaging")
-    group.add_argument(
-        "--codec", default="none", choices=sorted(CODEC_BYTES), help="pseudo-gradient wire codec"
-    )
-    group.add_argument(
-        "--matchmaking-time",
-        type=bounded("matchmaking_time"),
-        default=2.0,
-        help="the longest a round's group stays open; a complete group forms at once, and the "
-        "window is learned from the last rounds (default: 2)",
-    )
-    group.add_argument(
-        "--averaging-timeout",
-        type=bounded("averaging_timeout"),
-        default=30.0,
-        help="seconds before a round falls back to a local step",
-    )
-    group.add_argument(
-        "--aggregate",
-        default="mean",
-        choices=("mean", "trimmed-mean"),
-        help="mean (default) or trimmed-mean: per coordinate, drop the group's largest and smallest "
-        "value before averaging (robust to one bad peer; takes hivemind's data plane)",
-    )
-    group.add_argument(
-        "--data-plane",
-        default="direct",
-        choices=("direct", "hivemind"),
-        help="direct (default): a group whose members all accept connections moves its tensors over "
-        "its own gloo ring, ~10x hivemind's speed, and a joiner downloads the state in checked slices "
-        "from several donors over TCP; hivemind: always hivemind's all-reduce and state stream "
-        "(relayed through NAT, slower)",
-    )
-
-
-def _add_peer_options(parser: argparse.ArgumentParser) -> None:
-    _add_training_options(parser)
-    group = parser.add_argument_group("network")
-    group.add_argument("--run-id", default="workbench", help="the run's name in the DHT (default: workbench)")
-    group.add_argument("--name", help="this peer's display name")
-    group.add_argument(
-        "--host", default="127.0.0.1", help="IP to listen on (default: 127.0.0.1; 0.0.0.0 for a real network)"
-    )
-    group.add_argument(
-        "--port", type=bounded("port"), default=0, help="TCP port to listen on (default: any free port)"
-    )
-    group.add_argument(
-        "--announce",
-        action="append",
-        default=[],
-        metavar="MULTIADDR",
-        help="public address others dial, e.g. /ip4/203.0.113.7/tcp/31337 (repeatable)",
-    )
-    group.add_argument(
-        "--client-mode", action="store_true", help="accept no inbound connections (behind NAT)"
-    )
-    group.add_argument(
-        "--identity", metavar="FILE", help="private key file, for a peer id that survives restarts"
-    )
-    group.add_argument(
-        "--connect-timeout",
-        type=bounded("connect_timeout"),
-        default=20.0,
-        help="seconds to reach the bootstrap peers (default 20), and then for a joiner to find a "
-        "live peer of its run (3 to 10 s of it)",
-    )
-    add_run_access_options(group)
-    group.add_argument(
-        "--min-peers",
-        type=bounded("min_peers"),
-        default=1,
-        help="wait for this many peers before the first round",
-    )
-    group.add_argument(
-        "--run-dir", metavar="DIR", help="write metrics.jsonl and the final global params here"
-    )
-    group.add_argument(
-        "--checkpoint-every",
-        type=bounded("checkpoint_every"),
-        default=0,
-        metavar="ROUNDS",
-        help="write <run-dir>/checkpoint.pt every ROUNDS outer rounds (default 0: on request only)",
-    )
-    group.add_argument(
-        "--resume",
-        metavar="DIR",
-        help="continue from the checkpoint in DIR (a stopped peer's --run-dir; also the default --run-dir)",
-    )
-    group.add_argument(
-        "--tensorboard",
-        nargs="?",
-        const="",
-        metavar="DIR",
-        help="also write the metrics as TensorBoard scalars to DIR (default: <run-dir>/tensorboard)",
-    )
-    group.add_argument(
-        "--wandb",
-        metavar="PROJECT",
-        help="also log the metrics to this W&B project (offline unless --wandb-mode)",
-    )
-    group.add_argument(
-        "--wandb-mode",
-        default="offline",
-        choices=WANDB_MODES,
-        help="offline (default: written under <run-dir>/wandb; upload later with `wandb sync`), online",
-    )
-    group.add_argument(
-        "--fault-file",
-        metavar="FILE",
-        help="testing: read injected faults (throttle, corrupt update) from FILE between steps",
-    )
-
-
 def add_run_access_options(group) -> None:
     """--secret and --owner: which run to trust (shared by peers, status, steer, monitor)."""
-    group.add_argument(
-        "--secret",
-        default=os.environ.get("WORKBENCH_RUN_SECRET"),
-        help="private run: only peers with this secret find, join and write to it "
-        "(default: $WORKBENCH_RUN_SECRET)",
-    )
-    group.add_argument(
-        "--owner",
-        metavar="HASH",
-        help="trust only the manifest and steering of this owner key (printed by `workbench start`)",
-    )
+    add_section(group, RunAccess)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -243,11 +34,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-PEER_COMMANDS = ("start", "join", "demo")
-NEGATABLE = ("eager",)
-"""Switches with a ``--no-`` form: ``Experiment(eager=False)`` is ``--no-eager``."""
 
 
 def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
@@ -279,19 +65,6 @@ def parse_shard(text: str | None) -> tuple[int | None, int]:
         raise ValueError(f"--shard '{text}' must look like I/N, e.g. 0/4 for the first of 4 shards") from None
 
 
-def _model_name(text: str) -> str:
-    """``--model``: a preset's name or a folder with a Hugging Face config.json."""
-    if text in MODEL_PRESETS or (Path(text).expanduser() / "config.json").is_file():
-        return text
-    where = (
-        "that folder has no config.json" if Path(text).expanduser().is_dir() else "no such preset or folder"
-    )
-    raise argparse.ArgumentTypeError(
-        f"unknown model {text!r} ({where}): use a preset ({', '.join(MODEL_PRESETS)}) or a folder holding "
-        "a Hugging Face causal-LM config.json"
-    )
-
-
 def _model_shape(args: argparse.Namespace):
     from workbench.run.model import preset
 
@@ -300,12 +73,23 @@ def _model_shape(args: argparse.Namespace):
 
 
 def build_config(args: argparse.Namespace) -> RunConfig:
-    """The config tree from parsed flags; raises ValueError/SwarmError on a bad value."""
+    """The config tree from parsed flags (or :func:`workbench.settings.commands.values_of`);
+    raises ValueError/SwarmError on a bad value. Each setting with a ``target`` is copied to its
+    place (None: the component's default); the rest take more than a copy, below."""
     from swarm.averaging_config import AveragingConfig
     from swarm.dht import NetworkConfig
     from workbench.config import PeerConfig, RunConfig, TrainConfig
     from workbench.run.data import DataConfig
 
+    parts: dict[str, dict[str, Any]] = {"data": {}, "train": {}, "averaging": {}, "network": {}, "peer": {}}
+    for key, item in command_settings("demo" if args.command == "demo" else "start").items():
+        value = getattr(args, key, None)
+        part, _, name = (item.target or "").partition(".")
+        if value is not None and part in parts:
+            parts[part][name] = value
+    if args.command == "join":
+        parts["network"]["initial_peers"] = list(args.peers)
+    shard, shards = parse_shard(getattr(args, "shard", None))
     return RunConfig(
         method=method(args.method).real_peers,
         fragments=args.fragments or 4,
@@ -313,54 +97,16 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         alpha=getattr(args, "alpha", None),
         model=_model_shape(args),
         hf_model=None if args.model in MODEL_PRESETS else args.model,
-        data=DataConfig(
-            path=args.data,
-            batch_size=args.batch_size,
-            text_field=args.text_field,
-            dataset=args.dataset,
-            dataset_subset=args.dataset_subset,
-            dataset_split=args.dataset_split,
-            streaming=bool(args.streaming),
-            tokenizer=args.tokenizer,
-        ),
-        train=TrainConfig(inner_lr=args.inner_lr, threads=args.threads),
+        data=DataConfig(**parts["data"]),
+        train=TrainConfig(**parts["train"]),
         diloco=outer_config(args),
-        averaging=AveragingConfig(
-            matchmaking_time=args.matchmaking_time,
-            averaging_timeout=args.averaging_timeout,
-            compression=args.codec,
-            data_plane=args.data_plane,
-            aggregate=args.aggregate,
-        ),
-        network=NetworkConfig(
-            initial_peers=list(getattr(args, "peers", None) or []) if args.command == "join" else [],
-            host=getattr(args, "host", "127.0.0.1"),
-            port=getattr(args, "port", 0),
-            announce=list(getattr(args, "announce", [])),
-            client_mode=getattr(args, "client_mode", False),
-            identity_path=getattr(args, "identity", None),
-            connect_timeout=getattr(args, "connect_timeout", 20.0),
-        ),
+        averaging=AveragingConfig(**parts["averaging"]),
+        network=NetworkConfig(**parts["network"]),
         peer=PeerConfig(
-            run_id=getattr(args, "run_id", "workbench"),
-            name=getattr(args, "name", None),
-            rounds=args.rounds,
-            round_seconds=getattr(args, "round_seconds", 0.0) or 0.0,
-            eval_every=args.eval_every,
-            min_peers=getattr(args, "min_peers", 1),
-            seed=args.seed,
-            shard=parse_shard(getattr(args, "shard", None))[0],
-            num_shards=parse_shard(getattr(args, "shard", None))[1],
-            device=args.device,
+            **parts["peer"],
+            shard=shard,
+            num_shards=shards,
             run_dir=getattr(args, "run_dir", None) or getattr(args, "resume", None),
-            secret=getattr(args, "secret", None),
-            owner=getattr(args, "owner", None),
-            fault_file=getattr(args, "fault_file", None),
-            checkpoint_every=getattr(args, "checkpoint_every", 0),
-            resume=getattr(args, "resume", None),
-            tensorboard=getattr(args, "tensorboard", None),
-            wandb_project=getattr(args, "wandb", None),
-            wandb_mode=getattr(args, "wandb_mode", "offline"),
         ),
     )
 

@@ -28,7 +28,7 @@ import torch
 
 from swarm.errors import SwarmError
 from swarm.faults import FaultPlan
-from workbench.cli.argv import method_arguments, model_flags, optimizer_arguments
+from workbench.cli.argv import method_arguments, model_flags, optimizer_arguments, setting_arguments
 from workbench.config import RunConfig
 from workbench.local.demo_table import DemoTable, describe
 from workbench.run.checkpoint import NAME as CHECKPOINT
@@ -100,6 +100,35 @@ class LocalPeer:
         return "\n".join(f"    {line}" for line in text[-lines:])
 
 
+PEER_SETTINGS = (
+    "batch_size",
+    "device",
+    "seed",
+    "threads",
+    "inner_steps",
+    "inner_lr",
+    "rounds",
+    "round_seconds",
+    "eval_every",
+    "codec",
+    "matchmaking_time",
+    "averaging_timeout",
+    "data_plane",
+    "aggregate",
+    "run_id",
+    "min_peers",
+    "data",
+    "dataset",
+    "dataset_split",
+    "dataset_subset",
+    "streaming",
+    "text_field",
+    "tokenizer",
+)
+"""The settings a demo peer gets as they are (the model, the optimizer's, the shard and the
+per-peer folders are written below)."""
+
+
 def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
     """CLI flags that rebuild ``config`` for one local peer."""
     try:
@@ -110,59 +139,20 @@ def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
         ) from None
     args = [
         *model,
-        "--batch-size",
-        str(config.data.batch_size),
-        "--device",
-        config.peer.device,
-        "--seed",
-        str(config.peer.seed),
-        "--threads",
-        str(config.train.threads),
-        "--inner-steps",
-        str(config.diloco.inner_steps),
-        "--inner-lr",
-        repr(config.train.inner_lr),
+        *setting_arguments(config, PEER_SETTINGS),
         *optimizer_arguments(config),
-        "--rounds",
-        str(config.peer.rounds),
-        "--round-seconds",
-        repr(config.peer.round_seconds),
-        "--eval-every",
-        str(config.peer.eval_every),
-        "--codec",
-        config.averaging.compression,
-        "--matchmaking-time",
-        repr(config.averaging.matchmaking_time),
-        "--averaging-timeout",
-        repr(config.averaging.averaging_timeout),
-        "--data-plane",
-        config.averaging.data_plane,
-        "--aggregate",
-        config.averaging.aggregate,
-        "--run-id",
-        config.peer.run_id,
-        "--name",
-        name,
-        "--min-peers",
-        str(config.peer.min_peers),
-        "--run-dir",
-        str(run_dir / name),
-        "--fault-file",
-        str(run_dir / name / "faults.json"),
+        *method_arguments(config),
+        *[
+            "--name",
+            name,
+            "--run-dir",
+            str(run_dir / name),
+            "--fault-file",
+            str(run_dir / name / "faults.json"),
+        ],
     ]
-    args += method_arguments(config)
     if config.peer.shard is not None:
         args += ["--shard", f"{config.peer.shard}/{config.peer.num_shards}"]
-    data = config.data
-    if data.path:
-        args += ["--data", data.path]
-    if data.dataset:
-        args += ["--dataset", data.dataset, "--dataset-split", data.dataset_split]
-        args += ["--dataset-subset", data.dataset_subset] if data.dataset_subset else []
-        args += ["--streaming"] if data.streaming else []
-    args += ["--text-field", data.text_field]
-    if data.tokenizer:
-        args += ["--tokenizer", data.tokenizer]
     if config.peer.tensorboard is not None:  # one folder per peer
         args += [
             "--tensorboard",

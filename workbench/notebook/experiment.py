@@ -93,27 +93,13 @@ def _custom_model(flags: dict[str, Any], backend: str) -> Callable[[], torch.nn.
 
 
 def config_from_flags(command: str = "demo", **flags: Any) -> tuple[RunConfig, Any]:
-    """A RunConfig parsed from CLI flags given as keyword arguments (inner_steps=20 is
-    ``--inner-steps 20``; True is a bare flag), with the CLI's checks and error messages."""
-    from workbench.cli.command import build_parser
-    from workbench.cli.options import NEGATABLE, build_config
+    """A RunConfig from settings given as keyword arguments, named as the CLI's flags
+    (``inner_steps=20`` is ``--inner-steps 20``, ``eager=False`` is ``--no-eager``), checked
+    as the flags are (:mod:`workbench.settings`) and built directly, without argv."""
+    from workbench.cli.options import build_config
+    from workbench.settings.commands import values_of
 
-    parser = build_parser()
-    argv = [command]
-    for key, value in flags.items():
-        flag = "--" + key.replace("_", "-")
-        if value is False and key in NEGATABLE:  # eager=False is --no-eager
-            argv.append("--no-" + flag[2:])
-            continue
-        if value is None or value is False:
-            continue
-        argv += [flag] if value is True else [flag, str(value)]
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit:
-        raise ValueError(
-            f"bad settings for a run: {' '.join(argv[1:])} (see `workbench {command} --help`)"
-        ) from None
+    args = values_of(command, flags)
     return build_config(args), args
 
 
