@@ -14,6 +14,7 @@ import time
 
 from swarm.bounds import parser as bounded
 from swarm.errors import SwarmError
+from workbench.settings.commands import command_settings
 
 
 def add_steer_parser(commands) -> None:
@@ -29,19 +30,14 @@ def add_steer_parser(commands) -> None:
     parser.add_argument("peers", nargs="+", metavar="MULTIADDR", help="any peer of the run")
     add_observer_options(parser)
     parser.add_argument("--key", required=True, metavar="FILE", help="the run owner's key file")
-    parser.add_argument("--outer-lr", type=bounded("outer_lr"), help="new outer learning rate")
-    parser.add_argument(
-        "--inner-steps", type=bounded("inner_steps"), metavar="H", help="new inner steps per round"
+    # The settings a steering record may change: the schema's, with what the change means here.
+    settings = command_settings("start")
+    settings["outer_lr"].add_to(parser, default=None, help="new outer learning rate")
+    settings["inner_steps"].add_to(parser, default=None, help="new inner steps per round")
+    settings["round_seconds"].add_to(
+        parser, default=None, help="time-boxed rounds of T seconds of inner steps (0: back to H steps each)"
     )
-    parser.add_argument(
-        "--round-seconds",
-        type=bounded("round_seconds"),
-        metavar="T",
-        help="time-boxed rounds of T seconds of inner steps (0: back to H steps each)",
-    )
-    parser.add_argument(
-        "--update-codec", metavar="CODEC", help="new pseudo-gradient codec (none, fp16, int8, ...)"
-    )
+    settings["update_codec"].add_to(parser, help="new pseudo-gradient codec")
     parser.add_argument(
         "--pause", action="append", default=[], metavar="PEER", help="pause a peer (id or name)"
     )
