@@ -3,8 +3,9 @@
 joiners (the joiner's own half is :mod:`swarm.download`).
 
 A donor answers ``rpc_state_offer`` with an offer for the direct transport
-(:mod:`swarm.state_transfer`): a snapshot of its state (one per outer step, shared by the
-joiners that ask within ``SNAPSHOT_SECONDS``), a hash per slice, its listener's address and a
+(:mod:`swarm.state_transfer`): a snapshot of its state (one per outer step, taken when the
+step is declared and shared by all its joiners; for a state over ``READY_BYTES``, taken when
+a joiner asks and shared by those that ask within ``SNAPSHOT_SECONDS``), a hash per slice, its listener's address and a
 token. For a joiner, :meth:`StateSharing.state_offers` collects up to ``MAX_DONORS`` offers and
 asks witnesses for their θ's sketches meanwhile; :meth:`StateSharing.load_state_from_peers` is
 hivemind's stream from one donor at a time, the fallback (a private run, a donor in client mode,
@@ -49,6 +50,11 @@ MAX_DONORS = 4  # donors asked for an offer in one direct download
 MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadata
 OFFER_GRACE = 0.25  # s to wait for more offers once the first came in (see _first_offers)
 SNAPSHOT_SECONDS = 10.0  # joiners asking within this long (and at the same declared step) share a snapshot
+READY_BYTES = 2 << 30
+"""A state up to this size is snapshotted as soon as its step is declared and kept for that
+step, so that the first joiner does not wait for the copy and the hashes (about 1 s per 400 MB
+here; measured in benchmarks.overheads' join). A larger one is snapshotted when a joiner asks
+and freed ``SNAPSHOT_SECONDS`` later, to keep its copy out of memory between joins."""
 
 
 class StateSharing:
@@ -69,6 +75,8 @@ class StateSharing:
         self._server: StateServer | None = None  # made in the averager process at the first offer
         self._snapshot: tuple[float, float, Snapshot] | None = None  # (priority, taken at, snapshot)
         self._snapshot_lock: asyncio.Lock | None = None
+        self._state_bytes = 0  # the last snapshot's size (0: none taken yet)
+        self._clock = time.monotonic  # when snapshots were taken (tests move it)
         self._sketch_lock: asyncio.Lock | None = None  # made in the averager process's loop
         self._sketch_after = 0.0
         self._witnesses: dict[bytes, asyncio.Future] = {}  # seed -> answers of the early witnesses
@@ -114,14 +122,32 @@ class StateSharing:
         return averaging_pb2.DownloadData(metadata=pack(answer))
 
     def _fresh_snapshot(self) -> Snapshot | None:
-        """The snapshot taken in the last ``SNAPSHOT_SECONDS`` at this peer's declared step."""
+        """The snapshot of this peer's declared step: kept for the step if the state is at most
+        ``READY_BYTES``, else taken in the last ``SNAPSHOT_SECONDS``."""
         if self._snapshot is None:
             return None
         at, taken, snapshot = self._snapshot
-        if at == self.state_sharing_priority and time.monotonic() - taken < SNAPSHOT_SECONDS:
+        if at == self.state_sharing_priority and (
+            self._keeps_snapshots() or self._clock() - taken < SNAPSHOT_SECONDS
+        ):
             return snapshot
         self._snapshot = None  # freed once the offers of it expire (swarm.state_transfer)
         return None
+
+    def _keeps_snapshots(self) -> bool:
+        return self._state_bytes <= READY_BYTES
+
+    async def _trigger_declare_load_state(self) -> None:
+        """A new step declared: also snapshot it now, before any joiner asks (see READY_BYTES)."""
+        await super()._trigger_declare_load_state()  # type: ignore[misc]
+        if self._state_host is not None and self.allow_state_sharing and self._keeps_snapshots():
+            asyncio.create_task(self._prepare_snapshot())
+
+    async def _prepare_snapshot(self) -> None:
+        try:
+            await self._current_snapshot()
+        except Exception as error:  # noqa: BLE001 - a joiner's request will try again
+            logger.debug("could not snapshot the state ahead of joiners: %s", one_line(error))
 
     async def _current_snapshot(self) -> Snapshot:
         """The snapshot of this peer's state at its declared step (one for all joiners of it)."""
@@ -132,13 +158,23 @@ class StateSharing:
             fresh = self._fresh_snapshot()
             if fresh is not None:
                 return fresh
+            asked = time.perf_counter()
             metadata, tensors, _ = await self._get_current_state_from_host_process()
             parsed = self.serializer.loads(metadata)
             shared = (2 + int(parsed["num_pending"])) * int(parsed["num_params"])
+            got = time.perf_counter()
             snapshot = await asyncio.get_running_loop().run_in_executor(
                 None, Snapshot.take, int(parsed["outer_step"]), metadata, tensors, shared
             )
-            self._snapshot = (priority, time.monotonic(), snapshot)
+            self._snapshot = (priority, self._clock(), snapshot)
+            self._state_bytes = snapshot.layout.total
+            logger.debug(
+                "snapshot of step %d (%.0f MB) for joiners: %.2f s for the state from the peer, %.2f s to hash it",
+                snapshot.step,
+                snapshot.layout.total / 1e6,
+                got - asked,
+                time.perf_counter() - got,
+            )
             return snapshot
 
     # --- the direct transport: joiner side -----------------------------------------------------

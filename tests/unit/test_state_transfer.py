@@ -285,3 +285,85 @@ def test_a_direct_download_is_taken_only_with_its_witnesses_answers(caplog):
     assert silent._fetch_direct(set(), [], time.monotonic() + 1.0) is None
     assert "did not answer in time; not taken" in caplog.text
     server.close()
+
+
+class _Donor:
+    """hivemind's averager as StateSharing sees it: a declared priority and a host process."""
+
+    def __init__(self) -> None:
+        from hivemind.utils.serializer import MSGPackSerializer
+
+        self.serializer = MSGPackSerializer
+        self.allow_state_sharing = True
+        self.state_sharing_priority = 3.0
+        self.asked = 0  # states fetched from the host process
+        self.declared = 0
+
+    async def _trigger_declare_load_state(self) -> None:
+        self.declared += 1
+
+    async def _get_current_state_from_host_process(self):
+        self.asked += 1
+        tensors = state(self.asked)
+        metadata = self.serializer.dumps(
+            {"outer_step": int(self.state_sharing_priority), "num_params": 1, "num_pending": 0}
+        )
+        return metadata, tensors, None
+
+
+def _sharing_donor(monkeypatch, clock: list[float]):
+    import asyncio
+
+    from swarm import state_sharing
+
+    class Donor(state_sharing.StateSharing, _Donor):
+        pass
+
+    donor = Donor()
+    _Donor.__init__(donor)
+    donor._init_state_sharing(fault_file=None, direct=True, state_host="127.0.0.1", limit=1 << 30)
+    donor._clock = lambda: clock[0]
+    return donor, asyncio
+
+
+def test_a_new_step_is_snapshotted_before_any_joiner_asks_and_kept_for_the_step(monkeypatch):
+    """The first joiner of a step finds its snapshot ready (no copy, no hashing on its time)."""
+    clock = [100.0]
+    donor, asyncio = _sharing_donor(monkeypatch, clock)
+
+    async def scenario():
+        await donor._trigger_declare_load_state()  # the peer declared a new outer step
+        await asyncio.sleep(0.2)  # the snapshot is taken in the background
+        assert (donor.declared, donor.asked) == (1, 1)
+        ready = donor._fresh_snapshot()
+        assert ready is not None and ready.step == 3
+        clock[0] += 3600  # kept for the whole step, however long it lasts
+        assert await donor._current_snapshot() is ready and donor.asked == 1
+        donor.state_sharing_priority = 4.0  # the next step: the old snapshot is dropped
+        assert donor._fresh_snapshot() is None
+        await donor._trigger_declare_load_state()
+        await asyncio.sleep(0.2)
+        assert donor.asked == 2 and donor._fresh_snapshot().step == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_large_state_is_snapshotted_only_when_a_joiner_asks(monkeypatch):
+    """Above READY_BYTES the copy stays out of memory between joins, as before."""
+    from swarm import state_sharing
+
+    monkeypatch.setattr(state_sharing, "READY_BYTES", 1000)
+    clock = [100.0]
+    donor, asyncio = _sharing_donor(monkeypatch, clock)
+
+    async def scenario():
+        first = await donor._current_snapshot()  # a joiner asks: the size is learnt
+        assert donor.asked == 1 and not donor._keeps_snapshots()
+        await donor._trigger_declare_load_state()
+        await asyncio.sleep(0.2)
+        assert donor.asked == 1  # nothing taken ahead of joiners
+        assert await donor._current_snapshot() is first  # shared by joiners asking soon after
+        clock[0] += state_sharing.SNAPSHOT_SECONDS + 1
+        assert donor._fresh_snapshot() is None  # then freed
+
+    asyncio.run(scenario())
