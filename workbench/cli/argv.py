@@ -46,29 +46,14 @@ def optimizer_arguments(config: RunConfig, *, changed_only: bool = False) -> lis
     return [part for key, value in values.items() for part in settings[key].render(value)]
 
 
-OPTIMIZER_ORDER = (
-    "outer_lr",
-    "outer_momentum",
-    "update_codec",
-    "topk_density",
-    "topk_chunk",
-    "topk_bits",
-    "topk_mean",
-    "ef_decay",
-    "delay",
-    "outlier_ratio",
-    "clip_norm",
-    "error_feedback",
-    "overlap",
-    "eager",
-)
-"""The order optimizer flags are written in (join commands printed before the schema kept it)."""
-
-
 def _optimizer_values(config: RunConfig, knobs: Sequence[str]) -> dict[str, Any]:
-    """The optimizer settings among ``knobs``, read where the schema says they live."""
-    settings = command_settings("start")
-    values = {key: settings[key].read(config) for key in OPTIMIZER_ORDER if key in knobs}
+    """The optimizer settings among ``knobs`` that DiLoCoConfig holds, in the schema's order,
+    read where the schema says they live (streaming's are :func:`method_arguments`')."""
+    values = {
+        key: item.read(config)
+        for key, item in command_settings("start").items()
+        if key in knobs and (item.target or "").startswith("diloco.")
+    }
     if "eager" in values and config.diloco.delay != 1:
         values["eager"] = None  # no late mean to apply: --eager would be refused
     return values
