@@ -10,10 +10,11 @@
    25 M-parameter model (θ, outer momentum and AdamW's two moments: 400 MB) from real peers on
    loopback: from one donor over hivemind's stream, then over the direct transport
    (swarm.state_transfer) from one and from three donors. The donors share θ and momentum and
-   each has its own moments, as peers of a run do. The first download finds the donors cold
-   (each takes its snapshot: a copy of the state from its training process, and a hash of every
-   slice); a second download right after it, as a second joiner of that step would, finds the
-   snapshots taken (``second_download_seconds``). ``join`` holds the three-donor run (its
+   each has its own moments, as peers of a run do. The donors declare their step 3 s before the
+   joiner starts, as peers of a running swarm declared theirs a round ago: each takes its
+   snapshot then (a copy of the state from its training process and a hash of every slice;
+   ``swarm.state_sharing.READY_BYTES``). A second download right after the first, as a second
+   joiner of that step would make, is ``second_download_seconds``. ``join`` holds the three-donor run (its
    fields, plus ``donors``), ``join.runs`` all three. Baseline: the same bytes over one plain
    TCP socket on loopback, in this run, into a reused buffer and into fresh memory.
 3. **CLI start-up**: `workbench --help` against `python -c pass`, median of 5 runs each.
