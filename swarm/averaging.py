@@ -149,6 +149,7 @@ class SwarmAverager(Downloading):
             plane_host=plane_host,
             plane_advertise=plane_advertise,
             codec=config.compression,
+            ready_snapshots=not overlapped,  # see StateSharing._init_state_sharing
             # The shortest window; each step asks for the learned one (scheduled_time).
             min_matchmaking_time=self.matchmaking_window.floor,
             request_timeout=max(3.0, config.matchmaking_time),

@@ -61,6 +61,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         plane_advertise: str | None = None,
         codec: str = "none",
         masks: int = 0,
+        ready_snapshots: bool = True,
         **kwargs: Any,
     ) -> None:
         self._state_provider = state_provider
@@ -91,6 +92,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             direct=data_plane == "direct",
             state_host=bind if data_plane == "direct" and bindable_ else None,
             limit=8 * 4 * sum(t.numel() for t in params) + (64 << 20),
+            ready=ready_snapshots,
         )
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):

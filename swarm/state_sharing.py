@@ -62,12 +62,15 @@ class StateSharing:
     :meth:`_init_state_sharing` before hivemind's ``__init__``."""
 
     def _init_state_sharing(
-        self, *, fault_file: str | None, direct: bool, state_host: str | None, limit: int
+        self, *, fault_file: str | None, direct: bool, state_host: str | None, limit: int, ready: bool = True
     ) -> None:
         """``direct``: download over the direct transport when donors offer it (else hivemind's
         path only: a private run, ``--data-plane hivemind``). ``state_host``: the address its
         listener binds to serve joiners (``--host``; None: serve over hivemind's path only).
-        ``limit``: the most bytes a donor may send."""
+        ``limit``: the most bytes a donor may send. ``ready``: snapshot each step when it is
+        declared (see READY_BYTES); off for overlapped rounds, whose state waits for the round
+        in flight: a snapshot taken at every step would keep this peer answering a state request
+        (which the overlapped barrier reads) and make a joiner queue behind it."""
         self._fault_file = fault_file
         self._state_direct = direct
         self._state_host = state_host
@@ -76,6 +79,8 @@ class StateSharing:
         self._snapshot: tuple[float, float, Snapshot] | None = None  # (priority, taken at, snapshot)
         self._snapshot_lock: asyncio.Lock | None = None
         self._state_bytes = 0  # the last snapshot's size (0: none taken yet)
+        self._ready_snapshots = ready
+        self._preparing: asyncio.Task | None = None  # the snapshot taken ahead of joiners (referenced)
         self._clock = time.monotonic  # when snapshots were taken (tests move it)
         self._sketch_lock: asyncio.Lock | None = None  # made in the averager process's loop
         self._sketch_after = 0.0
@@ -135,13 +140,15 @@ class StateSharing:
         return None
 
     def _keeps_snapshots(self) -> bool:
-        return self._state_bytes <= READY_BYTES
+        return self._ready_snapshots and self._state_bytes <= READY_BYTES
 
     async def _trigger_declare_load_state(self) -> None:
-        """A new step declared: also snapshot it now, before any joiner asks (see READY_BYTES)."""
+        """A new step declared: also snapshot it now, before any joiner asks (see READY_BYTES);
+        one such snapshot at a time (a later step waits for the next declaration)."""
         await super()._trigger_declare_load_state()  # type: ignore[misc]
-        if self._state_host is not None and self.allow_state_sharing and self._keeps_snapshots():
-            asyncio.create_task(self._prepare_snapshot())
+        busy = self._preparing is not None and not self._preparing.done()
+        if self._state_host is not None and self.allow_state_sharing and self._keeps_snapshots() and not busy:
+            self._preparing = asyncio.create_task(self._prepare_snapshot())
 
     async def _prepare_snapshot(self) -> None:
         try:

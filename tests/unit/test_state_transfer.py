@@ -311,7 +311,7 @@ class _Donor:
         return metadata, tensors, None
 
 
-def _sharing_donor(monkeypatch, clock: list[float]):
+def _sharing_donor(monkeypatch, clock: list[float], *, ready: bool = True):
     import asyncio
 
     from swarm import state_sharing
@@ -321,7 +321,9 @@ def _sharing_donor(monkeypatch, clock: list[float]):
 
     donor = Donor()
     _Donor.__init__(donor)
-    donor._init_state_sharing(fault_file=None, direct=True, state_host="127.0.0.1", limit=1 << 30)
+    donor._init_state_sharing(
+        fault_file=None, direct=True, state_host="127.0.0.1", limit=1 << 30, ready=ready
+    )
     donor._clock = lambda: clock[0]
     return donor, asyncio
 
@@ -346,6 +348,35 @@ def test_a_new_step_is_snapshotted_before_any_joiner_asks_and_kept_for_the_step(
         assert donor.asked == 2 and donor._fresh_snapshot().step == 4
 
     asyncio.run(scenario())
+
+
+def test_overlapped_rounds_take_no_snapshot_ahead_and_one_is_prepared_at_a_time(monkeypatch):
+    """Overlapped, a state waits for the round in flight: no snapshot is taken ahead of joiners
+    (it would keep the peer answering a state request every round). Otherwise two declarations
+    in a row start one snapshot, not two."""
+    clock = [100.0]
+    overlapped, asyncio = _sharing_donor(monkeypatch, clock, ready=False)
+    donor, _ = _sharing_donor(monkeypatch, clock)
+
+    async def scenario():
+        await overlapped._trigger_declare_load_state()
+        await asyncio.sleep(0.2)
+        assert overlapped.asked == 0
+        first = await overlapped._current_snapshot()  # a joiner asks
+        clock[0] += overlapped_seconds()
+        assert overlapped._fresh_snapshot() is None and first.step == 3  # freed 10 s later
+        await donor._trigger_declare_load_state()
+        await donor._trigger_declare_load_state()
+        await asyncio.sleep(0.2)
+        assert donor.asked == 1
+
+    asyncio.run(scenario())
+
+
+def overlapped_seconds() -> float:
+    from swarm import state_sharing
+
+    return state_sharing.SNAPSHOT_SECONDS + 1
 
 
 def test_a_large_state_is_snapshotted_only_when_a_joiner_asks(monkeypatch):
