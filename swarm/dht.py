@@ -154,9 +154,15 @@ def _quiet_dht_class():
     return QuietDHT
 
 
-def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> hivemind.DHT
+def start_dht(
+    config: NetworkConfig, validators: Sequence[object] = (), *, fresh_identity: bool = False
+):  # -> hivemind.DHT
     """Start a DHT node in a child process; returns once it is connected to the swarm.
-    ``validators``: the run's record validators (see :func:`swarm.validators.record_validators`)."""
+    ``validators``: the run's record validators (see :func:`swarm.validators.record_validators`).
+    ``fresh_identity``: ``config.identity_path`` was made just now, so hivemind's check that no
+    other peer uses it is skipped: that check starts a second p2p daemon, bootstraps it and dials
+    the key's peer id (0.5-1 s of every join), and a new random key is nobody else's. A key
+    kept across restarts is still checked (two processes started with one ``--identity``)."""
     import hivemind  # noqa: F401 - heavy (~2 s, kept out of `workbench --help`); before its log level is set
 
     if "HIVEMIND_LOGLEVEL" not in os.environ:
@@ -177,6 +183,7 @@ def start_dht(config: NetworkConfig, validators: Sequence[object] = ()):  # -> h
         client_mode=config.client_mode,
         startup_timeout=config.connect_timeout,
         record_validators=list(validators),
+        check_if_identity_free=not fresh_identity,
         start=False,
     )
     if config.identity_path:

@@ -53,9 +53,12 @@ def connect(
     from swarm.validators import record_validators
 
     cleanup = []
+    fresh = True  # a key made just now: nobody else can be using it
     if network.identity_path:
         identity = Path(network.identity_path).expanduser()
-        if not identity.exists():
+        if identity.exists():
+            fresh = False
+        else:
             create_identity(identity)
             logger.info("created a new key in %s (this peer's id is kept across restarts)", identity)
     else:
@@ -64,7 +67,9 @@ def connect(
     private_key = load_private_key(signing_key if signing_key else identity)
     network = NetworkConfig(**{**network.__dict__, "identity_path": str(identity)})
     try:
-        dht = (dht_factory or swarm.dht.start_dht)(network, record_validators(keys, private_key))
+        dht = (dht_factory or swarm.dht.start_dht)(
+            network, record_validators(keys, private_key), fresh_identity=fresh
+        )
     except BaseException:
         for path in cleanup:
             path.unlink(missing_ok=True)

@@ -151,8 +151,13 @@ class StateSharing:
             self._preparing = asyncio.create_task(self._prepare_snapshot())
 
     async def _prepare_snapshot(self) -> None:
+        """Snapshot the declared step; once more if a newer step was declared meanwhile (its
+        trigger found this one busy), never more: a joiner's request takes any later one."""
         try:
-            await self._current_snapshot()
+            for _ in range(2):
+                await self._current_snapshot()
+                if self._fresh_snapshot() is not None:
+                    return
         except Exception as error:  # noqa: BLE001 - a joiner's request will try again
             logger.debug("could not snapshot the state ahead of joiners: %s", one_line(error))
 

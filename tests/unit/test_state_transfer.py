@@ -3,6 +3,7 @@ donors that die or lie are dropped; strangers without a token get nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -304,6 +305,7 @@ class _Donor:
 
     async def _get_current_state_from_host_process(self):
         self.asked += 1
+        await asyncio.sleep(0.02)  # the round trip to the training process
         tensors = state(self.asked)
         metadata = self.serializer.dumps(
             {"outer_step": int(self.state_sharing_priority), "num_params": 1, "num_pending": 0}
@@ -369,6 +371,14 @@ def test_overlapped_rounds_take_no_snapshot_ahead_and_one_is_prepared_at_a_time(
         await donor._trigger_declare_load_state()
         await asyncio.sleep(0.2)
         assert donor.asked == 1
+        # A step declared while the last one is being snapshotted is snapshotted right after.
+        donor.state_sharing_priority = 4.0
+        await donor._trigger_declare_load_state()
+        await asyncio.sleep(0.01)  # step 4's snapshot is under way
+        donor.state_sharing_priority = 5.0
+        await donor._trigger_declare_load_state()  # busy: skipped, but not forgotten
+        await asyncio.sleep(0.3)
+        assert donor.asked == 3 and donor._fresh_snapshot().step == 5
 
     asyncio.run(scenario())
 
