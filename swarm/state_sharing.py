@@ -4,9 +4,9 @@ joiners (the joiner's own half is :mod:`swarm.download`).
 
 A donor answers ``rpc_state_offer`` with an offer for the direct transport
 (:mod:`swarm.state_transfer`): a snapshot of its state (one per outer step, taken when the
-step is declared and shared by all its joiners; for a state over ``READY_BYTES``, taken when
-a joiner asks and shared by those that ask within ``SNAPSHOT_SECONDS``), a hash per slice, its listener's address and a
-token. For a joiner, :meth:`StateSharing.state_offers` collects up to ``MAX_DONORS`` offers and
+step is declared and shared by all its joiners; for a state over ``READY_BYTES`` or an
+overlapped run, taken when a joiner asks and shared by those that ask within
+``SNAPSHOT_SECONDS``), a hash per slice, its listener's address and a token. For a joiner, :meth:`StateSharing.state_offers` collects up to ``MAX_DONORS`` offers and
 asks witnesses for their θ's sketches meanwhile; :meth:`StateSharing.load_state_from_peers` is
 hivemind's stream from one donor at a time, the fallback (a private run, a donor in client mode,
 slices that could not all be had).
@@ -144,7 +144,7 @@ class StateSharing:
 
     async def _trigger_declare_load_state(self) -> None:
         """A new step declared: also snapshot it now, before any joiner asks (see READY_BYTES);
-        one such snapshot at a time (a later step waits for the next declaration)."""
+        one such snapshot at a time (a step declared meanwhile is taken right after it)."""
         await super()._trigger_declare_load_state()  # type: ignore[misc]
         busy = self._preparing is not None and not self._preparing.done()
         if self._state_host is not None and self.allow_state_sharing and self._keeps_snapshots() and not busy:
