@@ -1,42 +1,35 @@
 """The swarm monitor: a Textual app over a :class:`~workbench.sources.SnapshotSource`.
 
 It renders snapshots and sends commands through the source (steering, fault injection); it
-holds no networking or training logic. Polling runs in a thread worker and posts each snapshot
-to the UI thread, so the screen never waits on the DHT. The worker never waits on the UI either:
-a signal (SIGHUP, SIGTERM) ends the UI's event loop wherever it is, and a thread still waiting
-on that loop would hold the process's exit forever.
+holds no networking or training logic. Polling: :mod:`tui.polling`; the owner's steering and
+fault injection: :mod:`tui.console`; the widgets: :mod:`tui.widgets`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from rich.text import Text
-from textual import on, work
-from textual.app import App, ComposeResult, ScreenStackError, SystemCommand
+from textual import on
+from textual.app import ComposeResult, ScreenStackError, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
-from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input
-from textual.worker import get_current_worker
 
-from swarm.errors import SwarmError
-from swarm.faults import FaultRequest
 from swarm.monitor import SwarmSnapshot
-from tui.screens import FaultScreen, HelpScreen, PeerScreen, SteerScreen
+from tui.console import OwnerConsole
+from tui.screens import HelpScreen, PeerScreen
 from tui.widgets import EventLog, LossChart, PeersTable, Rates, RunSummary
 
 
-class SwarmApp(App[None]):
-    """Live swarm view and steering console."""
+class SwarmApp(OwnerConsole):
+    """Live swarm view and steering console: the layout, the rendering and the viewer's
+    actions (steering and faults: :class:`~tui.console.OwnerConsole`)."""
 
     CSS_PATH = "app.tcss"
     TITLE = "swarm workbench"
@@ -65,7 +58,6 @@ class SwarmApp(App[None]):
         self.updates_paused = False
         self.published: Any = None  # the last ControlState this app published
         self._poll = poll
-        self._stop = threading.Event()
         self.last_refresh_seconds = 0.0
         self.title = source.title
 
@@ -103,56 +95,8 @@ class SwarmApp(App[None]):
         if self._poll:
             self.poll_source()
 
-    def on_unmount(self) -> None:
-        self.stop_polling()
-
-    def stop_polling(self) -> None:
-        """End the polling thread after its current read."""
-        self._stop.set()
-
     def on_resize(self) -> None:
         self.set_class(self.size.width < 110, "narrow")
-
-    # --- polling (worker thread) ---------------------------------------------------------------
-
-    class SnapshotRead(Message):
-        """A snapshot the polling thread read, for the UI thread."""
-
-        def __init__(self, snapshot: SwarmSnapshot) -> None:
-            super().__init__()
-            self.snapshot = snapshot
-
-    class Published(Message):
-        """Steering the publishing thread published, for the UI thread."""
-
-        def __init__(self, state: Any) -> None:  # (Message.control is Textual's: the sender widget)
-            super().__init__()
-            self.state = state
-
-    @work(thread=True, exclusive=True, group="poll")
-    def poll_source(self) -> None:
-        # post_message and notify queue and return (call_from_thread would wait on the UI). The
-        # loop ends on unmount, when Textual cancels its workers (its message loop ended, even
-        # by a signal), or when the app no longer takes messages: Python 3.11's asyncio.run
-        # waits for this thread before run_app's finally can stop it.
-        worker = get_current_worker()
-        while not (self._stop.is_set() or worker.is_cancelled):
-            try:
-                snapshot = self.source.poll()
-            except Exception as error:  # the DHT hiccupped: say so, keep the last view, retry
-                with contextlib.suppress(RuntimeError):  # the app's loop is closed
-                    self.notify(f"poll failed: {error}", severity="warning", timeout=4)
-            else:
-                try:
-                    if not self.post_message(self.SnapshotRead(snapshot)):
-                        return  # the app is closing
-                except RuntimeError:  # its event loop is closed
-                    return
-            self._stop.wait(self.source.interval)
-
-    @on(SnapshotRead)
-    def _snapshot_read(self, message: SnapshotRead) -> None:
-        self.show(message.snapshot)
 
     # --- rendering (UI thread) -------------------------------------------------------------------
 
@@ -263,65 +207,6 @@ class SwarmApp(App[None]):
 
     def action_ansi_theme(self) -> None:
         self.theme = "ansi-dark"
-
-    # --- steering and faults --------------------------------------------------------------------
-
-    def action_steer(self) -> None:
-        control = self.snapshot.control if self.snapshot else None
-        current = control.model_dump() if control else {}
-        paused = list(control.paused) if control else []
-        screen = SteerScreen(
-            reason=self.source.steering_reason(), current=current, peer=self.selected_peer(), paused=paused
-        )
-        self.push_screen(screen, self._steer_chosen)
-
-    def _steer_chosen(self, changes: dict[str, Any] | None) -> None:
-        if changes:
-            self.publish(changes)
-
-    @work(thread=True, exclusive=True, group="steer")
-    def publish(self, changes: dict[str, Any]) -> None:
-        try:
-            control = self.source.steer(**changes)
-        except (SwarmError, ValueError) as error:
-            self.notify(str(error), severity="error", timeout=8)
-            return
-        self.post_message(self.Published(control))
-
-    @on(Published)
-    def _published(self, message: Published) -> None:
-        control = self.published = message.state
-        self.notify(f"published control v{control.version}, applied from outer step {control.from_step}")
-        if self.snapshot is not None:
-            self.render_summary()
-
-    def action_faults(self) -> None:
-        peer = self.selected_peer()
-        if peer is None:
-            self.notify("no peer selected", severity="warning")
-            return
-        faults = self.source.faults
-        reason = (
-            faults.reason(peer[0])
-            if faults is not None
-            else ("fault injection works on peers this machine launched (`workbench demo`)")
-        )
-        stopped = faults is not None and faults.stopped(peer[0])
-        self.push_screen(
-            FaultScreen(name=peer[1], reason=reason, stopped=stopped),
-            lambda choice: self._fault_chosen(peer, choice),
-        )
-
-    def _fault_chosen(self, peer: tuple[str, str], request: FaultRequest | None) -> None:
-        if request is None or self.source.faults is None:
-            return
-        try:
-            message = self.source.faults.inject(peer[0], request)
-        except (SwarmError, OSError, ValueError) as error:
-            self.notify(str(error), severity="error")
-            return
-        self.notify(message, timeout=6)
-        self.query_one("#events", EventLog).write(Text.assemble(("   fault ", "bold red"), message))
 
     # --- command palette --------------------------------------------------------------------------
 
