@@ -14,12 +14,14 @@ member info and every fallback, and moves only the tensor bytes over TCP with gl
 3. every member's weight travels with the gathered info, so each sends ``x * w / Σw`` (fp16 on
    the wire with the fp16 codec) and the ring's sum is the weighted mean, identical on every
    member. The ring is kept for the next round when the group is the same;
-4. the ring runs once every member has shown up at the board (a member hivemind's matchmaking
-   counted in but that gave up on the group fails the round in seconds, not at gloo's timeout);
-5. the sum is checked before it is used: every member posts a sketch of what it sent to the
-   board, and the result's sketch must match their sum (:mod:`swarm.sketch`). A ring an
-   outsider got into (or a member that sent something else than it claims) fails the round,
-   which falls back like any failed round; the ring is never reused.
+4. the ring runs once every member has shown up (at the board for a new ring, in a gloo
+   exchange with a short timeout on a kept one): a member hivemind's matchmaking counted in but
+   that gave up on the group fails the round in seconds, not at gloo's timeout;
+5. the sum is checked before it is used: every member sends every other, over their own pair
+   of the ring (gloo's all-to-all: nobody relays it), a sketch of what it sent, and the result's
+   sketch must match their sum (:mod:`swarm.sketch`). Only members know the sketch's seed, so a
+   ring an outsider got into (or a member that sent something else than it claims) fails the
+   round, which falls back like any failed round; the ring is never reused.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from swarm.sketch import CHUNK, ROWS, Sketch, Sketcher, mismatch
 logger = logging.getLogger(__name__)
 
 PLANES = ("hivemind", "direct")
+PROTOCOL = 2
+"""The direct plane's version, in every member's gathered info: 2 exchanges the arrival check
+and the sketches over the ring (1, unnumbered, over the board)."""
 MAX_RINGS = 8
 """Rings kept for reuse per plane (the same members next round skip the rendezvous)."""
 RING_ID_BYTES = 16
@@ -81,6 +86,14 @@ def segments(count: int) -> list[tuple[int, int]]:
 DIRECT_CODECS = ("none", "fp16")  # int8 needs hivemind's quantizer: it takes hivemind's path
 
 
+def _options(seconds: float) -> torch.distributed.AllToAllOptions:
+    """A gloo all-to-all's options with its own timeout (gloo closes the ring's connections
+    when it expires: the ring is then never used again)."""
+    options = torch.distributed.AllToAllOptions()
+    options.timeout = datetime.timedelta(seconds=seconds)
+    return options
+
+
 def bindable(host: str) -> bool:
     """Whether ``host`` is an address of this machine (a listener can bind it)."""
     try:
@@ -114,15 +127,15 @@ class DirectPlane:
         # Rings by members in rank order, with the id they were made under: the same group
         # reuses its connections next round if every member still holds that ring.
         self._rings: dict[tuple[str, ...], tuple[bytes, torch.distributed.ProcessGroup]] = {}
-        self._pool = ThreadPoolExecutor(3, thread_name_prefix="sketch-exchange")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ring-arrival")
         self._send = lambda ring, wire: ring.allreduce([wire])  # tests put an impostor here
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
-    def _scratch(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+    def _scratch(self, dtype: torch.dtype, count: int, role: str = "flat") -> torch.Tensor:
         """A flat buffer of ``count`` elements kept for the next rounds."""
-        buffer = self._buffers.get(dtype)
+        buffer = self._buffers.get((role, dtype))
         if buffer is None or buffer.numel() != count:
-            buffer = self._buffers[dtype] = torch.empty(count, dtype=dtype)
+            buffer = self._buffers[(role, dtype)] = torch.empty(count, dtype=dtype)
         return buffer
 
     def all_reduce(
@@ -146,26 +159,35 @@ class DirectPlane:
         ring is used again only if its id is among them (None: trust this side's cache), since
         a member that lost its side of the ring (a failed round, a process suspended past the
         ring's timeout) would set up a new one while this one waited on the old.
-        ``arrival``: seconds every member has to show up at the board before the ring runs
+        ``arrival``: seconds every member has to show up before the ring runs
         (:class:`MemberMissing` otherwise). hivemind's matchmaking can hand the leader a group
-        whose follower has already given up on it; on a kept ring the others would then wait in
-        gloo for the ring's whole ``timeout``.
+        whose follower has already given up on it; the others would then wait in gloo for the
+        ring's whole ``timeout``. On a kept ring the check is a gloo exchange with that timeout
+        (no board round trip: a member that misses the round costs the group its ring, set up
+        again next round); a new ring's members meet at the board first.
         On any error the tensors hold garbage: the caller keeps its own copy."""
         if not total > 0:
             raise RuntimeError(f"the group's weights sum to {total}")
         count = sum(t.numel() for t in tensors)
         abort = threading.Event()
         arrival = min(arrival, timeout)
-        # Everyone here? Posted before anything else, answered while this member scales and
-        # sketches its update (the board's round trip is the longest of these).
-        present = self._pool.submit(
-            board.exchange,
-            f"here/{rank}",
-            b"",
-            [f"here/{r}" for r in range(len(members)) if r != rank],
-            arrival,
-            abort,
-        )
+        key = tuple(members)
+        ring_id, ring = self._rings.pop(key, (b"", None))  # kept below only if the sum checks out
+        if ring is not None and reusable is not None and ring_id not in reusable:
+            ring = None  # another member no longer holds it: all set up a new one
+        tag = torch.tensor([int.from_bytes(hashlib.sha256(b"round" + seed).digest()[:7], "little")])
+        if ring is None:  # everyone here? answered while this member scales its update
+            present: Future | torch.distributed.Work = self._pool.submit(
+                board.exchange,
+                f"here/{rank}",
+                b"",
+                [f"here/{r}" for r in range(len(members)) if r != rank],
+                arrival,
+                abort,
+            )
+        else:  # each member's round tag, straight from each other member (no relay)
+            tags = torch.empty(len(members), dtype=torch.int64)
+            present = ring.alltoall_base(tags, tag.repeat(len(members)), [], [], _options(arrival))
         single = len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous()
         # One buffer on the wire; a lone float32 tensor is reduced in place, without copies. The
         # buffers are kept from round to round: a fresh 100 MB tensor costs more in page faults
@@ -176,14 +198,17 @@ class DirectPlane:
             pieces = [t.detach().reshape(-1).float() for t in tensors]
             flat = torch.cat(pieces, out=self._scratch(torch.float32, count))
         scale = weight / total
-        sketcher = Sketcher(seed, flat.numel())  # R, drawn once for both sketches
-        wire = self._scratch(torch.float16, count) if codec == "fp16" else flat
-        # The vector goes round in segments, each scaled, sketched and handed to the ring in
-        # turn: the ring reduces one segment while this member sketches the next, and the sum's
-        # sketch is taken of each segment as it comes back. What this member sends (before the
-        # codec's rounding) is sketched: before it goes (a ring that reduces ``flat`` itself
-        # changes it), or, with fp16, while its copy on the wire goes round.
         bounds = segments(count)
+        # What goes round: fp16 on the wire with that codec; a copy when the vector goes in one
+        # piece (this member sketches its update while the ring reduces the copy); else the
+        # vector itself, each segment sketched while the ring reduces the one before.
+        if codec == "fp16":
+            wire = self._scratch(torch.float16, count)
+        elif len(bounds) == 1:
+            wire = self._scratch(torch.float32, count, "wire")
+        else:
+            wire = flat
+        sketcher: Sketcher | None = None
         rows = torch.zeros(len(bounds), ROWS, dtype=torch.float64)  # own, per segment
         squares = [0.0] * len(bounds)
 
@@ -194,37 +219,31 @@ class DirectPlane:
                 wire[lo:hi].copy_(flat[lo:hi])
 
         def sketch_own(index: int) -> None:
-            nonlocal exchange
+            nonlocal sketcher
+            if sketcher is None:
+                sketcher = Sketcher(seed, count)  # R, drawn once for both sketches
             lo, hi = bounds[index]
             rows[index] = sketcher.rows(flat[lo:hi], lo)
             squares[index] = float(torch.linalg.vector_norm(flat[lo:hi])) ** 2
-            if index == len(bounds) - 1:  # all sketched: posted, answered while the ring runs
-                exchange = self._pool.submit(post)
 
-        def own() -> Sketch:
-            return Sketch(tuple(rows.sum(0).tolist()), math.sqrt(sum(squares)))
-
-        def post() -> list[bytes]:
-            return board.exchange(f"sketch/{rank}", own().to_bytes(), others, timeout, abort)
-
-        others = [f"sketch/{r}" for r in range(len(members)) if r != rank]
         works: list[torch.distributed.Work] = []
-        exchange: Future | None = None
+        exchange: torch.distributed.Work | None = None
         try:
-            prepare(0)  # while the board answers whether everyone is here
+            prepare(0)  # while the others come
             if wire is flat:
                 sketch_own(0)
             try:
-                present.result()
+                if isinstance(present, Future):
+                    present.result()
+                else:
+                    present.wait()
+                    if not bool((tags == tag).all()):
+                        raise RuntimeError("a member is in another round on this ring")
             except Exception as error:
                 raise MemberMissing(
                     f"not every member of the group came to its ring within {arrival:.0f} s "
                     f"({one_line(error)}); one gave up on the group during matchmaking or left"
                 ) from None
-            key = tuple(members)
-            ring_id, ring = self._rings.pop(key, (b"", None))  # kept below only if the sum checks out
-            if ring is not None and reusable is not None and ring_id not in reusable:
-                ring = None  # another member no longer holds it: all set up a new one
             if ring is None:
                 ring_id = hashlib.sha256(b"ring" + seed).digest()[:RING_ID_BYTES]
                 try:
@@ -239,20 +258,29 @@ class DirectPlane:
                 works.append(self._send(ring, wire[lo:hi]))
                 if wire is not flat:
                     sketch_own(index)
+            # Each member's sketch of what it sent, straight from that member (gloo's all-to-all
+            # uses the pair between the two; nobody relays another's sketch). R is known only to
+            # the members (the group's seed), so nobody else can change a contribution and its
+            # sketch to match.
+            own = torch.cat([rows.sum(0), torch.tensor([math.sqrt(sum(squares))], dtype=torch.float64)])
+            posts = torch.empty(len(members), ROWS + 1, dtype=torch.float64)
+            exchange = ring.alltoall_base(posts, own.repeat(len(members)), [], [], _options(timeout))
             result = torch.zeros(ROWS, dtype=torch.float64)
             for work, (lo, hi) in zip(works, bounds):
                 work.wait()
                 if wire is not flat:
                     flat[lo:hi].copy_(wire[lo:hi])
                 result += sketcher.rows(flat[lo:hi], lo)
-            parts = [own(), *map(Sketch.from_bytes, exchange.result(timeout=timeout))]
+            exchange.wait()
+            parts = [Sketch(tuple(p[:ROWS].tolist()), float(p[ROWS])) for p in posts]
             result = Sketch(tuple(result.tolist()), 0.0)
         finally:
             abort.set()  # a failed round leaves no request polling on for the next one to queue behind
             for work in works:  # nothing writes ``flat`` (maybe the caller's tensor) once this returns
                 with contextlib.suppress(Exception):  # the first failure is already raised
                     work.wait()
-            wait([present] if exchange is None else [present, exchange])
+            if isinstance(present, Future):
+                wait([present])
         why = mismatch(result, parts, codec)
         if why is not None:
             raise RingTampered(why)
@@ -268,8 +296,9 @@ class DirectPlane:
             offset += count
 
     def ring_ids(self) -> list[bytes]:
-        """The ids of the rings kept for reuse (sent with this member's gathered info)."""
-        return [ring_id for ring_id, _ in self._rings.values()]
+        """The ids of the rings kept for reuse (sent with this member's gathered info); safe to
+        call from another thread than the ring's."""
+        return [ring_id for ring_id, _ in self._rings.copy().values()]  # copy(): atomic (GIL)
 
     def _connect(
         self, board: Rendezvous, rank: int, size: int, timeout: float

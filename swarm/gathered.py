@@ -10,17 +10,19 @@ import math
 import secrets
 from typing import Any
 
-from swarm.dataplane import MAX_RINGS, RING_ID_BYTES
+from swarm.dataplane import MAX_RINGS, PROTOCOL, RING_ID_BYTES
 
 PLANE, WEIGHT, NONCE, USER, RINGS = "dataplane", "weight", "nonce", "user", "rings"
 
 
 def own(plane: bool, weight: float, kept: bytes, user: Any) -> dict[str, Any]:
     """What this member gathers: ``plane`` (it takes direct rings), its ``weight``, a fresh
-    nonce, the ring ids in ``kept`` (a zero-padded array of them) and the caller's ``user`` data."""
+    nonce, the ring ids in ``kept`` (a zero-padded array of them) and the caller's ``user`` data.
+    A member that takes direct rings says which version of the plane it speaks: a group takes
+    them only if every member speaks this one (older peers said ``True``)."""
     rings = (kept[i : i + RING_ID_BYTES] for i in range(0, len(kept), RING_ID_BYTES))
     return {
-        PLANE: plane,
+        PLANE: PROTOCOL if plane else False,
         WEIGHT: weight,
         NONCE: secrets.token_bytes(16),
         RINGS: [ring for ring in rings if any(ring)],
@@ -34,7 +36,8 @@ def unwrap(data: Any) -> Any:
 
 
 def takes_direct_rings(member: Any) -> bool:
-    return isinstance(member, dict) and USER in member and member.get(PLANE) is True
+    plane = member.get(PLANE) if isinstance(member, dict) and USER in member else None
+    return isinstance(plane, int) and not isinstance(plane, bool) and plane == PROTOCOL
 
 
 def held_by_all(members: list[Any]) -> frozenset[bytes]:

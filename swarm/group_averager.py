@@ -1,8 +1,9 @@
 """hivemind's DecentralizedAverager, as a peer of this swarm runs it (in its own process):
 rounds over the direct data plane (:mod:`swarm.dataplane`, a gloo ring set up through
-hivemind's authenticated group) with hivemind's own all-reduce as the fallback, and the global
-state served to joiners, with sketches of θ for the witnesses who check a download
-(:mod:`swarm.sketch`). :class:`swarm.averaging.SwarmAverager` drives it, one round at a time.
+hivemind's authenticated group, run in the peer's process: :mod:`swarm.ring_driver`) with
+hivemind's own all-reduce as the fallback, and the global state served to joiners, with
+sketches of θ for the witnesses who check a download (:mod:`swarm.sketch`).
+:class:`swarm.averaging.SwarmAverager` drives it, one round at a time.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import asyncio
 import functools
 import logging
 import multiprocessing as mp
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,19 +28,11 @@ from hivemind.utils.asyncio import enter_asynchronously
 from optim.diloco import OuterState
 from swarm import gathered
 from swarm.consensus import CHECKED_CODECS, FAILED, Post, TensorSketcher, disagreement, scaled
-from swarm.dataplane import (
-    DIRECT_CODECS,
-    MAX_RINGS,
-    RING_ID_BYTES,
-    DirectPlane,
-    RingUnreachable,
-    bindable,
-    one_line,
-    or_error,
-)
+from swarm.dataplane import DIRECT_CODECS, DirectPlane, bindable, or_error
 from swarm.faults import fault_value
 from swarm.hivemind_fixes import ExpectedMembers  # importing it also patches StepControl
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
+from swarm.ring_driver import Outcome, RingDriver, Ticket, serve_board
 from swarm.state_sharing import VERIFIERS, StateSharing
 
 logger = logging.getLogger(__name__)
@@ -45,6 +40,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["VERIFIERS", "GroupAverager", "fault_value"]
 
 EXPECTED_BYTES = 1 << 16  # the expected members' ids (~47 bytes each): about 1,300 peers
+TICKETS_KEPT = 16  # groups sent to the peer's ring and not yet ended (a cancelled step's linger)
 
 
 class GroupAverager(StateSharing, DecentralizedAverager):
@@ -68,17 +64,19 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._codec = codec
         self._masks = masks  # the last tensors averaged are kept-masks (--topk-mean kept)
         self._aggregate = aggregate
-        self._plane: DirectPlane | None = None
-        self._plane_used = False
-        self._unreachable = 0  # consecutive rings this peer could not set up
+        self._driver: RingDriver | None = None  # the peer process's ring (swarm.ring_driver)
         self._boards = RendezvousBoards()  # the rendezvous of the groups this peer leads
         self._running: set[asyncio.Task] = set()  # see _keep_running
-        # Cleared in the averager process when a ring fails; read here before each step.
+        # Cleared by the ring when no ring can be set up; read by both processes.
         self._plane_enabled = mp.Value("b", 0)
-        # The ids of the rings the averager process keeps, for the gathered info (written there
-        # after each direct round, read here before each step).
-        self._ring_ids = mp.Array("c", MAX_RINGS * RING_ID_BYTES)
         self.direct_rounds = mp.Value("q", 0)  # rounds the direct plane carried, for reports
+        # Between the averager process and the peer's ring: groups found (there -> here), how
+        # their rounds went (here -> there), a new ring's board requests (both ways).
+        self._tickets_in, self._tickets_out = mp.Pipe(duplex=False)
+        self._outcomes_in, self._outcomes_out = mp.Pipe(duplex=False)
+        self._board_here, self._board_there = mp.Pipe()
+        self._posted: OrderedDict[bytes, tuple[asyncio.Future, BoardClient]] = OrderedDict()
+        self._ticket_loop: asyncio.AbstractEventLoop | None = None
         self._expected = mp.Array("c", EXPECTED_BYTES)  # the next step's round mates (ids)
         self.assembled = mp.Value("d", 0.0)  # when a group last formed (time.time())
         self.generation = mp.Value("q", 0)  # bumped (under the buffers' lock) as the peer fills them
@@ -97,7 +95,16 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):
             if bindable_:
-                self._plane = DirectPlane(bind)
+                self._driver = RingDriver(
+                    DirectPlane(bind),
+                    tickets=self._tickets_in,
+                    outcomes=self._outcomes_out,
+                    board=self._board_here,
+                    tensors=self.get_tensors,
+                    masks=masks,
+                    enabled=self._plane_enabled,
+                    rounds=self.direct_rounds,
+                )
                 self._plane_enabled.value = 1
             elif plane_host == "0.0.0.0":
                 logger.info(
@@ -114,7 +121,30 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             from swarm.trimmed import install
 
             install()
+        self._driver = None  # the ring runs in the peer's process, never here
+        if self._plane_enabled.value:
+            threading.Thread(
+                target=serve_board, args=(self._board_there, self._posted_board), daemon=True
+            ).start()
         super().run()
+
+    def _posted_board(self, group_id: bytes) -> BoardClient | None:
+        posted = self._posted.get(group_id)
+        return posted[1] if posted is not None else None
+
+    def _read_outcomes(self) -> None:
+        """The peer's ring telling how each group's round went (a thread of this process)."""
+        while True:
+            try:
+                outcome: Outcome = self._outcomes_in.recv()
+            except (EOFError, OSError):
+                return
+            self._ticket_loop.call_soon_threadsafe(self._settle, outcome)
+
+    def _settle(self, outcome: Outcome) -> None:
+        posted = self._posted.get(outcome.group_id)
+        if posted is not None and not posted[0].done():
+            posted[0].set_result(outcome)
 
     async def _shutdown(self, timeout: float | None) -> None:
         """hivemind's shutdown of the averager process, without its crash: hivemind calls
@@ -150,17 +180,77 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         # A leader forms the group as soon as the expected members joined, rather than at the end
         # of the matchmaking window (hivemind's target group size, which it reads per join).
         self._matchmaking.target_group_size = ExpectedMembers.parse(self._matchmaking, self._expected.value)
+        if self._ticket_loop is None and self._plane_enabled.value:
+            # Once: every group found is offered to the peer's ring before hivemind waits for
+            # the step's trigger (swarm.ring_driver), and the ring's outcomes are read.
+            self._ticket_loop = asyncio.get_running_loop()
+            threading.Thread(target=self._read_outcomes, daemon=True).start()
+            look_for_group = self._matchmaking.look_for_group
+
+            async def look_and_offer(step):
+                group_info = await look_for_group(step)
+                if group_info is not None:
+                    self.assembled.value = time.time()
+                    self._offer(group_info, step)
+                return group_info
+
+            self._matchmaking.look_for_group = look_and_offer
         return await super()._step(**kwargs)
 
     def step(self, gather: Any = None, expected: Sequence[str] = (), **kwargs: Any):
         """hivemind's step; this member's data-plane address travels with its gathered info.
-        ``expected``: the other members of this round's group (base58 ids; none: the window)."""
+        ``expected``: the other members of this round's group (base58 ids; none: the window).
+        With the direct plane, the control returned also follows the ring that this process
+        runs (:class:`swarm.ring_driver.DirectStep`)."""
         wanted = ",".join(expected).encode()
         self._expected.value = wanted if len(wanted) < EXPECTED_BYTES else b""
         weight = kwargs.get("weight")
         weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
-        mine = gathered.own(bool(self._plane_enabled.value), weight, self._ring_ids.raw, gather)
-        return super().step(gather=mine, **kwargs)
+        direct = self._driver is not None and bool(self._plane_enabled.value)
+        kept = b"".join(self._driver.plane.ring_ids()) if direct else b""
+        mine = gathered.own(direct, weight, kept, gather)
+        if not direct:
+            return super().step(gather=mine, **kwargs)
+        wait, triggered = kwargs.pop("wait", True), not kwargs.pop("require_trigger", False)
+        proxy = self._driver.expect(mine[gathered.NONCE])
+        proxy.attach(super().step(gather=mine, wait=False, require_trigger=True, **kwargs))
+        if triggered:
+            proxy.allow_allreduce()
+        return proxy.result() if wait else proxy
+
+    def _offer(self, group_info, step) -> None:
+        """Send a group whose members all take direct rings to the peer's ring (in this process,
+        once the group is found, before hivemind waits for the step's trigger)."""
+        members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
+        if not (self._plane_enabled.value and all(map(gathered.takes_direct_rings, members))):
+            return
+        board, peer_ids, seed = self._group_board(group_info, members)
+        own = members[list(group_info.peer_ids).index(self.peer_id)]
+        masks = self._averaged_tensors[len(self._averaged_tensors) - self._masks :] if self._masks else []
+        ticket = Ticket(
+            nonce=own[gathered.NONCE],
+            group_id=group_info.group_id,
+            members=tuple(p.to_base58() for p in peer_ids),
+            rank=peer_ids.index(self.peer_id),
+            seed=seed,
+            total=sum(gathered.weight_of(m) for m in members),
+            reusable=gathered.held_by_all(members),
+            codec=self._codec,
+            # Below hivemind's own deadline for this step, so that a member gone mid-ring ends
+            # in our error, not in hivemind cancelling the step.
+            timeout=0.75 * (self._allreduce_timeout or 60.0),
+            # A follower gives up on its leader request_timeout s after the group's scheduled
+            # time; the leader may already have begun: twice that, and the round fails fast.
+            arrival=max(5.0, 2 * float(self.request_timeout or 3.0)),
+            mask_scale=gathered.mask_scale(members, self._codec, limit=sum(m.numel() for m in masks))
+            if masks
+            else 1.0,
+            gathered={peer: gathered.unwrap(m) for peer, m in zip(group_info.peer_ids, members)},
+        )
+        self._posted[group_info.group_id] = (asyncio.get_running_loop().create_future(), board)
+        while len(self._posted) > TICKETS_KEPT:
+            self._posted.popitem(last=False)
+        self._tickets_out.send(ticket)
 
     def _group_board(self, group_info, members: list[Any]) -> tuple[BoardClient, list[PeerID], bytes]:
         """The group's board, its members in rank order (by peer id, not hivemind's random
@@ -183,8 +273,21 @@ class GroupAverager(StateSharing, DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):
         # In hivemind's averager process, once the group is formed (and triggered).
-        self.assembled.value = time.time()
         members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
+        posted = self._posted.get(group_info.group_id)
+        if posted is None:
+            self.assembled.value = time.time()
+        if posted is not None:  # the peer's ring runs this round: wait for how it went
+            try:
+                outcome: Outcome = await posted[0]
+            finally:
+                self._posted.pop(group_info.group_id, None)
+            if not outcome.ok:
+                raise AllreduceException(f"direct data plane: {outcome.why}")
+            running = self._running_groups.get(group_info.group_id)
+            if running is not None and not running.done():
+                running.set_result(None)  # no hivemind runner for this group: nothing to wait for
+            return {peer: gathered.unwrap(m) for peer, m in zip(group_info.peer_ids, members)}
         if not self._masks:
             return await self._reduce(group_info, members, min_vector_size, **kwargs)
         # Kept-masks go round scaled like the updates beside them (gathered.mask_scale says why);
@@ -207,55 +310,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             return self.generation.value
 
     async def _reduce(self, group_info, members: list[Any], min_vector_size: int, **kwargs: Any):
-        """The group's all-reduce on the direct plane if every member takes direct rings, else
-        hivemind's, checked (:mod:`swarm.consensus`); the members' gathered data."""
-        if self._plane is not None and all(map(gathered.takes_direct_rings, members)):
-            board, peer_ids, seed = self._group_board(group_info, members)
-            ring = functools.partial(
-                self._plane.all_reduce,
-                board=board,
-                seed=seed,
-                members=[p.to_base58() for p in peer_ids],
-                rank=peer_ids.index(self.peer_id),
-                weight=kwargs["weight"],
-                total=sum(gathered.weight_of(m) for m in members),
-                codec=self._codec,
-                reusable=gathered.held_by_all(members),
-                # Below hivemind's own deadline for this step, so that a member gone mid-ring
-                # ends in our error, not in hivemind cancelling the wait on a running thread.
-                timeout=0.75 * (self._allreduce_timeout or 60.0),
-                # A follower gives up on its leader request_timeout s after the group's scheduled
-                # time; the leader may already have begun: twice that, and the round fails fast.
-                arrival=max(5.0, 2 * float(self.request_timeout or 3.0)),
-            )
-            try:
-                async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                    await asyncio.get_running_loop().run_in_executor(None, ring, local_tensors)
-            except RingUnreachable as error:
-                self._unreachable += 1
-                if self._unreachable >= 3:  # not one member that left: this peer's plane is blocked
-                    self._plane_enabled.value = 0
-                    logger.warning(
-                        "direct data plane: no ring could be set up 3 times in a row (%s); this peer "
-                        "uses hivemind's all-reduce from now on (a firewall in front of its gloo "
-                        "ports? --data-plane hivemind avoids the try)",
-                        error,
-                    )
-                raise AllreduceException(f"direct data plane: could not set up the ring: {error}") from None
-            except Exception as error:  # a member left mid-ring, a tampered sum: a failed round
-                raise AllreduceException(f"direct data plane: {one_line(error)}") from None
-            finally:  # the rings kept now, for this peer's next gathered info
-                self._publish_ring_ids()
-            self._unreachable = 0
-            with self.direct_rounds.get_lock():
-                self.direct_rounds.value += 1
-            if not self._plane_used:
-                self._plane_used = True
-                logger.info("averaging over the direct data plane (a gloo ring of %d)", len(members))
-            running = self._running_groups.get(group_info.group_id)
-            if running is not None and not running.done():
-                running.set_result(None)  # no hivemind runner for this group: nothing to wait for
-            return {peer: gathered.unwrap(m) for peer, m in zip(group_info.peer_ids, members)}
+        """The group's all-reduce on hivemind's path, checked (:mod:`swarm.consensus`); the
+        members' gathered data."""
         if self._codec in CHECKED_CODECS:
             results = await self._checked_butterfly(group_info, members, min_vector_size, **kwargs)
         else:  # int8: unchecked (swarm.consensus says why)
@@ -298,10 +354,6 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         if why is not None:
             raise AllreduceException(f"hivemind's all-reduce gave the members different results: {why}")
         return results
-
-    def _publish_ring_ids(self) -> None:
-        kept = b"".join(self._plane.ring_ids()) if self._plane is not None else b""
-        self._ring_ids.raw = kept.ljust(MAX_RINGS * RING_ID_BYTES, b"\0")
 
     def _board_caller(self, leader, loop: asyncio.AbstractEventLoop) -> Callable[[dict], dict]:
         """Requests to the group's board: in this process if this peer leads the group, else

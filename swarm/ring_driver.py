@@ -1,0 +1,345 @@
+"""The direct plane's ring, run in the peer's own process.
+
+hivemind's averager lives in a process of its own: a step's trigger goes to it through a pipe,
+and its result comes back through another, about a millisecond each way on this machine; with a
+1 MB all-reduce taking 1-2 ms in gloo, those two crossings alone halved its speed. So the ring
+runs where the peer's tensors are:
+
+1. the averager process finds the group (hivemind's matchmaking) and, before it waits for the
+   step's trigger, sends this process a :class:`Ticket`: the members in rank order, the sketch
+   seed, the weights, the rings every member keeps, and the gathered data;
+2. :class:`RingDriver`'s thread takes the ticket, waits for the trigger (set here, in
+   :meth:`DirectStep.allow_allreduce`, with no pipe in between), runs the ring on the
+   averager's shared buffers and settles the step: the caller's ``result()`` returns at once;
+3. it then tells the averager process how the round went (:class:`Outcome`), so that hivemind's
+   own step ends the same way (its result is not waited for here);
+4. a new ring's rendezvous still uses the group's board, which the averager process holds or
+   reaches over hivemind's channel: the ring's requests go to it through a third pipe
+   (:class:`ForwardedBoard`, served by :func:`serve_board`). A kept ring needs none.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from swarm.dataplane import DirectPlane, RingUnreachable, one_line
+from swarm.rendezvous import RendezvousError
+
+logger = logging.getLogger(__name__)
+
+STEPS_KEPT = 16  # steps waiting for a ticket (a step that never gets one is dropped later)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A group the averager process found, for this process's ring to average with."""
+
+    nonce: bytes  # this member's gathered nonce: which of this process's steps it is for
+    group_id: bytes
+    members: tuple[str, ...]  # base58 ids in rank order
+    rank: int
+    seed: bytes
+    total: float
+    reusable: frozenset[bytes]
+    codec: str
+    timeout: float
+    arrival: float
+    mask_scale: float
+    gathered: dict[Any, Any]  # peer id -> its gathered user data: the step's result
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a ticket's round went, for the averager process's side of the step."""
+
+    group_id: bytes
+    ok: bool
+    why: str = ""
+
+
+class AllreduceFailed(RuntimeError):
+    """The direct plane's round failed (hivemind's AllreduceException is raised in its process)."""
+
+
+class DirectStep:
+    """hivemind's StepControl, as the caller of a step on a direct-capable averager holds it:
+    attributes pass through, except the trigger, cancel, ``done`` and ``result``, which also
+    follow this process's ring when the averager process sent it a ticket for this step."""
+
+    def __init__(self) -> None:
+        self._control: Any = None
+        self._changed = threading.Condition()
+        self._triggered = self._cancelled = self._running = self._forwarded = False
+        self._ticket: Ticket | None = None
+        self._outcome: tuple[Any, BaseException | None] | None = None
+
+    def attach(self, control: Any) -> None:
+        with self._changed:
+            self._control = control
+            self._changed.notify_all()
+        control.add_done_callback(lambda _: self._notify())
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._control, name)
+
+    def allow_allreduce(self) -> None:
+        with self._changed:
+            self._triggered = True
+            self._changed.notify_all()
+            if self._ticket is not None:
+                return  # told to the averager process once the ring is done: see _forward
+        self._forward()
+
+    def _forward(self) -> None:
+        """The trigger, to the averager process (hivemind's side of the step). With a ticket in
+        hand it goes after the ring: sent at once, it would wake that process (and its p2p
+        daemon) while the ring runs, on the same cores."""
+        with self._changed:
+            if self._forwarded:
+                return
+            self._forwarded = True
+        if not self._control.triggered:
+            self._control.allow_allreduce()
+
+    def cancel(self) -> bool:
+        with self._changed:
+            self._cancelled = True
+            self._changed.notify_all()
+        return self._control.cancel()
+
+    @property
+    def triggered(self) -> bool:
+        return self._triggered or self._control.triggered
+
+    @property
+    def began_allreduce(self) -> bool:
+        return self._running or self._control.began_allreduce
+
+    def done(self) -> bool:
+        with self._changed:
+            return self._outcome is not None if self._ticket is not None else self._control.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            while True:
+                if self._ticket is not None and self._outcome is not None:
+                    value, error = self._outcome
+                    if error is not None:
+                        raise error
+                    return value
+                if self._ticket is None and self._control.done():
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"the averaging step did not finish within {timeout} s")
+                self._changed.wait(left if left is not None else 1.0)
+        return self._control.result(0)
+
+    # --- the driver's side ------------------------------------------------------------------
+
+    def claim(self, ticket: Ticket, wait: float) -> bool:
+        """Take ``ticket``; True once the step is triggered (False: cancelled, ended, or not
+        triggered within ``wait`` s: the round is then not run)."""
+        deadline = time.monotonic() + wait
+        with self._changed:
+            self._ticket = ticket
+            while not self._cancelled:
+                if self._control is not None and (self._triggered or self._control.triggered):
+                    self._running = True
+                    return True
+                if self._control is not None and self._control.done():
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(min(left, 1.0))
+            self._outcome = (None, AllreduceFailed("the step ended before its trigger"))
+            self._changed.notify_all()
+            return False
+
+    def settle(self, value: Any, error: BaseException | None) -> None:
+        with self._changed:
+            self._outcome = (value, error)
+            self._running = False
+            self._changed.notify_all()
+        if self._triggered:
+            self._forward()
+
+
+class ForwardedBoard:
+    """A group's board (:class:`swarm.rendezvous.Rendezvous`) reached through the averager
+    process, which holds it or talks to its holder over hivemind's channel."""
+
+    def __init__(self, connection: Connection, lock: threading.Lock, group_id: bytes) -> None:
+        self._connection, self._lock, self._group_id = connection, lock, group_id
+
+    def _call(self, op: str, wait: float, *args: Any) -> Any:
+        with self._lock:
+            self._connection.send((self._group_id, op, args))
+            if not self._connection.poll(wait + 10.0):
+                raise RendezvousError(
+                    f"the averager process did not answer a board {op} in {wait + 10:.0f} s"
+                )
+            ok, value = self._connection.recv()
+        if not ok:
+            raise RendezvousError(value)
+        return value
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call("set", 0.0, key, bytes(value))
+
+    def get(self, key: str, timeout: float) -> bytes:
+        return self._call("get", timeout, key, timeout)
+
+    def exchange(
+        self, key: str, value: bytes, want: list[str], timeout: float, abort: threading.Event | None = None
+    ) -> list[bytes]:
+        # ``abort`` stays here: the request ends by itself within ``timeout``.
+        return self._call("exchange", timeout, key, bytes(value), list(want), timeout)
+
+
+def serve_board(connection: Connection, boards: Callable[[bytes], Any]) -> None:
+    """In the averager process: answer the ring's board requests until the pipe closes
+    (``boards``: a group's board by its id, or None)."""
+    while True:
+        try:
+            group_id, op, args = connection.recv()
+        except (EOFError, OSError):
+            return
+        board = boards(group_id)
+        try:
+            if board is None or op not in ("set", "get", "exchange"):
+                raise RendezvousError("no such group's board here (the round already ended?)")
+            answer = (True, getattr(board, op)(*args))
+        except Exception as error:  # noqa: BLE001 - the ring's error, told to the ring
+            answer = (False, one_line(error))
+        try:
+            connection.send(answer)
+        except (EOFError, OSError):
+            return
+
+
+class RingDriver:
+    """In the peer's process: the direct plane and the thread that runs its rounds."""
+
+    def __init__(
+        self,
+        plane: DirectPlane,
+        *,
+        tickets: Connection,
+        outcomes: Connection,
+        board: Connection,
+        tensors: Callable[[], Any],
+        masks: int,
+        enabled: Any,
+        rounds: Any,
+    ) -> None:
+        """``tensors``: the averager's ``get_tensors`` (a lock over its shared buffers);
+        ``enabled`` and ``rounds``: shared values (the plane still on; rounds it carried)."""
+        self.plane = plane
+        self._tickets, self._outcomes, self._board = tickets, outcomes, board
+        self._board_lock = threading.Lock()
+        self._tensors, self._masks = tensors, masks
+        self._enabled, self._rounds = enabled, rounds
+        self._steps: OrderedDict[bytes, DirectStep] = OrderedDict()
+        self._steps_lock = threading.Lock()
+        self._unreachable = 0  # consecutive rings this peer could not set up
+        self._used = False
+        self._thread: threading.Thread | None = None
+
+    def expect(self, nonce: bytes) -> DirectStep:
+        """A step about to be sent to the averager process under ``nonce``."""
+        step = DirectStep()
+        with self._steps_lock:
+            self._steps[nonce] = step
+            while len(self._steps) > STEPS_KEPT:
+                self._steps.popitem(last=False)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="direct-ring", daemon=True)
+            self._thread.start()
+        return step
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                ticket: Ticket = self._tickets.recv()
+            except (EOFError, OSError):
+                return
+            with self._steps_lock:
+                step = self._steps.pop(ticket.nonce, None)
+            if step is None:
+                outcome = Outcome(ticket.group_id, False, "no step of this peer's is waiting for this group")
+            else:
+                outcome = self._round(step, ticket)
+            try:
+                self._outcomes.send(outcome)
+            except (EOFError, OSError):
+                return
+
+    def _round(self, step: DirectStep, ticket: Ticket) -> Outcome:
+        if not step.claim(ticket, wait=ticket.timeout):
+            return Outcome(ticket.group_id, False, "the step ended before its trigger")
+        try:
+            with self._tensors() as tensors:
+                self._ring(tensors, ticket, step.weight)
+        except Exception as error:  # noqa: BLE001 - a failed round, told to both sides
+            step.settle(None, AllreduceFailed(f"direct data plane: {error}"))
+            return Outcome(ticket.group_id, False, str(error))
+        step.settle(ticket.gathered, None)
+        with self._rounds.get_lock():
+            self._rounds.value += 1
+        if not self._used:
+            self._used = True
+            logger.info("averaging over the direct data plane (a gloo ring of %d)", len(ticket.members))
+        return Outcome(ticket.group_id, True)
+
+    def _ring(self, tensors: Sequence[torch.Tensor], ticket: Ticket, weight: float) -> None:
+        masks = list(tensors[len(tensors) - self._masks :]) if self._masks else []
+        # Kept-masks go round scaled like the updates beside them (gathered.mask_scale says why).
+        for mask in masks:
+            mask.mul_(ticket.mask_scale)
+        try:
+            self.plane.all_reduce(
+                tensors,
+                board=ForwardedBoard(self._board, self._board_lock, ticket.group_id),
+                seed=ticket.seed,
+                members=ticket.members,
+                rank=ticket.rank,
+                weight=weight,
+                total=ticket.total,
+                codec=ticket.codec,
+                reusable=ticket.reusable,
+                timeout=ticket.timeout,
+                arrival=ticket.arrival,
+            )
+        except RingUnreachable as error:
+            self._unreachable += 1
+            if self._unreachable >= 3:  # not one member that left: this peer's plane is blocked
+                self._enabled.value = 0
+                logger.warning(
+                    "direct data plane: no ring could be set up 3 times in a row (%s); this peer "
+                    "uses hivemind's all-reduce from now on (a firewall in front of its gloo "
+                    "ports? --data-plane hivemind avoids the try)",
+                    error,
+                )
+            raise RuntimeError(f"could not set up the ring: {error}") from None
+        except Exception as error:  # a member left mid-ring, a tampered sum: a failed round
+            raise RuntimeError(one_line(error)) from None
+        finally:
+            for mask in masks:  # a failure leaves garbage anyway (the caller keeps its own copy)
+                mask.mul_(1.0 / ticket.mask_scale)
+        self._unreachable = 0

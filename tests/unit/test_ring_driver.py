@@ -1,0 +1,243 @@
+"""The direct plane's ring in the peer's process (swarm.ring_driver): the step the caller
+holds, the board requests forwarded to the averager process, and the driver's bookkeeping;
+hivemind's side is a stand-in here (the real one: tests/integration)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from swarm import gathered
+from swarm.dataplane import PROTOCOL, RingUnreachable
+from swarm.rendezvous import RendezvousError
+from swarm.ring_driver import (
+    AllreduceFailed,
+    DirectStep,
+    ForwardedBoard,
+    Outcome,
+    RingDriver,
+    Ticket,
+    serve_board,
+)
+
+
+class Control(Future):
+    """hivemind's StepControl as far as DirectStep uses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.triggers = 0
+        self.weight = 2.0
+        self.began_allreduce = False
+
+    @property
+    def triggered(self) -> bool:
+        return self.triggers > 0
+
+    def allow_allreduce(self) -> None:
+        self.triggers += 1
+
+
+def _ticket(nonce: bytes = b"n", **fields) -> Ticket:
+    defaults = dict(
+        nonce=nonce,
+        group_id=b"group",
+        members=("a", "b"),
+        rank=0,
+        seed=b"seed",
+        total=4.0,
+        reusable=frozenset(),
+        codec="none",
+        timeout=5.0,
+        arrival=1.0,
+        mask_scale=1.0,
+        gathered={"a": {"x": 1}, "b": {"x": 2}},
+    )
+    return Ticket(**{**defaults, **fields})
+
+
+def test_a_claimed_step_returns_the_rings_result_and_triggers_hivemind_after_the_ring():
+    step, control = DirectStep(), Control()
+    step.attach(control)
+    claimed = []
+    claimer = threading.Thread(target=lambda: claimed.append(step.claim(_ticket(), wait=5)))
+    claimer.start()
+    time.sleep(0.05)
+    step.allow_allreduce()
+    claimer.join(timeout=5)
+    assert claimed == [True] and step.began_allreduce and not step.done()
+    # The averager process hears of the trigger only once the ring is done: told at once, it
+    # (and its p2p daemon) would wake beside the ring on the same cores.
+    assert control.triggers == 0
+    step.settle({"a": 1}, None)
+    assert step.done() and step.result(timeout=1) == {"a": 1} and control.triggers == 1
+    assert not control.done()  # hivemind's own result is not waited for
+
+
+def test_a_failed_ring_raises_from_result_and_hivemind_still_hears_the_trigger():
+    step, control = DirectStep(), Control()
+    step.attach(control)
+    step.allow_allreduce()  # before any ticket: hivemind's path may take the round, told at once
+    assert control.triggers == 1
+    assert step.claim(_ticket(), wait=1)
+    step.settle(None, AllreduceFailed("direct data plane: RingTampered: the sum is off"))
+    with pytest.raises(AllreduceFailed, match="off"):
+        step.result(timeout=1)
+    assert control.triggers == 1  # not twice
+
+
+def test_a_step_without_a_ticket_is_hivemind_s():
+    step, control = DirectStep(), Control()
+    step.attach(control)
+    step.allow_allreduce()
+    assert not step.done()
+    threading.Timer(0.05, lambda: control.set_result({"hivemind": True})).start()
+    assert step.result(timeout=5) == {"hivemind": True}
+    with pytest.raises(TimeoutError):
+        other = DirectStep()
+        other.attach(Control())
+        other.result(timeout=0.05)
+
+
+def test_a_cancelled_or_untriggered_step_runs_no_ring():
+    cancelled, control = DirectStep(), Control()
+    cancelled.attach(control)
+    threading.Timer(0.05, cancelled.cancel).start()
+    assert not cancelled.claim(_ticket(), wait=5)
+    assert cancelled.done()
+    with pytest.raises(AllreduceFailed):
+        cancelled.result(timeout=1)
+    idle = DirectStep()
+    idle.attach(Control())
+    started = time.monotonic()
+    assert not idle.claim(_ticket(), wait=0.2)  # never triggered: given up after ``wait``
+    assert time.monotonic() - started < 2
+
+
+class Board:
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+    def get(self, key, timeout):
+        if key not in self.values:
+            raise RendezvousError(f"no member posted {key!r} within {timeout:.0f} s")
+        return self.values[key]
+
+    def exchange(self, key, value, want, timeout, abort=None):
+        self.set(key, value)
+        return [self.get(k, timeout) for k in want]
+
+
+def test_board_requests_cross_to_the_averager_process_and_errors_come_back_as_one_line():
+    here, there = mp.Pipe()
+    boards = {b"g": Board()}
+    server = threading.Thread(target=serve_board, args=(there, boards.get), daemon=True)
+    server.start()
+    lock = threading.Lock()
+    board = ForwardedBoard(here, lock, b"g")
+    board.set("ring/0", b"address")
+    assert board.get("ring/0", 1.0) == b"address"
+    assert board.exchange("here/1", b"", ["ring/0"], 1.0) == [b"address"]
+    with pytest.raises(RendezvousError, match="no member posted 'ring/9'"):
+        board.get("ring/9", 1.0)
+    with pytest.raises(RendezvousError, match="no such group"):
+        ForwardedBoard(here, lock, b"gone").get("ring/0", 1.0)
+    here.close()  # the peer's side goes: the server ends
+    server.join(timeout=5)
+    assert not server.is_alive()
+
+
+def test_only_members_that_speak_this_planes_version_take_direct_rings():
+    ours = gathered.own(True, 1.0, b"", {"x": 1})
+    assert ours[gathered.PLANE] == PROTOCOL and gathered.takes_direct_rings(ours)
+    older = dict(ours, **{gathered.PLANE: True})  # a peer from before the version was sent
+    assert not gathered.takes_direct_rings(older)
+    assert not gathered.takes_direct_rings(dict(ours, **{gathered.PLANE: PROTOCOL + 1}))
+    assert not gathered.takes_direct_rings(gathered.own(False, 1.0, b"", None))
+
+
+class Plane:
+    """DirectPlane's stand-in: fails with ``error`` or scales every tensor by 0.5."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error, self.calls = error, []
+
+    def all_reduce(self, tensors, **options):
+        self.calls.append(options)
+        if self.error is not None:
+            raise self.error
+        for tensor in tensors:
+            tensor.mul_(0.5)
+
+    def ring_ids(self):
+        return []
+
+
+def _driver(plane, masks: int = 0):
+    tickets_in, tickets_out = mp.Pipe(duplex=False)
+    outcomes_in, outcomes_out = mp.Pipe(duplex=False)
+    board_here, _ = mp.Pipe()
+    buffers = [torch.ones(4), torch.ones(2)]
+    lock = threading.Lock()
+
+    @contextmanager
+    def tensors():
+        with lock:
+            yield buffers
+
+    enabled, rounds = mp.Value("b", 1), mp.Value("q", 0)
+    driver = RingDriver(
+        plane,
+        tickets=tickets_in,
+        outcomes=outcomes_out,
+        board=board_here,
+        tensors=tensors,
+        masks=masks,
+        enabled=enabled,
+        rounds=rounds,
+    )
+    return driver, tickets_out, outcomes_in, buffers, enabled, rounds
+
+
+def _round(driver, tickets_out, outcomes_in, nonce: bytes, **fields):
+    step, control = driver.expect(nonce), Control()
+    step.attach(control)
+    tickets_out.send(_ticket(nonce, **fields))
+    step.allow_allreduce()
+    assert outcomes_in.poll(10)
+    return step, outcomes_in.recv()
+
+
+def test_the_driver_runs_each_ticket_on_the_shared_buffers_with_the_steps_weight():
+    plane = Plane()
+    driver, tickets_out, outcomes_in, buffers, _, rounds = _driver(plane, masks=1)
+    step, outcome = _round(driver, tickets_out, outcomes_in, b"one", mask_scale=4.0)
+    assert outcome == Outcome(b"group", True) and rounds.value == 1
+    assert step.result(timeout=1) == {"a": {"x": 1}, "b": {"x": 2}}
+    assert plane.calls[0]["weight"] == 2.0 and plane.calls[0]["total"] == 4.0
+    # The mask went round scaled by 4 (the stand-in halves it) and came back unscaled.
+    assert buffers[0].tolist() == [0.5] * 4 and buffers[1].tolist() == [0.5, 0.5]
+    tickets_out.send(_ticket(b"nobody's"))  # no step of this peer's: told, nothing runs
+    assert outcomes_in.poll(10) and not outcomes_in.recv().ok and len(plane.calls) == 1
+
+
+def test_three_unreachable_rings_in_a_row_turn_the_plane_off():
+    driver, tickets_out, outcomes_in, _, enabled, rounds = _driver(
+        Plane(RingUnreachable("connect timed out"))
+    )
+    for attempt in range(3):
+        step, outcome = _round(driver, tickets_out, outcomes_in, bytes([attempt]))
+        assert not outcome.ok and "could not set up the ring" in outcome.why
+        with pytest.raises(AllreduceFailed, match="direct data plane: could not set up the ring"):
+            step.result(timeout=1)
+        assert enabled.value == (1 if attempt < 2 else 0)
+    assert rounds.value == 0
