@@ -229,10 +229,11 @@ def trust() -> list[str]:
         return [*lines, "Not run yet.", ""]
     lines += [
         "Each direct round sketches the update sent and the sum received (`swarm/sketch.py`, one",
-        "thread), against copying the same tensor once. The rendezvous board and the sketch",
-        "exchange are round trips over hivemind's channel, overlapped with the ring; all of it is",
-        "inside the `direct` rows above. A private run (`--secret`) averages on the `hivemind` path",
-        "(encrypted), so its cost is the `hivemind` rows' time over the `direct` rows'.",
+        "thread), against copying the same tensor once. A kept ring's arrival check and the sketch",
+        "exchange are gloo exchanges over the ring's own pairs (a new ring's rendezvous goes through",
+        "the board, over hivemind's channel); all of it is inside the `direct` rows above. A private",
+        "run (`--secret`) averages on the `hivemind` path (encrypted), so its cost is the `hivemind`",
+        "rows' time over the `direct` rows'.",
         "",
         "| MB | copy ms | sketch of the update ms | sketch of the sum ms | both vs a copy |",
         "|---|---|---|---|---|",
