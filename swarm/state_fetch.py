@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.state_transfer import END, INDEX, MIN_RATE, Layout, TransferFailed, hash_of, receive_into
+from swarm.state_transfer import END, HASH, INDEX, MIN_RATE, Layout, TransferFailed, hash_of, receive_into
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ class DonorOffer:
     address: tuple[str, int]
     token: bytes
     hashes: list[bytes]
+    hash_name: str = HASH  # what the hashes are (state_transfer.HASHES)
     delivered: int = 0  # bytes it sent that checked out
     why: str = ""  # why it was dropped ("" while it serves)
 
@@ -129,7 +130,7 @@ def fetch(
                     lo, hi, _ = work.slices[index]
                     receive_into(connection, data[lo:hi], timeout + (hi - lo) / MIN_RATE)
                     ask()
-                    if not hmac.compare_digest(hash_of(data[lo:hi]), donor.hashes[index]):
+                    if not hmac.compare_digest(hash_of(data[lo:hi], donor.hash_name), donor.hashes[index]):
                         raise ValueError(f"slice {index} does not match the hash it offered")
                     asked.popleft()
                     donor.delivered += hi - lo

@@ -39,7 +39,7 @@ from swarm.faults import fault_value
 from swarm.rendezvous import pack, unpack
 from swarm.sketch import Sketch, state_sketches
 from swarm.state_fetch import DonorOffer, freshest
-from swarm.state_transfer import HASH_BYTES, TOKEN_BYTES, Layout, Snapshot, StateServer
+from swarm.state_transfer import HASH_BYTES, HASHES, TOKEN_BYTES, Layout, Snapshot, StateServer
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class StateSharing:
             "metadata": snapshot.metadata,
             "layout": snapshot.layout.to_wire(),
             "hashes": b"".join(snapshot.hashes),
+            "hash": snapshot.hash_name,
             "address": list(self._server.address),
             "token": token,
         }
@@ -203,6 +204,7 @@ class StateSharing:
             step, metadata, hashes = message.get("step"), message.get("metadata"), message.get("hashes")
             host, port = message.get("address") or (None, None)
             token = message.get("token")
+            hash_name = message.get("hash", "sha256")  # a donor from before it was named
             count = len(layout.slices())
             if not (
                 isinstance(step, int)
@@ -214,13 +216,16 @@ class StateSharing:
                 and 0 < port < 65536
                 and isinstance(token, bytes)
                 and len(token) == TOKEN_BYTES
+                and isinstance(hash_name, str)
+                and hash_name in HASHES
             ):
                 raise ValueError("a malformed offer")
             parsed = self.serializer.loads(metadata)
             if not isinstance(parsed, dict) or parsed.get("outer_step") != step:
                 raise ValueError("an offer whose step is not its state's")
             split = [hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(count)]
-            return DonorOffer(peer.to_base58(), (host, port), token, split), step, metadata, layout
+            offer = DonorOffer(peer.to_base58(), (host, port), token, split, hash_name)
+            return offer, step, metadata, layout
         except Exception as error:  # noqa: BLE001 - no offer: hivemind's stream is the fallback
             logger.debug("no state offer from %s: %s", peer, one_line(error))
             return None

@@ -408,3 +408,23 @@ def test_a_large_state_is_snapshotted_only_when_a_joiner_asks(monkeypatch):
         assert donor._fresh_snapshot() is None  # then freed
 
     asyncio.run(scenario())
+
+
+def test_a_donor_from_before_blake3_is_still_checked_with_sha256():
+    # A donor running the previous release hashes with SHA-256 and names no hash in its offer
+    # (the offer's parser reads that as "sha256"); the joiner checks its slices with that.
+    tensors = state(1)
+    server = StateServer("127.0.0.1")
+    old = Snapshot.take(9, b"meta", tensors, 4)
+    old.hash_name = "sha256"
+    old.hashes = [old.hash(i) for i in range(len(old.layout.slices()))]
+    token = server.offer(old, "joiner")
+    older = DonorOffer("old", server.address, token, list(old.hashes), "sha256")
+    got = download(old, [older])
+    assert all(torch.equal(a, b.reshape(a.shape)) for a, b in zip(got, tensors)) and not older.why
+    # The same hashes read as BLAKE3's fail every slice: the algorithm is part of the offer.
+    mistaken = DonorOffer("old", server.address, server.offer(old, "joiner"), list(old.hashes), "blake3")
+    with pytest.raises(TransferFailed):
+        download(old, [mistaken], timeout=2.0)
+    assert "does not match" in mistaken.why
+    server.close()
