@@ -122,11 +122,19 @@ class GroupAverager(StateSharing, DecentralizedAverager):
 
             install()
         self._driver = None  # the ring runs in the peer's process, never here
+        for end in (self._tickets_in, self._outcomes_out, self._board_here):  # the peer's ends
+            end.close()
         if self._plane_enabled.value:
             threading.Thread(
                 target=serve_board, args=(self._board_there, self._posted_board), daemon=True
             ).start()
         super().run()
+
+    def start(self) -> None:
+        super().start()  # the averager process, with its own copies of the pipes' ends
+        # Its ends close here: once it exits, the ring's thread reads the end of its pipe.
+        for end in (self._tickets_out, self._outcomes_in, self._board_there):
+            end.close()
 
     def _posted_board(self, group_id: bytes) -> BoardClient | None:
         posted = self._posted.get(group_id)

@@ -241,3 +241,15 @@ def test_three_unreachable_rings_in_a_row_turn_the_plane_off():
             step.result(timeout=1)
         assert enabled.value == (1 if attempt < 2 else 0)
     assert rounds.value == 0
+
+
+def test_the_drivers_thread_ends_with_the_averager_process():
+    # The averager process holds the only writing end of the tickets' pipe (GroupAverager.start
+    # closes the peer's copy): once it exits, the ring's thread reads the end and stops, rather
+    # than one thread per averager lingering in a notebook that makes many.
+    driver, tickets_out, _, _, _, _ = _driver(Plane())
+    driver.expect(b"n")
+    assert driver._thread.is_alive()
+    tickets_out.close()
+    driver._thread.join(timeout=5)
+    assert not driver._thread.is_alive()
