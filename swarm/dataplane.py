@@ -18,10 +18,12 @@ member info and every fallback, and moves only the tensor bytes over TCP with gl
    exchange with a short timeout on a kept one): a member hivemind's matchmaking counted in but
    that gave up on the group fails the round in seconds, not at gloo's timeout;
 5. the sum is checked before it is used: every member sends every other, over their own pair
-   of the ring (gloo's all-to-all: nobody relays it), a sketch of what it sent, and the result's
-   sketch must match their sum (:mod:`swarm.sketch`). Only members know the sketch's seed, so a
-   ring an outsider got into (or a member that sent something else than it claims) fails the
-   round, which falls back like any failed round; the ring is never reused.
+   of the ring (gloo's all-to-all: nobody relays it), a sketch of what it sent, sealed with a
+   key it posted at the board when the ring was set up (an HMAC: someone in its place in the
+   ring, who never saw the board, cannot seal anything, not even a sketch of zeros), and the
+   result's sketch must match their sum (:mod:`swarm.sketch`). Only members know the sketch's
+   seed, so a ring an outsider got into (or a member that sent something else than it claims)
+   fails the round, which falls back like any failed round; the ring is never reused.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import hmac
 import logging
 import math
+import secrets
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -51,6 +55,8 @@ and the sketches over the ring (1, unnumbered, over the board)."""
 MAX_RINGS = 8
 """Rings kept for reuse per plane (the same members next round skip the rendezvous)."""
 RING_ID_BYTES = 16
+KEY_BYTES = 32  # each member's key for sealing its sketches on a ring
+POST_BYTES = 8 * (ROWS + 1) + 8 + 32  # a sketch, the round's tag, its seal
 
 
 class RingUnreachable(RuntimeError):
@@ -94,6 +100,30 @@ def _options(seconds: float) -> torch.distributed.AllToAllOptions:
     return options
 
 
+def _seal(key: bytes, message: bytes) -> bytes:
+    return hmac.new(key, message, hashlib.sha256).digest()
+
+
+def _opened(posts: bytes, keys: Sequence[bytes], seed: bytes, tag: int) -> list[Sketch]:
+    """The members' sketches from their posts, each checked against the key that member posted
+    at the board (RingTampered if one is not its own) and this round's tag."""
+    if len(keys) * POST_BYTES != len(posts) or not all(len(k) == KEY_BYTES for k in keys):
+        raise RingTampered("the ring's keys do not match its members (a malformed key at the board)")
+    sketches = []
+    for rank, key in enumerate(keys):
+        post = posts[rank * POST_BYTES : (rank + 1) * POST_BYTES]
+        body, seal = post[:-32], post[-32:]
+        if not hmac.compare_digest(seal, _seal(key, seed + body)):
+            raise RingTampered(
+                f"member {rank}'s sketch is not sealed with the key it posted at the board: "
+                "someone else is in its place in the ring"
+            )
+        if int.from_bytes(body[-8:], "little") != tag:
+            raise RingTampered(f"member {rank} is in another round on this ring")
+        sketches.append(Sketch.from_bytes(body[:-8]))
+    return sketches
+
+
 def bindable(host: str) -> bool:
     """Whether ``host`` is an address of this machine (a listener can bind it)."""
     try:
@@ -124,11 +154,13 @@ class DirectPlane:
     def __init__(self, host: str) -> None:
         assert host not in ("", "0.0.0.0"), f"{host=}: the ring binds one address"
         self.host = host
-        # Rings by members in rank order, with the id they were made under: the same group
-        # reuses its connections next round if every member still holds that ring.
-        self._rings: dict[tuple[str, ...], tuple[bytes, torch.distributed.ProcessGroup]] = {}
+        # Rings by members in rank order, with the id they were made under and the keys each
+        # member posted at the board for it: the same group reuses its connections next round
+        # if every member still holds that ring.
+        self._rings: dict[tuple[str, ...], tuple[bytes, torch.distributed.ProcessGroup, list[bytes]]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ring-arrival")
         self._send = lambda ring, wire: ring.allreduce([wire])  # tests put an impostor here
+        self._seal = _seal  # and here
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     def _scratch(self, dtype: torch.dtype, count: int, role: str = "flat") -> torch.Tensor:
@@ -172,15 +204,16 @@ class DirectPlane:
         abort = threading.Event()
         arrival = min(arrival, timeout)
         key = tuple(members)
-        ring_id, ring = self._rings.pop(key, (b"", None))  # kept below only if the sum checks out
+        ring_id, ring, keys = self._rings.pop(key, (b"", None, []))  # kept below if the sum checks out
         if ring is not None and reusable is not None and ring_id not in reusable:
             ring = None  # another member no longer holds it: all set up a new one
         tag = torch.tensor([int.from_bytes(hashlib.sha256(b"round" + seed).digest()[:7], "little")])
-        if ring is None:  # everyone here? answered while this member scales its update
+        mine = secrets.token_bytes(KEY_BYTES)  # a new ring's key for this member's sketches
+        if ring is None:  # everyone here (with their keys)? answered while this member scales
             present: Future | torch.distributed.Work = self._pool.submit(
                 board.exchange,
                 f"here/{rank}",
-                b"",
+                mine,
                 [f"here/{r}" for r in range(len(members)) if r != rank],
                 arrival,
                 abort,
@@ -234,7 +267,8 @@ class DirectPlane:
                 sketch_own(0)
             try:
                 if isinstance(present, Future):
-                    present.result()
+                    keys = present.result()
+                    keys.insert(rank, mine)
                 else:
                     present.wait()
                     if not bool((tags == tag).all()):
@@ -262,9 +296,12 @@ class DirectPlane:
             # uses the pair between the two; nobody relays another's sketch). R is known only to
             # the members (the group's seed), so nobody else can change a contribution and its
             # sketch to match.
-            own = torch.cat([rows.sum(0), torch.tensor([math.sqrt(sum(squares))], dtype=torch.float64)])
-            posts = torch.empty(len(members), ROWS + 1, dtype=torch.float64)
-            exchange = ring.alltoall_base(posts, own.repeat(len(members)), [], [], _options(timeout))
+            own = Sketch(tuple(rows.sum(0).tolist()), math.sqrt(sum(squares))).to_bytes()
+            own += int(tag).to_bytes(8, "little")
+            own += self._seal(keys[rank], seed + own)
+            sent = torch.frombuffer(bytearray(own * len(members)), dtype=torch.uint8)
+            posts = torch.empty(len(members) * POST_BYTES, dtype=torch.uint8)
+            exchange = ring.alltoall_base(posts, sent, [], [], _options(timeout))
             result = torch.zeros(ROWS, dtype=torch.float64)
             for work, (lo, hi) in zip(works, bounds):
                 work.wait()
@@ -272,7 +309,7 @@ class DirectPlane:
                     flat[lo:hi].copy_(wire[lo:hi])
                 result += sketcher.rows(flat[lo:hi], lo)
             exchange.wait()
-            parts = [Sketch(tuple(p[:ROWS].tolist()), float(p[ROWS])) for p in posts]
+            parts = _opened(bytes(posts.numpy()), keys, seed, int(tag))
             result = Sketch(tuple(result.tolist()), 0.0)
         finally:
             abort.set()  # a failed round leaves no request polling on for the next one to queue behind
@@ -284,7 +321,7 @@ class DirectPlane:
         why = mismatch(result, parts, codec)
         if why is not None:
             raise RingTampered(why)
-        self._rings[key] = (ring_id, ring)
+        self._rings[key] = (ring_id, ring, keys)
         while len(self._rings) > MAX_RINGS:
             self._rings.pop(next(iter(self._rings)))
         if single:
@@ -298,7 +335,7 @@ class DirectPlane:
     def ring_ids(self) -> list[bytes]:
         """The ids of the rings kept for reuse (sent with this member's gathered info); safe to
         call from another thread than the ring's."""
-        return [ring_id for ring_id, _ in self._rings.copy().values()]  # copy(): atomic (GIL)
+        return [ring_id for ring_id, _, _ in self._rings.copy().values()]  # copy(): atomic (GIL)
 
     def _connect(
         self, board: Rendezvous, rank: int, size: int, timeout: float

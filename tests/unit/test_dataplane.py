@@ -114,6 +114,62 @@ def test_a_substituted_contribution_fails_the_round_on_every_member():
         assert rings == 0  # a ring that carried a wrong sum is never used again
 
 
+def _member_in_someone_elses_place(rank: int, values, impostor: bool, out) -> None:
+    """Two rounds of two members; in the second, member 1 sends zeros, with a sketch of zeros
+    (R 0 = 0 whatever R is). With ``impostor`` that is someone in member 1's place in the ring
+    who never saw the board: it cannot seal them with the key member 1 posted there."""
+    import hmac
+
+    plane = DirectPlane("127.0.0.1")
+    results = []
+    for r in range(2):
+        if impostor and r == 1:
+            plane._seal = lambda key, message: hmac.new(b"a guess", message, "sha256").digest()
+        tensors = [torch.zeros(6) if rank == 1 and r == 1 else torch.full((6,), float(rank + 1))]
+        try:
+            plane.all_reduce(
+                tensors,
+                board=SharedBoard(values, f"round{r}".encode()),
+                seed=f"round{r}".encode(),
+                members=["a", "b"],
+                rank=rank,
+                weight=1.0,
+                total=2.0,
+                codec="none",
+                timeout=20,
+                reusable=frozenset(plane.ring_ids()) if r else None,  # the kept ring
+            )
+            results.append(float(tensors[0][0]))
+        except RingTampered as error:
+            results.append(str(error))
+    out.put((rank, results))
+
+
+@pytest.mark.parametrize("impostor", [False, True], ids=["member-sends-zeros", "impostor-sends-zeros"])
+def test_someone_in_a_members_place_cannot_pass_off_a_sketch_of_zeros(impostor):
+    # The attack of the trust issue, on a kept ring: sending zeros needs no knowledge of R, so
+    # the sketch check alone would pass it (the others would apply a mean without that member's
+    # share). A member may send zeros; someone in its place cannot seal them.
+    context = mp.get_context("spawn")
+    manager = context.Manager()
+    out, values = context.Queue(), manager.dict()
+    members = [
+        context.Process(target=_member_in_someone_elses_place, args=(r, values, impostor and r == 1, out))
+        for r in range(2)
+    ]
+    for m in members:
+        m.start()
+    results = dict(out.get(timeout=90) for _ in members)
+    for m in members:
+        m.join(timeout=30)
+    manager.shutdown()
+    assert results[0][0] == results[1][0] == 1.5
+    if impostor:
+        assert "not sealed with the key it posted" in results[0][1] and "member 1" in results[0][1], results
+    else:  # an honest member that sends zeros: the mean of 1 and 0
+        assert results[0][1] == results[1][1] == 0.5
+
+
 def _long_member(rank: int, values, codec: str, tamper: bool, out) -> None:
     """One round of two members on a vector long enough to go round in segments."""
     plane = DirectPlane("127.0.0.1")
