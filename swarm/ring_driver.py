@@ -132,6 +132,18 @@ class DirectStep:
         with self._changed:
             return self._outcome is not None if self._ticket is not None else self._control.done()
 
+    def wait(self, timeout: float) -> bool:
+        """Block until the step is done or ``timeout`` s passed; whether it is done (the
+        caller's poll wakes as soon as the ring settles, not at its next tick)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not self.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            return True
+
     def result(self, timeout: float | None = None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:

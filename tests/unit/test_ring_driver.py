@@ -77,6 +77,7 @@ def test_a_claimed_step_returns_the_rings_result_and_triggers_hivemind_after_the
     assert control.triggers == 0
     step.settle({"a": 1}, None)
     assert step.done() and step.result(timeout=1) == {"a": 1} and control.triggers == 1
+    assert step.wait(0.0)
     assert not control.done()  # hivemind's own result is not waited for
 
 
@@ -96,8 +97,10 @@ def test_a_step_without_a_ticket_is_hivemind_s():
     step, control = DirectStep(), Control()
     step.attach(control)
     step.allow_allreduce()
-    assert not step.done()
+    assert not step.done() and not step.wait(0.01)
     threading.Timer(0.05, lambda: control.set_result({"hivemind": True})).start()
+    started = time.monotonic()
+    assert step.wait(5.0) and time.monotonic() - started < 2  # woken by hivemind's result
     assert step.result(timeout=5) == {"hivemind": True}
     with pytest.raises(TimeoutError):
         other = DirectStep()
