@@ -40,7 +40,7 @@ class SharedBoard:
         return [self.get(k, timeout, abort) for k in want]
 
 
-def _member(rank: int, size: int, values, weights, codec: str, rounds: int, tamper: bool, out) -> None:
+def _member(rank: int, values, size: int, weights, codec: str, rounds: int, tamper: bool, out) -> None:
     plane = DirectPlane("127.0.0.1")
     if tamper:  # an impostor in this member's place in the ring: it sends zeros, whatever it said
         plane._send = lambda ring, segment: ring.allreduce([segment.zero_()])
@@ -67,23 +67,27 @@ def _member(rank: int, size: int, values, weights, codec: str, rounds: int, tamp
     out.put((rank, results, len(plane._rings)))
 
 
-def _run(size: int, codec: str, rounds: int, tamper_rank: int | None = None):
+def _members(target, size: int, args) -> list[tuple]:
+    """Run ``target(rank, values, *args(rank), out)`` in ``size`` spawned processes sharing a
+    board (a manager's dict); what each put on ``out``, by rank."""
     context = mp.get_context("spawn")
     # Keep the manager referenced: once collected, its process ends and every member's board
     # reads fail (EOFError / connection reset), which made this test flaky.
     manager = context.Manager()
     out, values = context.Queue(), manager.dict()
-    weights = [1.0, 2.0, 5.0][:size]
-    members = [
-        context.Process(target=_member, args=(r, size, values, weights, codec, rounds, r == tamper_rank, out))
-        for r in range(size)
-    ]
+    members = [context.Process(target=target, args=(r, values, *args(r), out)) for r in range(size)]
     for m in members:
         m.start()
-    results = sorted(out.get(timeout=90) for _ in members)
+    results = sorted((out.get(timeout=90) for _ in members), key=lambda result: result[0])
     for m in members:
         m.join(timeout=30)
     manager.shutdown()
+    return results
+
+
+def _run(size: int, codec: str, rounds: int, tamper_rank: int | None = None):
+    weights = [1.0, 2.0, 5.0][:size]
+    results = _members(_member, size, lambda r: (size, weights, codec, rounds, r == tamper_rank))
     results = [
         (rank, [r if isinstance(r, str) else [torch.tensor(t) for t in r] for r in rounds], rings)
         for rank, rounds, rings in results
@@ -125,21 +129,12 @@ def _member_in_someone_elses_place(rank: int, values, impostor: bool, out) -> No
     for r in range(2):
         if impostor and r == 1:
             plane._seal = lambda key, message: hmac.new(b"a guess", message, "sha256").digest()
-        tensors = [torch.zeros(6) if rank == 1 and r == 1 else torch.full((6,), float(rank + 1))]
+        zeros = rank == 1 and r == 1
         try:
-            plane.all_reduce(
-                tensors,
-                board=SharedBoard(values, f"round{r}".encode()),
-                seed=f"round{r}".encode(),
-                members=["a", "b"],
-                rank=rank,
-                weight=1.0,
-                total=2.0,
-                codec="none",
-                timeout=20,
-                reusable=frozenset(plane.ring_ids()) if r else None,  # the kept ring
+            reusable = frozenset(plane.ring_ids()) if r else None  # the kept ring
+            results.append(
+                _pair_round(plane, values, r, rank, send=0.0 if zeros else None, reusable=reusable)
             )
-            results.append(float(tensors[0][0]))
         except RingTampered as error:
             results.append(str(error))
     out.put((rank, results))
@@ -150,19 +145,7 @@ def test_someone_in_a_members_place_cannot_pass_off_a_sketch_of_zeros(impostor):
     # The attack of the trust issue, on a kept ring: sending zeros needs no knowledge of R, so
     # the sketch check alone would pass it (the others would apply a mean without that member's
     # share). A member may send zeros; someone in its place cannot seal them.
-    context = mp.get_context("spawn")
-    manager = context.Manager()
-    out, values = context.Queue(), manager.dict()
-    members = [
-        context.Process(target=_member_in_someone_elses_place, args=(r, values, impostor and r == 1, out))
-        for r in range(2)
-    ]
-    for m in members:
-        m.start()
-    results = dict(out.get(timeout=90) for _ in members)
-    for m in members:
-        m.join(timeout=30)
-    manager.shutdown()
+    results = dict(_members(_member_in_someone_elses_place, 2, lambda r: (impostor and r == 1,)))
     assert results[0][0] == results[1][0] == 1.5
     if impostor:
         assert "not sealed with the key it posted" in results[0][1] and "member 1" in results[0][1], results
@@ -204,19 +187,7 @@ def _long_member(rank: int, values, codec: str, tamper: bool, out) -> None:
 @pytest.mark.parametrize("tamper", [False, True], ids=["honest", "one-segment-changed"])
 def test_a_long_vector_goes_round_in_segments_and_every_segment_is_checked(codec, tamper):
     assert len(segments(3 * SEGMENT + 1000)) == 3
-    context = mp.get_context("spawn")
-    manager = context.Manager()
-    out, values = context.Queue(), manager.dict()
-    members = [
-        context.Process(target=_long_member, args=(r, values, codec, tamper and r == 1, out))
-        for r in range(2)
-    ]
-    for m in members:
-        m.start()
-    results = dict(out.get(timeout=90) for _ in members)
-    for m in members:
-        m.join(timeout=30)
-    manager.shutdown()
+    results = dict(_members(_long_member, 2, lambda r: (codec, tamper and r == 1)))
     if tamper:
         assert all(isinstance(r, str) and "off by" in r for r in results.values()), results
         return
@@ -226,9 +197,11 @@ def test_a_long_vector_goes_round_in_segments_and_every_segment_is_checked(codec
     assert torch.allclose(torch.tensor(results[0]), expected, rtol=1e-3)
 
 
-def _pair_round(plane: DirectPlane, values, r: int, rank: int, **options) -> float:
-    """Round ``r`` of two members (each sends rank + 1): the mean it got (1.5 when averaged)."""
-    tensors = [torch.full((6,), float(rank + 1))]
+def _pair_round(plane: DirectPlane, values, r: int, rank: int, send: float | None = None, **options) -> float:
+    """Round ``r`` of two members (each sends rank + 1, or ``send``): the mean it got (1.5 when
+    averaged)."""
+    options.setdefault("timeout", 20)
+    tensors = [torch.full((6,), float(rank + 1) if send is None else send)]
     plane.all_reduce(
         tensors,
         board=SharedBoard(values, f"round{r}".encode()),
@@ -267,18 +240,7 @@ def _member_that_may_forget(rank: int, values, agree: bool, out) -> None:
 
 @pytest.mark.parametrize("agree", [True, False], ids=["held-by-all", "own-cache"])
 def test_a_ring_is_reused_only_if_every_member_still_holds_it(agree):
-    context = mp.get_context("spawn")
-    manager = context.Manager()
-    out, values = context.Queue(), manager.dict()
-    members = [
-        context.Process(target=_member_that_may_forget, args=(r, values, agree, out)) for r in range(2)
-    ]
-    for m in members:
-        m.start()
-    results = dict(out.get(timeout=90) for _ in members)
-    for m in members:
-        m.join(timeout=30)
-    manager.shutdown()
+    results = dict(_members(_member_that_may_forget, 2, lambda r: (agree,)))
     assert results[0][0] == results[1][0] == 1.5
     if agree:  # member 0 drops its ring too: both set up a new one and the round averages
         assert results[0][1] == results[1][1] == 1.5
@@ -316,16 +278,10 @@ def _member_that_may_skip_a_round(rank: int, values, out) -> None:
 
 
 def test_a_member_that_never_comes_fails_the_round_in_seconds_and_the_next_round_averages():
-    context = mp.get_context("spawn")
-    manager = context.Manager()
-    out, values = context.Queue(), manager.dict()
-    members = [context.Process(target=_member_that_may_skip_a_round, args=(r, values, out)) for r in range(2)]
-    for m in members:
-        m.start()
-    results = {rank: (rounds, rings) for rank, rounds, rings in (out.get(timeout=90) for _ in members)}
-    for m in members:
-        m.join(timeout=30)
-    manager.shutdown()
+    results = {
+        rank: (rounds, rings)
+        for rank, rounds, rings in _members(_member_that_may_skip_a_round, 2, lambda r: ())
+    }
     (first, rings0), (second, rings1) = results[0], results[1]
     assert first[0] == second[0] == 1.5
     kind, seconds, why = first[1]
