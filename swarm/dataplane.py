@@ -254,7 +254,7 @@ class DirectPlane:
         def sketch_own(index: int) -> None:
             nonlocal sketcher
             if sketcher is None:
-                sketcher = Sketcher(seed, count)  # R, drawn once for both sketches
+                sketcher = Sketcher(seed, count, fast=True)  # R, drawn once for both sketches
             lo, hi = bounds[index]
             rows[index] = sketcher.rows(flat[lo:hi], lo)
             squares[index] = float(torch.linalg.vector_norm(flat[lo:hi])) ** 2
