@@ -311,9 +311,9 @@ class RingDriver:
         except Exception as error:  # noqa: BLE001 - a failed round, told to both sides
             step.settle(None, AllreduceFailed(f"direct data plane: {error}"))
             return Outcome(ticket.group_id, False, str(error))
-        step.settle(ticket.gathered, None)
-        with self._rounds.get_lock():
+        with self._rounds.get_lock():  # before the caller wakes: its report reads this
             self._rounds.value += 1
+        step.settle(ticket.gathered, None)
         if not self._used:
             self._used = True
             logger.info("averaging over the direct data plane (a gloo ring of %d)", len(ticket.members))
