@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import multiprocessing as mp
 import threading
@@ -117,11 +118,16 @@ class GroupAverager(StateSharing, DecentralizedAverager):
 
     def run(self) -> None:
         # hivemind's averager process (forked): the aggregation rule of its all-reduce lives here.
+        # What it inherited from the peer's process is never collected here: that may hold the
+        # gloo rings of earlier averagers (a benchmark, a notebook), whose threads were not
+        # forked; destroying one here aborts this process (std::system_error from its thread
+        # join, seen in benchmarks.allreduce's second averager).
+        gc.freeze()
         if self._aggregate == "trimmed-mean":
             from swarm.trimmed import install
 
             install()
-        self._driver = None  # the ring runs in the peer's process, never here
+        self._inherited, self._driver = self._driver, None  # the ring runs in the peer's process
         for end in (self._tickets_in, self._outcomes_out, self._board_here):  # the peer's ends
             end.close()
         if self._plane_enabled.value:

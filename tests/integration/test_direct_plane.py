@@ -1,0 +1,23 @@
+"""The direct plane's ring in the peer's process (swarm.ring_driver), with real GroupAverager
+processes: two peers, each making one averager after another in the same process, as
+benchmarks.allreduce and a notebook do. The second averager's process is forked from a process
+that holds the first's gloo ring (whose threads are not forked); it must neither die nor
+disturb the rounds (it aborted with std::system_error when it garbage-collected that ring)."""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks import allreduce
+
+SIZE_MB = 0.05
+
+
+def test_averagers_made_one_after_another_in_a_process_keep_averaging():
+    configs = [(SIZE_MB, "none", "direct"), (SIZE_MB, "fp16", "direct"), (SIZE_MB, "none", "direct")]
+    port = 29000 + os.getpid() % 500
+    results = allreduce._run(allreduce._averager_worker, 2, port, configs, {SIZE_MB: 2})
+    for member in results:
+        for config in configs:
+            times, baseline = member[config]
+            assert len(times) == len(baseline) == 2, (config, member[config])  # every attempt averaged
