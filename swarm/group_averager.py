@@ -33,7 +33,7 @@ from swarm.dataplane import DIRECT_CODECS, DirectPlane, bindable, or_error
 from swarm.faults import fault_value
 from swarm.hivemind_fixes import ExpectedMembers  # importing it also patches StepControl
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
-from swarm.ring_driver import Outcome, RingDriver, Ticket, serve_board
+from swarm.ring_driver import Outcome, RingDriver, Ticket, messages, serve_board
 from swarm.state_sharing import VERIFIERS, StateSharing
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._tickets_in, self._tickets_out = mp.Pipe(duplex=False)
         self._outcomes_in, self._outcomes_out = mp.Pipe(duplex=False)
         self._board_here, self._board_there = mp.Pipe()
-        self._posted: OrderedDict[bytes, tuple[asyncio.Future, BoardClient]] = OrderedDict()
+        # Groups sent to the peer's ring: how its round went, the group's board, the step's result.
+        self._posted: OrderedDict[bytes, tuple[asyncio.Future, BoardClient, dict]] = OrderedDict()
         self._ticket_loop: asyncio.AbstractEventLoop | None = None
         self._expected = mp.Array("c", EXPECTED_BYTES)  # the next step's round mates (ids)
         self.assembled = mp.Value("d", 0.0)  # when a group last formed (time.time())
@@ -148,11 +149,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
 
     def _read_outcomes(self) -> None:
         """The peer's ring telling how each group's round went (a thread of this process)."""
-        while True:
-            try:
-                outcome: Outcome = self._outcomes_in.recv()
-            except (EOFError, OSError):
-                return
+        for outcome in messages(self._outcomes_in):
             self._ticket_loop.call_soon_threadsafe(self._settle, outcome)
 
     def _settle(self, outcome: Outcome) -> None:
@@ -261,7 +258,11 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             else 1.0,
             gathered={peer: gathered.unwrap(m) for peer, m in zip(group_info.peer_ids, members)},
         )
-        self._posted[group_info.group_id] = (asyncio.get_running_loop().create_future(), board)
+        self._posted[group_info.group_id] = (
+            asyncio.get_running_loop().create_future(),
+            board,
+            ticket.gathered,
+        )
         while len(self._posted) > TICKETS_KEPT:
             self._posted.popitem(last=False)
         self._tickets_out.send(ticket)
@@ -287,10 +288,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):
         # In hivemind's averager process, once the group is formed (and triggered).
-        members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
         posted = self._posted.get(group_info.group_id)
-        if posted is None:
-            self.assembled.value = time.time()
         if posted is not None:  # the peer's ring runs this round: wait for how it went
             try:
                 outcome: Outcome = await posted[0]
@@ -301,7 +299,9 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             running = self._running_groups.get(group_info.group_id)
             if running is not None and not running.done():
                 running.set_result(None)  # no hivemind runner for this group: nothing to wait for
-            return {peer: gathered.unwrap(m) for peer, m in zip(group_info.peer_ids, members)}
+            return posted[2]
+        self.assembled.value = time.time()
+        members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
         if not self._masks:
             return await self._reduce(group_info, members, min_vector_size, **kwargs)
         # Kept-masks go round scaled like the updates beside them (gathered.mask_scale says why);

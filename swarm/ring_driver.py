@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -224,14 +224,19 @@ class ForwardedBoard:
         return self._call("exchange", timeout, key, bytes(value), list(want), timeout)
 
 
+def messages(connection: Connection) -> Iterator[Any]:
+    """What comes through ``connection`` until its other end is closed."""
+    while True:
+        try:
+            yield connection.recv()
+        except (EOFError, OSError):
+            return
+
+
 def serve_board(connection: Connection, boards: Callable[[bytes], Any]) -> None:
     """In the averager process: answer the ring's board requests until the pipe closes
     (``boards``: a group's board by its id, or None)."""
-    while True:
-        try:
-            group_id, op, args = connection.recv()
-        except (EOFError, OSError):
-            return
+    for group_id, op, args in messages(connection):
         board = boards(group_id)
         try:
             if board is None or op not in ("set", "get", "exchange"):
@@ -286,11 +291,8 @@ class RingDriver:
         return step
 
     def _serve(self) -> None:
-        while True:
-            try:
-                ticket: Ticket = self._tickets.recv()
-            except (EOFError, OSError):
-                return
+        ticket: Ticket
+        for ticket in messages(self._tickets):
             with self._steps_lock:
                 step = self._steps.pop(ticket.nonce, None)
             if step is None:
