@@ -45,7 +45,6 @@ from swarm.download import Downloading
 from swarm.group_averager import GroupAverager, fault_value
 from swarm.progress import ProgressBoard
 from swarm.records import RunKeys, Stage
-from swarm.ring_driver import DirectStep
 
 logger = logging.getLogger(__name__)
 
@@ -298,10 +297,7 @@ class SwarmAverager(Downloading):
                     ):
                         control.cancel()
                         return None, "the others finished this round without this peer"
-                if isinstance(control, DirectStep):
-                    control.wait(0.05)  # wakes as soon as the peer's ring settles
-                else:
-                    time.sleep(0.05)
+                time.sleep(0.05)
             gathered = control.result()
         except KeyboardInterrupt:
             control.cancel()
