@@ -86,18 +86,21 @@ def quiet_handle_sharing() -> None:
 
 
 class _CancelledStepNoise(logging.Filter):
-    """asyncio's reports of hivemind's own clean-up when a step is cancelled mid-matchmaking
-    (this peer gave up on a round, or was suspended past it): its matchmaking tasks are
-    destroyed pending, and an async generator closed twice raises in a task nobody awaits.
-    Nothing is lost (the round already fell back); they go to the debug log, not the user's."""
+    """asyncio's report of hivemind's own clean-up when a step is cancelled mid-matchmaking
+    (this peer gave up on a round, or was suspended past it): an async generator closed twice
+    raises in a task nobody awaits. Nothing is lost (the round already fell back); it goes to
+    the debug log, not the user's.
+
+    "Task was destroyed but it is pending!" from hivemind's averaging was filtered here too,
+    as noise. It was not: the destroyed clean-up left matchmaking's locks held and the peer out
+    of every later group. The averager process's loop now keeps its tasks
+    (:func:`swarm.hivemind_fixes.keep_tasks_alive`), and the message, should it come back,
+    reaches the log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        noise = (
-            text.startswith("Task was destroyed but it is pending!") and "hivemind/averaging" in text
-        ) or (
-            text.startswith("Task exception was never retrieved")
-            and "asynchronous generator is already running" in text
+        noise = text.startswith("Task exception was never retrieved") and (
+            "asynchronous generator is already running" in text
         )
         if noise:
             logger.debug("hivemind, after a cancelled step: %s", text.splitlines()[0])

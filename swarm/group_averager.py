@@ -31,7 +31,7 @@ from swarm import gathered
 from swarm.consensus import CHECKED_CODECS, FAILED, Post, TensorSketcher, disagreement, scaled
 from swarm.dataplane import DIRECT_CODECS, DirectPlane, bindable, or_error
 from swarm.faults import fault_value
-from swarm.hivemind_fixes import ExpectedMembers  # importing it also patches StepControl
+from swarm.hivemind_fixes import ExpectedMembers, install_task_keeper  # importing it patches StepControl
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
 from swarm.ring_driver import Outcome, RingDriver, Ticket, messages, serve_board
 from swarm.state_sharing import VERIFIERS, StateSharing
@@ -67,7 +67,6 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._aggregate = aggregate
         self._driver: RingDriver | None = None  # the peer process's ring (swarm.ring_driver)
         self._boards = RendezvousBoards()  # the rendezvous of the groups this peer leads
-        self._running: set[asyncio.Task] = set()  # see _keep_running
         # Cleared by the ring when no ring can be set up; read by both processes.
         self._plane_enabled = mp.Value("b", 0)
         self.direct_rounds = mp.Value("q", 0)  # rounds the direct plane carried, for reports
@@ -124,6 +123,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         # forked; destroying one here aborts this process (std::system_error from its thread
         # join, seen in benchmarks.allreduce's second averager).
         gc.freeze()
+        install_task_keeper()  # a pending task destroyed by the collector froze matchmaking
         if self._aggregate == "trimmed-mean":
             from swarm.trimmed import install
 
@@ -173,21 +173,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             elif not future.cancelled() and future.exception() is None and future.result() is not None:
                 future.result().finalize(cancel=True)
 
-    def _keep_running(self) -> None:
-        """Keep the current task referenced until it is done. hivemind's averager process starts
-        each request from the peer (a step, a state download) as a task it keeps no reference to
-        (``_run_internal``: ``task = asyncio.create_task(...)``, overwritten by the next one), and
-        asyncio holds only weak references to tasks: once the task waits on something only it
-        references, the garbage collector may destroy it mid-flight ("Task was destroyed but it
-        is pending!"). The peer then waits on a step that never begins (its round mates' ring
-        waits for it until the timeout) or a download that never ends."""
-        task = asyncio.current_task()
-        if task is not None:
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
-
     async def _step(self, **kwargs: Any):
-        self._keep_running()
         # A leader forms the group as soon as the expected members joined, rather than at the end
         # of the matchmaking window (hivemind's target group size, which it reads per join).
         self._matchmaking.target_group_size = ExpectedMembers.parse(self._matchmaking, self._expected.value)

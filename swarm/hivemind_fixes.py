@@ -1,10 +1,12 @@
 """Fixes to hivemind's step control, applied once on import (by :mod:`swarm.group_averager`),
-and :class:`ExpectedMembers`, a group target made of peer ids."""
+:func:`keep_tasks_alive` for the averager process's event loop, and :class:`ExpectedMembers`,
+a group target made of peer ids."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from hivemind.averaging.control import StepControl
@@ -45,6 +47,55 @@ def _quiet_cancelled_result(original: Callable[[Any, Any], None]) -> Callable[[A
 
 
 StepControl.set_result = _quiet_cancelled_result(StepControl.set_result)
+
+
+def keep_tasks_alive(loop: asyncio.AbstractEventLoop) -> set[asyncio.Task]:
+    """Make ``loop`` hold every task it runs until the task is done; the set it holds them in.
+
+    asyncio (and uvloop) keep only weak references to tasks. A task that waits on an ``MPFuture``
+    (hivemind's DHT answering from its own process, which itself keeps only a weak reference to
+    that future) is then reachable from nothing but a reference cycle, and the garbage collector
+    destroys it mid-flight ("Task was destroyed but it is pending!"). In hivemind's matchmaking
+    that happens to the clean-up of a cancelled step: ``PotentialLeaders._declare_averager_
+    periodically`` awaits the DHT's "no longer looking" store in a ``finally`` inside ``async with``
+    blocks of ``begin_search`` and ``looking_for_group``. A coroutine closed there never runs
+    their exits, so those locks stay held and the averager never looks for a group again: the
+    peer is left out of every round for the rest of the run (a late joiner that once gave up on
+    a round, seen in ``test_late_joiner_downloads_state_and_matches``)."""
+    tasks: set[asyncio.Task] = set()
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Coroutine, **kwargs: Any) -> asyncio.Task:
+        task = asyncio.Task(coro, loop=loop, **kwargs)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return task
+
+    loop.set_task_factory(factory)
+    return tasks
+
+
+def _keeping_tasks_alive(
+    original: Callable[[], asyncio.AbstractEventLoop],
+) -> Callable[[], asyncio.AbstractEventLoop]:
+    """hivemind's ``switch_to_uvloop`` (which makes each of its processes' event loops), with
+    :func:`keep_tasks_alive` on the loop it makes."""
+
+    def switch_to_uvloop() -> asyncio.AbstractEventLoop:
+        loop = original()
+        keep_tasks_alive(loop)
+        return loop
+
+    return switch_to_uvloop
+
+
+def install_task_keeper() -> None:
+    """In hivemind's averager process, before its event loop exists: that loop will hold its
+    tasks (:func:`keep_tasks_alive`). Patches the process's own copy of the module only."""
+    import hivemind.averaging.averager as averager_module
+
+    if not getattr(averager_module.switch_to_uvloop, "keeps_tasks", False):
+        averager_module.switch_to_uvloop = _keeping_tasks_alive(averager_module.switch_to_uvloop)
+        averager_module.switch_to_uvloop.keeps_tasks = True  # type: ignore[attr-defined]
 
 
 class ExpectedMembers:

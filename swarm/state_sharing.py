@@ -245,7 +245,6 @@ class StateSharing:
         return future
 
     async def _state_offers(self, future: MPFuture, exclude: Sequence[str], verifiers: Sequence[str]) -> None:
-        self._keep_running()
         try:
             donors = (await self._donors(exclude))[:MAX_DONORS] if self._state_direct else []
             offers = await self._first_offers(donors)
@@ -295,7 +294,6 @@ class StateSharing:
         return future
 
     async def _theta_sketches(self, future: MPFuture, seed: bytes) -> None:
-        self._keep_running()
         try:
             answers: dict = {}
             for answered in await asyncio.gather(*self._witnesses.pop(seed, [])):
@@ -347,7 +345,6 @@ class StateSharing:
     ) -> None:
         # In the averager process. Donors in order of the priority they declare (their outer
         # step; anyone can declare any, which is why the joiner checks what it gets).
-        self._keep_running()
         try:
             for peer in await self._donors(exclude):
                 donor = peer.to_base58()

@@ -40,6 +40,15 @@ soon as its members joined), and a joiner needs 5-10 s to start (corpus, key, da
 loaded machine): 20 rounds were over before it could reach the first peer."""
 
 
+def verbose_flag() -> list[str]:
+    """``-v`` / ``-vv`` for the peers of the tests named in ``WB_TEST_VERBOSE``
+    (``<part of the test's name>[:<level>]``, docs/development.md), else nothing."""
+    pattern, _, level = os.environ.get("WB_TEST_VERBOSE", "").partition(":")
+    if not pattern or pattern not in os.environ.get("PYTEST_CURRENT_TEST", ""):
+        return []
+    return ["-" + "v" * max(1, int(level or 1))]
+
+
 class PeerProcess:
     def __init__(
         self, name: str, args: list[str], run_dir: Path, wrap: Callable[[list[str]], list[str]] = list
@@ -50,6 +59,8 @@ class PeerProcess:
         self.stdout_path = self.directory / "stdout.txt"
         self.stderr_path = self.directory / "stderr.txt"
         self.argv = [sys.executable, "-m", "workbench", *args]
+        if args and args[0] in ("start", "join"):
+            self.argv[3:3] = verbose_flag()
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.process = subprocess.Popen(
                 wrap(self.argv),  # e.g. run inside a network namespace

@@ -1,40 +1,97 @@
-"""hivemind's averager process starts each request as a task it keeps no reference to; ours
-keep themselves referenced (GroupAverager._keep_running), or the garbage collector may destroy
-a step mid-flight and its round mates wait for it until their timeout."""
+"""hivemind's averager process awaits futures that nothing else holds (an ``MPFuture`` the DHT
+answers from its own process is held weakly there) in tasks it keeps no reference to, and asyncio
+holds only weak references to tasks: the garbage collector destroyed such tasks mid-flight ("Task
+was destroyed but it is pending!"). In matchmaking's clean-up that left hivemind's locks held and
+the peer never looked for a group again. The averager process's loop now holds its tasks
+(swarm.hivemind_fixes.keep_tasks_alive)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 import weakref
 from types import SimpleNamespace
 
+import pytest
+
 from swarm.group_averager import GroupAverager
+from swarm.hivemind_fixes import keep_tasks_alive
 
 
-def test_a_request_that_keeps_itself_running_survives_the_garbage_collector():
-    holder = SimpleNamespace(_running=set())
+def _a_cleanup_awaiting_a_weakly_held_future(
+    keep: bool, loop: asyncio.AbstractEventLoop
+) -> tuple[bool, bool]:
+    """A cancelled matchmaking's clean-up, as hivemind's is: a task that holds a lock and, in a
+    ``finally``, awaits a future that its producer holds only weakly (an ``MPFuture``), then
+    awaits more on its way out. After a collection, the producer answers if it still can;
+    (answered, the lock was released). A destroyed task's coroutine is closed: the ``await`` in
+    the outer ``finally`` ignores the close, so the lock's exit never runs."""
+    produced: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    lock = asyncio.Lock()
 
-    async def request(keep: bool) -> None:
-        if keep:
-            GroupAverager._keep_running(holder)
-        await asyncio.get_running_loop().create_future()  # waits on what only it references
+    async def clean_up() -> None:
+        async with lock:  # begin_search's lock_search
+            try:
+                try:
+                    await asyncio.sleep(3600)  # matchmaking, until cancelled
+                finally:  # _declare_averager_periodically's
+                    answer = loop.create_future()
+                    produced["store"] = answer
+                    await answer  # the DHT's "no longer looking" store
+            finally:  # begin_search's: cancel_and_wait(update_queue_task)
+                await asyncio.sleep(0)
 
     async def main() -> tuple[bool, bool]:
-        # As hivemind's _run_internal does: create_task, keep no reference.
-        refs = {keep: weakref.ref(asyncio.create_task(request(keep))) for keep in (False, True)}
+        if keep:
+            keep_tasks_alive(asyncio.get_running_loop())
+        task = asyncio.create_task(clean_up())  # hivemind keeps no reference either
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(0)
+        del task
+        gc.collect()
+        answer = produced.get("store")
+        if answer is not None:
+            answer.set_result(None)
         for _ in range(3):
             await asyncio.sleep(0)
-        gc.collect()
-        destroyed, alive = refs[False]() is None, refs[True]() is not None
-        for task in list(holder._running):
-            task.cancel()
-        await asyncio.sleep(0)
-        return destroyed, alive
+        return answer is not None, not lock.locked()
 
-    destroyed, alive = asyncio.run(main())
-    assert destroyed, "without a reference the pending task was collected (the hivemind bug)"
-    assert alive, "a task that keeps itself running is not"
+    return loop.run_until_complete(main())
+
+
+# The unkept half shows the bug: the destroyed coroutine's "coroutine ignored GeneratorExit".
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_a_loop_that_keeps_its_tasks_lets_a_cancelled_cleanup_finish_and_release_its_lock(kind):
+    make = asyncio.new_event_loop if kind == "asyncio" else pytest.importorskip("uvloop").new_event_loop
+    for keep in (False, True):
+        loop = make()
+        try:
+            answered, released = _a_cleanup_awaiting_a_weakly_held_future(keep, loop)
+        finally:
+            loop.close()
+        if keep:
+            assert answered and released, "the loop held the task: the clean-up ends, the lock is free"
+        else:  # the hivemind bug, shown: the task was destroyed and the lock stays held for ever
+            assert not answered and not released
+
+
+def test_hivemind_s_averager_process_makes_its_loop_through_the_patched_switch():
+    """GroupAverager's process installs the keeper before hivemind makes its event loop (in a
+    child, as there: ``switch_to_uvloop`` replaces this process's event loop policy)."""
+    code = (
+        "import asyncio\n"
+        "from swarm.hivemind_fixes import install_task_keeper\n"
+        "install_task_keeper(); install_task_keeper()\n"
+        "import hivemind.averaging.averager as m\n"
+        "loop = m.switch_to_uvloop()\n"
+        "print(type(loop).__module__, loop.get_task_factory() is not None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["uvloop", "True"], out.stdout + out.stderr
 
 
 class Runner:

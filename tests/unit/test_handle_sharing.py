@@ -49,9 +49,11 @@ def test_a_receiver_dying_mid_handshake_prints_no_traceback_in_a_peer(setup):
         assert "Traceback" not in run.stderr and "ConnectionResetError" not in run.stderr, run.stderr
 
 
-def test_hivemind_clean_up_after_a_cancelled_step_stays_out_of_the_log(caplog):
+def test_hivemind_clean_up_noise_stays_out_of_the_log_but_a_destroyed_task_shows(caplog):
     """What a peer resumed after a long suspend printed as errors (seen in the overlapped
-    straggler scenario): asyncio's reports of hivemind's matchmaking tasks destroyed pending."""
+    straggler scenario): an async generator closed twice in hivemind's clean-up (noise: to the
+    debug log), and matchmaking tasks destroyed pending. Those are shown: they froze the peer's
+    matchmaking until the averager process's loop kept its tasks (test_group_averager_tasks)."""
     import logging
 
     from swarm.dht import quiet_children
@@ -70,4 +72,4 @@ def test_hivemind_clean_up_after_a_cancelled_step_stays_out_of_the_log(caplog):
         )
         log.error("Task was destroyed but it is pending!\ntask: <Task pending coro=<my_own_code()>>")
     shown = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
-    assert len(shown) == 1 and "my_own_code" in shown[0], shown
+    assert len(shown) == 2 and all(text.startswith("Task was destroyed") for text in shown), shown

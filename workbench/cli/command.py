@@ -128,6 +128,8 @@ def _configure_logging(verbose: int) -> None:
     level = {0: "CRITICAL", 1: "WARNING"}.get(verbose, "DEBUG")
     os.environ.setdefault("HIVEMIND_LOGLEVEL", level)
     logging.getLogger("hivemind").setLevel(level)
+    # multiaddr traces every address it parses at DEBUG (several lines per peer id): -vv only.
+    logging.getLogger("multiaddr").setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
 
 
 def _print_join_command(config: RunConfig, addresses: list[str]) -> None:
