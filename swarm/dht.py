@@ -137,7 +137,8 @@ def quiet_children() -> Iterator[None]:
 
 @functools.cache
 def _quiet_dht_class():
-    """hivemind's DHT, whose process ends quietly when a request's pipe is lost in transit.
+    """hivemind's DHT, whose process ends quietly when a request's pipe is lost in transit,
+    and whose event loop holds its tasks (:func:`swarm.hivemind_fixes.keep_tasks_alive`).
 
     A request from the peer can carry a connection (a future's pipe), which the DHT process
     fetches from the sender through multiprocessing's resource sharer. When the peer is
@@ -147,6 +148,11 @@ def _quiet_dht_class():
 
     class QuietDHT(hivemind.DHT):
         def run(self) -> None:
+            from swarm.hivemind_fixes import install_task_keeper
+
+            # Its loop holds its tasks: hivemind runs each request as a task it keeps no
+            # reference to, and the collector destroyed one now and then mid-request.
+            install_task_keeper("hivemind.dht.dht")
             try:
                 super().run()
             except (EOFError, ConnectionError) as error:

@@ -88,14 +88,16 @@ def _keeping_tasks_alive(
     return switch_to_uvloop
 
 
-def install_task_keeper() -> None:
-    """In hivemind's averager process, before its event loop exists: that loop will hold its
-    tasks (:func:`keep_tasks_alive`). Patches the process's own copy of the module only."""
-    import hivemind.averaging.averager as averager_module
+def install_task_keeper(module: str = "hivemind.averaging.averager") -> None:
+    """In one of hivemind's processes (its averager's by default, or ``"hivemind.dht.dht"``),
+    before its event loop exists: that loop will hold its tasks (:func:`keep_tasks_alive`).
+    Patches the process's own copy of ``module`` only (call it in the child process)."""
+    import importlib
 
-    if not getattr(averager_module.switch_to_uvloop, "keeps_tasks", False):
-        averager_module.switch_to_uvloop = _keeping_tasks_alive(averager_module.switch_to_uvloop)
-        averager_module.switch_to_uvloop.keeps_tasks = True  # type: ignore[attr-defined]
+    target = importlib.import_module(module)
+    if not getattr(target.switch_to_uvloop, "keeps_tasks", False):
+        target.switch_to_uvloop = _keeping_tasks_alive(target.switch_to_uvloop)
+        target.switch_to_uvloop.keeps_tasks = True  # type: ignore[attr-defined]
 
 
 class ExpectedMembers:

@@ -79,19 +79,34 @@ def test_a_loop_that_keeps_its_tasks_lets_a_cancelled_cleanup_finish_and_release
             assert not answered and not released
 
 
-def test_hivemind_s_averager_process_makes_its_loop_through_the_patched_switch():
-    """GroupAverager's process installs the keeper before hivemind makes its event loop (in a
-    child, as there: ``switch_to_uvloop`` replaces this process's event loop policy)."""
+@pytest.mark.parametrize("module", ["hivemind.averaging.averager", "hivemind.dht.dht"])
+def test_hivemind_s_averager_and_dht_processes_make_their_loops_through_the_patched_switch(module):
+    """GroupAverager's and QuietDHT's processes install the keeper before hivemind makes their
+    event loop (in a child, as there: ``switch_to_uvloop`` replaces this process's event loop
+    policy)."""
     code = (
-        "import asyncio\n"
+        "import importlib\n"
         "from swarm.hivemind_fixes import install_task_keeper\n"
-        "install_task_keeper(); install_task_keeper()\n"
-        "import hivemind.averaging.averager as m\n"
-        "loop = m.switch_to_uvloop()\n"
+        f"install_task_keeper({module!r}); install_task_keeper({module!r})\n"
+        f"loop = importlib.import_module({module!r}).switch_to_uvloop()\n"
         "print(type(loop).__module__, loop.get_task_factory() is not None)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["uvloop", "True"], out.stdout + out.stderr
+
+
+async def _loop_keeps_tasks(dht, node) -> bool:
+    return asyncio.get_running_loop().get_task_factory() is not None
+
+
+def test_a_peer_s_dht_process_runs_on_a_loop_that_keeps_its_tasks():
+    from swarm.dht import _quiet_dht_class
+
+    dht = _quiet_dht_class()(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        assert dht.run_coroutine(_loop_keeps_tasks) is True
+    finally:
+        dht.shutdown()
 
 
 class Runner:
