@@ -57,28 +57,26 @@ def _member(rank: int, barrier, addresses, ids, out) -> None:
         ids[rank] = averager.peer_id.to_base58()
         barrier.wait(timeout=60)
         other = [ids[1 - rank]]
-        sizes = []
-        for _ in range(ROUNDS):
-            if rank == 0:  # steps given up on mid-matchmaking
-                for _ in range(CANCELLED_PER_ROUND):
-                    control = averager.step(
-                        wait=False,
-                        allow_retries=False,
-                        expected=other,
-                        scheduled_time=get_dht_time() + 1.0,
-                        timeout=10,
-                    )
-                    time.sleep(0.3)
-                    control.cancel()
-                    time.sleep(0.05)
-            barrier.wait(timeout=60)
-            control = averager.step(
+
+        def step():  # as a peer's round asks for one (swarm.averaging: no retries, its mate expected)
+            return averager.step(
                 wait=False,
                 allow_retries=False,
                 expected=other,
                 scheduled_time=get_dht_time() + 1.0,
                 timeout=10,
             )
+
+        sizes = []
+        for _ in range(ROUNDS):
+            if rank == 0:  # steps given up on mid-matchmaking
+                for _ in range(CANCELLED_PER_ROUND):
+                    control = step()
+                    time.sleep(0.3)
+                    control.cancel()
+                    time.sleep(0.05)
+            barrier.wait(timeout=60)
+            control = step()
             try:
                 sizes.append(len(control.result(timeout=20)))
             except Exception as error:  # noqa: BLE001 - no group: counted as such
