@@ -53,9 +53,10 @@ def keep_tasks_alive(loop: asyncio.AbstractEventLoop) -> set[asyncio.Task]:
     """Make ``loop`` hold every task it runs until the task is done; the set it holds them in.
 
     asyncio (and uvloop) keep only weak references to tasks. A task that waits on an ``MPFuture``
-    (hivemind's DHT answering from its own process, which itself keeps only a weak reference to
-    that future) is then reachable from nothing but a reference cycle, and the garbage collector
-    destroys it mid-flight ("Task was destroyed but it is pending!"). In hivemind's matchmaking
+    (which another process, the DHT's, will answer; ``MPFuture._active_futures``, which routes
+    the answer to it, holds it only weakly) is then reachable from nothing but a reference
+    cycle, and the garbage collector destroys it mid-flight ("Task was destroyed but it is
+    pending!"). In hivemind's matchmaking
     that happens to the clean-up of a cancelled step: ``PotentialLeaders._declare_averager_
     periodically`` awaits the DHT's "no longer looking" store in a ``finally`` inside ``async with``
     blocks of ``begin_search`` and ``looking_for_group``. A coroutine closed there never runs
