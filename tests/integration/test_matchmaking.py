@@ -4,9 +4,9 @@ DHT, their averager processes with an eager garbage collector. Before
 the averager's event loop held its tasks (swarm.hivemind_fixes.keep_tasks_alive), the collector
 destroyed hivemind's matchmaking clean-up ("Task was destroyed but it is pending!"); its locks
 stayed held and that member never found a group again (seen as a late joiner left alone for the
-rest of a run in test_late_joiner_downloads_state_and_matches; this test failed 3 runs of 6
-without the fix, every round frozen after the collection; test_group_averager_tasks shows
-the mechanism deterministically)."""
+rest of a run in test_late_joiner_downloads_state_and_matches). Without the fix this test
+fails about 1 run in 3, every round after the collection frozen; test_group_averager_tasks
+shows the mechanism deterministically."""
 
 from __future__ import annotations
 
