@@ -1,10 +1,15 @@
 """Writes the example notebooks (the .ipynb files are generated from this file: edit here).
 
-    .venv/bin/python notebooks/build.py
+    .venv/bin/python notebooks/build.py           # write them
+    .venv/bin/python notebooks/build.py --check   # exit 1 if a committed notebook differs
+
+Cell ids are the cells' positions, so that writing them again changes nothing unless a cell did.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 import nbformat
@@ -64,7 +69,8 @@ NOTEBOOKS = {
             "FedAvg / local SGD, DiLoCo, DiLoCo with int8 pseudo-gradients, DiLoCo with its all-reduce "
             "overlapped with the next round (eager updates, the default with `overlap=True`, and the "
             "naive one-step delay, `eager=False`), SparseLoCo as published (top-k 128 of every 4096 "
-            "entries, 2-bit values, error feedback decaying by 0.95) and streaming DiLoCo. Every "
+            "entries, 2-bit values, error feedback decaying by 0.95, each entry averaged over the peers "
+            "that kept it) and streaming DiLoCo. Every "
             "`Experiment` takes the same optimizer options as `workbench start` and `workbench "
             "simulate`. See `docs/optimizers.md` for the full benchmark at H=50."
         ),
@@ -168,13 +174,33 @@ NOTEBOOKS = {
 }
 
 
-def main() -> None:
-    for name, cells in NOTEBOOKS.items():
-        notebook = new_notebook(cells=cells, metadata=KERNEL)
-        nbformat.validate(notebook)
-        nbformat.write(notebook, HERE / f"{name}.ipynb")
-        print(f"wrote {name}.ipynb")
+def build(name: str) -> str:
+    """The text of notebook ``name`` as this file makes it."""
+    notebook = new_notebook(cells=NOTEBOOKS[name], metadata=KERNEL)
+    for index, cell in enumerate(notebook.cells):
+        cell.id = f"cell-{index:02d}"
+    nbformat.validate(notebook)
+    return nbformat.writes(notebook) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a notebook differs")
+    args = parser.parse_args(argv)
+    stale = []
+    for name in NOTEBOOKS:
+        path, text = HERE / f"{name}.ipynb", build(name)
+        if args.check:
+            if not path.exists() or path.read_text(encoding="utf-8") != text:
+                stale.append(path.name)
+            continue
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path.name}")
+    if stale:
+        print(f"{', '.join(stale)} differ from notebooks/build.py: edit build.py, then run it", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,6 +12,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -145,6 +146,12 @@ def parse_speeds(text: str | None) -> list[float]:
         raise ValueError(f"--speeds '{text}' must be numbers separated by commas, e.g. 1,1,0.5,0.5") from None
 
 
+def _streaming_used(spec: MethodSpec) -> dict[str, Any]:
+    """The streaming settings the run uses (α resolved: 0.5 with τ > 0, else 0)."""
+    used = spec.streaming_config()
+    return {"fragments": used.fragments, "sync_delay": used.sync_delay, "alpha": used.alpha}
+
+
 def run_simulate_command(args: argparse.Namespace) -> int:
     stragglers = {}
     for text in args.straggler:
@@ -205,7 +212,9 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         "utilization": [round(u, 4) for u in result.utilization],
         "steps_per_peer": result.steps_per_peer,
         "config": {
-            **effective(args.method, spec.diloco, **(streaming if spec.outer_method.fragmented else {})),
+            **effective(
+                args.method, spec.diloco, **(_streaming_used(spec) if spec.outer_method.fragmented else {})
+            ),
             "round_seconds": args.round_seconds,
             "speeds": sim.speeds or None,
         },

@@ -5,6 +5,8 @@ The cell tagged "parameters" is replaced by the values below, as papermill would
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -23,6 +25,14 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 
 def test_every_notebook_is_covered() -> None:
     assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(SMALL)
+
+
+def test_the_committed_notebooks_are_what_build_py_writes() -> None:
+    """An edit to a .ipynb (or to build.py without running it) would be lost or never shipped."""
+    result = subprocess.run(
+        [sys.executable, str(NOTEBOOKS / "build.py"), "--check"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))

@@ -110,7 +110,9 @@ def test_describe_round_mentions_a_lone_round() -> None:
 
 
 def test_data_parallel_method_round_trips(tmp_path: Path) -> None:
-    config = build_config(build_parser().parse_args(["start", "--method", "dp", "--inner-steps", "30"]))
+    with pytest.raises(ValueError, match="--method dp cannot use --inner-steps"):  # H is 1
+        build_config(build_parser().parse_args(["start", "--method", "dp", "--inner-steps", "30"]))
+    config = build_config(build_parser().parse_args(["start", "--method", "dp"]))
     assert config.method == "dp" and config.diloco.inner_steps == 1 and config.diloco.outer_lr == 1.0
     rebuilt = build_config(
         build_parser().parse_args(["start", *peer_arguments(config, name="p", run_dir=tmp_path)])

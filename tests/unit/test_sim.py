@@ -299,6 +299,16 @@ def test_your_own_module_is_for_the_simulator_only():
         Experiment(backend="sim", model="tiny", loss_fn=_next_token_loss)
 
 
+def test_the_wire_codec_is_for_real_peers_only():
+    """The simulator has no wire: ``codec=`` (real peers' all-reduce) would change nothing."""
+    from workbench import Experiment
+
+    with pytest.raises(ValueError, match="use update_codec='int8'"):
+        Experiment(backend="sim", codec="int8")
+    assert Experiment(backend="sim", update_codec="int8").config.diloco.codec == "int8"
+    assert Experiment(backend="local", codec="int8").config.averaging.compression == "int8"
+
+
 def test_time_boxed_rounds_on_the_virtual_clock():
     """Two peers at half speed: with fixed H every round lasts as long as their steps and the
     fast peers idle half the time; with a time box each runs what fits (the fast ones H, the

@@ -52,8 +52,9 @@ def test_simulate_json_contract(capsys, corpus: Path) -> None:
 
 
 def test_bytes_follow_the_method_and_codec(capsys, corpus: Path) -> None:
-    common = ["--data", str(corpus), "--peers", "2", "--steps", "8", "--inner-steps", "4"]
-    dp = run(capsys, *common, "--method", "dp")
+    common = ["--data", str(corpus), "--peers", "2", "--steps", "8"]
+    dp = run(capsys, *common, "--method", "dp")  # H is 1: --inner-steps would be an error
+    common += ["--inner-steps", "4"]
     diloco = run(capsys, *common, "--method", "diloco")
     int8 = run(capsys, *common, "--method", "diloco", "--codec", "int8")
     sparse = run(capsys, *common, "--method", "sparseloco", "--density", "0.01")
@@ -73,10 +74,24 @@ def test_sparseloco_averages_each_kept_coordinate_over_its_keepers_unless_told(c
     assert int8["config"]["codec"] == "int8" and int8["config"]["topk_mean"] is None
 
 
+def test_the_config_shows_the_streaming_merge_weight_the_run_uses(capsys, corpus: Path) -> None:
+    common = ["--data", str(corpus), "--peers", "2", "--steps", "8", "--inner-steps", "4", "--method", "streaming", "--fragments", "2"]  # fmt: skip
+    assert run(capsys, *common)["config"]["alpha"] == 0.0  # merged at once: the global fragment
+    assert run(capsys, *common, "--sync-delay", "1")["config"]["alpha"] == 0.5  # the paper's, with τ > 0
+    assert run(capsys, *common, "--sync-delay", "1", "--alpha", "0.25")["config"]["alpha"] == 0.25
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--method", "dp", "--codec", "int8"], "--method dp cannot use --update-codec"),
+        (["--method", "dp", "--inner-steps", "10"], "--method dp cannot use --inner-steps"),
+        (["--method", "diloco", "--topk-chunk", "64"], "update codec is none: add --update-codec topk"),
+        (
+            ["--method", "sparseloco", "--update-codec", "int8", "--topk-density", "0.1", "--topk-bits", "2"],
+            "--topk-density, --topk-bits shape the topk update codec, and this run's update codec is int8",
+        ),
+        (["--method", "diloco", "--ef-decay", "0.9"], "error feedback is off: add --error-feedback"),
         (["--method", "local_sgd", "--outer-lr", "0.5"], "--method local_sgd cannot use --outer-lr"),
         (["--method", "sparseloco", "--outer-momentum", "0.9"], "error feedback stands in"),
         (["--method", "diloco", "--alpha", "0.5"], "--method diloco cannot use --alpha"),

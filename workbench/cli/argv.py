@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from workbench.cli.optimizer_flags import TOPK_KNOBS
 from workbench.settings.commands import command_settings
 
 if TYPE_CHECKING:
@@ -56,6 +57,14 @@ def _optimizer_values(config: RunConfig, knobs: Sequence[str]) -> dict[str, Any]
     }
     if "eager" in values and config.diloco.delay != 1:
         values["eager"] = None  # no late mean to apply: --eager would be refused
+    # Knobs of a codec or of error feedback the run does not use would be refused too.
+    unused = (
+        *(TOPK_KNOBS if config.diloco.codec != "topk" else ()),
+        *(() if config.diloco.error_feedback else ("ef_decay",)),
+    )
+    for key in unused:
+        if key in values:
+            values[key] = None
     return values
 
 

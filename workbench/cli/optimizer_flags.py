@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from optim.diloco import DiLoCoConfig
 
 
+TOPK_KNOBS = ("topk_density", "topk_chunk", "topk_bits", "topk_mean")
+"""Knobs of the topk update codec: with another codec they would change nothing."""
+
+
 def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -27,10 +31,19 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in sorted(KNOBS) if getattr(args, name, None) is not None}
 
 
+def _default_inner_steps(args: argparse.Namespace) -> int:
+    """H when the command's user gives none (the demo's is its own)."""
+    from workbench.settings.commands import defaults
+
+    return defaults(getattr(args, "command", None) or "start")["inner_steps"]
+
+
 def check_method_flags(args: argparse.Namespace) -> None:
     """Raise ValueError (one line) for a flag ``args.method`` cannot use."""
     chosen = method(args.method)
     wrong = [name for name in given(args) if name not in chosen.knobs]
+    if chosen.every_step and getattr(args, "inner_steps", None) not in (None, 1, _default_inner_steps(args)):
+        wrong.insert(0, "inner_steps")  # it syncs every step: H is 1 (a value at the default: not given)
     if wrong:
         usable = ", ".join(flag(n) for n in chosen.knobs) or "no outer flags"
         raise ValueError(
@@ -70,7 +83,24 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
         overrides.setdefault("outer_momentum", momentum)
     momentum = overrides.get("outer_momentum", base.outer_momentum)
     nesterov = momentum > 0 and (base.nesterov or "outer_momentum" in overrides)
-    return replace(base, **overrides, nesterov=nesterov)
+    config = replace(base, **overrides, nesterov=nesterov)
+    check_codec_flags(given(args), config)
+    return config
+
+
+def check_codec_flags(flags: dict[str, Any], config: DiLoCoConfig) -> None:
+    """Raise ValueError (one line) for a codec knob the run's update codec or error feedback
+    would ignore."""
+    if config.codec != "topk" and (wrong := [flag(n) for n in TOPK_KNOBS if n in flags]):
+        raise ValueError(
+            f"{', '.join(wrong)} shape{'s' if len(wrong) == 1 else ''} the topk update codec, and this "
+            f"run's update codec is {config.codec}: add --update-codec topk, or drop {' and '.join(wrong)}"
+        )
+    if "ef_decay" in flags and not config.error_feedback:
+        raise ValueError(
+            "--ef-decay sets how fast error feedback's residual decays, and error feedback is off: "
+            "add --error-feedback, or drop --ef-decay"
+        )
 
 
 def effective(name: str, config: DiLoCoConfig, **streaming: Any) -> dict[str, Any]:

@@ -126,6 +126,11 @@ class Experiment:
             raise ValueError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
         if speeds is not None and backend != "sim":
             raise ValueError("speeds= sets the simulator's virtual clock: use it with backend='sim'")
+        if backend == "sim" and flags.get("codec", "none") != "none":
+            raise ValueError(
+                f"codec={flags['codec']!r} is the wire codec of real peers' all-reduce, and the simulator "
+                f"has no wire: use update_codec={flags['codec']!r} to compress the updates it averages"
+            )
         self.speeds = list(speeds or [])
         self.backend = backend
         self.peers = peers
