@@ -186,3 +186,24 @@ def test_a_negated_switch_is_a_key_named_after_the_setting(tmp_path, monkeypatch
     assert config.diloco.eager is False and config.diloco.outer_momentum == 0.0
     path.write_text("overlap = true\neager = true\n")
     assert resolve(["start", "--config", str(path)], monkeypatch)[0].diloco.eager is True
+
+
+def test_a_key_the_run_would_ignore_is_refused_as_its_flag_is(tmp_path, monkeypatch):
+    """``topk_chunk`` without the topk codec, ``ef_decay`` without error feedback, ``inner_steps``
+    for dp: refused from a file (and as Experiment keywords), as on the command line."""
+    from workbench.notebook.experiment import config_from_flags
+
+    path = tmp_path / "run.toml"
+    path.write_text("[diloco]\ntopk_chunk = 64\n")
+    with pytest.raises(ValueError, match="add --update-codec topk"):
+        resolve(["start", "--config", str(path)], monkeypatch)
+    path.write_text("[diloco]\nupdate_codec = 'topk'\ntopk_chunk = 64\n")
+    assert resolve(["start", "--config", str(path)], monkeypatch)[0].diloco.topk_chunk == 64
+    path.write_text("ef_decay = 0.9\n")
+    with pytest.raises(ValueError, match="error feedback is off"):
+        resolve(["start", "--config", str(path)], monkeypatch)
+    path.write_text("inner_steps = 10\n")
+    with pytest.raises(ValueError, match="--method dp cannot use --inner-steps"):
+        resolve(["start", "--method", "dp", "--config", str(path)], monkeypatch)
+    with pytest.raises(ValueError, match="add --error-feedback"):
+        config_from_flags("demo", ef_decay=0.9)
