@@ -136,7 +136,7 @@ def test_config_keys_lists_every_setting(capsys):
     assert main(["config", "keys", "--json"]) == 0
     keys = json.loads(capsys.readouterr().out)
     assert keys["inner_steps"]["flag"] == "--inner-steps"
-    assert keys["peers"]["commands"] == ["demo"]
+    assert keys["peers"]["commands"] == ["demo", "simulate"]
 
 
 _values = st.one_of(
@@ -207,3 +207,27 @@ def test_a_key_the_run_would_ignore_is_refused_as_its_flag_is(tmp_path, monkeypa
         resolve(["start", "--method", "dp", "--config", str(path)], monkeypatch)
     with pytest.raises(ValueError, match="add --error-feedback"):
         config_from_flags("demo", ef_decay=0.9)
+
+
+def test_simulate_reads_the_same_file_as_the_peers(tmp_path, capsys, monkeypatch):
+    """One run.toml: simulate takes its optimizer and model keys (a flag still wins) and skips
+    the peers' own (``announce``); start skips simulate's own (``steps``)."""
+    import json
+
+    for key in [k for k in __import__("os").environ if k.startswith("WORKBENCH_")]:
+        monkeypatch.delenv(key)
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'model = "tiny"\nsteps = 8\nbatch_size = 4\npeers = 2\n'
+        "[diloco]\ninner_steps = 4\nouter_lr = 0.5\nouter_momentum = 0.3\n"
+        '[network]\nannounce = ["/ip4/203.0.113.7/tcp/31337"]\n'
+    )
+    assert main(["simulate", "--config", str(path), "--outer-lr", "0.6", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["steps"], result["peers"], result["inner_steps"]) == (8, 2, 4)
+    assert result["config"]["outer_lr"] == 0.6 and result["config"]["outer_momentum"] == 0.3
+    config, sources = resolve(["start", "--config", str(path)], monkeypatch)
+    assert config.diloco.outer_lr == 0.5 and "steps" not in sources
+    path.write_text("inner_stepz = 4\n")
+    assert main(["simulate", "--config", str(path)]) == 2
+    assert "unknown key 'inner_stepz' (did you mean inner_steps?)" in capsys.readouterr().err

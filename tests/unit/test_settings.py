@@ -109,11 +109,11 @@ def test_config_keys_lists_the_schema() -> None:
         check=True,
     ).stdout
     rows = json.loads(out)
-    schema = {k for c in PEER_COMMANDS for k in command_settings(c)} - {"json"}
+    commands = [*PEER_COMMANDS, "simulate"]  # one file serves them all
+    schema = {k for c in commands for k in command_settings(c)} - {"json"}
     assert set(rows) == schema
-    assert rows["inner_steps"]["flag"] == "--inner-steps" and rows["inner_steps"]["commands"] == list(
-        PEER_COMMANDS
-    )
+    assert rows["inner_steps"]["flag"] == "--inner-steps" and rows["inner_steps"]["commands"] == commands
+    assert rows["steps"]["commands"] == ["simulate"]
 
 
 def test_the_schema_imports_without_torch() -> None:

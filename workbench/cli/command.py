@@ -217,7 +217,11 @@ def _main(argv: Sequence[str] | None = None) -> int:
         from workbench.run.data import DataError as _DataError
         from workbench.simulate import run_simulate_command
 
-        return _one_line_errors(lambda: run_simulate_command(args), (ValueError, _DataError))
+        def simulate() -> int:
+            apply_settings(parser, args, argv)
+            return run_simulate_command(args)
+
+        return _one_line_errors(simulate, (ValueError, _DataError))
     from workbench.run.data import DataError
 
     sources: dict[str, str] = {}

@@ -57,7 +57,7 @@ def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace
         return _print_keys(parser, args.json)
     show = actions.choices["show"]
     rest = list(argv)[list(argv).index("show") + 1 :]
-    known = {key for name in PEER_COMMANDS for key in settings_of(subparser(parser, name))}
+    known = {key for name in (*PEER_COMMANDS, "simulate") for key in settings_of(subparser(parser, name))}
     sources = layer(args, show, rest, known_elsewhere=known)
     args.command = "start"
     try:
@@ -82,7 +82,8 @@ def _print_keys(parser: argparse.ArgumentParser, as_json: bool) -> int:
     from workbench.cli.options import PEER_COMMANDS, subparser
 
     rows: dict[str, dict] = {}
-    for command in PEER_COMMANDS:
+    commands = (*PEER_COMMANDS, "simulate")
+    for command in commands:
         for key, action in settings_of(subparser(parser, command)).items():
             row = rows.setdefault(
                 key,
@@ -100,6 +101,6 @@ def _print_keys(parser: argparse.ArgumentParser, as_json: bool) -> int:
         return 0
     width = max(map(len, rows))
     for key, row in rows.items():
-        where = "" if len(row["commands"]) == len(PEER_COMMANDS) else f" [{', '.join(row['commands'])}]"
+        where = "" if len(row["commands"]) == len(commands) else f" [{', '.join(row['commands'])}]"
         print(f"{key:<{width}}  {row['flag']}: {row['help']}{where}")
     return 0

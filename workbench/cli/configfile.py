@@ -8,8 +8,8 @@ A file's keys are the long flags' names with ``_`` (``inner_steps = 20`` is ``--
 ``outer_lr = 0.5``. Values keep TOML's types (an integer, a float, true/false, a string, a list
 of strings for a repeatable flag); each is checked the way its flag is (type, choices), and an
 unknown key or a wrong type is an error naming the file, the key and the fix. Keys of the other
-peer commands (``peers`` is the demo's) are accepted and ignored, so that one file serves
-``start``, ``join`` and ``demo`` alike.
+commands (``peers`` is the demo's, ``steps`` simulate's, ``announce`` a peer's) are accepted and
+ignored, so that one file serves ``start``, ``join``, ``demo`` and ``simulate`` alike.
 """
 
 from __future__ import annotations
@@ -72,24 +72,28 @@ def read_file(path: str | os.PathLike) -> dict[str, Any]:
     return flat
 
 
-def _setting(key: str) -> Setting:
+def _setting(key: str, command: str | None = None) -> Setting:
+    """``key``'s declaration: ``command``'s own first (``simulate`` declares some keys itself)."""
     from workbench.settings.commands import PEER_COMMANDS, command_settings
 
-    return next(command_settings(c)[key] for c in PEER_COMMANDS if key in command_settings(c))
+    order = (*PEER_COMMANDS, "simulate")
+    if command in order:
+        order = (command, *order)
+    return next(command_settings(c)[key] for c in order if key in command_settings(c))
 
 
-def _check(key: str, value: Any, origin: str) -> Any:
+def _check(key: str, value: Any, origin: str, command: str | None = None) -> Any:
     """A file's value for ``key``, checked like the flag would be."""
     try:
-        return _setting(key).check(value, f"{origin}: {key}")
+        return _setting(key, command).check(value, f"{origin}: {key}")
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
 
-def _from_env(key: str, text: str, variable: str) -> Any:
+def _from_env(key: str, text: str, variable: str, command: str | None = None) -> Any:
     """An environment variable's text for ``key``, converted like the flag's argument."""
     try:
-        return _setting(key).from_text(text, variable)
+        return _setting(key, command).from_text(text, variable)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -122,6 +126,7 @@ def layer(
     file's and the environment's values where no flag was given. Returns each key's source:
     ``flag``, ``file PATH``, ``env NAME`` or ``default``."""
     environ = os.environ if environ is None else environ
+    command = getattr(args, "command", None)
     actions = settings_of(parser)
     given = explicit_keys(parser, argv) & set(actions)
     sources = {key: "flag" if key in given else "default" for key in actions}
@@ -129,19 +134,19 @@ def layer(
     for key in actions:
         variable = ENV_PREFIX + key.upper()
         if key not in given and variable in environ:
-            setattr(args, key, _from_env(key, environ[variable], variable))
+            setattr(args, key, _from_env(key, environ[variable], variable, command))
             sources[key] = f"env {variable}"
     path = getattr(args, "config", None)
     if path:
         for key, value in read_file(path).items():
             if key not in actions:
                 if key in known_elsewhere:
-                    continue  # another command's setting (a file shared by start, join and demo)
+                    continue  # another command's setting (one file serves start, join, demo, simulate)
                 close = difflib.get_close_matches(key, [*actions, *known_elsewhere], n=1)
                 hint = f" (did you mean {close[0]}?)" if close else " (see `workbench config keys`)"
                 raise ConfigError(f"{path}: unknown key '{key}'{hint}")
             if key not in given:
-                setattr(args, key, _check(key, value, str(path)))
+                setattr(args, key, _check(key, value, str(path), command))
                 sources[key] = f"file {path}"
     return sources
 

@@ -44,13 +44,13 @@ def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argumen
 def apply_settings(
     parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]
 ) -> dict[str, str]:
-    """Layer the --config file and WORKBENCH_* variables under the flags of a peer command
-    (see workbench.cli.configfile); returns where each setting came from."""
+    """Layer the --config file and WORKBENCH_* variables under the flags of a peer command or
+    ``simulate`` (see workbench.cli.configfile); returns where each setting came from."""
     from workbench.cli.configfile import layer, settings_of
 
     command = args.command
     rest = list(argv)[list(argv).index(command) + 1 :]
-    known = {key for name in PEER_COMMANDS for key in settings_of(subparser(parser, name))}
+    known = {key for name in (*PEER_COMMANDS, "simulate") for key in settings_of(subparser(parser, name))}
     return layer(args, subparser(parser, command), rest, known_elsewhere=known)
 
 

@@ -91,6 +91,12 @@ def add_demo_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_simulate_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read settings from this TOML file, the same file start, join and demo read (their "
+        "own keys are ignored here); flags given here override it, WORKBENCH_* variables sit below it",
+    )
     add_section(parser, Swarm)
     add_section(parser.add_argument_group(Optimizer.__doc__), Optimizer, **SIMULATE_ALIASES)
     add_section(parser, Bench)
