@@ -16,7 +16,8 @@ member info and every fallback, and moves only the tensor bytes over TCP with gl
    member. The ring is kept for the next round when the group is the same;
 4. the ring runs once every member has shown up (at the board for a new ring, in a gloo
    exchange with a short timeout on a kept one): a member hivemind's matchmaking counted in but
-   that gave up on the group fails the round in seconds, not at gloo's timeout;
+   that gave up on the group fails the round in seconds, not at gloo's timeout, and one whose
+   step was cancelled after its group formed says so there (:meth:`DirectPlane.decline`);
 5. the sum is checked before it is used: every member sends every other, over their own pair
    of the ring (gloo's all-to-all: nobody relays it), a sketch of what it sent, sealed with a
    key it posted at the board when the ring was set up (an HMAC: someone in its place in the
@@ -49,14 +50,16 @@ from swarm.sketch import CHUNK, ROWS, Sketch, Sketcher, mismatch
 logger = logging.getLogger(__name__)
 
 PLANES = ("hivemind", "direct")
-PROTOCOL = 2
-"""The direct plane's version, in every member's gathered info: 2 exchanges the arrival check
-and the sketches over the ring (1, unnumbered, over the board)."""
+PROTOCOL = 3
+"""The direct plane's version, in every member's gathered info: 3 lets a member decline a round
+(:meth:`DirectPlane.decline`); 2 exchanges the arrival check and the sketches over the ring (1,
+unnumbered, over the board)."""
 MAX_RINGS = 8
 """Rings kept for reuse per plane (the same members next round skip the rendezvous)."""
 RING_ID_BYTES = 16
 KEY_BYTES = 32  # each member's key for sealing its sketches on a ring
 POST_BYTES = 8 * (ROWS + 1) + 8 + 32  # a sketch, the round's tag, its seal
+DECLINED = b"declined"  # posted at a new ring's board instead of a key: this member will not come
 
 
 class RingUnreachable(RuntimeError):
@@ -67,6 +70,16 @@ class RingUnreachable(RuntimeError):
 class MemberMissing(RuntimeError):
     """A member hivemind put in the group never came to its ring: it gave up on the group during
     matchmaking (a follower whose wait for the leader's go timed out, under load), or left."""
+
+
+class MemberDeclined(MemberMissing):
+    """A member of the group said it will not take part: its step was cancelled after hivemind
+    had formed the group (:meth:`DirectPlane.decline`). The round fails at once, not after the
+    arrival timeout, and a kept ring stays kept."""
+
+
+class _Declined(Exception):
+    pass
 
 
 class RingTampered(RuntimeError):
@@ -98,6 +111,11 @@ def _options(seconds: float) -> torch.distributed.AllToAllOptions:
     options = torch.distributed.AllToAllOptions()
     options.timeout = datetime.timedelta(seconds=seconds)
     return options
+
+
+def _round_tag(seed: bytes) -> torch.Tensor:
+    """The round's tag (56 bits of the group's seed): what a kept ring's arrival check sends."""
+    return torch.tensor([int.from_bytes(hashlib.sha256(b"round" + seed).digest()[:7], "little")])
 
 
 def _seal(key: bytes, message: bytes) -> bytes:
@@ -207,7 +225,7 @@ class DirectPlane:
         ring_id, ring, keys = self._rings.pop(key, (b"", None, []))  # kept below if the sum checks out
         if ring is not None and reusable is not None and ring_id not in reusable:
             ring = None  # another member no longer holds it: all set up a new one
-        tag = torch.tensor([int.from_bytes(hashlib.sha256(b"round" + seed).digest()[:7], "little")])
+        tag = _round_tag(seed)
         mine = secrets.token_bytes(KEY_BYTES)  # a new ring's key for this member's sketches
         if ring is None:  # everyone here (with their keys)? answered while this member scales
             present: Future | torch.distributed.Work = self._pool.submit(
@@ -268,11 +286,21 @@ class DirectPlane:
             try:
                 if isinstance(present, Future):
                     keys = present.result()
+                    if DECLINED in keys:
+                        raise _Declined
                     keys.insert(rank, mine)
                 else:
                     present.wait()
+                    if bool((tags == -tag).any()):
+                        self._rings[key] = (ring_id, ring, keys)  # nothing timed out: still whole
+                        raise _Declined
                     if not bool((tags == tag).all()):
                         raise RuntimeError("a member is in another round on this ring")
+            except _Declined:
+                raise MemberDeclined(
+                    "a member of the group declined this round (it gave up on its step after the "
+                    "group formed)"
+                ) from None
             except Exception as error:
                 raise MemberMissing(
                     f"not every member of the group came to its ring within {arrival:.0f} s "
@@ -331,6 +359,34 @@ class DirectPlane:
             count = tensor.numel()
             tensor.copy_(flat[offset : offset + count].view_as(tensor))
             offset += count
+
+    def decline(
+        self,
+        *,
+        board: Rendezvous,
+        seed: bytes,
+        members: Sequence[str],
+        rank: int,
+        reusable: frozenset[bytes] | None = None,
+        arrival: float = 5.0,
+    ) -> None:
+        """Tell the group's other members that this one will not take part in this round (its
+        step was cancelled after hivemind formed the group), where they wait for it: in a kept
+        ring's arrival exchange (the round's tag negated; the ring stays kept on every side) or
+        at a new ring's board (:data:`DECLINED` instead of a key). They fail the round at once
+        (:class:`MemberDeclined`) instead of after ``arrival`` s. Never raises."""
+        key = tuple(members)
+        ring_id, ring, keys = self._rings.get(key, (b"", None, []))
+        try:
+            if ring is not None and (reusable is None or ring_id in reusable):
+                tags = torch.empty(len(members), dtype=torch.int64)
+                sent = (-_round_tag(seed)).repeat(len(members))
+                ring.alltoall_base(tags, sent, [], [], _options(arrival)).wait()
+            else:
+                board.set(f"here/{rank}", DECLINED)
+        except Exception as error:  # noqa: BLE001 - the others fail at their arrival timeout
+            self._rings.pop(key, None)  # a gloo timeout closed the ring
+            logger.debug("could not decline the round: %s", one_line(error))
 
     def ring_ids(self) -> list[bytes]:
         """The ids of the rings kept for reuse (sent with this member's gathered info); safe to

@@ -183,6 +183,20 @@ class DirectStep:
             self._changed.notify_all()
             return False
 
+    def gave_up(self) -> bool:
+        """Cancelled by its caller, or ended on hivemind's side (not merely never triggered)."""
+        with self._changed:
+            return self._cancelled or (self._control is not None and self._control.done())
+
+    def end_retries(self) -> None:
+        """After a failed ring, end hivemind's side of a step that allows retries: hivemind would
+        look for another group for it and average the buffers the failed ring left garbage,
+        under a ticket this process no longer waits for (the others then wait out the arrival
+        timeout). The step ends with the ring's error, as a step without retries does."""
+        control = self._control
+        if control is not None and getattr(control, "allow_retries", False) and not control.done():
+            control.cancel()  # seen by the averager process before the ring's outcome is sent
+
     def settle(self, value: Any, error: BaseException | None) -> None:
         with self._changed:
             self._outcome = (value, error)
@@ -296,6 +310,7 @@ class RingDriver:
             with self._steps_lock:
                 step = self._steps.pop(ticket.nonce, None)
             if step is None:
+                self._decline(ticket)
                 outcome = Outcome(ticket.group_id, False, "no step of this peer's is waiting for this group")
             else:
                 outcome = self._round(step, ticket)
@@ -306,12 +321,15 @@ class RingDriver:
 
     def _round(self, step: DirectStep, ticket: Ticket) -> Outcome:
         if not step.claim(ticket, wait=ticket.timeout):
+            if step.gave_up():  # at once: the others are at the ring's arrival check by now
+                self._decline(ticket)
             return Outcome(ticket.group_id, False, "the step ended before its trigger")
         try:
             with self._tensors() as tensors:
                 self._ring(tensors, ticket, step.weight)
         except Exception as error:  # noqa: BLE001 - a failed round, told to both sides
             step.settle(None, AllreduceFailed(f"direct data plane: {error}"))
+            step.end_retries()
             return Outcome(ticket.group_id, False, str(error))
         with self._rounds.get_lock():  # before the caller wakes: its report reads this
             self._rounds.value += 1
@@ -320,6 +338,19 @@ class RingDriver:
             self._used = True
             logger.info("averaging over the direct data plane (a gloo ring of %d)", len(ticket.members))
         return Outcome(ticket.group_id, True)
+
+    def _decline(self, ticket: Ticket) -> None:
+        """hivemind formed a group for a step this peer gave up on (cancelled before the
+        averager process heard of it): tell the others, who would wait out the arrival timeout."""
+        logger.debug("declining group %s: this peer's step for it is over", ticket.group_id.hex()[:8])
+        self.plane.decline(
+            board=ForwardedBoard(self._board, self._board_lock, ticket.group_id),
+            seed=ticket.seed,
+            members=ticket.members,
+            rank=ticket.rank,
+            reusable=ticket.reusable,
+            arrival=ticket.arrival,
+        )
 
     def _ring(self, tensors: Sequence[torch.Tensor], ticket: Ticket, weight: float) -> None:
         masks = list(tensors[len(tensors) - self._masks :]) if self._masks else []

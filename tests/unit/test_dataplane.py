@@ -293,6 +293,47 @@ def test_a_member_that_never_comes_fails_the_round_in_seconds_and_the_next_round
     assert rings0 == rings1 == 1
 
 
+def _member_that_declines(rank: int, values, kept: bool, out) -> None:
+    """Member 1 declines one round (its step was cancelled after hivemind formed the group): on
+    their kept ring after a first round together, or at a new ring's board."""
+    plane = DirectPlane("127.0.0.1")
+    results, first = [], 0 if kept else 1
+    if kept:
+        results.append(_pair_round(plane, values, 0, rank))
+    held = frozenset(plane.ring_ids())
+    declined = first + 1 if kept else first
+    if rank == 1:
+        plane.decline(
+            board=SharedBoard(values, f"round{declined}".encode()),
+            seed=f"round{declined}".encode(),
+            members=["a", "b"],
+            rank=rank,
+            reusable=held,
+            arrival=30,
+        )
+        results.append("declined")
+    else:
+        started = time.monotonic()
+        try:
+            _pair_round(plane, values, declined, rank, timeout=60, arrival=30, reusable=held)
+            results.append("averaged")
+        except MemberMissing as error:
+            results.append((type(error).__name__, time.monotonic() - started))
+    results.append(_pair_round(plane, values, declined + 1, rank, reusable=frozenset(plane.ring_ids())))
+    out.put((rank, results, held, frozenset(plane.ring_ids())))
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-ring", "new-ring"])
+def test_a_member_that_declines_fails_the_round_at_once_and_the_next_round_averages(kept):
+    results = {rank: rest for rank, *rest in _members(_member_that_declines, 2, lambda r: (kept,))}
+    (waiting, held0, after0), (declining, held1, after1) = results[0], results[1]
+    kind, seconds = waiting[-2]
+    assert kind == "MemberDeclined" and seconds < 15, waiting  # not the 30 s arrival timeout
+    assert declining[-2] == "declined" and waiting[-1] == declining[-1] == 1.5
+    if kept:  # no gloo timeout happened: both kept the ring and used it again
+        assert waiting[0] == 1.5 and held0 == held1 == after0 == after1 and len(held0) == 1
+
+
 def test_an_unreachable_member_fails_within_the_timeout():
     plane = DirectPlane("127.0.0.1")
     board = SharedBoard({(b"g", "here/0"): b""}, b"g")  # the other member came, but never posts its address

@@ -93,6 +93,27 @@ def test_a_failed_ring_raises_from_result_and_hivemind_still_hears_the_trigger()
     assert control.triggers == 1  # not twice
 
 
+def test_a_failed_ring_ends_a_step_that_allows_retries_on_hivemind_s_side_too():
+    """A retry would average the buffers the failed ring left garbage, under a ticket for a step
+    this process no longer waits for (seen: "no step of this peer's is waiting for this group",
+    and the other member waiting out the arrival timeout)."""
+    driver, tickets_out, outcomes_in, _, _, _ = _driver(Plane(RuntimeError("MemberMissing: b did not come")))
+    step, control = driver.expect(b"n"), Control()
+    control.allow_retries = True
+    step.attach(control)
+    step.allow_allreduce()
+    tickets_out.send(_ticket(b"n"))
+    assert outcomes_in.poll(10) and not outcomes_in.recv().ok
+    assert control.cancelled() and control.triggers == 1  # triggered after the ring, then ended
+    with pytest.raises(AllreduceFailed, match="MemberMissing"):
+        step.result(timeout=1)  # the ring's error, not hivemind's cancellation
+    plain = Control()  # without retries hivemind ends the step itself: left alone
+    once = DirectStep()
+    once.attach(plain)
+    once.end_retries()
+    assert not plain.cancelled()
+
+
 def test_a_step_without_a_ticket_is_hivemind_s():
     step, control = DirectStep(), Control()
     step.attach(control)
@@ -172,7 +193,7 @@ class Plane:
     """DirectPlane's stand-in: fails with ``error`` or scales every tensor by 0.5."""
 
     def __init__(self, error: Exception | None = None) -> None:
-        self.error, self.calls = error, []
+        self.error, self.calls, self.declined = error, [], []
 
     def all_reduce(self, tensors, **options):
         self.calls.append(options)
@@ -183,6 +204,9 @@ class Plane:
 
     def ring_ids(self):
         return []
+
+    def decline(self, **options):
+        self.declined.append(options)
 
 
 def _driver(plane, masks: int = 0):
@@ -231,6 +255,26 @@ def test_the_driver_runs_each_ticket_on_the_shared_buffers_with_the_steps_weight
     assert buffers[0].tolist() == [0.5] * 4 and buffers[1].tolist() == [0.5, 0.5]
     tickets_out.send(_ticket(b"nobody's"))  # no step of this peer's: told, nothing runs
     assert outcomes_in.poll(10) and not outcomes_in.recv().ok and len(plane.calls) == 1
+    assert [d["seed"] for d in plane.declined] == [b"seed"]  # and the others need not wait for it
+
+
+def test_a_ticket_for_a_step_given_up_on_is_declined_at_once():
+    """hivemind formed the group before the averager process heard the step was cancelled."""
+    plane = Plane()
+    driver, tickets_out, outcomes_in, _, _, _ = _driver(plane)
+    step, control = driver.expect(b"late"), Control()
+    step.attach(control)
+    step.cancel()
+    tickets_out.send(_ticket(b"late", arrival=6.0, reusable=frozenset({b"ring"})))
+    assert outcomes_in.poll(10) and not outcomes_in.recv().ok and plane.calls == []
+    assert plane.declined == [
+        dict(board=plane.declined[0]["board"], seed=b"seed", members=("a", "b"), rank=0,
+             reusable=frozenset({b"ring"}), arrival=6.0)
+    ]  # fmt: skip
+    idle = driver.expect(b"idle")  # never triggered: by then the others gave up on it anyway
+    idle.attach(Control())
+    tickets_out.send(_ticket(b"idle", timeout=0.2))
+    assert outcomes_in.poll(10) and not outcomes_in.recv().ok and len(plane.declined) == 1
 
 
 def test_three_unreachable_rings_in_a_row_turn_the_plane_off():
