@@ -33,9 +33,10 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
 
 def _default_inner_steps(args: argparse.Namespace) -> int:
     """H when the command's user gives none (the demo's is its own)."""
-    from workbench.settings.commands import defaults
+    from workbench.settings.commands import PEER_COMMANDS, defaults
 
-    return defaults(getattr(args, "command", None) or "start")["inner_steps"]
+    command = getattr(args, "command", None)
+    return defaults(command if command in (*PEER_COMMANDS, "simulate") else "start")["inner_steps"]
 
 
 def check_method_flags(args: argparse.Namespace) -> None:
