@@ -50,7 +50,8 @@ def test_demo_json_contract(tmp_path):
     [
         (["--method", "sparseloco", "--topk-density", "0.05"], ["--update-codec topk", "--error-feedback"]),
         (["--update-codec", "int8", "--delay", "1"], ["--update-codec int8", "--delay 1"]),
-        (["--method", "dp"], ["--method dp"]),
+        # H is 1 for dp: FAST's --inner-steps 5 would be refused (a flag the method cannot use)
+        (["--method", "dp", "--inner-steps", "1"], ["--method dp"]),
         (
             # τ = 1: each fragment's all-reduce runs behind the next inner step (real peers)
             ["--method", "streaming", "--inner-steps", "8", "--fragments", "4", "--sync-delay", "1"],
