@@ -113,6 +113,12 @@ def _options(seconds: float) -> torch.distributed.AllToAllOptions:
     return options
 
 
+def _usable(ring: Any, ring_id: bytes, reusable: frozenset[bytes] | None) -> bool:
+    """Whether a kept ring is used this round: every member still holds it (``reusable``: the
+    ids all of them say they hold; None trusts this side's cache)."""
+    return ring is not None and (reusable is None or ring_id in reusable)
+
+
 def _round_tag(seed: bytes) -> torch.Tensor:
     """The round's tag (56 bits of the group's seed): what a kept ring's arrival check sends."""
     return torch.tensor([int.from_bytes(hashlib.sha256(b"round" + seed).digest()[:7], "little")])
@@ -223,7 +229,7 @@ class DirectPlane:
         arrival = min(arrival, timeout)
         key = tuple(members)
         ring_id, ring, keys = self._rings.pop(key, (b"", None, []))  # kept below if the sum checks out
-        if ring is not None and reusable is not None and ring_id not in reusable:
+        if not _usable(ring, ring_id, reusable):
             ring = None  # another member no longer holds it: all set up a new one
         tag = _round_tag(seed)
         mine = secrets.token_bytes(KEY_BYTES)  # a new ring's key for this member's sketches
@@ -378,7 +384,7 @@ class DirectPlane:
         key = tuple(members)
         ring_id, ring, keys = self._rings.get(key, (b"", None, []))
         try:
-            if ring is not None and (reusable is None or ring_id in reusable):
+            if _usable(ring, ring_id, reusable):
                 tags = torch.empty(len(members), dtype=torch.int64)
                 sent = (-_round_tag(seed)).repeat(len(members))
                 ring.alltoall_base(tags, sent, [], [], _options(arrival)).wait()

@@ -9,7 +9,15 @@ import time
 import pytest
 import torch
 
-from swarm.dataplane import SEGMENT, DirectPlane, MemberMissing, RingTampered, RingUnreachable, segments
+from swarm.dataplane import (
+    DECLINED,
+    SEGMENT,
+    DirectPlane,
+    MemberMissing,
+    RingTampered,
+    RingUnreachable,
+    segments,
+)
 from swarm.rendezvous import BoardClient, RendezvousBoards, RendezvousError, RingStore, pack, unpack
 from swarm.sketch import ROWS, Sketch, mismatch, sketch
 
@@ -371,6 +379,10 @@ def test_only_members_reach_a_board_and_each_writes_only_its_own_keys():
     assert not boards.handle(MEMBERS[1], {"g": b"group", "op": "set", "k": "sketch/0", "v": b"y"})["ok"]
     assert not boards.handle(MEMBERS[1], {"g": b"group", "op": "set", "k": "sketch/1", "v": b"y"})["ok"]
     assert boards.handle(MEMBERS[2], {"g": b"group", "op": "get", "k": "sketch/1"})["v"] == b"x"
+    # Nobody declines a round for a member (version 3): not an outsider, not another member.
+    assert not boards.handle(outsider, {"g": b"group", "op": "set", "k": "here/0", "v": DECLINED})["ok"]
+    assert not boards.handle(MEMBERS[1], {"g": b"group", "op": "set", "k": "here/0", "v": DECLINED})["ok"]
+    assert boards.handle(MEMBERS[0], {"g": b"group", "op": "set", "k": "here/0", "v": DECLINED})["ok"]
     for bad in [{}, {"g": "text", "op": "get", "k": "a"}, {"g": b"group", "op": "list", "k": "a"}]:
         assert not boards.handle(MEMBERS[0], bad)["ok"]
     assert unpack(b"\xc1garbage") == {} and unpack(pack([1, 2])) == {}

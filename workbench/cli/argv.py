@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from workbench.cli.optimizer_flags import TOPK_KNOBS
+from workbench.cli.optimizer_flags import unused_knobs
 from workbench.settings.commands import command_settings
 
 if TYPE_CHECKING:
@@ -57,12 +57,7 @@ def _optimizer_values(config: RunConfig, knobs: Sequence[str]) -> dict[str, Any]
     }
     if "eager" in values and config.diloco.delay != 1:
         values["eager"] = None  # no late mean to apply: --eager would be refused
-    # Knobs of a codec or of error feedback the run does not use would be refused too.
-    unused = (
-        *(TOPK_KNOBS if config.diloco.codec != "topk" else ()),
-        *(() if config.diloco.error_feedback else ("ef_decay",)),
-    )
-    for key in unused:
+    for key in unused_knobs(config.diloco):  # knobs the run does not use would be refused too
         if key in values:
             values[key] = None
     return values

@@ -89,15 +89,23 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
     return config
 
 
+def unused_knobs(config: DiLoCoConfig) -> tuple[str, ...]:
+    """The codec knobs ``config`` would not use: the topk codec's without that codec, the
+    error-feedback decay without error feedback."""
+    topk = TOPK_KNOBS if config.codec != "topk" else ()
+    return (*topk, *(() if config.error_feedback else ("ef_decay",)))
+
+
 def check_codec_flags(flags: dict[str, Any], config: DiLoCoConfig) -> None:
     """Raise ValueError (one line) for a codec knob the run's update codec or error feedback
     would ignore."""
-    if config.codec != "topk" and (wrong := [flag(n) for n in TOPK_KNOBS if n in flags]):
+    unused = unused_knobs(config)
+    if wrong := [flag(n) for n in TOPK_KNOBS if n in flags and n in unused]:
         raise ValueError(
             f"{', '.join(wrong)} shape{'s' if len(wrong) == 1 else ''} the topk update codec, and this "
             f"run's update codec is {config.codec}: add --update-codec topk, or drop {' and '.join(wrong)}"
         )
-    if "ef_decay" in flags and not config.error_feedback:
+    if "ef_decay" in flags and "ef_decay" in unused:
         raise ValueError(
             "--ef-decay sets how fast error feedback's residual decays, and error feedback is off: "
             "add --error-feedback, or drop --ef-decay"
