@@ -3,7 +3,7 @@
     python -m benchmarks.trust [--mb 1 --mb 10 --mb 100]
 
 Each round over the direct plane computes two sketches (swarm.sketch): one of the update this
-peer sends, one of the sum it gets back. Measured here on one thread (as the all-reduce
+peer sends (with R drawn for the round and the update's length), one of the sum it gets back. Measured here on one thread (as the all-reduce
 benchmark's members run), as a ratio to copying the same tensor once (a memory-bound baseline
 measured in the same run). The rendezvous board costs one round trip over hivemind per new ring
 and the sketch exchange one per round, overlapped with the ring; both show in
@@ -34,7 +34,7 @@ def _median_ms(fn, repeats: int = 7) -> float:
 def main() -> None:
     import torch
 
-    from swarm.sketch import sketch
+    from swarm.sketch import Sketcher
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -48,8 +48,10 @@ def main() -> None:
         update = torch.randn(int(mb * 1e6) // 4)
         target = torch.empty_like(update)
         copy_ms = _median_ms(lambda u=update, t=target: t.copy_(u))
-        own_ms = _median_ms(lambda u=update: sketch(u, b"seed"))
-        result_ms = _median_ms(lambda u=update: sketch(u, b"seed", norm=False))
+        # As the plane does it: R drawn once per round, the update's rows and |x|^2, the sum's rows.
+        own_ms = _median_ms(lambda u=update: (Sketcher(b"seed", u.numel(), fast=True).rows(u), torch.dot(u, u)))
+        sketcher = Sketcher(b"seed", update.numel(), fast=True)
+        result_ms = _median_ms(lambda u=update, s=sketcher: s.rows(u))
         rows.append(
             dict(mb=mb, copy_ms=copy_ms, own_sketch_ms=own_ms, result_sketch_ms=result_ms,
                  ratio_to_copy=(own_ms + result_ms) / copy_ms)
