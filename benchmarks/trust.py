@@ -49,7 +49,9 @@ def main() -> None:
         target = torch.empty_like(update)
         copy_ms = _median_ms(lambda u=update, t=target: t.copy_(u))
         # As the plane does it: R drawn once per round, the update's rows and |x|^2, the sum's rows.
-        own_ms = _median_ms(lambda u=update: (Sketcher(b"seed", u.numel(), fast=True).rows(u), torch.dot(u, u)))
+        own_ms = _median_ms(
+            lambda u=update: (Sketcher(b"seed", u.numel(), fast=True).rows(u), torch.dot(u, u))
+        )
         sketcher = Sketcher(b"seed", update.numel(), fast=True)
         result_ms = _median_ms(lambda u=update, s=sketcher: s.rows(u))
         rows.append(
