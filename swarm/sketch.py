@@ -87,7 +87,7 @@ class Sketcher:
         # in-chunk weights: R x = Σ_l P[:, l] · Σ_c w[:, c] X[c, l].
         mixed = torch.zeros(ROWS, CHUNK, dtype=torch.float64)
         if whole:
-            # In blocks of BLOCK chunks (128 KB of each segment): MKL's kernel for a (k, n) @
+            # In blocks of BLOCK chunks (512 KB of the segment, in L2): MKL's kernel for a (k, n) @
             # (n, CHUNK) product with a long n reads the segment 1.5-1.8x slower than its blocks'.
             part = torch.zeros(ROWS, CHUNK)
             chunks = segment[: whole * CHUNK].view(whole, CHUNK)
