@@ -11,8 +11,8 @@ peers run it), timed from the moment every member has its group (matchmaking exc
 hivemind's butterfly all-reduce through its p2p daemon; ``direct``: the group's own gloo ring
 over TCP, when available) and wire codec. Reported: seconds per all-reduce (median of the
 repeats), "bus" throughput (2(n-1)/n of the tensor per member, what a ring or butterfly moves),
-the gloo all-reduces beside them (``baseline_seconds``) and the ratio to gloo (the median of
-the attempts' ratios). Writes benchmarks/results/allreduce.json.
+the gloo all-reduces beside them (``baseline_seconds``), the ratio to gloo (the median of
+the attempts' ratios) and those ratios' first and third quartiles (``ratio_middle_half``). Writes benchmarks/results/allreduce.json.
 """
 
 from __future__ import annotations
@@ -161,10 +161,19 @@ def _run(target, world: int, *args) -> list[dict]:
     return [r for _, r in sorted(results, key=lambda x: x[0])]
 
 
-def _paired_ratio(baseline: list[list[float]], measured: list[list[float]]) -> float:
-    """Median over repeats of gloo's time over ours, each the slowest member's, attempt by
-    attempt (the pairs the interleaving made)."""
-    return statistics.median(max(b) / max(m) for b, m in zip(zip(*baseline), zip(*measured)))
+def _paired_ratios(baseline: list[list[float]], measured: list[list[float]]) -> list[float]:
+    """Gloo's time over ours, each the slowest member's, attempt by attempt (the pairs the
+    interleaving made)."""
+    return [max(b) / max(m) for b, m in zip(zip(*baseline), zip(*measured))]
+
+
+def _middle_half(values: list[float]) -> list[float]:
+    """The first and third quartiles (the spread a row's median hides: on 2 busy cores one
+    attempt's ratio moves by 0.1 and more)."""
+    if len(values) < 2:
+        return [values[0], values[0]]
+    quartiles = statistics.quantiles(values, n=4, method="inclusive")
+    return [quartiles[0], quartiles[2]]
 
 
 def _slowest(per_member: list[list[float]]) -> float:
@@ -217,6 +226,7 @@ def main() -> None:
                     measured = [o[(mb, codec, plane)][0] for o in ours]
                     beside = [o[(mb, codec, plane)][1] for o in ours]
                     seconds = _slowest(measured)
+                    ratios = _paired_ratios(beside, measured)
                     rows.append(
                         dict(
                             peers=world,
@@ -225,7 +235,8 @@ def main() -> None:
                             codec=codec,
                             seconds=seconds,
                             bus_mb_s=moved / seconds,
-                            ratio=_paired_ratio(beside, measured),
+                            ratio=statistics.median(ratios),
+                            ratio_middle_half=_middle_half(ratios),
                             baseline_seconds=_slowest(beside),
                         )
                     )

@@ -34,8 +34,9 @@ def allreduce() -> list[str]:
         "One all-reduce of a float32 tensor among local processes, matchmaking excluded; median",
         "of repeats, slowest member. The baseline is gloo's all-reduce of the same tensor by the",
         "same processes, one just before each measured all-reduce (interleaved since 2026-12-02):",
-        "`gloo ms` is those beside the row's, `vs gloo` the median of the attempts' ratios, and",
-        "the gloo row pools them all. `direct` is the default data plane (hivemind finds the group,",
+        "`gloo ms` is those beside the row's, `vs gloo` the median of the attempts' ratios (in",
+        "brackets their middle half: the first to the third quartile), and the gloo row pools them",
+        "all. `direct` is the default data plane (hivemind finds the group,",
         "the bytes move over the group's gloo ring, `swarm/dataplane.py`); `hivemind` is",
         "hivemind's own butterfly all-reduce. Goal: at least **0.5x gloo**.",
         "",
@@ -48,9 +49,11 @@ def allreduce() -> list[str]:
             if r["path"] == "gloo"
             else ("met" if r["ratio"] >= 0.5 else f"missed by {0.5 - r['ratio']:.2f}")
         )
+        spread = r.get("ratio_middle_half")
+        ratio = f"{r['ratio']:.2f}x" + (f" ({spread[0]:.2f}-{spread[1]:.2f})" if spread else "")
         lines.append(
             f"| {r['peers']} | {r['mb']:g} | {r['path']} | {r['codec']} | {r['seconds'] * 1000:.1f} | "
-            f"{r.get('baseline_seconds', r['seconds']) * 1000:.1f} | {r['bus_mb_s']:.0f} | {r['ratio']:.2f}x | {goal} |"
+            f"{r.get('baseline_seconds', r['seconds']) * 1000:.1f} | {r['bus_mb_s']:.0f} | {ratio} | {goal} |"
         )
     return [*lines, ""]
 

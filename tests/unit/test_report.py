@@ -35,3 +35,22 @@ def test_heterogeneity_rows_say_how_far_each_mode_got(tmp_path, monkeypatch) -> 
     lines = report.heterogeneity()
     assert "| fixed | 100.0 | 4 | 20 / 20 | 2.5000 | 0.50 | — |" in lines
     assert "| timeboxed (8.00 s) | 100.0 | 6 | 19-21 / 10-12 | 2.3000 | 0.80 | at 60.0 s (0.60x) |" in lines
+
+
+def test_allreduce_rows_show_the_middle_half_of_the_attempts_ratios(tmp_path, monkeypatch) -> None:
+    from benchmarks.allreduce import _middle_half
+
+    ratios = [0.38, 0.44, 0.46, 0.52, 0.61]  # a row whose median misses 0.5x while a quarter meets it
+    assert _middle_half(ratios) == [0.44, 0.52] and _middle_half([0.7]) == [0.7, 0.7]
+    rows = [
+        dict(peers=4, mb=10.0, path="gloo", codec="none", seconds=0.018, bus_mb_s=833.0, ratio=1.0),
+        dict(peers=4, mb=10.0, path="direct", codec="none", seconds=0.036, bus_mb_s=417.0, ratio=0.46,
+             ratio_middle_half=_middle_half(ratios), baseline_seconds=0.017),
+        dict(peers=4, mb=10.0, path="direct", codec="fp16", seconds=0.041, bus_mb_s=366.0, ratio=0.52,
+             baseline_seconds=0.021),  # a file from before the spread was recorded
+    ]  # fmt: skip
+    (tmp_path / "allreduce.json").write_text(json.dumps(dict(rows=rows)))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    lines = report.allreduce()
+    assert "| 4 | 10 | direct | none | 36.0 | 17.0 | 417 | 0.46x (0.44-0.52) | missed by 0.04 |" in lines
+    assert "| 4 | 10 | direct | fp16 | 41.0 | 21.0 | 366 | 0.52x | met |" in lines
