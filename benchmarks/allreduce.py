@@ -12,7 +12,8 @@ hivemind's butterfly all-reduce through its p2p daemon; ``direct``: the group's 
 over TCP, when available) and wire codec. Reported: seconds per all-reduce (median of the
 repeats), "bus" throughput (2(n-1)/n of the tensor per member, what a ring or butterfly moves),
 the gloo all-reduces beside them (``baseline_seconds``), the ratio to gloo (the median of
-the attempts' ratios) and those ratios' first and third quartiles (``ratio_middle_half``). Writes benchmarks/results/allreduce.json.
+the attempts' ratios) and those ratios' first and third quartiles (``ratio_middle_half``).
+Writes benchmarks/results/allreduce.json.
 """
 
 from __future__ import annotations

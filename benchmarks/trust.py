@@ -5,9 +5,9 @@
 Each round over the direct plane computes two sketches (swarm.sketch): one of the update this
 peer sends (with R drawn for the round and the update's length), one of the sum it gets back.
 Measured here on one thread (as the all-reduce benchmark's members run), as a ratio to copying
-the same tensor once (a memory-bound baseline measured in the same run). The rendezvous board costs one round trip over hivemind per new ring
-and the sketch exchange one per round, overlapped with the ring; both show in
-benchmarks.allreduce's direct rows. Writes benchmarks/results/trust.json.
+the same tensor once (a memory-bound baseline measured in the same run). The rendezvous board
+costs one round trip over hivemind per new ring and the sketch exchange one per round,
+overlapped with the ring; both show in benchmarks.allreduce's direct rows. Writes benchmarks/results/trust.json.
 """
 
 from __future__ import annotations

@@ -92,12 +92,12 @@ class RingTampered(RuntimeError):
 SEGMENT = 1 << 19
 """Elements per segment of the ring (2 MB in float32) for a pair, and per two members for larger
 groups: the ring reduces one segment while the member sketches the next, and each segment's ring
-pays 2 (n - 1) hops' latency (4 peers, 10 MB: 2 segments 31 ms, 4 segments 34 ms). A vector up
-to twice this goes round in one piece."""
+pays 2 (n - 1) hops' latency (4 peers, 10 MB: 2 segments 31 ms, 4 segments 34 ms). A vector of
+less than two segments goes round in one piece."""
 MAX_SEGMENTS = 8
 
 
-def segments(count: int, members: int = 2) -> list[tuple[int, int]]:
+def segments(count: int, members: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` bounds cutting ``count`` elements into pieces of whole sketch chunks, for a
     ring of ``members``."""
     pieces = min(MAX_SEGMENTS, count // (SEGMENT * max(1, members // 2)))
