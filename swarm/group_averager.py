@@ -29,7 +29,7 @@ from hivemind.utils.asyncio import enter_asynchronously
 from optim.diloco import OuterState
 from swarm import gathered
 from swarm.consensus import CHECKED_CODECS, FAILED, Post, TensorSketcher, disagreement, scaled
-from swarm.dataplane import DIRECT_CODECS, DirectPlane, bindable, or_error
+from swarm.dataplane import DIRECT_CODECS, DirectPlane, bindable, one_line, or_error
 from swarm.faults import fault_value
 from swarm.hivemind_fixes import ExpectedMembers, install_task_keeper  # importing it patches StepControl
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
@@ -172,6 +172,14 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                 future.cancel()
             elif not future.cancelled() and future.exception() is None and future.result() is not None:
                 future.result().finalize(cancel=True)
+        # hivemind never closes this process's replica of the DHT's p2p client, whose unix socket
+        # file then stays in the temp folder: one per averager a peer, test or benchmark ever ran.
+        p2p = getattr(self, "_p2p", None)
+        if p2p is not None:
+            try:
+                await p2p.shutdown()
+            except Exception as error:  # noqa: BLE001 - the process ends right after this
+                logger.debug("could not close the averager's p2p client: %s", one_line(error))
 
     async def _step(self, **kwargs: Any):
         # A leader forms the group as soon as the expected members joined, rather than at the end
