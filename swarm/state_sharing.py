@@ -15,6 +15,7 @@ slices that could not all be had).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -29,7 +30,7 @@ import torch
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
@@ -55,6 +56,13 @@ READY_BYTES = 2 << 30
 step, so that the first joiner does not wait for the copy and the hashes (about 1 s per 400 MB
 here; measured in benchmarks.overheads' join). A larger one is snapshotted when a joiner asks
 and freed ``SNAPSHOT_SECONDS`` later, to keep its copy out of memory between joins."""
+
+
+def _declared(task: asyncio.Task) -> None:
+    """A declaration's store ended: its failure (most often, unanswered before it expired) is
+    logged, not left for asyncio to print; the next period declares again."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("declaring the state for download failed: %s", one_line(task.exception()))
 
 
 class StateSharing:
@@ -142,6 +150,32 @@ class StateSharing:
 
     def _keeps_snapshots(self) -> bool:
         return self._ready_snapshots and self._state_bytes <= READY_BYTES
+
+    async def _declare_for_download_periodically(self) -> None:
+        """Tell the DHT that this peer serves its state, every ``declare_state_period`` s and at
+        once when that changes (withdrawn once after sharing stops), as hivemind does, except
+        that a declaration the DHT has not stored by the time it expires is dropped quietly:
+        hivemind left each such store's TimeoutError unretrieved, and asyncio printed "Task
+        exception was never retrieved" with a traceback into the log, once per period for as long
+        as the DHT was slow (a busy machine, a stalled DHT process)."""
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        was_shared = self.allow_state_sharing
+        while True:
+            expires = get_dht_time() + self.declare_state_period
+            if self.allow_state_sharing or was_shared:
+                store = self.dht.store(
+                    key,
+                    subkey=self.peer_id.to_bytes(),
+                    value=self.state_sharing_priority if self.allow_state_sharing else None,
+                    expiration_time=expires,
+                    return_future=True,
+                )
+                declared = asyncio.create_task(asyncio.wait_for(store, timeout=expires - get_dht_time()))
+                declared.add_done_callback(_declared)
+                was_shared = self.allow_state_sharing
+            self._state_updated.clear()  # set when the priority or the sharing changes
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._state_updated.wait(), timeout=max(0.0, expires - get_dht_time()))
 
     async def _trigger_declare_load_state(self) -> None:
         """A new step declared: also snapshot it now, before any joiner asks (see READY_BYTES);
