@@ -47,3 +47,19 @@ def test_the_bar_is_silent_without_a_terminal(capsys) -> None:
         bar.show(None)
         bar.show(0.5)
     assert capsys.readouterr().err == ""
+
+
+def test_a_download_s_waits_end_when_what_they_wait_for_is_done_not_at_the_next_look():
+    """Each wait of a download (the offers, the slices, the witnesses) looks at the deadline every
+    50 ms; between looks it used to sleep, so each ended up to 50 ms after what it waited for."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from swarm.download import _until
+
+    future: Future = Future()
+    threading.Timer(0.05, future.set_result, [None]).start()
+    start = time.monotonic()
+    _until(future)(60.0)  # a pause far longer than any look: it must end with the future
+    assert future.done() and time.monotonic() - start < 30
