@@ -16,7 +16,10 @@
    ``swarm.state_sharing.READY_BYTES``). A second download right after the first, as a second
    joiner of that step would make, is ``second_download_seconds``. ``join`` holds the three-donor run (its
    fields, plus ``donors``), ``join.runs`` all three. Baseline: the same bytes over one plain
-   TCP socket on loopback, in this run, into a reused buffer and into fresh memory.
+   TCP socket on loopback, in this run, into a reused buffer and into fresh memory; and the
+   floor of any download here, ``tcp_state_seconds``: a state of that size held by another
+   process, copied through one socket into fresh memory with nothing else
+   (``ratio_to_state_copy``: that over the download).
 3. **CLI start-up**: `workbench --help` against `python -c pass`, median of 5 runs each.
 
 Writes benchmarks/results/overheads.json.
@@ -194,6 +197,7 @@ def join(params: int, donors: int, plane: str = "direct") -> dict:
         process.join(timeout=30)
     baseline = _tcp_seconds(size)
     fresh = _tcp_seconds(size, into_fresh_memory=True)
+    copy = _state_copy_seconds(size)
     download = done - connected
     return dict(
         params=params,
@@ -205,12 +209,56 @@ def join(params: int, donors: int, plane: str = "direct") -> dict:
         tcp_baseline_seconds=baseline,
         ratio_to_tcp=baseline / download,
         tcp_fresh_seconds=fresh,
+        tcp_state_seconds=copy,
+        ratio_to_state_copy=copy / download,
         second_download_seconds=second,
         second_ratio_to_tcp=baseline / second,
         donors=donors,
         served_by=served_by,
         transport=plane,
     )
+
+
+def _hold_and_send(size: int, ports) -> None:
+    """A donor's part of :func:`_state_copy_seconds`: ``size`` bytes of random floats, sent to
+    the first connection after one byte asks for them."""
+    import torch
+
+    state = torch.randn(size // 4)
+    server = socket.create_server(("127.0.0.1", 0))
+    ports.put(server.getsockname()[1])
+    connection, _ = server.accept()
+    with connection:
+        connection.recv(1)
+        connection.sendall(memoryview(state.numpy()).cast("B"))
+
+
+def _state_copy_seconds(size: int) -> float:
+    """``size`` bytes of a state another process holds (touched, as a donor's snapshot is),
+    through one loopback TCP socket into fresh memory here, with nothing else: no protocol, no
+    hashes, one connection. The floor of any download of that state on this machine."""
+    import torch
+
+    context = mp.get_context("spawn")
+    ports = context.Queue()
+    donor = context.Process(target=_hold_and_send, args=(size, ports))
+    donor.start()
+    try:
+        port = ports.get(timeout=120)
+        time.sleep(1)  # the state filled, as a donor's is long before a joiner comes
+        view = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+        with socket.create_connection(("127.0.0.1", port)) as connection:
+            start = time.perf_counter()
+            connection.sendall(b"?")
+            total = 0
+            while total < size:
+                got = connection.recv_into(view[total : total + (1 << 20)])
+                if not got:
+                    raise ConnectionError(f"the state's copy ended after {total} of {size} bytes")
+                total += got
+            return time.perf_counter() - start
+    finally:
+        donor.join(timeout=30)
 
 
 def _tcp_seconds(size: int, into_fresh_memory: bool = False) -> float:

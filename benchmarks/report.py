@@ -181,6 +181,10 @@ def overheads() -> list[str]:
             fresh = (
                 f", into fresh memory {run['tcp_fresh_seconds']:.2f} s" if "tcp_fresh_seconds" in run else ""
             )
+            floor = ""
+            if "tcp_state_seconds" in run:
+                fresh += f"; a state from another process into fresh memory {run['tcp_state_seconds']:.2f} s"
+                floor = f"; {run['ratio_to_state_copy']:.2f}x the state's copy"
             second, second_ratio = "", ""
             if "second_download_seconds" in run:
                 second = f"; a second joiner: download {run['second_download_seconds']:.2f} s"
@@ -189,7 +193,7 @@ def overheads() -> list[str]:
                 f"| joining: DHT + download of a {run['params'] / 1e6:.0f} M-param state ({run['state_mb']:.0f} MB; "
                 f"{how}) | {run['join_seconds']:.1f} s (download {run['download_seconds']:.2f} s, "
                 f"{run['download_mb_s']:.0f} MB/s{second}) | raw TCP {run['tcp_baseline_seconds']:.2f} s{fresh} | "
-                f"{run['ratio_to_tcp']:.2f}x{second_ratio} | {goal} |"
+                f"{run['ratio_to_tcp']:.2f}x{second_ratio}{floor} | {goal} |"
             )
         lines.append(
             f"| `workbench --help` | {c['help_seconds'] * 1000:.0f} ms | `python -c pass` "

@@ -54,3 +54,24 @@ def test_allreduce_rows_show_the_middle_half_of_the_attempts_ratios(tmp_path, mo
     lines = report.allreduce()
     assert "| 4 | 10 | direct | none | 36.0 | 17.0 | 417 | 0.46x (0.44-0.52) | missed by 0.04 |" in lines
     assert "| 4 | 10 | direct | fp16 | 41.0 | 21.0 | 366 | 0.52x | met |" in lines
+
+
+def test_join_rows_show_the_floor_of_a_download_on_this_machine(tmp_path, monkeypatch) -> None:
+    run = dict(
+        params=25e6, state_mb=400.0, join_seconds=1.9, connect_seconds=1.1, download_seconds=0.8,
+        download_mb_s=500.0, tcp_baseline_seconds=0.12, ratio_to_tcp=0.15, tcp_fresh_seconds=0.3,
+        second_download_seconds=0.45, second_ratio_to_tcp=0.27, donors=3, transport="direct",
+    )  # fmt: skip
+    older = dict(run, donors=1)  # a file from before the state's copy was measured
+    floor = dict(run, tcp_state_seconds=0.44, ratio_to_state_copy=0.55)
+    heartbeats = dict(
+        step_seconds_on=0.1, step_seconds_off=0.1, ratio_on_off=1.0, heartbeat_share_of_step=0.001
+    )
+    cli = dict(help_seconds=0.2, python_seconds=0.02, ratio_to_python=10.0)
+    data = dict(heartbeats=heartbeats, join=dict(floor, runs=[older, floor]), cli=cli)
+    (tmp_path / "overheads.json").write_text(json.dumps(data))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    older_row, floor_row = [line for line in report.overheads() if line.startswith("| joining")]
+    assert "another process" not in older_row and "the state's copy" not in older_row
+    assert "a state from another process into fresh memory 0.44 s" in floor_row
+    assert "0.15x (second: 0.27x); 0.55x the state's copy | < 2 s and >= 0.25x: missed |" in floor_row
