@@ -241,7 +241,7 @@ def _state_copy_seconds(size: int) -> float:
 
     context = mp.get_context("spawn")
     ports = context.Queue()
-    donor = context.Process(target=_hold_and_send, args=(size, ports))
+    donor = context.Process(target=_hold_and_send, args=(size, ports), daemon=True)
     donor.start()
     try:
         port = ports.get(timeout=120)
@@ -259,6 +259,8 @@ def _state_copy_seconds(size: int) -> float:
             return time.perf_counter() - start
     finally:
         donor.join(timeout=30)
+        if donor.is_alive():  # the copy failed before it connected: the donor waits for nobody
+            donor.kill()
 
 
 def _tcp_seconds(size: int, into_fresh_memory: bool = False) -> float:
