@@ -109,5 +109,10 @@ def parse_announce_addresses(texts: Sequence[str]) -> list[str]:
             raise AddressError(
                 f"--announce '{text}' needs a host and a port, e.g. /ip4/203.0.113.7/tcp/31337"
             )
+        if any(int(address.value_for_protocol(t)) == 0 for t in _TRANSPORT & set(names)):
+            raise AddressError(
+                f"--announce '{text}' has port 0: others cannot dial it; give the port this peer "
+                "listens on (--port) or the one your router forwards to it"
+            )
         result.append(str(address))
     return result

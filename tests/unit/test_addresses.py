@@ -173,6 +173,7 @@ def test_announce_addresses_parse() -> None:
         pytest.param("garbage", ["garbage", "malformed"], id="garbage"),
         pytest.param("/ip4/203.0.113.7/tcp/x", ["malformed", "/ip4/203.0.113.7/tcp/x"], id="bad-port"),
         pytest.param("/ip4/999.0.0.1/tcp/1", ["999.0.0.1"], id="bad-ipv4"),
+        pytest.param("/ip4/203.0.113.7/tcp/0", ["port 0", "--port"], id="port-0"),
     ],
 )
 def test_bad_announce_addresses_get_a_one_line_hint(text: str, hints: list[str]) -> None:

@@ -407,3 +407,28 @@ def test_export_writes_csv_and_json_lines(tmp_path, capsys):
     assert len(out.read_text().splitlines()) == 6
     assert main(["export", str(tmp_path / "a" / "metrics.jsonl")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(["join", "/ip4/127.0.0.1/tcp/31337/p2p/notapeerid"], id="malformed-address"),
+        pytest.param(["join", "127.0.0.1:31337"], id="host-port"),
+        pytest.param(["start", "--host", "1.2.3.999"], id="bad-host"),
+        pytest.param(["start", "--announce", "/ip4/203.0.113.7/tcp/0"], id="announce-port-0"),
+    ],
+)
+def test_a_bad_address_is_refused_before_torch_is_imported(argv: list[str]) -> None:
+    """Told in a fraction of a second, not after torch's 2-3 s import (15 s on a loaded
+    machine, which once failed test_bad_addresses' bound)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\nfrom workbench.cli.command import main\n"
+        f"code = main({argv!r})\nprint(code, 'torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == [str(EXIT_USER_ERROR), "False"], (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
