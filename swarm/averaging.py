@@ -340,7 +340,10 @@ class SwarmAverager(Downloading):
         """Joiners download from the peer with the highest outer step."""
         if self.averager.allow_state_sharing:
             claimed = fault_value(self.averager._fault_file, "state_priority")  # testing: a lying donor
-            self.averager.state_sharing_priority = claimed or float(outer_step)
+            # The lie moves with the step, as an honest peer's priority does: each change has the
+            # state snapshotted ahead of joiners, so the liar's offer comes as fast as theirs. (A
+            # constant lie left it snapshotting on request, past the joiner's wait for offers.)
+            self.averager.state_sharing_priority = claimed + outer_step if claimed else float(outer_step)
 
     def shutdown(self) -> None:
         self.averager.shutdown()

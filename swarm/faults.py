@@ -68,7 +68,7 @@ class FaultPlan:
     """Flip a byte of every slice served over the direct transport (a donor whose slices do not
     match the hashes it offered)."""
     state_priority: float = 0.0
-    """Declare this outer step to joiners, to be picked as their donor first."""
+    """Declare this much more than the outer step to joiners, to be picked as their donor first."""
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
