@@ -16,7 +16,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -39,7 +39,7 @@ class Downloading:
     """Mixin for :class:`swarm.averaging.SwarmAverager` (its ``averager``, ``board``,
     ``vouching``, ``beat``, ``on_download``, ``peer_id`` and ``_refused_donors``)."""
 
-    def download_state(self, *, timeout: float = 60.0) -> OuterState | None:
+    def download_state(self, *, timeout: float = 60.0, avoid: Iterable[str] = ()) -> OuterState | None:
         """The global state of the most advanced peer whose θ the others confirm, or None if
         nobody served one in time.
 
@@ -48,11 +48,13 @@ class Downloading:
         one averaged with first) are asked for their θ's sketches under a seed the donor never
         sees, and the θ that arrived is sketched under it (:func:`swarm.claims.judge_state`
         decides). A refused donor is skipped for the rest of this call; one contradicted by
-        peers this one averaged with, for the run.
+        peers this one averaged with, for the run. ``avoid``: peers known to hold a θ that this
+        one must leave (its round mates that share the θ the group outvoted), neither donors nor
+        witnesses in this call.
         """
         deadline = time.monotonic() + timeout
-        skipped = set(self._refused_donors)  # not asked to serve again in this call
-        distrusted = set(self._refused_donors)  # not asked to witness either
+        skipped = set(self._refused_donors) | set(avoid)  # not asked to serve again in this call
+        distrusted = set(skipped)  # not asked to witness either
         for _ in range(DONORS_PER_TRY):
             got = self._fetch_state(skipped, distrusted, deadline)
             if got is None:

@@ -115,10 +115,7 @@ def diverged_from_group(
     same = [g for g in [mine, *others] if g["outer_step"] == top]
 
     def close(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        fa, fb = a["fingerprint"], b["fingerprint"]
-        return len(fa) == len(fb) and all(
-            abs(x - y) <= rel_tol * max(abs(x), abs(y), 1e-12) for x, y in zip(fa, fb)
-        )
+        return _same_fingerprint(a, b, rel_tol)
 
     def rank(member: dict[str, Any]) -> tuple[int, str]:
         agreeing = [g for g in same if close(member, g)]
@@ -128,6 +125,31 @@ def diverged_from_group(
     if close(mine, best):
         return None
     return f"its global params differ from the group's ({-rank(best)[0]} of {len(same)} peers agree on another state)"
+
+
+def holding_the_same_state(
+    mine: dict[str, Any], group: list[dict[str, Any]], *, rel_tol: float = 1e-5
+) -> set[str]:
+    """The other members at this peer's outer step whose θ fingerprint matches this peer's.
+
+    When :func:`diverged_from_group` sends this peer to download the state because most of the
+    group holds another θ, these peers hold the losing θ too and must not serve it back: two of
+    them downloading from each other swapped the same wrong θ every round, for 20 rounds, to the
+    end of a run (the churn soak, 2026-12-03)."""
+    me = _parse_info(mine)
+    if me is None:
+        return set()
+    others = [g for g in map(_parse_info, group) if g is not None and g["peer"] != me["peer"]]
+    return {
+        g["peer"] for g in others if g["outer_step"] == me["outer_step"] and _same_fingerprint(me, g, rel_tol)
+    }
+
+
+def _same_fingerprint(a: dict[str, Any], b: dict[str, Any], rel_tol: float) -> bool:
+    fa, fb = a["fingerprint"], b["fingerprint"]
+    return len(fa) == len(fb) and all(
+        abs(x - y) <= rel_tol * max(abs(x), abs(y), 1e-12) for x, y in zip(fa, fb)
+    )
 
 
 def _parse_info(info: Any) -> dict[str, Any] | None:

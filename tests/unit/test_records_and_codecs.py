@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from swarm.averaging import CODECS
 from swarm.averaging_config import CODEC_BYTES
-from swarm.gathered import diverged_from_group
+from swarm.gathered import diverged_from_group, holding_the_same_state
 from swarm.records import PeerHeartbeat, Stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 ID_A = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 ID_B = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
 ID_C = "12D3KooWRAaoUUiDeqzh1ssh3jcWmuBvh8m4jEvD6PWCGpCHdP4M"
+ID_D = "12D3KooWZzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz"  # after the others
 
 
 # --- PeerHeartbeat ----------------------------------------------------------------------------------
@@ -203,6 +204,40 @@ def test_a_one_to_one_tie_goes_to_the_lower_peer_id(order: tuple[str, str]) -> N
     told = [peer for peer, reason in verdicts.items() if reason is not None]
     assert told == [max(ID_A, ID_B)], verdicts  # exactly one downloads: the higher id
     assert verdicts[min(ID_A, ID_B)] is None
+
+
+def test_in_a_two_to_two_split_the_outvoted_pair_avoid_each_other_as_donors() -> None:
+    """The pair holding the θ that lost the vote must not fetch it back from each other: in the
+    churn soak two such peers swapped the same wrong θ every round to the end of the run."""
+    winners = [member(ID_A, 7, FP), member(ID_B, 7, list(FP))]  # ID_A is the lowest id
+    losers = [member(ID_C, 7, OTHER_FP), member(ID_D, 7, list(OTHER_FP))]
+    group = [*winners, *losers]
+    for mine in winners:
+        assert diverged_from_group(mine, group) is None
+    for mine in losers:
+        assert "2 of 4" in (diverged_from_group(mine, group) or "")
+    assert holding_the_same_state(losers[0], group) == {ID_D}
+    assert holding_the_same_state(losers[1], group) == {ID_C}
+    assert holding_the_same_state(winners[0], group) == {ID_B}
+    # Another step is another state; a member whose info does not parse holds nothing.
+    assert holding_the_same_state(losers[0], [*group, member("later", 8, OTHER_FP), {"peer": "x"}]) == {ID_D}
+    assert holding_the_same_state({"peer": ID_C}, group) == set()
+
+
+def test_peers_to_avoid_are_neither_donors_nor_witnesses_of_a_download() -> None:
+    from swarm.download import Downloading
+
+    asked: list[tuple[set[str], set[str]]] = []
+
+    class Probe(Downloading):
+        _refused_donors = {"refused"}
+
+        def _fetch_state(self, skipped, distrusted, deadline):
+            asked.append((set(skipped), set(distrusted)))
+            return None  # nobody served
+
+    assert Probe().download_state(avoid=["mate"]) is None
+    assert asked == [({"refused", "mate"}, {"refused", "mate"})]
 
 
 def test_a_tie_goes_to_the_lower_peer_id_even_when_one_id_is_a_prefix() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from swarm.errors import SwarmError
@@ -94,10 +94,18 @@ def settle_manifest(
 
 
 def download_state(
-    averager: Any, rounds: Any, *, emit: Callable[..., None], name: str, run_id: str, reason: str
+    averager: Any,
+    rounds: Any,
+    *,
+    emit: Callable[..., None],
+    name: str,
+    run_id: str,
+    reason: str,
+    avoid: Iterable[str] = (),
 ) -> bool:
     """Adopt the global state of the most advanced peer whose θ the others confirm (three
-    tries, a second apart); False if nobody could serve it."""
+    tries, a second apart); False if nobody could serve it. ``avoid``: peers not to take it from
+    (nor ask about it): they hold the θ this peer is leaving."""
     from workbench.run.progress_bar import progress
 
     started = time.monotonic()
@@ -111,7 +119,7 @@ def download_state(
 
             averager.on_download = show
             try:
-                state = averager.download_state()
+                state = averager.download_state(avoid=avoid)
             finally:
                 averager.on_download = None
         if state is not None:

@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +208,9 @@ class Peer:
 
     # --- the run ----------------------------------------------------------------------------
 
-    def download_state(self, reason: str) -> bool:
-        """Adopt the global state of the most advanced peer; False if nobody could serve it."""
+    def download_state(self, reason: str, avoid: Iterable[str] = ()) -> bool:
+        """Adopt the global state of the most advanced peer (not one of ``avoid``); False if
+        nobody could serve it."""
         self.beat(Stage.DOWNLOADING)
         return joining.download_state(
             self.averager,
@@ -218,6 +219,7 @@ class Peer:
             name=self.name,
             run_id=self.config.peer.run_id,
             reason=reason,
+            avoid=avoid,
         )
 
     def run(self) -> dict[str, Any]:
@@ -279,11 +281,15 @@ class Peer:
         stats.dp_bytes += int(steps * 2 * 4 * self.model.num_params() * (group - 1) / group)
         stats.last_round_seconds = time.monotonic() - round_start
         resync = f"out of step with the swarm ({report.error})" if report.stale else None
+        outvoted: set[str] = set()  # round mates holding the θ the group outvoted, like this one
         if report.group_size > 1:
-            from swarm.gathered import diverged_from_group
+            from swarm.gathered import diverged_from_group, holding_the_same_state
 
             # (overlapped, the report is the previous round's: judge it by what went with it)
-            resync = diverged_from_group((report.info or info) | {"peer": self.peer_id}, report.group_info)
+            mine = (report.info or info) | {"peer": self.peer_id}
+            resync = diverged_from_group(mine, report.group_info)
+            if resync:
+                outvoted = holding_the_same_state(mine, report.group_info)
         # A peer known to be out of date must not serve its θ at the top priority.
         self.averager.set_state_priority(self.diloco.outer_step_count - (0.5 if resync else 0.0))
         every = cfg.peer.checkpoint_every
@@ -293,7 +299,7 @@ class Peer:
             # Adopt the group's θ before evaluating, so the round's eval loss is that of the
             # params this peer carries on with (and matches the others').
             logger.warning("%s: %s; downloading the global state", self.name, resync)
-            self.download_state(resync)
+            self.download_state(resync, avoid=outvoted)
         if self.diloco.outer_step_count % cfg.peer.eval_every == 0 or (
             cfg.peer.rounds and self.diloco.outer_step_count >= self.config.total_rounds
         ):
