@@ -56,10 +56,13 @@ def parse_peer_address(text: str) -> Multiaddr:
         )
     if names[-1] != "p2p":
         raise AddressError(f"'{text}' has parts after /p2p/<peer id>; the peer id must come last")
-    for transport in _TRANSPORT & set(names):
-        if int(address.value_for_protocol(transport)) == 0:
-            raise AddressError(f"'{text}' has port 0; use the port the running peer printed")
+    if _port_zero(address, names):
+        raise AddressError(f"'{text}' has port 0; use the port the running peer printed")
     return address
+
+
+def _port_zero(address: Multiaddr, names: list[str]) -> bool:
+    return any(int(address.value_for_protocol(t)) == 0 for t in _TRANSPORT & set(names))
 
 
 def _host_part(host: str) -> str:
@@ -109,7 +112,7 @@ def parse_announce_addresses(texts: Sequence[str]) -> list[str]:
             raise AddressError(
                 f"--announce '{text}' needs a host and a port, e.g. /ip4/203.0.113.7/tcp/31337"
             )
-        if any(int(address.value_for_protocol(t)) == 0 for t in _TRANSPORT & set(names)):
+        if _port_zero(address, names):
             raise AddressError(
                 f"--announce '{text}' has port 0: others cannot dial it; give the port this peer "
                 "listens on (--port) or the one your router forwards to it"

@@ -114,15 +114,12 @@ def diverged_from_group(
         return f"behind the group (outer step {mine['outer_step']} < {top})"
     same = [g for g in [mine, *others] if g["outer_step"] == top]
 
-    def close(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        return _same_fingerprint(a, b, rel_tol)
-
     def rank(member: dict[str, Any]) -> tuple[int, str]:
-        agreeing = [g for g in same if close(member, g)]
+        agreeing = [g for g in same if _same_fingerprint(member, g, rel_tol)]
         return -len(agreeing), min(g["peer"] for g in agreeing)  # most agreeing first, then lowest id
 
     best = min(same, key=rank)
-    if close(mine, best):
+    if _same_fingerprint(mine, best, rel_tol):
         return None
     return f"its global params differ from the group's ({-rank(best)[0]} of {len(same)} peers agree on another state)"
 
