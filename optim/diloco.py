@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -478,3 +479,8 @@ class DiLoCo:
         """Per-tensor L2 norms of θ: peers on the same trajectory agree to ~1e-6 relative."""
         with self.lock:
             return [float(g.double().norm()) for g in self.global_params]
+
+    def read_global(self, read: Callable[[list[torch.Tensor]], Any]) -> Any:
+        """``read(θ_global)`` under the lock, without a copy (``read`` must not keep or change it)."""
+        with self.lock:
+            return read(self.global_params)

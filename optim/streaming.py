@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -383,6 +383,11 @@ class StreamingRounds:
     def fingerprint(self) -> list[float]:
         with self.lock:
             return [float(g.double().norm()) for g in self.global_params]
+
+    def read_global(self, read: Callable[[list[torch.Tensor]], Any]) -> Any:
+        """``read(θ_global)`` under the lock, without a copy (``read`` must not keep or change it)."""
+        with self.lock:
+            return read(self.global_params)
 
     def _momentum(self) -> list[torch.Tensor]:
         state = self.streaming.outer_optimizer.state

@@ -184,6 +184,9 @@ class SwarmAverager(Downloading):
             self._last_return = time.monotonic()
 
     def _round(self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any]) -> RoundReport:
+        cut_off = fault_value(self.averager._fault_file, "alone_from_step")  # testing: a partition
+        if cut_off and int(info.get("outer_step", 0)) + 1 >= cut_off:
+            return self._alone(info, "fault injection: cut off from the others' groups")
         verdict = self.wait_for_round_mates(int(info.get("outer_step", 0)))
         if verdict is not Verdict.AVERAGE:
             report = self._alone(info, verdict.value)

@@ -191,11 +191,14 @@ class RoundBarrier:
         waited_for: list[str] = []
         while True:
             self.beat(Stage.WAITING)
-            # A paused peer (steering) trains nothing and averages nothing: not a round mate.
+            # A paused peer (steering) trains nothing and averages nothing: not a round mate;
+            # nor is one finishing its run. Its θ is not fetched here either: a peer that ended
+            # its last round early (alone) would take the others' last round from them. The
+            # peers ending together settle on one θ when they finish (swarm.ending).
             others = [
                 p
                 for p in self.board.fetch().values()
-                if p.peer_id != self.peer_id and p.stage is not Stage.PAUSED
+                if p.peer_id != self.peer_id and p.stage not in (Stage.PAUSED, Stage.FINISHING)
             ]
             if not others:
                 return Verdict.ALONE

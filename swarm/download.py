@@ -39,7 +39,9 @@ class Downloading:
     """Mixin for :class:`swarm.averaging.SwarmAverager` (its ``averager``, ``board``,
     ``vouching``, ``beat``, ``on_download``, ``peer_id`` and ``_refused_donors``)."""
 
-    def download_state(self, *, timeout: float = 60.0, avoid: Iterable[str] = ()) -> OuterState | None:
+    def download_state(
+        self, *, timeout: float = 60.0, avoid: Iterable[str] = (), at_step: int | None = None
+    ) -> OuterState | None:
         """The global state of the most advanced peer whose θ the others confirm, or None if
         nobody served one in time.
 
@@ -50,7 +52,8 @@ class Downloading:
         decides). A refused donor is skipped for the rest of this call; one contradicted by
         peers this one averaged with, for the run. ``avoid``: peers known to hold a θ that this
         one must leave (its round mates that share the θ the group outvoted), neither donors nor
-        witnesses in this call.
+        witnesses in this call. ``at_step``: only a state at that outer step is taken (a peer
+        ending its run takes the θ the others end on, not that of peers running on).
         """
         deadline = time.monotonic() + timeout
         skipped = set(self._refused_donors) | set(avoid)  # not asked to serve again in this call
@@ -63,6 +66,14 @@ class Downloading:
             skipped.add(donor)
             if state is None:
                 distrusted.add(donor)
+                continue
+            if at_step is not None and state.outer_step != at_step:
+                logger.info(
+                    "%s served outer step %d, not %d; trying another donor",
+                    donor[-8:],
+                    state.outer_step,
+                    at_step,
+                )
                 continue
             vouched = set(self.vouching.vouched)
             verdict = judge_state(

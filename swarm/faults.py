@@ -69,6 +69,9 @@ class FaultPlan:
     match the hashes it offered)."""
     state_priority: float = 0.0
     """Declare this much more than the outer step to joiners, to be picked as their donor first."""
+    alone_from_step: float = 0.0
+    """Average with nobody in the rounds that end at this outer step or later: a peer cut off
+    from the others' groups, which steps alone (0: never)."""
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:

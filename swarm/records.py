@@ -50,6 +50,7 @@ class Stage(str, enum.Enum):
     WAITING = "waiting"  # done with this round's inner steps, waiting for the others
     AVERAGING = "averaging"  # matchmaking and all-reduce of pseudo-gradients
     PAUSED = "paused"  # the run's owner paused this peer (steering); it trains nothing
+    FINISHING = "finishing"  # done with its rounds: checking it ends on the others' θ (swarm.ending)
     LEAVING = "leaving"  # shutting down (Ctrl+C or end of run)
 
 
@@ -121,6 +122,10 @@ class PeerHeartbeat(BaseModel):
     download_donors: int = Field(default=0, ge=0, le=64)
     """While downloading the state: how many donors serve it (the direct transport takes slices
     from several at once; hivemind's stream, from one)."""
+    final_theta: list[float] = Field(default_factory=list, max_length=16)
+    """While finishing, and leaving after it: its θ's sketch (rows, then length) under the
+    step's public seed (:func:`swarm.ending.final_sketch`), which the others that end at that
+    step compare."""
 
     @field_validator("ignored")
     @classmethod

@@ -14,6 +14,7 @@ STAGE_STYLE = {
     Stage.WAITING: "yellow",
     Stage.AVERAGING: "magenta",
     Stage.PAUSED: "bold yellow",
+    Stage.FINISHING: "blue",
     Stage.LEAVING: "dim",
 }
 

@@ -6,6 +6,7 @@ import math
 import signal
 import time
 
+from swarm.faults import FaultPlan
 from tests.integration.conftest import FAST, JOIN_ROUNDS, assert_grouped, max_abs_diff
 
 
@@ -206,3 +207,28 @@ def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn)
     assert max_abs_diff(params[0], params[2]) <= 1e-5
     done = first.events("done")[0]
     assert done["final_eval_loss"] < done["initial_eval_loss"] - 0.5
+
+
+def test_peers_that_end_their_last_round_on_different_theta_leave_on_one(spawn, tmp_path):
+    """The last round cannot be repaired by a later one (swarm.ending). Here both peers are cut
+    off from each other's groups in it (fault injection), so each steps alone and they end on
+    different θ. Finishing, they compare sketches of θ: the tie goes to the lower peer id, and
+    the other downloads its θ at that step."""
+    faults = tmp_path / "faults.json"
+    FaultPlan(alone_from_step=3).write(faults)
+    common = [*FAST, "--rounds", "3", "--min-peers", "2", "--run-id", "ending", "--fault-file", str(faults)]
+    first = spawn("a", "start", *common)
+    second = spawn("b", "join", first.address(), *common)
+    assert first.wait() == 0, first.stderr()
+    assert second.wait() == 0, second.stderr()
+    for peer in (first, second):
+        rounds = peer.events("round")
+        assert any(r["group_size"] == 2 for r in rounds), rounds  # they averaged: vouched
+        assert rounds[-1]["outer_step"] == 3 and "cut off" in rounds[-1]["alone_reason"], rounds
+    done = [peer.events("done")[0] for peer in (first, second)]
+    assert all(d["ended_on_others_state"] and d["ending_agreeing_peers"] == 1 for d in done), done
+    assert sorted(d["ending_downloads"] for d in done) == [0, 1], done
+    downloaded = [e for p in (first, second) for e in p.events("state_downloaded") if e["outer_step"] == 3]
+    assert len(downloaded) == 1, downloaded
+    assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
+    assert abs(done[0]["final_eval_loss"] - done[1]["final_eval_loss"]) < 1e-4

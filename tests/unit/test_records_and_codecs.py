@@ -64,6 +64,7 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         last_round_alone="",
         download_progress=0.0,
         download_donors=0,
+        final_theta=[],
     )
     record.update(overrides)
     return record
@@ -77,6 +78,7 @@ def test_stage_values_are_the_documented_strings() -> None:
         "waiting",
         "averaging",
         "paused",
+        "finishing",
         "leaving",
     ]
     assert Stage("averaging") is Stage.AVERAGING

@@ -48,6 +48,7 @@ from workbench.run.training import build_training, train_step
 logger = logging.getLogger(__name__)
 
 PUBLISH_FAILURES = 20  # heartbeats (one a second or so) that failed in a row before a peer stops
+FINAL_DOWNLOADS = 2  # downloads of the others' final θ a finishing peer tries before it leaves as is
 
 
 class Peer:
@@ -84,6 +85,7 @@ class Peer:
         self.dp: DataParallel | None = None
         self.node: NodeGroup | None = None  # a torchrun node: this is rank 0, driving the others
         self.node_max_diff = 0.0  # the largest θ_local difference between the node's ranks seen
+        self.final_theta: list[float] = []  # finishing: θ's sketch the others compare (swarm.ending)
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -208,9 +210,9 @@ class Peer:
 
     # --- the run ----------------------------------------------------------------------------
 
-    def download_state(self, reason: str, avoid: Iterable[str] = ()) -> bool:
-        """Adopt the global state of the most advanced peer (not one of ``avoid``); False if
-        nobody could serve it."""
+    def download_state(self, reason: str, avoid: Iterable[str] = (), at_step: int | None = None) -> bool:
+        """Adopt the global state of the most advanced peer (not one of ``avoid``; at
+        ``at_step`` if given); False if nobody could serve it."""
         self.beat(Stage.DOWNLOADING)
         return joining.download_state(
             self.averager,
@@ -220,6 +222,7 @@ class Peer:
             run_id=self.config.peer.run_id,
             reason=reason,
             avoid=avoid,
+            at_step=at_step,
         )
 
     def run(self) -> dict[str, Any]:
@@ -380,6 +383,7 @@ class Peer:
             # last fragment in flight) and no eager offset: every peer ends on the swarm's θ.
             self.diloco.finish()
         flush_seconds = time.monotonic() - flush_start
+        ending = self.end_on_the_others_state() if self.dp is None and cfg.peer.rounds else {}
         final_eval = evaluate(self.model, self.eval_set, self.device)
         summary = dict(
             peer_id=self.peer_id,
@@ -391,6 +395,7 @@ class Peer:
             bytes_sent=self.stats.bytes_sent,
             bytes_received=self.stats.bytes_received,
             final_averaging_seconds=flush_seconds,  # overlapped: the wait for the last all-reduce
+            **ending,
         )
         if self.node is not None:
             summary.update(node_ranks=self.node.world_size, node_max_param_diff=self.node_max_diff)
@@ -398,6 +403,49 @@ class Peer:
             torch.save(self.diloco.outer_state().params, self.run_dir / "global_params.pt")
         self.emit("done", **summary)
         return summary
+
+    def end_on_the_others_state(self) -> dict[str, Any]:
+        """After the last round: stay (stage finishing) until the peers that averaged with this
+        one and end at the same outer step hold its θ, taking theirs if most of them hold
+        another (:mod:`swarm.ending`); at most a round wait. What happened, for the summary."""
+        from swarm.ending import final_sketch, verdict
+
+        step, started = self.diloco.outer_step_count, time.monotonic()
+        deadline = started + self.averager.barrier.config.round_wait
+        downloads = 0
+
+        def sketch() -> list[float]:
+            return self.diloco.read_global(lambda params: final_sketch(params, step))
+
+        self.final_theta = sketch()
+        while True:
+            self.beat(Stage.FINISHING)
+            vouched = set(self.averager.vouching.vouched)
+            beats = self.board.fetch(include_leaving=True).values()
+            ending = verdict(self.peer_id, self.final_theta, step, beats, vouched)
+            if ending.action == "leave":
+                break
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "%s: leaving without the others' agreement on the final θ: %s", self.name, ending.why
+                )
+                break
+            if ending.action == "download" and downloads < FINAL_DOWNLOADS:
+                downloads += 1
+                logger.warning(
+                    "%s: ended the run on another θ (%s); downloading theirs", self.name, ending.why
+                )
+                known = set(self.board.fetch(include_leaving=True)) | set(self.board.ignored)
+                if self.download_state(ending.why, avoid=known - ending.holders, at_step=step):
+                    self.final_theta = sketch()
+                continue
+            time.sleep(0.2)
+        return dict(
+            ended_on_others_state=ending.action == "leave",
+            ending_agreeing_peers=ending.agreeing,
+            ending_downloads=downloads,
+            ending_seconds=time.monotonic() - started,
+        )
 
     # --- checkpoints -----------------------------------------------------------------------------
 

@@ -178,6 +178,7 @@ def heartbeat_of(peer: Any) -> PeerHeartbeat:
             if peer.averager and peer.stage is Stage.DOWNLOADING
             else 0.0
         ),
+        final_theta=peer.final_theta if peer.stage in (Stage.FINISHING, Stage.LEAVING) else [],
         download_donors=(
             min(64, peer.averager.download_donors())
             if peer.averager and peer.stage is Stage.DOWNLOADING

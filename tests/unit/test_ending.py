@@ -1,0 +1,125 @@
+"""The end of a finite run (swarm.ending): which θ a finishing peer keeps, whom it waits for, and
+that the round barrier of peers running on does not count a finishing peer as a round mate.
+tests/integration/test_swarm_training.py plays it with real peers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swarm.barrier import Verdict
+from swarm.ending import final_sketch, parse, same_theta, verdict
+from swarm.records import PeerHeartbeat, Stage
+from tests.unit.test_claims import NOW, FakeBoard, averager
+
+STEP = 40
+
+
+def theta(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(300, 70, generator=generator), torch.randn(70, generator=generator)]
+
+
+A, B = final_sketch(theta(0), STEP), final_sketch(theta(1), STEP)
+
+
+def beat(peer: str, sketch=None, *, step: int = STEP, rounds: int = STEP, stage=None) -> PeerHeartbeat:
+    return PeerHeartbeat(
+        peer_id=peer,
+        name=peer,
+        stage=stage or (Stage.FINISHING if sketch is not None else Stage.TRAINING),
+        outer_step=step,
+        inner_step=0,
+        inner_steps=5,
+        time=NOW,
+        rounds=rounds,
+        final_theta=sketch or [],
+    )
+
+
+def test_a_sketch_sees_a_change_that_keeps_every_tensor_s_length():
+    params = theta(0)
+    swapped = [params[0].clone(), params[1].clone()]
+    swapped[0][0, :2] = swapped[0][0, :2].flip(0)  # two values swapped: every length unchanged
+    lengths = [float(t.norm()) for t in params], [float(t.norm()) for t in swapped]
+    assert lengths[0] == pytest.approx(lengths[1], rel=1e-6)  # the round's fingerprint is blind to it
+    assert same_theta(final_sketch(params, STEP), final_sketch([t.clone() for t in params], STEP))
+    assert not same_theta(final_sketch(params, STEP), final_sketch(swapped, STEP))
+    assert final_sketch(params, STEP) != final_sketch(params, STEP + 1)  # a seed per step
+
+
+def test_rounding_is_the_same_theta():
+    params = theta(0)
+    rounded = [t * (1 + 1e-7 * torch.randn(t.shape)) for t in params]
+    assert same_theta(final_sketch(params, STEP), final_sketch(rounded, STEP))
+
+
+@pytest.mark.parametrize(
+    "values", [[], [1.0] * 8, [math.nan] * 9, [1.0] * 8 + [-1.0], [1.0] * 8 + [math.inf]]
+)
+def test_a_malformed_sketch_is_no_vote(values):
+    assert parse(values) is None
+    alone = verdict("me", A, STEP, [beat("x", None, stage=Stage.FINISHING) for _ in [0]], {"x"})
+    assert alone.action == "leave"
+    ending = [beat("x", values, stage=Stage.FINISHING), beat("y", B)]
+    assert (
+        verdict("me", A, STEP, ending, {"x", "y"}).action == "wait"
+    )  # only y voted: 1 against 1, "me" < "y"
+
+
+def test_outvoted_it_downloads_from_the_peers_holding_the_others_theta():
+    others = [beat("w", B), beat("x", B), beat("y", B), beat("z", A)]
+    ending = verdict("me", A, STEP, others, {"w", "x", "y", "z"})
+    assert ending.action == "download" and ending.holders == {"w", "x", "y"} and ending.agreeing == 1
+    assert "3 of 5 peers" in ending.why
+
+
+def test_a_tie_goes_to_the_theta_the_lowest_peer_id_holds():
+    assert verdict("b", A, STEP, [beat("a", B)], {"a"}).action == "download"
+    assert verdict("a", B, STEP, [beat("b", A)], {"b"}).action == "wait"  # until b holds its θ
+
+
+def test_it_leaves_once_everyone_ending_with_it_holds_its_theta():
+    ending = verdict("me", A, STEP, [beat("x", A), beat("y", A)], {"x", "y"})
+    assert ending.action == "leave" and ending.agreeing == 2
+
+
+def test_it_waits_for_a_peer_still_in_its_last_round():
+    ending = verdict("me", A, STEP, [beat("x", A), beat("slow", step=STEP - 1)], {"x", "slow"})
+    assert ending.action == "wait" and "slow" in ending.why
+
+
+def test_strangers_and_peers_running_on_neither_vote_nor_hold_it():
+    others = [
+        beat("stranger", B),  # never averaged with this one
+        beat("stranger-slow", step=STEP - 1),
+        beat("longer", step=STEP + 3, rounds=100),  # runs on
+        beat("forever", step=STEP, rounds=0, stage=Stage.WAITING),
+        beat("paused", step=STEP - 1, stage=Stage.PAUSED),
+    ]
+    vouched = {"longer", "forever", "paused"}
+    ending = verdict("me", A, STEP, others, vouched)
+    assert ending.action == "leave" and ending.agreeing == 0
+
+
+def test_a_finishing_peer_is_no_round_mate_for_peers_running_on():
+    board = FakeBoard(beat("done", A, step=4, rounds=4))
+    assert averager(board, vouched=["done"]).wait_for_round_mates(4) is Verdict.ALONE
+    board = FakeBoard(beat("done", A, step=4, rounds=4), beat("mate", None, step=4, stage=Stage.WAITING))
+    swarm = averager(board, vouched=["done", "mate"])
+    assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE and swarm.expected == ("mate",)
+
+
+def test_a_peer_behind_a_finishing_one_does_not_take_its_theta_in_a_round():
+    # It may have ended its last round alone, while the others still average theirs: they
+    # settle on one θ when they finish, by vote (swarm.ending), not on whoever finished first.
+    board = FakeBoard(beat("done", A, step=4, rounds=4), beat("mate", None, step=3, stage=Stage.WAITING))
+    assert averager(board, vouched=["done", "mate"]).wait_for_round_mates(3) is Verdict.AVERAGE
+
+
+def test_a_peer_that_left_holding_a_theta_still_counts_and_is_not_waited_for():
+    gone = beat("x", A, stage=Stage.LEAVING)
+    assert verdict("me", A, STEP, [gone], {"x"}).agreeing == 1
+    assert verdict("me", A, STEP, [beat("y", step=STEP - 1, stage=Stage.LEAVING)], {"y"}).action == "leave"
