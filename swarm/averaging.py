@@ -219,7 +219,9 @@ class SwarmAverager(Downloading):
         self.averaging_deadline.observe(time.monotonic() - started)
         # Success: the buffers now hold the group's weighted mean. Its members (hivemind's
         # authenticated peer ids, not what they wrote in their info) are vouched for.
-        self.vouching.averaged_with([peer.to_base58() for peer in gathered if hasattr(peer, "to_base58")])
+        members = [peer.to_base58() for peer in gathered if hasattr(peer, "to_base58")]
+        self.vouching.averaged_with(members)
+        self._refused_donors.difference_update(members)  # on this θ now: a donor again
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
                 tensor.copy_(buffer)

@@ -105,7 +105,8 @@ class StateVerdict:
     accept: bool
     why: str
     blame: bool = False
-    """The donor served a θ that peers this one averaged with contradict: never ask it again."""
+    """The donor served a θ that peers this one averaged with contradict: do not ask it again
+    until it averages with this one (a liar, or an honest peer on the losing side of a split)."""
     contradicted: bool = False
     """Peers at the donor's step hold another θ (with ``blame`` or not): not a witness for the
     next donor either. A state refused only because nobody else holds its step is not."""

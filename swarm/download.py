@@ -50,7 +50,7 @@ class Downloading:
         one averaged with first) are asked for their θ's sketches under a seed the donor never
         sees, and the θ that arrived is sketched under it (:func:`swarm.claims.judge_state`
         decides). A refused donor is skipped for the rest of this call; one contradicted by
-        peers this one averaged with, for the run. ``avoid``: peers known to hold a θ that this
+        peers this one averaged with, until it averages with this one. ``avoid``: peers known to hold a θ that this
         one must leave (its round mates that share the θ the group outvoted), neither donors nor
         witnesses in this call. ``at_step``: only a state at that outer step is taken (a peer
         ending its run takes the θ the others end on, not that of peers running on).
@@ -90,10 +90,12 @@ class Downloading:
             if verdict.contradicted:  # else (a round ended mid-download) it may witness the next
                 distrusted.add(donor)
             if verdict.blame:
+                # A θ that this peer's round mates contradict: a liar's, or that of an honest peer
+                # on the losing side of a split, which is no liar. Not asked to serve again until it
+                # averages with this one (swarm.averaging forgives it then), and not ignored: in the
+                # churn soak (2026-12-03) honest peers ignored each other this way for the rest of
+                # the run, stopped waiting for each other at the barrier, and split more and more.
                 self._refused_donors.add(donor)
-                self.board.ignore(
-                    donor, f"served a θ at outer step {state.outer_step} that its round mates contradict"
-                )
         return None
 
     def _verifiers(self, distrusted: set[str]) -> list[str]:

@@ -242,6 +242,33 @@ def test_peers_to_avoid_are_neither_donors_nor_witnesses_of_a_download() -> None
     assert asked == [({"refused", "mate"}, {"refused", "mate"})]
 
 
+def test_a_donor_its_round_mates_contradict_is_refused_not_ignored() -> None:
+    """It may be an honest peer on the losing side of a split: in the churn soak, ignoring such
+    donors for the rest of the run left honest peers invisible to each other's barrier."""
+    from optim.state import OuterState
+    from swarm.claims import Vouching
+    from swarm.download import Downloading
+    from swarm.sketch import state_sketches
+
+    ignored: list[str] = []
+
+    class Probe(Downloading):
+        vouching, _refused_donors = Vouching(), set()
+        board = type("Board", (), {"ignore": lambda self, peer, why: ignored.append(peer)})()
+
+        def _fetch_state(self, skipped, distrusted, deadline):
+            if "other-side" in skipped:
+                return None
+            seed, theirs = b"seed", [torch.ones(8)]
+            served = OuterState(outer_step=5, params=[torch.zeros(8)], momentum=[torch.zeros(8)])
+            return served, "other-side", seed, {"mate": (5, state_sketches(theirs, seed))}
+
+    probe = Probe()
+    probe.vouching.averaged_with(["mate"])
+    assert probe.download_state() is None
+    assert probe._refused_donors == {"other-side"} and not ignored
+
+
 def test_a_tie_goes_to_the_lower_peer_id_even_when_one_id_is_a_prefix() -> None:
     short, long = "peerA", "peerAB"  # "peerA" < "peerAB"
     group = [member(short, 2, FP), member(long, 2, OTHER_FP)]
