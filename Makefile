@@ -38,7 +38,8 @@ test: bytecode
 faults: bytecode
 	WORKBENCH_FAULTS_REPORT=benchmarks/results/faults.json $(BIN)/python -m pytest -q -m faults -rA
 
-# Churn soak: peers leave and join at random every ~20 s for SOAK_SECONDS (default 240).
+# Churn soak: peers leave and join at random every ~20 s for SOAK_SECONDS (default 240) in a run
+# of SOAK_ROUNDS rounds (default two per churn second).
 soak: bytecode
 	WORKBENCH_FAULTS_REPORT=benchmarks/results/soak.json $(BIN)/python -m pytest -q -m soak -rA -s
 
