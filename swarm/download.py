@@ -50,9 +50,9 @@ class Downloading:
         one averaged with first) are asked for their θ's sketches under a seed the donor never
         sees, and the θ that arrived is sketched under it (:func:`swarm.claims.judge_state`
         decides). A refused donor is skipped for the rest of this call; one contradicted by
-        peers this one averaged with, until it averages with this one. ``avoid``: peers known to hold a θ that this
-        one must leave (its round mates that share the θ the group outvoted), neither donors nor
-        witnesses in this call. ``at_step``: only a state at that outer step is taken (a peer
+        peers this one averaged with, until it averages with this one. ``avoid``: peers known
+        to hold a θ that this one must leave (its round mates that share the θ the group
+        outvoted), neither donors nor witnesses in this call. ``at_step``: only a state at that outer step is taken (a peer
         ending its run takes the θ the others end on, not that of peers running on).
         """
         deadline = time.monotonic() + timeout
