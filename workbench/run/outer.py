@@ -73,15 +73,21 @@ def build_outer(
     )
     if config.outer_method.fragmented:
         return _streaming(config, model, inner_optimizer, dht, SwarmAverager, common)
-    diloco = DiLoCo(model, inner_optimizer, averager=None, config=config.diloco)  # type: ignore[arg-type]
-    tensors = averaged_like(diloco.global_params, config)
+    # The averager's process is forked before DiLoCo keeps its copy of θ: forked after, it would
+    # keep the pages of that copy as they were when the first outer step rewrote them (for a
+    # 57M-parameter model, 228 MB more in the averager's process for the rest of the run).
+    trained = [p.detach() for p in model.parameters() if p.requires_grad]  # DiLoCo's θ, in shape
+    tensors = averaged_like(trained, config)
+    rounds: list[DiLoCo] = []  # filled below; the state provider reads it when asked
     averager = SwarmAverager(
         dht,
         tensors_like=tensors,
-        state_provider=diloco.outer_state,
-        masks=len(tensors) - len(diloco.global_params),
+        state_provider=lambda: rounds[0].outer_state(),
+        masks=len(tensors) - len(trained),
         **common,
     )
+    diloco = DiLoCo(model, inner_optimizer, averager=None, config=config.diloco)  # type: ignore[arg-type]
+    rounds.append(diloco)
     if config.outer_method.every_step:
         # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
         # swarm of one then just keeps θ, the step clock and the state served to joiners.

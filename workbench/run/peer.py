@@ -43,7 +43,7 @@ from workbench.run.node import CHECK, STEP, SYNC, NodeGroup
 from workbench.run.outer import OuterLoop, build_outer
 from workbench.run.stopping import close_within, stopped_by_signals
 from workbench.run.telemetry import Events, RoundStats, heartbeat_of, round_fields
-from workbench.run.training import build_training, train_step
+from workbench.run.training import build_model_and_optimizer, load_data, train_step
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ FINAL_DOWNLOADS = 2  # downloads of the others' final θ a finishing peer tries 
 class Peer:
     """Builds the model, data and swarm connection for ``config`` and trains until done.
 
-    Composed of: the training parts (:func:`workbench.run.training.build_training`), the outer
+    Composed of: the training parts (:mod:`workbench.run.training`: data, model), the outer
     loop over the swarm (:mod:`workbench.run.outer`), its figures and events
     (:mod:`workbench.run.telemetry`), the owner's steering (:mod:`workbench.run.control`),
     checkpoints (:mod:`workbench.run.checkpoint`) and, in the local lab, injected faults
@@ -77,7 +77,7 @@ class Peer:
         self.addresses: list[str] = []
         self.manifest: RunManifest | None = None
         self.steering = self._steering(None)  # the owner's control record: see _check_manifest
-        # Training (set up by setup()): build_training's parts, and the data stream.
+        # Training (set up by setup()): the data, the model and its optimizer, the data stream.
         self.device = self.corpus = self.eval_set = self.model = self.inner_optimizer = self.batches = None
         self.outer: OuterLoop | None = None
         self.diloco = None  # the outer loop's rounds: DiLoCo, or streaming's fragment rounds
@@ -93,9 +93,7 @@ class Peer:
         cfg = self.config
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        training = build_training(cfg)
-        self.device, self.corpus, self.eval_set = training.device, training.corpus, training.eval_set
-        self.model, self.inner_optimizer = training.model, training.inner_optimizer
+        self.device, self.corpus, self.eval_set = load_data(cfg)
         self.node = NodeGroup.from_env()  # None outside torchrun
         if self.node is not None and cfg.outer_method.sync is not Sync.ROUNDS:
             raise ValueError(f"a torchrun node peer runs --method diloco (got {cfg.method})")
@@ -108,8 +106,12 @@ class Peer:
             )
         if self.run_dir:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        # The DHT's process is forked before the model exists: forked after, it would keep the
+        # pages of the model's weights as they were when training rewrote them (or when the model
+        # moved to the GPU and freed them here): a copy of the model for the rest of the run.
         self.session = connect(network, self.keys)
         self.dht, self.board, self.store = self.session.dht, self.session.board, self.session.store
+        self.model, self.inner_optimizer = build_model_and_optimizer(cfg, self.device, self.corpus)
         self.peer_id = self.session.peer_id
         self.name = self.faults.name = cfg.peer.name or f"peer-{self.peer_id[-6:]}"
         self.events.open(

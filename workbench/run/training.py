@@ -51,12 +51,26 @@ class Training:
 
 def build_training(cfg: RunConfig) -> Training:
     """Data, model (seeded: identical θ on every peer before any download) and inner AdamW."""
+    device, corpus, eval_set = load_data(cfg)
+    return Training(device, corpus, eval_set, *build_model_and_optimizer(cfg, device, corpus))
+
+
+def load_data(cfg: RunConfig) -> tuple[torch.device, ByteCorpus, list]:
+    """The device, the corpus (checked against the context length) and the held-out batches: what
+    a bad ``--dataset`` fails on, before anything else is started."""
     device = pick_device(cfg.peer.device)
     corpus = ByteCorpus.load(cfg.data, shard=cfg.peer.shard, num_shards=cfg.peer.num_shards)
     corpus.check_fits(cfg.model.block_size)
     eval_set = corpus.eval_batches(
         block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, num_batches=cfg.peer.eval_batches
     )
+    return device, corpus, eval_set
+
+
+def build_model_and_optimizer(
+    cfg: RunConfig, device: torch.device, corpus: ByteCorpus
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model on ``device`` (seeded, or a Hugging Face folder's) and its inner AdamW."""
     if cfg.hf_model:
         import workbench.run.hf as hf
 
@@ -72,4 +86,4 @@ def build_training(cfg: RunConfig) -> Training:
         weight_decay=cfg.train.weight_decay,
         betas=(cfg.train.beta1, cfg.train.beta2),
     )
-    return Training(device, corpus, eval_set, model, inner_optimizer)
+    return model, inner_optimizer
