@@ -60,15 +60,24 @@ def test_the_averager_starts_before_diloco_copies_theta(monkeypatch, flags):
     class Averager:
         def __init__(self, dht, *, tensors_like, state_provider, masks, **common):
             calls.append("averager")
-            self.shapes, self.masks, self.state_provider = [t.shape for t in tensors_like], masks, state_provider
+            self.shapes, self.masks, self.state_provider = (
+                [t.shape for t in tensors_like],
+                masks,
+                state_provider,
+            )
 
     monkeypatch.setattr(DiLoCo, "save_global_params", save_global_params)
     monkeypatch.setattr("swarm.averaging.SwarmAverager", Averager)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = build_outer(config(*flags), model, inner, dht=None, keys=None, board=None, beat=lambda stage: None)
+    outer = build_outer(
+        config(*flags), model, inner, dht=None, keys=None, board=None, beat=lambda stage: None
+    )
     assert calls[:2] == ["averager", "theta"]
     shapes = [p.shape for p in model.parameters()]
     kept = bool(flags)
-    assert outer.averager.shapes == (shapes * 2 if kept else shapes) and outer.averager.masks == len(shapes) * kept
+    assert (
+        outer.averager.shapes == (shapes * 2 if kept else shapes)
+        and outer.averager.masks == len(shapes) * kept
+    )
     assert outer.averager.state_provider().outer_step == 0  # the state served is DiLoCo's
