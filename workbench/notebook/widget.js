@@ -14,6 +14,7 @@ const CSS = `
 .swb td.stage-paused { color: #b58900; font-weight: 600; }
 .swb td.stage-training { color: #2aa198; }
 .swb td.stage-averaging { color: #d33682; }
+.swb td.stage-finishing { color: #268bd2; }
 .swb tr.swb-departed td { color: #93a1a1; }
 .swb button { font-size: 12px; padding: 1px 8px; cursor: pointer; }
 .swb button:disabled { cursor: not-allowed; }
