@@ -211,6 +211,7 @@ class SwarmAverager(Downloading):
                 for p in self.board.fetch().values()
                 if p.peer_id != self.peer_id
                 and p.outer_step == outer_step + self.lag
+                and not p.done  # (overlapped: one that finished its run is at outer_step + 1 too)
                 and (self.overlapped or p.stage in (Stage.WAITING, Stage.AVERAGING))
             ]
             if not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:

@@ -192,13 +192,14 @@ class RoundBarrier:
         while True:
             self.beat(Stage.WAITING)
             # A paused peer (steering) trains nothing and averages nothing: not a round mate;
-            # nor is one finishing its run. Its θ is not fetched here either: a peer that ended
+            # nor is one done with its rounds (finishing, or downloading the θ the others end on).
+            # Its θ is not fetched here either: a peer that ended
             # its last round early (alone) would take the others' last round from them. The
             # peers ending together settle on one θ when they finish (swarm.ending).
             others = [
                 p
                 for p in self.board.fetch().values()
-                if p.peer_id != self.peer_id and p.stage not in (Stage.PAUSED, Stage.FINISHING)
+                if p.peer_id != self.peer_id and p.stage is not Stage.PAUSED and not p.done
             ]
             if not others:
                 return Verdict.ALONE

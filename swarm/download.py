@@ -40,7 +40,12 @@ class Downloading:
     ``vouching``, ``beat``, ``on_download``, ``peer_id`` and ``_refused_donors``)."""
 
     def download_state(
-        self, *, timeout: float = 60.0, avoid: Iterable[str] = (), at_step: int | None = None
+        self,
+        *,
+        timeout: float = 60.0,
+        avoid: Iterable[str] = (),
+        at_step: int | None = None,
+        only: Iterable[str] | None = None,
     ) -> OuterState | None:
         """The global state of the most advanced peer whose θ the others confirm, or None if
         nobody served one in time.
@@ -52,9 +57,11 @@ class Downloading:
         decides). A refused donor is skipped for the rest of this call; one contradicted by
         peers this one averaged with, until it averages with this one. ``avoid``: peers known
         to hold a θ that this one must leave (its round mates that share the θ the group
-        outvoted), neither donors nor witnesses in this call. ``at_step``: only a state at that outer step is taken (a peer
-        ending its run takes the θ the others end on, not that of peers running on).
+        outvoted), neither donors nor witnesses in this call. ``at_step``: only a state at that
+        outer step is taken (a peer ending its run takes the θ the others end on, not that of
+        peers running on); ``only``: only from these donors.
         """
+        allowed = None if only is None else set(only)
         deadline = time.monotonic() + timeout
         skipped = set(self._refused_donors) | set(avoid)  # not asked to serve again in this call
         distrusted = set(skipped)  # not asked to witness either
@@ -66,6 +73,9 @@ class Downloading:
             skipped.add(donor)
             if state is None:
                 distrusted.add(donor)
+                continue
+            if allowed is not None and donor not in allowed:
+                logger.info("%s is not among the donors asked for; trying another", donor[-8:])
                 continue
             if at_step is not None and state.outer_step != at_step:
                 logger.info(
@@ -234,14 +244,14 @@ class Downloading:
         late: str = "no peer served the state in time",
         pause: Callable[[float], Any] = time.sleep,
     ) -> bool:
-        """Wait until ``done()``, keeping this peer's heartbeat ("downloading") alive and the
-        progress shown: the others' round barrier waits for a downloading peer only while it can
-        see it. False (after ``cancel()``) at the deadline. ``pause(seconds)``: between looks,
+        """Wait until ``done()``, keeping this peer's heartbeat alive in its stage ("downloading",
+        or "finishing" for the θ the others end on) and the progress shown: the others' round
+        barrier waits for a downloading peer only while it can see it. False (after ``cancel()``) at the deadline. ``pause(seconds)``: between looks,
         returning early once it is done (a sleep made each wait end up to 50 ms late: the
         offers, the slices and the witnesses, each)."""
         try:
             while not done():
-                self.beat(Stage.DOWNLOADING)
+                self.beat(None)
                 if self.on_download is not None:
                     self.on_download(self.download_progress())
                 if time.monotonic() > deadline:

@@ -101,8 +101,9 @@ def verdict(
 
     best = min(votes, key=rank)
     mates = agreeing(votes[peer_id]) - {peer_id}
-    if peer_id not in agreeing(votes[best]):
-        holders = agreeing(votes[best])
+    holders = agreeing(votes[best])
+    # While some are still in their last rounds, only a θ that wins whatever they end on.
+    if peer_id not in holders and (not still or len(holders) > len(votes) - len(holders) + len(still)):
         return Ending(
             "download",
             f"{len(holders)} of {len(votes)} peers that end at outer step {step} hold another θ",
@@ -110,8 +111,8 @@ def verdict(
             len(mates),
         )
     others = len(votes) - 1 - len(mates)
-    if others or still:
-        parts = [f"{others} peer(s) holding another θ to download this one's"] if others else []
+    if others or still:  # the others to download this one's θ, or the vote to settle
+        parts = [f"{others} peer(s) on another θ"] if others else []
         parts += [f"{', '.join(still)} still in their last rounds"] if still else []
         return Ending("wait", "; ".join(parts), agreeing=len(mates))
     return Ending(

@@ -127,6 +127,12 @@ class PeerHeartbeat(BaseModel):
     step's public seed (:func:`swarm.ending.final_sketch`), which the others that end at that
     step compare."""
 
+    @property
+    def done(self) -> bool:
+        """It has run all its rounds (finishing, or downloading the θ the others end on): no
+        round mate for anyone (:mod:`swarm.ending`)."""
+        return self.stage is Stage.FINISHING or 0 < self.rounds <= self.outer_step
+
     @field_validator("ignored")
     @classmethod
     def _short_reasons(cls, value: dict[str, str]) -> dict[str, str]:

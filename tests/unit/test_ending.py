@@ -123,3 +123,22 @@ def test_a_peer_that_left_holding_a_theta_still_counts_and_is_not_waited_for():
     gone = beat("x", A, stage=Stage.LEAVING)
     assert verdict("me", A, STEP, [gone], {"x"}).agreeing == 1
     assert verdict("me", A, STEP, [beat("y", step=STEP - 1, stage=Stage.LEAVING)], {"y"}).action == "leave"
+
+
+def test_while_some_are_in_their_last_rounds_only_a_sure_majority_is_downloaded():
+    # c stepped its last round alone and finished first; x, y and me averaged theirs, and x's and
+    # y's heartbeats do not say "finishing" yet: a tie of one against one must not send me to c.
+    others = [beat("c", B), beat("x", step=STEP - 1, stage=Stage.AVERAGING), beat("y", step=STEP - 1)]
+    ending = verdict("me", A, STEP, others, {"c", "x", "y"})
+    assert ending.action == "wait" and "x, y still in their last rounds" in ending.why
+    sure = [beat("a", B), beat("b", B), beat("c", B), beat("x", step=STEP - 1)]
+    assert verdict("me", A, STEP, sure, {"a", "b", "c", "x"}).action == "download"  # 4 against 2 at most
+
+
+def test_a_peer_done_with_its_rounds_is_no_round_mate_even_while_it_downloads():
+    downloading = beat("done", None, step=4, rounds=4, stage=Stage.DOWNLOADING)
+    assert downloading.done and not beat("on", None, step=4, rounds=9, stage=Stage.DOWNLOADING).done
+    swarm = averager(FakeBoard(downloading), vouched=["done"], round_wait=60.0)
+    started = swarm.clock()
+    assert swarm.wait_for_round_mates(4) is Verdict.ALONE and swarm.clock() == started  # not waited for
+    assert averager(FakeBoard(downloading), vouched=["done"]).wait_for_round_mates(3) is Verdict.ALONE

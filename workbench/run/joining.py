@@ -103,11 +103,12 @@ def download_state(
     reason: str,
     avoid: Iterable[str] = (),
     at_step: int | None = None,
+    only: Iterable[str] | None = None,
 ) -> bool:
     """Adopt the global state of the most advanced peer whose θ the others confirm (three
     tries, a second apart); False if nobody could serve it. ``avoid``: peers not to take it from
     (nor ask about it): they hold the θ this peer is leaving. ``at_step``: only a state at that
-    outer step."""
+    outer step; ``only``: from these donors only."""
     from workbench.run.progress_bar import progress
 
     started = time.monotonic()
@@ -121,7 +122,7 @@ def download_state(
 
             averager.on_download = show
             try:
-                state = averager.download_state(avoid=avoid, at_step=at_step)
+                state = averager.download_state(avoid=avoid, at_step=at_step, only=only)
             finally:
                 averager.on_download = None
         if state is not None:

@@ -212,10 +212,18 @@ class Peer:
 
     # --- the run ----------------------------------------------------------------------------
 
-    def download_state(self, reason: str, avoid: Iterable[str] = (), at_step: int | None = None) -> bool:
+    def download_state(
+        self,
+        reason: str,
+        avoid: Iterable[str] = (),
+        at_step: int | None = None,
+        only: Iterable[str] | None = None,
+        stage: Stage = Stage.DOWNLOADING,
+    ) -> bool:
         """Adopt the global state of the most advanced peer (not one of ``avoid``; at
-        ``at_step`` if given); False if nobody could serve it."""
-        self.beat(Stage.DOWNLOADING)
+        ``at_step`` and from ``only`` if given); False if nobody could serve it. ``stage``: the
+        heartbeat's meanwhile."""
+        self.beat(stage)
         return joining.download_state(
             self.averager,
             self.diloco,
@@ -225,6 +233,7 @@ class Peer:
             reason=reason,
             avoid=avoid,
             at_step=at_step,
+            only=only,
         )
 
     def run(self) -> dict[str, Any]:
@@ -438,7 +447,14 @@ class Peer:
                     "%s: ended the run on another θ (%s); downloading theirs", self.name, ending.why
                 )
                 known = set(self.board.fetch(include_leaving=True)) | set(self.board.ignored)
-                if self.download_state(ending.why, avoid=known - ending.holders, at_step=step):
+                # Still "finishing" meanwhile: no round mate, nor a downloader to wait for.
+                if self.download_state(
+                    ending.why,
+                    avoid=known - ending.holders,
+                    at_step=step,
+                    only=ending.holders,
+                    stage=Stage.FINISHING,
+                ):
                     self.final_theta = sketch()
                 continue
             time.sleep(0.2)
