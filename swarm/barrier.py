@@ -193,9 +193,9 @@ class RoundBarrier:
             self.beat(Stage.WAITING)
             # A paused peer (steering) trains nothing and averages nothing: not a round mate;
             # nor is one done with its rounds (finishing, or downloading the θ the others end on).
-            # Its θ is not fetched here either: a peer that ended
-            # its last round early (alone) would take the others' last round from them. The
-            # peers ending together settle on one θ when they finish (swarm.ending).
+            # Its θ is not fetched here either: a peer that ended its last round early (alone)
+            # would take the others' last round from them. The peers ending together settle on
+            # one θ when they finish (swarm.ending).
             others = [
                 p
                 for p in self.board.fetch().values()
