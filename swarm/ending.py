@@ -32,9 +32,8 @@ SEED = b"workbench-final-theta:"
 TOLERANCE = 1e-5
 """Two θ are the same when every row of their sketches, and their lengths, differ by at most
 this fraction of the longer one. A row sees a difference δ in any direction as about |δ| (a
-per-tensor length barely moves when δ is orthogonal to θ): peers that averaged together on the
-direct plane are bit-identical, on hivemind's path about 1e-6 apart per round; the soak's split
-was about 1e-3 of |θ| away."""
+per-tensor length barely moves when δ is orthogonal to θ): peers that averaged together are
+bit-identical, on either plane (swarm.butterfly); the soak's split was about 1e-3 of |θ| away."""
 
 
 def final_sketch(params: Sequence[torch.Tensor], step: int) -> list[float]:

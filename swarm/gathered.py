@@ -10,22 +10,25 @@ import math
 import secrets
 from typing import Any
 
+from swarm.butterfly import MEAN
 from swarm.dataplane import MAX_RINGS, PROTOCOL, RING_ID_BYTES
 
-PLANE, WEIGHT, NONCE, USER, RINGS = "dataplane", "weight", "nonce", "user", "rings"
+PLANE, WEIGHT, NONCE, USER, RINGS, BUTTERFLY = "dataplane", "weight", "nonce", "user", "rings", "butterfly"
 
 
 def own(plane: bool, weight: float, kept: bytes, user: Any) -> dict[str, Any]:
     """What this member gathers: ``plane`` (it takes direct rings), its ``weight``, a fresh
     nonce, the ring ids in ``kept`` (a zero-padded array of them) and the caller's ``user`` data.
     A member that takes direct rings says which version of the plane it speaks: a group takes
-    them only if every member speaks this one (older peers said ``True``)."""
+    them only if every member speaks this one (older peers said ``True``). It also says that on
+    hivemind's path it answers with the mean (:mod:`swarm.butterfly`)."""
     rings = (kept[i : i + RING_ID_BYTES] for i in range(0, len(kept), RING_ID_BYTES))
     return {
         PLANE: PROTOCOL if plane else False,
         WEIGHT: weight,
         NONCE: secrets.token_bytes(16),
         RINGS: [ring for ring in rings if any(ring)],
+        BUTTERFLY: MEAN,
         USER: user,
     }
 
@@ -38,6 +41,14 @@ def unwrap(data: Any) -> Any:
 def takes_direct_rings(member: Any) -> bool:
     plane = member.get(PLANE) if isinstance(member, dict) and USER in member else None
     return isinstance(plane, int) and not isinstance(plane, bool) and plane == PROTOCOL
+
+
+def all_take_the_mean(members: list[Any]) -> bool:
+    """Every member answers with the mean on hivemind's path (:mod:`swarm.butterfly`)."""
+    return all(
+        isinstance(m, dict) and USER in m and type(m.get(BUTTERFLY)) is int and m[BUTTERFLY] == MEAN
+        for m in members
+    )
 
 
 def held_by_all(members: list[Any]) -> frozenset[bytes]:

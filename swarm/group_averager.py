@@ -24,10 +24,12 @@ from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import enter_asynchronously
+from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from optim.diloco import OuterState
 from swarm import gathered
+from swarm.butterfly import MeanReplies
 from swarm.consensus import CHECKED_CODECS, FAILED, Post, TensorSketcher, disagreement, scaled
 from swarm.dataplane import DIRECT_CODECS, DirectPlane, bindable, one_line, or_error
 from swarm.faults import fault_value
@@ -325,6 +327,29 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         else:  # int8: unchecked (swarm.consensus says why)
             results = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return {peer: gathered.unwrap(data) for peer, data in results.items()}
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs: Any) -> None:
+        """hivemind's all-reduce into ``tensors``; if every member takes the mean, with replies
+        that leave every member on the same bits (:mod:`swarm.butterfly`)."""
+        members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
+        if group_id is not None or not gathered.all_take_the_mean(members):
+            await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+            return
+        runner = MeanReplies(
+            codec=kwargs["compression"].compression_type,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_info.group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_info.group_id].set_result(runner)
+        async for tensor, mean in azip(as_aiter(*tensors), runner):
+            tensor.copy_(mean)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
 
     async def _checked_butterfly(self, group_info, members: list[Any], min_vector_size: int, **kwargs: Any):
         """hivemind's all-reduce, then the check that every member got the group's mean (a

@@ -189,6 +189,22 @@ def test_only_members_that_speak_this_planes_version_take_direct_rings():
     assert not gathered.takes_direct_rings(gathered.own(False, 1.0, b"", None))
 
 
+def test_a_group_takes_the_mean_on_hiveminds_path_only_if_every_member_says_so():
+    """swarm.butterfly: replies with the mean where every member copies them; a group with a
+    member that adds hivemind's differences (an older peer, or a malformed claim) runs hivemind's."""
+    ours = [gathered.own(plane, 1.0, b"", None) for plane in (True, False)]  # on either plane
+    assert gathered.all_take_the_mean(ours)
+    older = {k: v for k, v in ours[0].items() if k != gathered.BUTTERFLY}
+    for odd in (
+        older,
+        dict(ours[0], butterfly=True),
+        dict(ours[0], butterfly=2),
+        dict(ours[0], butterfly="1"),
+        1,
+    ):
+        assert not gathered.all_take_the_mean([ours[0], odd]), odd
+
+
 class Plane:
     """DirectPlane's stand-in: fails with ``error`` or scales every tensor by 0.5."""
 

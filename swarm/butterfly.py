@@ -1,0 +1,97 @@
+"""hivemind's butterfly all-reduce, with every member of the group ending on the same bits.
+
+In hivemind's all-reduce each member reduces one part of the vector, and answers every other
+member with the difference between the part's mean and what that member sent (encoded with the
+member's codec). The member adds that difference to its own part, unencoded. With a lossy codec
+every member so ends on the mean plus its own rounding: its own part's, and the difference's.
+Measured (3 peers, private run so hivemind's path, `tiny`, fp16, 150 rounds): the members' θ
+were apart after 2 rounds, and the θ check sent peers to download the state 23 times; without a
+codec the members end 1.2e-7 apart, and never failed the check.
+
+Here a reducer answers every member with the part's mean itself, encoded once with its own codec,
+and keeps for its own part that same encoding, decoded. Every member copies what it gets, so all
+of them hold the same bits (the mean rounded once, by the reducer's codec), as on the direct
+plane, where gloo's ring hands every member the same sum.
+
+A group answers this way only if every member says it takes the mean (``MEAN``, gathered with the
+others: :func:`swarm.gathered.own`); a group with an older peer runs hivemind's own exchange.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import amap_in_executor
+
+MEAN = 1
+"""The version of this exchange a member gathers (``gathered.BUTTERFLY``)."""
+
+
+class MeanReplies(AllReduceRunner):
+    """hivemind's :class:`AllReduceRunner` whose reducers answer with each part's mean, encoded
+    with ``codec`` (a ``runtime_pb2.CompressionType``); it yields the means, not differences."""
+
+    def __init__(self, *, codec: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.codec = codec
+        # A reducer that failed: its parts come out as this member's own (unchanged, as a zero
+        # difference leaves them in hivemind's exchange).
+        self.tensor_part_container.return_deltas = False
+        self._replies: dict[int, asyncio.Future] = {}
+        self._served: dict[int, int] = {}
+
+    async def _reply(self, part_index: int, mean: torch.Tensor) -> Any:
+        """The mean of this reducer's part ``part_index``, encoded once for every member."""
+        reply = self._replies.get(part_index)
+        if reply is None:
+            loop = asyncio.get_running_loop()
+            reply = loop.run_in_executor(None, serialize_torch_tensor, mean, self.codec)
+            self._replies[part_index] = reply
+        encoded = await reply
+        self._served[part_index] = self._served.get(part_index, 0) + 1
+        if self._served[part_index] == len(self.sender_peer_ids):  # everyone has it: let it go
+            del self._replies[part_index]
+        return encoded
+
+    async def _communicate_with_peer(self, peer_id: Any) -> None:
+        if peer_id != self.peer_id:  # what the reducer answers is the mean: kept as it comes
+            await super()._communicate_with_peer(peer_id)
+            return
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        loop = asyncio.get_running_loop()
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            mean = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, part, weight=self.weight
+            )
+            encoded = await self._reply(part_index, mean)
+            same = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, same)
+
+    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int):
+        """A member's parts in, the parts' means out (hivemind's sends differences)."""
+        parts = 0
+        try:
+            async for part, weight in amap_in_executor(
+                lambda message: (deserialize_torch_tensor(message.tensor_part), message.weight),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    mean = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, parts, part, weight=weight
+                    )
+                except BannedException:  # too late: the part's mean went out without this member
+                    break
+                encoded = await self._reply(parts, mean)
+                parts += 1
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        finally:
+            if parts != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
