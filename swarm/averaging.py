@@ -81,7 +81,9 @@ class SwarmAverager(Downloading):
         masks: int = 0,
     ) -> None:
         """``masks``: the last tensors of ``tensors_like`` are kept-masks (``--topk-mean kept``),
-        scaled in the group's all-reduce like the updates beside them (gathered.mask_scale)."""
+        scaled in the group's all-reduce like the updates beside them (gathered.mask_scale).
+        ``tensors_like`` may be meta tensors: only their shapes are read. The state is served
+        (``serve_state``) once :meth:`start_serving` says the state provider can answer."""
         self.dht = dht
         self.board = board
         self.serving = serving if serving is not None else Serving()
@@ -98,6 +100,7 @@ class SwarmAverager(Downloading):
         # may wait for this round longer than a heartbeat lives.
         self.beat = (lambda stage: beat(None)) if overlapped else beat
         self.config = config
+        self._serves_state = serve_state and not client_mode
         self.peer_id = dht.peer_id.to_base58()
         self.vouching = Vouching()
         """Peers that averaged with this one in a verified round: their claims are believed."""
@@ -158,7 +161,7 @@ class SwarmAverager(Downloading):
             compression=codec(),
             state_compression=NoCompression(),
             client_mode=client_mode,
-            allow_state_sharing=serve_state and not client_mode,
+            allow_state_sharing=False,  # until start_serving: the state provider has no state yet
             declare_state_period=10,
             shutdown_timeout=3,
             start=False,
@@ -341,6 +344,11 @@ class SwarmAverager(Downloading):
         return self.barrier.wait_for_round_mates(outer_step)
 
     # --- state for late joiners ---------------------------------------------------------------
+
+    def start_serving(self) -> None:
+        """Offer the state to joiners from now on (if this averager serves it): the state
+        provider has the outer loop's state to answer with."""
+        self.averager.allow_state_sharing = self._serves_state
 
     def set_state_priority(self, outer_step: int) -> None:
         """Joiners download from the peer with the highest outer step."""

@@ -1,11 +1,12 @@
 """hivemind's DHT and averager are forked processes: forked after the model or after DiLoCo's copy
 of θ, they keep those pages, as they were, for the rest of the run (docs/performance.md, "A peer's
-memory"). So a peer connects after loading its data and before building its model, and its
-averager starts before DiLoCo copies θ. Checked here on the order of the calls, without hivemind."""
+memory"). So a peer connects after loading its data, starts its averagers on the model's meta
+shapes, and only then builds its model. Checked here on the order of the calls, without hivemind."""
 
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,20 +14,21 @@ import torch
 import workbench.run.peer as peer_module
 from optim.diloco import DiLoCo
 from workbench.cli.command import build_config, build_parser
-from workbench.run.outer import build_outer
+from workbench.run.outer import build_outer, start_averagers
+from workbench.run.training import build_model_and_optimizer, load_data, trained_shapes
 
 
 class Stop(Exception):
     pass
 
 
-def config(*flags: str):
-    return build_config(build_parser().parse_args(["start", "--model", "tiny", *flags]))
+def config(*flags: str, model: str = "tiny"):
+    return build_config(build_parser().parse_args(["start", "--model", model, *flags]))
 
 
-def test_the_dht_starts_after_the_data_and_before_the_model(monkeypatch, tmp_path):
+def test_the_dht_and_the_averagers_start_before_the_model(monkeypatch, tmp_path):
     calls: list[str] = []
-    load_data = peer_module.load_data
+    shapes_seen: list = []
 
     def data(cfg):
         calls.append("data")
@@ -36,20 +38,64 @@ def test_the_dht_starts_after_the_data_and_before_the_model(monkeypatch, tmp_pat
         calls.append("dht")
         return types.SimpleNamespace(dht=None, board=None, store=None, peer_id="QmPeer")
 
+    def averagers(cfg, shapes, **swarm):
+        calls.append("averagers")
+        shapes_seen.extend(shapes)
+        return types.SimpleNamespace(averagers=[])
+
     def model(cfg, device, corpus):
         calls.append("model")
         raise Stop
 
     monkeypatch.setattr(peer_module, "load_data", data)
     monkeypatch.setattr(peer_module, "connect", connect)
+    monkeypatch.setattr(peer_module, "start_averagers", averagers)
     monkeypatch.setattr(peer_module, "build_model_and_optimizer", model)
+    cfg = config("--run-dir", str(tmp_path / "run"))
     with pytest.raises(Stop):
-        peer_module.Peer(config("--run-dir", str(tmp_path / "run"))).setup()
-    assert calls == ["data", "dht", "model"]
+        peer_module.Peer(cfg).setup()
+    assert calls == ["data", "dht", "averagers", "model"]
+    # The averagers were made like the model's trained parameters, from shapes with no memory.
+    device, corpus, _ = load_data(cfg)
+    real, _ = build_model_and_optimizer(cfg, device, corpus)
+    assert all(s.is_meta for s in shapes_seen)
+    assert [s.shape for s in shapes_seen] == [p.shape for p in real.parameters() if p.requires_grad]
+
+
+def test_a_hugging_face_models_shapes_come_without_reading_its_weights(tmp_path: Path, monkeypatch):
+    pytest.importorskip("transformers")
+    import transformers
+
+    from tests.hf_fixtures import make_llama
+
+    directory = make_llama(tmp_path / "llama", weights=True)
+    cfg = config("--block-size", "32", model=str(directory))
+    device, corpus, _ = load_data(cfg)
+    real, _ = build_model_and_optimizer(cfg, device, corpus)
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were read for the shapes")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    shapes = trained_shapes(cfg, corpus)
+    assert all(s.is_meta for s in shapes)
+    assert [s.shape for s in shapes] == [p.shape for p in real.parameters() if p.requires_grad]
+
+
+class FakeAverager:
+    def __init__(self, calls, dht, *, tensors_like, state_provider, masks=0, **common):
+        calls.append("averager")
+        self.calls = calls
+        self.shapes, self.masks, self.state_provider = [t.shape for t in tensors_like], masks, state_provider
+        self.serving = False
+
+    def start_serving(self):
+        self.calls.append("serving")
+        self.serving = True
 
 
 @pytest.mark.parametrize("flags", [(), ("--method", "sparseloco")])  # sparseloco: kept-masks too
-def test_the_averager_starts_before_diloco_copies_theta(monkeypatch, flags):
+def test_the_averager_starts_before_diloco_copies_theta_and_serves_after(monkeypatch, flags):
     calls: list[str] = []
     save = DiLoCo.save_global_params
 
@@ -57,27 +103,43 @@ def test_the_averager_starts_before_diloco_copies_theta(monkeypatch, flags):
         calls.append("theta")
         save(self)
 
-    class Averager:
-        def __init__(self, dht, *, tensors_like, state_provider, masks, **common):
-            calls.append("averager")
-            self.shapes, self.masks, self.state_provider = (
-                [t.shape for t in tensors_like],
-                masks,
-                state_provider,
-            )
-
     monkeypatch.setattr(DiLoCo, "save_global_params", save_global_params)
-    monkeypatch.setattr("swarm.averaging.SwarmAverager", Averager)
+    monkeypatch.setattr("swarm.averaging.SwarmAverager", lambda *a, **k: FakeAverager(calls, *a, **k))
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    outer = build_outer(
-        config(*flags), model, inner, dht=None, keys=None, board=None, beat=lambda stage: None
-    )
-    assert calls[:2] == ["averager", "theta"]
-    shapes = [p.shape for p in model.parameters()]
+    cfg = config(*flags)
+    with torch.device("meta"):
+        shapes = [
+            p.detach() for p in torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).parameters()
+        ]
+    outer = start_averagers(cfg, shapes, dht=None, keys=None, board=None, beat=lambda stage: None)
+    assert outer.rounds is None and not outer.averager.serving  # nothing to serve yet
+    build_outer(cfg, model, inner, outer)
+    assert calls == ["averager", "theta", "serving"]
+    sizes = [p.shape for p in model.parameters()]
     kept = bool(flags)
     assert (
-        outer.averager.shapes == (shapes * 2 if kept else shapes)
-        and outer.averager.masks == len(shapes) * kept
+        outer.averager.shapes == (sizes * 2 if kept else sizes) and outer.averager.masks == len(sizes) * kept
     )
     assert outer.averager.state_provider().outer_step == 0  # the state served is DiLoCo's
+
+
+def test_streaming_starts_one_averager_per_fragment_and_serves_fragment_0s_state(monkeypatch):
+    calls: list[str] = []
+    groups: list[str] = []
+
+    def averager(*args, group, serve_state, serving, **kwargs):
+        groups.append((group, serve_state))
+        return FakeAverager(calls, *args, **kwargs)
+
+    monkeypatch.setattr("swarm.averaging.SwarmAverager", averager)
+    cfg = config("--method", "streaming", "--fragments", "2")
+    device, corpus, _ = load_data(cfg)
+    model, inner = build_model_and_optimizer(cfg, device, corpus)
+    outer = start_averagers(cfg, trained_shapes(cfg, corpus), dht=None, keys=None, board=None, beat=print)
+    build_outer(cfg, model, inner, outer)
+    assert groups == [("fragment0", True), ("fragment1", False)]
+    numel = sum(sum(torch.Size(s).numel() for s in a.shapes) for a in outer.averagers)
+    assert numel == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert all(a.serving for a in outer.averagers)  # start_serving serves only where serve_state
+    assert outer.averager.state_provider().outer_step == 0

@@ -81,10 +81,13 @@ class CausalLM(nn.Module):
         return f"config={json.dumps(config, sort_keys=True, default=str)}"
 
 
-def load_model(directory: str, *, seed: int, block_size: int, vocab_size: int) -> CausalLM:
+def load_model(
+    directory: str, *, seed: int, block_size: int, vocab_size: int, shapes_only: bool = False
+) -> CausalLM:
     """The causal LM described by ``directory/config.json``: its weights when the folder has
     them, else a fresh init seeded with ``seed`` (identical on every peer). Checks that it can
-    read ``block_size`` tokens of a ``vocab_size`` vocabulary."""
+    read ``block_size`` tokens of a ``vocab_size`` vocabulary. ``shapes_only``: the weights are
+    not read (for a model built on the ``meta`` device, whose parameters hold no values)."""
     transformers = _require("transformers")
     path = Path(directory).expanduser()
     try:
@@ -93,7 +96,7 @@ def load_model(directory: str, *, seed: int, block_size: int, vocab_size: int) -
         raise ValueError(f"{path}/config.json is not a Hugging Face model config ({error})") from None
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
     try:
-        if has_weights:
+        if has_weights and not shapes_only:
             model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
         else:
             with torch.random.fork_rng(devices=[]):
@@ -116,6 +119,8 @@ def load_model(directory: str, *, seed: int, block_size: int, vocab_size: int) -
             f"{path}: the model reads at most {wrapped.max_positions} positions, fewer than "
             f"--block-size {block_size}; lower --block-size"
         )
+    if shapes_only:
+        return wrapped
     logger.info(
         "model %s: %s, %.2fM params (%s)",
         path.name,

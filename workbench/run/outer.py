@@ -23,7 +23,7 @@ class OuterLoop:
     state and serves it (streaming: fragment 0's); ``averagers`` are all of them (closed at the
     end); ``dp`` steps gradients through the swarm (data-parallel only)."""
 
-    rounds: Any  # DiLoCo | StreamingRounds
+    rounds: Any  # DiLoCo | StreamingRounds (None until build_outer)
     averager: Any  # SwarmAverager
     averagers: list[Any]
     dp: DataParallel | None = None
@@ -48,19 +48,23 @@ def averaged_like(tensors: list, config: RunConfig) -> list:
     return [*tensors, *tensors] if config.diloco.topk_mean == "kept" else list(tensors)
 
 
-def build_outer(
+def start_averagers(
     config: RunConfig,
-    model,
-    inner_optimizer,
+    shapes: list,
     *,
     dht,
     keys: RunKeys,
     board,
     beat: Callable[[Stage | None], None],
 ) -> OuterLoop:
-    """The outer optimizer of ``config.method`` on ``model``, averaging over ``dht``."""
+    """The averagers of ``config.method``, for trained parameters of these ``shapes`` (meta
+    tensors will do), before the model exists; :func:`build_outer` then puts the outer optimizer
+    on the model. Each averager forks a process, and a process forked after the model (or
+    after DiLoCo's copy of θ) keeps those pages, as they were when training rewrote them, for
+    the rest of the run: a copy of the model (docs/performance.md, "A peer's memory")."""
     from swarm.averaging import SwarmAverager
 
+    outer = OuterLoop(rounds=None, averager=None, averagers=[])
     common = dict(
         keys=keys,
         board=board,
@@ -69,56 +73,53 @@ def build_outer(
         client_mode=config.network.client_mode,
         fault_file=config.peer.fault_file,
         overlapped=config.overlapped,
+        state_provider=lambda: outer.rounds.outer_state(),  # served once build_outer made it
         **plane_location(config),
     )
     if config.outer_method.fragmented:
-        return _streaming(config, model, inner_optimizer, dht, SwarmAverager, common)
-    # The averager's process is forked before DiLoCo keeps its copy of θ: forked after, it would
-    # keep the pages of that copy as they were when the first outer step rewrote them (for a
-    # 57M-parameter model, 228 MB more in the averager's process for the rest of the run).
-    trained = [p.detach() for p in model.parameters() if p.requires_grad]  # DiLoCo's θ, in shape
-    tensors = averaged_like(trained, config)
-    rounds: list[DiLoCo] = []  # filled below; the state provider reads it when asked
-    averager = SwarmAverager(
-        dht,
-        tensors_like=tensors,
-        state_provider=lambda: rounds[0].outer_state(),
-        masks=len(tensors) - len(trained),
-        **common,
-    )
-    diloco = DiLoCo(model, inner_optimizer, averager=None, config=config.diloco)  # type: ignore[arg-type]
-    rounds.append(diloco)
-    if config.outer_method.every_step:
-        # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
-        # swarm of one then just keeps θ, the step clock and the state served to joiners.
-        diloco.averager = LocalAverager()
-        return OuterLoop(diloco, averager, [averager], DataParallel(model, inner_optimizer, averager))
-    diloco.averager = averager
-    return OuterLoop(diloco, averager, [averager])
+        # One hivemind averaging group per fragment (own shapes); fragment 0's serves the state.
+        from swarm.barrier import Serving
+
+        serving = Serving()  # one peer: a state request stops every fragment's barrier waiting
+        fragments = split_fragments([s.numel() for s in shapes], config.fragments)
+        outer.averagers = [
+            SwarmAverager(
+                dht,
+                tensors_like=[shapes[i] for i in indices],
+                group=f"fragment{f}",
+                serve_state=f == 0,
+                serving=serving,
+                **common,
+            )
+            for f, indices in enumerate(fragments)
+        ]
+    else:
+        tensors = averaged_like(shapes, config)
+        outer.averagers = [
+            SwarmAverager(dht, tensors_like=tensors, masks=len(tensors) - len(shapes), **common)
+        ]
+    outer.averager = outer.averagers[0]
+    return outer
 
 
-def _streaming(config: RunConfig, model, inner_optimizer, dht, SwarmAverager, common) -> OuterLoop:  # noqa: N803
-    """One hivemind averaging group per fragment (own shapes); fragment 0's serves the state."""
-    from swarm.barrier import Serving
-
-    streaming_config = StreamingConfig(
-        outer=config.diloco, fragments=config.fragments, sync_delay=config.sync_delay, alpha=config.alpha
-    )
-    fragments = split_fragments([p.numel() for p in model.parameters() if p.requires_grad], config.fragments)
-    shapes = [p.detach().float().cpu() for p in model.parameters() if p.requires_grad]
-    rounds: list[StreamingRounds] = []  # filled below; the state provider reads it lazily
-    serving = Serving()  # one peer: a state request stops every fragment's barrier waiting
-    averagers = [
-        SwarmAverager(
-            dht,
-            tensors_like=[shapes[i] for i in indices],
-            state_provider=lambda: rounds[0].outer_state(),
-            group=f"fragment{f}",
-            serve_state=f == 0,
-            serving=serving,
-            **common,
+def build_outer(config: RunConfig, model, inner_optimizer, outer: OuterLoop) -> OuterLoop:
+    """The outer optimizer of ``config.method`` on ``model``, averaging with the averagers
+    :func:`start_averagers` started; they serve the state from now on."""
+    if config.outer_method.fragmented:
+        streaming_config = StreamingConfig(
+            outer=config.diloco, fragments=config.fragments, sync_delay=config.sync_delay, alpha=config.alpha
         )
-        for f, indices in enumerate(fragments)
-    ]
-    rounds.append(StreamingRounds(StreamingDiLoCo(model, inner_optimizer, averagers, streaming_config)))
-    return OuterLoop(rounds[0], averagers[0], averagers)
+        outer.rounds = StreamingRounds(
+            StreamingDiLoCo(model, inner_optimizer, outer.averagers, streaming_config)
+        )
+    else:
+        diloco = DiLoCo(model, inner_optimizer, averager=outer.averager, config=config.diloco)
+        outer.rounds = diloco
+        if config.outer_method.every_step:
+            # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
+            # swarm of one then just keeps θ, the step clock and the state served to joiners.
+            diloco.averager = LocalAverager()
+            outer.dp = DataParallel(model, inner_optimizer, outer.averager)
+    for averager in outer.averagers:
+        averager.start_serving()
+    return outer

@@ -40,10 +40,10 @@ from workbench.run.data import evaluate
 from workbench.run.exporters import peer_exporters
 from workbench.run.faults import InjectedFaults
 from workbench.run.node import CHECK, STEP, SYNC, NodeGroup
-from workbench.run.outer import OuterLoop, build_outer
+from workbench.run.outer import OuterLoop, build_outer, start_averagers
 from workbench.run.stopping import close_within, stopped_by_signals
 from workbench.run.telemetry import Events, RoundStats, heartbeat_of, round_fields
-from workbench.run.training import build_model_and_optimizer, load_data, train_step
+from workbench.run.training import build_model_and_optimizer, load_data, train_step, trained_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +106,12 @@ class Peer:
             )
         if self.run_dir:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        # The DHT's process is forked before the model exists: forked after, it would keep the
-        # pages of the model's weights as they were when training rewrote them (or when the model
-        # moved to the GPU and freed them here): a copy of the model for the rest of the run.
+        # hivemind forks its DHT and averager processes. Forked after the model exists, a child
+        # keeps the pages of the model's weights as they were when training rewrote them (or when
+        # the model moved to the GPU and freed them here): a copy of the model for the rest of the
+        # run. So both start before it: the averagers are made like the model's meta shapes.
         self.session = connect(network, self.keys)
         self.dht, self.board, self.store = self.session.dht, self.session.board, self.session.store
-        self.model, self.inner_optimizer = build_model_and_optimizer(cfg, self.device, self.corpus)
         self.peer_id = self.session.peer_id
         self.name = self.faults.name = cfg.peer.name or f"peer-{self.peer_id[-6:]}"
         self.events.open(
@@ -119,16 +119,17 @@ class Peer:
         )
         if cfg.network.initial_peers:
             joining.check_run_exists(self.board, cfg.peer.run_id, cfg.network.connect_timeout)
-        self._check_manifest()
-        self.outer = build_outer(
+        self.outer = start_averagers(
             cfg,
-            self.model,
-            self.inner_optimizer,
+            trained_shapes(cfg, self.corpus),
             dht=self.dht,
             keys=self.keys,
             board=self.board,
             beat=self.beat,
         )
+        self.model, self.inner_optimizer = build_model_and_optimizer(cfg, self.device, self.corpus)
+        self._check_manifest()
+        build_outer(cfg, self.model, self.inner_optimizer, self.outer)
         self.diloco, self.averager, self.dp = self.outer.rounds, self.outer.averager, self.outer.dp
         for averager in self.outer.averagers:  # "serving" is in the heartbeat: say it at once
             averager.serving.on_change = self.publish

@@ -67,19 +67,20 @@ def load_data(cfg: RunConfig) -> tuple[torch.device, ByteCorpus, list]:
     return device, corpus, eval_set
 
 
+def trained_shapes(cfg: RunConfig, corpus: ByteCorpus) -> list[torch.Tensor]:
+    """The model's trained parameters as ``meta`` tensors: their shapes, in order, with no memory
+    behind them. The averagers are made like these before the model exists (see
+    :func:`workbench.run.outer.start_averagers`)."""
+    with torch.device("meta"):
+        model = _model(cfg, corpus, shapes_only=True)
+    return [p.detach() for p in model.parameters() if p.requires_grad]
+
+
 def build_model_and_optimizer(
     cfg: RunConfig, device: torch.device, corpus: ByteCorpus
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model on ``device`` (seeded, or a Hugging Face folder's) and its inner AdamW."""
-    if cfg.hf_model:
-        import workbench.run.hf as hf
-
-        model = hf.load_model(
-            cfg.hf_model, seed=cfg.peer.seed, block_size=cfg.model.block_size, vocab_size=corpus.vocab_size
-        ).to(device)
-    else:  # a preset reads bytes, or a tokenizer's ids when --tokenizer is given
-        shape = dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size)
-        model = build_model(shape, seed=cfg.peer.seed).to(device)
+    model = _model(cfg, corpus).to(device)
     inner_optimizer = AdamW(
         model.parameters(),
         lr=cfg.train.inner_lr,
@@ -87,3 +88,18 @@ def build_model_and_optimizer(
         betas=(cfg.train.beta1, cfg.train.beta2),
     )
     return model, inner_optimizer
+
+
+def _model(cfg: RunConfig, corpus: ByteCorpus, *, shapes_only: bool = False) -> torch.nn.Module:
+    if cfg.hf_model:
+        import workbench.run.hf as hf
+
+        return hf.load_model(
+            cfg.hf_model,
+            seed=cfg.peer.seed,
+            block_size=cfg.model.block_size,
+            vocab_size=corpus.vocab_size,
+            shapes_only=shapes_only,
+        )
+    # A preset reads bytes, or a tokenizer's ids when --tokenizer is given.
+    return build_model(dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size), seed=cfg.peer.seed)
