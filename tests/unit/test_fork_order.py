@@ -5,6 +5,8 @@ shapes, and only then builds its model. Checked here on the order of the calls, 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -143,3 +145,20 @@ def test_streaming_starts_one_averager_per_fragment_and_serves_fragment_0s_state
     assert numel == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert all(a.serving for a in outer.averagers)  # start_serving serves only where serve_state
     assert outer.averager.state_provider().outer_step == 0
+
+
+def test_a_presets_shapes_cost_no_import_of_torch_dynamo():
+    """torch fills a meta tensor's normal_ through its Python reference, whose first call imports
+    torch._dynamo: 1.6-2.2 s on every peer's start. The shapes skip the fills."""
+    script = (
+        "import sys\n"
+        "from workbench.cli.command import build_config, build_parser\n"
+        "from workbench.run.training import load_data, trained_shapes\n"
+        "cfg = build_config(build_parser().parse_args(['start', '--model', 'small']))\n"
+        "shapes = trained_shapes(cfg, load_data(cfg)[1])\n"
+        "assert shapes and all(s.is_meta for s in shapes)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
