@@ -13,6 +13,13 @@ and keeps for its own part that same encoding, decoded. Every member copies what
 of them hold the same bits (the mean rounded once, by the reducer's codec), as on the direct
 plane, where gloo's ring hands every member the same sum.
 
+A member that drops out fails the round as soon as it is seen: its reducer fails, or it is banned
+as a sender (no parts by the senders' timeout, or its stream ended early) (:attr:`MeanReplies.doomed`). hivemind would wait for the rest, up to its reducers' timeout, and
+call a round a success in which some parts stayed this member's own; the members' check then
+failed it, once its own wait for the missing member's post ran out. Seen as a 25 s stall about
+once in 150 rounds of a private run: a member whose matchmaking gave up after the leader had
+counted it in.
+
 A group answers this way only if every member says it takes the mean (``MEAN``, gathered with the
 others: :func:`swarm.gathered.own`); a group with an older peer runs hivemind's own exchange.
 """
@@ -45,6 +52,18 @@ class MeanReplies(AllReduceRunner):
         self.tensor_part_container.return_deltas = False
         self._replies: dict[int, asyncio.Future] = {}
         self._served: dict[int, int] = {}
+        self.dropped: set[Any] = set()
+        """Members that dropped out: a reducer that failed, a sender banned."""
+        self.doomed = asyncio.Event()
+        """Set once a member dropped out: no member can end this round on the group's mean."""
+
+    def _drop(self, peer_id: Any) -> None:
+        self.dropped.add(peer_id)
+        self.doomed.set()
+
+    async def _ban_sender(self, peer_id: Any) -> None:
+        await super()._ban_sender(peer_id)
+        self._drop(peer_id)
 
     async def _reply(self, part_index: int, mean: torch.Tensor) -> Any:
         """The mean of this reducer's part ``part_index``, encoded once for every member."""
@@ -61,7 +80,12 @@ class MeanReplies(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         if peer_id != self.peer_id:  # what the reducer answers is the mean: kept as it comes
-            await super()._communicate_with_peer(peer_id)
+            try:
+                await super()._communicate_with_peer(peer_id)
+            except Exception:
+                # That reducer's parts stay this member's own: the round cannot end on one mean.
+                self._drop(peer_id)
+                raise
             return
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)

@@ -346,10 +346,24 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_info.group_id].set_result(runner)
-        async for tensor, mean in azip(as_aiter(*tensors), runner):
-            tensor.copy_(mean)
-            self.last_updated = get_dht_time()
-            self._state_updated.set()
+
+        async def copy_means() -> None:
+            async for tensor, mean in azip(as_aiter(*tensors), runner):
+                tensor.copy_(mean)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+
+        copying, doomed = asyncio.create_task(copy_means()), asyncio.create_task(runner.doomed.wait())
+        try:
+            await asyncio.wait({copying, doomed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (copying, doomed):
+                task.cancel()
+            await asyncio.gather(copying, doomed, return_exceptions=True)
+        if runner.doomed.is_set():  # no member can hold the group's mean: the round fails now
+            gone = ", ".join(str(p)[-6:] for p in runner.dropped)
+            raise AllreduceException(f"members dropped out of hivemind's all-reduce ({gone})")
+        copying.result()  # its error, if it failed
 
     async def _checked_butterfly(self, group_info, members: list[Any], min_vector_size: int, **kwargs: Any):
         """hivemind's all-reduce, then the check that every member got the group's mean (a

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from swarm.dht import NetworkConfig, dht_time
 from swarm.faults import FaultPlan
@@ -105,7 +106,9 @@ def _public_key(private_key) -> bytes:
 
 def test_a_private_run_is_invisible_without_its_secret(spawn):
     secret = "correct horse battery staple"
-    owner = spawn("a", "start", *FAST, "--run-id", "private", "--secret", secret, "--min-peers", "2")
+    # fp16 on hivemind's path (a private run's): see the end of the test.
+    private = [*FAST, "--run-id", "private", "--secret", secret, "--codec", "fp16", "--rounds", "8"]
+    owner = spawn("a", "start", *private, "--min-peers", "2")
     address = owner.address()
     assert "--secret SECRET" in owner.stdout() and secret not in owner.stdout()
 
@@ -135,10 +138,36 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
     # With it: visible, and a second peer joins and trains with the owner.
     status = workbench("status", address, "--run-id", "private", "--secret", secret, "--json")
     assert status.returncode == 0 and len(json.loads(status.stdout)["peers"]) == 1, status.stderr
-    second = spawn("b", "join", address, *FAST, "--run-id", "private", "--secret", secret, "--rounds", "2")
-    assert second.wait() == 0, second.stderr()
+    second = spawn("b", "join", address, *private)
+    for peer in (owner, second):
+        assert peer.wait() == 0, peer.stderr()
     assert any(r["group_size"] == 2 for r in second.events("round"))
-    owner.kill()
+
+    # The members of a round on hivemind's path hold the same bits (swarm.butterfly). With
+    # hivemind's own answers each ended on the mean plus its own fp16 rounding: their θ were apart
+    # from the second round on, and the θ check sent one to download the state every few rounds.
+    rounds = {p.name: p.events("round") for p in (owner, second)}
+    summary = {
+        n: [(r["outer_step"], r["group_size"], r["plane"], r["resync"]) for r in rs]
+        for n, rs in rounds.items()
+    }
+    assert all(r["plane"] == "hivemind" for rs in rounds.values() for r in rs if r["group_size"] == 2), (
+        summary
+    )
+    # A failed round (a peer alone, under load) leaves them apart, and the next one sends a peer
+    # to download, rightly; any other resync is the rounding.
+    alone = {r["outer_step"] for rs in rounds.values() for r in rs if r["group_size"] == 1}
+    unexplained = [
+        (name, r["outer_step"], r["resync"])
+        for name, rs in rounds.items()
+        for r in rs
+        if r["resync"] and not alone & set(range(r["outer_step"] - 2, r["outer_step"] + 1))
+    ]
+    assert not unexplained, (unexplained, summary)
+    if 8 not in alone:  # nor did either take the other's θ at the end
+        assert [p.events("done")[0]["ending_downloads"] for p in (owner, second)] == [0, 0], summary
+    params = [p.global_params() for p in (owner, second)]
+    assert all(torch.equal(x, y) for x, y in zip(*params))
 
 
 def test_steering_reaches_every_peer(spawn):

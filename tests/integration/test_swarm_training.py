@@ -6,8 +6,6 @@ import math
 import signal
 import time
 
-import torch
-
 from swarm.faults import FaultPlan
 from tests.integration.conftest import FAST, JOIN_ROUNDS, assert_grouped, max_abs_diff
 
@@ -234,42 +232,3 @@ def test_peers_that_end_their_last_round_on_different_theta_leave_on_one(spawn, 
     assert len(downloaded) == 1, downloaded
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
     assert abs(done[0]["final_eval_loss"] - done[1]["final_eval_loss"]) < 1e-4
-
-
-def test_a_private_runs_peers_hold_the_same_bits_with_fp16(spawn):
-    """A private run averages on hivemind's path (encrypted). With fp16 its members used to end
-    each round on the mean plus their own rounding (swarm.butterfly): their θ were apart from the
-    second round on, and the θ check sent one of them to download the state every few rounds.
-    Now every member of a round holds the same bits, so no peer is ever sent to download."""
-    common = [
-        *FAST, "--run-id", "private-fp16", "--secret", "correct horse battery staple",
-        "--codec", "fp16", "--rounds", "12", "--min-peers", "2",
-    ]  # fmt: skip
-    first = spawn("a", "start", *common)
-    second = spawn("b", "join", first.address(), *common)
-    for peer in (first, second):
-        assert peer.wait() == 0, peer.stderr()
-    rounds = {p.name: p.events("round") for p in (first, second)}
-    summary = {
-        name: [(r["outer_step"], r["group_size"], r["plane"], r["resync"]) for r in rs]
-        for name, rs in rounds.items()
-    }
-    assert all(r["plane"] == "hivemind" for rs in rounds.values() for r in rs if r["group_size"] == 2), (
-        summary
-    )
-    assert sum(r["group_size"] == 2 for r in rounds["a"]) >= 6, summary
-    # A round that failed (one peer alone, under load) leaves the two apart, and the next one
-    # sends a peer to download, rightly; any other resync is the rounding this test is about.
-    alone = {r["outer_step"] for rs in rounds.values() for r in rs if r["group_size"] == 1}
-    unexplained = [
-        (name, r["outer_step"], r["resync"])
-        for name, rs in rounds.items()
-        for r in rs
-        if r["resync"] and not alone & set(range(r["outer_step"] - 2, r["outer_step"] + 1))
-    ]
-    assert not unexplained, (unexplained, summary)
-    done = [p.events("done")[0] for p in (first, second)]
-    if 12 not in alone:
-        assert [d["ending_downloads"] for d in done] == [0, 0], done
-    params = [p.global_params() for p in (first, second)]
-    assert all(torch.equal(x, y) for x, y in zip(*params))
