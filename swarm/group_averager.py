@@ -17,7 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, AsyncIterator  # noqa: UP035 - hivemind finds streamed RPCs by typing's name
 
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
@@ -25,7 +25,7 @@ from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
+from hivemind.utils.asyncio import achain, as_aiter, azip, enter_asynchronously
 
 from optim.diloco import OuterState
 from swarm import gathered
@@ -416,6 +416,25 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             return unpack(answer.metadata)
 
         return lambda request: asyncio.run_coroutine_threadsafe(ask(request), loop).result(timeout=15)
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's handler of a member's parts, which waits for this member's runner without
+        cancelling it when the caller goes away. hivemind awaits the group's future itself, so a
+        member that gave up on the round (its stream closed, this handler cancelled) cancelled
+        the future too, and this member then failed at once with "Unable to run All-Reduce:
+        invalid state" instead of saying who dropped out. A direct-plane group has no runner."""
+        request = await anext(stream)
+        if request.group_id not in self._running_groups:  # the leader's answer may come late
+            await self._pending_groups_registered.wait()
+        future = self._running_groups.get(request.group_id)
+        runner = None if future is None else await asyncio.shield(future)
+        if runner is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
 
     async def rpc_plane_board(
         self, request: averaging_pb2.DownloadData, context: P2PContext

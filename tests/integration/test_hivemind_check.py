@@ -205,7 +205,6 @@ def _drop_rounds(rank: int, addresses, out, barrier, stop) -> None:
     dht.shutdown()
 
 
-@pytest.mark.faults  # flaky: a member once failed with "invalid state" (see the stop 36 note)
 @pytest.mark.timeout(ATTEMPTS * 150 + 60)
 def test_a_member_that_drops_out_of_the_all_reduce_fails_the_round_at_once():
     """swarm.butterfly: a member that gives up after the group formed (it never sends nor

@@ -17,6 +17,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from swarm.state_transfer import MAX_CONNECTIONS, TOKEN_WAIT
 from tests.integration.conftest import FAST, NETNS, PeerProcess, max_abs_diff
@@ -183,6 +184,35 @@ def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
         assert [(r["group_size"], r["plane"]) for r in peer.events("round")] == [(2, "direct")] * 4
         assert "frame #" not in peer.stderr() and "Traceback" not in peer.stderr()
     assert max_abs_diff(peers[0].global_params(), peers[1].global_params()) <= 1e-5
+
+
+@NETNS
+@pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+def test_a_private_run_across_machines_averages_on_hivemind_s_path(tmp_path):
+    """A private run between two network namespaces, started with the README's multi-machine
+    flags: its rounds go over hivemind's encrypted streams between the announced addresses
+    (the members' check through the leader's board too), and with fp16 both peers end on the
+    same bits (swarm.butterfly). The same flags' public run takes the direct plane (above)."""
+    from tests.integration.test_netlab import run_pair
+
+    port = 31337
+    with netlab.NetLab(2, rate=None) as lab:
+        common = [*FAST, "--run-id", "readme-private", "--secret", "two machines", "--codec", "fp16"]
+        readme = ["--host", "0.0.0.0", "--port", str(port), "--announce"]
+        peers = run_pair(
+            lab,
+            tmp_path,
+            [*common, "--rounds", "4"],
+            lambda i: [*readme, f"/ip4/{lab.address(i)}/tcp/{port}"],
+        )
+    for peer in peers:
+        log = peer.stderr()
+        assert "hivemind's encrypted path" in log and "frame #" not in log and "Traceback" not in log
+        rounds = [(r["outer_step"], r["group_size"], r["plane"], r["resync"]) for r in peer.events("round")]
+        assert [r[1:3] for r in rounds] == [(2, "hivemind")] * 4, rounds
+        assert not any(r[3] for r in rounds), rounds  # the same bits after every round: no resync
+    params = [p.global_params() for p in peers]
+    assert all(torch.equal(x, y) for x, y in zip(*params))
 
 
 STRANGER = """

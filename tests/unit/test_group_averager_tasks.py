@@ -155,3 +155,68 @@ def test_a_shutdown_mid_round_cancels_the_running_all_reduce_and_the_waiting_gro
     assert groups[b"waiting"].cancelled()
     assert runner.cancelled
     assert groups[b"direct"].result() is None
+
+
+def _a_caller_gone_before_the_runner(handler) -> tuple[bool, list]:
+    """A member's parts arrive while this member's runner is not made yet (it is still
+    sketching its tensors), and the member then gives up: its stream closes and the handler is
+    cancelled. (Whether the group's future was cancelled too, what a handler for a direct-plane
+    group answers.)"""
+    from hivemind.proto import averaging_pb2
+
+    async def main() -> tuple[bool, list]:
+        loop = asyncio.get_running_loop()
+        registered = asyncio.Event()
+        registered.set()
+        groups = {b"waiting": loop.create_future(), b"direct": loop.create_future()}
+        groups[b"direct"].set_result(None)
+        averager = SimpleNamespace(_running_groups=groups, _pending_groups_registered=registered)
+
+        async def parts(group_id: bytes):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=group_id)
+            await asyncio.sleep(3600)
+
+        async def read(group_id: bytes) -> list:
+            return [m async for m in handler(averager, parts(group_id), None)]
+
+        waiting = asyncio.create_task(read(b"waiting"))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        try:
+            direct = await asyncio.wait_for(read(b"direct"), 5)
+        except AttributeError:  # hivemind's: the runner it found is None
+            direct = ["AttributeError"]
+        return groups[b"waiting"].cancelled(), direct
+
+    return asyncio.run(main())
+
+
+def test_hivemind_s_handler_cancels_the_group_when_its_caller_goes():
+    from hivemind.averaging import DecentralizedAverager
+
+    cancelled, _ = _a_caller_gone_before_the_runner(DecentralizedAverager.rpc_aggregate_part)
+    assert cancelled, "hivemind's handler no longer cancels the group: GroupAverager's may go"
+
+
+def test_a_caller_that_goes_leaves_the_group_for_this_member_s_runner():
+    """Seen as "Unable to run All-Reduce: invalid state" on a member whose groupmate gave up
+    first (swarm.group_averager.GroupAverager.rpc_aggregate_part)."""
+    from hivemind.proto import averaging_pb2
+
+    cancelled, direct = _a_caller_gone_before_the_runner(GroupAverager.rpc_aggregate_part)
+    assert not cancelled
+    assert [m.code for m in direct] == [averaging_pb2.BAD_GROUP_ID]
+
+
+def test_the_handler_is_served_as_hivemind_s_streamed_rpc():
+    """hivemind reads an RPC's streams from its annotations (typing's ``AsyncIterator``): an
+    averager whose override lacks them does not start."""
+    from hivemind.averaging import DecentralizedAverager
+
+    def handler(cls) -> tuple:
+        cls._collect_rpc_handlers()
+        found = next(h for h in cls._rpc_handlers if h.method_name == "rpc_aggregate_part")
+        return found.request_type, found.response_type, found.stream_input, found.stream_output
+
+    assert handler(GroupAverager) == handler(DecentralizedAverager)
