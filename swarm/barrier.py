@@ -199,7 +199,7 @@ class RoundBarrier:
             others = [
                 p
                 for p in self.board.fetch().values()
-                if p.peer_id != self.peer_id and p.stage is not Stage.PAUSED and not p.done
+                if p.peer_id != self.peer_id and p.stage is not Stage.PAUSED and not self._done(p, outer_step)
             ]
             if not others:
                 return Verdict.ALONE
@@ -257,6 +257,18 @@ class RoundBarrier:
                 logger.debug("round %d: waiting for %s", outer_step, ", ".join(waiting))
                 waited_for = waiting
             self.sleep(0.1)
+
+    def _done(self, peer: PeerHeartbeat, outer_step: int) -> bool:
+        """Whether ``peer`` is done with its rounds, so no mate for round ``outer_step``.
+
+        Overlapped, a peer's clock reaches its run's length as soon as it ends its last round's
+        inner steps, while that round still averages in the background: it is a mate for that
+        round until it says it is finishing. Counted as done, every peer averaged its last round
+        alone and the run ended on as many θ as peers; the vote then made all but one download
+        the θ of the lowest peer id, its own last update only (streaming with τ > 0, --overlap)."""
+        if self.overlapped and peer.outer_step == outer_step + 1 and peer.stage is not Stage.FINISHING:
+            return False
+        return peer.done
 
     def believed_ahead(
         self, ahead: Callable[[PeerHeartbeat], bool], others: list[PeerHeartbeat] | None = None

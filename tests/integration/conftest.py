@@ -38,6 +38,23 @@ JOIN_ROUNDS = 60
 """Rounds of a run that a peer joins mid-way: FAST rounds take about 0.2-0.4 s (a group forms as
 soon as its members joined), and a joiner needs 5-10 s to start (corpus, key, daemon; more on a
 loaded machine): 20 rounds were over before it could reach the first peer."""
+PACED_ROUNDS = 24
+"""Rounds of a run whose first peers are paced until the joiner is in (:func:`paced`)."""
+PACE_MS = 400
+"""The pace: 5 inner steps of 400 ms, so 24 rounds of a pair last at least 48 s, against a
+joiner's 5-20 s to start; once it is in, the run goes on at full speed (about 1 s a round)."""
+
+
+def paced(tmp_path: Path) -> tuple[list[str], Callable[[], None]]:
+    """Flags that slow a run's first peers to :data:`PACE_MS` an inner step (the lab's
+    throttle, through their fault file), and the call that lifts it for both at once. A join
+    test then needs no spare rounds for the joiner to arrive in (:data:`JOIN_ROUNDS`), only
+    the pace's margin, and its rounds of three run at full speed."""
+    from swarm.faults import FaultPlan
+
+    pace = tmp_path / "pace.json"
+    FaultPlan(throttle_ms=PACE_MS).write(pace)
+    return ["--fault-file", str(pace)], lambda: FaultPlan.update(pace, throttle_ms=0)
 
 
 def verbose_flag() -> list[str]:

@@ -7,7 +7,7 @@ import signal
 import time
 
 from swarm.faults import FaultPlan
-from tests.integration.conftest import FAST, JOIN_ROUNDS, assert_grouped, max_abs_diff
+from tests.integration.conftest import FAST, PACED_ROUNDS, assert_grouped, max_abs_diff, paced
 
 
 def test_two_peers_agree_and_learn(spawn):
@@ -42,13 +42,16 @@ def test_two_peers_agree_and_learn(spawn):
     assert max(abs(x - y) for x, y in zip(*losses)) < 1e-4
 
 
-def test_late_joiner_downloads_state_and_matches(spawn):
+def test_late_joiner_downloads_state_and_matches(spawn, tmp_path):
     """A third peer joining mid-run downloads θ, momentum and step, then tracks the others."""
-    common = [*FAST, "--rounds", str(JOIN_ROUNDS), "--run-id", "late-join"]
-    first = spawn("a", "start", *common, "--min-peers", "2")
-    second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
+    pace, full_speed = paced(tmp_path)
+    common = [*FAST, "--rounds", str(PACED_ROUNDS), "--run-id", "late-join"]
+    first = spawn("a", "start", *common, *pace, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common, *pace, "--min-peers", "2")
     first.wait_event("round", lambda e: e["outer_step"] >= 2)
     third = spawn("c", "join", first.address(), *common)
+    third.wait_event("state_downloaded")
+    full_speed()
     for peer in (first, second, third):
         assert peer.wait() == 0, peer.stderr()
 
@@ -125,24 +128,27 @@ def test_identity_file_keeps_the_peer_id_across_restarts(spawn, tmp_path):
     assert first_id in again.address()
 
 
-def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_in_flight(spawn):
+def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_in_flight(spawn, tmp_path):
     """Streaming DiLoCo with τ = 2 on real peers: each fragment's all-reduce runs behind the
     next 2 inner steps and is merged then (α = 0.5). A joiner downloads θ with the fragment in
     flight merged, averages in groups of 3, and all three end on the same global params."""
     common = [
         *FAST[:2], "--inner-steps", "6", *FAST[4:],
         "--method", "streaming", "--fragments", "2", "--sync-delay", "2",
-        "--rounds", str(JOIN_ROUNDS), "--run-id", "streaming-tau",
+        "--rounds", str(PACED_ROUNDS), "--run-id", "streaming-tau",
     ]  # fmt: skip
-    first = spawn("a", "start", *common, "--min-peers", "2")
-    second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
+    pace, full_speed = paced(tmp_path)
+    first = spawn("a", "start", *common, *pace, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common, *pace, "--min-peers", "2")
     first.wait_event("round", lambda e: e["outer_step"] >= 3)
     third = spawn("c", "join", first.address(), *common)
+    third.wait_event("state_downloaded")
+    full_speed()
     for peer in (first, second, third):
         assert peer.wait() == 0, peer.stderr()
         assert "Traceback" not in peer.stderr(), peer.stderr()
     syncs = first.events("round")
-    assert [r["outer_step"] for r in syncs] == list(range(1, 2 * JOIN_ROUNDS + 1))  # 2 fragments a round
+    assert [r["outer_step"] for r in syncs] == list(range(1, 2 * PACED_ROUNDS + 1))  # 2 fragments a round
     # The first sync only starts fragment 0's all-reduce; every later one reports the one before.
     assert syncs[0]["pending"]
     assert_grouped(syncs, context=first.stderr()[-6000:])
@@ -179,22 +185,26 @@ def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_i
     assert max_abs_diff(params[0], params[2]) <= 1e-5
     done = first.events("done")[0]
     assert done["final_eval_loss"] < done["initial_eval_loss"]
+    assert_the_last_round_in_flight_averaged((first, second, third))
 
 
-def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn):
+def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn, tmp_path):
     """--overlap: each round's all-reduce runs while the next round trains. Peers report a
     round one sync later, a joiner gets the mean in flight with the state, and all three end
     on the same global params (the run's last mean applied by every peer)."""
-    common = [*FAST, "--rounds", str(JOIN_ROUNDS), "--run-id", "overlap", "--overlap"]
-    first = spawn("a", "start", *common, "--min-peers", "2")
-    second = spawn("b", "join", first.address(), *common, "--min-peers", "2")
+    common = [*FAST, "--rounds", str(PACED_ROUNDS), "--run-id", "overlap", "--overlap"]
+    pace, full_speed = paced(tmp_path)
+    first = spawn("a", "start", *common, *pace, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common, *pace, "--min-peers", "2")
     first.wait_event("round", lambda e: e["outer_step"] >= 3)
     third = spawn("c", "join", first.address(), *common)
+    third.wait_event("state_downloaded")
+    full_speed()
     for peer in (first, second, third):
         assert peer.wait() == 0, peer.stderr()
         assert "Traceback" not in peer.stderr(), peer.stderr()
     rounds = first.events("round")
-    assert [r["outer_step"] for r in rounds] == list(range(1, JOIN_ROUNDS + 1))
+    assert [r["outer_step"] for r in rounds] == list(range(1, PACED_ROUNDS + 1))
     # The first sync only starts round 0's all-reduce; every later one reports the round before.
     assert rounds[0]["group_size"] == 1
     assert_grouped(rounds, context=first.stderr()[-6000:])
@@ -207,6 +217,18 @@ def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn)
     assert max_abs_diff(params[0], params[2]) <= 1e-5
     done = first.events("done")[0]
     assert done["final_eval_loss"] < done["initial_eval_loss"] - 0.5
+    assert_the_last_round_in_flight_averaged((first, second, third))
+
+
+def assert_the_last_round_in_flight_averaged(peers) -> None:
+    """The last round, still averaging when the rounds end, averages like the others, and the
+    peers then leave on one θ without a download. Each peer once averaged it alone (its clock,
+    at the run's length, counted it as done): three θ, and two downloads at the end."""
+    done = {p.name: p.events("done")[0] for p in peers}
+    finals = {name: d["final_group_size"] for name, d in done.items()}
+    assert sum(size is not None and size >= 2 for size in finals.values()) >= 2, finals
+    if all(size == len(peers) for size in finals.values()):  # else a failed round: downloads are due
+        assert [d["ending_downloads"] for d in done.values()] == [0] * len(peers), done
 
 
 def test_peers_that_end_their_last_round_on_different_theta_leave_on_one(spawn, tmp_path):

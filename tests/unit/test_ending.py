@@ -112,6 +112,24 @@ def test_a_finishing_peer_is_no_round_mate_for_peers_running_on():
     assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE and swarm.expected == ("mate",)
 
 
+def test_an_overlapped_last_round_averages_with_the_peers_that_end_with_it():
+    """Overlapped, every peer's clock is at the run's length while its last round averages in
+    the background: it is a mate for that round (the run ended on as many θ as peers, each
+    with its own last update), until it says it is finishing."""
+    for stage in (Stage.WAITING, Stage.AVERAGING, Stage.TRAINING):
+        mate = beat("mate", step=STEP, rounds=STEP, stage=stage)
+        swarm = averager(FakeBoard(mate), vouched=["mate"])
+        swarm.overlapped = True
+        assert swarm.wait_for_round_mates(STEP - 1) is Verdict.AVERAGE and swarm.expected == ("mate",), stage
+    swarm = averager(FakeBoard(beat("mate", A, step=STEP, rounds=STEP)), vouched=["mate"])
+    swarm.overlapped = True
+    assert swarm.wait_for_round_mates(STEP - 1) is Verdict.ALONE  # finishing: it averaged without us
+    blocking = averager(
+        FakeBoard(beat("mate", step=STEP, rounds=STEP, stage=Stage.WAITING)), vouched=["mate"]
+    )
+    assert blocking.wait_for_round_mates(STEP) is Verdict.ALONE  # not overlapped: its rounds are over
+
+
 def test_a_peer_behind_a_finishing_one_does_not_take_its_theta_in_a_round():
     # It may have ended its last round alone, while the others still average theirs: they
     # settle on one θ when they finish, by vote (swarm.ending), not on whoever finished first.

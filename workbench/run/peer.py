@@ -390,10 +390,11 @@ class Peer:
         """After the last round: apply the last mean in flight, evaluate, write the summary."""
         cfg = self.config
         flush_start = time.monotonic()
+        last = None
         if self.dp is None and (cfg.diloco.delay or cfg.overlapped):
             # The last round's mean (in flight, or queued by the blocking delay; streaming: the
             # last fragment in flight) and no eager offset: every peer ends on the swarm's θ.
-            self.diloco.finish()
+            last = self.diloco.finish()
         flush_seconds = time.monotonic() - flush_start
         ending = self.end_on_the_others_state() if self.dp is None and cfg.peer.rounds else {}
         final_eval = evaluate(self.model, self.eval_set, self.device)
@@ -407,6 +408,7 @@ class Peer:
             bytes_sent=self.stats.bytes_sent,
             bytes_received=self.stats.bytes_received,
             final_averaging_seconds=flush_seconds,  # overlapped: the wait for the last all-reduce
+            final_group_size=last.group_size if last is not None else None,
             **ending,
         )
         if self.node is not None:
