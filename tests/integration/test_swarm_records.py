@@ -115,7 +115,7 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
     # Without the secret: status sees nobody, join finds no run.
     status = workbench("status", address, "--run-id", "private", "--json")
     assert status.returncode == 1 and json.loads(status.stdout)["peers"] == [], status.stderr
-    joined = workbench("join", address, *FAST, "--run-id", "private", "--connect-timeout", "10")
+    joined = workbench("join", address, *FAST, "--run-id", "private", "--connect-timeout", "3")
     assert joined.returncode == 2 and "no live peer of run 'private'" in joined.stderr, joined.stderr
 
     # An outsider who somehow learned the key names still cannot write: no HMAC, no store.
