@@ -40,9 +40,10 @@ soon as its members joined), and a joiner needs 5-10 s to start (corpus, key, da
 loaded machine): 20 rounds were over before it could reach the first peer."""
 PACED_ROUNDS = 24
 """Rounds of a run whose first peers are paced until the joiner is in (:func:`paced`)."""
-PACE_MS = 400
-"""The pace: 5 inner steps of 400 ms, so 24 rounds of a pair last at least 48 s, against a
-joiner's 5-20 s to start; once it is in, the run goes on at full speed (about 1 s a round)."""
+PACE_MS = 500
+"""The pace: 5 inner steps of 500 ms, so 24 rounds of a pair last at least 60 s, against a
+joiner's 5-20 s to start (it downloaded at round 4-6 beside a busy suite, 8-15 at a load
+average of 15); once it is in, the run goes on at full speed (about 1 s a round)."""
 
 
 def paced(tmp_path: Path) -> tuple[list[str], Callable[[], None]]:
@@ -222,9 +223,12 @@ def assert_grouped(rounds: list[dict], *, skip: int = 1, share: float = 0.05, co
     """Every round after the first ``skip`` averaged in a group, but for a few (``share``) that
     failed and say why (``alone_reason``): on a loaded machine an honest round can fail (a
     member gives up on its leader during matchmaking) and the peer falls back to its own
-    update; beside a busy test suite this happened to 1 of 119 syncs."""
+    update; beside a busy test suite this happened to 1 of 119 syncs. Overlapped, a sync with no
+    round in flight (``pending``: the first after a state download) averaged nothing, so it
+    is neither (seen at a load average of 15: a peer fell behind, downloaded, and its next sync
+    reported a "round alone with no reason")."""
     later = rounds[skip:]
-    apart = [r for r in later if r["group_size"] < 2]
+    apart = [r for r in later if r["group_size"] < 2 and not r.get("pending")]
     summary = [(r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds]
     assert all(r["alone_reason"] for r in apart), ("a round alone with no reason", summary, context)
     assert len(apart) <= share * len(later), (f"{len(apart)} of {len(later)} rounds alone", summary, context)
