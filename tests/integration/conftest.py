@@ -58,6 +58,20 @@ def paced(tmp_path: Path) -> tuple[list[str], Callable[[], None]]:
     return ["--fault-file", str(pace)], lambda: FaultPlan.update(pace, throttle_ms=0)
 
 
+def paced_join(spawn, tmp_path: Path, common: list[str], *, after: int) -> tuple[PeerProcess, ...]:
+    """Peers "a" and "b" start a run with ``common`` flags, paced (:func:`paced`); "c" joins
+    once "a" reported round ``after``, and the pace is lifted when "c" has downloaded the state.
+    The three peers, still running."""
+    pace, full_speed = paced(tmp_path)
+    first = spawn("a", "start", *common, *pace, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common, *pace, "--min-peers", "2")
+    first.wait_event("round", lambda e: e["outer_step"] >= after)
+    third = spawn("c", "join", first.address(), *common)
+    third.wait_event("state_downloaded")
+    full_speed()
+    return first, second, third
+
+
 def verbose_flag() -> list[str]:
     """``-v`` / ``-vv`` for the peers of the tests named in ``WB_TEST_VERBOSE``
     (``<part of the test's name>[:<level>]``, docs/development.md), else nothing."""

@@ -7,7 +7,7 @@ import signal
 import time
 
 from swarm.faults import FaultPlan
-from tests.integration.conftest import FAST, PACED_ROUNDS, assert_grouped, max_abs_diff, paced
+from tests.integration.conftest import FAST, PACED_ROUNDS, assert_grouped, max_abs_diff, paced_join
 
 
 def test_two_peers_agree_and_learn(spawn):
@@ -44,14 +44,8 @@ def test_two_peers_agree_and_learn(spawn):
 
 def test_late_joiner_downloads_state_and_matches(spawn, tmp_path):
     """A third peer joining mid-run downloads θ, momentum and step, then tracks the others."""
-    pace, full_speed = paced(tmp_path)
     common = [*FAST, "--rounds", str(PACED_ROUNDS), "--run-id", "late-join"]
-    first = spawn("a", "start", *common, *pace, "--min-peers", "2")
-    second = spawn("b", "join", first.address(), *common, *pace, "--min-peers", "2")
-    first.wait_event("round", lambda e: e["outer_step"] >= 2)
-    third = spawn("c", "join", first.address(), *common)
-    third.wait_event("state_downloaded")
-    full_speed()
+    first, second, third = paced_join(spawn, tmp_path, common, after=2)
     for peer in (first, second, third):
         assert peer.wait() == 0, peer.stderr()
 
@@ -137,13 +131,7 @@ def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_i
         "--method", "streaming", "--fragments", "2", "--sync-delay", "2",
         "--rounds", str(PACED_ROUNDS), "--run-id", "streaming-tau",
     ]  # fmt: skip
-    pace, full_speed = paced(tmp_path)
-    first = spawn("a", "start", *common, *pace, "--min-peers", "2")
-    second = spawn("b", "join", first.address(), *common, *pace, "--min-peers", "2")
-    first.wait_event("round", lambda e: e["outer_step"] >= 3)
-    third = spawn("c", "join", first.address(), *common)
-    third.wait_event("state_downloaded")
-    full_speed()
+    first, second, third = paced_join(spawn, tmp_path, common, after=3)
     for peer in (first, second, third):
         assert peer.wait() == 0, peer.stderr()
         assert "Traceback" not in peer.stderr(), peer.stderr()
@@ -193,13 +181,7 @@ def test_overlapped_rounds_agree_and_a_joiner_lands_on_the_mean_in_flight(spawn,
     round one sync later, a joiner gets the mean in flight with the state, and all three end
     on the same global params (the run's last mean applied by every peer)."""
     common = [*FAST, "--rounds", str(PACED_ROUNDS), "--run-id", "overlap", "--overlap"]
-    pace, full_speed = paced(tmp_path)
-    first = spawn("a", "start", *common, *pace, "--min-peers", "2")
-    second = spawn("b", "join", first.address(), *common, *pace, "--min-peers", "2")
-    first.wait_event("round", lambda e: e["outer_step"] >= 3)
-    third = spawn("c", "join", first.address(), *common)
-    third.wait_event("state_downloaded")
-    full_speed()
+    first, second, third = paced_join(spawn, tmp_path, common, after=3)
     for peer in (first, second, third):
         assert peer.wait() == 0, peer.stderr()
         assert "Traceback" not in peer.stderr(), peer.stderr()
