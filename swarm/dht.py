@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import functools
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator, Sequence
@@ -197,6 +199,8 @@ def start_dht(
     )
     if config.identity_path:
         kwargs["identity_path"] = config.identity_path
+    if config.port and not config.client_mode:
+        _check_port_free(config.host, config.port)
     dht = _quiet_dht_class()(**kwargs)
     try:
         with quiet_children():
@@ -210,9 +214,29 @@ def start_dht(
     return dht
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """SwarmError if something listens on ``host:port`` already. hivemind's p2p daemon binds with
+    SO_REUSEPORT, so a second peer given a taken ``--port`` would start and share the port with
+    the first (each connection going to either), with no error anywhere."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed peer's TIME_WAIT is no owner
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise SwarmError(
+                    f"port {port} on {host} is already in use (another peer?): pick another --port or use 0"
+                ) from None
+            # Anything else (an address this machine does not have...): the daemon says it below.
+
+
 def _explain_start_failure(error: BaseException, config: NetworkConfig) -> str:
     text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-    if config.initial_peers and ("bootstrap" in text or "connect" in text or isinstance(error, TimeoutError)):
+    # A bootstrap peer that never answers (a firewall dropping packets) keeps hivemind's daemon
+    # from starting: "Daemon failed to start in N seconds" is about the peer, not this machine.
+    unreachable = "bootstrap" in text or "connect" in text or "failed to start" in text.lower()
+    if config.initial_peers and (unreachable or isinstance(error, TimeoutError)):
         peers = " ".join(config.initial_peers)
         return (
             f"could not reach any bootstrap peer ({peers}) within {config.connect_timeout:.0f} s: check that "

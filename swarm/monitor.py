@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from swarm.errors import SwarmError
 from swarm.narration import DEPARTED_SECONDS, Departed, RoundSeen, left_how, round_sentence
@@ -169,9 +170,7 @@ class SwarmMonitor:
         self._first_seen: dict[int, float] = {}
         self._departed: dict[str, Departed] = {}
         self._killed: set[str] = set()
-        self._record = open(record_to, "a", buffering=1) if record_to else None  # noqa: SIM115
-        if self._record and self._record.tell() == 0:
-            self._record.write(json.dumps({"format": RECORD_FORMAT}) + "\n")
+        self._record = open_recording(record_to) if record_to else None
 
     # --- live --------------------------------------------------------------------------------
 
@@ -339,6 +338,39 @@ def _ignored(reading: Reading) -> dict[str, str]:
     return {**flagged, **reading.ignored}
 
 
+def _is_recording(first_line: str) -> bool:
+    try:
+        header = json.loads(first_line)
+    except ValueError:
+        return False
+    return isinstance(header, dict) and header.get("format") == RECORD_FORMAT
+
+
+def open_recording(path: str | Path) -> IO[str]:
+    """``path`` opened to append readings (a new file starts with the recording's header);
+    SwarmError if it cannot be written, or holds something other than a recording (``--record``
+    once appended to any file it was given, a run's metrics.jsonl included)."""
+    path = Path(path)
+    try:
+        handle = open(path, "a+", buffering=1)  # noqa: SIM115 - kept open while the monitor runs
+    except OSError as error:
+        raise SwarmError(f"cannot write the recording {path}: {error.strerror or error}") from None
+    handle.seek(0)
+    try:
+        first = handle.readline()
+    except (OSError, ValueError):  # not text
+        first = "?"
+    if first and not _is_recording(first):
+        handle.close()
+        raise SwarmError(
+            f"{path} exists and is not a workbench monitor recording: give --record a new file (or a recording to extend)"
+        )
+    handle.seek(0, os.SEEK_END)
+    if handle.tell() == 0:
+        handle.write(json.dumps({"format": RECORD_FORMAT}) + "\n")
+    return handle
+
+
 def replay(path: str | Path, **options: Any) -> Iterator[SwarmSnapshot]:
     """The snapshots of a recorded run, as the live monitor derived them."""
     monitor = SwarmMonitor(**options)
@@ -347,7 +379,9 @@ def replay(path: str | Path, **options: Any) -> Iterator[SwarmSnapshot]:
         lines = path.read_text().splitlines()
     except OSError as error:
         raise SwarmError(f"cannot read the recording {path}: {error.strerror or error}") from None
-    if not lines or json.loads(lines[0]).get("format") != RECORD_FORMAT:
+    except UnicodeDecodeError:
+        lines = []  # not text: not a recording
+    if not lines or not _is_recording(lines[0]):
         raise SwarmError(
             f"{path} is not a workbench monitor recording (record one with `workbench status --record`)"
         )

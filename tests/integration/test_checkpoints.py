@@ -55,3 +55,42 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     assert len(errors) == 1 and "cannot resume" in errors[0] and "checkpoint.prev.pt" in errors[0], (
         broken.stderr()
     )
+
+
+def test_a_steered_peer_resumes_with_the_flags_it_started_with(spawn):
+    """Steering changed the outer lr and H after the start: the checkpoint still matches the
+    flags the peer was started with, and the resumed peer keeps the steered values."""
+    from swarm.dht import NetworkConfig
+    from swarm.records import RunKeys
+    from swarm.session import connect
+    from swarm.steering import Steering
+
+    common = [*FAST, "--run-id", "steered"]
+    first = spawn("a", "start", *common, "--checkpoint-every", "1")
+    address = first.address()
+    first.wait_event("round")
+    owner = connect(
+        NetworkConfig(initial_peers=[address], client_mode=True),
+        RunKeys("steered"),
+        signing_key=str(first.directory / "identity.key"),
+    )
+    try:
+        steering = Steering(
+            owner.store, owner.keys, owner=first.events("started")[0]["owner"], board=owner.board
+        )
+        version = steering.publish(outer_lr=0.35, inner_steps=4).version
+    finally:
+        owner.close()
+    applied = first.wait_event("control_applied", lambda e: e["version"] == version)
+    assert applied["changes"] == {"outer_lr": 0.35, "inner_steps": 4}
+    first.wait_event("checkpoint", lambda e: e["outer_step"] > applied["outer_step"])
+    first.kill()
+
+    again = spawn("b", "start", *common, "--resume", str(first.directory))  # the flags "a" started with
+    resumed = again.wait_event("resumed_checkpoint", timeout=60)["outer_step"]
+    assert resumed > applied["outer_step"]
+    again.wait_event("round", lambda e: e["outer_step"] >= resumed + 2)
+    again.process.send_signal(signal.SIGINT)
+    assert again.wait() == 0, again.stderr()
+    assert {r["inner_steps"] for r in again.events("round")} == {4}  # the steered H, not --inner-steps 5
+    assert not again.events("control_applied")  # its own run: nothing steered it again

@@ -180,3 +180,22 @@ def test_bad_announce_addresses_get_a_one_line_hint(text: str, hints: list[str])
     message = error_of(parse_announce_addresses, [text])
     for hint in hints:
         assert hint in message, f"{hint!r} not in {message!r}"
+
+
+def test_a_port_another_peer_listens_on_is_refused_before_any_process_starts() -> None:
+    """hivemind's p2p daemon listens with SO_REUSEPORT: a second daemon on the same --port used to
+    start, and share the port with the first (each connection going to either)."""
+    import socket
+
+    from swarm.dht import NetworkConfig, _check_port_free, start_dht
+
+    with socket.socket() as daemon:  # as p2pd binds
+        daemon.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        daemon.bind(("127.0.0.1", 0))
+        daemon.listen()
+        port = daemon.getsockname()[1]
+        with pytest.raises(SwarmError, match=f"port {port} on 127.0.0.1 is already in use"):
+            start_dht(NetworkConfig(host="127.0.0.1", port=port))
+        with pytest.raises(SwarmError, match="already in use"):
+            _check_port_free("0.0.0.0", port)  # all interfaces include the loopback one
+    _check_port_free("127.0.0.1", port)  # free once it closed

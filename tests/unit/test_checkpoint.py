@@ -59,3 +59,56 @@ def test_the_data_position_resumes_the_same_stream() -> None:
     other = corpus.batches(block_size=16, batch_size=4, seed=3)
     with pytest.raises(DataError, match="same --batch-size"):
         other.load_state_dict(state)
+
+
+def test_a_run_dir_held_by_a_live_peer_is_refused(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, pathlib; from workbench.run.checkpoint import hold_run_dir\n"
+            f"lock = hold_run_dir(pathlib.Path({str(tmp_path)!r})); print('held', flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match=rf"in use by another running peer \(pid {holder.pid}\)"):
+            checkpoint.hold_run_dir(tmp_path)
+    finally:
+        holder.communicate("")  # it ends: the kernel releases its lock
+    checkpoint.hold_run_dir(tmp_path).close()  # free again
+
+
+def test_ctrl_c_during_a_write_takes_effect_after_it(tmp_path) -> None:
+    """A SIGINT while torch.save runs (here: sent from inside the pickling) used to break the
+    write with two tracebacks and leave checkpoint.pt.tmp behind."""
+    import os
+    import signal
+
+    class InterruptsWhilePickled:
+        def __reduce__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            return (dict, ())
+
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, {"step": 7, "payload": torch.zeros(1000), "odd": InterruptsWhilePickled()})
+    assert checkpoint.load(tmp_path)[0]["step"] == 7  # written whole, then interrupted
+    assert not list(tmp_path.glob("*.tmp"))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_failed_write_leaves_no_temp_file(tmp_path) -> None:
+    class Unpicklable:
+        def __reduce__(self):
+            raise OSError("No space left on device")
+
+    checkpoint.save(tmp_path, {"step": 1})
+    with pytest.raises(OSError, match="No space"):
+        checkpoint.save(tmp_path, {"step": 2, "odd": Unpicklable()})
+    assert checkpoint.load(tmp_path)[0]["step"] == 1 and not list(tmp_path.glob("*.tmp"))

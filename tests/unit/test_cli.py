@@ -171,12 +171,30 @@ def test_flags_reach_the_config() -> None:
         pytest.param(
             ["status", "--replay", "{tmp}/missing.jsonl"], "cannot read", id="status-replay-missing"
         ),
+        pytest.param(["replay", "{tmp}/garbage"], "not a workbench monitor recording", id="replay-garbage"),
+        pytest.param(
+            ["status", f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}", "--record", "{tmp}/no/such/dir/r.jsonl"],
+            "cannot write the recording",
+            id="record-unwritable",
+        ),
+        pytest.param(
+            ["status", f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}", "--record", "{tmp}/garbage"],
+            "is not a workbench monitor recording",
+            id="record-over-another-file",
+        ),
+        pytest.param(["config", "show", "--host", "bogus"], "--host", id="config-host"),
+        pytest.param(
+            ["config", "show", "--averaging-timeout", "1.5"], "averaging timeout", id="config-timeout"
+        ),
+        pytest.param(["start", "--resume", "{tmp}/no-such-run"], "no such folder", id="resume-missing"),
+        pytest.param(["start", "--resume", "{tmp}"], "checkpoint.pt does not exist", id="resume-empty"),
     ],
 )
 def test_bad_values_exit_2_with_one_error_line(
     argv: list[str], hint: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    (tmp_path / "garbage").write_bytes(b'{"event": "round"}\n\xff\xfe')  # a metrics file, say
     try:
         status = main(argv)
     except SystemExit as stop:  # out of a flag's bounds: argparse says so before anything starts
@@ -432,3 +450,15 @@ def test_a_bad_address_is_refused_before_torch_is_imported(argv: list[str]) -> N
     assert result.stdout.split() == [str(EXIT_USER_ERROR), "False"], (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+
+
+def test_the_web_monitor_on_a_taken_port_is_one_line(capsys, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["replay", str(tmp_path / "run.jsonl"), "--web", "--web-port", str(port)]
+        assert main(argv) == EXIT_USER_ERROR
+    assert f"cannot serve the monitor on 127.0.0.1:{port}" in one_error_line(capsys)

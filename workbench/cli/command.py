@@ -155,6 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `workbench ... | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # Ctrl+C before a command's own handling (importing torch: 1-2 s)
+        print("stopped.", file=sys.stderr)
+        return 130
     if argv is None and _ran_a_peer:  # this process is the peer (not main() called by a library)
         from workbench.run.stopping import end_process
 
@@ -193,7 +196,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if args.command == "config":
         from workbench.cli.config import run_config_command
 
-        return _one_line_errors(lambda: run_config_command(parser, args, argv), ValueError)
+        return _one_line_errors(lambda: run_config_command(parser, args, argv), (ValueError, SwarmError))
     if args.command == "completion":
         from workbench.cli.completion import run_completion_command
 
@@ -242,7 +245,11 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
         if node_world()[0] > 0:  # a torchrun rank other than 0: rank 0 is the node's peer
             end_process(follow(config))
+        from workbench.run.checkpoint import check_present
         from workbench.run.peer import run_peer
+
+        if config.peer.resume:  # before the peer creates its folder, key and metrics
+            check_present(config.peer.resume)
 
         on_started = (
             (lambda addresses: _print_join_command(config, addresses)) if args.command == "start" else None

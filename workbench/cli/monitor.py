@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import socket
 import sys
 
 from swarm.bounds import parser as bounded
@@ -65,6 +66,10 @@ def run_monitor_command(args: argparse.Namespace, argv: list[str]) -> int:
             raise SwarmError(f"--interval must be within 0.01..60 s (got {args.interval})")
         source = ReplaySource(args.file, interval=args.interval)
     else:
+        if args.record:  # a --record file that cannot be written, or is not a recording: before connecting
+            from swarm.monitor import open_recording
+
+            open_recording(args.record).close()
         source = LiveSource.connect(
             args.peers,
             run_id=args.run_id,
@@ -87,6 +92,13 @@ def _serve(argv: list[str], port: int) -> int:
 
     if not 1 <= port <= 65535:
         raise SwarmError(f"--web-port must be within 1..65535 (got {port})")
+    with socket.socket() as probe:  # textual-serve would say so only in a traceback, after "serving"
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as error:
+            raise SwarmError(
+                f"cannot serve the monitor on 127.0.0.1:{port} ({error.strerror}): pick another --web-port"
+            ) from None
     command = [arg for arg in argv if arg != "--web"]
     if "--web-port" in command:
         at = command.index("--web-port")

@@ -142,6 +142,10 @@ def run_status_command(args: argparse.Namespace) -> int:
     from swarm.monitor import SwarmMonitor
 
     RunKeys(args.run_id, args.secret)  # a bad run id or secret fails before connecting
+    if args.record:  # so does a --record file that cannot be written, or is not a recording
+        from swarm.monitor import open_recording
+
+        open_recording(args.record).close()
     session, read = open_observer(args)
     monitor = SwarmMonitor(read, record_to=args.record)
     try:

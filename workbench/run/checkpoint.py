@@ -12,11 +12,16 @@ newest one is truncated or corrupt; if neither loads, the error names both probl
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -32,23 +37,71 @@ class CheckpointError(SwarmError):
     """No usable checkpoint (missing, truncated, corrupt, or for another run/model)."""
 
 
+def hold_run_dir(directory: Path) -> IO[str]:
+    """Lock ``directory`` for this peer (``<dir>/.lock``, its pid inside) until the process ends;
+    CheckpointError if another live peer holds it. Two peers in one folder would share its
+    identity key (one peer id for both) and overwrite each other's checkpoints and metrics.
+
+    A POSIX record lock: held by this process only (hivemind's forked children do not inherit
+    it) and released by the kernel when the process dies, even by SIGKILL."""
+    handle = open(directory / ".lock", "a+")  # noqa: SIM115 - held open for the life of the peer
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        raise CheckpointError(
+            f"--run-dir {directory} is in use by another running peer (pid {holder}): give each peer "
+            "its own --run-dir"
+        ) from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Ctrl+C or SIGTERM during a write takes effect after it: interrupted inside torch.save they
+    left a half-written temp file and two tracebacks (the checkpoint itself was safe)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    previous = {kind: signal.signal(kind, lambda number, frame: caught.append(number)) for kind in kinds}
+    try:
+        yield
+    finally:
+        for kind, handler in previous.items():
+            signal.signal(kind, handler)
+        for number in dict.fromkeys(caught):
+            signal.raise_signal(number)  # now, to the peer's own handlers
+
+
 def save(directory: str | Path, payload: dict[str, Any]) -> Path:
     """Write ``payload`` atomically as ``directory/checkpoint.pt``; keeps the previous one."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path, temporary = directory / NAME, directory / f"{NAME}.tmp"
-    with open(temporary, "wb") as handle:
-        torch.save({"format": FORMAT, "saved": time.time(), **payload}, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    if path.exists():
-        os.replace(path, directory / PREVIOUS)
-    os.replace(temporary, path)
-    folder = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(folder)  # the renames themselves survive a power cut
-    finally:
-        os.close(folder)
+    with _signals_deferred():
+        try:
+            with open(temporary, "wb") as handle:
+                torch.save({"format": FORMAT, "saved": time.time(), **payload}, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except BaseException:
+            temporary.unlink(missing_ok=True)  # a full disk: no half file left beside the good ones
+            raise
+        if path.exists():
+            os.replace(path, directory / PREVIOUS)
+        os.replace(temporary, path)
+        folder = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(folder)  # the renames themselves survive a power cut
+        finally:
+            os.close(folder)
     return path
 
 
@@ -64,13 +117,26 @@ def _read(path: Path) -> dict[str, Any]:
     return payload
 
 
-def load(directory: str | Path) -> tuple[dict[str, Any], Path]:
-    """The newest good checkpoint in ``directory`` and its path; raises CheckpointError."""
+def check_present(directory: str | Path) -> None:
+    """CheckpointError unless ``directory`` holds a checkpoint file: checked before a peer starts,
+    so a ``--resume`` that cannot happen creates no run folder, key or metrics (the files are read
+    later, after hivemind's processes are forked, so that they do not share their pages)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(
             f"--resume {directory}: no such folder (give the --run-dir of the stopped peer)"
         )
+    if not (directory / NAME).exists() and not (directory / PREVIOUS).exists():
+        raise CheckpointError(
+            f"cannot resume: {directory / NAME} does not exist (a peer writes one with "
+            "--checkpoint-every N, or when the run owner asks with `workbench steer --checkpoint`)"
+        )
+
+
+def load(directory: str | Path) -> tuple[dict[str, Any], Path]:
+    """The newest good checkpoint in ``directory`` and its path; raises CheckpointError."""
+    directory = Path(directory)
+    check_present(directory)
     try:
         return _read(directory / NAME), directory / NAME
     except CheckpointError as newest:
@@ -127,8 +193,11 @@ def restore_training(
         batches.load_state_dict(payload["data"])
 
 
-def load_for(directory: str | Path, *, run_id: str, fingerprint: str) -> tuple[dict[str, Any], Path]:
-    """:func:`load`, refusing a checkpoint of another run or model (``--resume``)."""
+def load_for(
+    directory: str | Path, *, run_id: str, fingerprint: str, summary: str = ""
+) -> tuple[dict[str, Any], Path]:
+    """:func:`load`, refusing a checkpoint of another run or model (``--resume``); ``summary``:
+    this peer's model and optimizer in words, shown beside the checkpoint's when they differ."""
     payload, path = load(directory)
     if payload.get("run_id") != run_id:
         raise CheckpointError(
@@ -136,7 +205,10 @@ def load_for(directory: str | Path, *, run_id: str, fingerprint: str) -> tuple[d
         )
     if payload.get("fingerprint") != fingerprint:
         raise CheckpointError(
-            f"{path} was written for model fingerprint {payload.get('fingerprint')}, this peer's is "
-            f"{fingerprint}: resume with the flags the peer ran with"
+            f"{path} was written for model fingerprint {payload.get('fingerprint')}"
+            + (f" ({payload['summary']})" if payload.get("summary") else "")
+            + f", this peer's is {fingerprint}"
+            + (f" ({summary})" if summary else "")
+            + ": resume with the flags the peer was started with"
         )
     return payload, path

@@ -44,6 +44,8 @@ class Steering:
         """Checkpoint requests seen (a counter in the control record)."""
         self.round_seconds: float | None = None
         """The owner's time box for rounds (None: the peer's own ``--round-seconds``)."""
+        self.settings: dict[str, Any] = {}
+        """Every setting steering changed on this peer, newest value (a checkpoint keeps them)."""
 
     def apply(self, outer: Any, *, data_parallel: bool) -> None:
         """At a round boundary: adopt the owner's newest settings once their step has come.
@@ -77,12 +79,26 @@ class Steering:
         if control.checkpoint > self.checkpoints:
             self.checkpoints = control.checkpoint
             changes["checkpoint"] = str(self.checkpoint())
+        self.settings.update(
+            (k, v) for k, v in changes.items() if k in ("outer_lr", "inner_steps", "codec", "round_seconds")
+        )
         self.version = control.version
         self.emit(
             "control_applied", version=control.version, outer_step=outer.outer_step_count, changes=changes
         )
         logger.info("%s: applied control v%d: %s", self.name, control.version, changes or "no change")
         self.publish()
+
+    def restore(self, version: int, settings: dict[str, Any], outer: Any) -> None:
+        """After a resume: the steered settings the checkpoint was written with, and their
+        version (so the same version is not applied twice, and a newer one still is)."""
+        self.version = version
+        outer_settings = {k: v for k, v in settings.items() if k in ("outer_lr", "inner_steps", "codec")}
+        if outer_settings:
+            outer.retune(**outer_settings)
+        if settings.get("round_seconds") is not None:
+            self.round_seconds = float(settings["round_seconds"])
+        self.settings = dict(settings)
 
     def wait_while_paused(self, outer_step: int, stage: Stage) -> None:
         """Between inner steps: idle while the owner has this peer paused (heartbeats go on),

@@ -77,6 +77,7 @@ class Peer:
         self.addresses: list[str] = []
         self.manifest: RunManifest | None = None
         self.steering = self._steering(None)  # the owner's control record: see _check_manifest
+        self._fingerprint: tuple[str, str] | None = None
         # Training (set up by setup()): the data, the model and its optimizer, the data stream.
         self.device = self.corpus = self.eval_set = self.model = self.inner_optimizer = self.batches = None
         self.outer: OuterLoop | None = None
@@ -106,6 +107,7 @@ class Peer:
             )
         if self.run_dir:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._run_dir_lock = checkpoint.hold_run_dir(self.run_dir)  # before its identity key is read
         # hivemind forks its DHT and averager processes. Forked after the model exists, a child
         # keeps the pages of the model's weights as they were when training rewrote them (or when
         # the model moved to the GPU and freed them here): a copy of the model for the rest of the
@@ -128,6 +130,7 @@ class Peer:
             beat=self.beat,
         )
         self.model, self.inner_optimizer = build_model_and_optimizer(cfg, self.device, self.corpus)
+        self.fingerprint()  # of the flags it started with, before any steering
         self._check_manifest()
         build_outer(cfg, self.model, self.inner_optimizer, self.outer)
         self.diloco, self.averager, self.dp = self.outer.rounds, self.outer.averager, self.outer.dp
@@ -168,8 +171,12 @@ class Peer:
         )
 
     def fingerprint(self) -> tuple[str, str]:
-        """(fingerprint, summary) of this peer's model and the optimizer settings all peers share."""
-        return joining.fingerprint(self.config, self.model)
+        """(fingerprint, summary) of this peer's model and the optimizer settings all peers share,
+        as the peer started: steering changes the settings later, and a checkpoint must still match
+        the flags its peer was started with (``--resume`` with them, not with the steered values)."""
+        if self._fingerprint is None:
+            self._fingerprint = joining.fingerprint(self.config, self.model)
+        return self._fingerprint
 
     def _check_manifest(self) -> None:
         """The first peer publishes the run manifest; a joiner refuses a run with another model."""
@@ -240,6 +247,8 @@ class Peer:
     def run(self) -> dict[str, Any]:
         """Train until ``rounds`` outer rounds are done (or forever); returns a summary."""
         cfg = self.config
+        if cfg.peer.resume:
+            checkpoint.check_present(cfg.peer.resume)  # before anything is created
         self.setup()
         self.batches = joining.peer_batches(cfg, self.corpus, self.peer_id)
         if cfg.peer.resume:
@@ -481,10 +490,12 @@ class Peer:
             {
                 "run_id": self.config.peer.run_id,
                 "fingerprint": self.fingerprint()[0],
+                "summary": self.fingerprint()[1],
                 "name": self.name,
                 **payload,
                 "bytes": [self.stats.bytes_sent, self.stats.bytes_received, self.stats.dp_bytes],
                 "control_version": self.steering.version,
+                "steered": dict(self.steering.settings),
             },
         )
         logger.info("%s: wrote checkpoint %s at outer step %d", self.name, path, self.diloco.outer_step_count)
@@ -494,12 +505,17 @@ class Peer:
     def resume(self, directory: str) -> None:
         """Continue from the checkpoint in ``directory`` (``--resume``): refuses another run or model."""
         payload, path = checkpoint.load_for(
-            directory, run_id=self.config.peer.run_id, fingerprint=self.fingerprint()[0]
+            directory,
+            run_id=self.config.peer.run_id,
+            fingerprint=self.fingerprint()[0],
+            summary=self.fingerprint()[1],
         )
         checkpoint.restore_training(payload, self.diloco, self.model, self.inner_optimizer, self.batches)
         stats = self.stats
         stats.bytes_sent, stats.bytes_received, stats.dp_bytes = payload.get("bytes", [0, 0, 0])
-        self.steering.version = int(payload.get("control_version", 0))
+        self.steering.restore(
+            int(payload.get("control_version", 0)), payload.get("steered") or {}, self.diloco
+        )
         self.averager.set_state_priority(self.diloco.outer_step_count)
         logger.info("%s: resumed from %s at outer step %d", self.name, path, self.diloco.outer_step_count)
         self.emit("resumed_checkpoint", path=str(path), outer_step=self.diloco.outer_step_count)
