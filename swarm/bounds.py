@@ -68,7 +68,6 @@ BOUNDS: dict[str, Bound] = {
     # averaging and network
     "matchmaking_time": Bound(0.1, 120),
     "averaging_timeout": Bound(0.1, 3600, open_low=True),
-    "round_wait": Bound(0, 3600),
     "port": Bound(0, 65_535, integer=True),
     "web_port": Bound(1, 65_535, integer=True),
     "connect_timeout": Bound(1, 600),
@@ -77,7 +76,7 @@ BOUNDS: dict[str, Bound] = {
     # commands
     "timeout": Bound(1, 30 * _DAY),
     "interval": Bound(0.05, 3600),
-    "watch": Bound(0.1, 3600),
+    "watch": Bound(0.5, 3600),
     "wait": Bound(0, 3600),
     "from_step": Bound(0, 10**9, integer=True),
 }

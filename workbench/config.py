@@ -7,6 +7,7 @@ Every component checks its own values where it is built (``__post_init__``) and 
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -117,6 +118,9 @@ class PeerConfig:
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        for flag, folder in (("--run-dir", self.run_dir), ("--resume", self.resume)):
+            if folder and os.path.exists(folder) and not os.path.isdir(folder):
+                raise ValueError(f"{flag} {folder} is a file: give a folder (a peer's run folder)")
         if self.tensorboard == "" and not self.run_dir:
             raise ValueError("--tensorboard without a folder writes into the run folder: add --run-dir DIR")
         if self.wandb_mode not in WANDB_MODES:
@@ -209,9 +213,14 @@ class RunConfig:
         if self.outer_method.fragmented and (
             self.fragments < 1 or self.diloco.inner_steps % self.fragments or self.diloco.delay
         ):
+            h, f = self.diloco.inner_steps, max(1, self.fragments)
+            fits = [str(n) for n in range(2, 9) if h % n == 0]
+            hint = f"--inner-steps {h - h % f or f} or {h - h % f + f}" + (
+                f", or --fragments {' or '.join(fits)}" if fits else ""
+            )
             raise ValueError(
-                f"streaming on real peers needs --inner-steps ({self.diloco.inner_steps}) divisible by "
-                f"--fragments ({self.fragments}) and no --delay; e.g. --inner-steps 48 --fragments 4"
+                f"streaming on real peers needs --inner-steps ({h}) divisible by "
+                f"--fragments ({self.fragments}) and no --delay; e.g. {hint}"
             )
         if self.outer_method.fragmented and self.diloco.topk_mean != "group":
             raise ValueError(

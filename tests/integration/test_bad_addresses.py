@@ -105,6 +105,19 @@ def test_joiner_with_another_model_is_refused(spawn):
     assert len(set(re.findall(r"\b[0-9a-f]{16}\b", errors[0]))) == 2, errors[0]
     assert "Traceback" not in result.stderr
 
+    # The right model, but an --owner that is not the run's: refused, not joined unchecked.
+    owner = peer.events("started")[0]["owner"]
+    result = subprocess.run(
+        [sys.executable, "-m", "workbench", "join", peer.address(), "--model", "tiny", "--run-id",
+         "model-check", "--threads", "1", "--owner", "0" * 16],
+        capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"no manifest by owner {'0' * 16}, only one by {owner}" in errors[0], (
+        result.stderr
+    )
+
 
 @pytest.mark.integration
 def test_status_lists_the_live_peers(spawn):

@@ -193,6 +193,9 @@ def test_steering_reaches_every_peer(spawn):
         "0.3",
     )
     assert refused.returncode == 2 and "only the run owner" in refused.stderr, refused.stderr
+    # The owner, with a peer name nobody has (a typo): refused, nothing published.
+    typo = workbench("steer", address, "--run-id", "steer", "--key", key, "--pause", "bb")
+    assert typo.returncode == 2 and "no live peer is named bb (live: a, b)" in typo.stderr, typo.stderr
 
     result = workbench(
         "steer",

@@ -188,6 +188,22 @@ def test_flags_reach_the_config() -> None:
         ),
         pytest.param(["start", "--resume", "{tmp}/no-such-run"], "no such folder", id="resume-missing"),
         pytest.param(["start", "--resume", "{tmp}"], "checkpoint.pt does not exist", id="resume-empty"),
+        pytest.param(["start", "--run-dir", "{tmp}/garbage"], "is a file: give a folder", id="run-dir-file"),
+        pytest.param(["start", "--shard", "0/0"], "must be at least 1", id="shard-of-0"),
+        pytest.param(
+            [
+                "steer",
+                f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}",
+                "--key",
+                "k",
+                "--pause",
+                "b",
+                "--resume",
+                "b",
+            ],
+            "--pause and --resume both name b",
+            id="steer-pause-and-resume",
+        ),
     ],
 )
 def test_bad_values_exit_2_with_one_error_line(

@@ -42,7 +42,7 @@ def add_config_parser(commands) -> None:
     keys = actions.add_parser(
         "keys",
         help="every key a config file may hold, with its flag and meaning",
-        epilog="example:\n  workbench config keys --json | jq '.[].key'",
+        epilog="example:\n  workbench config keys --json | jq 'keys'",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     keys.add_argument("--json", action="store_true", help="as JSON")

@@ -60,9 +60,12 @@ def parse_shard(text: str | None) -> tuple[int | None, int]:
         return None, 1
     index, _, count = text.partition("/")
     try:
-        return int(index), int(count)
+        shard = int(index), int(count)
     except ValueError:
         raise ValueError(f"--shard '{text}' must look like I/N, e.g. 0/4 for the first of 4 shards") from None
+    if shard[1] < 1:
+        raise ValueError(f"--shard '{text}': N, the number of shards, must be at least 1 (e.g. 0/4)")
+    return shard
 
 
 def _model_shape(args: argparse.Namespace):

@@ -73,6 +73,9 @@ def run_steer_command(args: argparse.Namespace) -> int:
             "nothing to change: give --outer-lr, --inner-steps, --round-seconds, --update-codec, --pause, "
             "--resume or --checkpoint"
         )
+    both = sorted(set(args.pause) & set(args.resume))
+    if both:
+        raise SwarmError(f"--pause and --resume both name {', '.join(both)}: give one of them")
     session, _ = open_observer(args, signing_key=args.key)
     try:
         # The owner's own key always steers its own run, whatever else claims the run id.
@@ -87,6 +90,20 @@ def run_steer_command(args: argparse.Namespace) -> int:
         steering = Steering(session.store, session.keys, owner=manifest.owner, board=session.board)
         current = steering.current()
         paused = list(current.paused) if current else []
+        if args.pause:  # a typo would sit in the record, pausing nobody (or a later peer of that name)
+            live = session.board.fetch()
+            known = {p.name for p in live.values()} | set(live)
+            unknown = [p for p in args.pause if p not in known]
+            if unknown:
+                names = ", ".join(sorted(p.name for p in live.values())) or "none"
+                raise SwarmError(
+                    f"no live peer is named {', '.join(unknown)} (live: {names}): check `workbench status`"
+                )
+        not_paused = [p for p in args.resume if p not in paused]
+        if not_paused:
+            raise SwarmError(
+                f"{', '.join(not_paused)} is not paused (paused: {', '.join(paused) or 'nobody'})"
+            )
         paused = [p for p in paused if p not in args.resume] + [p for p in args.pause if p not in paused]
         control = steering.publish(
             outer_lr=args.outer_lr,

@@ -81,6 +81,14 @@ def settle_manifest(
         config.peer.owner = manifest.owner  # the join command names it: joiners trust only this owner
         return manifest
     manifest = find_manifest(store, keys, owner=config.peer.owner)
+    if manifest is None and config.peer.owner:
+        other = find_manifest(store, keys, timeout=0.0)
+        if other is not None:  # a run is there, owned by someone else than the join command says
+            raise SwarmError(
+                f"run '{config.peer.run_id}' has no manifest by owner {config.peer.owner}, only one by "
+                f"{other.owner}: check --owner against the join command the run's `workbench start` "
+                "printed (or drop --owner to trust the oldest manifest)"
+            )
     if manifest is None:
         logger.warning(
             "%s: run '%s' has no manifest in the DHT (its owner left?): cannot check the model "

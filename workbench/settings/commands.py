@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from workbench.settings import Setting, add_section, settings, unknown
@@ -88,6 +89,11 @@ def add_demo_options(parser: argparse.ArgumentParser) -> None:
     add_section(parser, Demo)
     add_training_options(parser)
     parser.set_defaults(**DEMO_DEFAULTS)
+    for action in parser._actions:  # the help says the demo's default, not a peer's
+        if action.dest in DEMO_DEFAULTS and action.help and "default: " in action.help:
+            action.help = re.sub(
+                r"default: [^;,)]+", f"default: {DEMO_DEFAULTS[action.dest]}", action.help, count=1
+            )
 
 
 def add_simulate_options(parser: argparse.ArgumentParser) -> None:
