@@ -53,8 +53,9 @@ def load_private_key(path: str | Path):  # -> hivemind.utils.crypto.RSAPrivateKe
         der = serialization.load_der_private_key(proto.data, password=None)
     except Exception as error:
         raise SwarmError(
-            f"{path} is not a workbench/hivemind key file ({type(error).__name__}): point --identity at the "
-            "file a peer created, or at a path that does not exist yet to create a new key"
+            f"{path} is not a workbench/hivemind key file ({type(error).__name__}): point --identity (or "
+            "steer's --key) at the identity.key file a peer created; --identity may also name a path that "
+            "does not exist yet, to create a new key"
         ) from None
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key._private_key = der  # hivemind's class has no constructor from existing key material

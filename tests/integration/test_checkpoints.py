@@ -31,6 +31,11 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     assert abs(initial["eval_loss"] - evals[saved]) < 1e-5  # the same global params
     assert [r["outer_step"] for r in again.events("round")] == [saved + 1, saved + 2, saved + 3]
 
+    # Nothing left to do (--rounds at the checkpoint's step): said, not silently done.
+    done = spawn("g", "start", *common, "--rounds", str(saved), "--resume", str(first.directory))
+    assert done.wait() == 0 and "nothing left to train" in done.stderr(), done.stderr()
+    assert not done.events("round")
+
     # The newest checkpoint truncated (a crash mid-copy, a full disk): the previous one is used.
     newest = first.directory / "checkpoint.pt"
     newest.write_bytes(newest.read_bytes()[:1000])

@@ -441,6 +441,8 @@ def test_export_writes_csv_and_json_lines(tmp_path, capsys):
     assert len(out.read_text().splitlines()) == 6
     assert main(["export", str(tmp_path / "a" / "metrics.jsonl")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+    assert main(["export", str(tmp_path), "--events", "rounds"]) == 2  # a typo: one line, not no rows
+    assert "no rounds events under" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ def read_events(run_dir: str | Path, kinds: set[str] | None) -> list[dict[str, A
     files = sorted(root.rglob("metrics.jsonl"))
     if not files:
         raise ExportError(f"no metrics.jsonl under {root}: was the run started with --run-dir {root}?")
-    rows = []
+    rows, seen = [], set()
     for path in files:
         for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             if not line.strip():
@@ -70,8 +70,16 @@ def read_events(run_dir: str | Path, kinds: set[str] | None) -> list[dict[str, A
                 if number == len(path.read_text(errors="replace").splitlines()):
                     continue  # the last line of a peer still writing (or killed mid-line)
                 raise ExportError(f"{path}:{number} is not a JSON line") from None
-            if isinstance(event, dict) and (kinds is None or event.get("event") in kinds):
+            if not isinstance(event, dict):
+                continue
+            seen.add(str(event.get("event")))
+            if kinds is None or event.get("event") in kinds:
                 rows.append(event)
+    if kinds and not rows:  # a typo in --events, more often than a run without them
+        raise ExportError(
+            f"no {', '.join(sorted(kinds))} events under {root} (it has: {', '.join(sorted(seen)) or 'none'}); "
+            "see --events"
+        )
     rows.sort(key=lambda e: (e.get("time", 0), str(e.get("peer", ""))))
     return rows
 

@@ -253,6 +253,14 @@ class Peer:
         self.batches = joining.peer_batches(cfg, self.corpus, self.peer_id)
         if cfg.peer.resume:
             self.resume(cfg.peer.resume)
+            if cfg.peer.rounds and self.diloco.outer_step_count >= cfg.total_rounds:
+                logger.warning(
+                    "%s: the checkpoint is at outer step %d, where --rounds %d ends: nothing left to "
+                    "train (raise --rounds, or 0 for until Ctrl+C)",
+                    self.name,
+                    self.diloco.outer_step_count,
+                    cfg.peer.rounds,
+                )
         if cfg.network.initial_peers and not self.download_state("joining"):
             logger.warning(
                 "%s: no peer could serve the global state; starting from the seed's init", self.name
