@@ -12,20 +12,17 @@ newest one is truncated or corrupt; if neither loads, the error names both probl
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
-import signal
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from swarm.errors import SwarmError
+from workbench.run.stopping import not_interrupted
 
 logger = logging.getLogger(__name__)
 
@@ -61,31 +58,14 @@ def hold_run_dir(directory: Path) -> IO[str]:
     return handle
 
 
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Ctrl+C or SIGTERM during a write takes effect after it: interrupted inside torch.save they
-    left a half-written temp file and two tracebacks (the checkpoint itself was safe)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    kinds = (signal.SIGINT, signal.SIGTERM)
-    previous = {kind: signal.signal(kind, lambda number, frame: caught.append(number)) for kind in kinds}
-    try:
-        yield
-    finally:
-        for kind, handler in previous.items():
-            signal.signal(kind, handler)
-        for number in dict.fromkeys(caught):
-            signal.raise_signal(number)  # now, to the peer's own handlers
-
-
 def save(directory: str | Path, payload: dict[str, Any]) -> Path:
     """Write ``payload`` atomically as ``directory/checkpoint.pt``; keeps the previous one."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path, temporary = directory / NAME, directory / f"{NAME}.tmp"
-    with _signals_deferred():
+    # Ctrl+C or SIGTERM during a write takes effect after it: interrupted inside torch.save they
+    # left a half-written temp file and two tracebacks (the checkpoint itself was safe).
+    with not_interrupted():
         try:
             with open(temporary, "wb") as handle:
                 torch.save({"format": FORMAT, "saved": time.time(), **payload}, handle)
