@@ -218,6 +218,8 @@ class RunConfig:
             hint = f"--inner-steps {h - h % f or f} or {h - h % f + f}" + (
                 f", or --fragments {' or '.join(fits)}" if fits else ""
             )
+            if h % f == 0:  # only --delay is wrong
+                hint = "drop --delay (streaming overlaps its fragments with --sync-delay)"
             raise ValueError(
                 f"streaming on real peers needs --inner-steps ({h}) divisible by "
                 f"--fragments ({self.fragments}) and no --delay; e.g. {hint}"

@@ -90,21 +90,25 @@ def run_steer_command(args: argparse.Namespace) -> int:
         steering = Steering(session.store, session.keys, owner=manifest.owner, board=session.board)
         current = steering.current()
         paused = list(current.paused) if current else []
-        if args.pause:  # a typo would sit in the record, pausing nobody (or a later peer of that name)
-            live = session.board.fetch()
-            known = {p.name for p in live.values()} | set(live)
-            unknown = [p for p in args.pause if p not in known]
-            if unknown:
-                names = ", ".join(sorted(p.name for p in live.values())) or "none"
-                raise SwarmError(
-                    f"no live peer is named {', '.join(unknown)} (live: {names}): check `workbench status`"
-                )
-        not_paused = [p for p in args.resume if p not in paused]
+        live = session.board.fetch() if (args.pause or args.resume) else {}
+
+        def aliases(peer: str) -> set[str]:  # a peer is paused by its name or its id
+            return {peer} | {x for i, hb in live.items() if peer in (i, hb.name) for x in (i, hb.name)}
+
+        # A typo would sit in the record, pausing nobody (or a later peer of that name).
+        unknown = [p for p in args.pause if len(aliases(p)) == 1 and p not in live]
+        if unknown:
+            names = ", ".join(sorted(hb.name for hb in live.values())) or "none"
+            raise SwarmError(
+                f"no live peer is named {', '.join(unknown)} (live: {names}): check `workbench status`"
+            )
+        not_paused = [p for p in args.resume if not aliases(p) & set(paused)]
         if not_paused:
             raise SwarmError(
                 f"{', '.join(not_paused)} is not paused (paused: {', '.join(paused) or 'nobody'})"
             )
-        paused = [p for p in paused if p not in args.resume] + [p for p in args.pause if p not in paused]
+        resumed = set().union(*(aliases(p) for p in args.resume))
+        paused = [p for p in paused if p not in resumed] + [p for p in args.pause if p not in paused]
         control = steering.publish(
             outer_lr=args.outer_lr,
             inner_steps=args.inner_steps,
