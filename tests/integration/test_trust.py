@@ -188,6 +188,61 @@ def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
 
 @NETNS
 @pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+def test_a_second_peer_cannot_squat_a_running_peers_port_or_folder(tmp_path):
+    """On one machine (namespace), with the README's flags: a second `workbench start` on the
+    port a peer listens on used to start (hivemind's daemon binds with SO_REUSEPORT) and take
+    some of the connections meant for the first; one on its --run-dir shared its key, so its
+    peer id. Both are refused with one line, and a peer from another machine still joins the
+    first and averages with it."""
+    port = 31337
+    with netlab.NetLab(2, rate=None) as lab:
+        readme = ["--host", "0.0.0.0", "--port", str(port), "--announce"]
+        common = [*FAST, "--run-id", "squat", "--rounds", "2"]
+        first = PeerProcess(
+            "a",
+            ["start", *common, "--min-peers", "2", *readme, f"/ip4/{lab.address(0)}/tcp/{port}",
+             "--name", "a", "--run-dir", str(tmp_path / "a")],
+            tmp_path,
+            wrap=lambda argv: lab.command(0, argv),
+        )  # fmt: skip
+        peers = [first]
+        try:
+            address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
+            attempts = {
+                "port": [*readme, f"/ip4/{lab.address(0)}/tcp/{port}", "--run-dir", str(tmp_path / "c")],
+                "folder": ["--run-dir", str(tmp_path / "a")],
+            }
+            for what, flags in attempts.items():
+                squatter = subprocess.run(
+                    lab.command(0, [sys.executable, "-m", "workbench", "start", *common, *flags]),
+                    capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL,
+                )  # fmt: skip
+                errors = [line for line in squatter.stderr.splitlines() if line.startswith("error: ")]
+                expected = (
+                    f"port {port} on 0.0.0.0 is already in use" if what == "port" else "is in use by another"
+                )
+                assert squatter.returncode == 2 and len(errors) == 1 and expected in errors[0], (
+                    squatter.stderr
+                )
+            joiner = PeerProcess(
+                "b",
+                ["join", address, *common, *readme, f"/ip4/{lab.address(1)}/tcp/{port}",
+                 "--name", "b", "--run-dir", str(tmp_path / "b")],
+                tmp_path,
+                wrap=lambda argv: lab.command(1, argv),
+            )  # fmt: skip
+            peers.append(joiner)
+            for peer in peers:
+                assert peer.wait(timeout=180) == 0, peer.stderr()[-3000:]
+        finally:
+            for peer in peers:
+                peer.kill()
+    assert [r["group_size"] for r in joiner.events("round")] == [2, 2]
+    assert first.events("started")[0]["peer_id"] != joiner.events("started")[0]["peer_id"]
+
+
+@NETNS
+@pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
 def test_a_private_run_across_machines_averages_on_hivemind_s_path(tmp_path):
     """A private run between two network namespaces, started with the README's multi-machine
     flags: its rounds go over hivemind's encrypted streams between the announced addresses
