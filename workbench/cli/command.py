@@ -248,7 +248,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         from workbench.run.checkpoint import check_present
         from workbench.run.peer import run_peer
 
-        if config.peer.resume:  # before the peer creates its folder, key and metrics
+        if config.peer.resume:  # before the peer creates its folder, key and metrics (Peer.run reads it)
             check_present(config.peer.resume)
 
         on_started = (

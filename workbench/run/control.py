@@ -15,6 +15,9 @@ from swarm.records import Stage
 
 logger = logging.getLogger(__name__)
 
+RETUNED = ("outer_lr", "inner_steps", "codec")
+"""The settings steering changes through the outer loop's ``retune``."""
+
 
 class Steering:
     """Applies the owner's :class:`swarm.steering.ControlState` versions to one peer.
@@ -79,9 +82,7 @@ class Steering:
         if control.checkpoint > self.checkpoints:
             self.checkpoints = control.checkpoint
             changes["checkpoint"] = str(self.checkpoint())
-        self.settings.update(
-            (k, v) for k, v in changes.items() if k in ("outer_lr", "inner_steps", "codec", "round_seconds")
-        )
+        self.settings.update((k, v) for k, v in changes.items() if k in (*RETUNED, "round_seconds"))
         self.version = control.version
         self.emit(
             "control_applied", version=control.version, outer_step=outer.outer_step_count, changes=changes
@@ -93,7 +94,7 @@ class Steering:
         """After a resume: the steered settings the checkpoint was written with, and their
         version (so the same version is not applied twice, and a newer one still is)."""
         self.version = version
-        outer_settings = {k: v for k, v in settings.items() if k in ("outer_lr", "inner_steps", "codec")}
+        outer_settings = {k: v for k, v in settings.items() if k in RETUNED}
         if outer_settings:
             outer.retune(**outer_settings)
         if settings.get("round_seconds") is not None:

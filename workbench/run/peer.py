@@ -247,8 +247,6 @@ class Peer:
     def run(self) -> dict[str, Any]:
         """Train until ``rounds`` outer rounds are done (or forever); returns a summary."""
         cfg = self.config
-        if cfg.peer.resume:
-            checkpoint.check_present(cfg.peer.resume)  # before anything is created
         self.setup()
         self.batches = joining.peer_batches(cfg, self.corpus, self.peer_id)
         if cfg.peer.resume:
