@@ -50,6 +50,12 @@ class NetworkConfig:
         parse_peer_addresses(self.initial_peers) if self.initial_peers else None
         listen_address(self.host, self.port)
         parse_announce_addresses(self.announce)
+        if self.client_mode and self.announce:
+            raise SwarmError(
+                "--announce has no use with --client-mode: a client-mode peer serves nobody (no DHT "
+                "requests, averaging or state), so no one would dial that address; drop --client-mode "
+                "if the port is forwarded, else drop --announce"
+            )
         if not 1 <= self.connect_timeout <= 600:
             raise SwarmError(f"connect timeout must be within 1..600 s (got {self.connect_timeout})")
 

@@ -104,7 +104,7 @@ def test_flags_reach_the_config() -> None:
         "--inner-lr", "0.002", "--outer-lr", "0.5", "--outer-momentum", "0", "--rounds", "4",
         "--codec", "int8", "--matchmaking-time", "1", "--averaging-timeout", "10", "--run-id", "exp-2",
         "--name", "alice", "--host", "0.0.0.0", "--port", "31337", "--announce", "/ip4/203.0.113.7/tcp/31337",
-        "--client-mode", "--connect-timeout", "5", "--min-peers", "3",
+        "--connect-timeout", "5", "--min-peers", "3",
     )  # fmt: skip
     assert config.model == tiny()
     assert (config.data.batch_size, config.peer.seed, config.train.threads) == (8, 3, 2)
@@ -116,7 +116,8 @@ def test_flags_reach_the_config() -> None:
     assert (config.peer.run_id, config.peer.name, config.peer.min_peers) == ("exp-2", "alice", 3)
     assert (config.network.host, config.network.port) == ("0.0.0.0", 31337)
     assert config.network.announce == ["/ip4/203.0.113.7/tcp/31337"]
-    assert config.network.client_mode is True and config.network.connect_timeout == 5.0
+    assert config.network.client_mode is False and config.network.connect_timeout == 5.0
+    assert config_of("start", "--client-mode").network.client_mode is True
 
 
 # --- user errors: one line, exit status 2, no traceback, no peer started ---------------------------------
@@ -190,6 +191,14 @@ def test_flags_reach_the_config() -> None:
         pytest.param(["start", "--resume", "{tmp}"], "checkpoint.pt does not exist", id="resume-empty"),
         pytest.param(["start", "--run-dir", "{tmp}/garbage"], "is a file: give a folder", id="run-dir-file"),
         pytest.param(["start", "--shard", "0/0"], "must be at least 1", id="shard-of-0"),
+        pytest.param(["start", "--shard", "-1/4"], "shard must be in 0..3", id="shard-negative"),
+        pytest.param(["start", "--config", ""], "--config is empty", id="config-empty"),
+        pytest.param(
+            ["start", "--client-mode", "--announce", "/ip4/203.0.113.7/tcp/31337"],
+            "--announce has no use with --client-mode",
+            id="client-mode-announce",
+        ),
+        pytest.param(["start", "--error-feedback"], "add --update-codec int8", id="error-feedback-lossless"),
         pytest.param(
             [
                 "steer",
@@ -445,6 +454,43 @@ def test_export_writes_csv_and_json_lines(tmp_path, capsys):
     assert "no rounds events under" in capsys.readouterr().err
 
 
+def test_export_keeps_each_outer_step_once_and_writes_strict_json(tmp_path, capsys):
+    """A peer resumed from an older checkpoint runs some outer steps again: the rows it wrote for
+    them before the resume are left out (and counted on stderr). NaN is null in JSON lines."""
+    events = [
+        {"event": "round", "time": 1.0, "peer": "a", "outer_step": 1, "loss": 3.0},
+        {"event": "round", "time": 2.0, "peer": "a", "outer_step": 2, "loss": 2.8},
+        {"event": "round", "time": 3.0, "peer": "a", "outer_step": 3, "loss": float("nan")},
+        {"event": "resumed_checkpoint", "time": 9.0, "peer": "a", "outer_step": 1},
+        {"event": "round", "time": 10.0, "peer": "a", "outer_step": 2, "loss": 2.7},
+        {"event": "round", "time": 11.0, "peer": "a", "outer_step": 3, "loss": float("inf")},
+        {"event": "done", "time": 12.0, "peer": "a", "summary": {"eval": [float("nan"), 1.0]}},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert main(["export", str(tmp_path), "--events", "all"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line, parse_constant=pytest.fail) for line in out.splitlines()]  # no NaN/Infinity
+    assert [(r["event"], r.get("outer_step"), r.get("loss")) for r in rows] == [
+        ("round", 1, 3.0), ("resumed_checkpoint", 1, None), ("round", 2, 2.7), ("round", 3, None),
+        ("done", None, None),
+    ]  # fmt: skip
+    assert rows[-1]["summary"] == {"eval": [None, 1.0]}
+    assert "left out 2 events of outer steps a resume rolled back" in err
+    assert main(["export", str(tmp_path), "--csv"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1 + 3  # header and steps 1, 2, 3 once each
+
+
+def test_export_refuses_an_empty_run_dir_and_an_out_folder(tmp_path, monkeypatch, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "round", "outer_step": 1}) + "\n")
+    monkeypatch.chdir(tmp_path)  # '' is not the current folder
+    assert main(["export", ""]) == EXIT_USER_ERROR
+    assert "RUN_DIR is empty" in one_error_line(capsys)
+    assert main(["export", str(tmp_path), "--out", str(tmp_path)]) == EXIT_USER_ERROR
+    assert f"--out {tmp_path} is a folder: give a file name" in one_error_line(capsys)
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "no" / "x.csv")]) == EXIT_USER_ERROR
+    assert "cannot write --out" in one_error_line(capsys)
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -480,3 +526,56 @@ def test_the_web_monitor_on_a_taken_port_is_one_line(capsys, tmp_path: Path) -> 
         argv = ["replay", str(tmp_path / "run.jsonl"), "--web", "--web-port", str(port)]
         assert main(argv) == EXIT_USER_ERROR
     assert f"cannot serve the monitor on 127.0.0.1:{port}" in one_error_line(capsys)
+
+
+# --- doctor ----------------------------------------------------------------------------------------
+
+
+def test_doctor_tells_a_refused_port_from_a_bad_name_and_a_silent_firewall(monkeypatch):
+    import socket
+
+    from workbench.cli.doctor import probe_port
+
+    with socket.socket() as free:  # a port nothing listens on: bound, then closed
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    refused = probe_port("127.0.0.1", port, timeout=5)
+    assert refused.status == "fail" and "connection refused" in refused.detail
+    assert "--host 0.0.0.0" not in refused.fix  # this machine: the peer is not running
+    name = probe_port("peer.invalid", 31337, timeout=5)  # .invalid never resolves (RFC 2606)
+    assert "does not resolve" in name.detail and "spelling" in name.fix and "--host" not in name.fix
+    waited = []
+
+    def silent(target, timeout):
+        waited.append(timeout)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", silent)
+    dropped = probe_port("203.0.113.7", 31337, timeout=7.5)
+    assert waited == [7.5] and "no answer within 7.5 s" in dropped.detail
+    assert "firewall or NAT" in dropped.fix and "--host 0.0.0.0" not in dropped.fix
+
+    def refuse(target, timeout):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    remote = probe_port("203.0.113.7", 31337, timeout=5)
+    assert "--host 0.0.0.0 --port 31337 --announce /ip4/203.0.113.7/tcp/31337" in remote.fix
+
+
+def test_doctor_probes_with_the_connect_timeout_and_a_malformed_address_is_exit_2(monkeypatch, capsys):
+    import workbench.cli.doctor as doctor
+
+    waited = []
+    monkeypatch.setattr(
+        doctor,
+        "probe_port",
+        lambda host, port, *, timeout: waited.append(timeout) or doctor.Check("port x", "fail", "x"),
+    )
+    assert main(["doctor", ADDRESS, "--connect-timeout", "42", "--json"]) == 1
+    assert waited == [42.0]
+    capsys.readouterr()
+    long = f"/ip4/1.2.3/tcp/31337/p2p/{PEER_ID}"
+    assert main(["doctor", long]) == EXIT_USER_ERROR
+    out = capsys.readouterr().out
+    assert any(long in line for line in out.splitlines()), out  # never wrapped mid-address

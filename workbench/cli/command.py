@@ -24,6 +24,7 @@ from workbench.cli.options import (
     _Parser,
     _where_from,
     apply_settings,
+    attach_dash_values,
     build_config,
 )
 from workbench.settings.commands import add_demo_options, add_peer_options
@@ -181,7 +182,7 @@ def _one_line_errors(run, errors) -> int:
 
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    argv = list(argv if argv is not None else sys.argv[1:])
+    argv = attach_dash_values(argv if argv is not None else sys.argv[1:])
     try:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # a mistake, already said in one line (see _Parser); --help re-raises

@@ -131,12 +131,18 @@ def layer(
     given = explicit_keys(parser, argv) & set(actions)
     sources = {key: "flag" if key in given else "default" for key in actions}
     # Lowest first, so that a higher layer overwrites.
+    # A bad value is refused even where a flag overrides it: the file or variable is wrong,
+    # and the next command without that flag would take it.
     for key in actions:
         variable = ENV_PREFIX + key.upper()
-        if key not in given and variable in environ:
-            setattr(args, key, _from_env(key, environ[variable], variable, command))
-            sources[key] = f"env {variable}"
+        if variable in environ:
+            value = _from_env(key, environ[variable], variable, command)
+            if key not in given:
+                setattr(args, key, value)
+                sources[key] = f"env {variable}"
     path = getattr(args, "config", None)
+    if path is not None and not str(path).strip():
+        raise ConfigError("--config is empty: give the path of a TOML file, or leave --config out")
     if path:
         for key, value in read_file(path).items():
             if key not in actions:
@@ -145,8 +151,9 @@ def layer(
                 close = difflib.get_close_matches(key, [*actions, *known_elsewhere], n=1)
                 hint = f" (did you mean {close[0]}?)" if close else " (see `workbench config keys`)"
                 raise ConfigError(f"{path}: unknown key '{key}'{hint}")
+            value = _check(key, value, str(path), command)
             if key not in given:
-                setattr(args, key, _check(key, value, str(path), command))
+                setattr(args, key, value)
                 sources[key] = f"file {path}"
     return sources
 

@@ -4,7 +4,8 @@ Checks, in order: the addresses parse; each bootstrap peer's TCP port answers; t
 bootstraps through them; what addresses this machine would announce (public, private or
 loopback only: reachable from outside, or only as a client / via a relay); the run (its
 manifest and live peers, with ``--run-id``); versions of workbench, hivemind and the record
-protocol. Exit status 0 when nothing failed, 1 otherwise.
+protocol. Exit status 0 when nothing failed, 2 when an address is malformed, 1 when another
+check failed. The port probe waits up to ``--connect-timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -66,6 +67,49 @@ def _kind(ip: str) -> str:
     return "private" if parsed.is_private else "public"
 
 
+def probe_port(host: str, port: int, *, timeout: float) -> Check:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout`` seconds; when it does
+    not, the fix for what the error says (the name, nothing listening, no answer, no route)."""
+    name = f"port {host}:{port}"
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except socket.gaierror as error:
+        return Check(
+            name,
+            "fail",
+            f"the name {host} does not resolve ({error.strerror})",
+            "check the name's spelling, or use the IP address the peer printed (/ip4/A.B.C.D/...)",
+        )
+    except ConnectionRefusedError:
+        if _kind(host) == "loopback":
+            fix = f"is the peer running on this machine? check the port it printed ({port})"
+        else:
+            fix = (
+                f"is the peer running, with --port {port}? A peer started with the default "
+                "--host 127.0.0.1 listens on its own machine only: restart it with --host 0.0.0.0 "
+                f"--port {port} --announce /ip4/{host}/tcp/{port}"
+            )
+        return Check(name, "fail", "connection refused: nothing listens there", fix)
+    except TimeoutError:
+        return Check(
+            name,
+            "fail",
+            f"no answer within {timeout:g} s (see --connect-timeout)",
+            f"a firewall or NAT between here and {host} drops the connection: open TCP port {port} "
+            "on the peer's machine (and forward it on its router), and check that the peer's "
+            "--announce names an address reachable from here",
+        )
+    except OSError as error:
+        return Check(
+            name,
+            "fail",
+            f"cannot connect: {error.strerror or error}",
+            f"this machine has no route to {host}: check the address and this machine's network",
+        )
+    return Check(name, "ok", "the TCP port answers")
+
+
 def diagnose(args: argparse.Namespace) -> list[Check]:
     import importlib.metadata
 
@@ -94,17 +138,7 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
         if target is None:
             checks.append(Check(f"port of {address}", "info", "not a TCP address; skipped"))
             continue
-        try:
-            with socket.create_connection(target, timeout=5):
-                pass
-            checks.append(Check(f"port {target[0]}:{target[1]}", "ok", "the TCP port answers"))
-        except OSError as error:
-            fix = (
-                "the peer listens on 127.0.0.1 only: restart it with --host 0.0.0.0 (and --announce PUBLIC_ADDR)"
-                if _kind(target[0]) != "loopback"
-                else "is the peer running? check the port it printed"
-            )
-            checks.append(Check(f"port {target[0]}:{target[1]}", "fail", f"cannot connect: {error}", fix))
+        checks.append(probe_port(*target, timeout=args.connect_timeout))
     ports = [c for c in checks if c.name.startswith("port ")]
     if ports and all(c.status == "fail" for c in ports):
         checks.append(Check("bootstrap", "fail", "skipped: no bootstrap peer's port answers", ports[0].fix))
@@ -213,9 +247,11 @@ def run_doctor_command(args: argparse.Namespace) -> int:
         }
         from rich.console import Console
 
-        console = Console(highlight=False)
+        console = Console(highlight=False, soft_wrap=True)  # a multiaddr is never split over lines
         for c in checks:
             console.print(f"{marks[c.status]}  {c.name}: {c.detail}")
             if c.fix:
                 console.print(f"      fix: {c.fix}")
+    if any(c.name == "addresses" and c.status == "fail" for c in checks):
+        return 2  # a malformed address: the user's input, as with every other command
     return 1 if any(c.status == "fail" for c in checks) else 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,25 +54,21 @@ def add_export_parser(commands) -> None:
 
 
 def read_events(run_dir: str | Path, kinds: set[str] | None) -> list[dict[str, Any]]:
+    """The events of every metrics.jsonl under ``run_dir`` (of ``kinds``; None: all), in time
+    order, without the rounds a resume rolled back (see :func:`_events_of`)."""
+    if not str(run_dir).strip():
+        raise ExportError("RUN_DIR is empty: give the --run-dir of a peer or a demo")
     root = Path(run_dir)
     if not root.is_dir():
         raise ExportError(f"{root} is not a folder: give the --run-dir of a peer or a demo")
     files = sorted(root.rglob("metrics.jsonl"))
     if not files:
         raise ExportError(f"no metrics.jsonl under {root}: was the run started with --run-dir {root}?")
-    rows, seen = [], set()
+    rows, seen, dropped = [], set(), 0
     for path in files:
-        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                if number == len(path.read_text(errors="replace").splitlines()):
-                    continue  # the last line of a peer still writing (or killed mid-line)
-                raise ExportError(f"{path}:{number} is not a JSON line") from None
-            if not isinstance(event, dict):
-                continue
+        events, rolled_back = _events_of(path)
+        dropped += rolled_back
+        for event in events:
             seen.add(str(event.get("event")))
             if kinds is None or event.get("event") in kinds:
                 rows.append(event)
@@ -80,8 +77,66 @@ def read_events(run_dir: str | Path, kinds: set[str] | None) -> list[dict[str, A
             f"no {', '.join(sorted(kinds))} events under {root} (it has: {', '.join(sorted(seen)) or 'none'}); "
             "see --events"
         )
+    if dropped:
+        print(
+            f"left out {dropped} events of outer steps a resume rolled back (the peer ran them again)",
+            file=sys.stderr,
+        )
     rows.sort(key=lambda e: (e.get("time", 0), str(e.get("peer", ""))))
     return rows
+
+
+def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """One peer's metrics.jsonl, in the order written, and how many events were left out.
+
+    A peer resumed from a checkpoint older than its last round (``checkpoint.prev.pt`` after a
+    corrupt ``checkpoint.pt``, or a kill between checkpoints) runs those outer steps again: the
+    events it wrote for them before the resume are left out, as TensorBoard purges the steps
+    after a restart, so each outer step is one row."""
+    lines = path.read_text(errors="replace").splitlines()
+    events: list[dict[str, Any]] = []
+    dropped = 0
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                continue  # the last line of a peer still writing (or killed mid-line)
+            raise ExportError(f"{path}:{number} is not a JSON line") from None
+        if not isinstance(event, dict):
+            continue
+        step = event.get("outer_step")
+        if event.get("event") == "resumed_checkpoint" and isinstance(step, int):
+            kept = [
+                e for e in events if not (isinstance(e.get("outer_step"), int) and e["outer_step"] > step)
+            ]
+            dropped += len(events) - len(kept)
+            events = kept
+        events.append(event)
+    return events, dropped
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and ±inf as None: JSON has no such numbers (jq, JavaScript and
+    strict parsers refuse Python's ``NaN``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _open_out(path: str):
+    if Path(path).is_dir():
+        raise ExportError(f"--out {path} is a folder: give a file name, e.g. {Path(path) / 'rounds.csv'}")
+    try:
+        return open(path, "w", newline="")  # noqa: SIM115
+    except OSError as error:
+        raise ExportError(f"cannot write --out {path}: {error.strerror or error}") from None
 
 
 def run_export_command(args: argparse.Namespace) -> int:
@@ -89,7 +144,7 @@ def run_export_command(args: argparse.Namespace) -> int:
         return _replay(args)
     kinds = None if args.events == "all" else {k.strip() for k in args.events.split(",") if k.strip()}
     rows = read_events(args.run_dir, kinds)
-    out = open(args.out, "w", newline="") if args.out else sys.stdout  # noqa: SIM115
+    out = _open_out(args.out) if args.out else sys.stdout
     try:
         if args.csv:
             columns: dict[str, None] = {}
@@ -103,7 +158,7 @@ def run_export_command(args: argparse.Namespace) -> int:
                 )
         else:
             for row in rows:
-                out.write(json.dumps(row) + "\n")
+                out.write(json.dumps(_finite(row), allow_nan=False) + "\n")
     finally:
         if out is not sys.stdout:
             out.close()

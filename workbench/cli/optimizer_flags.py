@@ -98,12 +98,18 @@ def unused_knobs(config: DiLoCoConfig) -> tuple[str, ...]:
 
 def check_codec_flags(flags: dict[str, Any], config: DiLoCoConfig) -> None:
     """Raise ValueError (one line) for a codec knob the run's update codec or error feedback
-    would ignore."""
+    would ignore, and for error feedback with the lossless codec (a residual that stays zero)."""
     unused = unused_knobs(config)
     if wrong := [flag(n) for n in TOPK_KNOBS if n in flags and n in unused]:
         raise ValueError(
             f"{', '.join(wrong)} shape{'s' if len(wrong) == 1 else ''} the topk update codec, and this "
             f"run's update codec is {config.codec}: add --update-codec topk, or drop {' and '.join(wrong)}"
+        )
+    if flags.get("error_feedback") and config.codec == "none":
+        raise ValueError(
+            "--error-feedback keeps what a lossy update codec dropped, and this run's update codec "
+            "is none (lossless: nothing is dropped): add --update-codec int8 (or fp16, bf16, int4, "
+            "topk), or drop --error-feedback"
         )
     if "ef_decay" in flags and "ef_decay" in unused:
         raise ValueError(

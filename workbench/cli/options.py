@@ -54,6 +54,23 @@ def apply_settings(
     return layer(args, subparser(parser, command), rest, known_elsewhere=known)
 
 
+def attach_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--shard -1/4`` as ``--shard=-1/4``: argparse takes a value that starts with '-' (other
+    than a plain negative number) for a flag and says "expected one argument", which hides the
+    real mistake; attached, the value reaches its own check ("shard must be in 0..3")."""
+    out: list[str] = []
+    items = iter(argv)
+    for item in items:
+        following = next(items, None) if item == "--shard" else None
+        if following is None:
+            out.append(item)
+        elif following.startswith("-") and following[1:2].isdigit():
+            out.append(f"--shard={following}")
+        else:
+            out += [item, following]
+    return out
+
+
 def parse_shard(text: str | None) -> tuple[int | None, int]:
     """``--shard I/N`` as (I, N); (None, 1) when not given."""
     if text is None:
