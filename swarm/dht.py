@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -198,7 +199,6 @@ def start_dht(
         host_maddrs=[listen_address(config.host, config.port)],
         announce_maddrs=parse_announce_addresses(config.announce) or None,
         client_mode=config.client_mode,
-        startup_timeout=config.connect_timeout,
         record_validators=list(validators),
         check_if_identity_free=not fresh_identity,
         start=False,
@@ -207,17 +207,46 @@ def start_dht(
         kwargs["identity_path"] = config.identity_path
     if config.port and not config.client_mode:
         _check_port_free(config.host, config.port)
-    dht = _quiet_dht_class()(**kwargs)
-    try:
-        with quiet_children():
-            dht.run_in_background(await_ready=True, timeout=config.connect_timeout + 5)
-    except Exception as error:
-        dht.shutdown() if dht.is_alive() else None
-        raise SwarmError(_explain_start_failure(error, config)) from None
-    finally:
-        if in_main:
-            signal.signal(signal.SIGINT, handler)  # hivemind sets SIG_IGN; keep Ctrl+C working
-    return dht
+    deadline = time.monotonic() + config.connect_timeout
+    while True:
+        started = time.monotonic()
+        left = max(deadline - started, 1.0)
+        dht = _quiet_dht_class()(**kwargs, startup_timeout=left)
+        try:
+            with quiet_children():
+                dht.run_in_background(await_ready=True, timeout=left + 5)
+            return dht
+        except Exception as error:
+            dht.shutdown() if dht.is_alive() else None
+            # p2pd gives up on the bootstrap peers after its own dial timeout (3-8 s), not
+            # --connect-timeout: a peer still starting (a script that launches start and join
+            # together) is tried again while another try fits in the timeout.
+            took = time.monotonic() - started
+            if not (
+                _bootstrap_unreachable(error, config) and time.monotonic() + RETRY_PAUSE + took < deadline
+            ):
+                raise SwarmError(_explain_start_failure(error, config)) from None
+        finally:
+            if in_main:
+                signal.signal(signal.SIGINT, handler)  # hivemind sets SIG_IGN; keep Ctrl+C working
+        logger.info(
+            "no bootstrap peer answered yet; trying again for %.0f s more (see --connect-timeout)",
+            deadline - time.monotonic(),
+        )
+        time.sleep(RETRY_PAUSE)
+
+
+RETRY_PAUSE = 1.0
+"""Seconds between two tries to reach the bootstrap peers."""
+
+
+def _bootstrap_unreachable(error: BaseException, config: NetworkConfig) -> bool:
+    """Whether ``error`` (from starting hivemind's DHT) says no bootstrap peer could be reached."""
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    # A bootstrap peer that never answers (a firewall dropping packets) keeps hivemind's daemon
+    # from starting: "Daemon failed to start in N seconds" is about the peer, not this machine.
+    unreachable = "bootstrap" in text or "connect" in text or "failed to start" in text.lower()
+    return bool(config.initial_peers) and (unreachable or isinstance(error, TimeoutError))
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -239,10 +268,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 def _explain_start_failure(error: BaseException, config: NetworkConfig) -> str:
     text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-    # A bootstrap peer that never answers (a firewall dropping packets) keeps hivemind's daemon
-    # from starting: "Daemon failed to start in N seconds" is about the peer, not this machine.
-    unreachable = "bootstrap" in text or "connect" in text or "failed to start" in text.lower()
-    if config.initial_peers and (unreachable or isinstance(error, TimeoutError)):
+    if _bootstrap_unreachable(error, config):
         peers = " ".join(config.initial_peers)
         return (
             f"could not reach any bootstrap peer ({peers}) within {config.connect_timeout:.0f} s: check that "

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from tests.integration.conftest import FAST
+
 PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
 
@@ -148,3 +150,32 @@ def test_status_lists_the_live_peers(spawn):
         stdin=subprocess.DEVNULL,
     )
     assert other.returncode == 1 and "no live peer of run 'nobody'" in other.stderr
+
+
+@pytest.mark.integration
+def test_a_joiner_started_before_its_bootstrap_peer_waits_for_it(spawn, tmp_path):
+    """A script that starts `join` a moment before `start`: hivemind's daemon gives up on an
+    absent bootstrap peer after 3-8 s, whatever --connect-timeout says; the joiner tries again
+    until that timeout is spent, and averages with the peer once it is up."""
+    import socket
+
+    from swarm.identity import create_identity, load_private_key, peer_id_of, public_key_text
+
+    key = create_identity(tmp_path / "a.key")
+    peer_id = peer_id_of(public_key_text(load_private_key(key)))
+    with socket.socket() as probe:  # a port that is free now, for the peer started later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    common = [*FAST, "--run-id", "early", "--rounds", "3", "--min-peers", "2"]
+    joiner = spawn(
+        "b", "join", f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id}", *common, "--connect-timeout", "90"
+    )
+    deadline = time.monotonic() + 60
+    while "no bootstrap peer answered yet" not in joiner.stderr():  # its first try failed
+        assert joiner.process.poll() is None, joiner.stderr()
+        assert time.monotonic() < deadline, joiner.stderr()
+        time.sleep(0.2)
+    first = spawn("a", "start", *common, "--identity", str(key), "--port", str(port))
+    for peer in (first, joiner):
+        assert peer.wait() == 0, peer.stderr()[-3000:]
+    assert any(r["group_size"] == 2 for r in joiner.events("round")), joiner.events("round")

@@ -208,6 +208,11 @@ def assert_the_last_round_in_flight_averaged(peers) -> None:
     at the run's length, counted it as done): three θ, and two downloads at the end."""
     done = {p.name: p.events("done")[0] for p in peers}
     finals = {name: d["final_group_size"] for name, d in done.items()}
+    for peer in peers:  # its own event, and its bytes in the run's total
+        (final,) = peer.events("final_sync")
+        assert final["group_size"] == done[peer.name]["final_group_size"], final
+        sent = sum(r["bytes_sent"] for r in peer.events("round")) + final["bytes_sent"]
+        assert done[peer.name]["bytes_sent"] == sent, (done[peer.name], final)
     assert sum(size is not None and size >= 2 for size in finals.values()) >= 2, finals
     if all(size == len(peers) for size in finals.values()):  # else a failed round: downloads are due
         assert [d["ending_downloads"] for d in done.values()] == [0] * len(peers), done

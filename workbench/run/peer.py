@@ -411,6 +411,21 @@ class Peer:
             # last fragment in flight) and no eager offset: every peer ends on the swarm's θ.
             last = self.diloco.finish()
         flush_seconds = time.monotonic() - flush_start
+        if last is not None:  # the last round's all-reduce: no `round` event reports it
+            self.stats.bytes_sent += last.bytes_sent
+            self.stats.bytes_received += last.bytes_received
+            self.emit(
+                "final_sync",
+                outer_step=self.diloco.outer_step_count,
+                group_size=last.group_size,
+                plane=last.plane,
+                bytes_sent=last.bytes_sent,
+                bytes_received=last.bytes_received,
+                averaging_seconds=last.seconds,
+                wait_seconds=flush_seconds,  # of which the run's end waited for
+                alone_reason=last.error,
+                mean_update_norm=last.mean_norm,
+            )
         ending = self.end_on_the_others_state() if self.dp is None and cfg.peer.rounds else {}
         final_eval = evaluate(self.model, self.eval_set, self.device)
         summary = dict(

@@ -212,8 +212,8 @@ class Network:
     )
     connect_timeout: float = setting(
         20.0,
-        "seconds to reach the bootstrap peers (default 20), and then for a joiner to find a "
-        "live peer of its run (3 to 10 s of it)",
+        "seconds to reach the bootstrap peers (default 20; tried again until then, so a join may "
+        "start before its peer is up), and then for a joiner to find a live peer of its run (3 to 10 s of it)",
         bound="connect_timeout",
         target="network.connect_timeout",
     )
