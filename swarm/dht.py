@@ -211,13 +211,17 @@ def start_dht(
     while True:
         started = time.monotonic()
         left = max(deadline - started, 1.0)
-        dht = _quiet_dht_class()(**kwargs, startup_timeout=left)
+        dht = None
         try:
+            # Built inside too: a SIGTERM that raised KeyboardInterrupt in the middle of hivemind
+            # putting a future in shared memory once left the process spinning in torch's
+            # sharing code for good (seen once, in a retry); with the default action it just ends.
             with quiet_children():
+                dht = _quiet_dht_class()(**kwargs, startup_timeout=left)
                 dht.run_in_background(await_ready=True, timeout=left + 5)
             return dht
         except Exception as error:
-            dht.shutdown() if dht.is_alive() else None
+            dht.shutdown() if dht is not None and dht.is_alive() else None
             # p2pd gives up on the bootstrap peers after its own dial timeout (3-8 s), not
             # --connect-timeout: a peer still starting (a script that launches start and join
             # together) is tried again while another try fits in the timeout.
