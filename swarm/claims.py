@@ -26,14 +26,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swarm.bounds import BOUNDS
-from swarm.records import PeerHeartbeat
+from swarm.records import CLOCK_SLACK, PeerHeartbeat
 from swarm.sketch import Sketch, state_mismatch
 
 MAX_LOSS = 1e4  # a cross-entropy over any vocabulary a model here can have is far below
 MAX_SAMPLES_PER_SECOND = 1e7
 MAX_TOKENS_PER_SECOND = 1e10
 MAX_BYTES = 1e18
-FUTURE_SECONDS = 120.0  # clocks differ; a heartbeat minutes ahead of DHT time is made up
+FUTURE_SECONDS = CLOCK_SLACK  # clocks differ; a heartbeat minutes ahead of DHT time is made up
 STRIKES = 3
 MAX_IGNORED = 1024  # fresh keys are free: remember at most this many liars (oldest forgotten)
 

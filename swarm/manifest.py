@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from swarm.errors import SwarmError
-from swarm.records import RunKeys, RunManifest
+from swarm.records import LONG_TTL, RunKeys, RunManifest
 from swarm.store import SignedStore
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_TTL = 7 * 24 * 3600.0  # the owner republishes it while it runs
+MANIFEST_TTL = LONG_TTL  # the owner republishes it while it runs
 
 
 def model_fingerprint(model: torch.nn.Module, optimizer: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ import time
 
 from swarm.claims import Ignored, implausible
 from swarm.errors import SwarmError
-from swarm.records import PeerHeartbeat, RunKeys, Stage
+from swarm.records import CLOCK_SLACK, HEARTBEAT_TTL, PeerHeartbeat, RunKeys, Stage
 from swarm.store import SignedStore
 
 logger = logging.getLogger(__name__)
@@ -22,7 +22,9 @@ logger = logging.getLogger(__name__)
 class ProgressBoard:
     """Publish this peer's heartbeat and read everybody's (call from one thread)."""
 
-    def __init__(self, store: SignedStore, keys: RunKeys, *, ttl: float = 10.0, period: float = 1.0) -> None:
+    def __init__(
+        self, store: SignedStore, keys: RunKeys, *, ttl: float = HEARTBEAT_TTL, period: float = 1.0
+    ) -> None:
         self.store = store
         self.key = keys.peers
         self.ttl = ttl
@@ -83,6 +85,11 @@ class ProgressBoard:
                 self.ignore(heartbeat.peer_id, f"{heartbeat.name} published {absurd}")
                 continue
             if heartbeat.stage is Stage.LEAVING and not include_leaving:
+                continue
+            if now - heartbeat.time > self.ttl + CLOCK_SLACK:
+                # A heartbeat outlives its writer only by the expiration it chose: one stored
+                # with a year's (by a node without the bounds validator) would be a ghost peer
+                # counted for --min-peers, listed in every UI and picked as a witness.
                 continue
             peers[heartbeat.peer_id] = heartbeat
         self._last_fetch = {k: v for k, v in peers.items() if v.stage is not Stage.LEAVING}

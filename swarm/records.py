@@ -173,12 +173,19 @@ class ControlState(BaseModel):
     """Time-boxed rounds of this many seconds (0: back to H steps each)."""
     codec: str | None = Field(default=None, max_length=16)
     """Codec of the pseudo-gradients (optim.codecs name: none, fp16, bf16, int8, int4, topk)."""
-    paused: list[str] = Field(default_factory=list, max_length=1024)
+    paused: list[str] = Field(default_factory=list, max_length=256)
     """Peer ids (or names) the owner paused; they idle until a later version drops them."""
     checkpoint: int = Field(default=0, ge=0)
     """Bumped to ask every peer to write a checkpoint now."""
     time: float = 0.0
     """DHT time when the owner published it."""
+
+    @field_validator("paused")
+    @classmethod
+    def _short_names(cls, value: list[str]) -> list[str]:
+        if any(len(name) > 128 for name in value):
+            raise ValueError("paused: peer ids and names up to 128 characters")
+        return value
 
     @field_validator("codec")
     @classmethod
@@ -204,6 +211,17 @@ class ControlState(BaseModel):
 
 
 # --- where records live ---------------------------------------------------------------------------
+
+HEARTBEAT_TTL = 10.0
+"""Seconds a heartbeat lives (a peer republishes it every second or so)."""
+LONG_TTL = 7 * 24 * 3600.0
+"""Seconds the manifest and the owner's steering live (the owner republishes them while it runs)."""
+CLOCK_SLACK = 120.0
+"""Clocks differ: a time up to this far ahead of a reader's is still believed."""
+RECORD_BYTES = {"manifest": 4096, "peers": 16384, "control": 49152}
+"""The most bytes a record under each key may take on the wire, signature and HMAC included
+(an honest heartbeat at its fields' limits is about 9 KB, a steering record pausing 256 peers
+about 34 KB, a manifest about 1 KB)."""
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ import time
 from collections.abc import Mapping
 
 from swarm.errors import SwarmError
-from swarm.records import ControlState, PeerHeartbeat, RunKeys
+from swarm.records import LONG_TTL, ControlState, PeerHeartbeat, RunKeys
 from swarm.store import SignedStore
 
 logger = logging.getLogger(__name__)
 
-CONTROL_TTL = 7 * 24 * 3600.0
+CONTROL_TTL = LONG_TTL  # the owner republishes it while it runs
 
 
 class ControlWatcher:

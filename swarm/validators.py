@@ -20,7 +20,17 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from pydantic import BaseModel
 
-from swarm.records import ControlState, PeerHeartbeat, RunKeys, RunManifest, parse_record
+from swarm.records import (
+    CLOCK_SLACK,
+    HEARTBEAT_TTL,
+    LONG_TTL,
+    RECORD_BYTES,
+    ControlState,
+    PeerHeartbeat,
+    RunKeys,
+    RunManifest,
+    parse_record,
+)
 
 
 def record_validators(keys: RunKeys, private_key) -> list[RecordValidatorBase]:
@@ -33,6 +43,7 @@ def record_validators(keys: RunKeys, private_key) -> list[RecordValidatorBase]:
         control=(dict[BytesWithPublicKey, _dht_value(ControlState)], None),
     )
     validators: list[RecordValidatorBase] = [
+        RecordBoundsValidator(keys),
         SchemaValidator(schema, allow_extra_keys=True, prefix=keys.namespace),
         RSASignatureValidator(private_key),
     ]
@@ -103,6 +114,51 @@ class RunSecretValidator(RecordValidatorBase):
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return isinstance(other, RunSecretValidator) and other.namespace == self.namespace
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class RecordBoundsValidator(RecordValidatorBase):
+    """Every record under the run's keys is small and short-lived: at most
+    :data:`~swarm.records.RECORD_BYTES` on the wire, and expiring no later than its kind's TTL
+    (plus :data:`~swarm.records.CLOCK_SLACK`) from now. Checked first, on the raw value, on every
+    store and every read. Without it, the run's nodes stored whatever signed record an outsider
+    sent (unknown fields are allowed, for newer peers): 1 MB heartbeats, each held for the year
+    its writer chose, with no process left running, and a well-formed one stayed a ghost peer."""
+
+    def __init__(self, keys: RunKeys) -> None:
+        self.namespace = keys.namespace
+        ttl = {"manifest": LONG_TTL, "peers": HEARTBEAT_TTL, "control": LONG_TTL}
+        self._limits = {
+            DHTID.generate(source=getattr(keys, kind)).to_bytes(): (
+                RECORD_BYTES[kind],
+                ttl[kind] + CLOCK_SLACK,
+            )
+            for kind in ("manifest", "peers", "control")
+        }
+
+    def validate(self, record: DHTRecord) -> bool:
+        limits = self._limits.get(record.key)
+        if limits is None:
+            return True
+        most_bytes, most_seconds = limits
+        from hivemind.utils.timed_storage import get_dht_time
+
+        return len(record.value) <= most_bytes and record.expiration_time <= get_dht_time() + most_seconds
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return record.value
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return record.value
+
+    @property
+    def priority(self) -> int:
+        return 30  # outermost: the raw value, before any other validator reads it
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, RecordBoundsValidator) and other.namespace == self.namespace
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)

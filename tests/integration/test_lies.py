@@ -188,3 +188,66 @@ def test_a_donor_serving_a_made_up_state_is_refused(spawn, tmp_path):
     rounds = [(r["outer_step"], r["group_size"], r["alone_reason"]) for r in joiner.events("round")]
     assert any(size >= 3 for _, size, _ in rounds), (rounds, downloaded)
     assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
+
+
+FLOODER = """
+import sys
+from functools import partial
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from swarm.records import RunKeys
+
+address, run_id, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+key = RunKeys(run_id).peers
+
+async def store_fat(dht, node, subkey):  # built in the DHT's process: 1 MB does not fit its pipe
+    fat = dict(peer_id="x", name="fat", stage="paused", outer_step=0, inner_step=0, inner_steps=5,
+               time=get_dht_time(), junk="A" * 1_000_000)
+    return await node.store(key, fat, get_dht_time() + 365 * 86400, subkey=subkey)
+
+stored = 0
+for i in range(count):  # a fresh key each: one subkey per key; a stock node, no schema or bounds
+    signer = RSASignatureValidator()
+    dht = hivemind.DHT(initial_peers=[address], client_mode=True, record_validators=[signer], start=True)
+    stored += bool(dht.run_coroutine(partial(store_fat, subkey=signer.local_public_key)))
+    dht.shutdown()
+print("stored", stored, flush=True)
+"""
+
+
+@pytest.mark.faults
+def test_a_flood_of_huge_long_lived_records_leaves_the_board_readable():
+    """Signed heartbeats of 1 MB each, with a year's expiration, from fresh keys on a stock
+    hivemind node: the run's nodes stored all of them, to hold for a year with no process left
+    running (12 of them: 12 MB on each node, and ghosts had they been well-formed). The run's
+    nodes now refuse such records (swarm.validators.RecordBoundsValidator), and a reader still
+    sees the honest peer."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.dht import NetworkConfig, visible_addresses
+    from swarm.records import PeerHeartbeat, RunKeys, Stage
+    from swarm.session import connect
+
+    keys = RunKeys("flood")
+    honest = connect(NetworkConfig(), keys)
+    reader = None
+    try:
+        beat = PeerHeartbeat(
+            peer_id=honest.peer_id, name="honest", stage=Stage.TRAINING, outer_step=0, inner_step=0,
+            inner_steps=5, time=get_dht_time(),
+        )  # fmt: skip
+        assert honest.store.store(keys.peers, beat, ttl=100, wait=True)
+        address = visible_addresses(honest.dht)[0]
+        flooder = helper(FLOODER, address, "flood", "5")
+        try:
+            out, _ = flooder.communicate(timeout=120)
+        finally:
+            kill_group(flooder)
+        assert out.strip() == "stored 0", out  # refused by the run's node
+        reader = connect(NetworkConfig(initial_peers=[address], client_mode=True), keys)
+        assert [p.name for p in reader.board.fetch().values()] == ["honest"]
+    finally:
+        for session in (reader, honest):
+            if session is not None:
+                session.close()

@@ -4,6 +4,8 @@ network; tests/integration/test_lies.py plays the same lies against real peers."
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -359,12 +361,32 @@ def test_a_forged_heartbeat_is_dropped_and_said_once_per_forging_key(caplog):
 
     board = ProgressBoard(Store(), RunKeys("forgery"))
     board.peer_id_of = {"attacker-key": "attacker", "owner-key": "owner"}.get  # no RSA here
-    with caplog.at_level("WARNING", logger="swarm.progress"):
+    with (
+        caplog.at_level("WARNING", logger="swarm.progress"),
+        mock.patch("swarm.dht.dht_time", return_value=NOW),
+    ):
         for _ in range(5):
             assert list(board.fetch()) == ["owner"]
     assert [r.getMessage() for r in caplog.records if "forged" in r.getMessage()] == [
         "dropping heartbeats that claim peer id victim but are signed by another key (forged)"
     ]
+
+
+def test_a_heartbeat_older_than_its_ttl_is_no_live_peer():
+    """A heartbeat outlives its writer only by the expiration the writer chose; one from minutes
+    ago (stored for a year by a node without the bounds validator) is no live peer."""
+    from swarm.progress import ProgressBoard
+    from swarm.records import CLOCK_SLACK, HEARTBEAT_TTL, RunKeys
+
+    class Store:
+        def read(self, key, model):
+            ghost = beat("ghost", 3).model_copy(update={"time": NOW - HEARTBEAT_TTL - CLOCK_SLACK - 1})
+            return {"ghost-key": ghost, "live-key": beat("live", 3)}
+
+    board = ProgressBoard(Store(), RunKeys("ghosts"))
+    board.peer_id_of = {"ghost-key": "ghost", "live-key": "live"}.get
+    with mock.patch("swarm.dht.dht_time", return_value=NOW):
+        assert list(board.fetch()) == ["live"]
 
 
 def test_after_a_round_that_failed_for_all_only_the_later_ids_fetch_the_state():

@@ -71,8 +71,11 @@ def test_a_garbage_key_file_gives_a_clear_error(tmp_path) -> None:
 # --- validators --------------------------------------------------------------------------------------
 
 
-def record(key: str, subkey: bytes, value: Any, expiration: float = 1e10) -> DHTRecord:
+def record(key: str, subkey: bytes, value: Any, expiration: float | None = None) -> DHTRecord:
     from hivemind.dht.routing import DHTID
+    from hivemind.utils import get_dht_time
+
+    expiration = get_dht_time() + 5 if expiration is None else expiration
 
     return DHTRecord(
         key=DHTID.generate(source=key).to_bytes(),
@@ -122,6 +125,42 @@ def test_the_schema_refuses_a_malformed_heartbeat(private_key) -> None:
     subkey = b"[owner:" + public_key_text(private_key).encode() + b"]"
     plain = record(keys.peers, subkey, {**beat("QmX"), "outer_step": -5})
     assert not validator.validate(dataclasses.replace(plain, value=validator.sign_value(plain)))
+
+
+@pytest.mark.parametrize("secret", [None, "a long run secret"])
+def test_a_record_too_large_or_too_long_lived_is_refused(private_key, secret) -> None:
+    """Signed 1 MB heartbeats with a year's expiration, from fresh keys, were stored by every
+    node of the run and held for that year. Each kind of record now has a size and a lifetime;
+    honest ones at their fields' limits pass."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.records import HEARTBEAT_TTL, LONG_TTL
+
+    keys = RunKeys("run", secret)
+    validator = composite(keys, private_key)
+    subkey = b"[owner:" + public_key_text(private_key).encode() + b"]"
+
+    def signed(key: str, value: Any, seconds: float) -> DHTRecord:
+        plain = record(key, subkey, value, get_dht_time() + seconds)
+        return dataclasses.replace(plain, value=validator.sign_value(plain))
+
+    widest = beat(
+        "Q" * 128,
+        name="n" * 64,
+        addresses=["/ip6/" + "f" * 39 + "/tcp/65535/p2p/" + "Q" * 52] * 16,
+        ignored={f"{i:03d}" + "x" * 125: "r" * 200 for i in range(16)},
+        last_error="e" * 300,
+        last_round_alone="a" * 200,
+        final_theta=[1.2345678901234] * 16,
+    )
+    assert validator.validate(signed(keys.peers, widest, HEARTBEAT_TTL))
+    assert not validator.validate(signed(keys.peers, {**beat("QmX"), "junk": "A" * 1_000_000}, HEARTBEAT_TTL))
+    assert not validator.validate(signed(keys.peers, beat("QmX"), 365 * 86400))  # a ghost for a year
+    steering = ControlState(version=2, paused=["p" * 128] * 256).model_dump(mode="json")
+    assert validator.validate(signed(keys.control, steering, LONG_TTL))
+    assert not validator.validate(signed(keys.control, steering, 2 * LONG_TTL))
+    assert not validator.validate(signed(keys.control, {**steering, "paused": ["p" * 129]}, 60))
+    assert validator.validate(record("another-key", b"x", "A" * 1_000_000, 1e10))  # not the run's
 
 
 def test_without_the_secret_a_store_is_refused(private_key) -> None:
