@@ -50,7 +50,9 @@ def load_inner_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor
         per_param.setdefault(int(index), {})[str(key)] = tensor.clone()
     fits = all(
         0 <= index < len(params)
-        and all(t.dim() == 0 or t.shape == params[index].shape for t in entry.values())
+        and all(
+            (key == "step" and t.dim() == 0) or t.shape == params[index].shape for key, t in entry.items()
+        )
         for index, entry in per_param.items()
     )
     if not fits:

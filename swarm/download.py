@@ -284,6 +284,7 @@ def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:
         )
     rest = tensors[2 * count :]
     queued = [[t.float() for t in rest[i * count : (i + 1) * count]] for i in range(pending)]
+    _check_shapes(tensors[:count], tensors[count : 2 * count], queued, inner_keys, rest[pending * count :])
     return OuterState(
         outer_step=int(metadata["outer_step"]),
         params=[t.float() for t in tensors[:count]],
@@ -292,3 +293,21 @@ def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:
         inner=list(rest[pending * count :]),
         inner_keys=[list(k) for k in inner_keys],
     )
+
+
+def _check_shapes(params, momentum, queued, inner_keys, inner) -> None:
+    """SwarmError unless every tensor of a donor's state fits its θ: momentum and queued updates
+    of θ's shapes, the inner optimizer's moments of their parameter's shape (only its ``step``
+    a scalar). The witnesses check θ alone; without this a donor serving the honest θ and a
+    scalar moment made the joiner's first AdamW step raise, and the joiner exit."""
+    shapes = [tuple(t.shape) for t in params]
+    for what, tensors in [("momentum", momentum)] + [(f"queued update {i}", q) for i, q in enumerate(queued)]:
+        if [tuple(t.shape) for t in tensors] != shapes:
+            raise SwarmError(f"its {what} does not have the parameters' shapes")
+    for key, tensor in zip(inner_keys, inner):
+        if not (isinstance(key, (list, tuple)) and len(key) == 2 and isinstance(key[0], int)):
+            raise SwarmError(f"an inner optimizer key {key!r} is malformed")
+        index, name = key
+        scalar = str(name) == "step" and tensor.dim() == 0
+        if not (0 <= index < len(shapes) and (scalar or tuple(tensor.shape) == shapes[index])):
+            raise SwarmError(f"its inner optimizer's {name!r} of parameter {index} does not fit it")

@@ -30,6 +30,31 @@ from swarm.bounds import BOUNDS
 from swarm.errors import SwarmError
 
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+NAME_PATTERN = r"^\w[\w .:@+-]{0,63}$"
+"""A peer's display name: letters and digits (any script), then also space, '.', ':', '@', '+'
+and '-'. No brackets (Rich and Textual markup: a name "[/b]" crashed `workbench status` and
+the TUI) and no control characters (an escape sequence in a name cleared the terminal)."""
+DEVICE_PATTERN = r"^[\w .:()/+-]{0,32}$"
+PEER_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
+"""Letters, digits, - and _ (libp2p writes peer ids in base58; the simulator, sim-0, ...)."""
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def check_name(name: str) -> str:
+    """``name`` if a peer may go by it (:data:`NAME_PATTERN`), else SwarmError saying why."""
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
+        raise SwarmError(
+            f"invalid peer name {name!r} ({len(str(name))} characters): use 1-64 letters, digits, spaces "
+            "and . : @ + - _, "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters shown as escapes (``\\x1b``): free text from the network
+    (an error, a reason) reaches terminals as text, never as a command to them."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def check_run_id(run_id: str) -> str:
@@ -62,8 +87,8 @@ class PeerHeartbeat(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    peer_id: str = Field(max_length=128)
-    name: str = Field(max_length=64)
+    peer_id: str = Field(pattern=PEER_ID_PATTERN)
+    name: str = Field(pattern=NAME_PATTERN)
     stage: Stage
     outer_step: int = Field(ge=0)
     """Completed outer rounds: peers at the same step hold the same global params."""
@@ -75,7 +100,7 @@ class PeerHeartbeat(BaseModel):
     samples_per_second: float = Field(default=0.0, ge=0)
     bytes_sent: int = Field(default=0, ge=0)
     bytes_received: int = Field(default=0, ge=0)
-    device: str = Field(default="cpu", max_length=32)
+    device: str = Field(default="cpu", pattern=DEVICE_PATTERN)
     time: float
     """DHT time when published."""
     last_round_seconds: float | None = Field(default=None, ge=0)
@@ -113,7 +138,7 @@ class PeerHeartbeat(BaseModel):
     only makes downloaders land a round later."""
     last_round_spread: float = Field(default=0.0, ge=0, le=86400)
     """Seconds between the first and the last arrival of its last round's group (wall clocks)."""
-    last_round_last: str = Field(default="", max_length=64)
+    last_round_last: str = Field(default="", pattern=NAME_PATTERN + "|^$")
     """The name of the member of its last round's group that arrived last."""
     last_round_alone: str = Field(default="", max_length=200)
     """Why it stepped alone in its last round ("" when it averaged)."""
@@ -136,9 +161,14 @@ class PeerHeartbeat(BaseModel):
     @field_validator("ignored")
     @classmethod
     def _short_reasons(cls, value: dict[str, str]) -> dict[str, str]:
-        if any(len(k) > 128 or len(v) > 200 for k, v in value.items()):
-            raise ValueError("ignored: peer ids up to 128 characters, reasons up to 200")
-        return value
+        if any(not re.fullmatch(PEER_ID_PATTERN, k) or len(v) > 200 for k, v in value.items()):
+            raise ValueError("ignored: peer ids (letters and digits) up to 128 characters, reasons up to 200")
+        return {k: printable(v) for k, v in value.items()}
+
+    @field_validator("last_error", "last_round_alone")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        return None if value is None else printable(value)
 
 
 class RunManifest(BaseModel):
@@ -146,14 +176,19 @@ class RunManifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    run_id: str = Field(max_length=64)
-    owner: str = Field(max_length=64)
+    run_id: str = Field(pattern=RUN_ID_PATTERN.pattern)
+    owner: str = Field(pattern=r"^[0-9a-f]{16}$")
     """Hash of the owner's public key (:func:`swarm.identity.key_hash`)."""
-    fingerprint: str = Field(min_length=8, max_length=128)
+    fingerprint: str = Field(pattern=r"^[0-9a-f]{8,128}$")
     """Hash of the model's architecture, parameter shapes and optimizer config."""
     summary: str = Field(default="", max_length=512)
     """The same in words, for error messages (e.g. "gpt small 1.85M params, diloco H=50")."""
     created: float
+
+    @field_validator("summary")
+    @classmethod
+    def _printable(cls, value: str) -> str:
+        return printable(value)
 
 
 class ControlState(BaseModel):
@@ -183,8 +218,10 @@ class ControlState(BaseModel):
     @field_validator("paused")
     @classmethod
     def _short_names(cls, value: list[str]) -> list[str]:
-        if any(len(name) > 128 for name in value):
-            raise ValueError("paused: peer ids and names up to 128 characters")
+        if any(
+            not (re.fullmatch(PEER_ID_PATTERN, name) or re.fullmatch(NAME_PATTERN, name)) for name in value
+        ):
+            raise ValueError("paused: peer ids or peer names (see NAME_PATTERN), up to 128 characters")
         return value
 
     @field_validator("codec")

@@ -75,13 +75,13 @@ class PeerScreen(ModalScreen[None]):
             if p is None and gone is not None:
                 when = time.strftime("%H:%M:%S", time.localtime(gone.time))
                 yield Label(
-                    f"{gone.heartbeat.name} left the run at {when} ({gone.how}), at outer step "
+                    f"{escape(gone.heartbeat.name)} left the run at {when} ({gone.how}), at outer step "
                     f"{gone.heartbeat.outer_step}."
                 )
             elif p is None:
                 yield Label("This peer has left the run.")
             else:
-                yield Static(Text.from_markup(f"[b]{p.name}[/b]  [dim]{p.peer_id}[/dim]"))
+                yield Static(Text.from_markup(f"[b]{escape(p.name)}[/b]  [dim]{escape(p.peer_id)}[/dim]"))
                 rows: list[tuple[str, Any]] = [
                     ("stage", p.stage.value),
                     ("device", p.device),
@@ -186,7 +186,9 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                     is_paused = peer_id in self.paused or name in self.paused
                     yield Label("peer")
                     yield Checkbox(
-                        f"{'resume' if is_paused else 'pause'} {name}", id="toggle-pause", disabled=disabled
+                        f"{'resume' if is_paused else 'pause'} {escape(name)}",
+                        id="toggle-pause",
+                        disabled=disabled,
                     )
                 yield Label("checkpoint")
                 yield Checkbox("every peer writes one now", id="checkpoint", disabled=disabled)
@@ -280,7 +282,7 @@ class FaultScreen(ModalScreen[FaultRequest | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
             if self.stopped:  # a demo peer that was killed or exited: it can only be brought back
-                yield Label(f"[b]{self.peer_name} is not running[/b]")
+                yield Label(f"[b]{escape(self.peer_name)} is not running[/b]")
                 yield Button(
                     "Restart: the same identity and run dir; it downloads the state and rejoins",
                     id="restart",
@@ -288,7 +290,7 @@ class FaultScreen(ModalScreen[FaultRequest | None]):
                 )
                 yield Button("Cancel", id="cancel")
                 return
-            yield Label(f"[b]Inject a fault into {self.peer_name}[/b]")
+            yield Label(f"[b]Inject a fault into {escape(self.peer_name)}[/b]")
             if self.reason:
                 yield Label(f"[b red]Disabled:[/b red] {self.reason}", id="reason")
             for index, (_, text) in enumerate(self.FAULTS):

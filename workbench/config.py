@@ -15,7 +15,8 @@ from optim.api import Method, Sync, method, names
 from optim.diloco import DiLoCoConfig
 from swarm.averaging_config import AveragingConfig
 from swarm.dht import NetworkConfig
-from swarm.records import check_run_id
+from swarm.errors import SwarmError
+from swarm.records import check_name, check_run_id
 from workbench.names import WANDB_MODES
 from workbench.run.data import DataConfig
 from workbench.run.model import ModelConfig
@@ -131,8 +132,11 @@ class PeerConfig:
             raise ValueError(
                 f"--owner takes the 16 hex digits `workbench start` printed (got '{self.owner}')"
             )
-        if self.name is not None and not 0 < len(self.name) <= 64:
-            raise ValueError(f"peer name must be 1-64 characters (got {len(self.name)})")
+        if self.name is not None:
+            try:
+                check_name(self.name)  # as every other peer checks its heartbeat's
+            except SwarmError as error:
+                raise ValueError(str(error)) from None
         if self.rounds < 0:
             raise ValueError(f"rounds must be >= 0 (got {self.rounds}); 0 runs until Ctrl+C")
         if not 1 <= self.min_peers <= 1024:

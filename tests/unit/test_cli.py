@@ -192,6 +192,7 @@ def test_flags_reach_the_config() -> None:
         pytest.param(["start", "--run-dir", "{tmp}/garbage"], "is a file: give a folder", id="run-dir-file"),
         pytest.param(["start", "--shard", "0/0"], "must be at least 1", id="shard-of-0"),
         pytest.param(["start", "--shard", "-1/4"], "shard must be in 0..3", id="shard-negative"),
+        pytest.param(["start", "--name", "[/b]"], "invalid peer name", id="name-markup"),
         pytest.param(["start", "--config", ""], "--config is empty", id="config-empty"),
         pytest.param(
             ["start", "--client-mode", "--announce", "/ip4/203.0.113.7/tcp/31337"],

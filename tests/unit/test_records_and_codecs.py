@@ -415,3 +415,37 @@ def test_served_state_round_trips_with_queued_updates() -> None:
     assert torch.equal(state.inner[0], inner[0]) and state.inner_keys == [[0, "exp_avg"]]
     with pytest.raises(SwarmError, match="tensors for 2 params"):
         _parse_state(metadata, [*params, *momentum])
+
+
+def test_a_state_whose_moments_or_queue_do_not_fit_its_theta_is_a_malformed_donor() -> None:
+    """The witnesses check θ only: a donor serving the honest θ with a scalar AdamW moment made
+    the joiner's first inner step raise (and the joiner exit, "trains another model" for a
+    wrong-shaped momentum). Such a state is now a malformed donor's: the next donor is tried."""
+    from optim.state import OuterState, load_inner_state
+    from swarm.download import _parse_state
+    from swarm.errors import SwarmError
+
+    params, step = [torch.randn(3, 2), torch.randn(4)], torch.tensor(5.0)
+    meta = {"outer_step": 7, "num_params": 2, "num_pending": 0}
+    ok = _parse_state(
+        {**meta, "inner_keys": [[0, "step"], [0, "exp_avg"]]}, [*params, *params, step, params[0]]
+    )
+    assert ok.inner_keys == [[0, "step"], [0, "exp_avg"]]
+    bad = [
+        ({**meta, "inner_keys": [[0, "exp_avg"]]}, [*params, *params, torch.tensor(5.0)]),  # a scalar moment
+        ({**meta, "inner_keys": [[5, "exp_avg"]]}, [*params, *params, params[0]]),  # no parameter 5
+        ({**meta, "inner_keys": [["0", "exp_avg"]]}, [*params, *params, params[0]]),
+        (meta, [*params, params[1], params[0]]),  # momentum in the wrong order
+        ({**meta, "num_pending": 1}, [*params, *params, torch.randn(2, 3), params[1]]),
+    ]
+    for metadata, tensors in bad:
+        with pytest.raises(SwarmError):
+            _parse_state(metadata, tensors)
+    model = torch.nn.Linear(2, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scalar = OuterState(
+        outer_step=1, params=[], momentum=[], inner=[torch.tensor(5.0)], inner_keys=[[0, "exp_avg"]]
+    )
+    load_inner_state(optimizer, list(model.parameters()), scalar)  # refused: starts fresh
+    model(torch.randn(4, 2)).sum().backward()
+    optimizer.step()  # and steps

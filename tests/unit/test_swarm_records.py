@@ -310,3 +310,51 @@ def test_retune_changes_settings_between_rounds() -> None:
     with pytest.raises(ValueError):
         outer.retune(outer_lr=-1.0, inner_steps=9)
     assert outer.config.inner_steps == 7 and outer.outer_optimizer.param_groups[0]["lr"] == 0.3  # untouched
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["[/b]", "[@click=app.export('../.bashrc')]x[/]", "a\x1b[2J\x1b]0;pwned\x1b\\", "", "x" * 65, " lead"],
+)
+def test_a_heartbeat_whose_name_is_markup_or_a_terminal_command_is_refused(name) -> None:
+    """A name "[/b]" crashed `workbench status` and the TUI (Rich's MarkupError); "[@click=...]"
+    put an action in a TUI label; an escape sequence cleared the reader's terminal. Every node
+    refuses such a heartbeat, and a peer cannot be started with such a --name."""
+    from swarm.records import parse_record
+
+    assert parse_record(PeerHeartbeat, beat("QmX", name="peer-1")) is not None
+    assert parse_record(PeerHeartbeat, {**beat("QmX"), "name": name}) is None
+    assert parse_record(PeerHeartbeat, {**beat("QmX"), "device": "cuda\x1b[2J"}) is None
+    assert parse_record(PeerHeartbeat, {**beat("QmX"), "peer_id": "Qm[b]"}) is None
+    with pytest.raises(ValueError, match="invalid peer name"):
+        from workbench.config import PeerConfig
+
+        PeerConfig(name=name)
+
+
+def test_free_text_from_the_network_reaches_the_terminal_as_text(capsys) -> None:
+    """Errors and reasons are free text: control characters arrive escaped, and Rich markup in
+    them is printed, not applied."""
+    from swarm.records import parse_record
+    from workbench.cli.status import render
+
+    heard = parse_record(
+        PeerHeartbeat,
+        {**beat("QmX"), "last_error": "boom\x1b[2J", "ignored": {"QmY": "[/b] lied\x1b]0;pwned\x07"}},
+    )
+    assert heard.last_error == "boom\\x1b[2J" and heard.ignored == {"QmY": "[/b] lied\\x1b]0;pwned\\x07"}
+    peer = dict(
+        name="a", stage="training", outer_step=1, inner_step=0, inner_steps=5, loss=None,
+        samples_per_second=0.0, bytes_sent=0, peer_id="QmX", device="cpu",
+    )  # fmt: skip
+    render(
+        {
+            "run_id": "r",
+            "outer_round": 1,
+            "peers": [peer],
+            "ignored": [{"peer_id": "QmY", "reason": heard.ignored["QmY"]}],
+            "departed": [{"name": "b", "time": 0.0, "how": "[/i] crashed", "outer_step": 1}],
+        }
+    )
+    out = capsys.readouterr().out
+    assert "\x1b]0;" not in out and "[/b] lied" in out and "[/i] crashed" in out

@@ -94,7 +94,7 @@ def render(data: dict[str, Any]) -> None:
         )
     for p in data["peers"]:
         table.add_row(
-            p["name"] + (" (lagging)" if p.get("lagging") else ""),
+            escape(p["name"]) + (" (lagging)" if p.get("lagging") else ""),
             p["stage"] + (f" {p['download_progress']:.0%}" if p.get("download_progress") else ""),
             str(p["outer_step"]),
             f"{p['inner_step']}/{p['inner_steps']}",
@@ -104,8 +104,8 @@ def render(data: dict[str, Any]) -> None:
             f"{p['bytes_sent'] / 1e6:.1f}",
             str(p.get("group_size", "")),
             str(p.get("control_version", 0)),
-            p["device"],
-            p["peer_id"][-12:],
+            escape(p["device"]),
+            escape(p["peer_id"][-12:]),
         )
     console = Console()
     console.print(table)
@@ -119,11 +119,11 @@ def render(data: dict[str, Any]) -> None:
             f"for the group, averaging gives up after {limits[len(limits) // 2]:.1f} s"
         )
     for liar in data.get("ignored", []):
-        console.print(f"  [red]ignored[/red] {liar['peer_id'][-12:]}: {liar['reason']}")
+        console.print(f"  [red]ignored[/red] {escape(liar['peer_id'][-12:])}: {escape(liar['reason'])}")
     for gone in data.get("departed", []):
         when = time.strftime("%H:%M:%S", time.localtime(gone["time"]))
         console.print(
-            f"  [dim]left[/dim] {gone['name']} at {when} ({gone['how']}), outer step {gone['outer_step']}"
+            f"  [dim]left[/dim] {escape(gone['name'])} at {when} ({escape(gone['how'])}), outer step {gone['outer_step']}"
         )
     for event in data.get("events", []):
         console.print(f"  {escape(event['message'])}")
