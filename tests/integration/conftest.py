@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +159,24 @@ def helper(script: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
+
+
+def workbench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    """``python -m workbench args...`` to its end: a CLI command (status, steer, a refused join)."""
+    return subprocess.run(
+        [sys.executable, "-m", "workbench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def workbench_all(*commands: list[str], timeout: float = 90) -> list[subprocess.CompletedProcess]:
+    """Several CLI commands at once, their results in order: each spends seconds starting and
+    joining the DHT, mostly waiting, so independent checks need not queue."""
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: workbench(*args, timeout=timeout), commands))
 
 
 def kill_group(process: subprocess.Popen) -> None:

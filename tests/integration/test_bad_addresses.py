@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import FAST
+from tests.integration.conftest import FAST, workbench_all
 
 PEER_ID = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
@@ -79,24 +79,12 @@ def test_joiner_with_another_model_is_refused(spawn):
     peer = spawn(
         "a", "start", "--model", "tiny", "--threads", "1", "--run-id", "model-check", "--min-peers", "2"
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "workbench",
-            "join",
-            peer.address(),
-            "--model",
-            "small",
-            "--run-id",
-            "model-check",
-            "--threads",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        stdin=subprocess.DEVNULL,
+    join = ["join", peer.address(), "--run-id", "model-check", "--threads", "1"]
+    owner = peer.events("started")[0]["owner"]  # (address() waited for the "started" event)
+    # Side by side (each takes seconds to start, the second waits out the manifest search):
+    # another model, and the right model with an --owner that is not the run's.
+    result, wrong_owner = workbench_all(
+        [*join, "--model", "small"], [*join, "--model", "tiny", "--owner", "0" * 16]
     )
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
@@ -108,12 +96,7 @@ def test_joiner_with_another_model_is_refused(spawn):
     assert "Traceback" not in result.stderr
 
     # The right model, but an --owner that is not the run's: refused, not joined unchecked.
-    owner = peer.events("started")[0]["owner"]
-    result = subprocess.run(
-        [sys.executable, "-m", "workbench", "join", peer.address(), "--model", "tiny", "--run-id",
-         "model-check", "--threads", "1", "--owner", "0" * 16],
-        capture_output=True, text=True, timeout=90, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    result = wrong_owner
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and f"no manifest by owner {'0' * 16}, only one by {owner}" in errors[0], (
@@ -128,12 +111,9 @@ def test_status_lists_the_live_peers(spawn):
         "a", "start", "--model", "tiny", "--threads", "1", "--run-id", "status-run", "--min-peers", "3"
     )
     address = peer.address()
-    result = subprocess.run(
-        [sys.executable, "-m", "workbench", "status", address, "--run-id", "status-run", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
+    # Another run id (side by side): no peers, exit status 1 and a hint.
+    result, other = workbench_all(
+        ["status", address, "--run-id", "status-run", "--json"], ["status", address, "--run-id", "nobody"]
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout.strip().splitlines()[-1])
@@ -141,14 +121,6 @@ def test_status_lists_the_live_peers(spawn):
     [row] = data["peers"]
     assert row["name"] == "a" and row["stage"] == "joining" and row["outer_step"] == 0
     assert row["peer_id"] in address and row["seconds_since_heartbeat"] < 10
-    # Another run id: no peers, exit status 1 and a hint.
-    other = subprocess.run(
-        [sys.executable, "-m", "workbench", "status", address, "--run-id", "nobody"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-    )
     assert other.returncode == 1 and "no live peer of run 'nobody'" in other.stderr
 
 

@@ -23,7 +23,9 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
         time.sleep(0.2)
     first.kill()  # SIGKILL: no goodbye, no final save
 
+    # Peers that only read the checkpoints run side by side: each takes seconds to start.
     again = spawn("b", "start", *common, "--rounds", str(saved + 3), "--resume", str(first.directory))
+    done = spawn("g", "start", *common, "--rounds", str(saved), "--resume", str(first.directory))
     assert again.wait() == 0, again.stderr()
     assert again.events("resumed_checkpoint")[0]["outer_step"] == saved
     initial = again.events("initial_eval")[0]
@@ -32,7 +34,6 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     assert [r["outer_step"] for r in again.events("round")] == [saved + 1, saved + 2, saved + 3]
 
     # Nothing left to do (--rounds at the checkpoint's step): said, not silently done.
-    done = spawn("g", "start", *common, "--rounds", str(saved), "--resume", str(first.directory))
     assert done.wait() == 0 and "nothing left to train" in done.stderr(), done.stderr()
     assert not done.events("round")
 
@@ -40,16 +41,15 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     newest = first.directory / "checkpoint.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
     fallback = spawn("c", "start", *common, "--rounds", str(saved + 1), "--resume", str(first.directory))
-    assert fallback.wait() == 0, fallback.stderr()
-    assert "resuming from the previous checkpoint" in fallback.stderr()
-    assert fallback.events("resumed_checkpoint")[0]["outer_step"] == saved - 2
-
     # Another run, or another model: refused with what to pass instead.
     other = spawn("e", "start", *FAST, "--run-id", "other", "--rounds", "2", "--resume", str(first.directory))
-    assert other.wait() == 2 and "belongs to run 'resume'" in other.stderr(), other.stderr()
     bigger = spawn(
         "f", "start", *common, "--model", "small", "--rounds", "2", "--resume", str(first.directory)
     )
+    assert fallback.wait() == 0, fallback.stderr()
+    assert "resuming from the previous checkpoint" in fallback.stderr()
+    assert fallback.events("resumed_checkpoint")[0]["outer_step"] == saved - 2
+    assert other.wait() == 2 and "belongs to run 'resume'" in other.stderr(), other.stderr()
     assert bigger.wait() == 2 and "written for model fingerprint" in bigger.stderr(), bigger.stderr()
 
     # Nothing usable: one clear line, exit status 2.

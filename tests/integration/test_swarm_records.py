@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from swarm.monitor import SwarmMonitor, dht_reader, replay
 from swarm.records import ControlState, PeerHeartbeat, RunKeys, Stage
 from swarm.session import connect
 from swarm.store import SignedStore
-from tests.integration.conftest import FAST, max_abs_diff
+from tests.integration.conftest import FAST, max_abs_diff, workbench, workbench_all
 
 
 def observer(address: str, keys: RunKeys, **options):
@@ -38,16 +39,6 @@ def wait_until(predicate, timeout: float, what: str):
             return value
         time.sleep(0.5)
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
-def workbench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "workbench", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def test_forged_heartbeats_and_foreign_steering_are_rejected(spawn, tmp_path):
@@ -112,11 +103,16 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
     address = owner.address()
     assert "--secret SECRET" in owner.stdout() and secret not in owner.stdout()
 
-    # Without the secret: status sees nobody, join finds no run.
-    status = workbench("status", address, "--run-id", "private", "--json")
-    assert status.returncode == 1 and json.loads(status.stdout)["peers"] == [], status.stderr
-    joined = workbench("join", address, *FAST, "--run-id", "private", "--connect-timeout", "3")
-    assert joined.returncode == 2 and "no live peer of run 'private'" in joined.stderr, joined.stderr
+    # Without the secret, status sees nobody and join finds no run; with it, status sees the
+    # owner. (Three independent processes: side by side.)
+    pool = ThreadPoolExecutor(1)
+    checked = pool.submit(
+        workbench_all,
+        ["status", address, "--run-id", "private", "--json"],
+        ["join", address, *FAST, "--run-id", "private", "--connect-timeout", "3"],
+        ["status", address, "--run-id", "private", "--secret", secret, "--json"],
+    )
+    pool.shutdown(wait=False)
 
     # An outsider who somehow learned the key names still cannot write: no HMAC, no store.
     keys = RunKeys("private", secret)
@@ -135,9 +131,12 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
     finally:
         outsider.close()
 
-    # With it: visible, and a second peer joins and trains with the owner.
-    status = workbench("status", address, "--run-id", "private", "--secret", secret, "--json")
-    assert status.returncode == 0 and len(json.loads(status.stdout)["peers"]) == 1, status.stderr
+    status, joined, visible = checked.result()
+    assert status.returncode == 1 and json.loads(status.stdout)["peers"] == [], status.stderr
+    assert joined.returncode == 2 and "no live peer of run 'private'" in joined.stderr, joined.stderr
+    assert visible.returncode == 0 and len(json.loads(visible.stdout)["peers"]) == 1, visible.stderr
+
+    # A second peer with the secret joins and trains with the owner.
     second = spawn("b", "join", address, *private)
     for peer in (owner, second):
         assert peer.wait() == 0, peer.stderr()
@@ -181,20 +180,22 @@ def test_steering_reaches_every_peer(spawn):
     second.wait_event("round", lambda e: e["outer_step"] >= 2)
     key = str(first.directory / "identity.key")
 
-    # Not the owner: refused before anything is published.
-    refused = workbench(
-        "steer",
-        address,
-        "--run-id",
-        "steer",
-        "--key",
-        str(second.directory / "identity.key"),
-        "--outer-lr",
-        "0.3",
+    # Not the owner: refused before anything is published. The owner, with a peer name nobody
+    # has (a typo): refused, nothing published.
+    refused, typo = workbench_all(
+        [
+            "steer",
+            address,
+            "--run-id",
+            "steer",
+            "--key",
+            str(second.directory / "identity.key"),
+            "--outer-lr",
+            "0.3",
+        ],
+        ["steer", address, "--run-id", "steer", "--key", key, "--pause", "bb"],
     )
     assert refused.returncode == 2 and "only the run owner" in refused.stderr, refused.stderr
-    # The owner, with a peer name nobody has (a typo): refused, nothing published.
-    typo = workbench("steer", address, "--run-id", "steer", "--key", key, "--pause", "bb")
     assert typo.returncode == 2 and "no live peer is named bb (live: a, b)" in typo.stderr, typo.stderr
 
     result = workbench(
