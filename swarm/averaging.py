@@ -131,10 +131,9 @@ class SwarmAverager(Downloading):
         self.scale_next = 0.0
         """Testing: multiply the next update sent by this factor (a peer lying about its update)."""
         codec, self.bytes_per_element = CODECS[config.compression], CODEC_BYTES[config.compression]
-        buffers = [
-            torch.zeros(t.shape, dtype=torch.float32, device="cpu") for t in tensors_like
-        ]  # (zeros_like of a meta
-        # tensor imports torch's meta registrations and sympy: half a second of every peer's start)
+        # Not zeros_like: of a meta tensor it imports torch's meta registrations and sympy, about
+        # 0.4 s of every peer's start.
+        buffers = [torch.zeros(t.shape, dtype=torch.float32, device="cpu") for t in tensors_like]
         self.numel = sum(b.numel() for b in buffers)
         plane = config.data_plane
         if keys.secret and plane == "direct":
