@@ -119,3 +119,23 @@ def parse_announce_addresses(texts: Sequence[str]) -> list[str]:
             )
         result.append(str(address))
     return result
+
+
+def reached_at(host: str, connections: Iterable[Multiaddr]) -> bool:
+    """Is ``host`` (an IP literal another peer names as its own listener) the far end of one of
+    this peer's connections to it (``connections``: their remote multiaddrs, as hivemind's
+    daemon lists them)? A relayed connection's IP is the relay's, so it vouches for nothing."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    for address in connections:
+        names = [protocol.name for protocol in address.protocols()]
+        if "p2p-circuit" in names or not names or names[0] not in ("ip4", "ip6"):
+            continue
+        try:
+            if ipaddress.ip_address(address.value_for_protocol(names[0])) == ip:
+                return True
+        except ValueError:
+            continue
+    return False

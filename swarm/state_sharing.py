@@ -34,6 +34,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
+from swarm.addresses import reached_at
 from swarm.dataplane import one_line
 from swarm.errors import SwarmError
 from swarm.faults import fault_value
@@ -257,6 +258,18 @@ class StateSharing:
             parsed = self.serializer.loads(metadata)
             if not isinstance(parsed, dict) or parsed.get("outer_step") != step:
                 raise ValueError("an offer whose step is not its state's")
+            # The joiner will connect where the offer says and send the token there: a donor
+            # must not be able to point that connection at another host (a service behind the
+            # joiner's firewall, say). Its listener must be where this peer reaches it.
+            connections = [a for p in await self._p2p.list_peers() if p.peer_id == peer for a in p.addrs]
+            if not reached_at(host, connections):
+                logger.info(
+                    "ignoring %s's direct state offer: its listener (%s) is not an address this peer "
+                    "reaches it at (the other offers, or hivemind's stream, serve this joiner)",
+                    peer.to_base58()[-8:],
+                    host,
+                )
+                return None
             split = [hashes[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(count)]
             offer = DonorOffer(peer.to_base58(), (host, port), token, split, hash_name)
             return offer, step, metadata, layout

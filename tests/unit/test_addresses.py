@@ -199,3 +199,21 @@ def test_a_port_another_peer_listens_on_is_refused_before_any_process_starts() -
         with pytest.raises(SwarmError, match="already in use"):
             _check_port_free("0.0.0.0", port)  # all interfaces include the loopback one
     _check_port_free("127.0.0.1", port)  # free once it closed
+
+
+def test_an_offered_listener_must_be_where_the_donor_is_reached():
+    from multiaddr import Multiaddr
+
+    from swarm.addresses import reached_at
+
+    direct = [Multiaddr("/ip4/10.0.0.5/tcp/4001"), Multiaddr("/ip6/::1/tcp/4001")]
+    assert reached_at("10.0.0.5", direct) and reached_at("0:0::1", direct)
+    assert not reached_at("10.0.0.6", direct)
+    assert not reached_at("example.com", direct)  # an IP literal or nothing
+    assert not reached_at("10.0.0.5", [])
+    relayed = [
+        Multiaddr(
+            "/ip4/10.0.0.5/tcp/4001/p2p/12D3KooWPgVk2aQ18BUZQzC2jnaTRhp65e5afBQiDeaZZnavyHpN/p2p-circuit"
+        )
+    ]
+    assert not reached_at("10.0.0.5", relayed)

@@ -428,3 +428,58 @@ def test_a_donor_from_before_blake3_is_still_checked_with_sha256():
         download(old, [mistaken], timeout=2.0)
     assert "does not match" in mistaken.why
     server.close()
+
+
+def test_an_offer_pointing_the_joiner_at_another_host_is_refused(monkeypatch, caplog):
+    """A donor names its own listener in its offer, and the joiner connects there with a token:
+    a lying donor could aim that connection at any host (a service behind the joiner's
+    firewall). An offer is taken only if its listener is where the joiner reaches the donor."""
+    import types
+
+    from hivemind.p2p import PeerID
+    from hivemind.proto import averaging_pb2
+    from multiaddr import Multiaddr
+
+    from swarm import state_sharing
+
+    caplog.set_level("INFO", logger="swarm.state_sharing")
+    donor, asyncio = _sharing_donor(monkeypatch, [100.0])
+    donor_id = PeerID.from_base58("12D3KooWPgVk2aQ18BUZQzC2jnaTRhp65e5afBQiDeaZZnavyHpN")
+    joiner_id = PeerID.from_base58("12D3KooWH5PvsdnuzTKUVoq7m5QUSy7xPE5zcsD5q62HabHZcJhg")
+    context = types.SimpleNamespace(remote_id=joiner_id)
+    reached = ["/ip4/127.0.0.1/tcp/4001"]  # the joiner's connection to the donor, as p2pd lists it
+
+    class Stub:
+        async def rpc_state_offer(self, request, timeout):
+            return await donor.rpc_state_offer(request, context)
+
+    class P2P:
+        async def list_peers(self):
+            return [types.SimpleNamespace(peer_id=donor_id, addrs=[Multiaddr(a) for a in reached])]
+
+    class Joiner(state_sharing.StateSharing):
+        prefix, _p2p, _state_limit, serializer = "run", P2P(), 1 << 30, donor.serializer
+
+        def get_stub(self, p2p, peer, namespace):
+            return Stub()
+
+    joiner = Joiner()
+    offer_from = lambda: asyncio.run(joiner._offer_from(donor_id))  # noqa: E731
+    asyncio.run(donor.rpc_state_offer(averaging_pb2.DownloadData(), context))  # starts its listener
+    assert offer_from()[0].address == donor._server.address  # honest: taken
+
+    decoy = socket.create_server(("127.0.0.2", 0))
+    decoy.settimeout(0.5)
+    real = donor._server.address
+    donor._server.address = decoy.getsockname()  # the donor lies about its listener
+    assert offer_from() is None
+    assert "is not an address this peer reaches it at" in caplog.text
+    reached[:] = [
+        "/ip4/127.0.0.2/tcp/4001/p2p/12D3KooWPgVk2aQ18BUZQzC2jnaTRhp65e5afBQiDeaZZnavyHpN/p2p-circuit"
+    ]
+    assert offer_from() is None  # a relay's IP vouches for nothing
+    with pytest.raises(TimeoutError):
+        decoy.accept()  # nothing connected to the decoy
+    decoy.close()
+    donor._server.address = real
+    donor._server.close()
