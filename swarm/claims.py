@@ -21,6 +21,7 @@ a schema-valid heartbeat with any outer step, stage or loss. So:
 from __future__ import annotations
 
 import math
+import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,6 +97,36 @@ class Vouching:
             self.vouched.discard(peer_id)
             return True
         return False
+
+
+def witness_order(
+    peers: Sequence[PeerHeartbeat], vouched: set[str], rng: random.Random | None = None
+) -> list[str]:
+    """Who to ask about a downloaded θ, best witness first (see :func:`judge_state`).
+
+    Peers that averaged with this one come first, the most advanced first. Strangers follow in
+    random order, those whose claimed outer step is at least the median claim first (the
+    donor, the freshest peer, is among them). Never by the claim itself: a step is anyone's to
+    claim, and silent heartbeats claiming to be ahead would take every witness slot and leave
+    the state unconfirmed by anyone. At random, fresh keys get the share of the slots they are
+    of the peers. Peers that cannot be dialed (client mode: no addresses) cannot answer."""
+    rng = rng or random.Random()
+    reachable = [p for p in peers if p.addresses]
+    if not reachable:
+        return []
+    claims = sorted(p.outer_step for p in reachable)
+    median = claims[(len(claims) - 1) // 2]
+    return [
+        p.peer_id
+        for p in sorted(
+            reachable,
+            key=lambda p: (
+                p.peer_id not in vouched,
+                -p.outer_step if p.peer_id in vouched else p.outer_step < median,
+                rng.random(),
+            ),
+        )
+    ]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ sketches of their θ, taken under a seed no donor sees, decide whether the state
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from optim.diloco import OuterState
-from swarm.claims import judge_state
+from swarm.claims import judge_state, witness_order
 from swarm.errors import SwarmError
 from swarm.records import Stage
 from swarm.sketch import state_sketches
@@ -109,9 +108,7 @@ class Downloading:
         return None
 
     def _verifiers(self, distrusted: set[str]) -> list[str]:
-        """Peers to ask about a downloaded θ, best witnesses first: round mates, then the most
-        advanced (a donor is among the most advanced)."""
-        vouched = self.vouching.vouched
+        """Peers to ask about a downloaded θ, best witnesses first (:func:`witness_order`)."""
         others = [
             p
             for p in self.board.fetch().values()
@@ -119,8 +116,9 @@ class Downloading:
             and p.peer_id not in distrusted
             and p.stage not in (Stage.DOWNLOADING, Stage.JOINING)
         ]
-        others.sort(key=lambda p: (p.peer_id not in vouched, -p.outer_step, random.random()))
-        return [p.peer_id for p in others[: VERIFIERS + 1]]  # one more: the donor is never asked
+        return witness_order(others, self.vouching.vouched)[
+            : VERIFIERS + 1
+        ]  # one more: the donor is never asked
 
     def download_progress(self) -> float | None:
         """The share of the state received in the download in progress (0..1), None if the

@@ -4,6 +4,7 @@ network; tests/integration/test_lies.py plays the same lies against real peers."
 
 from __future__ import annotations
 
+import random
 from unittest import mock
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from swarm.averaging_config import AveragingConfig
 from swarm.barrier import RoundBarrier, Verdict
-from swarm.claims import STRIKES, Ignored, Vouching, implausible, judge_state
+from swarm.claims import STRIKES, Ignored, Vouching, implausible, judge_state, witness_order
 from swarm.records import PeerHeartbeat, Stage
 from swarm.sketch import state_mismatch, state_sketches
 
@@ -256,6 +257,27 @@ def test_judge_state_takes_the_word_of_round_mates_then_the_majority():
     assert judge_state(7, good, sybils, donor="d", vouched={"a"}).accept
     verdict = judge_state(7, bad, sybils, donor="d", vouched={"a"})
     assert not verdict.accept and verdict.blame and "averaged with this one" in verdict.why
+
+
+def test_silent_strangers_claiming_to_be_ahead_do_not_take_every_witness_slot():
+    """The attack: a joiner with no round mates asks 4 witnesses. Ranked by their claims, four
+    fresh keys claiming outer step 10**6 (and never answering) took every slot, and a lying
+    donor's θ was then taken as "no other peer answered". Picked at random among the peers at or
+    above the median claim, they get their share of the slots; the honest front gets the rest."""
+    liars = [beat(f"liar{i}", 10**6, addresses=["/ip4/10.0.0.9/tcp/1"]) for i in range(4)]
+    honest = [beat(f"h{i}", 40, addresses=["/ip4/10.0.0.1/tcp/1"]) for i in range(8)]
+    behind = [beat(f"late{i}", 3, addresses=["/ip4/10.0.0.2/tcp/1"]) for i in range(3)]
+    client = [beat("client", 40)]  # client mode: nobody can dial it, it cannot answer
+    rng = random.Random(0)
+    slots = [witness_order(liars + honest + behind + client, set(), rng)[:4] for _ in range(500)]
+    assert all(any(w.startswith("h") for w in s) for s in slots)  # never only liars
+    share = sum(w.startswith("liar") for s in slots for w in s) / (4 * 500)
+    assert 0.2 < share < 0.45  # 4 of the 12 at or above the median claim
+    assert not any(w.startswith("late") or w == "client" for s in slots for w in s)
+    # Round mates come first whatever they claim, the most advanced of them first.
+    mates = {"late0", "h7"}
+    assert witness_order(liars + honest + behind, mates, rng)[:2] == ["h7", "late0"]
+    assert witness_order(client, set()) == []
 
 
 def test_judge_state_without_witnesses_at_the_step():
