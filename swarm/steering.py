@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from swarm.errors import SwarmError
 from swarm.records import LONG_TTL, ControlState, PeerHeartbeat, RunKeys
@@ -152,8 +153,11 @@ class Steering:
         return control
 
     def pause(self, peer: str) -> ControlState:
+        """Pause ``peer`` (its id, or a name only one live peer has: the record names the id)."""
         current = self.current()
         paused = list(current.paused) if current else []
+        if self.board is not None:
+            peer = live_peer_id(peer, self.board.fetch())
         return self.publish(paused=[*paused, peer] if peer not in paused else paused)
 
     def resume(self, peer: str) -> ControlState:
@@ -169,3 +173,18 @@ class Steering:
 
         active = [p for p in peers.values() if p.stage is not Stage.PAUSED]
         return sum(p.control_version >= version for p in active), len(active)
+
+
+def live_peer_id(peer: str, live: Mapping[str, Any]) -> str:
+    """The id of the one live peer (``live``: peer id -> anything with a ``name``) that ``peer``
+    names, by id or by name; SwarmError if none does, or several share that name (a name is
+    anyone's to take: a pause must name the id, or it would pause them all)."""
+    ids = sorted(i for i, p in live.items() if peer in (i, p.name))
+    if not ids:
+        names = ", ".join(sorted(p.name for p in live.values())) or "none"
+        raise SwarmError(f"no live peer is named {peer} (live: {names}): check `workbench status`")
+    if len(ids) > 1:
+        raise SwarmError(
+            f"{len(ids)} live peers are named {peer} ({', '.join(ids)}): pause one by its peer id"
+        )
+    return ids[0]

@@ -219,7 +219,7 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
             if peer_id in self.paused or name in self.paused:
                 changes["paused"] = [p for p in self.paused if p not in (peer_id, name)]
             else:
-                changes["paused"] = [*self.paused, name]
+                changes["paused"] = [*self.paused, peer_id]  # names are anyone's to take: the id
         if self.query_one("#checkpoint", Checkbox).value:
             changes["checkpoint"] = True
         return changes

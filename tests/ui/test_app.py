@@ -102,7 +102,13 @@ async def test_steering_form_confirms_then_publishes(app) -> None:
         await app.workers.wait_for_complete()
         await pilot.pause()
         assert app.source.published == [
-            {"outer_lr": 0.5, "inner_steps": 25, "round_seconds": 12.0, "codec": "int8", "paused": ["alpha"]}
+            {
+                "outer_lr": 0.5,
+                "inner_steps": 25,
+                "round_seconds": 12.0,
+                "codec": "int8",
+                "paused": [peer_id(0)],
+            }
         ]
         summary = str(app.query_one("#summary", Static).render())
         assert "0/4 peers applied v1" in summary

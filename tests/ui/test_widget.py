@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from tests.ui.fake import FakeSource
+import dataclasses
+
+import pytest
+
+from swarm.errors import SwarmError
+from swarm.monitor import Reading, SwarmMonitor
+from swarm.records import ControlState
+from tests.ui.fake import FakeSource, heartbeat, peer_id
 from workbench.notebook.widget import SwarmWidget
 
 
@@ -24,9 +31,36 @@ def test_the_snapshot_syncs_to_the_front_end() -> None:
 
 def test_a_pause_click_from_the_front_end_reaches_steering() -> None:
     w = widget()
-    w.set_state({"command": {"action": "pause", "peer": "bravo", "nonce": 1}})
-    assert w.source.published == [{"paused": ["bravo"]}]
+    w.set_state({"command": {"action": "pause", "peer": peer_id(1), "nonce": 1}})
+    assert w.source.published == [{"paused": [peer_id(1)]}]  # by id: a name can be shared
     assert w.message.startswith("published control v1")
+    w.handle({"action": "pause", "peer": "charlie"})  # from Python, by a name only one peer has
+    assert w.source.published[-1] == {"paused": [peer_id(2)]}
+
+
+def test_pause_and_resume_name_one_live_peer_or_are_refused() -> None:
+    w = widget()
+    w.last = dataclasses.replace(w.last, control=ControlState(version=3, paused=[peer_id(0), "bravo"]))
+    for command, why in [
+        ({"action": "pause"}, "pause needs a peer: its id or its name (got None)"),
+        ({"action": "pause", "peer": 7}, "pause needs a peer"),
+        ({"action": "pause", "peer": "zulu"}, "no live peer is named zulu (live: alpha, bravo"),
+        ({"action": "pause", "peer": "alpha"}, "alpha is already paused"),
+        ({"action": "resume", "peer": "charlie"}, "charlie is not paused (paused: "),
+    ]:
+        w.set_state({"command": {**command, "nonce": len(why)}})
+        assert w.message.startswith(f"refused: {why}"), w.message
+    assert w.source.published == []
+    w.handle({"action": "resume", "peer": peer_id(1)})  # paused by name (an older CLI): dropped too
+    assert w.source.published[-1] == {"paused": [peer_id(0)]}
+    # Two peers under one name (anyone can take a name): pause by id only.
+    monitor = SwarmMonitor()
+    beats = {peer_id(i): heartbeat(i, 1010.0, 1, name="alpha") for i in range(2)}
+    w.last = monitor.ingest(Reading(1010.0, "fake-run", beats))
+    with pytest.raises(SwarmError, match="2 live peers are named alpha .*pause one by its peer id"):
+        w.handle({"action": "pause", "peer": "alpha"})
+    w.handle({"action": "pause", "peer": peer_id(1)})
+    assert w.source.published[-1] == {"paused": [peer_id(1)]}
 
 
 def test_steer_from_the_front_end_and_from_python() -> None:
@@ -38,15 +72,24 @@ def test_steer_from_the_front_end_and_from_python() -> None:
     w.set_state({"command": {"action": "steer", "round_seconds": 12, "nonce": 6}})
     assert w.source.published[-1] == {"round_seconds": 12.0}
     w.set_state({"command": {"action": "steer", "round_seconds": -1, "nonce": 7}})
-    assert w.message == "refused: --round-seconds must be in [0, 86400] (got -1.0)"
+    assert w.message == "refused: --round-seconds must be in [0, 86400] (got -1)"
 
 
 def test_bad_commands_are_refused_with_a_message() -> None:
     w = widget()
     w.set_state({"command": {"action": "steer", "nonce": 3}})
-    assert w.message == "refused: nothing to change: give an outer lr, H or round seconds"
+    assert w.message == "refused: nothing to change: give an outer lr, H, round seconds or a codec"
     w.set_state({"command": {"action": "explode", "nonce": 4}})
     assert w.message.startswith("refused: unknown command")
+    for changes, why in [
+        ({"inner_steps": True}, "--inner-steps must be a number (got True)"),
+        ({"outer_lr": "0.5"}, "--outer-lr must be a number"),
+        ({"inner_steps": 10**9}, "--inner-steps must be"),
+        ({"codec": "zip"}, "unknown codec 'zip'"),
+        ({"outer_lr": 0.5, "lr": 0.1}, "cannot steer lr: choose from outer_lr"),
+    ]:
+        w.set_state({"command": {"action": "steer", **changes, "nonce": len(why)}})
+        assert w.message.startswith(f"refused: {why}"), w.message
     assert w.source.published == []
 
 

@@ -74,3 +74,29 @@ def test_a_joiner_waits_for_its_run_as_long_as_its_connect_timeout_says_within_3
     assert 5.0 <= _waited(5.0) < 5.4
     assert 3.0 <= _waited(1.0) < 3.4
     assert 10.0 <= _waited(20.0) < 10.4
+
+
+def test_a_joiner_mid_round_trusts_its_round_mates_then_the_median_claim():
+    """A joiner runs only the steps left in the round, from the others' heartbeats. A fresh key
+    claiming inner step 99 of 100 cut an honest joiner's first round to one step; now a claim
+    is believed from a round mate, otherwise the median of the peers training the round."""
+
+    def training(peer: str, inner: int, step: int = 7) -> PeerHeartbeat:
+        return PeerHeartbeat(
+            peer_id=peer, name=peer, stage=Stage.TRAINING, outer_step=step, inner_step=inner,
+            inner_steps=100, time=time.time(),
+        )  # fmt: skip
+
+    class Beats:
+        def __init__(self, *beats: PeerHeartbeat) -> None:
+            self.beats = {b.peer_id: b for b in beats}
+
+        def fetch(self) -> dict[str, PeerHeartbeat]:
+            return self.beats
+
+    honest, liar = training("h", 30), training("liar", 99)
+    steps = peer_module.steps_this_round
+    assert steps(Beats(honest, liar, training("old", 90, step=6)), "me", 7, 100) == 70
+    assert steps(Beats(honest, training("g", 40), liar), "me", 7, 100) == 60  # the median of three
+    assert steps(Beats(honest, liar), "me", 7, 100, vouched={"liar"}) == 1  # a round mate is believed
+    assert steps(Beats(training("me", 50)), "me", 7, 100) == 100  # nobody else: the whole round

@@ -358,3 +358,22 @@ def test_free_text_from_the_network_reaches_the_terminal_as_text(capsys) -> None
     )
     out = capsys.readouterr().out
     assert "\x1b]0;" not in out and "[/b] lied" in out and "[/i] crashed" in out
+
+
+def test_a_pause_names_one_live_peer_by_id_and_a_shared_name_is_refused():
+    """A name is anyone's to take: a stranger named like an honest peer must not get both paused
+    by `steer --pause NAME`, the TUI or the widget. A pause resolves to the one live peer's id."""
+    from types import SimpleNamespace
+
+    from swarm.steering import live_peer_id
+
+    live = {"id-a": SimpleNamespace(name="alice"), "id-b": SimpleNamespace(name="bob")}
+    assert live_peer_id("alice", live) == "id-a" and live_peer_id("id-b", live) == "id-b"
+    with pytest.raises(SwarmError, match=r"no live peer is named carol \(live: alice, bob\)"):
+        live_peer_id("carol", live)
+    live["id-x"] = SimpleNamespace(name="alice")
+    with pytest.raises(
+        SwarmError, match=r"2 live peers are named alice \(id-a, id-x\): pause one by its peer id"
+    ):
+        live_peer_id("alice", live)
+    assert live_peer_id("id-x", live) == "id-x"

@@ -138,7 +138,7 @@ function render({ model, el: root }) {
       const isPaused = paused.includes(p.peer_id) || paused.includes(p.name);
       const button = el("button", { class: isPaused ? "swb-resume" : "swb-pause", text: isPaused ? "resume" : "pause" });
       if (reason) { button.disabled = true; button.title = reason; }
-      button.addEventListener("click", () => send({ action: isPaused ? "resume" : "pause", peer: p.name }));
+      button.addEventListener("click", () => send({ action: isPaused ? "resume" : "pause", peer: p.peer_id }));
       const td = el("td");
       td.appendChild(button);
       tr.appendChild(td);

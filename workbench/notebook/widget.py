@@ -20,8 +20,11 @@ import traitlets
 
 from swarm import bounds
 from swarm.errors import SwarmError
+from swarm.steering import live_peer_id
 
 logger = logging.getLogger(__name__)
+
+STEERABLE = ("outer_lr", "inner_steps", "round_seconds", "codec")
 
 
 class SwarmWidget(anywidget.AnyWidget):
@@ -97,29 +100,44 @@ class SwarmWidget(anywidget.AnyWidget):
             self.message = f"refused: {error}"
 
     def handle(self, command: dict[str, Any]) -> str:
-        """Run one front-end command; returns what to tell the user."""
+        """Run one front-end command; returns what to tell the user (ValueError or SwarmError,
+        naming what was wrong, for a command that cannot be run: nothing is published then)."""
         action = command.get("action")
         control = self.last.control if self.last is not None else None
         paused = list(control.paused) if control else []
-        if action == "pause":
-            peer = str(command["peer"])
-            result = self.source.steer(paused=[*paused, peer] if peer not in paused else paused)
-        elif action == "resume":
-            peer = str(command["peer"])
-            result = self.source.steer(paused=[p for p in paused if p != peer])
+        if action in ("pause", "resume"):
+            peer = command.get("peer")
+            if not isinstance(peer, str) or not peer:
+                raise ValueError(f"{action} needs a peer: its id or its name (got {peer!r})")
+            live = self.last.peers if self.last is not None else {}
+            ids = [pid for pid, hb in live.items() if peer in (pid, hb.name)]
+            if action == "pause":
+                target = live_peer_id(peer, live)  # by id: a name can be shared
+                if target in paused:
+                    raise ValueError(f"{peer} is already paused")
+                result = self.source.steer(paused=[*paused, target])
+            else:
+                aliases = {peer} | {x for pid in ids for x in (pid, live[pid].name)}
+                if not aliases & set(paused):
+                    raise ValueError(f"{peer} is not paused (paused: {', '.join(paused) or 'nobody'})")
+                result = self.source.steer(paused=[p for p in paused if p not in aliases])
         elif action == "steer":
-            changes = {
-                k: command[k]
-                for k in ("outer_lr", "inner_steps", "round_seconds", "codec")
-                if command.get(k) is not None
-            }
+            unknown = sorted(set(command) - {"action", "nonce", *STEERABLE})
+            if unknown:
+                raise ValueError(f"cannot steer {', '.join(unknown)}: choose from {', '.join(STEERABLE)}")
+            changes = {k: command[k] for k in STEERABLE if command.get(k) is not None}
             if not changes:
-                raise ValueError("nothing to change: give an outer lr, H or round seconds")
-            if "round_seconds" in changes:  # the same bounds as the flag and every peer's check
-                changes["round_seconds"] = bounds.check("round_seconds", float(changes["round_seconds"]))
+                raise ValueError("nothing to change: give an outer lr, H, round seconds or a codec")
+            for name in ("outer_lr", "inner_steps", "round_seconds"):  # the flags' bounds
+                if name in changes:
+                    changes[name] = bounds.check(name, changes[name])
+            if "codec" in changes and changes["codec"] not in bounds.UPDATE_CODECS:
+                raise ValueError(
+                    f"unknown codec {changes['codec']!r} (choose from {', '.join(bounds.UPDATE_CODECS)})"
+                )
             result = self.source.steer(**changes)
         else:
-            raise ValueError(f"unknown command {action!r}")
+            raise ValueError(f"unknown command {action!r}: pause, resume or steer")
         return f"published control v{result.version} (applied from outer step {result.from_step})"
 
     def steer(self, **changes: Any) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from swarm.errors import SwarmError
@@ -181,15 +181,25 @@ def wait_for_peers(
         time.sleep(0.3)
 
 
-def steps_this_round(board: Any, peer_id: str, outer_step: int, steps: int) -> int:
+def steps_this_round(
+    board: Any, peer_id: str, outer_step: int, steps: int, vouched: Collection[str] = ()
+) -> int:
     """``steps`` (H), or fewer for a peer that joined mid-round, so that it reaches the barrier
-    with the others (the most advanced of them training this round, from their heartbeats)."""
-    mates = [
-        p.inner_step
+    with the others training this round (from their heartbeats).
+
+    A heartbeat's inner step is a claim: the most advanced of the peers that averaged with this
+    one is believed; otherwise the median of the others (a fresh key claiming to be at step H-1
+    alone would cut a joiner's first round to one step and its update to noise)."""
+    training = [
+        p
         for p in board.fetch().values()
         if p.peer_id != peer_id and p.outer_step == outer_step and p.stage is Stage.TRAINING
     ]
-    return max(1, steps - max(mates)) if mates else steps
+    mates = [p.inner_step for p in training if p.peer_id in vouched]
+    if mates:
+        return max(1, steps - max(mates))
+    claims = sorted(p.inner_step for p in training)
+    return max(1, steps - claims[(len(claims) - 1) // 2]) if claims else steps
 
 
 def peer_batches(config: RunConfig, corpus: Any, peer_id: str):

@@ -345,7 +345,11 @@ class Peer:
         total_inner = self.config.total_rounds * self.config.round_steps if cfg.peer.rounds else None
         steps, compute, samples, dp_report = 0, 0.0, 0, None
         cap = joining.steps_this_round(
-            self.board, self.peer_id, self.diloco.outer_step_count, cfg.round_steps
+            self.board,
+            self.peer_id,
+            self.diloco.outer_step_count,
+            cfg.round_steps,
+            vouched=set(self.averager.vouching.vouched) if self.averager is not None else (),
         )
         box, started = self.round_seconds, time.monotonic()
         # Time-boxed rounds: as many steps as fit in the box (at least one, at most H).
