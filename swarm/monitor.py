@@ -144,6 +144,9 @@ class SwarmSnapshot:
         }
 
 
+MAX_DEPARTED = 1024  # departed peers shown (the most recent); fresh keys are free
+
+
 class SwarmMonitor:
     """Derives snapshots from readings; reads the DHT through ``read`` (a callable returning a
     :class:`Reading`) or is fed readings by :meth:`ingest` (replay, tests)."""
@@ -216,7 +219,7 @@ class SwarmMonitor:
             last = self._known.get(pid) or reading.peers.get(pid)
             if last is not None:
                 self._departed[pid] = Departed(last, f"ignored for lying: {ignored[pid]}", now)
-        self._ignored |= set(ignored)
+        self._ignored = set(ignored)  # as many as the reading says (itself bounded)
         alive = {
             pid: p for pid, p in reading.peers.items() if p.stage is not Stage.LEAVING and pid not in ignored
         }
@@ -244,6 +247,15 @@ class SwarmMonitor:
         self._known = dict(alive)
         for pid in [pid for pid, d in self._departed.items() if now - d.time > DEPARTED_SECONDS]:
             del self._departed[pid]
+        for pid in list(self._departed)[:-MAX_DEPARTED]:  # oldest first (dicts keep order)
+            del self._departed[pid]
+        # Keys are free: what is kept per peer goes with the peer (alive, or shown as departed).
+        kept = alive.keys() | self._departed.keys()
+        for pid in [pid for pid in self._history if pid not in kept]:
+            del self._history[pid]
+        for pid in [pid for pid in self._names if pid not in kept]:
+            del self._names[pid]
+        self._killed &= kept
 
         top = max((p.outer_step for p in alive.values()), default=self._round)
         self._round = max(self._round, top)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 from swarm.claims import Ignored, implausible
 from swarm.errors import SwarmError
@@ -17,6 +18,8 @@ from swarm.records import CLOCK_SLACK, HEARTBEAT_TTL, PeerHeartbeat, RunKeys, St
 from swarm.store import SignedStore
 
 logger = logging.getLogger(__name__)
+
+MAX_KEYS = 4096  # signing keys whose peer id is cached
 
 
 class ProgressBoard:
@@ -31,7 +34,7 @@ class ProgressBoard:
         self.period = period
         self._last_publish = 0.0
         self._last_fetch: dict[str, PeerHeartbeat] = {}
-        self._peer_ids: dict[str, str | None] = {}  # public key -> peer id (RSA work, cached)
+        self._peer_ids: OrderedDict[str, str | None] = OrderedDict()  # public key -> peer id (cached, LRU)
         self.ignored = Ignored()
         self._forgers = Ignored()  # keys caught signing another peer's heartbeat (bounded)
         """Peers caught lying (absurd heartbeats here, behaviour in swarm.averaging): dropped
@@ -96,11 +99,18 @@ class ProgressBoard:
         return peers
 
     def peer_id_of(self, public_key: str) -> str | None:
-        if public_key not in self._peer_ids:
-            from swarm.identity import peer_id_of
+        """The peer id of a heartbeat's signing key (RSA work: the last ``MAX_KEYS`` are cached;
+        keys are free, so the cache must not keep every key ever seen)."""
+        if public_key in self._peer_ids:
+            self._peer_ids.move_to_end(public_key)
+            return self._peer_ids[public_key]
+        from swarm.identity import peer_id_of
 
-            try:
-                self._peer_ids[public_key] = peer_id_of(public_key)
-            except (ValueError, TypeError):
-                self._peer_ids[public_key] = None
-        return self._peer_ids[public_key]
+        try:
+            found = peer_id_of(public_key)
+        except (ValueError, TypeError):
+            found = None
+        self._peer_ids[public_key] = found
+        while len(self._peer_ids) > MAX_KEYS:
+            self._peer_ids.popitem(last=False)
+        return found

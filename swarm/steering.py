@@ -17,10 +17,12 @@ One API for every front end (CLI, TUI, notebook widgets)::
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from swarm.claims import Ignored
 from swarm.errors import SwarmError
 from swarm.records import LONG_TTL, ControlState, PeerHeartbeat, RunKeys
 from swarm.store import SignedStore
@@ -28,6 +30,7 @@ from swarm.store import SignedStore
 logger = logging.getLogger(__name__)
 
 CONTROL_TTL = LONG_TTL  # the owner republishes it while it runs
+REFUSAL_LOG_SECONDS = 60.0  # at most one line a minute about non-owners' steering records
 
 
 class ControlWatcher:
@@ -40,7 +43,9 @@ class ControlWatcher:
         self.period = period
         self.latest: ControlState | None = None
         self._last_poll = 0.0
-        self._rejected: set[tuple[str, int]] = set()
+        self._rejected = Ignored()  # writers whose changes were refused (bounded)
+        self._said = -math.inf  # when the last refusal was logged
+        self._unsaid = 0  # keys refused since then, not logged
 
     def poll(self, *, force: bool = False) -> ControlState | None:
         """The owner's newest ControlState (None before the first); reads the DHT at most once
@@ -59,19 +64,29 @@ class ControlWatcher:
         for public_key, control in records.items():
             writer = key_hash(public_key)
             if writer != self.owner:
-                if (writer, control.version) not in self._rejected:
-                    self._rejected.add((writer, control.version))
-                    logger.warning(
-                        "ignored a steering change (version %d: %s) from %s: only the run owner %s can steer",
-                        control.version,
-                        control.changes(),
-                        writer,
-                        self.owner,
-                    )
+                self._refuse(writer, control, now)
                 continue
             if self.latest is None or control.version > self.latest.version:
                 self.latest = control
         return self.latest
+
+    def _refuse(self, writer: str, control: ControlState, now: float) -> None:
+        """Log a non-owner's steering record once per key, and at most one such line a minute
+        (keys are free: a flood of them, or of versions, must not flood the log)."""
+        if not self._rejected.add(writer, "steers without being the owner"):
+            return
+        if now - self._said < REFUSAL_LOG_SECONDS:
+            self._unsaid += 1
+            return
+        more = f" (and {self._unsaid} other key(s) since the last such line)" if self._unsaid else ""
+        logger.warning(
+            "ignored steering changes from %s (version %d): only the run owner %s can steer%s",
+            writer,
+            control.version,
+            self.owner,
+            more,
+        )
+        self._said, self._unsaid = now, 0
 
 
 class Steering:

@@ -168,3 +168,31 @@ def test_one_peer_claiming_a_far_off_round_tells_nothing_and_is_forgotten() -> N
     assert rounds and not any("1000000000" in r for r in rounds)
     assert rounds[-1].startswith("round 16: ")  # the honest rounds are told up to the last
     assert len(monitor._seen) <= 64  # claims nobody follows are dropped (after 60 s, beyond 64)
+
+
+def test_what_the_monitor_keeps_per_peer_goes_with_the_peer(monkeypatch) -> None:
+    """Keys are free: a flood of fresh keys, each seen for a moment, must not grow the monitor
+    (history, names, departed) or the board's key cache for the rest of the run."""
+    from swarm import monitor as monitor_module
+    from swarm import progress
+
+    monitor = SwarmMonitor()
+    for i in range(3000):  # one new peer a second, each gone at the next reading
+        t = float(i)
+        monitor.ingest(reading(t, hb("a", t, 1, loss=1.0), hb(f"x{i}", t, 1, loss=2.0)))
+    kept = set(monitor._history) | set(monitor._names)
+    assert "id-a" in kept and len(kept) <= 3 + monitor_module.DEPARTED_SECONDS, len(kept)
+    assert len(monitor.ingest(reading(3000.0, hb("a", 3000.0, 1))).departed) <= monitor_module.MAX_DEPARTED
+    assert len(monitor._history["id-a"]["loss"]) == 512  # a live peer's history stays, bounded
+
+    from swarm import identity
+
+    derived = []
+    monkeypatch.setattr(identity, "peer_id_of", lambda key: derived.append(key) or f"id-{key}")
+    board = progress.ProgressBoard.__new__(progress.ProgressBoard)
+    board._peer_ids = progress.OrderedDict()
+    assert board.peer_id_of("k0") == "id-k0"
+    for i in range(1, progress.MAX_KEYS + 100):
+        board.peer_id_of(f"k{i}")
+        board.peer_id_of("k0")  # in use: kept
+    assert len(board._peer_ids) == progress.MAX_KEYS and derived.count("k0") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -363,8 +364,6 @@ def test_free_text_from_the_network_reaches_the_terminal_as_text(capsys) -> None
 def test_a_pause_names_one_live_peer_by_id_and_a_shared_name_is_refused():
     """A name is anyone's to take: a stranger named like an honest peer must not get both paused
     by `steer --pause NAME`, the TUI or the widget. A pause resolves to the one live peer's id."""
-    from types import SimpleNamespace
-
     from swarm.steering import live_peer_id
 
     live = {"id-a": SimpleNamespace(name="alice"), "id-b": SimpleNamespace(name="bob")}
@@ -377,3 +376,33 @@ def test_a_pause_names_one_live_peer_by_id_and_a_shared_name_is_refused():
     ):
         live_peer_id("alice", live)
     assert live_peer_id("id-x", live) == "id-x"
+
+
+def test_non_owners_steering_records_are_logged_once_per_key_and_at_most_once_a_minute(monkeypatch, caplog):
+    """Keys are free: steering records from non-owners (a new version every poll, from many
+    keys) were one warning line per key and version. Now: one per key, one a minute at most,
+    the rest counted; the owner's record is still taken."""
+    import swarm.identity
+    from swarm import steering
+
+    clock = [1000.0]
+    monkeypatch.setattr(steering.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(swarm.identity, "key_hash", lambda key: key)
+    records: dict[str, ControlState] = {}
+    store = SimpleNamespace(read=lambda key, schema: dict(records))
+    watcher = steering.ControlWatcher(store, SimpleNamespace(control="k"), owner="owner", period=0.0)
+    caplog.set_level("WARNING", logger="swarm.steering")
+    for version in range(1, 50):
+        clock[0] += 1.0
+        records.update({f"stranger{i}": ControlState(version=version, outer_lr=5.0) for i in range(version)})
+        records["owner"] = ControlState(version=3, outer_lr=0.5)
+        assert watcher.poll().outer_lr == 0.5
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("ignored steering changes from stranger0 (version 1)")
+    clock[0] += 61.0
+    records["stranger99"] = ControlState(version=1)
+    watcher.poll()
+    assert (
+        len(caplog.records) == 2
+        and "(and 48 other key(s) since the last such line)" in caplog.records[1].getMessage()
+    )
