@@ -176,8 +176,13 @@ class Steering:
         return self.publish(paused=[*paused, peer] if peer not in paused else paused)
 
     def resume(self, peer: str) -> ControlState:
+        """Resume ``peer`` (its id or name: the live peers it names are resumed, however they
+        were paused)."""
         current = self.current()
-        paused = [p for p in (current.paused if current else []) if p != peer]
+        names = {peer}
+        if self.board is not None:
+            names |= {x for i, p in self.board.fetch().items() if peer in (i, p.name) for x in (i, p.name)}
+        paused = [p for p in (current.paused if current else []) if p not in names]
         return self.publish(paused=paused)
 
     @staticmethod

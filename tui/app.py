@@ -102,8 +102,9 @@ class SwarmApp(OwnerConsole):
 
     def show(self, snapshot: SwarmSnapshot) -> None:
         """Take a new snapshot: record what accumulates, then render unless updates are paused."""
-        try:
+        try:  # every widget a render touches (the screen's children go one by one as it closes)
             log, rates = self.query_one("#events", EventLog), self.query_one("#rates", Rates)
+            self.query_one("#summary", RunSummary)
         except (NoMatches, ScreenStackError):  # the app is closing, its screen gone: a last poll, dropped
             return
         self.snapshot = snapshot
