@@ -267,12 +267,14 @@ class SimSource:
             )
 
     def finish(self) -> None:
+        """The run ended: its peers stay in view, done with their rounds (not "left": the
+        widget would then show an empty swarm and no loss curves)."""
         from swarm.records import Stage
 
         with self._lock:
             self._done = True
             self._beats = {
-                r: b.model_copy(update=dict(stage=Stage.LEAVING, time=time.time()))
+                r: b.model_copy(update=dict(stage=Stage.FINISHING, time=time.time()))
                 for r, b in self._beats.items()
             }
 

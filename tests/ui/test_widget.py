@@ -105,3 +105,9 @@ def test_static_html_fallback() -> None:
     data, _ = w._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in data
     assert "<table>" in data["text/html"] and "charlie" in data["text/html"]
+
+
+@pytest.mark.parametrize("interval", [0, -1, "1", float("nan"), True])
+def test_a_poll_interval_out_of_bounds_is_refused(interval) -> None:
+    with pytest.raises(ValueError, match="--interval must be"):
+        SwarmWidget(FakeSource(), interval=interval, autostart=False)

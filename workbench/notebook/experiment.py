@@ -46,6 +46,18 @@ from workbench.config import RunConfig
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("sim", "local", "swarm")
+SIM_IGNORES = (
+    "aggregate",
+    "averaging_timeout",
+    "data_plane",
+    "device",
+    "headless",
+    "matchmaking_time",
+    "no_tui",
+    "shard",
+    "timeout",
+)
+"""Settings of real peers that the simulator has no use for: refused on ``backend="sim"``."""
 
 
 class WithLoss(torch.nn.Module):
@@ -65,6 +77,8 @@ def _custom_model(flags: dict[str, Any], backend: str) -> Callable[[], torch.nn.
     """Take ``model=<nn.Module or a callable making one>`` and ``loss_fn`` out of ``flags``; a
     factory giving each virtual peer its own copy of the same initial θ."""
     model, loss_fn = flags.get("model"), flags.pop("loss_fn", None)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a function of (output, y) (got {type(loss_fn).__name__})")
     if model is None or isinstance(model, str):
         if loss_fn is not None:
             raise ValueError("loss_fn goes with model=<your nn.Module>; presets bring their own loss")
@@ -89,6 +103,9 @@ def _custom_model(flags: dict[str, Any], backend: str) -> Callable[[], torch.nn.
         raise ValueError(
             f"model must be a preset name, a folder, an nn.Module or a callable (got {type(model).__name__})"
         )
+    built = make()  # now, not in the run's thread: a broken factory fails here, where it is called
+    if not isinstance(built, torch.nn.Module):
+        raise ValueError(f"model() must return a torch.nn.Module (got {type(built).__name__})")
     return (lambda: WithLoss(make(), loss_fn)) if loss_fn is not None else make
 
 
@@ -101,6 +118,23 @@ def config_from_flags(command: str = "demo", **flags: Any) -> tuple[RunConfig, A
 
     args = values_of(command, flags)
     return build_config(args), args
+
+
+def _check_counts(**counts: Any) -> None:
+    """peers, steps and rounds: whole numbers in their flags' bounds; steps or rounds, not both."""
+    from swarm import bounds
+
+    if counts["steps"] is not None and counts["rounds"] is not None:
+        raise ValueError("give steps= or rounds=, not both (steps = rounds x inner_steps)")
+    for key, value in counts.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be a whole number (got {value!r})")
+        low = 1 if key == "rounds" else bounds.BOUNDS[key].low  # 0 rounds (until stopped) is the CLI's
+        if value < low:
+            raise ValueError(f"{key} must be at least {low:g} (got {value})")
+        bounds.check(key, value)
 
 
 class Experiment:
@@ -123,13 +157,33 @@ class Experiment:
         ``round_seconds`` then in virtual seconds (a speed-1 step takes one); on real peers
         ``round_seconds`` is wall time and each peer's speed is its own."""
         if backend not in BACKENDS:
-            raise ValueError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
+            raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+        _check_counts(peers=peers, steps=steps, rounds=rounds)
+        if isinstance(initial_peers, (str, bytes)):
+            raise ValueError(
+                f"initial_peers is a list of multiaddrs: initial_peers=[{initial_peers!r}] (got a string)"
+            )
+        if initial_peers and backend != "swarm":
+            raise ValueError("initial_peers= joins a running swarm: use it with backend='swarm'")
+        if initial_peers:
+            from swarm.addresses import parse_peer_addresses
+
+            parse_peer_addresses(initial_peers)  # a bad address is an error here, not in the run
+        if isinstance(speeds, (str, bytes)):
+            raise ValueError(f"speeds is a list of numbers, one per peer (got the string {speeds!r})")
         if speeds is not None and backend != "sim":
             raise ValueError("speeds= sets the simulator's virtual clock: use it with backend='sim'")
         if backend == "sim" and flags.get("codec", "none") != "none":
             raise ValueError(
                 f"codec={flags['codec']!r} is the wire codec of real peers' all-reduce, and the simulator "
                 f"has no wire: use update_codec={flags['codec']!r} to compress the updates it averages"
+            )
+        ignored = [key for key in SIM_IGNORES if flags.get(key) not in (None, False)]
+        if backend == "sim" and ignored:
+            raise ValueError(
+                f"{', '.join(f'{key}=' for key in ignored)} set{'s' if len(ignored) == 1 else ''} "
+                "real peers (backend='local' or 'swarm'); the simulator would ignore "
+                f"{'it' if len(ignored) == 1 else 'them'}"
             )
         self.speeds = list(speeds or [])
         self.backend = backend
@@ -143,9 +197,18 @@ class Experiment:
             rounds = 8
         self.rounds = rounds if rounds is not None else max(1, -(-steps // H))  # type: ignore[operator]
         self.steps = steps if steps is not None else self.rounds * H
+        if backend == "sim":  # its settings, checked now rather than in the run's thread
+            from optim.sim import SimConfig
+
+            SimConfig(
+                peers=peers,
+                steps=self.steps,
+                speeds=self.speeds,
+                round_seconds=self.config.peer.round_seconds,
+            )
         self.name = name or f"{self.method} ({backend})"
         self.initial_peers = list(initial_peers or [])
-        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="workbench-experiment-"))
+        self._run_dir = Path(run_dir) if run_dir else None
         self.error: BaseException | None = None
         self.result: Any = None
         self._rows: list[dict[str, Any]] = []
@@ -153,11 +216,28 @@ class Experiment:
         self._source = None
         self._sim_readings = None
         self._stop = threading.Event()
+        self._done = threading.Event()  # set when the run's thread has finished, whatever the way
         self._lock = threading.Lock()
+
+    @property
+    def run_dir(self) -> Path:
+        """Where real peers keep their logs and metrics (a new temporary folder unless given;
+        made on first use: a simulated run writes nothing)."""
+        if self._run_dir is None:
+            self._run_dir = Path(tempfile.mkdtemp(prefix="workbench-experiment-"))
+        return self._run_dir
 
     def __repr__(self) -> str:
         state = (
-            "running" if self.running else ("failed" if self.error else ("done" if self.result else "ready"))
+            "running"
+            if self.running
+            else "stopped"
+            if self.error is not None and self._stop.is_set()
+            else "failed"
+            if self.error is not None
+            else "done"
+            if self.result is not None
+            else "ready"
         )
         return f"Experiment({self.name!r}, backend={self.backend!r}, peers={self.peers}, {state})"
 
@@ -165,7 +245,7 @@ class Experiment:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._done.is_set()
 
     def run(self) -> Experiment:
         """Start in a background thread (the notebook stays responsive); returns self."""
@@ -179,6 +259,8 @@ class Experiment:
             except BaseException as error:  # shown by wait() and repr, never lost in the thread
                 self.error = error
                 logger.error("%s failed: %s", self.name, error)
+            finally:
+                self._done.set()
 
         self._thread = threading.Thread(target=guarded, name=f"experiment-{self.name}", daemon=True)
         self._thread.start()
@@ -188,15 +270,23 @@ class Experiment:
         """Block until the run ends; re-raises its error."""
         if self._thread is None:
             raise RuntimeError("call run() first")
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        try:
+            # An Event, not Thread.join: Ctrl+C in a join can leave the thread looking finished
+            # while it runs on (CPython's join lock), and then stop() and repr lie.
+            finished = self._done.wait(timeout)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(
+                f"{self.name} goes on in the background: .stop() ends it, .wait() waits again"
+            ) from None
+        if not finished:
             raise TimeoutError(f"{self.name} still running after {timeout} s")
         if self.error is not None:
             raise self.error
         return self
 
     def stop(self) -> None:
-        """Stop a local or swarm run early (its peers leave cleanly)."""
+        """Stop the run early: a simulation at the end of the round in progress (its history
+        keeps the rounds done), real peers leave cleanly. ``wait()`` then raises "was stopped"."""
         self._stop.set()
 
     # --- results --------------------------------------------------------------------------------
@@ -242,8 +332,7 @@ class Experiment:
         return step * self.peers * self.config.data.batch_size * self.config.model.block_size
 
     def _run_sim(self) -> None:
-        from optim.sim import SimConfig
-        from workbench.simulate import MethodSpec, run_simulation
+        from workbench.simulate import MethodSpec
         from workbench.sources import SimSource
 
         spec = MethodSpec(
@@ -258,14 +347,39 @@ class Experiment:
         self._source = source
         started = time.monotonic()
         evals_wanted = min(self.steps // H, 24) or 1  # ~24 evaluations whatever H is
-        every = max(1, (self.steps // H) // evals_wanted)
+        every = (
+            self.args.eval_every  # checked as the flag is
+            if self.flags.get("eval_every") is not None
+            else max(1, (self.steps // H) // evals_wanted)
+        )
         losses: dict[int, dict[int, float]] = {}
+        if self.config.train.threads:
+            torch.set_num_threads(self.config.train.threads)
 
         def on_round(info: dict[str, float]) -> None:
             source.update(info)
             losses.setdefault(int(info["round"]), {})[int(info["rank"])] = info["loss"]
+            if self._stop.is_set():
+                raise SwarmError(f"{self.name} was stopped at round {int(info['round'])}")
 
-        result = run_simulation(
+        try:
+            result = self._simulate(spec, every, on_round)
+        except BaseException:
+            for at in sorted(losses):  # the rounds done: what a stopped or failed run leaves
+                step = at * H
+                mean = sum(losses[at].values()) / len(losses[at])
+                self._add(round=at, step=step, tokens=self._tokens(step), bytes_per_peer=None,
+                          loss=mean, eval_loss=None, seconds=time.monotonic() - started)  # fmt: skip
+            source.finish()
+            raise
+        self._record_sim(result, losses, started)
+        source.finish()
+
+    def _simulate(self, spec, every: int, on_round: Callable[[dict[str, float]], None]):
+        from optim.sim import SimConfig
+        from workbench.simulate import run_simulation
+
+        return run_simulation(
             spec,
             make_model=self.make_model,
             model=self.config.model,
@@ -281,6 +395,8 @@ class Experiment:
                 round_seconds=self.config.peer.round_seconds,
             ),
         )
+
+    def _record_sim(self, result, losses: dict[int, dict[int, float]], started: float) -> None:
         self.result = result
         self._add(
             round=0,
@@ -313,7 +429,6 @@ class Experiment:
                 eval_loss=result.final_eval_loss,
                 seconds=time.monotonic() - started,
             )
-        source.finish()
 
     def _local_config(self) -> RunConfig:
         run_id = f"nb-{uuid.uuid4().hex[:8]}"
@@ -418,12 +533,22 @@ def compare(experiments: list[Experiment], *, x: str = "tokens", ax=None):
     if x not in ("tokens", "bytes"):
         raise ValueError("x must be 'tokens' or 'bytes'")
     column = "tokens" if x == "tokens" else "bytes_per_peer"
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4))
+    frames = []
     for experiment in experiments:
         frame = experiment.history().dropna(subset=["eval_loss"])
-        if x == "bytes":
-            frame = frame[frame[column] > 0]
+        if frame.empty:  # nothing to draw: say why rather than draw an empty line
+            why = (
+                "has not run (call .run() first)"
+                if experiment._thread is None  # noqa: SLF001
+                else f"ended with no evaluation ({experiment.error})"
+                if experiment.error is not None
+                else "has no evaluation yet (.wait() for it)"
+            )
+            raise ValueError(f"{experiment.name} {why}: nothing to compare")
+        frames.append(frame[frame[column] > 0] if x == "bytes" else frame)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4))
+    for experiment, frame in zip(experiments, frames, strict=True):
         ax.plot(frame[column], frame["eval_loss"], marker="o", markersize=3, label=experiment.name)
     if x == "bytes":
         ax.set_xscale("log")

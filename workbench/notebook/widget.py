@@ -46,6 +46,8 @@ class SwarmWidget(anywidget.AnyWidget):
         self, source, *, interval: float | None = None, autostart: bool = True, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
+        if interval is not None:
+            interval = bounds.check("interval", interval)  # seconds between polls
         self.source = source
         self.title = source.title
         self.interval = interval or source.interval
