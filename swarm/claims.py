@@ -109,9 +109,11 @@ def witness_order(
     donor, the freshest peer, is among them). Never by the claim itself: a step is anyone's to
     claim, and silent heartbeats claiming to be ahead would take every witness slot and leave
     the state unconfirmed by anyone. At random, fresh keys get the share of the slots they are
-    of the peers. Peers that cannot be dialed (client mode: no addresses) cannot answer."""
+    of the peers. Strangers that cannot be dialed (client mode: no addresses) cannot answer; a
+    round mate in client mode can, over the connection it keeps to this peer.
+    (:func:`at_the_donors_step` then puts those claiming the donor's step first.)"""
     rng = rng or random.Random()
-    reachable = [p for p in peers if p.addresses]
+    reachable = [p for p in peers if p.addresses or p.peer_id in vouched]
     if not reachable:
         return []
     claims = sorted(p.outer_step for p in reachable)
@@ -127,6 +129,15 @@ def witness_order(
             ),
         )
     ]
+
+
+def at_the_donors_step(witnesses: Sequence[str], claims: dict[str, int], step: int) -> list[str]:
+    """``witnesses`` (in :func:`witness_order`'s order) with those that claim outer step ``step``
+    (the donor's) first, the order kept otherwise: only a peer at the donor's step can confirm
+    its θ (:func:`judge_state`), and rounds in flight leave honest peers a step apart. A claim
+    chosen to take these places gains nothing: :func:`judge_state` does not take a state that
+    witnesses claiming its step left unanswered."""
+    return sorted(witnesses, key=lambda peer: claims.get(peer) != step)
 
 
 @dataclass(frozen=True)
@@ -150,6 +161,7 @@ def judge_state(
     *,
     donor: str,
     vouched: set[str],
+    claims: dict[str, int] | None = None,
 ) -> StateVerdict:
     """Accept a state downloaded from ``donor`` at outer step ``step`` (sketched as ``mine``)?
 
@@ -190,6 +202,14 @@ def judge_state(
             True, "served by a peer that averaged with this one; no other peer is at that step"
         )
     if not steps:
+        silent = [peer for peer in answers if (claims or {}).get(peer) == step]
+        if silent:
+            # Peers that say they hold this step were asked and said nothing: fresh keys placed
+            # to take every witness slot, or peers too busy to answer. Not taken on the donor's
+            # word either way (the next donor is tried).
+            return StateVerdict(
+                False, f"{len(silent)} peer(s) that claim outer step {step} were asked and did not answer"
+            )
         return StateVerdict(True, "no other peer answered: the donor is the only witness")
     if min(steps) > step:
         # Everyone asked moved on while this peer downloaded (rounds shorter than a download,

@@ -32,6 +32,7 @@ from swarm.state_sharing import VERIFIERS
 logger = logging.getLogger(__name__)
 
 DONORS_PER_TRY = 4  # donors tried (each checked) in one download_state call
+MAX_CANDIDATES = 32  # witnesses to choose from once the donor's step is known
 
 
 class Downloading:
@@ -68,7 +69,7 @@ class Downloading:
             got = self._fetch_state(skipped, distrusted, deadline)
             if got is None:
                 return None
-            state, donor, seed, answers = got
+            state, donor, seed, answers, claims = got
             skipped.add(donor)
             if state is None:
                 distrusted.add(donor)
@@ -86,7 +87,12 @@ class Downloading:
                 continue
             vouched = set(self.vouching.vouched)
             verdict = judge_state(
-                state.outer_step, state_sketches(state.params, seed), answers, donor=donor, vouched=vouched
+                state.outer_step,
+                state_sketches(state.params, seed),
+                answers,
+                donor=donor,
+                vouched=vouched,
+                claims=claims,
             )
             if verdict.accept:
                 logger.info(
@@ -107,8 +113,9 @@ class Downloading:
                 self._refused_donors.add(donor)
         return None
 
-    def _verifiers(self, distrusted: set[str]) -> list[str]:
-        """Peers to ask about a downloaded θ, best witnesses first (:func:`witness_order`)."""
+    def _verifiers(self, distrusted: set[str]) -> dict[str, int]:
+        """Peers to ask about a downloaded θ, best witnesses first (:func:`witness_order`), each
+        with the outer step its heartbeat claims."""
         others = [
             p
             for p in self.board.fetch().values()
@@ -116,9 +123,8 @@ class Downloading:
             and p.peer_id not in distrusted
             and p.stage not in (Stage.DOWNLOADING, Stage.JOINING)
         ]
-        return witness_order(others, self.vouching.vouched)[
-            : VERIFIERS + 1
-        ]  # one more: the donor is never asked
+        claims = {p.peer_id: p.outer_step for p in others}
+        return {peer: claims[peer] for peer in witness_order(others, self.vouching.vouched)[:MAX_CANDIDATES]}
 
     def download_progress(self) -> float | None:
         """The share of the state received in the download in progress (0..1), None if the
@@ -133,15 +139,19 @@ class Downloading:
     def _fetch_state(
         self, skipped: set[str], distrusted: set[str], deadline: float
     ) -> tuple[Any, ...] | None:
-        """(the state, or None if malformed; its donor; the seed; the witnesses' answers) from
-        the best donors not skipped (its witnesses: peers not distrusted), or None. Over the
-        direct transport when donors offer it, else (or if it fails) hivemind's stream."""
-        verifiers = self._verifiers(distrusted)
-        result = self._fetch_direct(skipped, verifiers, deadline)
+        """(the state, or None if malformed; its donor; the seed; the witnesses' answers; the
+        steps the peers asked claim) from the best donors not skipped (its witnesses: peers not
+        distrusted), or None. Over the direct transport when donors offer it, else (or if it
+        fails) hivemind's stream."""
+        claims = self._verifiers(distrusted)
+        result = self._fetch_direct(skipped, claims, deadline)
         if result is None:
             remaining = max(1.0, deadline - time.monotonic())
             future = self.averager.load_state_from_peers(
-                wait=False, timeout=remaining, exclude=sorted(skipped), verifiers=verifiers
+                wait=False,
+                timeout=remaining,
+                exclude=sorted(skipped),
+                verifiers=list(claims)[: VERIFIERS + 1],  # one more: the donor is never asked
             )
             result = (
                 self._wait(future.done, deadline, future.cancel, pause=_until(future)) and future.result()
@@ -150,21 +160,21 @@ class Downloading:
             return None
         metadata, tensors, donor, seed, answers = result
         try:
-            return _parse_state(metadata, tensors), donor, seed, answers
+            return _parse_state(metadata, tensors), donor, seed, answers, claims
         except (SwarmError, KeyError, TypeError, ValueError) as error:
             logger.warning(
                 "%s served an incomplete or malformed state (%s); trying another donor", donor[-8:], error
             )
-            return None, donor, seed, answers
+            return None, donor, seed, answers, claims
 
     def _fetch_direct(
-        self, skipped: set[str], verifiers: list[str], deadline: float
+        self, skipped: set[str], verifiers: dict[str, int], deadline: float
     ) -> tuple[Any, ...] | None:
         """(metadata, tensors, the first donor, the seed, the witnesses' answers) over the direct
         transport (:mod:`swarm.state_transfer`), straight into this process's memory; None if
         no donor offers it or the slices could not all be had."""
         asked = time.perf_counter()
-        offers = self.averager.state_offers(sorted(skipped), verifiers)
+        offers = self.averager.state_offers(sorted(skipped), list(verifiers), claims=dict(verifiers))
         if not self._wait(offers.done, deadline, offers.cancel, pause=_until(offers)) or offers.exception():
             return None
         made, seed = offers.result()

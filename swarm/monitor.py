@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from swarm.claims import Ignored
 from swarm.errors import SwarmError
 from swarm.narration import DEPARTED_SECONDS, Departed, RoundSeen, left_how, round_sentence
 from swarm.records import ControlState, PeerHeartbeat, RunManifest, Stage, parse_record
@@ -166,7 +167,7 @@ class SwarmMonitor:
         self._known: dict[str, PeerHeartbeat] = {}  # peers seen alive in the last reading
         self._names: dict[str, str] = {}
         self._lagging: set[str] = set()
-        self._ignored: set[str] = set()
+        self._ignored = Ignored()  # peers told as ignored (bounded: oldest forgotten)
         self._round = 0
         self._told = 0  # the last round told as an event
         self._seen: dict[int, dict[str, RoundSeen]] = {}  # outer step -> peer -> its round there
@@ -214,12 +215,13 @@ class SwarmMonitor:
             new.append(MonitorEvent(now, kind, message, peer_id))
 
         ignored = _ignored(reading)
-        for pid in sorted(set(ignored) - self._ignored):
+        for pid in sorted(set(ignored) - set(self._ignored)):
             event("ignored", f"ignoring {self._names.get(pid, pid[-8:])}: {ignored[pid]}", pid)
             last = self._known.get(pid) or reading.peers.get(pid)
             if last is not None:
                 self._departed[pid] = Departed(last, f"ignored for lying: {ignored[pid]}", now)
-        self._ignored = set(ignored)  # as many as the reading says (itself bounded)
+        for pid in ignored:  # told once (a flag that comes and goes is not news each time)
+            self._ignored.add(pid, ignored[pid])
         alive = {
             pid: p for pid, p in reading.peers.items() if p.stage is not Stage.LEAVING and pid not in ignored
         }

@@ -35,6 +35,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
 from swarm.addresses import reached_at
+from swarm.claims import at_the_donors_step
 from swarm.dataplane import one_line
 from swarm.errors import SwarmError
 from swarm.faults import fault_value
@@ -277,7 +278,9 @@ class StateSharing:
             logger.debug("no state offer from %s: %s", peer, one_line(error))
             return None
 
-    def state_offers(self, exclude: Sequence[str] = (), verifiers: Sequence[str] = ()) -> MPFuture:
+    def state_offers(
+        self, exclude: Sequence[str] = (), verifiers: Sequence[str] = (), claims: dict[str, int] | None = None
+    ) -> MPFuture:
         """(From the peer's process.) The offers of the donors not in ``exclude`` (base58 ids)
         for the direct transport: a future of ``([(DonorOffer, outer step, metadata bytes,
         Layout), ...], seed)`` (no offers: nobody makes one). Once they are in, and not before
@@ -285,21 +288,28 @@ class StateSharing:
         seed in time to aim a θ at it, even from a witness it colludes with), the ``verifiers``
         but the donor whose θ will be taken (:func:`swarm.state_transfer.freshest`) are asked
         for their θ's sketches under ``seed``, while the slices arrive; a donor among them
-        sketches the state it offered. :meth:`theta_sketches` collects the answers."""
+        sketches the state it offered. :meth:`theta_sketches` collects the answers. ``claims``:
+        the outer step each verifier claims; those at the chosen donor's step are asked first
+        (:func:`swarm.claims.at_the_donors_step`)."""
         future = MPFuture()
-        request = dict(future=future, exclude=tuple(exclude), verifiers=tuple(verifiers))
+        request = dict(
+            future=future, exclude=tuple(exclude), verifiers=tuple(verifiers), claims=dict(claims or {})
+        )
         self._outer_pipe.send(("_state_offers", [], request))
         return future
 
-    async def _state_offers(self, future: MPFuture, exclude: Sequence[str], verifiers: Sequence[str]) -> None:
+    async def _state_offers(
+        self, future: MPFuture, exclude: Sequence[str], verifiers: Sequence[str], claims: dict[str, int]
+    ) -> None:
         try:
             donors = (await self._donors(exclude))[:MAX_DONORS] if self._state_direct else []
             offers = await self._first_offers(donors)
             seed = secrets.token_bytes(SEED_BYTES)
             if offers:
-                first = freshest(offers)[0].peer
+                chosen, step = freshest(offers)[:2]
+                first = chosen.peer
                 tokens = {o.peer: o.token for o, *_ in offers}
-                witnesses = [v for v in verifiers if v != first][:VERIFIERS]
+                witnesses = [v for v in at_the_donors_step(verifiers, claims, step) if v != first][:VERIFIERS]
                 self._witnesses[seed] = [
                     asyncio.ensure_future(self._sketches_from([v], seed, timeout=10.0, token=tokens.get(v)))
                     for v in witnesses

@@ -68,6 +68,13 @@ class ControlWatcher:
                 continue
             if self.latest is None or control.version > self.latest.version:
                 self.latest = control
+        if self._unsaid and now - self._said >= REFUSAL_LOG_SECONDS:
+            logger.warning(
+                "ignored steering changes from %d more key(s): only the run owner %s can steer",
+                self._unsaid,
+                self.owner,
+            )
+            self._said, self._unsaid = now, 0
         return self.latest
 
     def _refuse(self, writer: str, control: ControlState, now: float) -> None:

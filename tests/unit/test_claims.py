@@ -12,7 +12,15 @@ import torch
 
 from swarm.averaging_config import AveragingConfig
 from swarm.barrier import RoundBarrier, Verdict
-from swarm.claims import STRIKES, Ignored, Vouching, implausible, judge_state, witness_order
+from swarm.claims import (
+    STRIKES,
+    Ignored,
+    Vouching,
+    at_the_donors_step,
+    implausible,
+    judge_state,
+    witness_order,
+)
 from swarm.records import PeerHeartbeat, Stage
 from swarm.sketch import state_mismatch, state_sketches
 
@@ -274,10 +282,32 @@ def test_silent_strangers_claiming_to_be_ahead_do_not_take_every_witness_slot():
     share = sum(w.startswith("liar") for s in slots for w in s) / (4 * 500)
     assert 0.2 < share < 0.45  # 4 of the 12 at or above the median claim
     assert not any(w.startswith("late") or w == "client" for s in slots for w in s)
-    # Round mates come first whatever they claim, the most advanced of them first.
-    mates = {"late0", "h7"}
-    assert witness_order(liars + honest + behind, mates, rng)[:2] == ["h7", "late0"]
+    # Round mates come first whatever they claim, the most advanced of them first; a round mate
+    # in client mode answers over the connection it keeps to this peer.
+    mates = {"late0", "h7", "client"}
+    first = witness_order(liars + honest + behind + client, mates, rng)[:3]
+    assert set(first[:2]) == {"client", "h7"} and first[2] == "late0"  # both at 40, then 3
     assert witness_order(client, set()) == []
+    # Once the donor is known, those claiming its step go first (rounds in flight leave honest
+    # peers a step apart, and only a peer at the donor's step can confirm it); the order stays.
+    order = ["m", "a", "b", "c", "d"]
+    claims = {"m": 39, "a": 39, "b": 40, "c": 39, "d": 40}
+    assert at_the_donors_step(order, claims, 40) == ["b", "d", "m", "a", "c"]
+
+
+def test_witnesses_claiming_the_state_s_step_that_stay_silent_do_not_let_it_through():
+    """Liars can claim the donor's step to take those places, and then not answer: a state
+    whose step the silent witnesses claim is not taken on the donor's word."""
+    good = state_sketches(_theta(), SEED)
+    silent = _answers(7, a=None, b=None)
+    verdict = judge_state(7, good, silent, donor="d", vouched=set(), claims={"a": 7, "b": 7})
+    assert (
+        not verdict.accept
+        and "2 peer(s) that claim outer step 7 were asked and did not answer" in verdict.why
+    )
+    # Silent peers that are elsewhere (or whose claims are unknown) leave the donor the only witness.
+    assert judge_state(7, good, silent, donor="d", vouched=set(), claims={"a": 6}).accept
+    assert judge_state(7, good, silent, donor="d", vouched=set()).accept
 
 
 def test_judge_state_without_witnesses_at_the_step():

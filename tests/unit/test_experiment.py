@@ -4,6 +4,7 @@ a finished simulation."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -101,10 +102,20 @@ def test_ctrl_c_in_wait_leaves_the_run_going_and_says_how_to_end_it(monkeypatch)
 
 
 def test_a_simulation_takes_eval_every_and_threads_and_writes_no_folder():
+    def threads_of_a_new_thread() -> int:  # torch's count is read lazily by each new thread
+        seen: list[int] = []
+        thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        return seen[0]
+
     threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(2)
+        _bigram(steps=4).run().wait(timeout=120)
+        assert threads_of_a_new_thread() == 2  # not given: left as it was
         run = _bigram(steps=16, eval_every="2", threads=1).run().wait(timeout=120)
-        assert torch.get_num_threads() == 1
+        assert threads_of_a_new_thread() == 1
     finally:
         torch.set_num_threads(threads)
     evaluated = run.history().dropna(subset=["eval_loss"])

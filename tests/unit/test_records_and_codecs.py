@@ -261,7 +261,7 @@ def test_a_donor_its_round_mates_contradict_is_refused_not_ignored() -> None:
                 return None
             seed, theirs = b"seed", [torch.ones(8)]
             served = OuterState(outer_step=5, params=[torch.zeros(8)], momentum=[torch.zeros(8)])
-            return served, "other-side", seed, {"mate": (5, state_sketches(theirs, seed))}
+            return served, "other-side", seed, {"mate": (5, state_sketches(theirs, seed))}, {"mate": 5}
 
     probe = Probe()
     probe.vouching.averaged_with(["mate"])

@@ -248,7 +248,7 @@ class _Averager:
         if answers is not None:
             self.answers.set_result(answers)
 
-    def state_offers(self, exclude, verifiers):
+    def state_offers(self, exclude, verifiers, claims=None):
         return self.offers
 
     def theta_sketches(self, seed):
@@ -468,18 +468,13 @@ def test_an_offer_pointing_the_joiner_at_another_host_is_refused(monkeypatch, ca
     asyncio.run(donor.rpc_state_offer(averaging_pb2.DownloadData(), context))  # starts its listener
     assert offer_from()[0].address == donor._server.address  # honest: taken
 
-    decoy = socket.create_server(("127.0.0.2", 0))
-    decoy.settimeout(0.5)
     real = donor._server.address
-    donor._server.address = decoy.getsockname()  # the donor lies about its listener
+    donor._server.address = ("127.0.0.2", real[1])  # the donor lies about its listener
     assert offer_from() is None
     assert "is not an address this peer reaches it at" in caplog.text
     reached[:] = [
         "/ip4/127.0.0.2/tcp/4001/p2p/12D3KooWPgVk2aQ18BUZQzC2jnaTRhp65e5afBQiDeaZZnavyHpN/p2p-circuit"
     ]
     assert offer_from() is None  # a relay's IP vouches for nothing
-    with pytest.raises(TimeoutError):
-        decoy.accept()  # nothing connected to the decoy
-    decoy.close()
     donor._server.address = real
     donor._server.close()

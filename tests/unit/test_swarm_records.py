@@ -406,3 +406,11 @@ def test_non_owners_steering_records_are_logged_once_per_key_and_at_most_once_a_
         len(caplog.records) == 2
         and "(and 48 other key(s) since the last such line)" in caplog.records[1].getMessage()
     )
+    clock[0] += 1.0
+    records["stranger100"] = ControlState(version=1)
+    watcher.poll()  # within the minute: counted
+    clock[0] += 61.0
+    watcher.poll()  # no new key, but one is still untold
+    assert [r.getMessage() for r in caplog.records[2:]] == [
+        "ignored steering changes from 1 more key(s): only the run owner owner can steer"
+    ]

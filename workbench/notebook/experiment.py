@@ -46,6 +46,12 @@ from workbench.config import RunConfig
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("sim", "local", "swarm")
+
+
+class Stopped(SwarmError):
+    """The run was ended by :meth:`Experiment.stop` (what ``wait()`` raises then)."""
+
+
 SIM_IGNORES = (
     "aggregate",
     "averaging_timeout",
@@ -232,7 +238,7 @@ class Experiment:
             "running"
             if self.running
             else "stopped"
-            if self.error is not None and self._stop.is_set()
+            if isinstance(self.error, Stopped)
             else "failed"
             if self.error is not None
             else "done"
@@ -353,14 +359,14 @@ class Experiment:
             else max(1, (self.steps // H) // evals_wanted)
         )
         losses: dict[int, dict[int, float]] = {}
-        if self.config.train.threads:
+        if self.flags.get("threads"):  # given: process-wide, as `workbench simulate --threads`
             torch.set_num_threads(self.config.train.threads)
 
         def on_round(info: dict[str, float]) -> None:
             source.update(info)
             losses.setdefault(int(info["round"]), {})[int(info["rank"])] = info["loss"]
             if self._stop.is_set():
-                raise SwarmError(f"{self.name} was stopped at round {int(info['round'])}")
+                raise Stopped(f"{self.name} was stopped at round {int(info['round'])}")
 
         try:
             result = self._simulate(spec, every, on_round)
@@ -521,7 +527,7 @@ class Experiment:
                 peer.poll_events()
                 return
             if self._stop.is_set():
-                raise SwarmError(f"{self.name} was stopped")
+                raise Stopped(f"{self.name} was stopped")
             time.sleep(0.3)
 
 
