@@ -38,6 +38,19 @@ def test_monitor_needs_a_valid_address() -> None:
     assert result.returncode == 2 and "lacks the peer id" in result.stderr
 
 
+def test_without_a_terminal_the_monitor_says_what_to_use_instead() -> None:
+    """In a script or a pipe the full-screen app would print escape codes and wait for keys:
+    one line instead, before connecting to anything."""
+    result = workbench("replay", str(RECORDING))
+    assert result.returncode == 2 and "is a full-screen terminal app" in result.stderr, result.stderr
+    assert "--web serves the app to a browser" in result.stderr and "\x1b[" not in result.stdout
+    address = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    started = time.monotonic()
+    result = workbench("monitor", address, "--connect-timeout", "30")
+    assert result.returncode == 2 and "`workbench status MULTIADDR --watch 2`" in result.stderr, result.stderr
+    assert time.monotonic() - started < 20  # said at once, not after the connect timeout
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import socket
 import sys
@@ -65,7 +66,12 @@ def run_monitor_command(args: argparse.Namespace, argv: list[str]) -> int:
         if not 0.01 <= args.interval <= 60:
             raise SwarmError(f"--interval must be within 0.01..60 s (got {args.interval})")
         source = ReplaySource(args.file, interval=args.interval)
+        _need_a_terminal("replay", source.close)
     else:
+        from swarm.addresses import parse_peer_addresses
+
+        parse_peer_addresses(args.peers)  # a bad address first: it needs no terminal to be said
+        _need_a_terminal("monitor")
         if args.record:  # a --record file that cannot be written, or is not a recording: before connecting
             from swarm.monitor import open_recording
 
@@ -84,6 +90,24 @@ def run_monitor_command(args: argparse.Namespace, argv: list[str]) -> int:
     with stopped_by_signals():  # a closed terminal (SIGHUP) closes the source's DHT process too
         run_app(source)
     return 0
+
+
+def _need_a_terminal(command: str, cleanup=lambda: None) -> None:
+    """The monitor is a full-screen app drawn on stderr and read from stdin: without a terminal
+    there (a script, a pipe, a CI log) it would fill the output with escape codes and wait for
+    keys nobody can press. textual-serve (``--web``) runs it with its own driver."""
+    if os.environ.get("TEXTUAL_DRIVER") or (sys.stdin.isatty() and sys.stderr.isatty()):
+        return
+    cleanup()
+    instead = (
+        "`workbench status MULTIADDR --watch 2` (or --json) prints the same readings as lines, and "
+        if command == "monitor"
+        else ""
+    )
+    raise SwarmError(
+        f"`workbench {command}` is a full-screen terminal app, and stdin or stderr is not a terminal "
+        f"here: {instead}--web serves the app to a browser"
+    )
 
 
 def _serve(argv: list[str], port: int) -> int:
