@@ -90,6 +90,19 @@ class StreamingConfig:
             raise ValueError(f"alpha must be in [0, 1) (got {self.alpha}); the paper uses 0.5 or less")
 
 
+DEFAULT_FRAGMENTS = 4
+
+
+def default_fragments(inner_steps: int) -> int:
+    """The fragment count when none is given: 4, or (real peers sync a fragment every H/F
+    steps, so F must divide H) the count in 2..8 nearest 4 that divides H (the smaller on a
+    tie); 4 if none does (the run's own check then says what to change)."""
+    if inner_steps % DEFAULT_FRAGMENTS == 0:
+        return DEFAULT_FRAGMENTS
+    fits = [n for n in range(2, 9) if inner_steps % n == 0]
+    return min(fits, key=lambda n: (abs(n - DEFAULT_FRAGMENTS), n)) if fits else DEFAULT_FRAGMENTS
+
+
 def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
     """Split parameter indices into ``fragments`` contiguous groups whose largest total size is
     as small as it can be (binary search on that size, then greedy packing), so the peak

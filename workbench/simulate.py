@@ -160,10 +160,13 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             stragglers[int(rank)] = float(fraction)
         except ValueError:
             raise ValueError(f"--straggler '{text}' must look like RANK:FRACTION, e.g. 3:0.5") from None
+    from optim.streaming import default_fragments
     from workbench.cli.optimizer_flags import effective, outer_config
 
-    streaming = dict(fragments=args.fragments or 4, sync_delay=args.sync_delay or 0, alpha=args.alpha)
-    spec = MethodSpec(method=args.method, diloco=outer_config(args), **streaming)
+    diloco = outer_config(args)
+    fragments = args.fragments or default_fragments(diloco.inner_steps)  # as real peers choose it
+    streaming = dict(fragments=fragments, sync_delay=args.sync_delay or 0, alpha=args.alpha)
+    spec = MethodSpec(method=args.method, diloco=diloco, **streaming)
     sim = SimConfig(
         peers=args.peers,
         steps=args.steps,

@@ -316,3 +316,18 @@ def test_the_fingerprint_sent_with_a_fragment_is_the_global_params_after_the_mer
     rounds._inflight.future.result()  # its all-reduce runs in a thread: it has the info once done
     assert merged_before_sync == (steps >= 2)
     assert len(averager.sent) == 2 and averager.sent[-1]["fingerprint"] == expected
+
+
+def test_the_default_fragment_count_divides_h_for_real_peers():
+    """`workbench start --method streaming` failed with its own defaults (H=50, F=4): real peers
+    sync a fragment every H/F steps. Not given, F is 4 or the count nearest 4 that divides H."""
+    from optim.streaming import default_fragments
+    from tests.unit.test_cli import config_of
+
+    assert [default_fragments(h) for h in (20, 50, 6, 9, 7, 12, 11)] == [4, 5, 3, 3, 7, 4, 4]
+    assert config_of("start", "--method", "streaming").fragments == 5  # H=50: it starts
+    assert config_of("start", "--method", "streaming", "--inner-steps", "12").fragments == 4
+    with pytest.raises(ValueError, match="divisible by --fragments \\(4\\)"):  # given: kept, and checked
+        config_of("start", "--method", "streaming", "--fragments", "4")
+    with pytest.raises(ValueError, match="--inner-steps \\(11\\) divisible by --fragments \\(4\\)"):
+        config_of("start", "--method", "streaming", "--inner-steps", "11")  # nothing fits: said

@@ -111,19 +111,21 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     # Checked before torch is imported: a bad address or --host is told in 0.2 s, not 2-3 s (and
     # not 15 s on a loaded machine).
     network, averaging = NetworkConfig(**parts["network"]), AveragingConfig(**parts["averaging"])
+    from optim.streaming import default_fragments
     from workbench.config import PeerConfig, RunConfig, TrainConfig
     from workbench.run.data import DataConfig
 
+    diloco = outer_config(args)
     return RunConfig(
         method=method(args.method).real_peers,
-        fragments=args.fragments or 4,
+        fragments=args.fragments or default_fragments(diloco.inner_steps),
         sync_delay=getattr(args, "sync_delay", None) or 0,
         alpha=getattr(args, "alpha", None),
         model=_model_shape(args),
         hf_model=None if args.model in MODEL_PRESETS else args.model,
         data=DataConfig(**parts["data"]),
         train=TrainConfig(**parts["train"]),
-        diloco=outer_config(args),
+        diloco=diloco,
         averaging=averaging,
         network=network,
         peer=PeerConfig(

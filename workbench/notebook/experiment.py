@@ -344,7 +344,7 @@ class Experiment:
         spec = MethodSpec(
             method=self.method,
             diloco=self.config.diloco,
-            fragments=self.flags.get("fragments", 4) or 4,
+            fragments=self.config.fragments,
             sync_delay=self.flags.get("sync_delay") or 0,
             alpha=self.flags.get("alpha"),
         )

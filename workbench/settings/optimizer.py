@@ -88,7 +88,10 @@ class Optimizer:
         target="diloco.error_decay",
     )
     fragments: int | None = setting(
-        None, "streaming: fragments synced in turn (default: 4)", bound="fragments", target="fragments"
+        None,
+        "streaming: fragments synced in turn (default: 4, or the count nearest 4 that divides H)",
+        bound="fragments",
+        target="fragments",
     )
     sync_delay: int | None = setting(
         None,
