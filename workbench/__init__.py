@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     """`from workbench import Experiment, compare` without slowing `workbench --help` down."""
-    if name in ("Experiment", "compare"):
+    if name in ("Experiment", "Stopped", "compare"):
         from workbench.notebook import experiment
 
         return getattr(experiment, name)

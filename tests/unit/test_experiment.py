@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from swarm.errors import SwarmError
-from workbench import Experiment, compare
+from workbench import Experiment, Stopped, compare
 
 ADDRESS = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
 
@@ -74,7 +74,7 @@ def test_a_simulation_stops_at_the_end_of_a_round_and_keeps_the_rounds_done():
         assert time.monotonic() < deadline and run.running
         time.sleep(0.05)
     run.stop()
-    with pytest.raises(SwarmError, match="was stopped at round"):
+    with pytest.raises(Stopped, match="was stopped at round"):
         run.wait(timeout=60)
     assert not run.running and "stopped" in repr(run)
     history = run.history()
