@@ -174,7 +174,7 @@ class Downloading:
         transport (:mod:`swarm.state_transfer`), straight into this process's memory; None if
         no donor offers it or the slices could not all be had."""
         asked = time.perf_counter()
-        offers = self.averager.state_offers(sorted(skipped), list(verifiers), claims=dict(verifiers))
+        offers = self.averager.state_offers(sorted(skipped), verifiers)
         if not self._wait(offers.done, deadline, offers.cancel, pause=_until(offers)) or offers.exception():
             return None
         made, seed = offers.result()

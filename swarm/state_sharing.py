@@ -278,9 +278,7 @@ class StateSharing:
             logger.debug("no state offer from %s: %s", peer, one_line(error))
             return None
 
-    def state_offers(
-        self, exclude: Sequence[str] = (), verifiers: Sequence[str] = (), claims: dict[str, int] | None = None
-    ) -> MPFuture:
+    def state_offers(self, exclude: Sequence[str] = (), verifiers: dict[str, int] | None = None) -> MPFuture:
         """(From the peer's process.) The offers of the donors not in ``exclude`` (base58 ids)
         for the direct transport: a future of ``([(DonorOffer, outer step, metadata bytes,
         Layout), ...], seed)`` (no offers: nobody makes one). Once they are in, and not before
@@ -288,18 +286,16 @@ class StateSharing:
         seed in time to aim a θ at it, even from a witness it colludes with), the ``verifiers``
         but the donor whose θ will be taken (:func:`swarm.state_transfer.freshest`) are asked
         for their θ's sketches under ``seed``, while the slices arrive; a donor among them
-        sketches the state it offered. :meth:`theta_sketches` collects the answers. ``claims``:
-        the outer step each verifier claims; those at the chosen donor's step are asked first
-        (:func:`swarm.claims.at_the_donors_step`)."""
+        sketches the state it offered. :meth:`theta_sketches` collects the answers.
+        ``verifiers``: best first, each with the outer step it claims; those at the chosen
+        donor's step are asked first (:func:`swarm.claims.at_the_donors_step`)."""
         future = MPFuture()
-        request = dict(
-            future=future, exclude=tuple(exclude), verifiers=tuple(verifiers), claims=dict(claims or {})
-        )
+        request = dict(future=future, exclude=tuple(exclude), verifiers=dict(verifiers or {}))
         self._outer_pipe.send(("_state_offers", [], request))
         return future
 
     async def _state_offers(
-        self, future: MPFuture, exclude: Sequence[str], verifiers: Sequence[str], claims: dict[str, int]
+        self, future: MPFuture, exclude: Sequence[str], verifiers: dict[str, int]
     ) -> None:
         try:
             donors = (await self._donors(exclude))[:MAX_DONORS] if self._state_direct else []
@@ -309,7 +305,9 @@ class StateSharing:
                 chosen, step = freshest(offers)[:2]
                 first = chosen.peer
                 tokens = {o.peer: o.token for o, *_ in offers}
-                witnesses = [v for v in at_the_donors_step(verifiers, claims, step) if v != first][:VERIFIERS]
+                witnesses = [v for v in at_the_donors_step(list(verifiers), verifiers, step) if v != first][
+                    :VERIFIERS
+                ]
                 self._witnesses[seed] = [
                     asyncio.ensure_future(self._sketches_from([v], seed, timeout=10.0, token=tokens.get(v)))
                     for v in witnesses

@@ -186,9 +186,7 @@ class Steering:
         """Resume ``peer`` (its id or name: the live peers it names are resumed, however they
         were paused)."""
         current = self.current()
-        names = {peer}
-        if self.board is not None:
-            names |= {x for i, p in self.board.fetch().items() if peer in (i, p.name) for x in (i, p.name)}
+        names = aliases_of(peer, self.board.fetch()) if self.board is not None else {peer}
         paused = [p for p in (current.paused if current else []) if p not in names]
         return self.publish(paused=paused)
 
@@ -200,6 +198,12 @@ class Steering:
 
         active = [p for p in peers.values() if p.stage is not Stage.PAUSED]
         return sum(p.control_version >= version for p in active), len(active)
+
+
+def aliases_of(peer: str, live: Mapping[str, Any]) -> set[str]:
+    """``peer`` and the ids and names of the live peers it names (by id or by name): what a
+    resume drops from the paused list, whichever way each was paused."""
+    return {peer} | {x for i, p in live.items() if peer in (i, p.name) for x in (i, p.name)}
 
 
 def live_peer_id(peer: str, live: Mapping[str, Any]) -> str:

@@ -248,7 +248,7 @@ class _Averager:
         if answers is not None:
             self.answers.set_result(answers)
 
-    def state_offers(self, exclude, verifiers, claims=None):
+    def state_offers(self, exclude, verifiers):
         return self.offers
 
     def theta_sketches(self, seed):

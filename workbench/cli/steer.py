@@ -59,7 +59,7 @@ def run_steer_command(args: argparse.Namespace) -> int:
     from swarm.identity import key_hash
     from swarm.manifest import find_manifest
     from swarm.records import RunKeys
-    from swarm.steering import Steering, live_peer_id
+    from swarm.steering import Steering, aliases_of, live_peer_id
     from workbench.cli.status import open_observer
 
     RunKeys(args.run_id, args.secret)
@@ -92,18 +92,15 @@ def run_steer_command(args: argparse.Namespace) -> int:
         paused = list(current.paused) if current else []
         live = session.board.fetch() if (args.pause or args.resume) else {}
 
-        def aliases(peer: str) -> set[str]:  # a peer is paused by its name or its id
-            return {peer} | {x for i, hb in live.items() if peer in (i, hb.name) for x in (i, hb.name)}
-
         # A typo would sit in the record, pausing nobody (or a later peer of that name); and a
         # name is anyone's to take, so the record names the peer's id.
         pause_ids = [live_peer_id(peer, live) for peer in args.pause]
-        not_paused = [p for p in args.resume if not aliases(p) & set(paused)]
+        not_paused = [p for p in args.resume if not aliases_of(p, live) & set(paused)]
         if not_paused:
             raise SwarmError(
                 f"{', '.join(not_paused)} is not paused (paused: {', '.join(paused) or 'nobody'})"
             )
-        resumed = set().union(*(aliases(p) for p in args.resume))
+        resumed = set().union(*(aliases_of(p, live) for p in args.resume))
         paused = [p for p in paused if p not in resumed] + [
             p for p in dict.fromkeys(pause_ids) if p not in paused
         ]

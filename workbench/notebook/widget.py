@@ -20,7 +20,7 @@ import traitlets
 
 from swarm import bounds
 from swarm.errors import SwarmError
-from swarm.steering import live_peer_id
+from swarm.steering import aliases_of, live_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -112,14 +112,13 @@ class SwarmWidget(anywidget.AnyWidget):
             if not isinstance(peer, str) or not peer:
                 raise ValueError(f"{action} needs a peer: its id or its name (got {peer!r})")
             live = self.last.peers if self.last is not None else {}
-            ids = [pid for pid, hb in live.items() if peer in (pid, hb.name)]
             if action == "pause":
                 target = live_peer_id(peer, live)  # by id: a name can be shared
                 if target in paused:
                     raise ValueError(f"{peer} is already paused")
                 result = self.source.steer(paused=[*paused, target])
             else:
-                aliases = {peer} | {x for pid in ids for x in (pid, live[pid].name)}
+                aliases = aliases_of(peer, live)
                 if not aliases & set(paused):
                     raise ValueError(f"{peer} is not paused (paused: {', '.join(paused) or 'nobody'})")
                 result = self.source.steer(paused=[p for p in paused if p not in aliases])
