@@ -67,6 +67,9 @@ class FaultPlan:
     serve_bad_slices: float = 0.0
     """Flip a byte of every slice served over the direct transport (a donor whose slices do not
     match the hashes it offered)."""
+    offer_loopback_port: float = 0.0
+    """Name 127.0.0.1 and this port as the state listener in a direct offer (a donor aiming a
+    joiner's connection, and its token, at a service on the joiner's own machine)."""
     state_priority: float = 0.0
     """Declare this much more than the outer step to joiners, to be picked as their donor first."""
     alone_from_step: float = 0.0
@@ -149,7 +152,7 @@ class FaultReader:
 
 def fault_value(fault_file: str | None, key: str) -> float:
     """A state-serving fault of the local lab (``serve_delay_ms``, ``serve_noise``,
-    ``state_priority``), 0 if there is none or the file is half-written."""
+    ``offer_loopback_port``, ``state_priority``), 0 if there is none or the file is half-written."""
     try:
         return float(getattr(FaultPlan.read(fault_file), key))
     except (OSError, ValueError):

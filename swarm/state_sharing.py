@@ -135,6 +135,9 @@ class StateSharing:
             "address": list(self._server.address),
             "token": token,
         }
+        lie = int(fault_value(self._fault_file, "offer_loopback_port"))  # testing: a lying donor
+        if lie:
+            answer["address"] = ["127.0.0.1", lie]
         return averaging_pb2.DownloadData(metadata=pack(answer))
 
     def _fresh_snapshot(self) -> Snapshot | None:

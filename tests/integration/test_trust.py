@@ -7,6 +7,7 @@ run id, the peers' ids)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import re
@@ -14,11 +15,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
 import torch
 
+from swarm.faults import FaultPlan
 from swarm.state_transfer import MAX_CONNECTIONS, TOKEN_WAIT
 from tests.integration.conftest import FAST, NETNS, PeerProcess, max_abs_diff
 from workbench.local import netlab
@@ -317,13 +320,16 @@ token, a made-up one and garbage at once, then a flood of idle connections."""
 def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_path):
     """Three network namespaces, the README's multi-machine flags: a joiner that comes in while
     two peers train gets its offers over hivemind, its slices over TCP from the donors'
-    listeners on their announced addresses, checks them, and then averages with both. A
-    stranger on the joiner's machine then tries the first donor's listener without the token
-    of an offer: it gets not one byte, every connection is closed within the token's wait, and
-    the three go on averaging."""
-    port = 31337
+    listeners on their announced addresses, checks them, and then averages with both. The
+    first donor lies in its offer, naming a service on the joiner's own loopback as its
+    listener: the joiner ignores that offer, the service gets no connection (so no token), and
+    the honest donor serves. A stranger on the joiner's machine then tries the first donor's
+    listener without the token of an offer: it gets not one byte, every connection is closed
+    within the token's wait, and the three go on averaging."""
+    port, service = 31337, 31338
     peers: list[PeerProcess] = []
-    with netlab.NetLab(3, rate=None) as lab:
+    FaultPlan(offer_loopback_port=service).write(tmp_path / "liar.json")
+    with netlab.NetLab(3, rate=None) as lab, _service_on_loopback(lab, 2, service) as connections:
 
         def start(i: int, args: list[str]) -> PeerProcess:
             name = "abc"[i]
@@ -341,7 +347,9 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
 
         common = [*FAST, "--run-id", "readme-join", "--rounds", "0"]  # until Ctrl+C
         try:
-            first = start(0, ["start", *common, "--min-peers", "2"])
+            first = start(
+                0, ["start", *common, "--min-peers", "2", "--fault-file", str(tmp_path / "liar.json")]
+            )
             address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
             start(1, ["join", address, *common])
             first.wait_event("round", lambda e: e["outer_step"] >= 2, timeout=120)
@@ -360,6 +368,9 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
                 peer.kill()
     log = joiner.stderr()
     assert "downloaded the state at outer step" in log, log[-3000:]  # the direct transport
+    assert connections() == [], connections()  # the joiner never sent its token there
+    liar = first.wait_event("started")["peer_id"][-8:]
+    assert f"ignoring {liar}'s direct state offer" in log, log[-3000:]
     assert "frame #" not in log and "Traceback" not in log
     assert together["plane"] == "direct"
     assert len(attacked) == 3 + MAX_CONNECTIONS + 8, attacked
@@ -370,6 +381,43 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
     mates = {r["outer_step"]: r for r in first.events("round") if r["group_size"] == 3}
     shared = [r for r in joiner.events("round") if r["group_size"] == 3 and r["outer_step"] in mates]
     assert shared and all(not r["resync"] for r in shared), shared
+
+
+SERVICE = """
+import socket, sys
+with socket.create_server(("127.0.0.1", int(sys.argv[1]))) as server:
+    print("listening", flush=True)
+    while True:
+        connection, address = server.accept()
+        connection.settimeout(2)
+        try:
+            got = connection.recv(4096)
+        except OSError:
+            got = b""
+        print(f"connection from {address[0]}: {len(got)} bytes", flush=True)
+        connection.close()
+"""
+"""A TCP service on a machine's loopback that tells who connects to it."""
+
+
+@contextlib.contextmanager
+def _service_on_loopback(lab: netlab.NetLab, i: int, port: int) -> Iterator[Callable[[], list[str]]]:
+    """SERVICE on ``lab``'s machine ``i``; yields a call that stops it and returns the
+    connections it had."""
+    process = subprocess.Popen(
+        lab.command(i, [sys.executable, "-c", SERVICE, str(port)]), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout.readline().strip() == "listening"
+
+        def connections() -> list[str]:
+            process.kill()
+            return process.communicate(timeout=30)[0].splitlines()
+
+        yield connections
+    finally:
+        process.kill()
+        process.wait(timeout=30)
 
 
 def _stranger_at_the_state_listener(lab: netlab.NetLab, donor: PeerProcess) -> dict:
