@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -21,11 +21,15 @@ if TYPE_CHECKING:
     from optim.diloco import DiLoCoConfig
     from optim.state import OuterState
 
+T = TypeVar("T")
+
 
 @runtime_checkable
 class OuterOptimizer(Protocol):
     """What a training loop drives (DiLoCo, StreamingDiLoCo, DataParallel): the two hooks
-    around each inner optimizer step; a hook that ran a round returns its report."""
+    around each inner optimizer step; a hook that ran a round returns its report. ``with_global``
+    runs a call (an evaluation) on the swarm's model, θ_global, where the method keeps one
+    apart from the model it trains."""
 
     @property
     def outer_step_count(self) -> int: ...
@@ -35,6 +39,8 @@ class OuterOptimizer(Protocol):
     ) -> RoundReport | None: ...
 
     def after_inner_step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None: ...
+
+    def with_global(self, run: Callable[[], T]) -> T: ...
 
 
 @runtime_checkable
@@ -62,6 +68,8 @@ class Rounds(Protocol):
     def fingerprint(self) -> list[float]: ...
 
     def read_global(self, read: Callable[[list[torch.Tensor]], Any]) -> Any: ...
+
+    def with_global(self, run: Callable[[], T]) -> T: ...
 
     def retune(
         self, *, outer_lr: float | None = None, inner_steps: int | None = None, codec: str | None = None

@@ -12,7 +12,8 @@ Hook it between ``backward()`` and ``inner_optimizer.step()``::
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -20,6 +21,9 @@ from optim.averager import Averager, RoundReport
 
 if TYPE_CHECKING:
     from optim.diloco import DiLoCoConfig
+
+
+T = TypeVar("T")
 
 
 class DataParallel:
@@ -53,6 +57,10 @@ class DataParallel:
 
     def after_inner_step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None:
         return None
+
+    def with_global(self, run: Callable[[], T]) -> T:
+        """``run()``: every peer's model is θ after each averaged step, there is no other."""
+        return run()
 
 
 def data_parallel_state() -> DiLoCoConfig:

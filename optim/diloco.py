@@ -38,7 +38,7 @@ from optim.codecs import encoded_nbytes
 from optim.config import DiLoCoConfig
 from optim.contribution import InFlight, Outgoing, global_norm, judge, keepers, own_share, spread_over_keepers
 from optim.eager import SGD
-from optim.state import OuterState, inner_state_tensors, load_inner_state
+from optim.state import OuterState, holding, inner_state_tensors, load_inner_state
 
 __all__ = [  # the config and state live in their own modules; importing them from here still works
     "DiLoCo",
@@ -484,3 +484,10 @@ class DiLoCo:
         """``read(θ_global)`` under the lock, without a copy (``read`` must not keep or change it)."""
         with self.lock:
             return read(self.global_params)
+
+    def with_global(self, run: Callable[[], T]) -> T:
+        """``run()`` with the model holding θ_global (what the swarm agrees on, and what eval
+        losses report) in place of the params this peer trains (θ plus what a delayed,
+        overlapped or eager round has not settled yet), under the lock; those put back after."""
+        with self.lock, holding(self.params, self.global_params):
+            return run()

@@ -204,6 +204,12 @@ class SimResult:
     """Peer 0's model parameters at the end (for DiLoCo: the global params after the last round)."""
 
 
+def _evaluate_global(peer: VirtualPeer, evaluate: Callable[[torch.nn.Module], float]) -> float:
+    """The loss of the swarm's model, θ_global, as real peers report it (streaming's model is
+    not θ_global between merges, nor the same on every peer)."""
+    return peer.outer.with_global(lambda: evaluate(peer.model))
+
+
 def simulate(
     make_peer: Callable[[int, InProcessSwarm], VirtualPeer],
     evaluate: Callable[[torch.nn.Module], float],
@@ -212,7 +218,7 @@ def simulate(
     """Run ``config.peers`` virtual peers in threads for ``config.steps`` inner steps each."""
     swarm = InProcessSwarm(config.peers, dropout=config.dropout, seed=config.seed)
     peers = [make_peer(rank, swarm) for rank in range(config.peers)]
-    initial = evaluate(peers[0].model)
+    initial = _evaluate_global(peers[0], evaluate)
     bytes_sent = [0] * config.peers
     peak = [0] * config.peers
     history: list[dict[str, float]] = []
@@ -268,7 +274,7 @@ def simulate(
                         {
                             "round": round_index + 1,
                             "step": (round_index + 1) * peer.inner_steps,
-                            "eval_loss": evaluate(peer.model),
+                            "eval_loss": _evaluate_global(peer, evaluate),
                             "bytes_per_peer": bytes_sent[0],
                         }
                     )
@@ -311,7 +317,7 @@ def simulate(
         peers=config.peers,
         steps=config.steps,
         initial_eval_loss=initial,
-        final_eval_loss=evaluate(peers[0].model),
+        final_eval_loss=_evaluate_global(peers[0], evaluate),
         bytes_per_peer=bytes_sent[0],
         peak_bytes_per_sync=peak[0],
         rounds=peers[0].outer.outer_step_count,

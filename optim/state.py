@@ -3,7 +3,9 @@ statistics that travel with it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,3 +62,20 @@ def load_inner_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor
         return
     groups = optimizer.state_dict()["param_groups"]
     optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+
+
+@contextlib.contextmanager
+def holding(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> Iterator[None]:
+    """``params`` (a model's trained tensors) hold ``values`` (θ_global: fp32 on the CPU), cast to
+    their device and dtype, for the block; their own values wait on the CPU meanwhile (no second
+    copy on an accelerator) and are put back after, bit for bit, even if the block raises."""
+    kept = [p.detach().to("cpu", copy=True) for p in params]
+    try:
+        with torch.no_grad():
+            for p, v in zip(params, values, strict=True):
+                p.copy_(v)
+        yield
+    finally:
+        with torch.no_grad():
+            for p, k in zip(params, kept):
+                p.copy_(k)

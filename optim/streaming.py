@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -39,8 +39,10 @@ from optim.diloco import (
     read_settled,
 )
 from optim.eager import SGD
+from optim.state import holding
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -178,6 +180,12 @@ class StreamingDiLoCo:
     def outer_step_count(self) -> int:
         """Whole-model rounds completed: every fragment merged once per round."""
         return self.syncs // len(self.fragments)
+
+    def with_global(self, run: Callable[[], T]) -> T:
+        """``run()`` with the model holding θ_global, the swarm's model, in place of this peer's
+        (its fragments are out of step with each other, and α-mixed at each merge); put back after."""
+        with holding(self.params, self.global_params):
+            return run()
 
     def before_inner_step(self, *, samples: int, info: dict[str, Any] | None = None) -> RoundReport | None:
         return None
@@ -401,6 +409,11 @@ class StreamingRounds:
         """``read(θ_global)`` under the lock, without a copy (``read`` must not keep or change it)."""
         with self.lock:
             return read(self.global_params)
+
+    def with_global(self, run: Callable[[], T]) -> T:
+        """As :meth:`StreamingDiLoCo.with_global`, under the lock (no merge meanwhile)."""
+        with self.lock:
+            return self.streaming.with_global(run)
 
     def _momentum(self) -> list[torch.Tensor]:
         state = self.streaming.outer_optimizer.state

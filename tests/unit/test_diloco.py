@@ -206,6 +206,28 @@ def test_global_params_are_fp32_cpu_copies_apart_from_the_model() -> None:
     assert not torch.equal(outer.global_params[0], next(model.parameters()))
 
 
+def test_with_global_runs_on_theta_and_puts_the_trained_params_back_bit_for_bit() -> None:
+    """An evaluation sees θ_global (cast to the model's dtype); the params this peer trains
+    from (here θ plus an eager offset's stand-in) are back afterwards, even after an error."""
+    model = make_model().to(torch.bfloat16)
+    outer = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), LocalAverager(), DiLoCoConfig())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    trained = [p.detach().clone() for p in model.parameters()]
+    seen = outer.with_global(lambda: [p.detach().clone() for p in model.parameters()])
+    for s, g in zip(seen, outer.global_params):
+        assert torch.equal(s, g.to(torch.bfloat16))
+    assert all(torch.equal(p, t) for p, t in zip(model.parameters(), trained))
+
+    def fails() -> None:
+        raise RuntimeError("out of memory in the evaluation")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        outer.with_global(fails)
+    assert all(torch.equal(p, t) for p, t in zip(model.parameters(), trained))
+
+
 def test_a_model_without_trainable_params_is_rejected() -> None:
     model = make_model()
     for p in model.parameters():

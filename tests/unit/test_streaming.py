@@ -331,3 +331,37 @@ def test_the_default_fragment_count_divides_h_for_real_peers():
         config_of("start", "--method", "streaming", "--fragments", "4")
     with pytest.raises(ValueError, match="--inner-steps \\(11\\) divisible by --fragments \\(4\\)"):
         config_of("start", "--method", "streaming", "--inner-steps", "11")  # nothing fits: said
+
+
+def test_the_eval_loss_is_that_of_the_swarm_s_model_and_training_goes_on_from_the_peer_s():
+    """Streaming's model is not θ_global between merges (its fragments are out of step, and
+    α-mixed): the reported loss is θ_global's, the same on every peer, as the checkpoint's
+    global params, and the model each peer trains from is left as it was."""
+    peers: list[VirtualPeer] = []
+
+    def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
+        peers.append(make("streaming", inner_steps=8, fragments=2, sync_delay=2)(rank, swarm))
+        return peers[-1]
+
+    evaluated: list[list[torch.Tensor]] = []
+
+    def evaluate(model: torch.nn.Module) -> float:
+        evaluated.append([p.detach().clone() for p in model.parameters()])
+        x, y = next(stream(99))
+        return float(model(x, y)[1].detach())
+
+    result = simulate(make_peer, evaluate, SimConfig(peers=2, steps=21))
+    global_params = [g.clone() for g in peers[0].outer.global_params]
+    assert all(torch.equal(a, b) for a, b in zip(global_params, peers[1].outer.global_params))
+    trained = [p.detach() for p in peers[0].model.parameters()]
+    assert any(not torch.equal(p, g) for p, g in zip(trained, global_params))  # it is not θ_global
+    assert all(torch.equal(p, g) for p, g in zip(evaluated[-1], global_params))  # what was evaluated
+    assert result.final_eval_loss == evaluate(_with(global_params))
+
+
+def _with(params: list[torch.Tensor]) -> torch.nn.Module:
+    model = init_model()
+    with torch.no_grad():
+        for p, g in zip(model.parameters(), params):
+            p.copy_(g)
+    return model

@@ -266,7 +266,7 @@ class Peer:
         joining.wait_for_peers(
             self.board, self.beat, wanted=cfg.peer.min_peers, timeout=cfg.peer.wait_timeout, name=self.name
         )
-        initial_eval = evaluate(self.model, self.eval_set, self.device)
+        initial_eval = self.evaluate()
         self.emit("initial_eval", outer_step=self.diloco.outer_step_count, eval_loss=initial_eval)
         logger.info(
             "%s: eval loss %.4f at outer step %d", self.name, initial_eval, self.diloco.outer_step_count
@@ -333,9 +333,15 @@ class Peer:
         if self.diloco.outer_step_count % cfg.peer.eval_every == 0 or (
             cfg.peer.rounds and self.diloco.outer_step_count >= self.config.total_rounds
         ):
-            eval_loss = evaluate(self.model, self.eval_set, self.device)
+            eval_loss = self.evaluate()
         self._report_round(report, info, eval_loss, resync, round_start, compute)
         return eval_loss
+
+    def evaluate(self) -> float:
+        """The held-out loss of the swarm's model, θ_global (what ``global_params.pt`` keeps and
+        every peer of the round holds), not of the params this peer trains from when they
+        differ (streaming's fragments, a delayed, overlapped or eager round)."""
+        return self.diloco.with_global(lambda: evaluate(self.model, self.eval_set, self.device))
 
     def train_round(self, info: dict[str, Any], round_start: float) -> tuple[int, float, Any]:
         """This round's inner steps: (steps, seconds in them without the data-parallel
@@ -431,7 +437,7 @@ class Peer:
                 mean_update_norm=last.mean_norm,
             )
         ending = self.end_on_the_others_state() if self.dp is None and cfg.peer.rounds else {}
-        final_eval = evaluate(self.model, self.eval_set, self.device)
+        final_eval = self.evaluate()
         summary = dict(
             peer_id=self.peer_id,
             # whole-model rounds (streaming syncs one fragment per sync: F syncs make a round)
