@@ -25,8 +25,26 @@ def test_the_snapshot_syncs_to_the_front_end() -> None:
     assert state["title"] == "run fake-run"
     assert [p["name"] for p in state["snapshot"]["peers"]] == ["alpha", "bravo", "charlie", "delta"]
     assert state["snapshot"]["outer_round"] == 12
-    assert set(state["loss_series"]) == {"alpha", "bravo", "charlie", "delta"}
+    assert set(state["loss_series"]) == {peer_id(i) for i in range(4)}
+    assert [s["label"] for s in state["loss_series"].values()] == [
+        f"{name} ({peer_id(i)[-6:]})" for i, name in enumerate(["alpha", "bravo", "charlie", "delta"])
+    ]
     assert state["steer_reason"] is None
+
+
+def test_peers_of_one_name_each_get_their_own_loss_line() -> None:
+    """Keyed by peer id: a second "alpha" (or a peer naming itself after a line's label) takes
+    no other peer's line."""
+    monitor = SwarmMonitor()
+    for step, t in enumerate((1000.0, 1010.0), start=1):
+        beats = {peer_id(i): heartbeat(i, t, step, name="alpha") for i in range(2)}
+        snapshot = monitor.ingest(Reading(t, "fake-run", beats))
+    w = widget()
+    w.source.poll = lambda: snapshot
+    w.refresh()
+    assert set(w.loss_series) == {peer_id(0), peer_id(1)}
+    assert w.loss_series[peer_id(1)]["label"] == f"alpha ({peer_id(1)[-6:]})"
+    assert [v for _, v in w.loss_series[peer_id(1)]["points"]] == [3.18, 3.13]
 
 
 def test_a_pause_click_from_the_front_end_reaches_steering() -> None:

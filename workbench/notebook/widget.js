@@ -51,21 +51,21 @@ function chart(series, width = 360, height = 160) {
   svg.setAttribute("width", width);
   svg.setAttribute("height", height);
   svg.setAttribute("class", "swb-chart");
-  const points = Object.values(series).flat();
+  const points = Object.values(series).flatMap((s) => s.points);
   if (points.length < 2) return svg;
   const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
   const [x0, x1] = [Math.min(...xs), Math.max(...xs)];
   const [y0, y1] = [Math.min(...ys), Math.max(...ys)];
   const sx = (x) => 36 + ((x - x0) / (x1 - x0 || 1)) * (width - 44);
   const sy = (y) => 8 + (1 - (y - y0) / (y1 - y0 || 1)) * (height - 24);
-  Object.entries(series).forEach(([name, pts], i) => {
+  Object.values(series).forEach(({ label, points: pts }, i) => {
     const line = document.createElementNS(ns, "polyline");
     line.setAttribute("points", pts.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" "));
     line.setAttribute("fill", "none");
-    line.setAttribute("stroke", name === "mean" ? "#222" : COLORS[i % COLORS.length]);
-    line.setAttribute("stroke-width", name === "mean" ? "2" : "1.2");
+    line.setAttribute("stroke", COLORS[i % COLORS.length]);
+    line.setAttribute("stroke-width", "1.2");
     const title = document.createElementNS(ns, "title");
-    title.textContent = name;
+    title.textContent = label;
     line.appendChild(title);
     svg.appendChild(line);
   });

@@ -82,11 +82,14 @@ class SwarmWidget(anywidget.AnyWidget):
         snapshot = self.source.poll()
         self.last = snapshot
         self.steer_reason = self.source.steering_reason()
-        series: dict[str, list[list[float]]] = {}
+        series: dict[str, dict[str, Any]] = {}  # by peer id: a name is anyone's to take
         for peer_id, peer in snapshot.peers.items():
             points = snapshot.history.get(peer_id, {}).get("loss", [])[-120:]
             if points:
-                series[peer.name] = [[round(t - snapshot.time, 2), v] for t, v in points]
+                series[peer_id] = {
+                    "label": f"{peer.name} ({peer_id[-6:]})",
+                    "points": [[round(t - snapshot.time, 2), v] for t, v in points],
+                }
         self.loss_series = series
         self.snapshot = snapshot.to_json()
 
