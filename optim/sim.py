@@ -15,6 +15,7 @@ Faults, decided by a seeded generator so a run replays exactly:
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -27,6 +28,8 @@ import torch
 from optim.api import OuterOptimizer, Rounds
 from optim.averager import RoundReport
 from optim.inner import inner_step
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -223,6 +226,7 @@ def simulate(
     peak = [0] * config.peers
     history: list[dict[str, float]] = []
     errors: list[BaseException] = []
+    interrupted = threading.Event()  # Ctrl+C in the caller's thread: every peer stops at its next step
     start = time.monotonic()
     # Steps each peer ran in each round, for the virtual clock.
     ran: list[dict[int, int]] = [{} for _ in range(config.peers)]
@@ -237,6 +241,8 @@ def simulate(
                     todo = config.steps_in_round(rank, todo)
                 ran[rank][round_index] = todo
                 for i in range(todo):
+                    if interrupted.is_set():
+                        return
                     peer.set_lr(round_index * peer.inner_steps + i)
                     x, y = next(peer.batches)
                     n = len(x)
@@ -289,14 +295,26 @@ def simulate(
             bytes_sent[rank] += report.payload_bytes
             peak[rank] = max(peak[rank], report.payload_bytes)
 
+    # Daemons: a second Ctrl+C leaves at once, even in the middle of a long inner step.
     threads = [
-        threading.Thread(target=run, args=(rank,), name=f"virtual-peer-{rank}")
+        threading.Thread(target=run, args=(rank,), name=f"virtual-peer-{rank}", daemon=True)
         for rank in range(config.peers)
     ]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            while thread.is_alive():  # a timed wait: a signal taken by another thread is seen too
+                thread.join(0.2)
+    except KeyboardInterrupt:
+        logger.warning(
+            "stopping: each virtual peer ends its inner step in progress (Ctrl+C again to quit now)"
+        )
+        interrupted.set()
+        swarm.abort()
+        for thread in threads:
+            thread.join()
+        raise
     if errors:
         raise errors[0]
     busy = [sum(steps.values()) * config.step_seconds / config.speed(rank) for rank, steps in enumerate(ran)]

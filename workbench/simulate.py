@@ -8,6 +8,8 @@ the same outer-optimizer code a real peer runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from optim.streaming import StreamingConfig
 from workbench.config import TrainConfig
 from workbench.run.data import ByteCorpus, DataConfig, evaluate
 from workbench.run.model import ModelConfig, build_model, preset
+from workbench.run.progress_bar import Bar, progress
 
 
 @dataclass(kw_only=True)
@@ -186,13 +189,28 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         )
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run_simulation(
-        spec,
-        model=preset(args.model),
-        data=DataConfig(path=args.data, batch_size=args.batch_size),
-        train=TrainConfig(inner_lr=args.inner_lr),
-        sim=sim,
-    )
+    # Progress on a terminal, from peer 0's rounds; opened at the first one, once the corpus'
+    # own bar is gone (one live display at a time).
+    bars = contextlib.ExitStack()
+    bar: Bar | None = None
+
+    def on_round(info: dict[str, float]) -> None:
+        nonlocal bar
+        if info["rank"] != 0:
+            return
+        if bar is None:
+            bar = bars.enter_context(progress(title, total=args.steps))
+        bar.show(info["step"], f"{title}: round {int(info['round'])}, loss {info['loss']:.3f}")
+
+    title = f"{args.method} on {args.peers} virtual peers"
+    with bars:
+        result = run_simulation(
+            spec,
+            model=preset(args.model),
+            data=DataConfig(path=args.data, batch_size=args.batch_size),
+            train=TrainConfig(inner_lr=args.inner_lr),
+            sim=dataclasses.replace(sim, on_round=on_round),
+        )
     summary = {
         "method": args.method,
         "peers": args.peers,

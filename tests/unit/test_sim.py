@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import _thread
 import itertools
+import threading
+import time
 
 import pytest
 import torch
@@ -158,6 +161,34 @@ def test_a_failing_peer_stops_the_run_without_hanging():
 
     with pytest.raises(RuntimeError, match="disk on fire"):
         simulate(make_peer, mse, SimConfig(peers=3, steps=6))
+
+
+def test_ctrl_c_stops_every_virtual_peer_at_its_next_step():
+    """Ctrl+C (KeyboardInterrupt in the caller's thread, wherever the signal landed) ends the
+    simulation within a step: no virtual peer trains on in the background, which kept the
+    process alive after Ctrl+C until the whole run was done."""
+    taken = [0, 0, 0]
+
+    def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
+        peer = factory("diloco")(rank, swarm)
+        batches = peer.batches
+
+        def counted():
+            for batch in batches:
+                taken[rank] += 1
+                if rank == 0 and taken[0] == 12:
+                    _thread.interrupt_main()  # what Ctrl+C does, from a virtual peer's thread
+                yield batch
+
+        peer.batches = counted()
+        return peer
+
+    with pytest.raises(KeyboardInterrupt):
+        simulate(make_peer, mse, SimConfig(peers=3, steps=1_000_000))
+    assert not [t for t in threading.enumerate() if t.name.startswith("virtual-peer")]
+    settled = list(taken)
+    time.sleep(0.2)
+    assert taken == settled and max(taken) < 1000, taken
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,3 +149,27 @@ def test_simulate_reports_the_virtual_clock(capsys, corpus: Path) -> None:
         [8, 4],
     )
     assert boxed["config"]["round_seconds"] == 4.0 and boxed["config"]["speeds"] == [1.0, 0.5]
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_simulation_started_in_the_background_stops_on_a_signal(corpus: Path, how) -> None:
+    """Started from a script (`workbench simulate ... &`, where the shell makes it ignore
+    SIGINT) or stopped by a service manager: it stops within a step, says so in one line and
+    exits 130, instead of training its virtual peers on to the end of the run."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "workbench", "simulate", "--model", "tiny", "--batch-size", "4"]
+        + ["--steps", "1000000", "--data", str(corpus)],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert "loaded corpus" in process.stderr.readline()
+        time.sleep(2)  # training, most likely (an interrupted first evaluation stops the same way)
+        process.send_signal(how)
+        err = process.communicate(timeout=60)[1]
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "stopped.", err
+    assert "Traceback" not in err and "terminate called" not in err, err

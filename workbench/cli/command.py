@@ -159,14 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl+C before a command's own handling (importing torch: 1-2 s)
         print("stopped.", file=sys.stderr)
         return 130
-    if argv is None and _ran_a_peer:  # this process is the peer (not main() called by a library)
+    if argv is None and _ran_torch:  # this process is a peer's or a simulation's (not a library call)
         from workbench.run.stopping import end_process
 
         end_process(code)
     return code
 
 
-_ran_a_peer = False
+_ran_torch = False
+"""A peer or a simulation ran here: torch's threads are up, and finalization can abort in one."""
 
 
 def _one_line_errors(run, errors) -> int:
@@ -222,8 +223,17 @@ def _main(argv: Sequence[str] | None = None) -> int:
         from workbench.simulate import run_simulate_command
 
         def simulate() -> int:
+            from workbench.run.stopping import stopped_by_signals
+
+            global _ran_torch
             apply_settings(parser, args, argv)
-            return run_simulate_command(args)
+            _ran_torch = True
+            try:
+                with stopped_by_signals():  # Ctrl+C, SIGTERM, SIGHUP; even started in the background
+                    return run_simulate_command(args)
+            except KeyboardInterrupt:  # no result: the virtual peers stopped at their next step
+                print("stopped.", file=sys.stderr)
+                return 130
 
         return _one_line_errors(simulate, (ValueError, _DataError))
     sources: dict[str, str] = {}
@@ -255,8 +265,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
         on_started = (
             (lambda addresses: _print_join_command(config, addresses)) if args.command == "start" else None
         )
-        global _ran_a_peer
-        _ran_a_peer = True
+        global _ran_torch
+        _ran_torch = True
         run_peer(config, on_started=on_started)
         return 0
     except (SwarmError, DataError) as error:
