@@ -318,8 +318,40 @@ def dht_time() -> float:
     return get_dht_time()
 
 
+def release_interrupted_locks(*averagers: object) -> list[str]:
+    """Release the process-shared locks of hivemind that this thread holds: after a
+    KeyboardInterrupt (Ctrl+C, or SIGTERM/SIGHUP turned into one), every one it holds is one it
+    will never release. ``multiprocessing``'s ``Lock.__enter__`` is Python code that calls the C
+    acquire and then returns, and Python runs a pending signal handler between the two: the
+    interrupt leaves the ``with`` before it began, holding the lock (2,000 interrupts of a loop
+    making MPFutures left ``SharedBytes._lock`` held 584 times here). The next MPFuture, in
+    this process or in any child forked from it, then waits for ever: a peer's leaving
+    announcement hung until the close deadline killed it (exit 1). The names released."""
+    from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
+    locks = {
+        "SharedBytes._lock": SharedBytes._lock,
+        "MPFuture._initialization_lock": MPFuture._initialization_lock,
+        "MPFuture._update_lock": MPFuture._update_lock,
+    }
+    for i, averager in enumerate(averagers):
+        if getattr(averager, "lock_averaged_tensors", None) is not None:
+            locks[f"averager {i}'s lock_averaged_tensors"] = averager.lock_averaged_tensors
+    released = []
+    for name, lock in locks.items():
+        semlock = getattr(lock, "_semlock", None)
+        if semlock is not None and semlock._is_mine():
+            lock.release()
+            released.append(name)
+    if released:
+        logger.debug("released %s, held since an interrupt", ", ".join(released))
+    return released
+
+
 def shutdown_quietly(*nodes: Sequence[object]) -> None:
-    """Shut down averagers, then DHTs (the other order prints connection-reset tracebacks)."""
+    """Shut down averagers, then DHTs (the other order prints connection-reset tracebacks);
+    first, the hivemind locks an interrupt left held (:func:`release_interrupted_locks`)."""
+    release_interrupted_locks(*nodes)
     for node in nodes:
         if node is None:
             continue

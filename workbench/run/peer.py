@@ -29,7 +29,7 @@ import torch
 import workbench.run.checkpoint as checkpoint
 from optim.api import Sync
 from optim.data_parallel import DataParallel
-from swarm.dht import NetworkConfig, visible_addresses
+from swarm.dht import NetworkConfig, release_interrupted_locks, visible_addresses
 from swarm.errors import SwarmError
 from swarm.records import PeerHeartbeat, RunKeys, RunManifest, Stage
 from swarm.session import connect
@@ -578,6 +578,7 @@ class Peer:
 
     def close(self, reason: str) -> None:
         """Announce departure (best effort), then shut down the averager before the DHT."""
+        release_interrupted_locks(*(self.outer.averagers if self.outer is not None else []))
         dht_alive = self.dht is not None and getattr(self.dht, "is_alive", lambda: True)()  # may be signalled
         if self.board is not None and self.peer_id and dht_alive:
             self.stage = Stage.LEAVING
