@@ -307,11 +307,11 @@ def simulate(
             while thread.is_alive():  # a timed wait: a signal taken by another thread is seen too
                 thread.join(0.2)
     except KeyboardInterrupt:
+        interrupted.set()
+        swarm.abort()
         logger.warning(
             "stopping: each virtual peer ends its inner step in progress (Ctrl+C again to quit now)"
         )
-        interrupted.set()
-        swarm.abort()
         for thread in threads:
             thread.join()
         raise
