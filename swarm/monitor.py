@@ -74,7 +74,8 @@ class Reading:
 class MonitorEvent:
     time: float
     kind: str
-    """joined | left | round | control | lagging | error | ignored"""
+    """joined | present | left | round | control | lagging | error | ignored ("present": in the
+    run at this monitor's first reading, which cannot tell when it joined)"""
     message: str
     peer_id: str | None = None
 
@@ -165,6 +166,7 @@ class SwarmMonitor:
         self._history: dict[str, dict[str, deque[tuple[float, float]]]] = {}
         self._events: deque[MonitorEvent] = deque(maxlen=events)
         self._known: dict[str, PeerHeartbeat] = {}  # peers seen alive in the last reading
+        self._readings = 0
         self._names: dict[str, str] = {}
         self._lagging: set[str] = set()
         self._ignored = Ignored()  # peers told as ignored (bounded: oldest forgotten)
@@ -210,6 +212,7 @@ class SwarmMonitor:
         if self._record:
             self._record.write(json.dumps(reading.to_json()) + "\n")
         now, new = reading.time, []
+        first, self._readings = self._readings == 0, self._readings + 1
 
         def event(kind: str, message: str, peer_id: str | None = None) -> None:
             new.append(MonitorEvent(now, kind, message, peer_id))
@@ -228,7 +231,9 @@ class SwarmMonitor:
         for pid, p in alive.items():
             self._names[pid] = p.name
             before = self._known.get(pid)
-            if before is None:
+            if before is None and first:
+                event("present", f"{p.name} is in the run ({p.device}, outer step {p.outer_step})", pid)
+            elif before is None:
                 back = " again" if self._departed.pop(pid, None) else ""
                 event("joined", f"{p.name} joined{back} ({p.device}, outer step {p.outer_step})", pid)
             elif p.control_version > before.control_version:

@@ -64,6 +64,7 @@ WIDTHS = {
 WINDOWS = [30.0, 60.0, 120.0, 300.0, 900.0, 3600.0, float("inf")]
 EVENT_STYLE = {
     "joined": "green",
+    "present": "green",
     "left": "red",
     "round": "blue",
     "control": "magenta",

@@ -80,7 +80,7 @@ async def test_enter_opens_the_peer_detail(app) -> None:
         assert isinstance(app.screen, PeerScreen)
         assert app.screen.peer_id == peer_id(1)
         text = " ".join(str(w.render()) for w in app.screen.query(Static))
-        assert "bravo" in text and "/ip4/127.0.0.1/tcp/40001" in text and "joined" in text
+        assert "bravo" in text and "/ip4/127.0.0.1/tcp/40001" in text and "is in the run" in text
         await pilot.press("escape")
         assert not isinstance(app.screen, PeerScreen)
 

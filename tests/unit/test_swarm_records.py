@@ -248,7 +248,9 @@ def test_the_monitor_derives_events() -> None:
     monitor = SwarmMonitor()
     kinds = [[e.kind for e in monitor.ingest(r).new_events] for r in readings()]
     # Round 4 is told once every training peer finished it: here when the laggard b leaves.
-    assert kinds == [["joined"], ["joined", "round"], ["lagging"], ["control", "left", "round"], ["round"]]
+    # a was there before the monitor looked: "present", not "joined" (b joins while it watches).
+    assert kinds == [["present"], ["joined", "round"], ["lagging"], ["control", "left", "round"], ["round"]]
+    assert monitor.ingest(Reading(5.5, "r", {"A": hb("A", "a", 5.5, 5)})).new_events == []
     snapshot = monitor.ingest(Reading(16.0, "r", {}))
     assert [e.kind for e in snapshot.new_events] == ["left"]
     assert snapshot.new_events[0].message == "a left at outer step 5 (heartbeat expired)"
