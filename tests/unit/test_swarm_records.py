@@ -416,3 +416,19 @@ def test_non_owners_steering_records_are_logged_once_per_key_and_at_most_once_a_
     assert [r.getMessage() for r in caplog.records[2:]] == [
         "ignored steering changes from 1 more key(s): only the run owner owner can steer"
     ]
+
+
+def test_status_into_a_pipe_keeps_every_cell_whole(capsys, monkeypatch) -> None:
+    """Into a file or a pipe rich assumed 80 columns and cut names, stages and losses to "…"."""
+    from workbench.cli.status import render
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    peer = dict(
+        name="a-rather-long-peer-name", stage="averaging", outer_step=123456, inner_step=4, inner_steps=5,
+        loss=2.345678, samples_per_second=12345.0, bytes_sent=123_456_789_000, peer_id="Qm" + "x" * 44,
+        device="cuda:0", last_round_steps=5, group_size=12, control_version=3,
+    )  # fmt: skip
+    render({"run_id": "r", "outer_round": 1, "peers": [peer]})
+    out = capsys.readouterr().out
+    assert "…" not in out, out
+    assert "a-rather-long-peer-name" in out and "averaging" in out and "2.346" in out, out

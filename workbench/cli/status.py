@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -18,6 +19,9 @@ from swarm.bounds import parser as bounded
 from swarm.dht import NetworkConfig
 from swarm.errors import SwarmError
 from swarm.records import RunKeys
+
+STATUS_WIDTH = 240
+"""Columns of `status`'s table when it goes to a file or a pipe (a table takes what it needs)."""
 
 
 def add_observer_options(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +111,10 @@ def render(data: dict[str, Any]) -> None:
             escape(p["device"]),
             escape(p["peer_id"][-12:]),
         )
-    console = Console()
+    # Into a file or a pipe (a log, `--watch` under a service manager) rich assumes 80 columns
+    # and cuts every cell to "…": there, as wide as the table needs (COLUMNS still wins).
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    console = Console(width=STATUS_WIDTH if wide else None)
     console.print(table)
     waits = sorted(p.get("round_wait_seconds") or 0.0 for p in data["peers"])
     limits = sorted(p.get("averaging_deadline_seconds") or 0.0 for p in data["peers"])
