@@ -151,6 +151,10 @@ class PeerConfig:
             raise ValueError(
                 f"checkpoint every must be >= 0 rounds (got {self.checkpoint_every}); 0 turns it off"
             )
+        if self.checkpoint_every and not self.run_dir:
+            raise ValueError(
+                f"--checkpoint-every {self.checkpoint_every} needs a folder to write them in: add --run-dir DIR"
+            )
         if self.eval_every < 1:
             raise ValueError(f"eval every must be >= 1 round (got {self.eval_every})")
         if self.eval_batches < 1:

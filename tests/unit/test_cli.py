@@ -191,6 +191,11 @@ def test_flags_reach_the_config() -> None:
         pytest.param(["start", "--resume", "{tmp}"], "checkpoint.pt does not exist", id="resume-empty"),
         pytest.param(["start", "--run-dir", "{tmp}/garbage"], "is a file: give a folder", id="run-dir-file"),
         pytest.param(["start", "--shard", "0/0"], "must be at least 1", id="shard-of-0"),
+        pytest.param(
+            ["start", "--checkpoint-every", "2"],
+            "needs a folder to write them in: add --run-dir",
+            id="ckpt-no-dir",
+        ),
         pytest.param(["start", "--shard", "-1/4"], "shard must be in 0..3", id="shard-negative"),
         pytest.param(["start", "--name", "[/b]"], "invalid peer name", id="name-markup"),
         pytest.param(["start", "--config", ""], "--config is empty", id="config-empty"),
