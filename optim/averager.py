@@ -54,6 +54,10 @@ class RoundReport:
     """The transport that carried the all-reduce (a swarm's "direct" ring or "hivemind"'s path);
     empty when nothing was averaged or the averager has no such choice."""
 
+    missed: bool = False
+    """The simulator's dropout: this peer missed the round (it sent nothing, and took the others'
+    mean)."""
+
     pending: bool = False
     """Overlapped rounds: this round's all-reduce still runs in the background (the first
     round's report; each later sync reports the round before it)."""

@@ -149,6 +149,7 @@ class InProcessSwarm:
             # Like hivemind's gather: what every member of the group declared this round.
             group_info=[slot_info for _, w, slot_info in slots if w],  # type: ignore[misc]
             error="dropped out of this round" if rank in dropped else None,
+            missed=rank in dropped,
         )
 
 
@@ -291,7 +292,8 @@ def simulate(
             swarm.abort()
 
     def _account(rank: int, report: RoundReport | None) -> None:
-        if report is not None:
+        # What a peer uploads: nothing in a round it missed, or had nobody to average with.
+        if report is not None and not report.missed and report.group_size > 1:
             bytes_sent[rank] += report.payload_bytes
             peak[rank] = max(peak[rank], report.payload_bytes)
 

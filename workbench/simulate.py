@@ -216,7 +216,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         "peers": args.peers,
         "inner_steps": 1 if spec.outer_method.every_step else args.inner_steps,
         **(
-            {"fragments": args.fragments, "sync_delay": args.sync_delay}
+            {"fragments": spec.fragments, "sync_delay": spec.sync_delay}  # as used (defaults too)
             if spec.outer_method.fragmented
             else {}
         ),

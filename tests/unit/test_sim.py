@@ -147,6 +147,19 @@ def test_dropout_schedule_keeps_one_peer_and_replays():
     assert schedules == [InProcessSwarm(3, dropout=0.9, seed=1).dropped(r) for r in range(50)]
 
 
+def test_a_peer_sends_nothing_in_a_round_it_missed_or_spent_alone():
+    """bytes_per_peer counted every round, missed or not: dropout did not lower it."""
+    full = simulate(factory("diloco"), mse, SimConfig(peers=3, steps=40))
+    per_round = full.bytes_per_peer // full.rounds
+    assert per_round > 0 and full.bytes_per_peer == per_round * 8
+    swarm = InProcessSwarm(3, dropout=0.5, seed=0)
+    sent = [r for r in range(8) if 0 not in swarm.dropped(r) and len(swarm.dropped(r)) < 2]
+    assert 0 < len(sent) < 8  # the schedule drops rank 0 from some rounds, not all
+    dropping = simulate(factory("diloco"), mse, SimConfig(peers=3, steps=40, dropout=0.5))
+    assert dropping.bytes_per_peer == per_round * len(sent)
+    assert simulate(factory("diloco"), mse, SimConfig(peers=1, steps=40)).bytes_per_peer == 0
+
+
 def test_a_failing_peer_stops_the_run_without_hanging():
     def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
         peer = factory("diloco", H=2)(rank, swarm)
@@ -168,6 +181,7 @@ def test_ctrl_c_stops_every_virtual_peer_at_its_next_step():
     simulation within a step: no virtual peer trains on in the background, which kept the
     process alive after Ctrl+C until the whole run was done."""
     taken = [0, 0, 0]
+    workers: set[threading.Thread] = set()
 
     def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
         peer = factory("diloco")(rank, swarm)
@@ -175,6 +189,7 @@ def test_ctrl_c_stops_every_virtual_peer_at_its_next_step():
 
         def counted():
             for batch in batches:
+                workers.add(threading.current_thread())
                 taken[rank] += 1
                 # What Ctrl+C does, from a virtual peer's thread; again much later only if
                 # the first was lost (raised in a gc callback of the main thread, say).
@@ -187,7 +202,7 @@ def test_ctrl_c_stops_every_virtual_peer_at_its_next_step():
 
     with pytest.raises(KeyboardInterrupt):
         simulate(make_peer, mse, SimConfig(peers=3, steps=1_000_000))
-    assert not [t for t in threading.enumerate() if t.name.startswith("virtual-peer")]
+    assert len(workers) == 3 and not [t for t in workers if t.is_alive()], (workers, taken)
     settled = list(taken)
     time.sleep(0.2)
     assert taken == settled and max(taken) < 10_000, taken

@@ -83,6 +83,12 @@ def test_the_config_shows_the_streaming_merge_weight_the_run_uses(capsys, corpus
     assert run(capsys, *common)["config"]["alpha"] == 0.0  # merged at once: the global fragment
     assert run(capsys, *common, "--sync-delay", "1")["config"]["alpha"] == 0.5  # the paper's, with τ > 0
     assert run(capsys, *common, "--sync-delay", "1", "--alpha", "0.25")["config"]["alpha"] == 0.25
+    chosen = run(capsys, *common[:-2])  # no --fragments: the top-level keys say what was used
+    assert (
+        (chosen["fragments"], chosen["sync_delay"])
+        == (4, 0)
+        == (chosen["config"]["fragments"], chosen["config"]["sync_delay"])
+    )
 
 
 @pytest.mark.parametrize(
