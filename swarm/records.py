@@ -66,6 +66,14 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+def check_owner(owner: str | None) -> str | None:
+    """An ``--owner`` as `workbench start` prints it (16 hex digits of the owner's key hash), or
+    None; SwarmError naming the value otherwise (a typo would trust no manifest at all)."""
+    if owner is not None and not (isinstance(owner, str) and re.fullmatch(r"[0-9a-f]{16}", owner)):
+        raise SwarmError(f"--owner takes the 16 hex digits `workbench start` printed (got '{owner}')")
+    return owner
+
+
 class Stage(str, enum.Enum):
     """Where a peer is in its protocol, shown in every UI."""
 

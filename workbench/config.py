@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass, field
 
 from optim.api import Method, Sync, method, names
@@ -16,7 +15,7 @@ from optim.diloco import DiLoCoConfig
 from swarm.averaging_config import AveragingConfig
 from swarm.dht import NetworkConfig
 from swarm.errors import SwarmError
-from swarm.records import check_name, check_run_id
+from swarm.records import check_name, check_owner, check_run_id
 from workbench.names import WANDB_MODES
 from workbench.run.data import DataConfig
 from workbench.run.model import ModelConfig
@@ -128,10 +127,10 @@ class PeerConfig:
             raise ValueError(f"unknown --wandb-mode {self.wandb_mode!r}: choose {', '.join(WANDB_MODES)}")
         if self.secret is not None and len(self.secret) < 8:
             raise ValueError("a run secret must be at least 8 characters (use a long random one)")
-        if self.owner is not None and not re.fullmatch(r"[0-9a-f]{16}", self.owner):
-            raise ValueError(
-                f"--owner takes the 16 hex digits `workbench start` printed (got '{self.owner}')"
-            )
+        try:
+            check_owner(self.owner)
+        except SwarmError as error:
+            raise ValueError(str(error)) from None
         if self.name is not None:
             try:
                 check_name(self.name)  # as every other peer checks its heartbeat's

@@ -351,6 +351,11 @@ def test_doctor_reports_a_reachable_swarm_and_a_dead_port(spawn):
     assert result.returncode == 0, result.stdout + result.stderr
     assert checks["bootstrap"]["status"] == "ok" and checks["run 'doctor'"]["status"] == "ok"
     assert checks["reachability"]["status"] == "warn" and "--host 0.0.0.0" in checks["reachability"]["fix"]
+    owner = peer.events("started")[0]["owner"]
+    result = workbench("doctor", address, "--run-id", "doctor", "--owner", "0" * 16, "--json")
+    run = {c["name"]: c for c in json.loads(result.stdout)}["run 'doctor'"]
+    assert result.returncode == 1 and run["status"] == "fail", result.stdout  # join would fail
+    assert f"only one by {owner}" in run["detail"] and "check --owner" in run["fix"], run
     dead = address.replace(address.split("/")[4], "1")  # port 1: nothing listens there
     result = workbench("doctor", dead, "--run-id", "doctor", "--json", "--connect-timeout", "5")
     checks = json.loads(result.stdout)

@@ -196,6 +196,17 @@ def test_flags_reach_the_config() -> None:
             "needs a folder to write them in: add --run-dir",
             id="ckpt-no-dir",
         ),
+        pytest.param(
+            ["status", ADDRESS, "--owner", "xyz"], "--owner takes the 16 hex digits", id="status-owner"
+        ),
+        pytest.param(
+            ["doctor", ADDRESS, "--owner", "0000"], "--owner takes the 16 hex digits", id="doctor-owner"
+        ),
+        pytest.param(
+            ["steer", ADDRESS, "--key", "{tmp}/garbage", "--owner", "ABCDEF0123456789", "--outer-lr", "0.5"],
+            "--owner takes the 16 hex digits",
+            id="steer-owner",
+        ),
         pytest.param(["start", "--shard", "-1/4"], "shard must be in 0..3", id="shard-negative"),
         pytest.param(["start", "--name", "[/b]"], "invalid peer name", id="name-markup"),
         pytest.param(["start", "--config", ""], "--config is empty", id="config-empty"),

@@ -114,7 +114,9 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     import importlib.metadata
 
     from swarm.addresses import parse_peer_addresses
+    from swarm.records import check_owner
 
+    check_owner(args.owner)  # a malformed --owner is the user's to fix: one line, exit 2
     checks: list[Check] = []
     try:
         version = importlib.metadata.version("swarm-workbench")
@@ -211,9 +213,26 @@ def _reachability(dht) -> list[Check]:
 
 
 def _run_checks(args: argparse.Namespace, session, read) -> list[Check]:
+    from swarm.manifest import find_manifest
+
     reading = read()
     checks = []
-    if reading.manifest is None:
+    other = (
+        find_manifest(session.store, session.keys, timeout=0.0)
+        if reading.manifest is None and args.owner
+        else None
+    )
+    if other is not None:  # the run is there, owned by another key than --owner says
+        checks.append(
+            Check(
+                f"run '{args.run_id}'",
+                "fail",
+                f"no manifest by owner {args.owner}, only one by {other.owner}",
+                "check --owner against the join command the run's `workbench start` printed "
+                "(or drop --owner to trust the oldest manifest)",
+            )
+        )
+    elif reading.manifest is None:
         checks.append(
             Check(
                 f"run '{args.run_id}'",

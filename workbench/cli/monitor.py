@@ -69,8 +69,10 @@ def run_monitor_command(args: argparse.Namespace, argv: list[str]) -> int:
         _need_a_terminal("replay", source.close)
     else:
         from swarm.addresses import parse_peer_addresses
+        from swarm.records import check_owner
 
         parse_peer_addresses(args.peers)  # a bad address first: it needs no terminal to be said
+        check_owner(args.owner)
         _need_a_terminal("monitor")
         if args.record:  # a --record file that cannot be written, or is not a recording: before connecting
             from swarm.monitor import open_recording

@@ -18,7 +18,7 @@ from typing import Any
 from swarm.bounds import parser as bounded
 from swarm.dht import NetworkConfig
 from swarm.errors import SwarmError
-from swarm.records import RunKeys
+from swarm.records import RunKeys, check_owner
 
 STATUS_WIDTH = 240
 """Columns of `status`'s table when it goes to a file or a pipe (a table takes what it needs)."""
@@ -148,7 +148,8 @@ def run_status_command(args: argparse.Namespace) -> int:
         return 0
     from swarm.monitor import SwarmMonitor
 
-    RunKeys(args.run_id, args.secret)  # a bad run id or secret fails before connecting
+    RunKeys(args.run_id, args.secret)  # a bad run id, secret or owner fails before connecting
+    check_owner(args.owner)
     if args.record:  # so does a --record file that cannot be written, or is not a recording
         from swarm.monitor import open_recording
 

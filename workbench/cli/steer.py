@@ -58,11 +58,12 @@ def add_steer_parser(commands) -> None:
 def run_steer_command(args: argparse.Namespace) -> int:
     from swarm.identity import key_hash
     from swarm.manifest import find_manifest
-    from swarm.records import RunKeys
+    from swarm.records import RunKeys, check_owner
     from swarm.steering import Steering, aliases_of, live_peer_id
     from workbench.cli.status import open_observer
 
     RunKeys(args.run_id, args.secret)
+    check_owner(args.owner)
     if (
         not any(
             [args.outer_lr, args.inner_steps, args.update_codec, args.pause, args.resume, args.checkpoint]
