@@ -596,3 +596,11 @@ def test_doctor_probes_with_the_connect_timeout_and_a_malformed_address_is_exit_
     assert main(["doctor", long]) == EXIT_USER_ERROR
     out = capsys.readouterr().out
     assert any(long in line for line in out.splitlines()), out  # never wrapped mid-address
+
+
+def test_config_show_names_the_file_of_a_bad_host_as_start_does(capsys, tmp_path) -> None:
+    (tmp_path / "run.toml").write_text('host = "localhost"\n')
+    for argv in (["config", "show"], ["start"]):
+        assert main([*argv, "--config", str(tmp_path / "run.toml")]) == EXIT_USER_ERROR
+        line = one_error_line(capsys)
+        assert "--host must be an IP address" in line and f"(host from file {tmp_path / 'run.toml'})" in line

@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from swarm.errors import SwarmError
 from workbench.cli.configfile import layer, settings_of, to_toml
 
 EPILOG = """examples:
@@ -62,7 +63,7 @@ def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     args.command = "start"
     try:
         build_config(args)  # the same checks a run makes: a bad value fails here, not at start time
-    except ValueError as error:
+    except (ValueError, SwarmError) as error:  # named like `start` names it (--host is a SwarmError)
         raise ValueError(f"{error}{_where_from(str(error), sources)}") from None
     settings = {key: getattr(args, key) for key in settings_of(show)}
     if args.json:
