@@ -221,7 +221,7 @@ class SwarmAverager(Downloading):
             ]
             if not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
                 return self._failed(info, error, mates=[p.peer_id for p in mates])
-            logger.debug("round %d: attempt %d failed (%s); retrying", outer_step, attempt, error)
+            logger.debug("round %d: attempt %d failed (%s); retrying", outer_step + 1, attempt, error)
         self.averaging_deadline.observe(time.monotonic() - started)
         # Success: the buffers now hold the group's weighted mean. Its members (hivemind's
         # authenticated peer ids, not what they wrote in their info) are vouched for.
@@ -336,8 +336,11 @@ class SwarmAverager(Downloading):
         return report
 
     def _alone(self, info: dict[str, Any], reason: str) -> RoundReport:
+        # The round that ends at outer step + 1: what the peer's own round line calls it.
         logger.info(
-            "round %s: %s; continuing alone with this peer's own update", info.get("outer_step"), reason
+            "round %d: %s; continuing alone with this peer's own update",
+            int(info.get("outer_step", 0)) + 1,
+            reason,
         )
         return RoundReport(group_size=1, group_info=[info], error=reason)
 

@@ -242,7 +242,7 @@ class RoundBarrier:
             if now > started + limit:
                 logger.warning(
                     "round %d: not waiting longer than %.1f s for %s%s",
-                    outer_step,
+                    outer_step + 1,  # named as the peers' round lines name it: by the step it ends at
                     limit,
                     waiting,
                     "" if limit >= self.config.round_wait else " (learned from the last rounds' arrivals)",
@@ -250,11 +250,13 @@ class RoundBarrier:
                 for p in busy_peers:
                     if p.peer_id not in vouched:  # "downloading" for a whole round wait
                         self.strike(
-                            p, outer_step, f"said it was downloading in round {outer_step} and never averaged"
+                            p,
+                            outer_step,
+                            f"said it was downloading in round {outer_step + 1} and never averaged",
                         )
                 return Verdict.AVERAGE if any(map(ready, others)) else Verdict.ALONE
             if waiting != waited_for:
-                logger.debug("round %d: waiting for %s", outer_step, ", ".join(waiting))
+                logger.debug("round %d: waiting for %s", outer_step + 1, ", ".join(waiting))
                 waited_for = waiting
             self.sleep(0.1)
 
