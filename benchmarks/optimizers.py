@@ -511,6 +511,8 @@ def main() -> None:
         "--inner-steps)",
     )
     args = parser.parse_args()
+    if args.peers < 2:
+        parser.error("--peers must be at least 2: a lone peer sends nothing, and the rows compare bytes sent")
     torch.set_num_threads(1)  # the simulator runs each peer as a thread
     config = quick() if args.quick else full()
     H = args.inner_steps or config.inner_steps
