@@ -22,6 +22,7 @@ import torch
 
 from optim import DiLoCo, DiLoCoConfig, LocalAverager
 from optim.eager import AdamW
+from optim.inner import inner_step
 from workbench.run.data import ByteCorpus, DataConfig
 from workbench.run.model import autocast_context, build_model, pick_device, preset
 
@@ -42,18 +43,18 @@ def measure(preset_name: str, steps: int, device: torch.device, batch_size: int)
     batches = corpus.batches(block_size=config.block_size, batch_size=batch_size, seed=0)
     losses = []
 
-    def inner_step() -> None:
+    def step() -> None:
         x, y = next(batches)
         loss = inner_step(model, inner, x, y, device=device, autocast=lambda: autocast_context(device))
         losses.append(loss.detach())
         outer.note_inner_step(samples=batch_size)
 
     for _ in range(3):  # warm-up: allocator, kernels, AdamW state
-        inner_step()
+        step()
     _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
-        inner_step()
+        step()
     _sync(device)
     inner_seconds = (time.perf_counter() - start) / steps
 
