@@ -13,8 +13,11 @@ share of a round the GPU idles, network aside). Writes benchmarks/results/train_
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
+import statistics
 import time
 from pathlib import Path
 
@@ -34,7 +37,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(preset_name: str, steps: int, device: torch.device, batch_size: int) -> dict:
+def measure(
+    preset_name: str, steps: int, device: torch.device, batch_size: int, profile: bool = False
+) -> dict:
     config = preset(preset_name)
     corpus = ByteCorpus.load(DataConfig(max_bytes=2_000_000))
     model = build_model(config, seed=0).to(device)
@@ -58,12 +63,21 @@ def measure(preset_name: str, steps: int, device: torch.device, batch_size: int)
     _sync(device)
     inner_seconds = (time.perf_counter() - start) / steps
 
-    start = time.perf_counter()
-    repeats = 5
-    for _ in range(repeats):
-        outer.sync()
+    outer.sync()  # warm-up: the first round allocates the pinned host buffers (once per run)
     _sync(device)
-    outer_seconds = (time.perf_counter() - start) / repeats
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        outer.sync()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    outer_seconds = statistics.median(times)
+    repeats = len(times)
+    if profile:
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [outer.sync() for _ in range(repeats)])
+        print(f"--- {preset_name}: where {repeats} outer steps spend their time (cProfile, by own time)")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
     values = [float(v) for v in losses]
     return {
         "preset": preset_name,
@@ -93,9 +107,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", type=Path, default=RESULTS / "train_step.json")
+    parser.add_argument("--profile", action="store_true", help="print where the outer steps spend their time")
     args = parser.parse_args()
     device = pick_device(args.device)
-    rows = [measure(name, args.steps, device, args.batch_size) for name in args.preset or ["tiny", "small"]]
+    rows = [
+        measure(name, args.steps, device, args.batch_size, args.profile)
+        for name in args.preset or ["tiny", "small"]
+    ]
     print(f"{'preset':>8} {'params':>10} {'device':>6} {'tokens/s':>10} {'outer/inner':>12} {'loss':>13}")
     for r in rows:
         print(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -92,6 +93,13 @@ class Codec(abc.ABC):
         flat = self._decode_flat(encoded.payload, encoded.numel)  # (n,) fp32
         return flat.reshape(encoded.shape)
 
+    def round_trip(self, tensors: list[Tensor]) -> tuple[list[Tensor], int]:
+        """What a group receives of ``tensors`` (fp32, same shapes) and the payload's bytes, for
+        a sender that averages the decoded values itself and keeps no payload. It may return
+        the inputs themselves: pass tensors that are the caller's to overwrite."""
+        encoded = [self.encode(t) for t in tensors]
+        return [self.decode(e) for e in encoded], encoded_nbytes(encoded)
+
     @abc.abstractmethod
     def _encode_flat(self, x: Tensor) -> dict[str, Tensor]:
         """Payload for a finite fp32 vector ``x`` of shape (n,)."""
@@ -101,11 +109,24 @@ class Codec(abc.ABC):
         """The (numel,) fp32 vector a payload stands for."""
 
 
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    """Whether no tensor holds a NaN or an Inf. One summing pass per tensor: a NaN or an Inf
+    makes the sum non-finite, so a finite sum proves the tensor finite; a sum that is not (also
+    an overflow of huge finite values) is checked element by element. ``isfinite(x).all()``
+    writes a bool copy and reads it again: 24x the time of the sum on the 2-core machine, and
+    the check runs on every update four times a round (codec, Δ, mean, outer step)."""
+    for tensor in tensors:
+        summed = float(tensor.detach().sum()) if tensor.numel() else 0.0
+        if not math.isfinite(summed) and not bool(torch.isfinite(tensor).all()):
+            return False
+    return True
+
+
 def _finite_fp32(tensor: Tensor) -> Tensor:
     if not tensor.is_floating_point():
         raise ValueError(f"codecs take floating-point tensors (got {tensor.dtype}): pass the fp32 update")
     x = tensor.detach().to(torch.float32)
-    if not torch.isfinite(x).all():
+    if not all_finite([x]):
         raise ValueError(
             "the update is not finite (it holds NaN/Inf): this peer diverged; it must not be sent. "
             "Skip the round or restore the global params, and lower the inner learning rate"
@@ -132,6 +153,12 @@ class NoCodec(Codec):
 
     def _encode_flat(self, x: Tensor) -> dict[str, Tensor]:
         return {"values": x.clone()}  # (n,) fp32; a copy, so an in-place reduce cannot alias it
+
+    def round_trip(self, tensors: list[Tensor]) -> tuple[list[Tensor], int]:
+        """The fp32 inputs themselves (checked finite): what the group receives, without the
+        two copies of an encode and a decode (0.45x of a 10.8M-param outer step on 2 cores)."""
+        values = [_finite_fp32(t) for t in tensors]
+        return values, sum(HEADER_BYTES + v.numel() * v.element_size() for v in values)
 
     def _decode_flat(self, payload: dict[str, Tensor], numel: int) -> Tensor:
         return payload["values"].to(torch.float32, copy=True)

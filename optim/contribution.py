@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from optim.averager import RoundReport
+from optim.codecs import all_finite
 from optim.robust import check_round, misreported
 
 
@@ -65,7 +66,7 @@ def judge(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> str 
     )
     if refused and report.group_size > 1:
         why = f"round {outgoing.outer_step}: {refused}; the global params were left unchanged"
-    elif not all(torch.isfinite(d).all() for d in outgoing.deltas):
+    elif not all_finite(outgoing.deltas):
         why = (
             f"round {outgoing.outer_step}: the averaged update holds NaN/Inf; the global params "
             "were left unchanged (a peer diverged: lower the inner learning rate)"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from optim.averager import Averager, RoundReport
+from optim.codecs import all_finite
 
 if TYPE_CHECKING:
     from optim.diloco import DiLoCoConfig
@@ -46,7 +47,7 @@ class DataParallel:
             for p in self.params
         ]
         report = self.averager.all_reduce(grads, weight=float(samples), info=info)
-        if not all(torch.isfinite(g).all() for g in grads):
+        if not all_finite(grads):
             raise FloatingPointError("the averaged gradient holds NaN/Inf: lower the learning rate")
         for p, g in zip(self.params, grads):
             p.grad = g.to(p.device, p.dtype)

@@ -34,7 +34,7 @@ import torch
 
 from optim.averager import Averager, RoundReport
 from optim.background import in_background, landed, read_settled
-from optim.codecs import encoded_nbytes
+from optim.codecs import all_finite, encoded_nbytes
 from optim.config import DiLoCoConfig
 from optim.contribution import InFlight, Outgoing, global_norm, judge, keepers, own_share, spread_over_keepers
 from optim.eager import SGD
@@ -164,8 +164,7 @@ class DiLoCo:
         if self.feedback is not None:
             encoded, decoded = self.feedback.compress(deltas)
             return decoded, encoded_nbytes(encoded)
-        encoded = [self.codec.encode(d) for d in deltas]
-        return [self.codec.decode(e) for e in encoded], encoded_nbytes(encoded)
+        return self.codec.round_trip(deltas)
 
     def average(
         self, deltas: list[torch.Tensor], info: dict[str, Any] | None, *, weight: float | None = None
@@ -193,7 +192,7 @@ class DiLoCo:
     @torch.no_grad()
     def apply_outer_step(self, mean_deltas: list[torch.Tensor]) -> None:
         """θ ← OuterSGD(θ, mean Δ). Refuses a non-finite update rather than poison θ."""
-        if not all(torch.isfinite(d).all() for d in mean_deltas):
+        if not all_finite(mean_deltas):
             raise FloatingPointError(
                 f"round {self.outer_step_count}: the averaged update holds NaN/Inf; the global params "
                 "were left unchanged (a peer diverged: lower the inner learning rate)"
@@ -207,7 +206,7 @@ class DiLoCo:
         updates, https://arxiv.org/abs/2502.12996): round r applies the mean Δ of round r − delay,
         so on a real network that all-reduce has the whole next round of inner steps to finish.
         The first ``delay`` rounds apply nothing; the outer step still counts rounds."""
-        if not all(torch.isfinite(d).all() for d in mean_deltas):
+        if not all_finite(mean_deltas):
             raise FloatingPointError(
                 f"round {self.outer_step_count}: the averaged update holds NaN/Inf; it was dropped"
             )
@@ -279,7 +278,7 @@ class DiLoCo:
         """This peer's Δ for the round, as it goes on the wire (clipped, compressed)."""
         deltas = self.compute_pseudo_gradients()
         local_norm = global_norm(deltas)
-        diverged = not all(torch.isfinite(d).all() for d in deltas)
+        diverged = not all_finite(deltas)
         if diverged:
             # This peer diverged: sending its update would poison everyone's θ. It contributes
             # nothing (weight 0) and adopts the group's mean, so it stays on the swarm's θ and

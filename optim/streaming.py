@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from optim.averager import Averager, RoundReport
-from optim.codecs import encoded_nbytes
+from optim.codecs import all_finite, encoded_nbytes
 from optim.diloco import (
     DiLoCoConfig,
     OuterState,
@@ -235,18 +235,18 @@ class StreamingDiLoCo:
         deltas = [self.global_params[i] - self.params[i].detach().to("cpu", torch.float32) for i in indices]
         if self.feedback[f] is not None:
             encoded, deltas = self.feedback[f].compress(deltas)
+            payload = encoded_nbytes(encoded)
         else:
-            encoded = [self.codec.encode(d) for d in deltas]
-            deltas = [self.codec.decode(e) for e in encoded]
+            deltas, payload = self.codec.round_trip(deltas)
         weight = float(max(self.samples_since[f], 1))
         self.samples_since[f] = 0
-        return deltas, weight, encoded_nbytes(encoded)
+        return deltas, weight, payload
 
     @torch.no_grad()
     def merge(self, f: int, mean_deltas: list[torch.Tensor]) -> None:
         """Outer SGD on the fragment's θ, then mix it into the model's fragment."""
         indices = self.fragments[f]
-        if not all(torch.isfinite(d).all() for d in mean_deltas):
+        if not all_finite(mean_deltas):
             logger.error("fragment %d: the averaged update holds NaN/Inf; left unchanged", f)
             return
         for i, d in zip(indices, mean_deltas):
@@ -431,7 +431,7 @@ class StreamingRounds:
         keys, tensors = self._inner_snapshot
         params = [g.clone() for g in self.global_params]
         momentum = [m.clone() for m in self._momentum()]
-        if landed(inflight) and all(torch.isfinite(d).all() for d in inflight.deltas):  # as merge() judges
+        if landed(inflight) and all_finite(inflight.deltas):  # as merge() judges
             indices = s.fragments[inflight.fragment]
             _outer_step_on_copies(
                 [params[i] for i in indices],

@@ -23,6 +23,7 @@ from optim.codecs import (
     Int8Codec,
     NoCodec,
     TopKCodec,
+    all_finite,
     encoded_nbytes,
     make_codec,
 )
@@ -243,6 +244,49 @@ def test_low_precision_inputs_come_back_fp32(name: str) -> None:
     x = randn((65,)).to(torch.bfloat16)
     decoded, _ = round_trip(make_codec(name), x)
     assert decoded.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_what_an_encode_and_a_decode_give(name: str, dtype: torch.dtype) -> None:
+    tensors = [randn(shape, seed=i).to(dtype) for i, shape in enumerate(SHAPES)]
+    codec = make_codec(name)
+    encoded = [codec.encode(t) for t in tensors]
+    decoded, nbytes = codec.round_trip([t.clone() for t in tensors])
+    assert nbytes == encoded_nbytes(encoded)
+    for d, e in zip(decoded, encoded, strict=True):
+        assert d.dtype == torch.float32 and torch.equal(d, codec.decode(e))
+
+
+def test_no_codec_round_trip_hands_back_fp32_inputs_without_a_copy() -> None:
+    """The sender owns its Δ: 'none' returns those tensors, not two copies of them."""
+    tensors = [randn((17, 33)), randn((65,), seed=1)]
+    decoded, nbytes = NoCodec().round_trip(tensors)
+    assert all(d is t or d.data_ptr() == t.data_ptr() for d, t in zip(decoded, tensors))
+    assert nbytes == 4 * (17 * 33 + 65)
+    bad = randn((65,))
+    bad[3] = float("nan")
+    with pytest.raises(ValueError, match="not finite"):
+        NoCodec().round_trip([randn((4,)), bad])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_a_nan_or_inf_anywhere(bad: float, dtype: torch.dtype) -> None:
+    tensors = [randn((17, 33)).to(dtype), torch.zeros(0, dtype=dtype), randn((10_000,), seed=1).to(dtype)]
+    assert all_finite(tensors) and all_finite([])
+    tensors[2][9_999] = bad
+    assert not all_finite(tensors)
+    assert not all_finite([torch.tensor(bad, dtype=dtype)])  # 0-dim
+
+
+def test_all_finite_is_not_fooled_by_a_sum_that_overflows() -> None:
+    """Finite values whose sum is Inf (or whose +Inf and -Inf would cancel into NaN) are told
+    apart from real NaN/Inf."""
+    huge = torch.full((8,), 3e38)
+    assert math.isinf(float(huge.sum())) and all_finite([huge])
+    assert all_finite([torch.tensor([60_000.0, 60_000.0], dtype=torch.float16)])
+    assert not all_finite([torch.tensor([float("inf"), float("-inf")])])
 
 
 def test_integer_input_is_refused() -> None:
