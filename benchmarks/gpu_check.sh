@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared check for a lent GPU machine (docs/performance.md, "GPU"): run from the repository
 # root, it writes what it measured under $OUT (default /tmp/gpu_check):
-#   train_step.json  tokens/s of bf16 inner steps and the outer step's cost (small, medium)
+#   train_step_cuda.json  tokens/s of bf16 inner steps and the outer step's cost (small, medium;
+#                         copy it to benchmarks/results/ for docs/performance.md)
 #   pytest.txt       tests/gpu: the CUDA paths against the CPU's (pinned copies, bf16, θ swap,
 #                    streaming, a checkpoint resumed on the GPU)
 #   demo.json        `workbench demo --device cuda`: real hivemind peers training on the GPU
@@ -26,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 step "benchmarks.train_step"
 timeout 200 "$PY" -m benchmarks.train_step --device cuda --preset small --preset medium --steps 50 \
-    --batch-size 32 --out "$OUT/train_step.json" || status=1
+    --batch-size 32 --profile --out "$OUT/train_step_cuda.json" || status=1
 
 step "tests/gpu"
 timeout 200 "$PY" -m pytest -q -p no:cacheprovider -rA tests/gpu 2>&1 | tee "$OUT/pytest.txt"

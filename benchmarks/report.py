@@ -210,23 +210,28 @@ def overheads() -> list[str]:
 
 
 def train_step() -> list[str]:
-    data = _load("train_step")
     lines = ["## Training step (`benchmarks/train_step.py`)", ""]
-    if not data:
+    tables = [data for data in (_load("train_step"), _load("train_step_cuda")) if data]
+    if not tables:
         return [*lines, "Not run yet.", ""]
-    lines += [
-        f"torch {data['torch']}, {data['threads']} threads, CUDA: {data['cuda'] or 'none'}.",
-        "",
-        "| preset | params | device | tokens/s | outer step / inner step | off-device share of a 50-step round |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in data["results"]:
-        lines.append(
-            f"| {r['preset']} | {r['params'] / 1e6:.2f} M | {r['device']} | {r['tokens_per_second']:.0f} | "
-            f"{r['outer_step_vs_inner_step']:.3f} | "
-            + (f"{r['round_share_off_device_h50']:.2%} |" if "round_share_off_device_h50" in r else "— |")
-        )
-    return [*lines, ""]
+    for data in tables:
+        lines += [
+            f"torch {data['torch']}, {data['threads']} threads, CUDA: {data['cuda'] or 'none'}"
+            + (f" (bf16 autocast; {data['date']})." if data.get("cuda") and data.get("date") else "."),
+            "",
+            "| preset | params | device | batch | tokens/s | outer step | outer step / inner step "
+            "| off-device share of a 50-step round |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in data["results"]:
+            lines.append(
+                f"| {r['preset']} | {r['params'] / 1e6:.2f} M | {r['device']} | {r['batch_size']} | "
+                f"{r['tokens_per_second']:.0f} | {r['outer_step_seconds'] * 1e3:.1f} ms | "
+                f"{r['outer_step_vs_inner_step']:.3f} | "
+                + (f"{r['round_share_off_device_h50']:.2%} |" if "round_share_off_device_h50" in r else "— |")
+            )
+        lines.append("")
+    return lines
 
 
 def trust() -> list[str]:

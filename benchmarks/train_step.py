@@ -127,6 +127,7 @@ def main() -> None:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if device.type == "cuda" else None,
+        "date": time.strftime("%Y-%m-%d"),
         "results": rows,
     }
     args.out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -66,7 +66,7 @@ def judge(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> str 
     )
     if refused and report.group_size > 1:
         why = f"round {outgoing.outer_step}: {refused}; the global params were left unchanged"
-    elif not all_finite(outgoing.deltas):
+    elif not math.isfinite(report.mean_norm) and not all_finite(outgoing.deltas):  # finite norm: all finite
         why = (
             f"round {outgoing.outer_step}: the averaged update holds NaN/Inf; the global params "
             "were left unchanged (a peer diverged: lower the inner learning rate)"

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -278,7 +279,7 @@ class DiLoCo:
         """This peer's Δ for the round, as it goes on the wire (clipped, compressed)."""
         deltas = self.compute_pseudo_gradients()
         local_norm = global_norm(deltas)
-        diverged = not all_finite(deltas)
+        diverged = not math.isfinite(local_norm) and not all_finite(deltas)  # a finite norm: all finite
         if diverged:
             # This peer diverged: sending its update would poison everyone's θ. It contributes
             # nothing (weight 0) and adopts the group's mean, so it stays on the swarm's θ and

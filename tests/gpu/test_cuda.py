@@ -18,6 +18,7 @@ from optim.averager import LocalAverager
 from optim.diloco import DiLoCo, DiLoCoConfig
 from optim.eager import SGD, AdamW
 from optim.inner import inner_step
+from optim.state import inner_state_tensors
 from optim.streaming import StreamingConfig, StreamingDiLoCo
 from workbench.run import checkpoint
 from workbench.run.model import autocast_context, build_model, pick_device, preset
@@ -212,3 +213,22 @@ def test_a_checkpoint_written_on_the_gpu_resumes_on_the_gpu_exactly(tmp_path) ->
     progress = max_difference(outer.global_params, saved)
     assert progress > 1e-3
     assert max_difference(outer2.global_params, outer.global_params) < 1e-2 * progress
+
+
+def test_the_inner_state_snapshot_comes_through_pinned_memory_and_stays_put() -> None:
+    """What a joiner downloads of AdamW (the moments, twice the model): the values at the end of
+    the round, on the host, untouched by the steps that follow."""
+    model = tiny_model(CUDA)
+    inner = AdamW(model.parameters(), lr=1e-3)
+    data = token_batches(3, seed=3)
+    for x, y in data[:2]:
+        inner_step(model, inner, x, y, device=CUDA)
+    keys, tensors = inner_state_tensors(inner)
+    state = inner.state_dict()["state"]
+    expected = [state[index][key] for index, key in keys]
+    assert len(tensors) == len(expected) > 0
+    assert all(t.device.type == "cpu" and torch.equal(t, e.cpu()) for t, e in zip(tensors, expected))
+    assert all(t.is_pinned() for t, e in zip(tensors, expected) if e.device.type == "cuda")
+    kept = [t.clone() for t in tensors]
+    inner_step(model, inner, *data[2], device=CUDA)
+    assert all(torch.equal(t, k) for t, k in zip(tensors, kept))

@@ -386,6 +386,20 @@ def test_a_nan_in_this_peers_own_params_does_not_poison_theta() -> None:
     assert_all_close(params_of(model), theta0, atol=0)
 
 
+def test_huge_but_finite_params_are_not_taken_for_a_divergence() -> None:
+    """The norm of Δ overflows to Inf (|Δ| ~ 1e30): the finite check then looks at every
+    element, and the update is sent (the robust check, not the NaN guard, judges its size)."""
+    model = make_model()
+    outer = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), LocalAverager(), DiLoCoConfig())
+    with torch.no_grad():
+        model.weight.fill_(1e30)
+    outgoing = outer._outgoing(None)
+    assert math.isinf(outgoing.local_norm) and not outgoing.diverged and outgoing.weight > 0
+    with torch.no_grad():
+        model.weight[0, 1] = float("nan")
+    assert outer._outgoing(None).diverged
+
+
 # --- state for late joiners and checkpoints -------------------------------------------------------
 
 

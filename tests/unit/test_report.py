@@ -19,6 +19,23 @@ def test_every_results_file_has_its_section_and_the_notes_survive(tmp_path, monk
             assert f"`benchmarks/{path.stem}.py`" in text, path.stem
 
 
+def test_a_gpu_check_s_figures_get_their_own_table_beside_the_cpu_s(tmp_path, monkeypatch) -> None:
+    row = dict(preset="medium", params=10_844_160, device="cuda", batch_size=32, tokens_per_second=725_414.0,
+               outer_step_seconds=0.0385, outer_step_vs_inner_step=3.4, round_share_off_device_h50=0.0637)  # fmt: skip
+    cuda = dict(torch="2.11.0+cu130", threads=16, cuda="NVIDIA H200", date="2026-12-04", results=[row])
+    cpu = dict(cuda, torch="2.13.0+cpu", threads=2, cuda=None, results=[dict(row, device="cpu")])
+    (tmp_path / "train_step_cuda.json").write_text(json.dumps(cuda))
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    lines = report.train_step()
+    assert "torch 2.11.0+cu130, 16 threads, CUDA: NVIDIA H200 (bf16 autocast; 2026-12-04)." in lines
+    assert "| medium | 10.84 M | cuda | 32 | 725414 | 38.5 ms | 3.400 | 6.37% |" in lines
+    (tmp_path / "train_step.json").write_text(json.dumps(cpu))
+    lines = report.train_step()
+    assert lines.index("torch 2.13.0+cpu, 2 threads, CUDA: none.") < lines.index(
+        "torch 2.11.0+cu130, 16 threads, CUDA: NVIDIA H200 (bf16 autocast; 2026-12-04)."
+    )
+
+
 def test_heterogeneity_rows_say_how_far_each_mode_got(tmp_path, monkeypatch) -> None:
     rows = [
         dict(mode="fixed", seconds=100.0, rounds=4, final_eval_loss=2.5, fast_peer_utilization=0.5,
