@@ -104,27 +104,36 @@ def heartbeats(blocks: int, steps: int) -> dict:
     )
 
 
+def donor_state(params: int, seed: int):
+    """A donor's state: one θ tensor of ``params`` floats, its momentum and AdamW's two moments,
+    keyed (param index, name) as a peer's are (the joiner refuses other keys)."""
+    import torch
+
+    from optim.diloco import OuterState
+
+    shared = torch.Generator().manual_seed(0)  # θ and momentum: the swarm's consensus
+    local = torch.Generator().manual_seed(seed)  # AdamW's moments: each donor's own
+    return OuterState(
+        outer_step=7,
+        params=[torch.randn(params, generator=shared)],
+        momentum=[torch.randn(params, generator=shared)],
+        pending=[],
+        inner=[torch.randn(params, generator=local), torch.rand(params, generator=local)],
+        inner_keys=[[0, "exp_avg"], [0, "exp_avg_sq"]],
+    )
+
+
 def _serve_state(params: int, seed: int, plane: str, initial, addresses, ready, stop) -> None:
     mp.set_start_method("fork", force=True)  # spawned, this process would spawn the averager too
     import torch
 
-    from optim.diloco import OuterState
     from swarm.dht import NetworkConfig
     from swarm.group_averager import GroupAverager
     from swarm.records import RunKeys
     from swarm.session import connect
 
     session = connect(NetworkConfig(initial_peers=initial), RunKeys("join-bench"))
-    shared = torch.Generator().manual_seed(0)  # θ and momentum: the swarm's consensus
-    local = torch.Generator().manual_seed(seed)  # AdamW's moments: each donor's own
-    state = OuterState(
-        outer_step=7,
-        params=[torch.randn(params, generator=shared)],
-        momentum=[torch.randn(params, generator=shared)],
-        pending=[],
-        inner=[torch.randn(params, generator=local), torch.rand(params, generator=local)],
-        inner_keys=["exp_avg", "exp_avg_sq"],
-    )
+    state = donor_state(params, seed)
     averager = GroupAverager(
         [torch.zeros(params)], session.dht, prefix="joinbench", state_provider=lambda: state,
         declare_state_period=1, data_plane=plane, start=True,
@@ -183,6 +192,10 @@ def join(params: int, donors: int, plane: str = "direct") -> dict:
     connected = time.perf_counter()
     state, *_ = _Joiner(averager)._fetch_state(set(), set(), time.monotonic() + 300)
     done = time.perf_counter()
+    if state is None:
+        raise SystemExit(
+            f"benchmarks.overheads: the joiner downloaded no state from {donors} donor(s) ({plane})"
+        )
     tensors = [*state.params, *state.momentum, *state.inner]
     size = sum(t.numel() * t.element_size() for t in tensors)
     served_by = int(averager.download[2])
