@@ -79,21 +79,23 @@ class Steering:
         if control.round_seconds is not None and control.round_seconds != self.round_seconds:
             self.round_seconds = control.round_seconds
             changes["round_seconds"] = control.round_seconds
-        if control.checkpoint > self.checkpoints:
-            self.checkpoints = control.checkpoint
-            changes["checkpoint"] = str(self.checkpoint())
         self.settings.update((k, v) for k, v in changes.items() if k in (*RETUNED, "round_seconds"))
         self.version = control.version
+        if control.checkpoint > self.checkpoints:  # written with this version's settings and count,
+            self.checkpoints = control.checkpoint  # so a peer resumed from it does not write it again
+            changes["checkpoint"] = str(self.checkpoint())
         self.emit(
             "control_applied", version=control.version, outer_step=outer.outer_step_count, changes=changes
         )
         logger.info("%s: applied control v%d: %s", self.name, control.version, changes or "no change")
         self.publish()
 
-    def restore(self, version: int, settings: dict[str, Any], outer: Any) -> None:
-        """After a resume: the steered settings the checkpoint was written with, and their
-        version (so the same version is not applied twice, and a newer one still is)."""
+    def restore(self, version: int, settings: dict[str, Any], outer: Any, *, checkpoints: int = 0) -> None:
+        """After a resume: the steered settings the checkpoint was written with, their version
+        and the checkpoint requests served (so neither the same version nor the request that
+        wrote the checkpoint is applied twice; newer ones still are)."""
         self.version = version
+        self.checkpoints = checkpoints
         outer_settings = {k: v for k, v in settings.items() if k in RETUNED}
         if outer_settings:
             outer.retune(**outer_settings)

@@ -526,6 +526,7 @@ class Peer:
                 **payload,
                 "bytes": [self.stats.bytes_sent, self.stats.bytes_received, self.stats.dp_bytes],
                 "control_version": self.steering.version,
+                "control_checkpoints": self.steering.checkpoints,
                 "steered": dict(self.steering.settings),
             },
         )
@@ -545,7 +546,10 @@ class Peer:
         stats = self.stats
         stats.bytes_sent, stats.bytes_received, stats.dp_bytes = payload.get("bytes", [0, 0, 0])
         self.steering.restore(
-            int(payload.get("control_version", 0)), payload.get("steered") or {}, self.diloco
+            int(payload.get("control_version", 0)),
+            payload.get("steered") or {},
+            self.diloco,
+            checkpoints=int(payload.get("control_checkpoints", 0)),
         )
         self.averager.set_state_priority(self.diloco.outer_step_count)
         logger.info("%s: resumed from %s at outer step %d", self.name, path, self.diloco.outer_step_count)

@@ -1,0 +1,76 @@
+"""workbench.run.control.Steering: when a peer applies the owner's versions, and which checkpoint
+requests it serves, also after a resume (no real DHT: the watcher hands out ControlStates)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from swarm.records import ControlState
+from workbench.run.control import Steering
+
+
+class Watcher:
+    def __init__(self) -> None:
+        self.control: ControlState | None = None
+
+    def poll(self, force: bool = False) -> ControlState | None:
+        return self.control
+
+
+class Outer:
+    outer_step_count = 10
+
+    def retune(self, **settings: Any) -> dict[str, Any]:
+        return {k: v for k, v in settings.items() if v is not None}
+
+
+def steering(watcher: Watcher, written: list[dict[str, Any]], *, joiner: bool = False) -> Steering:
+    """A Steering whose checkpoints record what the peer would save with them."""
+    s: Steering
+
+    def checkpoint() -> str:
+        written.append(dict(version=s.version, checkpoints=s.checkpoints, settings=dict(s.settings)))
+        return f"checkpoint-{len(written)}.pt"
+
+    s = Steering(
+        watcher, name="a", peer_id="QmA", joiner=joiner,
+        emit=lambda *a, **k: None, publish=lambda: None, beat=lambda stage: None, checkpoint=checkpoint,
+    )  # fmt: skip
+    return s
+
+
+def test_a_steered_checkpoint_holds_the_version_and_settings_that_asked_for_it() -> None:
+    watcher, written = Watcher(), []
+    peer = steering(watcher, written)
+    watcher.control = ControlState(version=1, outer_lr=0.35)
+    peer.apply(Outer(), data_parallel=False)
+    watcher.control = ControlState(version=2, outer_lr=0.35, inner_steps=4, checkpoint=1)
+    peer.apply(Outer(), data_parallel=False)
+    assert written == [dict(version=2, checkpoints=1, settings={"outer_lr": 0.35, "inner_steps": 4})]
+
+
+def test_a_peer_resumed_from_a_steered_checkpoint_does_not_write_it_again() -> None:
+    """The checkpoint's version and request count come back: the version that asked for it is not
+    applied twice (before, the resumed peer wrote a checkpoint at once); a newer request is served."""
+    watcher, written = Watcher(), []
+    watcher.control = ControlState(version=2, outer_lr=0.35, inner_steps=4, checkpoint=1)
+    peer = steering(watcher, written)
+    peer.restore(2, {"outer_lr": 0.35, "inner_steps": 4}, Outer(), checkpoints=1)
+    peer.apply(Outer(), data_parallel=False)
+    watcher.control = ControlState(version=3, outer_lr=0.5, checkpoint=1)  # a new lr, no new request
+    peer.apply(Outer(), data_parallel=False)
+    assert written == [] and peer.version == 3 and peer.settings["outer_lr"] == 0.5
+    watcher.control = ControlState(version=4, outer_lr=0.5, checkpoint=2)
+    peer.apply(Outer(), data_parallel=False)
+    assert written == [dict(version=4, checkpoints=2, settings={"outer_lr": 0.5, "inner_steps": 4})]
+
+
+def test_a_joiner_does_not_serve_requests_made_before_it_came() -> None:
+    watcher, written = Watcher(), []
+    watcher.control = ControlState(version=5, checkpoint=3)
+    peer = steering(watcher, written, joiner=True)
+    peer.apply(Outer(), data_parallel=False)
+    assert written == [] and peer.version == 5
+    watcher.control = ControlState(version=6, checkpoint=4)
+    peer.apply(Outer(), data_parallel=False)
+    assert [w["checkpoints"] for w in written] == [4]
