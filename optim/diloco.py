@@ -126,6 +126,7 @@ class DiLoCo:
         self.offset = [torch.zeros_like(g) for g in self.global_params] if self.config.eager_updates else []
         self.offset_optimizer = self._outer_sgd(self.offset) if self.offset else None
         self._proxy: list[torch.Tensor] | None = None  # last round's share · Δ, applied eagerly
+        self._restored = self._writes()  # the model holds θ as it is (θ is its fp32 copy)
         self._share = 1.0  # this peer's share of the last mean that landed (its weight / the group's)
 
     def _outer_sgd(self, params: list[torch.Tensor]) -> SGD:
@@ -227,9 +228,18 @@ class DiLoCo:
                 buffer.copy_(g)  # host to pinned (dtype cast here), then an async DMA to the GPU
                 p.copy_(buffer, non_blocking=True)
             torch.cuda.current_stream(self.params[0].device).synchronize()  # buffers reused next round
-            return
-        for p, g in zip(self.params, start):
-            p.copy_(g.to(p.device, p.dtype))
+        else:
+            for p, g in zip(self.params, start):
+                p.copy_(g.to(p.device, p.dtype))
+        self._restored = self._writes()
+
+    def _writes(self) -> tuple[int, ...] | None:
+        """The in-place writes so far to the model's params and to θ (torch counts them per tensor):
+        while they stay as :meth:`restore_parameters` left them, the model holds θ, cast. None with
+        an eager offset (the model holds θ + offset)."""
+        if self.offset:
+            return None
+        return tuple(t._version for t in (*self.params, *self.global_params))
 
     # --- the user's hook ------------------------------------------------------------------
 
@@ -489,5 +499,8 @@ class DiLoCo:
         """``run()`` with the model holding θ_global (what the swarm agrees on, and what eval
         losses report) in place of the params this peer trains (θ plus what a delayed,
         overlapped or eager round has not settled yet), under the lock; those put back after."""
-        with self.lock, holding(self.params, self.global_params):
-            return run()
+        with self.lock:
+            if self._restored is not None and self._restored == self._writes():
+                return run()  # the model holds θ since the last round: nothing to swap (nor copy)
+            with holding(self.params, self.global_params):
+                return run()

@@ -228,6 +228,45 @@ def test_with_global_runs_on_theta_and_puts_the_trained_params_back_bit_for_bit(
     assert all(torch.equal(p, t) for p, t in zip(model.parameters(), trained))
 
 
+def test_with_global_swaps_nothing_while_the_model_still_holds_theta() -> None:
+    """Right after a round (or at the start) the model holds θ as the round left it: the
+    evaluation runs on it as it is, with no copy in or out (torch's write counters show none).
+    An inner step, a change of θ or an eager offset brings the swap back."""
+    model = make_model().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = DiLoCo(model, opt, LocalAverager(), DiLoCoConfig(inner_steps=2))
+
+    def writes() -> list[int]:
+        return [p._version for p in model.parameters()]
+
+    def seen() -> list[torch.Tensor]:
+        return [p.detach().clone() for p in model.parameters()]
+
+    for _ in range(2):  # at the start, then after a round
+        before = writes()
+        assert all(
+            torch.equal(s, g.to(torch.bfloat16)) for s, g in zip(outer.with_global(seen), outer.global_params)
+        )
+        assert writes() == before
+        train_round(outer, opt, [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in batches(3, 2)])
+    x, y = (t.to(torch.bfloat16) for t in batches(4, 1)[0])
+    inner_step(model, opt, x, y)  # mid-round: the model is θ_local
+    trained = seen()
+    assert all(
+        torch.equal(s, g.to(torch.bfloat16)) for s, g in zip(outer.with_global(seen), outer.global_params)
+    )
+    assert all(torch.equal(p, t) for p, t in zip(model.parameters(), trained))
+    outer.restore_parameters()
+    outer.apply_outer_step([torch.ones_like(g) for g in outer.global_params])  # θ moves, the model not
+    assert all(
+        torch.equal(s, g.to(torch.bfloat16)) for s, g in zip(outer.with_global(seen), outer.global_params)
+    )
+
+    eager = DiLoCo(make_model(), torch.optim.SGD(make_model().parameters(), lr=0.1), LocalAverager(),
+                   DiLoCoConfig(delay=1, eager=True))  # fmt: skip
+    assert eager._writes() is None
+
+
 def test_a_model_without_trainable_params_is_rejected() -> None:
     model = make_model()
     for p in model.parameters():
