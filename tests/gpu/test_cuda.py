@@ -71,7 +71,10 @@ def train_rounds(outer, model, inner, data, device, *, autocast: bool = False) -
 
 
 def max_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x.float().cpu() - y.float().cpu()).abs().max()) for x, y in zip(a, b, strict=True))
+    return max(
+        float((x.detach().float().cpu() - y.detach().float().cpu()).abs().max())
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def test_pick_device_finds_the_gpu_and_names_the_last_one() -> None:
