@@ -85,7 +85,8 @@ def test_late_joiner_downloads_state_and_matches(spawn, tmp_path):
 
 
 def test_ctrl_c_stops_a_peer_cleanly(spawn):
-    """SIGINT (Ctrl+C) mid-training: the peer announces leaving and exits 0 within 5 s."""
+    """SIGINT (Ctrl+C) mid-training: the peer writes the swarm's model (the only end a run
+    without --rounds has), announces leaving and exits 0 within 5 s."""
     peer = spawn("a", "start", *FAST, "--run-id", "ctrl-c")
     peer.wait_event("round", lambda e: e["outer_step"] >= 1)
     peer.process.send_signal(signal.SIGINT)
@@ -96,6 +97,12 @@ def test_ctrl_c_stops_a_peer_cleanly(spawn):
     assert elapsed < 5.0, f"took {elapsed:.1f} s to stop"
     assert peer.events("left")[-1]["reason"] == "interrupted"
     assert "Traceback" not in peer.stderr()
+    (saved,) = peer.events("global_params")
+    rounds = peer.events("round")
+    assert saved["outer_step"] >= rounds[-1]["outer_step"] >= 1
+    assert saved["path"] == str(peer.directory / "global_params.pt")
+    assert all(math.isfinite(float(p.abs().sum())) for p in peer.global_params())
+    assert not list(peer.directory.glob("*.tmp"))
 
 
 def test_ctrl_c_while_waiting_for_peers(spawn):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -41,7 +42,7 @@ from workbench.run.exporters import peer_exporters
 from workbench.run.faults import InjectedFaults
 from workbench.run.node import CHECK, STEP, SYNC, NodeGroup
 from workbench.run.outer import OuterLoop, build_outer, start_averagers
-from workbench.run.stopping import close_within, stopped_by_signals
+from workbench.run.stopping import close_within, not_interrupted, stopped_by_signals
 from workbench.run.telemetry import Events, RoundStats, heartbeat_of, round_fields
 from workbench.run.training import build_model_and_optimizer, load_data, train_step, trained_shapes
 
@@ -453,10 +454,28 @@ class Peer:
         )
         if self.node is not None:
             summary.update(node_ranks=self.node.world_size, node_max_param_diff=self.node_max_diff)
-        if self.run_dir:
-            torch.save(self.diloco.outer_state().params, self.run_dir / "global_params.pt")
+        self.save_global_params()
         self.emit("done", **summary)
         return summary
+
+    def save_global_params(self) -> None:
+        """θ_global, the swarm's model (what the eval losses report), to ``<run-dir>/global_params.pt``
+        (a temp file renamed over it): at the end of the run, and when the peer is stopped, which is
+        how a run without ``--rounds`` ends. Stopped mid-round, it is θ of the last round done."""
+        if not self.run_dir or self.diloco is None:
+            return
+        params = self.diloco.read_global(lambda params: [p.clone() for p in params])
+        step = self.diloco.outer_step_count
+        path = self.run_dir / "global_params.pt"
+        temporary = path.with_name(path.name + ".tmp")
+        with not_interrupted():
+            try:
+                torch.save(params, temporary)
+                os.replace(temporary, path)
+            finally:
+                temporary.unlink(missing_ok=True)
+        self.emit("global_params", path=str(path), outer_step=step)
+        logger.info("%s: wrote the swarm's model at outer step %d to %s", self.name, step, path)
 
     def end_on_the_others_state(self) -> dict[str, Any]:
         """After the last round: stay (stage finishing) until the peers that averaged with this
@@ -613,6 +632,12 @@ def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | Non
             close_within(peer.close, "finished")
             return summary
         except KeyboardInterrupt:
+            try:
+                peer.save_global_params()
+            except KeyboardInterrupt:  # a second Ctrl+C waited for the file: it is whole
+                pass
+            except Exception as error:  # noqa: BLE001 - a full disk: still leave the swarm cleanly
+                logger.error("could not write the global params: %s", error)
             close_within(peer.close, "interrupted")
             raise
         except BaseException:
