@@ -71,6 +71,11 @@ class Rounds(Protocol):
 
     def with_global(self, run: Callable[[], T]) -> T: ...
 
+    @property
+    def global_intact(self) -> bool:
+        """False once a change of θ was cut short by an exception (Ctrl+C): θ may be half updated."""
+        ...
+
     def retune(
         self, *, outer_lr: float | None = None, inner_steps: int | None = None, codec: str | None = None
     ) -> dict[str, Any]: ...

@@ -127,6 +127,9 @@ class DiLoCo:
         self.offset_optimizer = self._outer_sgd(self.offset) if self.offset else None
         self._proxy: list[torch.Tensor] | None = None  # last round's share · Δ, applied eagerly
         self._restored = self._writes()  # the model holds θ as it is (θ is its fp32 copy)
+        self.global_intact = True
+        """False from the moment a change of θ (an outer step, an adopted state) was cut short by an
+        exception, Ctrl+C included: θ may then be half updated (a peer stopped so writes no θ)."""
         self._share = 1.0  # this peer's share of the last mean that landed (its weight / the group's)
 
     def _outer_sgd(self, params: list[torch.Tensor]) -> SGD:
@@ -232,6 +235,18 @@ class DiLoCo:
             for p, g in zip(self.params, start):
                 p.copy_(g.to(p.device, p.dtype))
         self._restored = self._writes()
+
+    def _holds_global(self) -> bool:
+        """Whether the model still holds θ as :meth:`restore_parameters` wrote it: no inner step
+        counted since, and torch's write counters of the params and of θ unchanged (a fused
+        optimizer step does not move them, hence the step count; writes through ``.data`` are
+        not seen at all: use the params themselves)."""
+        return (
+            self._restored is not None
+            and self.inner_step_count == 0
+            and self.samples_this_round == 0
+            and self._restored == self._writes()
+        )
 
     def _writes(self) -> tuple[int, ...] | None:
         """The in-place writes so far to the model's params and to θ (torch counts them per tensor):
@@ -407,10 +422,12 @@ class DiLoCo:
     @torch.no_grad()
     def _apply(self, mean_deltas: list[torch.Tensor]) -> None:
         with self.lock:
+            self.global_intact = False  # stays so if an exception (Ctrl+C) cuts the step short
             for g, d in zip(self.global_params, mean_deltas):
                 g.grad = d
             self.outer_optimizer.step()
             self.outer_optimizer.zero_grad(set_to_none=True)
+            self.global_intact = True
 
     def snapshot_inner_state(self) -> None:
         """Copy the inner optimizer's tensor state for serving (the loop keeps mutating it)."""
@@ -467,8 +484,10 @@ class DiLoCo:
                 f"{'; first mismatch ' + mismatch if mismatch else ''}); every peer of a run must use the same model"
             )
         with self.lock:
+            self.global_intact = False
             for g, p in zip(self.global_params, state.params):
                 g.copy_(p)
+            self.global_intact = True
             for g, m in zip(self.global_params, state.momentum):
                 self.outer_optimizer.state[g]["momentum_buffer"] = m.clone().to(torch.float32)
             self.outer_step_count = state.outer_step
@@ -500,7 +519,7 @@ class DiLoCo:
         losses report) in place of the params this peer trains (θ plus what a delayed,
         overlapped or eager round has not settled yet), under the lock; those put back after."""
         with self.lock:
-            if self._restored is not None and self._restored == self._writes():
+            if self._holds_global():
                 return run()  # the model holds θ since the last round: nothing to swap (nor copy)
             with holding(self.params, self.global_params):
                 return run()

@@ -161,6 +161,8 @@ class StreamingDiLoCo:
         )
         assert len(self.averagers) == len(self.fragments), f"{len(self.averagers)=} {len(self.fragments)=}"
         self.global_params = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+        self.global_intact = True
+        """False once a change of θ was cut short by an exception (see DiLoCo.global_intact)."""
         self.outer_optimizer = SGD(
             self.global_params,
             lr=config.outer.outer_lr,
@@ -249,10 +251,12 @@ class StreamingDiLoCo:
         if not all_finite(mean_deltas):
             logger.error("fragment %d: the averaged update holds NaN/Inf; left unchanged", f)
             return
+        self.global_intact = False  # stays so if an exception (Ctrl+C) cuts the step short
         for i, d in zip(indices, mean_deltas):
             self.global_params[i].grad = d
         self.outer_optimizer.step()  # params without .grad are skipped
         self.outer_optimizer.zero_grad(set_to_none=True)
+        self.global_intact = True
         alpha = self.config.alpha
         for i in indices:
             p, g = self.params[i], self.global_params[i].to(self.params[i].device, self.params[i].dtype)
@@ -295,6 +299,11 @@ class StreamingRounds:
     @property
     def outer_step_count(self) -> int:
         return self._clock
+
+    @property
+    def global_intact(self) -> bool:
+        """See :attr:`StreamingDiLoCo.global_intact`."""
+        return self.streaming.global_intact
 
     @property
     def sync_delay(self) -> int:
@@ -456,9 +465,11 @@ class StreamingRounds:
                 "the downloaded state does not fit this model; every peer of a run must use the same model"
             )
         with self.lock:
+            s.global_intact = False
             for g, p, m in zip(self.global_params, state.params, state.momentum):
                 g.copy_(p)
                 s.outer_optimizer.state[g]["momentum_buffer"] = m.clone().float()
+            s.global_intact = True
             s.syncs = self._clock = state.outer_step
             s.step_count = state.outer_step * self.steps_per_round
             s.samples_since = [0] * len(s.fragments)

@@ -218,7 +218,7 @@ def test_a_checkpoint_written_on_the_gpu_resumes_on_the_gpu_exactly(tmp_path) ->
     assert max_difference(outer2.global_params, outer.global_params) < 1e-2 * progress
 
 
-def test_the_inner_state_snapshot_comes_through_pinned_memory_and_stays_put() -> None:
+def test_the_inner_state_snapshot_comes_to_the_host_and_stays_put() -> None:
     """What a joiner downloads of AdamW (the moments, twice the model): the values at the end of
     the round, on the host, untouched by the steps that follow."""
     model = tiny_model(CUDA)
@@ -231,7 +231,6 @@ def test_the_inner_state_snapshot_comes_through_pinned_memory_and_stays_put() ->
     expected = [state[index][key] for index, key in keys]
     assert len(tensors) == len(expected) > 0
     assert all(t.device.type == "cpu" and torch.equal(t, e.cpu()) for t, e in zip(tensors, expected))
-    assert all(t.is_pinned() for t, e in zip(tensors, expected) if e.device.type == "cuda")
     kept = [t.clone() for t in tensors]
     inner_step(model, inner, *data[2], device=CUDA)
     assert all(torch.equal(t, k) for t, k in zip(tensors, kept))

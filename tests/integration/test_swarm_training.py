@@ -114,6 +114,7 @@ def test_ctrl_c_while_waiting_for_peers(spawn):
     started = time.monotonic()
     assert peer.wait(timeout=15) == 0, peer.stderr()
     assert time.monotonic() - started < 5.0
+    assert not peer.events("global_params") and not (peer.directory / "global_params.pt").exists()
 
 
 def test_identity_file_keeps_the_peer_id_across_restarts(spawn, tmp_path):

@@ -267,6 +267,39 @@ def test_with_global_swaps_nothing_while_the_model_still_holds_theta() -> None:
     assert eager._writes() is None
 
 
+def test_with_global_swaps_after_a_fused_step_that_torch_does_not_count_as_a_write() -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    outer = DiLoCo(model, opt, LocalAverager(), DiLoCoConfig(inner_steps=4))
+    x, y = batches(5, 1)[0]
+    inner_step(model, opt, x, y)
+    outer.step(samples=4)
+    assert any(not torch.equal(p, g) for p, g in zip(model.parameters(), outer.global_params))
+    seen = outer.with_global(lambda: [p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(s, g) for s, g in zip(seen, outer.global_params))
+
+
+def test_an_outer_step_cut_short_marks_theta_as_not_intact() -> None:
+    """Ctrl+C inside the outer SGD's loop leaves θ half updated: the flag says so (a stopped peer
+    then writes no global_params.pt); a completed step sets it back."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = DiLoCo(model, opt, LocalAverager(), DiLoCoConfig(inner_steps=1))
+    assert outer.global_intact
+    step = outer.outer_optimizer.step
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    outer.outer_optimizer.step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        outer.apply_outer_step([torch.ones_like(g) for g in outer.global_params])
+    assert not outer.global_intact
+    outer.outer_optimizer.step = step
+    outer.apply_outer_step([torch.ones_like(g) for g in outer.global_params])
+    assert outer.global_intact
+
+
 def test_a_model_without_trainable_params_is_rejected() -> None:
     model = make_model()
     for p in model.parameters():

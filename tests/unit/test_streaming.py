@@ -8,7 +8,7 @@ import torch
 from optim.averager import LocalAverager
 from optim.diloco import DiLoCo, DiLoCoConfig
 from optim.sim import InProcessSwarm, SimConfig, VirtualPeer, simulate
-from optim.streaming import StreamingConfig, StreamingDiLoCo, split_fragments
+from optim.streaming import StreamingConfig, StreamingDiLoCo, StreamingRounds, split_fragments
 from tests.unit.test_sim import init_model, mse, stream
 
 
@@ -365,3 +365,23 @@ def _with(params: list[torch.Tensor]) -> torch.nn.Module:
         for p, g in zip(model.parameters(), params):
             p.copy_(g)
     return model
+
+
+def test_a_fragment_merge_cut_short_marks_theta_as_not_intact():
+    model = init_model()
+    outer = StreamingDiLoCo(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        LocalAverager(),
+        streaming(inner_steps=2, fragments=2),
+    )
+    rounds = StreamingRounds(outer)
+    assert rounds.global_intact
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    outer.outer_optimizer.step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        outer.merge(0, [torch.ones_like(outer.global_params[i]) for i in outer.fragments[0]])
+    assert not outer.global_intact and not rounds.global_intact

@@ -83,6 +83,7 @@ class Peer:
         self.device = self.corpus = self.eval_set = self.model = self.inner_optimizer = self.batches = None
         self.outer: OuterLoop | None = None
         self.diloco = None  # the outer loop's rounds: DiLoCo, or streaming's fragment rounds
+        self.rounds_done = 0  # syncs this process took part in (a stopped peer writes θ after one)
         self.averager = None  # the averager that downloads and serves the state
         self.dp: DataParallel | None = None
         self.node: NodeGroup | None = None  # a torchrun node: this is rank 0, driving the others
@@ -302,6 +303,7 @@ class Peer:
             report = self.diloco.sync(info=info)
             if cfg.overlapped:  # the clock moved on: say so now, the others' barrier reads it
                 self.publish()
+        self.rounds_done += 1
         stats.bytes_sent += report.bytes_sent
         stats.bytes_received += report.bytes_received
         stats.group_size = report.group_size
@@ -458,11 +460,23 @@ class Peer:
         self.emit("done", **summary)
         return summary
 
-    def save_global_params(self) -> None:
+    def save_global_params(self, *, stopped: bool = False) -> None:
         """θ_global, the swarm's model (what the eval losses report), to ``<run-dir>/global_params.pt``
-        (a temp file renamed over it): at the end of the run, and when the peer is stopped, which is
-        how a run without ``--rounds`` ends. Stopped mid-round, it is θ of the last round done."""
+        (a temp file renamed over it): at the end of the run, and when the peer is ``stopped``, which
+        is how a run without ``--rounds`` ends. Stopped mid-round, it is θ of the last round done;
+        stopped before this session finished a round, or in the middle of changing θ, nothing is
+        written (the file of an earlier session stays)."""
         if not self.run_dir or self.diloco is None:
+            return
+        if stopped and not self.rounds_done:
+            logger.info("%s: stopped before a round ended: no global params written", self.name)
+            return
+        if not self.diloco.global_intact:
+            logger.warning(
+                "%s: stopped while θ was being updated: global_params.pt not written (the last "
+                "checkpoint, or the file of an earlier run, stays)",
+                self.name,
+            )
             return
         params = self.diloco.read_global(lambda params: [p.clone() for p in params])
         step = self.diloco.outer_step_count
@@ -633,7 +647,7 @@ def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | Non
             return summary
         except KeyboardInterrupt:
             try:
-                peer.save_global_params()
+                peer.save_global_params(stopped=True)
             except KeyboardInterrupt:  # a second Ctrl+C waited for the file: it is whole
                 pass
             except Exception as error:  # noqa: BLE001 - a full disk: still leave the swarm cleanly
