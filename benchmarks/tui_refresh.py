@@ -47,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=256)
     parser.add_argument("--refreshes", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=RESULTS / "tui_refresh.json")
     args = parser.parse_args()
     baseline = asyncio.run(measure(4, args.refreshes))
     result = asyncio.run(measure(args.peers, args.refreshes))
@@ -60,8 +61,8 @@ def main() -> None:
         f"({result['ratio_to_4_peers']:.1f}x the baseline); target < 100 ms: {'met' if report['met'] else 'MISSED'}"
     )
     print(f"monitor derivation: {result['ingest_ms_per_reading']:.2f} ms per reading of {args.peers} peers")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "tui_refresh.json").write_text(json.dumps(report, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

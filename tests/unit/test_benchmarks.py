@@ -33,6 +33,13 @@ def test_trust_measures_the_sketches(tmp_path) -> None:
     assert json.loads(out.read_text())
 
 
+def test_tui_refresh_measures_a_small_swarm(tmp_path) -> None:
+    out = tmp_path / "tui_refresh.json"
+    done = run("benchmarks.tui_refresh", "--peers", "4", "--refreshes", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())
+
+
 def test_the_join_benchmark_s_donors_serve_a_state_a_joiner_accepts() -> None:
     state = overheads.donor_state(100, seed=1)
     _check_shapes(state.params, state.momentum, state.pending, state.inner_keys, state.inner)
