@@ -580,6 +580,35 @@ def test_doctor_tells_a_refused_port_from_a_bad_name_and_a_silent_firewall(monke
     assert "--host 0.0.0.0 --port 31337 --announce /ip4/203.0.113.7/tcp/31337" in remote.fix
 
 
+@pytest.mark.parametrize(
+    ("cuda", "driver", "build", "status", "said"),
+    [
+        (True, True, "12.8", "ok", "sees 2 CUDA device(s), the first a NVIDIA H200"),
+        (False, True, None, "warn", "is a CPU build: peers will train on the CPU"),
+        (False, True, "12.8", "warn", "finds no usable GPU although an NVIDIA driver is installed"),
+        (False, False, None, "info", "no GPU: peers train on the CPU"),
+    ],
+    ids=["gpu", "cpu-build-on-a-gpu-machine", "driver-but-no-gpu", "cpu"],
+)
+def test_doctor_says_where_a_peer_would_train(monkeypatch, cuda, driver, build, status, said):
+    import shutil
+
+    import torch
+
+    from workbench.cli.doctor import device_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.version, "cuda", build)
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi" if driver else None)
+    monkeypatch.setattr("os.path.exists", lambda path: False)
+    check = device_check()
+    assert check.name == "device" and check.status == status and said in check.detail, check
+    if build is None and driver:
+        assert "pip install torch==" + torch.__version__.split("+")[0] in check.fix
+
+
 def test_doctor_probes_with_the_connect_timeout_and_a_malformed_address_is_exit_2(monkeypatch, capsys):
     import workbench.cli.doctor as doctor
 

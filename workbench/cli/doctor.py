@@ -126,6 +126,7 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     checks.append(
         Check("versions", "info", f"workbench {version}, hivemind {_hivemind_version()}, {PROTOCOL}")
     )
+    checks.append(device_check())
     try:
         addresses = parse_peer_addresses(args.peers)
     except SwarmError as error:
@@ -162,6 +163,39 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     finally:
         session.close()
     return checks
+
+
+def device_check() -> Check:
+    """Where a peer started here would train: the GPU torch sees, or the CPU, and why (a CPU
+    build of torch on a machine with an NVIDIA driver trains on the CPU without a word)."""
+    import os
+    import shutil
+
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return Check(
+            "device", "ok",
+            f"torch {torch.__version__} sees {count} CUDA device(s), the first a {torch.cuda.get_device_name(0)}: "
+            "peers train there with bf16 autocast (--device auto)",
+        )  # fmt: skip
+    driver = shutil.which("nvidia-smi") is not None or os.path.exists("/proc/driver/nvidia/version")
+    if driver and torch.version.cuda is None:
+        return Check(
+            "device", "warn",
+            f"this machine has an NVIDIA driver but torch {torch.__version__} is a CPU build: peers will train on the CPU",
+            "install a CUDA build of the same version (pip install torch==" + torch.__version__.split("+")[0]
+            + " from PyPI on Linux, or from https://download.pytorch.org/whl/ for another CUDA), then run doctor again",
+        )  # fmt: skip
+    if driver:
+        return Check(
+            "device", "warn",
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable GPU although an NVIDIA "
+            "driver is installed: peers will train on the CPU",
+            "check `nvidia-smi`: a driver older than this torch's CUDA, or CUDA_VISIBLE_DEVICES hiding the GPUs",
+        )  # fmt: skip
+    return Check("device", "info", f"torch {torch.__version__}, no GPU: peers train on the CPU")
 
 
 def _hivemind_version() -> str:
