@@ -195,9 +195,10 @@ class DiLoCo:
         return report
 
     @torch.no_grad()
-    def apply_outer_step(self, mean_deltas: list[torch.Tensor]) -> None:
-        """θ ← OuterSGD(θ, mean Δ). Refuses a non-finite update rather than poison θ."""
-        if not all_finite(mean_deltas):
+    def apply_outer_step(self, mean_deltas: list[torch.Tensor], *, checked: bool = False) -> None:
+        """θ ← OuterSGD(θ, mean Δ). Refuses a non-finite update rather than poison θ (``checked``:
+        the caller has just found it finite)."""
+        if not checked and not all_finite(mean_deltas):
             raise FloatingPointError(
                 f"round {self.outer_step_count}: the averaged update holds NaN/Inf; the global params "
                 "were left unchanged (a peer diverged: lower the inner learning rate)"
@@ -293,7 +294,7 @@ class DiLoCo:
         elif self.config.delay:
             self.apply_delayed(outgoing.deltas)
         else:
-            self.apply_outer_step(outgoing.deltas)
+            self.apply_outer_step(outgoing.deltas, checked=True)  # judge() found the mean finite
         if self.offset:  # as overlapped: this round's share is learnt once its mean lands
             self.apply_eager(sent, self._share)
             self._share = own_share(report, outgoing.weight)
@@ -305,6 +306,7 @@ class DiLoCo:
         deltas = self.compute_pseudo_gradients()
         local_norm = global_norm(deltas)
         diverged = not math.isfinite(local_norm) and not all_finite(deltas)  # a finite norm: all finite
+        sent_norm: float | None = None
         if diverged:
             # This peer diverged: sending its update would poison everyone's θ. It contributes
             # nothing (weight 0) and adopts the group's mean, so it stays on the swarm's θ and
@@ -316,12 +318,18 @@ class DiLoCo:
             payload_bytes = 0
             self.inner_optimizer.state.clear()  # its moments are likely NaN too: start them afresh
         else:
-            if self.config.clip_norm and local_norm > self.config.clip_norm:
+            clipped = bool(self.config.clip_norm) and local_norm > self.config.clip_norm
+            if clipped:
                 deltas = [d * (self.config.clip_norm / local_norm) for d in deltas]
+            before = [d.data_ptr() for d in deltas]
             deltas, payload_bytes = self.compress(deltas)
+            if not clipped and before == [d.data_ptr() for d in deltas]:
+                sent_norm = local_norm  # sent as computed ('none' hands Δ itself on): the norm just taken
         weight = 0.0 if diverged else float(max(self.samples_this_round, 1))
+        if sent_norm is None:
+            sent_norm = global_norm(deltas)
         # What the robust check of every member reads: this peer's declared norm and weight.
-        info = dict(info or {}, norm=global_norm(deltas), weight=weight)
+        info = dict(info or {}, norm=sent_norm, weight=weight)
         if self.config.topk_mean == "kept":  # how the group scales the kept-masks (swarm.gathered)
             info["kept"] = int(sum(int(torch.count_nonzero(d)) for d in deltas))
         info.setdefault("outer_step", self.outer_step_count)

@@ -300,6 +300,27 @@ def test_an_outer_step_cut_short_marks_theta_as_not_intact() -> None:
     assert outer.global_intact
 
 
+@pytest.mark.parametrize(
+    ("codec", "clip"),
+    [("none", 0.0), ("none", 1e-3), ("fp16", 0.0), ("int8", 0.0)],
+    ids=["none", "clipped", "fp16", "int8"],
+)
+def test_the_declared_norm_is_that_of_the_update_sent(codec: str, clip: float) -> None:
+    """The norm every member's robust check reads is |what goes on the wire|: taken once for an
+    update sent as computed, again after a lossy codec or a clip."""
+    model = make_model()
+    outer = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), LocalAverager(),
+                   DiLoCoConfig(codec=codec, clip_norm=clip))  # fmt: skip
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    outgoing = outer._outgoing(None)
+    sent = float(torch.linalg.vector_norm(torch.cat([d.reshape(-1) for d in outgoing.deltas])))
+    assert outgoing.info["norm"] == pytest.approx(sent, rel=1e-6)
+    if clip:
+        assert outgoing.info["norm"] == pytest.approx(clip, rel=1e-5) and clip < outgoing.local_norm
+
+
 def test_a_model_without_trainable_params_is_rejected() -> None:
     model = make_model()
     for p in model.parameters():
