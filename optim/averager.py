@@ -70,7 +70,9 @@ class RoundReport:
 
 
 class Averager(Protocol):
-    """Replace ``tensors`` in place by their weighted mean over a group of peers."""
+    """Replace ``tensors`` in place by their weighted mean over a group of peers. An averager
+    whose ``keeps_tensors_on_failure`` is true writes them only once the mean is complete (on
+    an error they still hold the caller's values), which spares its caller a backup copy."""
 
     def all_reduce(
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
@@ -79,6 +81,8 @@ class Averager(Protocol):
 
 class LocalAverager:
     """A swarm of one: leaves the tensors as they are. DiLoCo over it is DiLoCo with k=1."""
+
+    keeps_tensors_on_failure = True
 
     def all_reduce(
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None

@@ -178,8 +178,11 @@ class DiLoCo:
         start = time.monotonic()
         if weight is None:
             weight = float(max(self.samples_this_round, 1))
-        backup = [d.clone() for d in deltas]  # a transport may fail after writing half a mean
         kept = keepers(deltas) if self.config.topk_mean == "kept" else []
+        # A transport may fail after writing half a mean into ``deltas``: keep our own to fall
+        # back on, unless it says it writes them only on success (a copy of Δ a round saved).
+        intact = getattr(self.averager, "keeps_tensors_on_failure", False) and not kept
+        backup = None if intact else [d.clone() for d in deltas]
         try:
             report = self.averager.all_reduce([*deltas, *kept], weight=weight, info=info)
             if kept:
@@ -188,7 +191,7 @@ class DiLoCo:
             raise  # the in-process swarm lost a peer: stop, do not train on alone
         except Exception as error:  # the transport failed: this round is a local step
             logger.warning("averaging failed (%s); applying this peer's own update", error)
-            for d, b in zip(deltas, backup):
+            for d, b in zip(deltas, backup or []):
                 d.copy_(b)
             report = RoundReport(group_size=1, error=str(error), group_info=[dict(info or {})])
         report.seconds = time.monotonic() - start

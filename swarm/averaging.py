@@ -60,6 +60,10 @@ assert set(CODECS) == set(CODEC_BYTES), f"{set(CODECS)=} {set(CODEC_BYTES)=}"
 class SwarmAverager(Downloading):
     """An :class:`optim.Averager` over hivemind; also downloads and serves the global state."""
 
+    keeps_tensors_on_failure = True
+    """Each attempt averages a copy in hivemind's buffers; the caller's tensors get the mean only
+    once an attempt succeeded (optim.averager.Averager)."""
+
     def __init__(
         self,
         dht,

@@ -447,6 +447,35 @@ def test_a_failing_averager_that_wrote_into_the_tensors_still_gives_our_own_upda
     assert_all_close(outer.global_params, expected)
 
 
+class CleanFailAverager(FailingAverager):
+    """Fails before writing anything, and says so: DiLoCo keeps no backup of Δ for it."""
+
+    keeps_tensors_on_failure = True
+
+
+def test_a_failing_averager_that_keeps_the_tensors_gives_our_own_update_without_a_backup(monkeypatch) -> None:
+    lr, m = 0.7, 0.9
+    clones: list[torch.Size] = []
+    clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: clones.append(t.shape) or clone(t, *a, **k))
+    counted = {}
+    for averager in (
+        FailingAverager(ConnectionError("no group")),
+        CleanFailAverager(ConnectionError("no group")),
+    ):
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        outer = DiLoCo(model, opt, averager, DiLoCoConfig(inner_steps=2, outer_lr=lr, outer_momentum=m))
+        theta0 = [g.clone() for g in outer.global_params]
+        clones.clear()
+        local, report = train_round(outer, opt, batches(3, 2))
+        counted[type(averager).__name__] = len(clones)
+        assert report.error is not None and averager.calls == 1
+        expected = [t - lr * (1 + m) * (t - loc) for t, loc in zip(theta0, local)]
+        assert_all_close(outer.global_params, expected)
+    assert counted["CleanFailAverager"] == counted["FailingAverager"] - len(theta0)  # no copy of Δ
+
+
 def test_a_nan_from_the_averager_leaves_the_global_params_unchanged() -> None:
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
