@@ -40,6 +40,16 @@ def test_tui_refresh_measures_a_small_swarm(tmp_path) -> None:
     assert json.loads(out.read_text())
 
 
+def test_optimizers_compares_the_methods_on_a_tiny_run(tmp_path) -> None:
+    out = tmp_path / "optimizers.json"
+    done = run(
+        "benchmarks.optimizers", "--preset", "tiny", "--steps", "8", "--inner-steps", "4", "--peers", "2",
+        "--out", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text())
+
+
 def test_the_join_benchmark_s_donors_serve_a_state_a_joiner_accepts() -> None:
     state = overheads.donor_state(100, seed=1)
     _check_shapes(state.params, state.momentum, state.pending, state.inner_keys, state.inner)
