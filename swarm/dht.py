@@ -117,6 +117,31 @@ class _CancelledStepNoise(logging.Filter):
 
 
 _CANCELLED_STEP_NOISE = _CancelledStepNoise()
+_STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
+_SHM_MANAGER_STARTED = False
+
+
+def start_shm_manager() -> None:
+    """Start torch's shared-memory manager now, with Ctrl+C, SIGTERM and SIGHUP held back in
+    this thread (delivered right after). hivemind shares tensors by file name, and torch starts
+    its manager (``torch_shm_manager``) at the first such tensor, then waits for its handle in a
+    ``read()`` that a signal handled by Python interrupts: libshm's check then re-tests the failed
+    result for ever, at 100% CPU (a Ctrl+C about 2 s into a peer's start hung it in 2 of 7 tries).
+    A blocked signal interrupts nothing. Idempotent; a no-op unless tensors are shared by file name."""
+    global _SHM_MANAGER_STARTED
+    import torch.multiprocessing
+
+    if _SHM_MANAGER_STARTED or torch.multiprocessing.get_sharing_strategy() != "file_system":
+        return
+    held = {signal.SIGINT, *_STOP_SIGNALS}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        torch.empty(1).share_memory_()  # the first tensor shared by file name starts the manager
+        _SHM_MANAGER_STARTED = True
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager
@@ -130,13 +155,13 @@ def quiet_children() -> Iterator[None]:
     Also installs :func:`quiet_handle_sharing` and a filter for asyncio's reports of hivemind's
     clean-up after a cancelled step (both inherited by the children forked here)."""
     quiet_handle_sharing()
+    start_shm_manager()
     if _CANCELLED_STEP_NOISE not in logging.getLogger("asyncio").filters:
         logging.getLogger("asyncio").addFilter(_CANCELLED_STEP_NOISE)
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    stops = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None]
-    previous = {s: signal.signal(s, signal.SIG_DFL) for s in stops}
+    previous = {s: signal.signal(s, signal.SIG_DFL) for s in _STOP_SIGNALS}
     try:
         yield
     finally:

@@ -94,13 +94,16 @@ def test_ctrl_c_stops_a_peer_cleanly(spawn):
     code = peer.wait(timeout=15)
     elapsed = time.monotonic() - started
     assert code == 0, peer.stderr()
-    assert elapsed < 5.0, f"took {elapsed:.1f} s to stop"
+    assert elapsed < 5.0, f"took {elapsed:.1f} s to stop: {peer.stderr()[-3000:]}"
     assert peer.events("left")[-1]["reason"] == "interrupted"
     assert "Traceback" not in peer.stderr()
-    (saved,) = peer.events("global_params")
+    saved = peer.events("global_params")
+    if not saved:  # the signal landed inside an outer step (about 1 ms of a round): θ may be torn
+        assert "stopped while θ was being updated" in peer.stderr(), peer.stderr()[-3000:]
+        return
     rounds = peer.events("round")
-    assert saved["outer_step"] >= rounds[-1]["outer_step"] >= 1
-    assert saved["path"] == str(peer.directory / "global_params.pt")
+    assert saved[0]["outer_step"] >= rounds[-1]["outer_step"] >= 1, peer.stderr()[-3000:]
+    assert saved[0]["path"] == str(peer.directory / "global_params.pt")
     assert all(math.isfinite(float(p.abs().sum())) for p in peer.global_params())
     assert not list(peer.directory.glob("*.tmp"))
 

@@ -72,3 +72,38 @@ def test_an_interrupt_that_leaves_a_hivemind_lock_held_does_not_hang_the_shutdow
     made.join(5.0)
     assert not made.is_alive()
     assert release_interrupted_locks() == []  # nothing held: nothing released
+
+
+_SIGNALS_WHILE_THE_SHM_MANAGER_STARTS = """
+import os, signal, subprocess, sys, time
+import hivemind  # noqa: F401  (tensors are shared by file name from here on)
+
+handled = []
+signal.signal(signal.SIGINT, lambda *a: handled.append(1))  # a handler in Python, as a peer's
+storm = subprocess.Popen(["bash", "-c", f"while kill -INT {os.getpid()} 2>/dev/null; do sleep 0.002; done"])
+time.sleep(0.1)
+from swarm.dht import start_shm_manager
+
+start_shm_manager()
+storm.kill()
+print("manager up;", len(handled) > 0, flush=True)
+"""
+
+
+def test_signals_while_torch_starts_its_shared_memory_manager_do_not_hang_the_peer():
+    """torch waits for its shm manager's handle in a read() that a signal turns into an endless
+    loop at 100% CPU (a Ctrl+C 2 s into a peer's start hung it). Ctrl+C arrives every 2 ms here,
+    as torch starts the manager: it comes up, and the signals reach the handler afterwards.
+    (The same with ``torch.empty(1).share_memory_()`` in place of ``start_shm_manager()`` never
+    returns.)"""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNALS_WHILE_THE_SHM_MANAGER_STARTS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "manager up; True", done.stdout
