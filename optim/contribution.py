@@ -4,6 +4,7 @@ round averaging in the background (:class:`InFlight`), and the small arithmetic 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,9 @@ import torch
 
 from optim.averager import RoundReport
 from optim.codecs import all_finite
-from optim.robust import check_round, misreported
+from optim.robust import check_round, claim, counted_weights, misreported, overclaimed
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,12 +38,15 @@ class InFlight:
 
 
 def own_share(report: RoundReport, weight: float) -> float:
-    """This peer's share of a round's weighted mean: its weight over the group's (1 alone)."""
+    """This peer's share of a round's weighted mean: its counted weight over the group's (1 alone)."""
     if report.group_size <= 1:
         return 1.0
-    weights = [i.get("weight") for i in report.group_info if isinstance(i, dict)]
-    total = sum(float(w) for w in weights if isinstance(w, (int, float)) and math.isfinite(w) and w > 0)
-    return min(1.0, weight / total) if total > 0 else 1.0
+    claims = [claim(i.get("weight")) for i in report.group_info if isinstance(i, dict)]
+    if weight in claims:  # this peer's own entry: the others are the rest
+        claims.remove(weight)
+    counted = counted_weights([*claims, weight])  # what the group counted (optim.robust)
+    total = sum(counted)
+    return min(1.0, counted[-1] / total) if total > 0 else 1.0
 
 
 def global_norm(tensors: list[torch.Tensor]) -> float:
@@ -58,6 +64,8 @@ def judge(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> str 
         )
     report.local_norm, report.mean_norm = outgoing.local_norm, global_norm(outgoing.deltas)
     report.payload_bytes = outgoing.payload_bytes
+    for line in overclaimed(report.group_info) if report.group_size > 1 else ():
+        logger.warning("round %d: %s", outgoing.outer_step, line)
     refused = report.refused or check_round(
         report.mean_norm,
         report.group_info,
@@ -105,7 +113,7 @@ def spread_over_keepers(
         floor = 0.5
     else:
         members = [i for i in report.group_info if isinstance(i, dict) and _positive(i.get("weight"))]
-        weights = [float(i["weight"]) for i in members]
+        weights = counted_weights([i["weight"] for i in members])
         floor = 0.5 * min(weights) / sum(weights) if weights else 0.5
         if check and not report.robust_mean:
             report.refused = misreported(global_norm(deltas), report.group_info)

@@ -14,6 +14,10 @@ Two rules:
 - **misreport**: the mean's norm is larger than the reported norms allow (by the triangle
   inequality ``|Σ wᵢΔᵢ / Σ wᵢ| ≤ Σ wᵢ|Δᵢ| / Σ wᵢ``): a member sent more than it declared.
 
+Both read the weights the group counts (:func:`counted_weights`), not the weights claimed: a
+weight is a number of samples trained, which nobody else can check, and one member claiming 1e9
+would otherwise take the whole mean and a norm allowance to match.
+
 The mean cannot be repaired after the fact (nobody holds the other members' updates), so an
 offending round is excluded as a whole; a peer can also clip its own update before sending
 (``DiLoCoConfig.clip_norm``).
@@ -23,10 +27,55 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 from typing import Any
+
+WEIGHT_RATIO = 16.0
+"""A member counts for at most this many times the median of the other members' weights. Part
+of the averaging protocol: every member of a group must count alike (the direct plane scales
+each contribution by its counted share, and the checks read the same numbers), so it is not a
+setting. 16 leaves honest speed differences alone up to 16x (a time-boxed round weighs a peer's
+update by the samples it trained); a faster peer still leads the mean, by 16 to 1."""
+
+
+def claim(weight: Any) -> float:
+    """A weight as a member declared it: anything but a finite number >= 0 counts as 0."""
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool):
+        return 0.0
+    return float(weight) if math.isfinite(weight) and weight >= 0 else 0.0
+
+
+def counted_weight(weight: float, others: Sequence[float]) -> float:
+    """What a member claiming ``weight`` counts for among ``others`` (the other members' claims):
+    at most :data:`WEIGHT_RATIO` times the median of their positive claims (none: as claimed)."""
+    positive = [w for w in others if w > 0]
+    return min(weight, WEIGHT_RATIO * statistics.median(positive)) if positive else weight
+
+
+def counted_weights(claims: Sequence[Any]) -> list[float]:
+    """The weight each member counts for, from every member's claim (:func:`claim`,
+    :func:`counted_weight`). The same numbers in any order give the same weights, so every
+    member of a group counts alike."""
+    weights = [claim(w) for w in claims]
+    return [counted_weight(w, weights[:i] + weights[i + 1 :]) for i, w in enumerate(weights)]
+
+
+def overclaimed(group_info: list[Any]) -> list[str]:
+    """One line per member whose claimed weight counted for less (what it claimed, what it
+    counted for): for the peer's log, so that a liar, or a peer far faster than the others, is
+    seen."""
+    infos = [i for i in group_info if isinstance(i, dict)]
+    claims = [claim(i.get("weight")) for i in infos]
+    return [
+        f"peer {str(info.get('peer', '?'))[-12:]} claimed {w:.4g} samples, counted as {c:.4g} "
+        f"({WEIGHT_RATIO:g}x the others' median)"
+        for info, w, c in zip(infos, claims, counted_weights(claims))
+        if c < w
+    ]
 
 
 def _members(group_info: list[Any]) -> list[tuple[str, float, float]]:
+    """(peer, norm, counted weight) of every member whose declared norm and weight parse."""
     members = []
     for info in group_info:
         if not isinstance(info, dict):
@@ -37,7 +86,8 @@ def _members(group_info: list[Any]) -> list[tuple[str, float, float]]:
         if not (math.isfinite(norm) and math.isfinite(weight)) or norm < 0 or weight < 0:
             continue
         members.append((str(info.get("peer", "?")), float(norm), float(weight)))
-    return members
+    counted = counted_weights([w for _, _, w in members])
+    return [(peer, norm, w) for (peer, norm, _), w in zip(members, counted)]
 
 
 def check_round(

@@ -28,6 +28,7 @@ import torch
 from optim.api import OuterOptimizer, Rounds
 from optim.averager import RoundReport
 from optim.inner import inner_step
+from optim.robust import counted_weights
 
 logger = logging.getLogger(__name__)
 
@@ -136,10 +137,11 @@ class InProcessSwarm:
         self._barrier.wait()  # every peer has written its slot
         slots = list(self._slots)
         self._barrier.wait()  # every peer has read the slots: the next round may overwrite them
-        total = sum(w for _, w, _ in slots)  # type: ignore[misc]
+        weights = counted_weights([w for _, w, _ in slots])  # type: ignore[misc]  # as a real group counts
+        total = sum(weights)
         for index, tensor in enumerate(tensors):
             mean = torch.zeros_like(tensor, dtype=torch.float32)
-            for contribution, w, _ in slots:  # type: ignore[misc]
+            for (contribution, _, _), w in zip(slots, weights):  # type: ignore[misc]
                 if w:
                     mean.add_(contribution[index].float(), alpha=w / total)
             tensor.copy_(mean)

@@ -44,9 +44,12 @@ class MeanReplies(AllReduceRunner):
     """hivemind's :class:`AllReduceRunner` whose reducers answer with each part's mean, encoded
     with ``codec`` (a ``runtime_pb2.CompressionType``); it yields the means, not differences."""
 
-    def __init__(self, *, codec: Any, **kwargs: Any) -> None:
+    def __init__(self, *, codec: Any, weights: dict[Any, float], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.codec = codec
+        self.weights = weights
+        """Each member's weight as the group counts it (:func:`swarm.gathered.counted_weights`):
+        what this reducer weighs a sender's parts by, whatever weight its messages carry."""
         # A reducer that failed: its parts come out as this member's own (unchanged, as a zero
         # difference leaves them in hivemind's exchange).
         self.tensor_part_container.return_deltas = False
@@ -102,8 +105,9 @@ class MeanReplies(AllReduceRunner):
         """A member's parts in, the parts' means out (hivemind's sends differences)."""
         parts = 0
         try:
-            async for part, weight in amap_in_executor(
-                lambda message: (deserialize_torch_tensor(message.tensor_part), message.weight),
+            weight = self.weights.get(self.sender_peer_ids[sender_index], 0.0)
+            async for part in amap_in_executor(
+                lambda message: deserialize_torch_tensor(message.tensor_part),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):

@@ -10,6 +10,7 @@ import math
 import secrets
 from typing import Any
 
+from optim import robust
 from swarm.butterfly import MEAN
 from swarm.dataplane import MAX_RINGS, PROTOCOL, RING_ID_BYTES
 
@@ -65,11 +66,14 @@ def held_by_all(members: list[Any]) -> frozenset[bytes]:
 
 def weight_of(member: Any) -> float:
     """A member's gathered weight; anything but a finite number >= 0 counts as 0."""
-    try:
-        weight = float(member.get(WEIGHT, 0.0))
-    except (TypeError, ValueError, AttributeError):
-        return 0.0
-    return weight if math.isfinite(weight) and weight >= 0 else 0.0
+    return robust.claim(member.get(WEIGHT)) if isinstance(member, dict) else 0.0
+
+
+def counted_weights(members: list[Any]) -> list[float]:
+    """The weight each member counts for in the group's mean, from the weights they gathered
+    (:func:`optim.robust.counted_weights`: a claim above 16x the others' median counts as that);
+    every member computes the same, in the group's order."""
+    return robust.counted_weights([weight_of(m) for m in members])
 
 
 def nonces(members: list[Any]) -> bytes:

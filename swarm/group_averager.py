@@ -232,7 +232,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         if not (self._plane_enabled.value and all(map(gathered.takes_direct_rings, members))):
             return
         board, peer_ids, seed = self._group_board(group_info, members)
-        own = members[list(group_info.peer_ids).index(self.peer_id)]
+        index = list(group_info.peer_ids).index(self.peer_id)
+        own, weights = members[index], gathered.counted_weights(members)
         masks = self._averaged_tensors[len(self._averaged_tensors) - self._masks :] if self._masks else []
         ticket = Ticket(
             nonce=own[gathered.NONCE],
@@ -240,7 +241,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             members=tuple(p.to_base58() for p in peer_ids),
             rank=peer_ids.index(self.peer_id),
             seed=seed,
-            total=sum(gathered.weight_of(m) for m in members),
+            weight=weights[index],
+            total=sum(weights),
             reusable=gathered.held_by_all(members),
             codec=self._codec,
             # Below hivemind's own deadline for this step, so that a member gone mid-ring ends
@@ -335,8 +337,13 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         if group_id is not None or not gathered.all_take_the_mean(members):
             await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
             return
+        # Every member weighs the others' parts by what the group counts, not by what their
+        # messages claim, and its own by the same rule (optim.robust.counted_weights).
+        weights = dict(zip(group_info.peer_ids, gathered.counted_weights(members)))
+        kwargs["weight"] = weights[self.peer_id]
         runner = MeanReplies(
             codec=kwargs["compression"].compression_type,
+            weights=weights,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -373,7 +380,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         deadline = time.monotonic() + 0.75 * (self._allreduce_timeout or 60.0)
         board, peer_ids, seed = self._group_board(group_info, members)
         rank = peer_ids.index(self.peer_id)
-        share = kwargs["weight"] / (sum(gathered.weight_of(m) for m in members) or 1.0)
+        weights = gathered.counted_weights(members)  # kwargs["weight"]: as counted (_run_allreduce_inplace_)
+        share = weights[list(group_info.peer_ids).index(self.peer_id)] / (sum(weights) or 1.0)
         async with enter_asynchronously(self.get_tensors()) as local_tensors:
             sketcher = TensorSketcher(seed, [t.numel() for t in local_tensors])
             sent = await loop.run_in_executor(None, sketcher.sketch, local_tensors)

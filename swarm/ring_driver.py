@@ -48,7 +48,8 @@ class Ticket:
     members: tuple[str, ...]  # base58 ids in rank order
     rank: int
     seed: bytes
-    total: float
+    weight: float  # this member's weight as the group counts it (optim.robust.counted_weights)
+    total: float  # the group's counted weights
     reusable: frozenset[bytes]
     codec: str
     timeout: float
@@ -326,7 +327,7 @@ class RingDriver:
             return Outcome(ticket.group_id, False, "the step ended before its trigger")
         try:
             with self._tensors() as tensors:
-                self._ring(tensors, ticket, step.weight)
+                self._ring(tensors, ticket)
         except Exception as error:  # noqa: BLE001 - a failed round, told to both sides
             step.settle(None, AllreduceFailed(f"direct data plane: {error}"))
             step.end_retries()
@@ -352,7 +353,7 @@ class RingDriver:
             arrival=ticket.arrival,
         )
 
-    def _ring(self, tensors: Sequence[torch.Tensor], ticket: Ticket, weight: float) -> None:
+    def _ring(self, tensors: Sequence[torch.Tensor], ticket: Ticket) -> None:
         masks = list(tensors[len(tensors) - self._masks :]) if self._masks else []
         # Kept-masks go round scaled like the updates beside them (gathered.mask_scale says why).
         for mask in masks:
@@ -364,7 +365,7 @@ class RingDriver:
                 seed=ticket.seed,
                 members=ticket.members,
                 rank=ticket.rank,
-                weight=weight,
+                weight=ticket.weight,
                 total=ticket.total,
                 codec=ticket.codec,
                 reusable=ticket.reusable,

@@ -51,6 +51,7 @@ def _ticket(nonce: bytes = b"n", **fields) -> Ticket:
         members=("a", "b"),
         rank=0,
         seed=b"seed",
+        weight=1.0,
         total=4.0,
         reusable=frozenset(),
         codec="none",
@@ -260,13 +261,14 @@ def _round(driver, tickets_out, outcomes_in, nonce: bytes, **fields):
     return step, outcomes_in.recv()
 
 
-def test_the_driver_runs_each_ticket_on_the_shared_buffers_with_the_steps_weight():
+def test_the_driver_runs_each_ticket_on_the_shared_buffers_with_the_weight_the_group_counts():
     plane = Plane()
     driver, tickets_out, outcomes_in, buffers, _, rounds = _driver(plane, masks=1)
-    step, outcome = _round(driver, tickets_out, outcomes_in, b"one", mask_scale=4.0)
+    # The step claimed 2.0 (Control); the group counts 1.5 (optim.robust.counted_weights).
+    step, outcome = _round(driver, tickets_out, outcomes_in, b"one", mask_scale=4.0, weight=1.5)
     assert outcome == Outcome(b"group", True) and rounds.value == 1
     assert step.result(timeout=1) == {"a": {"x": 1}, "b": {"x": 2}}
-    assert plane.calls[0]["weight"] == 2.0 and plane.calls[0]["total"] == 4.0
+    assert plane.calls[0]["weight"] == 1.5 and plane.calls[0]["total"] == 4.0
     # The mask went round scaled by 4 (the stand-in halves it) and came back unscaled.
     assert buffers[0].tolist() == [0.5] * 4 and buffers[1].tolist() == [0.5, 0.5]
     tickets_out.send(_ticket(b"nobody's"))  # no step of this peer's: told, nothing runs

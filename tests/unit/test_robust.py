@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from optim.diloco import DiLoCo, DiLoCoConfig
-from optim.robust import check_round
+from optim.robust import WEIGHT_RATIO, check_round, counted_weights, overclaimed
 from optim.sim import InProcessSwarm
 
 
@@ -42,6 +42,72 @@ def test_a_peer_that_trained_more_steps_may_send_a_larger_update() -> None:
     assert verdict is not None and "slow" in verdict and "limit 10x" in verdict
     verdict = check_round(1.0, [member("fast", 100.0, weight=2 * 64.0), slow], ratio=10)
     assert verdict is not None and "limit 20x for 2x their samples" in verdict
+
+
+def test_a_claimed_weight_counts_for_at_most_16x_the_median_of_the_others() -> None:
+    """A weight is samples trained, a claim nobody can check: above WEIGHT_RATIO times the other
+    members' median it counts as that; anything that is not a finite number >= 0 counts as 0.
+    Every member computes the same, in whatever order it lists the group."""
+    assert WEIGHT_RATIO == 16
+    assert counted_weights([64.0, 3 * 64.0, 10 * 64.0]) == [64.0, 3 * 64.0, 10 * 64.0]  # honest
+    assert counted_weights([1.0, 1.0, 1e9]) == [1.0, 1.0, 16.0]
+    assert counted_weights([1e9, 2.0, 4.0]) == [48.0, 2.0, 4.0]  # the median of 2 and 4
+    assert counted_weights([2.0, float("nan"), -5.0, "9", True, None, 1e300]) == [2.0, 0, 0, 0, 0, 0, 32.0]
+    assert counted_weights([0.0, 0.0, 5.0]) == [0.0, 0.0, 5.0]  # nobody else to compare with
+    assert counted_weights([7.0]) == [7.0]
+    weights = [3.0, 1e12, 5.0, 0.5]
+    assert sorted(counted_weights(weights)) == sorted(counted_weights(weights[::-1]))
+
+
+def test_a_huge_claimed_weight_buys_no_norm_allowance() -> None:
+    """The attack: a member claims 1e9 samples, so the outlier check would allow it an update
+    1e7 times the others' (and the mean would be its own). Counted as 16x, it is refused."""
+    honest = [member("a", 1.0, weight=64.0), member("b", 1.1, weight=64.0)]
+    verdict = check_round(1.0, [*honest, member("liar", 1000.0, weight=1e9)], ratio=10)
+    assert verdict is not None and "liar" in verdict and "limit 160x for 16x their samples" in verdict
+    assert check_round(1.0, [*honest, member("fast", 20.0, weight=1e9)], ratio=10) is None  # within 16x
+    assert overclaimed([*honest, member("liar", 1.0, weight=1e9)]) == [
+        "peer liar claimed 1e+09 samples, counted as 1024 (16x the others' median)"
+    ]
+    assert overclaimed([*honest, member("c", 1.0, weight=16 * 64.0)]) == []
+
+
+def test_simulated_peers_count_a_member_s_claimed_weight_as_a_real_group_does(caplog) -> None:
+    """Three virtual peers, one claiming 1e9 samples: every peer's θ becomes the mean weighted
+    8 : 8 : 128 (16x the others' median), not the liar's own model, and every peer says so."""
+    swarm = InProcessSwarm(3)
+    models = []
+    for _ in range(3):
+        torch.manual_seed(0)
+        models.append(torch.nn.Linear(4, 4))
+    config = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    outers = [
+        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), swarm.averager(rank), config)
+        for rank, m in enumerate(models)
+    ]
+    before = [p.detach().clone() for p in models[0].parameters()]
+    shifts, samples = [0.01, 0.02, 0.03], [8, 8, 10**9]
+    reports = [None] * 3
+
+    def run(rank: int) -> None:
+        with torch.no_grad():
+            for p in models[rank].parameters():
+                p.add_(shifts[rank])
+        outers[rank].note_inner_step(samples=samples[rank])
+        reports[rank] = outers[rank].sync()
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = (8 * 0.01 + 8 * 0.02 + 128 * 0.03) / 144
+    for rank in range(3):
+        assert reports[rank].error is None, reports[rank].error
+        for g, b in zip(outers[rank].global_params, before):
+            torch.testing.assert_close(g, b + expected)
+    said = [r.getMessage() for r in caplog.records if "claimed" in r.getMessage()]
+    assert said == ["round 0: peer sim-2 claimed 1e+09 samples, counted as 128 (16x the others' median)"] * 3
 
 
 def test_a_mean_larger_than_the_declared_norms_is_a_misreport() -> None:
