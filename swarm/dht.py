@@ -122,6 +122,36 @@ _STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None
 
 _SHM_MANAGER_STARTED = False
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_ORPHAN_WATCH_PARENT = 0
+"""While :func:`quiet_children` forks: the pid of the forking process (0: not armed). Read by
+:func:`_end_with_parent` in the child, right after the fork."""
+
+
+def _end_with_parent() -> None:
+    """In a child forked inside :func:`quiet_children`: ask Linux to send it SIGTERM (whose
+    default action it has) when the thread that forked it ends, i.e. when the peer does, however
+    it ends. A peer killed with SIGKILL (or by the kernel's OOM killer) left its DHT process
+    with its p2p daemon, and its averager process, running for good: orphans that used CPU,
+    held the peer's port and could still declare the peer's old state to joiners. The p2p
+    daemon ends with the process that started it. If the parent is already gone, end now."""
+    global _ORPHAN_WATCH_PARENT
+    parent, _ORPHAN_WATCH_PARENT = _ORPHAN_WATCH_PARENT, 0
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died between the fork and the line above
+        os._exit(1)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_end_with_parent)
+
 
 def start_shm_manager() -> None:
     """Start torch's shared-memory manager now, with Ctrl+C, SIGTERM and SIGHUP held back in
@@ -150,7 +180,8 @@ def quiet_children() -> Iterator[None]:
     not this process's handlers: a peer turns them into KeyboardInterrupt, and a child inheriting that
     printed a KeyboardInterrupt traceback when a whole process group was terminated (a service
     manager, a closed terminal). With the default, a child just ends; the parent still shuts the
-    others down in order. Only the main thread can touch signal handlers.
+    others down in order. Only the main thread can touch signal handlers. Those children also end
+    when the peer does, even killed with SIGKILL (:func:`_end_with_parent`).
 
     Also installs :func:`quiet_handle_sharing` and a filter for asyncio's reports of hivemind's
     clean-up after a cancelled step (both inherited by the children forked here)."""
@@ -161,10 +192,13 @@ def quiet_children() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    global _ORPHAN_WATCH_PARENT
     previous = {s: signal.signal(s, signal.SIG_DFL) for s in _STOP_SIGNALS}
+    _ORPHAN_WATCH_PARENT = os.getpid()  # forked here, from the main thread: ends with the peer
     try:
         yield
     finally:
+        _ORPHAN_WATCH_PARENT = 0
         for s, handler in previous.items():
             signal.signal(s, handler)
 
