@@ -87,11 +87,14 @@ def _processes_of(run_dir) -> list:
     return [p for p in found if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
-def test_closing_the_terminal_stops_the_demo_and_every_peer(tmp_path):
+@pytest.mark.parametrize("how", ["SIGHUP", "SIGKILL"])
+def test_closing_the_terminal_stops_the_demo_and_every_peer(tmp_path, how):
     """SIGHUP to the demo (what a closed terminal or SSH session sends it) mid-run: the demo
     stops every peer it started, which announce leaving, and nothing of the run is left
     within 10 s (the peers run in their own sessions: the terminal's SIGHUP reaches only the
-    demo)."""
+    demo). SIGKILL (the OOM killer, a notebook kernel restarted under an ``Experiment``): the
+    demo stops nobody, and the peers, which trained on alone for good, see it gone and stop
+    themselves the same way (workbench.run.stopping.stop_with_launcher)."""
     import signal
     import time
 
@@ -110,7 +113,7 @@ def test_closing_the_terminal_stops_the_demo_and_every_peer(tmp_path):
             time.sleep(0.5)
         peers = _processes_of(tmp_path)
         assert len(peers) >= 2  # the peers and their hivemind processes
-        demo.send_signal(signal.SIGHUP)
+        demo.send_signal(getattr(signal, how))
         started = time.monotonic()
         demo.wait(timeout=30)
         gone, alive = psutil.wait_procs(peers, timeout=max(0.1, 10 - (time.monotonic() - started)))

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from workbench.run.stopping import not_interrupted, stopped_by_signals
+from workbench.run.stopping import LAUNCHER_PID, not_interrupted, stop_with_launcher, stopped_by_signals
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
@@ -107,3 +107,12 @@ def test_signals_while_torch_starts_its_shared_memory_manager_do_not_hang_the_pe
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "manager up; True", done.stdout
+
+
+def test_only_a_peer_whose_parent_is_the_lab_watches_it(monkeypatch):
+    """WORKBENCH_LAUNCHER_PID is inherited by whatever a peer starts, and may be left in a
+    shell: a process watches the lab only if the lab is its parent (else it would stop at once)."""
+    for value in ("", "x", str(os.getpid()), str(os.getppid() + 1)):
+        monkeypatch.setenv(LAUNCHER_PID, value)
+        stop_with_launcher()
+        assert not any(t.name == "launcher-watch" for t in threading.enumerate()), value

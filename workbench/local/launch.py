@@ -32,7 +32,7 @@ from workbench.cli.argv import method_arguments, model_flags, optimizer_argument
 from workbench.config import RunConfig
 from workbench.local.demo_table import DemoTable, describe
 from workbench.run.checkpoint import NAME as CHECKPOINT
-from workbench.run.stopping import not_interrupted, stopped_by_signals
+from workbench.run.stopping import LAUNCHER_PID, not_interrupted, stopped_by_signals
 
 
 class LaunchError(SwarmError):
@@ -201,7 +201,9 @@ class LocalSwarm:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # It stops by itself if this process is gone without stopping it (killed, a notebook
+            # kernel restarted): workbench.run.stopping.stop_with_launcher.
+            env={**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid())},
         )
         log.close()
         peer = LocalPeer(name=name, directory=directory, process=process)

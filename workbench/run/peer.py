@@ -42,7 +42,7 @@ from workbench.run.exporters import peer_exporters
 from workbench.run.faults import InjectedFaults
 from workbench.run.node import CHECK, STEP, SYNC, NodeGroup
 from workbench.run.outer import OuterLoop, build_outer, start_averagers
-from workbench.run.stopping import close_within, not_interrupted, stopped_by_signals
+from workbench.run.stopping import close_within, not_interrupted, stop_with_launcher, stopped_by_signals
 from workbench.run.telemetry import Events, RoundStats, heartbeat_of, round_fields
 from workbench.run.training import build_model_and_optimizer, load_data, train_step, trained_shapes
 
@@ -639,8 +639,9 @@ class Peer:
 
 def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
     """Run a peer in the main thread; Ctrl+C, SIGTERM or SIGHUP stops it cleanly within seconds."""
-    peer = Peer(config, on_started=on_started)
     with stopped_by_signals():  # SIGTERM, SIGHUP (a closed terminal): like Ctrl+C
+        stop_with_launcher()  # started by the local lab: also when the lab is gone
+        peer = Peer(config, on_started=on_started)
         try:
             summary = peer.run()
             close_within(peer.close, "finished")

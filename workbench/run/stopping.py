@@ -58,6 +58,33 @@ def not_interrupted() -> Iterator[None]:
             signal.raise_signal(arrived[0])  # now handled as it would have been
 
 
+LAUNCHER_PID = "WORKBENCH_LAUNCHER_PID"
+"""Set by the local lab (:mod:`workbench.local.launch`) in each peer it starts: its own pid."""
+
+
+def stop_with_launcher(poll: float = 0.5) -> None:
+    """In a peer the local lab started (the demo, a notebook's ``Experiment``): stop as on
+    SIGTERM once the lab is gone, however it ended. The lab starts each peer in a session of
+    its own, so that Ctrl+C in its terminal reaches the lab only, which then stops the peers in
+    order; a lab killed with SIGKILL, by the OOM killer or with its notebook kernel restarted
+    left them training on their own for good. Watched from a daemon thread (the parent pid
+    changes when a process is orphaned); a no-op unless the lab that set :data:`LAUNCHER_PID`
+    is this process's parent."""
+    value = os.environ.get(LAUNCHER_PID, "")
+    if not value.isdigit() or os.getppid() != int(value):
+        return
+
+    def watch(launcher: int) -> None:
+        while os.getppid() == launcher:
+            threading.Event().wait(poll)
+        logging.getLogger(__name__).warning(
+            "the lab that started this peer (pid %d) is gone: stopping", launcher
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, args=(int(value),), name="launcher-watch", daemon=True).start()
+
+
 def end_process(code: int) -> None:
     """End this process now with ``code``, after its work is shut down: flush the logs, stop
     any child process left, and skip interpreter finalization. Finalization destroys whatever
