@@ -15,6 +15,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import torch
 
@@ -283,7 +284,13 @@ def test_a_killed_peer_shows_as_left_within_its_ttl(spawn, tmp_path):
         live.append(monitor.poll())
         assert len(live[-1].peers) == 2 and live[-1].manifest is not None
         victim = second.events("started")[0]["peer_id"]
-        second.kill()  # SIGKILL: no leaving heartbeat
+        # SIGKILL to the peer alone (the OOM killer, `kill -9 PID`): no leaving heartbeat, no
+        # clean-up; its DHT (with its p2p daemon) and averager processes end with it all the
+        # same (swarm.dht._end_with_parent): they used to run on as orphans for good.
+        children = psutil.Process(second.process.pid).children(recursive=True)
+        names = [" ".join(p.cmdline()[:3]) for p in children]
+        assert sum("workbench" in n for n in names) == 2 and any("p2pd" in n for n in names), names
+        second.process.send_signal(signal.SIGKILL)
         killed = time.monotonic()
 
         def left() -> bool:
@@ -297,6 +304,8 @@ def test_a_killed_peer_shows_as_left_within_its_ttl(spawn, tmp_path):
         # The survivor keeps training (alone) instead of waiting for the dead peer.
         step = first.events("round")[-1]["outer_step"]
         first.wait_event("round", lambda e: e["outer_step"] >= step + 2, timeout=60)
+        gone, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, [p.cmdline()[:3] for p in alive]
     finally:
         monitor.close()
         session.close()

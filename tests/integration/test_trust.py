@@ -470,20 +470,3 @@ def test_a_stopped_peer_takes_its_children_along_without_a_traceback(spawn, how)
     assert "Traceback" not in second.stderr() and "Task exception was never retrieved" not in second.stderr()
     first.process.send_signal(signal.SIGINT)
     assert first.wait(timeout=30) == 0
-
-
-def test_a_peer_killed_with_sigkill_takes_its_children_along(spawn):
-    """The kernel's OOM killer or a ``kill -9``: nothing of the peer runs its clean-up, and its
-    DHT process (with its p2p daemon) and averager process ran on as orphans, holding the port
-    and able to declare the dead peer's state. They now end with it (swarm.dht._end_with_parent)."""
-    import signal
-
-    peer = spawn("a", "start", *FAST, "--run-id", "sigkill", "--rounds", "0")
-    peer.wait_event("round", lambda e: e["outer_step"] >= 1)
-    children = psutil.Process(peer.process.pid).children(recursive=True)
-    names = [" ".join(p.cmdline()[:3]) for p in children]
-    assert sum("workbench" in n for n in names) == 2 and any("p2pd" in n for n in names), names
-    peer.process.send_signal(signal.SIGKILL)
-    peer.wait(timeout=30)
-    gone, alive = psutil.wait_procs(children, timeout=15)
-    assert not alive, [p.cmdline()[:3] for p in alive]
