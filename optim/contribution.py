@@ -17,6 +17,9 @@ from optim.robust import check_round, claim, counted_weights, misreported, overc
 
 logger = logging.getLogger(__name__)
 
+_TOLD_OVERCLAIMED: set[str] = set()
+"""Peers whose claimed weight this process has warned of (optim.robust.overclaimed)."""
+
 
 @dataclass
 class Outgoing:
@@ -64,8 +67,11 @@ def judge(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> str 
         )
     report.local_norm, report.mean_norm = outgoing.local_norm, global_norm(outgoing.deltas)
     report.payload_bytes = outgoing.payload_bytes
-    for line in overclaimed(report.group_info) if report.group_size > 1 else ():
-        logger.warning("round %d: %s", outgoing.outer_step, line)
+    for peer, line in overclaimed(report.group_info).items() if report.group_size > 1 else ():
+        # Once per peer at warning level: a peer far faster than the others does it every round.
+        told = peer in _TOLD_OVERCLAIMED or len(_TOLD_OVERCLAIMED) >= 1024
+        _TOLD_OVERCLAIMED.add(peer)
+        logger.log(logging.DEBUG if told else logging.WARNING, "round %d: %s", outgoing.outer_step, line)
     refused = report.refused or check_round(
         report.mean_norm,
         report.group_info,

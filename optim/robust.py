@@ -60,18 +60,18 @@ def counted_weights(claims: Sequence[Any]) -> list[float]:
     return [counted_weight(w, weights[:i] + weights[i + 1 :]) for i, w in enumerate(weights)]
 
 
-def overclaimed(group_info: list[Any]) -> list[str]:
-    """One line per member whose claimed weight counted for less (what it claimed, what it
-    counted for): for the peer's log, so that a liar, or a peer far faster than the others, is
+def overclaimed(group_info: list[Any]) -> dict[str, str]:
+    """Each member whose claimed weight counted for less, by peer: what it claimed and what it
+    counted for. For the peer's log, so that a liar, or a peer far faster than the others, is
     seen."""
     infos = [i for i in group_info if isinstance(i, dict)]
     claims = [claim(i.get("weight")) for i in infos]
-    return [
-        f"peer {str(info.get('peer', '?'))[-12:]} claimed {w:.4g} samples, counted as {c:.4g} "
-        f"({WEIGHT_RATIO:g}x the others' median)"
+    return {
+        str(info.get("peer", "?")): f"peer {str(info.get('peer', '?'))[-12:]} claimed {w:.4g} samples, "
+        f"counted as {c:.4g} ({WEIGHT_RATIO:g}x the others' median)"
         for info, w, c in zip(infos, claims, counted_weights(claims))
         if c < w
-    ]
+    }
 
 
 def _members(group_info: list[Any]) -> list[tuple[str, float, float]]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
 import torch
 
+from optim import contribution
 from optim.diloco import DiLoCo, DiLoCoConfig
 from optim.robust import WEIGHT_RATIO, check_round, counted_weights, overclaimed
 from optim.sim import InProcessSwarm
@@ -66,15 +68,17 @@ def test_a_huge_claimed_weight_buys_no_norm_allowance() -> None:
     verdict = check_round(1.0, [*honest, member("liar", 1000.0, weight=1e9)], ratio=10)
     assert verdict is not None and "liar" in verdict and "limit 160x for 16x their samples" in verdict
     assert check_round(1.0, [*honest, member("fast", 20.0, weight=1e9)], ratio=10) is None  # within 16x
-    assert overclaimed([*honest, member("liar", 1.0, weight=1e9)]) == [
-        "peer liar claimed 1e+09 samples, counted as 1024 (16x the others' median)"
-    ]
-    assert overclaimed([*honest, member("c", 1.0, weight=16 * 64.0)]) == []
+    assert overclaimed([*honest, member("liar", 1.0, weight=1e9)]) == {
+        "liar": "peer liar claimed 1e+09 samples, counted as 1024 (16x the others' median)"
+    }
+    assert overclaimed([*honest, member("c", 1.0, weight=16 * 64.0)]) == {}
 
 
-def test_simulated_peers_count_a_member_s_claimed_weight_as_a_real_group_does(caplog) -> None:
+def test_simulated_peers_count_a_member_s_claimed_weight_as_a_real_group_does(caplog, monkeypatch) -> None:
     """Three virtual peers, one claiming 1e9 samples: every peer's θ becomes the mean weighted
     8 : 8 : 128 (16x the others' median), not the liar's own model, and every peer says so."""
+    monkeypatch.setattr(contribution, "_TOLD_OVERCLAIMED", set())  # a process warns once per peer
+    caplog.set_level(logging.DEBUG, logger="optim.contribution")
     swarm = InProcessSwarm(3)
     models = []
     for _ in range(3):
@@ -106,8 +110,9 @@ def test_simulated_peers_count_a_member_s_claimed_weight_as_a_real_group_does(ca
         assert reports[rank].error is None, reports[rank].error
         for g, b in zip(outers[rank].global_params, before):
             torch.testing.assert_close(g, b + expected)
-    said = [r.getMessage() for r in caplog.records if "claimed" in r.getMessage()]
-    assert said == ["round 0: peer sim-2 claimed 1e+09 samples, counted as 128 (16x the others' median)"] * 3
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "claimed" in r.getMessage()]
+    line = "round 0: peer sim-2 claimed 1e+09 samples, counted as 128 (16x the others' median)"
+    assert sorted(said) == [("DEBUG", line)] * 2 + [("WARNING", line)]  # once per peer at warning
 
 
 def test_a_mean_larger_than_the_declared_norms_is_a_misreport() -> None:
