@@ -134,6 +134,8 @@ class SwarmAverager(Downloading):
         """Testing: send NaN instead of this peer's update in the next round (a faulty peer)."""
         self.scale_next = 0.0
         """Testing: multiply the next update sent by this factor (a peer lying about its update)."""
+        self.claim_next = 0.0
+        """Testing: claim this weight (samples) in the next round (a peer lying about its weight)."""
         codec, self.bytes_per_element = CODECS[config.compression], CODEC_BYTES[config.compression]
         # Not zeros_like: of a meta tensor it imports torch's meta registrations and sympy, about
         # 0.4 s of every peer's start.
@@ -201,6 +203,10 @@ class SwarmAverager(Downloading):
             report = self._alone(info, verdict.value)
             report.stale = verdict is Verdict.BEHIND
             return report
+        if self.claim_next:  # fault injection: a peer lying about its weight, in every attempt
+            weight, self.claim_next = self.claim_next, 0.0
+            info = dict(info, weight=weight)
+            logger.warning("fault injection: claiming %g samples this round", weight)
         started = time.monotonic()
         budget = self.averaging_deadline.seconds
         deadline = started + budget

@@ -28,6 +28,7 @@ class Fault(enum.Enum):
     THROTTLE = "throttle"  # ``argument`` ms of sleep per inner step (0 removes it)
     CORRUPT = "corrupt"  # one NaN update next round
     OVERSIZE = "oversize"  # one update 1000x larger than declared next round
+    OVERCLAIM = "overclaim"  # next round, claim 1e9 samples (the group counts 16x the others')
     RESTART = "restart"  # start a stopped peer again (its identity, checkpoint): it rejoins
 
 
@@ -60,6 +61,8 @@ class FaultPlan:
     """A token: each new value makes the peer send one NaN update (a faulty peer)."""
     oversize_next: float = 0.0
     """A token: each new value makes the peer send one update 1000x what it declares."""
+    overclaim_next: float = 0.0
+    """A token: each new value makes the peer claim 1e9 samples trained in its next round."""
     serve_delay_ms: float = 0.0
     """Sleep this long per streamed part of a served state (a test can kill a donor mid-download)."""
     serve_noise: float = 0.0
@@ -120,13 +123,13 @@ class FaultPlan:
 
 class FaultReader:
     """A peer's view of its fault file: re-read only when it changed; a one-shot fault (a new
-    ``corrupt_next`` / ``oversize_next`` token) is reported once."""
+    ``corrupt_next`` / ``oversize_next`` / ``overclaim_next`` token) is reported once."""
 
     def __init__(self, path: str | os.PathLike[str] | None) -> None:
         self.path = path
         self.plan = FaultPlan()
         self._seen: float | None = None
-        self._tokens = {"corrupt_next": 0.0, "oversize_next": 0.0}
+        self._tokens = {"corrupt_next": 0.0, "oversize_next": 0.0, "overclaim_next": 0.0}
 
     def poll(self) -> tuple[FaultPlan, set[str]] | None:
         """(the plan, the one-shot faults newly asked for) if the file changed since the last

@@ -271,6 +271,10 @@ class FaultScreen(ModalScreen[FaultRequest | None]):
             FaultRequest(Fault.OVERSIZE),
             "Send 1000x the update it declares next round: the group refuses the round",
         ),
+        (
+            FaultRequest(Fault.OVERCLAIM),
+            "Claim 1e9 samples next round: the group counts it as 16x the others, not the whole mean",
+        ),
     ]
 
     def __init__(self, *, name: str, reason: str | None, stopped: bool = False) -> None:

@@ -192,6 +192,12 @@ class LocalFaults:
         if fault is Fault.OVERSIZE:
             peer.write_faults(oversize_next=time.time())
             return f"{peer.name} will send 1000x the update it declares next round: the group must refuse the round"
+        if fault is Fault.OVERCLAIM:
+            peer.write_faults(overclaim_next=time.time())
+            return (
+                f"{peer.name} will claim 1e9 samples next round: the group must count it as at most "
+                "16x the others' median"
+            )
         raise ValueError(f"unknown fault {fault!r}")
 
 

@@ -373,17 +373,25 @@ def test_doctor_reports_a_reachable_swarm_and_a_dead_port(spawn):
 
 def test_an_injected_corrupt_update_is_rejected_by_the_group(spawn, tmp_path):
     """The demo's "corrupt update" fault: one peer sends NaN; every member refuses the mean,
-    no θ becomes NaN, and the peers still agree at the end."""
+    no θ becomes NaN, and the peers still agree at the end. Before it, its "claim 1e9 samples"
+    fault: that round averages, each peer counting the claim as 16x the other's weight."""
     faults = tmp_path / "faults.json"
-    common = [*FAST, "--run-id", "corrupt", "--rounds", "10"]
+    common = [*FAST, "--run-id", "corrupt", "--rounds", "14"]
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common, "--fault-file", str(faults))
     second.wait_event("round", lambda e: e["outer_step"] >= 2)
-    FaultPlan(corrupt_next=1).write(faults)
+    for claim in range(1, 4):  # again if that round found no group (a busy machine)
+        FaultPlan(overclaim_next=claim).write(faults)
+        wait_until(lambda n=claim: second.stderr().count("claiming 1e+09 samples") >= n, 60, "the claim")
+        step = second.events("round")[-1]["outer_step"]
+        second.wait_event("round", lambda e, after=step: e["outer_step"] > after)
+        if "claimed 1e+09 samples" in first.stderr():
+            break
+    FaultPlan(overclaim_next=claim, corrupt_next=1).write(faults)
     second.wait_event("round", lambda e: e["alone_reason"] and "NaN" in e["alone_reason"])
     # Then a lying peer: 1000x the update it declares. The mean is larger than the declared
     # norms allow, so every member refuses the round (optim.robust).
-    FaultPlan(corrupt_next=1, oversize_next=1).write(faults)
+    FaultPlan(overclaim_next=claim, corrupt_next=1, oversize_next=1).write(faults)
     for peer in (first, second):
         assert peer.wait() == 0, peer.stderr()
     for peer in (first, second):
@@ -395,6 +403,8 @@ def test_an_injected_corrupt_update_is_rejected_by_the_group(spawn, tmp_path):
         assert all(r["eval_loss"] == r["eval_loss"] for r in rounds)  # never NaN
     assert "sending a corrupt (NaN) update" in second.stderr()
     assert "sending 1000x this round's update" in second.stderr()
+    for peer in (first, second):  # the claim was counted, named once, and refused no round
+        assert peer.stderr().count("claimed 1e+09 samples, counted as") == 1, peer.stderr()[-3000:]
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
 
 

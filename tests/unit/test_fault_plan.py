@@ -46,6 +46,9 @@ def test_the_reader_rereads_on_change_and_fires_a_one_shot_fault_once(tmp_path):
     os.utime(path, (1, 1))  # a new mtime even on a coarse clock
     plan, fired = reader.poll()
     assert fired == {"oversize_next"} and plan.throttle_ms == 20  # the same corrupt token: not again
+    FaultPlan(corrupt_next=1, oversize_next=1, overclaim_next=2, throttle_ms=20).write(path)
+    os.utime(path, (2, 2))
+    assert reader.poll()[1] == {"overclaim_next"}
     path.write_text('{"nope": 1}')
     with pytest.raises(ValueError):
         reader.poll()

@@ -110,9 +110,9 @@ def test_simulated_peers_count_a_member_s_claimed_weight_as_a_real_group_does(ca
         assert reports[rank].error is None, reports[rank].error
         for g, b in zip(outers[rank].global_params, before):
             torch.testing.assert_close(g, b + expected)
-    said = [(r.levelname, r.getMessage()) for r in caplog.records if "claimed" in r.getMessage()]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "claimed" in r.getMessage()]
     line = "round 0: peer sim-2 claimed 1e+09 samples, counted as 128 (16x the others' median)"
-    assert sorted(said) == [("DEBUG", line)] * 2 + [("WARNING", line)]  # once per peer at warning
+    assert sorted(said) == [(logging.DEBUG, line)] * 2 + [(logging.WARNING, line)]  # once at warning
 
 
 def test_a_mean_larger_than_the_declared_norms_is_a_misreport() -> None:

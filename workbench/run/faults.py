@@ -14,7 +14,8 @@ logger = logging.getLogger(__name__)
 
 class InjectedFaults:
     """The faults in a peer's fault file, applied between inner steps: a throttle (every step
-    sleeps), a corrupt (NaN) or oversized (1000x) update in the next round."""
+    sleeps), a corrupt (NaN) or oversized (1000x) update, or a claim of 1e9 samples, in the next
+    round."""
 
     def __init__(self, path: str | None, name: str) -> None:
         self.reader = FaultReader(path)
@@ -34,6 +35,8 @@ class InjectedFaults:
                 averager.corrupt_next = True
             if averager is not None and "oversize_next" in fired:
                 averager.scale_next = 1000.0
+            if averager is not None and "overclaim_next" in fired:
+                averager.claim_next = 1e9
             logger.warning("%s: fault injection: %s", self.name, plan)
         if self.throttle:
             time.sleep(self.throttle)
