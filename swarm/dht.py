@@ -126,6 +126,19 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _ORPHAN_WATCH_PARENT = 0
 """While :func:`quiet_children` forks: the pid of the forking process (0: not armed). Read by
 :func:`_end_with_parent` in the child, right after the fork."""
+_PRCTL = None
+"""libc's ``prctl``, looked up in the parent (a child of a threaded process should not load
+libraries: another thread may have held the loader's lock at the fork)."""
+
+
+def _prctl():
+    global _PRCTL
+    if _PRCTL is None and sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+    return _PRCTL
 
 
 def _end_with_parent() -> None:
@@ -137,14 +150,9 @@ def _end_with_parent() -> None:
     daemon ends with the process that started it. If the parent is already gone, end now."""
     global _ORPHAN_WATCH_PARENT
     parent, _ORPHAN_WATCH_PARENT = _ORPHAN_WATCH_PARENT, 0
-    if not parent or not sys.platform.startswith("linux"):
+    if not parent or _PRCTL is None:
         return
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent:  # it died between the fork and the line above
         os._exit(1)
 
@@ -194,7 +202,7 @@ def quiet_children() -> Iterator[None]:
         return
     global _ORPHAN_WATCH_PARENT
     previous = {s: signal.signal(s, signal.SIG_DFL) for s in _STOP_SIGNALS}
-    _ORPHAN_WATCH_PARENT = os.getpid()  # forked here, from the main thread: ends with the peer
+    _ORPHAN_WATCH_PARENT = os.getpid() if _prctl() else 0  # forked here (main thread): ends with the peer
     try:
         yield
     finally:
