@@ -74,23 +74,19 @@ def test_a_huge_claimed_weight_buys_no_norm_allowance() -> None:
     assert overclaimed([*honest, member("c", 1.0, weight=16 * 64.0)]) == {}
 
 
-def test_simulated_peers_count_a_member_s_claimed_weight_as_a_real_group_does(caplog, monkeypatch) -> None:
-    """Three virtual peers, one claiming 1e9 samples: every peer's θ becomes the mean weighted
-    8 : 8 : 128 (16x the others' median), not the liar's own model, and every peer says so."""
-    monkeypatch.setattr(contribution, "_TOLD_OVERCLAIMED", set())  # a process warns once per peer
-    caplog.set_level(logging.DEBUG, logger="optim.contribution")
+def _one_round_of_three(config: DiLoCoConfig, shifts: list[float], samples: list[int]):
+    """Three simulated peers on the same model, each moved by its shift and claiming its samples,
+    sync once together: (their outer loops, θ before, their reports)."""
     swarm = InProcessSwarm(3)
     models = []
     for _ in range(3):
         torch.manual_seed(0)
         models.append(torch.nn.Linear(4, 4))
-    config = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
     outers = [
         DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), swarm.averager(rank), config)
         for rank, m in enumerate(models)
     ]
     before = [p.detach().clone() for p in models[0].parameters()]
-    shifts, samples = [0.01, 0.02, 0.03], [8, 8, 10**9]
     reports = [None] * 3
 
     def run(rank: int) -> None:
@@ -105,6 +101,16 @@ def test_simulated_peers_count_a_member_s_claimed_weight_as_a_real_group_does(ca
         t.start()
     for t in threads:
         t.join()
+    return outers, before, reports
+
+
+def test_simulated_peers_count_a_member_s_claimed_weight_as_a_real_group_does(caplog, monkeypatch) -> None:
+    """Three virtual peers, one claiming 1e9 samples: every peer's θ becomes the mean weighted
+    8 : 8 : 128 (16x the others' median), not the liar's own model, and every peer says so."""
+    monkeypatch.setattr(contribution, "_TOLD_OVERCLAIMED", set())  # a process warns once per peer
+    caplog.set_level(logging.DEBUG, logger="optim.contribution")
+    config = DiLoCoConfig(inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
+    outers, before, reports = _one_round_of_three(config, [0.01, 0.02, 0.03], [8, 8, 10**9])
     expected = (8 * 0.01 + 8 * 0.02 + 128 * 0.03) / 144
     for rank in range(3):
         assert reports[rank].error is None, reports[rank].error
@@ -127,30 +133,8 @@ def test_diverged_members_and_garbage_info_are_ignored() -> None:
 
 @pytest.mark.parametrize("bad_rank", [0, 2])
 def test_three_simulated_peers_refuse_one_outsized_update_together(bad_rank: int) -> None:
-    swarm = InProcessSwarm(3)
-    models = []
-    for _ in range(3):
-        torch.manual_seed(0)
-        models.append(torch.nn.Linear(4, 4))
-    outers = [
-        DiLoCo(m, torch.optim.SGD(m.parameters(), lr=0.1), swarm.averager(rank), DiLoCoConfig(inner_steps=1))
-        for rank, m in enumerate(models)
-    ]
-    before = [p.detach().clone() for p in models[0].parameters()]
-    reports = [None] * 3
-
-    def run(rank: int) -> None:
-        with torch.no_grad():
-            for p in models[rank].parameters():
-                p.add_(1000.0 if rank == bad_rank else 0.01 * (rank + 1))
-        outers[rank].note_inner_step(samples=8)
-        reports[rank] = outers[rank].sync()
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    shifts = [1000.0 if rank == bad_rank else 0.01 * (rank + 1) for rank in range(3)]
+    outers, before, reports = _one_round_of_three(DiLoCoConfig(inner_steps=1), shifts, [8, 8, 8])
     for rank in range(3):
         assert "refused" in reports[rank].error and f"sim-{bad_rank}" in reports[rank].error
         assert outers[rank].outer_step_count == 0  # the round did not count
