@@ -175,17 +175,28 @@ def test_a_peer_behind_nat_falls_back_to_hivemind_cleanly(spawn):
 def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
     """Two peers in their own network namespaces, started exactly as the README says for
     machines on a network (--host 0.0.0.0 --port P --announce /ip4/IP/tcp/P): every round is
-    averaged as a pair over the direct plane, and the logs hold no C++ stack dump."""
+    averaged as a pair over the direct plane, and the logs hold no C++ stack dump. The joiner
+    lies about its weight in its first round (the lab's fault: 1e9 samples claimed): both count
+    it as 16x the other's (optim.robust.counted_weights), name it, and still agree."""
     from tests.integration.test_netlab import run_pair
 
     port = 31337
+    faults = tmp_path / "faults.json"
+    FaultPlan(overclaim_next=1).write(faults)
     with netlab.NetLab(2, rate=None) as lab:
         common = [*FAST, "--run-id", "readme", "--rounds", "4"]
         readme = ["--host", "0.0.0.0", "--port", str(port), "--announce"]
-        peers = run_pair(lab, tmp_path, common, lambda i: [*readme, f"/ip4/{lab.address(i)}/tcp/{port}"])
+
+        def network(i: int) -> list[str]:
+            lying = ["--fault-file", str(faults)] if i == 1 else []
+            return [*readme, f"/ip4/{lab.address(i)}/tcp/{port}", *lying]
+
+        peers = run_pair(lab, tmp_path, common, network)
     for peer in peers:
         assert [(r["group_size"], r["plane"]) for r in peer.events("round")] == [(2, "direct")] * 4
         assert "frame #" not in peer.stderr() and "Traceback" not in peer.stderr()
+        assert peer.stderr().count("claimed 1e+09 samples, counted as") == 1, peer.stderr()[-3000:]
+    assert "fault injection: claiming 1e+09 samples" in peers[1].stderr()
     assert max_abs_diff(peers[0].global_params(), peers[1].global_params()) <= 1e-5
 
 
