@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 from optim import robust
@@ -69,11 +70,12 @@ def weight_of(member: Any) -> float:
     return robust.claim(member.get(WEIGHT)) if isinstance(member, dict) else 0.0
 
 
-def counted_weights(members: list[Any]) -> list[float]:
-    """The weight each member counts for in the group's mean, from the weights they gathered
+def counted_weights(peer_ids: Sequence[Any], members: list[Any]) -> dict[Any, float]:
+    """The weight each member counts for in the group's mean, by peer id (``peer_ids`` and
+    ``members`` in the group's order), from the weights they gathered
     (:func:`optim.robust.counted_weights`: a claim above 16x the others' median counts as that);
-    every member computes the same, in the group's order."""
-    return robust.counted_weights([weight_of(m) for m in members])
+    every member computes the same."""
+    return dict(zip(peer_ids, robust.counted_weights([weight_of(m) for m in members])))
 
 
 def nonces(members: list[Any]) -> bytes:

@@ -232,8 +232,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         if not (self._plane_enabled.value and all(map(gathered.takes_direct_rings, members))):
             return
         board, peer_ids, seed = self._group_board(group_info, members)
-        index = list(group_info.peer_ids).index(self.peer_id)
-        own, weights = members[index], gathered.counted_weights(members)
+        own = members[list(group_info.peer_ids).index(self.peer_id)]
+        weights = gathered.counted_weights(group_info.peer_ids, members)
         masks = self._averaged_tensors[len(self._averaged_tensors) - self._masks :] if self._masks else []
         ticket = Ticket(
             nonce=own[gathered.NONCE],
@@ -241,8 +241,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             members=tuple(p.to_base58() for p in peer_ids),
             rank=peer_ids.index(self.peer_id),
             seed=seed,
-            weight=weights[index],
-            total=sum(weights),
+            weight=weights[self.peer_id],
+            total=sum(weights.values()),
             reusable=gathered.held_by_all(members),
             codec=self._codec,
             # Below hivemind's own deadline for this step, so that a member gone mid-ring ends
@@ -339,7 +339,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             return
         # Every member weighs the others' parts by what the group counts, not by what their
         # messages claim, and its own by the same rule (optim.robust.counted_weights).
-        weights = dict(zip(group_info.peer_ids, gathered.counted_weights(members)))
+        weights = gathered.counted_weights(group_info.peer_ids, members)
         kwargs["weight"] = weights[self.peer_id]
         runner = MeanReplies(
             codec=kwargs["compression"].compression_type,
@@ -380,8 +380,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         deadline = time.monotonic() + 0.75 * (self._allreduce_timeout or 60.0)
         board, peer_ids, seed = self._group_board(group_info, members)
         rank = peer_ids.index(self.peer_id)
-        weights = gathered.counted_weights(members)  # kwargs["weight"]: as counted (_run_allreduce_inplace_)
-        share = weights[list(group_info.peer_ids).index(self.peer_id)] / (sum(weights) or 1.0)
+        weights = gathered.counted_weights(group_info.peer_ids, members)  # kwargs["weight"]: the claim
+        share = weights[self.peer_id] / (sum(weights.values()) or 1.0)
         async with enter_asynchronously(self.get_tensors()) as local_tensors:
             sketcher = TensorSketcher(seed, [t.numel() for t in local_tensors])
             sent = await loop.run_in_executor(None, sketcher.sketch, local_tensors)
