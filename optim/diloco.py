@@ -39,7 +39,14 @@ from optim.codecs import all_finite, encoded_nbytes
 from optim.config import DiLoCoConfig
 from optim.contribution import InFlight, Outgoing, global_norm, judge, keepers, own_share, spread_over_keepers
 from optim.eager import SGD
-from optim.state import OuterState, holding, inner_state_tensors, load_inner_state
+from optim.state import (
+    InnerStateCopies,
+    InnerTensors,
+    OuterState,
+    holding,
+    inner_state_tensors,
+    load_inner_state,
+)
 
 __all__ = [  # the config and state live in their own modules; importing them from here still works
     "DiLoCo",
@@ -81,6 +88,7 @@ class DiLoCo:
         # Held while θ or the momentum change, so a state download served from another thread
         # (hivemind calls get_current_state in a background thread) never sees half a step.
         self.lock = threading.RLock()
+        self.inner_copies = InnerStateCopies(inner_optimizer)  # AdamW's state, copied when asked
         self.codec = config.make_codec()
         self._pending: list[list[torch.Tensor]] = []  # averaged Δ waiting to be applied (delay > 0)
         self._inflight: InFlight | None = None  # with overlap: the round being averaged
@@ -282,10 +290,12 @@ class DiLoCo:
         """Count an inner step without syncing (for loops that decide when to sync)."""
         self.inner_step_count += 1
         self.samples_this_round += samples
+        self.inner_copies.boundary()
 
     def sync(self, *, info: dict[str, Any] | None = None) -> RoundReport:
         """Run one outer round now, whatever the inner step count. With ``overlap`` the round's
         all-reduce starts in the background and the report is that of the previous round."""
+        self.inner_copies.leave()
         outgoing = self._outgoing(info)
         if self.config.overlap:
             return self._sync_overlapped(outgoing)
@@ -342,7 +352,7 @@ class DiLoCo:
         self.restore_parameters()
         self.inner_step_count = 0
         self.samples_this_round = 0
-        self.snapshot_inner_state()
+        self.inner_copies.enter()
 
     # --- overlapped rounds --------------------------------------------------------------
 
@@ -440,12 +450,6 @@ class DiLoCo:
             self.outer_optimizer.zero_grad(set_to_none=True)
             self.global_intact = True
 
-    def snapshot_inner_state(self) -> None:
-        """Copy the inner optimizer's tensor state for serving (the loop keeps mutating it)."""
-        snapshot = inner_state_tensors(self.inner_optimizer)
-        with self.lock:
-            self._inner_snapshot = snapshot
-
     # --- state for late joiners and checkpoints -------------------------------------------
 
     def momentum_buffers(self) -> list[torch.Tensor]:
@@ -456,17 +460,21 @@ class DiLoCo:
             buffers.append(torch.zeros_like(g) if buf is None else buf)
         return buffers
 
-    def outer_state(self, *, inflight_timeout: float = 60.0) -> OuterState:
+    def outer_state(self, *, inflight_timeout: float = 60.0, inner: bool = True) -> OuterState:
         """A consistent copy of the global state (safe to call from another thread).
 
         With ``overlap`` the round in flight is part of the state: this waits (at most
         ``inflight_timeout`` s) for its all-reduce and serves its mean as a queued update, so a
-        joiner applies it at the end of its first round, as this peer will."""
-        return read_settled(self, inflight_timeout, self._state_with)
+        joiner applies it at the end of its first round, as this peer will. ``inner``: with a
+        copy of the inner optimizer's state (:class:`~optim.state.InnerStateCopies`; a
+        checkpoint saves the optimizer itself)."""
+        copies = self.inner_copies.take() if inner else ([], [])
+        return read_settled(self, inflight_timeout, lambda inflight: self._state_with(inflight, copies))
 
-    def _state_with(self, inflight: InFlight | None) -> OuterState:
-        """The state, its queued means and ``inflight``'s mean if it arrived (under the lock)."""
-        keys, tensors = getattr(self, "_inner_snapshot", ([], []))
+    def _state_with(self, inflight: InFlight | None, copies: InnerTensors) -> OuterState:
+        """The state, its queued means and ``inflight``'s mean if it arrived (under the lock),
+        with the inner optimizer's ``copies``."""
+        keys, tensors = copies
         pending = [[d.clone() for d in update] for update in self._pending]
         if landed(inflight):
             report = dataclasses.replace(inflight.future.result())

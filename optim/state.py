@@ -3,8 +3,10 @@ statistics that travel with it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +47,99 @@ def inner_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any
                 keys.append([int(index), str(key)])
                 tensors.append(value.detach().to("cpu", copy=True))
     return keys, tensors
+
+
+InnerTensors = tuple[list[list[Any]], list[torch.Tensor]]
+"""([param index, key] per tensor, CPU copies): what :func:`inner_state_tensors` returns."""
+
+COPY_TRIES = 5  # a copy racing the trainer's first step (its state dict grows) is taken again
+
+
+class InnerStateCopies:
+    """The inner optimizer's state, copied for a joiner (or a checkpoint) only when one asks.
+
+    Rounds used to end with a copy of AdamW's state to host memory, kept in case a joiner
+    asked: twice the parameters held for good (8 GB for a 1B-parameter model), and copied every
+    round. Now whoever serves the state asks (:meth:`take`) and the trainer copies at its next
+    step boundary (:meth:`boundary`, after every inner step; :meth:`leave` at the start of a
+    sync copies the round's final state), so the copy is of a state no step is writing. The
+    asker copies at once, itself, when the trainer is outside its inner steps (in a sync, whose
+    all-reduce can take minutes; :meth:`leave` .. :meth:`enter`), has not stepped yet, is the
+    asker (a checkpoint), or does not reach a boundary within ``wait`` s (a long evaluation): a
+    value that an inner step writes meanwhile is then read old or new, either a fine warm start
+    for a joiner's AdamW. The trainer's only mutations outside ``step()`` (a diverged peer's
+    ``state.clear()``, a downloaded state's ``load_state_dict``) swap or shrink the state dict,
+    which the copy survives by taking it again."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, wait: float = 5.0) -> None:
+        self.optimizer = optimizer
+        self.wait = wait
+        self._lock = threading.Lock()
+        self._asked: list[concurrent.futures.Future] = []
+        self._trainer: int | None = None  # the thread that steps, once it has
+        self._stepping = True  # between a round's start and its sync: inside inner steps
+
+    def boundary(self) -> None:
+        """The trainer, between two inner steps: answer whoever asked since the last one."""
+        self._trainer = threading.get_ident()
+        if self._asked:  # read without the lock: this runs every inner step
+            self._answer()
+
+    def leave(self) -> None:
+        """The trainer's inner steps are over for this round (a sync begins): answer who asked
+        with the round's final state; until :meth:`enter`, askers copy it themselves."""
+        with self._lock:
+            self._stepping = False
+        self._answer()
+
+    def enter(self) -> None:
+        """The trainer starts a round's inner steps."""
+        with self._lock:
+            self._stepping = True
+
+    def take(self) -> InnerTensors:
+        """A copy of the optimizer's state (safe from any thread)."""
+        with self._lock:
+            mine = self._trainer in (None, threading.get_ident()) or not self._stepping
+            if not mine:
+                asked: concurrent.futures.Future = concurrent.futures.Future()
+                self._asked.append(asked)
+        if mine:
+            return self._copy()
+        try:
+            return asked.result(timeout=self.wait)
+        except concurrent.futures.TimeoutError:
+            with self._lock:
+                if asked in self._asked:
+                    self._asked.remove(asked)
+            if asked.done():  # answered just now
+                return asked.result()
+            logger.debug(
+                "the trainer reached no step boundary in %.0f s: copying AdamW's state now", self.wait
+            )
+            return self._copy()
+
+    def _answer(self) -> None:
+        with self._lock:
+            asked, self._asked = self._asked, []
+        if not asked:
+            return
+        try:
+            copy = self._copy()
+        except BaseException as error:  # the askers fail too, and the trainer sees it
+            for future in asked:
+                future.set_exception(error)
+            raise
+        for future in asked:
+            future.set_result(copy)
+
+    def _copy(self) -> InnerTensors:
+        for _ in range(COPY_TRIES - 1):
+            try:
+                return inner_state_tensors(self.optimizer)
+            except RuntimeError as error:  # "dictionary changed size during iteration"
+                logger.debug("copying AdamW's state again: %s", error)
+        return inner_state_tensors(self.optimizer)
 
 
 def load_inner_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], state: OuterState) -> None:

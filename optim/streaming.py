@@ -33,13 +33,12 @@ from optim.diloco import (
     DiLoCoConfig,
     OuterState,
     in_background,
-    inner_state_tensors,
     landed,
     load_inner_state,
     read_settled,
 )
 from optim.eager import SGD
-from optim.state import holding
+from optim.state import InnerStateCopies, InnerTensors, holding
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -291,7 +290,7 @@ class StreamingRounds:
         self.inner_step_count = 0
         self.lock = threading.Lock()
         self.global_params = streaming.global_params
-        self._inner_snapshot: tuple[list[list[Any]], list[torch.Tensor]] = ([], [])
+        self.inner_copies = InnerStateCopies(streaming.inner_optimizer)  # AdamW's state, copied when asked
         self._clock = streaming.syncs
         self._inflight: _FragmentInFlight | None = None
         self._landed: RoundReport | None = None  # the merged fragment's report, for the next sync
@@ -347,6 +346,7 @@ class StreamingRounds:
         self.inner_step_count += 1
         self.streaming.step_count += 1
         self.streaming.samples_since = [s + samples for s in self.streaming.samples_since]
+        self.inner_copies.boundary()  # before a merge that waits for its all-reduce
         if self._inflight is not None and self.inner_step_count >= self.sync_delay:
             self._landed = self._land()
 
@@ -354,6 +354,7 @@ class StreamingRounds:
         """Sync the fragment whose turn it is: at once (τ = 0), or start its all-reduce in the
         background (τ > 0; the report is then that of the fragment merged this round)."""
         s = self.streaming
+        self.inner_copies.leave()
         fragment = self._clock % len(s.fragments)
         if not self.sync_delay:
             report = s.begin_sync(fragment, info)
@@ -385,7 +386,7 @@ class StreamingRounds:
             if report is None:  # the first sync: nothing merged yet
                 report = RoundReport(group_size=1, pending=True, info=info)
         self.inner_step_count = 0
-        self.snapshot_inner_state()
+        self.inner_copies.enter()
         return report
 
     def _land(self) -> RoundReport:
@@ -405,11 +406,6 @@ class StreamingRounds:
         """End the run on the swarm's θ: merge the fragment still in flight (τ > 0)."""
         return self._land() if self._inflight is not None else None
 
-    def snapshot_inner_state(self) -> None:
-        snapshot = inner_state_tensors(self.streaming.inner_optimizer)
-        with self.lock:
-            self._inner_snapshot = snapshot
-
     def fingerprint(self) -> list[float]:
         with self.lock:
             return [float(g.double().norm()) for g in self.global_params]
@@ -428,16 +424,19 @@ class StreamingRounds:
         state = self.streaming.outer_optimizer.state
         return [state.get(g, {}).get("momentum_buffer", torch.zeros_like(g)) for g in self.global_params]
 
-    def outer_state(self, *, inflight_timeout: float = 60.0) -> OuterState:
+    def outer_state(self, *, inflight_timeout: float = 60.0, inner: bool = True) -> OuterState:
         """A consistent copy of the global state (safe from another thread). With a fragment in
         flight this waits (at most ``inflight_timeout`` s) for its all-reduce and serves θ and
-        momentum with its merge applied, as this peer will hold them once it lands."""
-        return read_settled(self, inflight_timeout, self._state_with)
+        momentum with its merge applied, as this peer will hold them once it lands. ``inner``:
+        as :meth:`optim.diloco.DiLoCo.outer_state`."""
+        copies = self.inner_copies.take() if inner else ([], [])
+        return read_settled(self, inflight_timeout, lambda inflight: self._state_with(inflight, copies))
 
-    def _state_with(self, inflight: _FragmentInFlight | None) -> OuterState:
-        """θ and momentum with ``inflight``'s merge applied if its mean arrived (under the lock)."""
+    def _state_with(self, inflight: _FragmentInFlight | None, copies: InnerTensors) -> OuterState:
+        """θ and momentum with ``inflight``'s merge applied if its mean arrived (under the lock),
+        with the inner optimizer's ``copies``."""
         s = self.streaming
-        keys, tensors = self._inner_snapshot
+        keys, tensors = copies
         params = [g.clone() for g in self.global_params]
         momentum = [m.clone() for m in self._momentum()]
         if landed(inflight) and all_finite(inflight.deltas):  # as merge() judges

@@ -112,3 +112,39 @@ def test_a_failed_write_leaves_no_temp_file(tmp_path) -> None:
     with pytest.raises(OSError, match="No space"):
         checkpoint.save(tmp_path, {"step": 2, "odd": Unpicklable()})
     assert checkpoint.load(tmp_path)[0]["step"] == 1 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_peers_training_state_round_trips_with_adamw_saved_once(tmp_path) -> None:
+    """θ, the outer momentum and AdamW's moments come back bit for bit; the moments are in the
+    file once (the outer state's copy of them, as served to joiners, is left out)."""
+    from torch import nn
+
+    from optim.averager import LocalAverager
+    from optim.diloco import DiLoCo, DiLoCoConfig
+
+    def peer(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, inner, DiLoCo(model, inner, LocalAverager(), DiLoCoConfig(inner_steps=2))
+
+    model, inner, outer = peer(0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):  # two rounds and a step into the third
+        model(torch.randn(3, 4, generator=g)).square().mean().backward()
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        outer.after_inner_step(samples=3)
+    checkpoint.save(tmp_path, checkpoint.training_state(outer, model, inner, None))
+    payload, _ = checkpoint.load(tmp_path)
+    assert payload["outer"]["inner"] == [] and payload["outer"]["inner_keys"] == []
+
+    model2, inner2, outer2 = peer(7)
+    checkpoint.restore_training(payload, outer2, model2, inner2, None)
+    assert outer2.outer_step_count == 2
+    assert all(torch.equal(a, b) for a, b in zip(outer2.global_params, outer.global_params))
+    assert all(torch.equal(a, b) for a, b in zip(outer2.momentum_buffers(), outer.momentum_buffers()))
+    mine, theirs = inner.state_dict()["state"], inner2.state_dict()["state"]
+    assert mine.keys() == theirs.keys() and all(
+        torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in mine[i]
+    )

@@ -144,7 +144,7 @@ def training_state(rounds: Any, model: Any, inner_optimizer: Any, batches: Any) 
     else:
         residuals = feedback.residuals if feedback is not None else None
     return {
-        "outer": dataclasses.asdict(rounds.outer_state()),
+        "outer": dataclasses.asdict(rounds.outer_state(inner=False)),  # AdamW: saved below
         "model": model.state_dict(),
         "inner_optimizer": inner_optimizer.state_dict(),
         "feedback": residuals,
