@@ -84,6 +84,9 @@ class Peer:
         self.outer: OuterLoop | None = None
         self.diloco = None  # the outer loop's rounds: DiLoCo, or streaming's fragment rounds
         self.rounds_done = 0  # syncs this process took part in (a stopped peer writes θ after one)
+        self.in_step = False
+        """Whether this peer's last round averaged with round mates and nothing reset it since
+        (a state download does): it then starts this round with them, and trains all of it."""
         self.averager = None  # the averager that downloads and serves the state
         self.dp: DataParallel | None = None
         self.node: NodeGroup | None = None  # a torchrun node: this is rank 0, driving the others
@@ -234,6 +237,7 @@ class Peer:
         ``at_step`` and from ``only`` if given); False if nobody could serve it. ``stage``: the
         heartbeat's meanwhile."""
         self.beat(stage)
+        self.in_step = False  # the state restarts the round, whose mates are part-way through it
         return joining.download_state(
             self.averager,
             self.diloco,
@@ -328,6 +332,7 @@ class Peer:
         every = cfg.peer.checkpoint_every
         if every and self.diloco.outer_step_count % every == 0:
             self.save_checkpoint()
+        self.in_step = report.group_size > 1 and not report.pending
         if resync:
             # Adopt the group's θ before evaluating, so the round's eval loss is that of the
             # params this peer carries on with (and matches the others').
@@ -353,12 +358,20 @@ class Peer:
         world = self.node.world_size if self.node is not None else 1
         total_inner = self.config.total_rounds * self.config.round_steps if cfg.peer.rounds else None
         steps, compute, samples, dp_report = 0, 0.0, 0, None
-        cap = joining.steps_this_round(
-            self.board,
-            self.peer_id,
-            self.diloco.outer_step_count,
-            cfg.round_steps,
-            vouched=set(self.averager.vouching.vouched) if self.averager is not None else (),
+        # A peer that just averaged with its round mates starts this round with them: a mate's
+        # heartbeat published a step into the round (its serving a joiner republishes it at
+        # once) cut this peer's round by that step, its weight with it, and the run drifted
+        # from what the simulator computes.
+        cap = (
+            cfg.round_steps
+            if self.in_step
+            else joining.steps_this_round(
+                self.board,
+                self.peer_id,
+                self.diloco.outer_step_count,
+                cfg.round_steps,
+                vouched=set(self.averager.vouching.vouched) if self.averager is not None else (),
+            )
         )
         box, started = self.round_seconds, time.monotonic()
         # Time-boxed rounds: as many steps as fit in the box (at least one, at most H).
