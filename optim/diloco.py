@@ -468,7 +468,8 @@ class DiLoCo:
         joiner applies it at the end of its first round, as this peer will. ``inner``: with a
         copy of the inner optimizer's state (:class:`~optim.state.InnerStateCopies`; a
         checkpoint saves the optimizer itself)."""
-        copies = self.inner_copies.take() if inner else ([], [])
+        # Before the first round every peer starts AdamW from zero: so does a joiner.
+        copies = self.inner_copies.take() if inner and self.outer_step_count else ([], [])
         return read_settled(self, inflight_timeout, lambda inflight: self._state_with(inflight, copies))
 
     def _state_with(self, inflight: InFlight | None, copies: InnerTensors) -> OuterState:

@@ -429,7 +429,8 @@ class StreamingRounds:
         flight this waits (at most ``inflight_timeout`` s) for its all-reduce and serves θ and
         momentum with its merge applied, as this peer will hold them once it lands. ``inner``:
         as :meth:`optim.diloco.DiLoCo.outer_state`."""
-        copies = self.inner_copies.take() if inner else ([], [])
+        # Before the first round every peer starts AdamW from zero: so does a joiner.
+        copies = self.inner_copies.take() if inner and self._clock else ([], [])
         return read_settled(self, inflight_timeout, lambda inflight: self._state_with(inflight, copies))
 
     def _state_with(self, inflight: _FragmentInFlight | None, copies: InnerTensors) -> OuterState:

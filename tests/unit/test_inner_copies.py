@@ -26,6 +26,14 @@ def adamw_peer(config: DiLoCoConfig | None = None, averager=None) -> tuple[DiLoC
     return DiLoCo(model, inner, averager or LocalAverager(), config or DiLoCoConfig(inner_steps=H)), inner
 
 
+def past_the_first_round(outer, inner) -> None:
+    """One round (before it, a joiner gets no moments), then rounds too long to end in a test."""
+    for step in range(outer.config.inner_steps):
+        one_step(outer, inner, 100 + step)
+    assert outer.outer_step_count == 1
+    outer.retune(inner_steps=1000)
+
+
 def one_step(outer, inner: torch.optim.Optimizer, seed: int):
     """One inner step on its own batch, then the round's hook (the sync after the H-th)."""
     g = torch.Generator().manual_seed(seed)
@@ -68,7 +76,11 @@ def test_rounds_copy_nothing_until_someone_asks(monkeypatch) -> None:
     """A copy of AdamW's state (twice the model) was taken every round and kept for good."""
     calls = counting_copies(monkeypatch)
     outer, inner = adamw_peer()
-    for step in range(3 * H):
+    one_step(outer, inner, 99)
+    # Before the first round every peer's AdamW starts from zero, and so does a joiner's (the
+    # simulator's peers do too: tests/integration/test_sim_matches_swarm.py).
+    assert outer.outer_state().inner == [] and calls == []
+    for step in range(3 * H - 1):
         one_step(outer, inner, step)
     assert outer.outer_step_count == 3 and calls == []
     state = outer.outer_state()  # asked by the trainer's own thread (a test, a checkpoint): at once
@@ -80,7 +92,7 @@ def test_rounds_copy_nothing_until_someone_asks(monkeypatch) -> None:
 def test_a_state_asked_for_mid_round_is_copied_at_the_trainers_next_step_boundary() -> None:
     """The asker waits for the trainer to finish the step it is in: the copy holds the moments
     after one step, never those of a step half done."""
-    outer, inner = adamw_peer(DiLoCoConfig(inner_steps=1000))
+    outer, inner = adamw_peer()
     after: dict[int, dict] = {}
     stepped, in_step = threading.Event(), threading.Event()
     real_step = inner.step
@@ -94,6 +106,7 @@ def test_a_state_asked_for_mid_round_is_copied_at_the_trainers_next_step_boundar
     inner.step = slow_step
 
     def train() -> None:
+        past_the_first_round(outer, inner)
         for step in range(6):
             one_step(outer, inner, step)
             after[step + 1] = moments(inner)
@@ -105,7 +118,7 @@ def test_a_state_asked_for_mid_round_is_copied_at_the_trainers_next_step_boundar
     state = outer.outer_state()
     trainer.join()
     got = served(state)
-    step = int(got[(0, "step")])
+    step = int(got[(0, "step")]) - H  # AdamW counts the first round's steps too
     assert step >= 2 and same(got, after[step])
 
 
@@ -122,9 +135,13 @@ def test_a_state_asked_for_during_a_sync_is_the_rounds_final_state_at_once() -> 
 
     outer, inner = adamw_peer(averager=SlowAverager())
     outer.inner_copies.wait = 30.0
-    for step in range(H - 1):
+    release.set()
+    for step in range(2 * H - 1):  # the first round, then all but the last step of the second
         one_step(outer, inner, step)
-    trainer = threading.Thread(target=one_step, args=(outer, inner, H))
+    assert outer.outer_step_count == 1
+    entered.clear()
+    release.clear()
+    trainer = threading.Thread(target=one_step, args=(outer, inner, 2 * H))
     trainer.start()
     assert entered.wait(10)
     final = moments(inner)
@@ -137,8 +154,9 @@ def test_a_state_asked_for_during_a_sync_is_the_rounds_final_state_at_once() -> 
 
 
 def test_a_trainer_that_stopped_stepping_holds_an_asker_at_most_its_wait() -> None:
-    outer, inner = adamw_peer(DiLoCoConfig(inner_steps=1000))
-    one_step(outer, inner, 0)  # this thread is the trainer now
+    outer, inner = adamw_peer()
+    past_the_first_round(outer, inner)
+    one_step(outer, inner, 0)  # this thread is the trainer, in the middle of a round
     outer.inner_copies.wait = 0.2
     result = []
     asker = threading.Thread(target=lambda: result.append(outer.outer_state()))
@@ -169,8 +187,8 @@ def test_a_copy_racing_a_growing_state_dict_is_taken_again() -> None:
 
 def test_a_failed_copy_fails_its_askers_and_the_trainer() -> None:
     """An error copying (out of memory) reaches both sides; nobody waits for an answer."""
-    outer, inner = adamw_peer(DiLoCoConfig(inner_steps=1000))
-    one_step(outer, inner, 0)
+    outer, inner = adamw_peer()
+    past_the_first_round(outer, inner)
     copies = outer.inner_copies
     errors: list[BaseException] = []
 
