@@ -74,6 +74,7 @@ class SwarmAverager(Downloading):
         beat: Callable[[Stage | None], None],
         state_provider: Callable[[], OuterState],
         config: AveragingConfig,
+        theta_provider: Callable[[], OuterState] | None = None,
         client_mode: bool = False,
         group: str = "diloco",
         serve_state: bool = True,
@@ -95,6 +96,8 @@ class SwarmAverager(Downloading):
         """Told the download's progress every 50 ms while it runs (a terminal's progress bar)."""
         """Set while this peer answers a state request (see the overlapped barrier)."""
         state_provider = self.serving.wrap(state_provider)
+        if theta_provider is not None:  # the state less the inner optimizer's: what a witness sketches
+            theta_provider = self.serving.wrap(theta_provider)
         self.overlapped = overlapped
         """Rounds run in the background (DiLoCo's ``overlap``): a peer's heartbeat shows the
         round it trains, one past the round it averages, and this thread leaves its stage alone."""
@@ -153,6 +156,7 @@ class SwarmAverager(Downloading):
             dht,
             prefix=keys.group(group),  # peers average only with the same group name and shapes
             state_provider=state_provider,
+            theta_provider=theta_provider,
             fault_file=fault_file,
             masks=masks,
             data_plane=plane,

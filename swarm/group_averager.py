@@ -53,6 +53,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self,
         *args: Any,
         state_provider: Callable[[], OuterState] | None,
+        theta_provider: Callable[[], OuterState] | None = None,
         fault_file: str | None = None,
         data_plane: str = "hivemind",
         aggregate: str = "mean",
@@ -94,6 +95,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             state_host=bind if data_plane == "direct" and bindable_ else None,
             limit=8 * 4 * sum(t.numel() for t in params) + (64 << 20),
             ready=ready_snapshots,
+            theta_provider=theta_provider,
         )
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):
@@ -131,8 +133,14 @@ class GroupAverager(StateSharing, DecentralizedAverager):
 
             install()
         self._inherited, self._driver = self._driver, None  # the ring runs in the peer's process
-        for end in (self._tickets_in, self._outcomes_out, self._board_here):  # the peer's ends
-            end.close()
+        for end in (
+            self._tickets_in,
+            self._outcomes_out,
+            self._board_here,
+            self._witness_here,
+        ):  # the peer's ends
+            if end is not None:
+                end.close()
         if self._plane_enabled.value:
             threading.Thread(
                 target=serve_board, args=(self._board_there, self._posted_board), daemon=True
@@ -142,8 +150,11 @@ class GroupAverager(StateSharing, DecentralizedAverager):
     def start(self) -> None:
         super().start()  # the averager process, with its own copies of the pipes' ends
         # Its ends close here: once it exits, the ring's thread reads the end of its pipe.
-        for end in (self._tickets_out, self._outcomes_in, self._board_there):
-            end.close()
+        for end in (self._tickets_out, self._outcomes_in, self._board_there, self._witness_there):
+            if end is not None:
+                end.close()
+        if self._witness_here is not None:
+            threading.Thread(target=self._answer_witnesses, name="witness-sketches", daemon=True).start()
 
     def _posted_board(self, group_id: bytes) -> BoardClient | None:
         posted = self._posted.get(group_id)

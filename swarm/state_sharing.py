@@ -22,8 +22,9 @@ import math
 import multiprocessing as mp
 import random
 import secrets
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's name to detect streams
 
 import torch
@@ -34,12 +35,14 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
+from optim.diloco import OuterState
 from swarm.addresses import reached_at
 from swarm.claims import at_the_donors_step
 from swarm.dataplane import one_line
 from swarm.errors import SwarmError
 from swarm.faults import fault_value
 from swarm.rendezvous import pack, unpack
+from swarm.ring_driver import messages
 from swarm.sketch import Sketch, state_sketches
 from swarm.state_fetch import DonorOffer, freshest
 from swarm.state_transfer import HASH_BYTES, HASHES, TOKEN_BYTES, Layout, Snapshot, StateServer
@@ -53,6 +56,7 @@ MAX_DONORS = 4  # donors asked for an offer in one direct download
 MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadata
 OFFER_GRACE = 0.25  # s to wait for more offers once the first came in (see _first_offers)
 SNAPSHOT_SECONDS = 10.0  # joiners asking within this long (and at the same declared step) share a snapshot
+WITNESS_SECONDS = 120.0  # for the peer's process to sketch θ (it may wait for an overlapped round)
 READY_BYTES = 2 << 30
 """A state up to this size is snapshotted as soon as its step is declared and kept for that
 step, so that the first joiner does not wait for the copy and the hashes (about 1 s per 400 MB
@@ -72,7 +76,14 @@ class StateSharing:
     :meth:`_init_state_sharing` before hivemind's ``__init__``."""
 
     def _init_state_sharing(
-        self, *, fault_file: str | None, direct: bool, state_host: str | None, limit: int, ready: bool = True
+        self,
+        *,
+        fault_file: str | None,
+        direct: bool,
+        state_host: str | None,
+        limit: int,
+        ready: bool = True,
+        theta_provider: Callable[[], OuterState] | None = None,
     ) -> None:
         """``direct``: download over the direct transport when donors offer it (else hivemind's
         path only: a private run, ``--data-plane hivemind``). ``state_host``: the address its
@@ -80,7 +91,10 @@ class StateSharing:
         ``limit``: the most bytes a donor may send. ``ready``: snapshot each step when it is
         declared (see READY_BYTES); off for overlapped rounds, whose state waits for the round
         in flight: a snapshot taken at every step would keep this peer answering a state request
-        (which the overlapped barrier reads) and make a joiner queue behind it."""
+        (which the overlapped barrier reads) and make a joiner queue behind it.
+        ``theta_provider``: the state without the inner optimizer's (``inner=False``), for a
+        witness's sketches, which are then taken in the peer's process (see
+        :meth:`_answer_witnesses`); None: a witness fetches the whole state from it."""
         self._fault_file = fault_file
         self._state_direct = direct
         self._state_host = state_host
@@ -95,6 +109,11 @@ class StateSharing:
         self._sketch_lock: asyncio.Lock | None = None  # made in the averager process's loop
         self._sketch_after = 0.0
         self._witnesses: dict[bytes, asyncio.Future] = {}  # seed -> answers of the early witnesses
+        self._theta_provider = theta_provider
+        # A witness's seed (the averager process -> the peer's) and its answer (back): see
+        # _answer_witnesses. Each process closes the other's end once the averager is forked.
+        self._witness_here, self._witness_there = mp.Pipe() if theta_provider is not None else (None, None)
+        self._witness_lock = threading.Lock()
         # The download in progress: bytes received, bytes announced, donors serving it.
         self.download = mp.Array("d", 3)
 
@@ -490,22 +509,59 @@ class StateSharing:
             self._sketch_lock = asyncio.Lock()
         offered = self._server.offered(token) if isinstance(token, bytes) and self._server else None
         snapshot = offered or self._fresh_snapshot()
-        async with self._sketch_lock:  # each answer costs a copy of the state: one at a time
-            if snapshot is not None:  # offered to a joiner (who now asks it to witness)
-                metadata, tensors = snapshot.metadata, snapshot.tensors
-            else:
+        loop = asyncio.get_running_loop()
+        async with self._sketch_lock:  # each answer costs a copy of θ: one at a time
+            if snapshot is None and self._witness_there is not None:  # θ alone, sketched where it lives
                 await asyncio.sleep(max(0.0, self._sketch_after - time.monotonic()))
-                metadata, tensors, _ = await self._get_current_state_from_host_process()
-                self._sketch_after = time.monotonic() + 0.1
-            metadata = self.serializer.loads(metadata)
-            params = tensors[: int(metadata["num_params"])]
-            sketches = await asyncio.get_running_loop().run_in_executor(None, state_sketches, params, seed)
-        answer = {
-            "ok": True,
-            "outer_step": int(metadata["outer_step"]),
-            "sketches": [s.to_bytes() for s in sketches],
-        }
+                try:
+                    step, sketches = await loop.run_in_executor(None, self._sketches_from_peer, seed)
+                finally:
+                    self._sketch_after = time.monotonic() + 0.1
+            else:
+                if snapshot is not None:  # offered to a joiner (who now asks it to witness)
+                    metadata, tensors = snapshot.metadata, snapshot.tensors
+                else:
+                    await asyncio.sleep(max(0.0, self._sketch_after - time.monotonic()))
+                    metadata, tensors, _ = await self._get_current_state_from_host_process()
+                    self._sketch_after = time.monotonic() + 0.1
+                metadata = self.serializer.loads(metadata)
+                params = tensors[: int(metadata["num_params"])]
+                step = int(metadata["outer_step"])
+                sketches = await loop.run_in_executor(None, state_sketches, params, seed)
+        answer = {"ok": True, "outer_step": step, "sketches": [s.to_bytes() for s in sketches]}
         return averaging_pb2.DownloadData(metadata=pack(answer))
+
+    def _sketches_from_peer(self, seed: bytes) -> tuple[int, list[Sketch]]:
+        """In the averager process: the peer's outer step and its θ's sketches under ``seed``
+        (:meth:`_answer_witnesses`)."""
+        with self._witness_lock:
+            self._witness_there.send(seed)
+            if not self._witness_there.poll(WITNESS_SECONDS):
+                raise TimeoutError(f"the peer's process did not sketch its θ within {WITNESS_SECONDS:.0f} s")
+            ok, value = self._witness_there.recv()
+        if not ok:
+            raise RuntimeError(value)
+        step, raw = value
+        return step, [Sketch.from_bytes(b) for b in raw]
+
+    def _answer_witnesses(self) -> None:
+        """In the peer's process (a thread): sketch θ for each seed the averager process sends.
+        A witness needs θ alone; fetched as the whole state (what hivemind's hook gives), the
+        AdamW moments and the momentum were copied too and sent through shared memory: 4x θ's
+        bytes for every witness of every join."""
+        for seed in messages(self._witness_here):
+            try:
+                state = self._served(self._theta_provider())
+                answer = (
+                    True,
+                    (int(state.outer_step), [s.to_bytes() for s in state_sketches(state.params, seed)]),
+                )
+            except Exception as error:  # noqa: BLE001 - this witness does not answer
+                answer = (False, one_line(error))
+            try:
+                self._witness_here.send(answer)
+            except (EOFError, OSError):
+                return
 
     async def _sketches_from(
         self, peers: list[str], seed: bytes, timeout: float, token: bytes | None = None
@@ -530,15 +586,19 @@ class StateSharing:
 
         return dict(await asyncio.gather(*map(ask, peers)))
 
-    def get_current_state(self):
-        state = self._state_provider()
+    def _served(self, state: OuterState) -> OuterState:
+        """``state`` as this peer serves it (the lab's fault: θ with made-up noise)."""
         noise = fault_value(self._fault_file, "serve_noise")
-        if noise:  # fault injection: a donor serving a made-up θ (this peer's own is untouched)
-            logger.warning("fault injection: serving θ with %g relative noise", noise)
-            state = dataclasses.replace(
-                state,
-                params=[p + noise * p.norm() / p.numel() ** 0.5 * torch.randn_like(p) for p in state.params],
-            )
+        if not noise:
+            return state
+        logger.warning("fault injection: serving θ with %g relative noise", noise)  # its own is untouched
+        return dataclasses.replace(
+            state,
+            params=[p + noise * p.norm() / p.numel() ** 0.5 * torch.randn_like(p) for p in state.params],
+        )
+
+    def get_current_state(self):
+        state = self._served(self._state_provider())
         metadata = dict(
             outer_step=state.outer_step,
             num_params=len(state.params),

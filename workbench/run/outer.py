@@ -74,6 +74,7 @@ def start_averagers(
         fault_file=config.peer.fault_file,
         overlapped=config.overlapped,
         state_provider=lambda: outer.rounds.outer_state(),  # served once build_outer made it
+        theta_provider=lambda: outer.rounds.outer_state(inner=False),  # a witness's: θ is enough
         **plane_location(config),
     )
     if config.outer_method.fragmented:

@@ -1,0 +1,77 @@
+"""A witness of a join sketches θ in the peer's own process: it used to fetch the peer's whole
+state (θ, momentum, AdamW's moments: 4x θ) through hivemind's hook, which copies it into shared
+memory, for every witness request of every join of a state too big to be kept snapshotted."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import torch
+
+
+async def _ask(address: str, prefix: str, peer: str, seeds: list[bytes]) -> list:
+    """A stock hivemind node asks ``peer`` to witness under each seed: its answers, or errors."""
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.proto import averaging_pb2
+
+    from swarm.group_averager import GroupAverager
+    from swarm.rendezvous import pack, unpack
+
+    p2p = await P2P.create(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    answers: list = []
+    try:
+        stub = GroupAverager.get_stub(p2p, PeerID.from_base58(peer), namespace=prefix)
+        for seed in seeds:
+            try:
+                reply = await stub.rpc_theta_sketch(
+                    averaging_pb2.DownloadData(metadata=pack({"seed": seed})), timeout=30
+                )
+                answers.append(unpack(reply.metadata))
+            except Exception as error:  # noqa: BLE001 - the answer under test
+                answers.append(error)
+    finally:
+        await p2p.shutdown()
+    return answers
+
+
+def test_a_witness_sketches_theta_in_the_peers_process_without_fetching_the_whole_state():
+    from hivemind import DHT
+
+    from optim.state import OuterState
+    from swarm.group_averager import GroupAverager
+    from swarm.sketch import state_sketches
+
+    theta = [torch.randn(300, 40), torch.randn(40)]
+    asked = {"state": 0, "theta": 0}
+
+    def whole_state() -> OuterState:
+        asked["state"] += 1
+        return OuterState(outer_step=7, params=theta, momentum=theta, inner=[torch.zeros(12000)] * 2)
+
+    def theta_only() -> OuterState:
+        asked["theta"] += 1
+        if asked["theta"] == 2:
+            raise RuntimeError("the outer loop is not built yet")
+        return OuterState(outer_step=7, params=[t.clone() for t in theta], momentum=theta)
+
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = None
+    try:
+        averager = GroupAverager(
+            [torch.zeros(12040)], dht, prefix="witness", state_provider=whole_state, theta_provider=theta_only,
+            target_group_size=2, ready_snapshots=False, start=True,
+        )  # fmt: skip
+        seeds = [secrets.token_bytes(16) for _ in range(3)]
+        address = str(dht.get_visible_maddrs()[0])
+        answers = asyncio.run(_ask(address, "witness", dht.peer_id.to_base58(), seeds))
+        for index in (0, 2):  # the second failed in the peer's process; the next one is answered
+            answer = answers[index]
+            assert isinstance(answer, dict) and answer["ok"] and answer["outer_step"] == 7, answer
+            assert answer["sketches"] == [s.to_bytes() for s in state_sketches(theta, seeds[index])]
+        assert isinstance(answers[1], Exception) and "not built yet" in str(answers[1])
+        assert asked == {"state": 0, "theta": 3}
+    finally:
+        if averager is not None:
+            averager.shutdown()
+        dht.shutdown()
