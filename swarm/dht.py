@@ -379,6 +379,44 @@ def visible_addresses(dht, *, timeout: float = 10.0, attempts: int = 3) -> list[
     raise AssertionError("unreachable")
 
 
+REDIAL_PEERS = 8  # addresses of peers seen, dialed again when the DHT lost them all
+
+
+def redial(dht, addresses: Sequence[str]) -> concurrent.futures.Future:
+    """Dial and ping each peer at ``addresses`` that the DHT's routing table does not hold
+    (fire and forget; the future: how many answered).
+
+    hivemind drops a peer from its routing table after one request it did not answer, and only
+    a request to or from a peer puts it back. A peer frozen past its connections' keepalive (a
+    laptop asleep, SIGSTOP) drops its round mates at its first request after waking, while they
+    dropped it during its sleep; with no third node to introduce them again, neither ever
+    contacts the other: each trained alone for good (make faults' frozen straggler, when the
+    freeze fell between two rounds). Malformed addresses are skipped."""
+    return dht.run_coroutine(partial(_redial, addresses=list(addresses)[:REDIAL_PEERS]), return_future=True)
+
+
+async def _redial(_dht, node, addresses: list[str]) -> int:
+    """In the DHT's process: see :func:`redial`."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from multiaddr import Multiaddr
+
+    async def ping(address: str) -> bool:
+        try:
+            maddr = Multiaddr(address)
+            peer = PeerID.from_base58(maddr.value_for_protocol("p2p"))
+            if peer == node.peer_id or node.protocol.routing_table.get(peer_id=peer) is not None:
+                return False
+            await asyncio.wait_for(node.p2p._client.connect(peer, [maddr.decapsulate(f"/p2p/{peer}")]), 10)
+            return await node.protocol.call_ping(peer) is not None  # puts it back in the table
+        except Exception as error:  # noqa: BLE001 - gone, unreachable, malformed: the next one
+            logger.debug("redialing %s: %s", address, error)
+            return False
+
+    return sum(await asyncio.gather(*map(ping, addresses)))
+
+
 def dht_time() -> float:
     from hivemind.utils import get_dht_time
 

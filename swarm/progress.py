@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict
 
 from swarm.claims import Ignored, implausible
+from swarm.dht import REDIAL_PEERS, redial
 from swarm.errors import SwarmError
 from swarm.records import CLOCK_SLACK, HEARTBEAT_TTL, PeerHeartbeat, RunKeys, Stage
 from swarm.store import SignedStore
@@ -20,6 +21,7 @@ from swarm.store import SignedStore
 logger = logging.getLogger(__name__)
 
 MAX_KEYS = 4096  # signing keys whose peer id is cached
+REDIAL_SECONDS = 10.0  # between two redials of the peers seen, while none is in sight
 
 
 class ProgressBoard:
@@ -34,6 +36,11 @@ class ProgressBoard:
         self.period = period
         self._last_publish = 0.0
         self._last_fetch: dict[str, PeerHeartbeat] = {}
+        self._seen: OrderedDict[str, list[str]] = OrderedDict()  # peer id -> its addresses, last seen last
+        self._redialed = -REDIAL_SECONDS  # when the DHT was last asked to dial them again
+        dht = getattr(store, "dht", None)
+        self._dht = dht if hasattr(dht, "run_coroutine") else None  # (unit tests' stores have none)
+        self.peer_id_here = dht.peer_id.to_base58() if self._dht is not None else None
         self._peer_ids: OrderedDict[str, str | None] = OrderedDict()  # public key -> peer id (cached, LRU)
         self.ignored = Ignored()
         self._forgers = Ignored()  # keys caught signing another peer's heartbeat (bounded)
@@ -96,7 +103,31 @@ class ProgressBoard:
                 continue
             peers[heartbeat.peer_id] = heartbeat
         self._last_fetch = {k: v for k, v in peers.items() if v.stage is not Stage.LEAVING}
+        self._keep_in_touch(peers)
         return peers
+
+    def _keep_in_touch(self, peers: dict[str, PeerHeartbeat]) -> None:
+        """Remember where the other peers are; with none left in sight, have the DHT dial them
+        again (:func:`swarm.dht.redial`: after a freeze two peers' DHTs forgot each other for
+        good). An address is dialed only under its own peer's id, which the connection's
+        handshake proves: a heartbeat can send this peer nowhere but to its writer."""
+        others = [p for p in peers.values() if p.peer_id != self.peer_id_here]
+        for peer in others:
+            own = [a for a in peer.addresses if a.endswith(f"/p2p/{peer.peer_id}")]
+            if own and peer.stage is not Stage.LEAVING:
+                self._seen[peer.peer_id] = own
+                self._seen.move_to_end(peer.peer_id)
+            elif peer.stage is Stage.LEAVING:
+                self._seen.pop(peer.peer_id, None)
+        while len(self._seen) > REDIAL_PEERS:
+            self._seen.popitem(last=False)
+        now = time.monotonic()
+        if others or not self._seen or self._dht is None or now - self._redialed < REDIAL_SECONDS:
+            return
+        self._redialed = now
+        addresses = [a for peer in reversed(self._seen.values()) for a in peer[:2]]
+        logger.debug("no other peer in sight: dialing %d known peers again", len(self._seen))
+        redial(self._dht, addresses)
 
     def peer_id_of(self, public_key: str) -> str | None:
         """The peer id of a heartbeat's signing key (RSA work: the last ``MAX_KEYS`` are cached;

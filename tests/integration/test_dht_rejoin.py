@@ -1,0 +1,98 @@
+"""Two peers whose DHTs forgot each other find each other again.
+
+hivemind drops a peer from its routing table after one unanswered request. A peer frozen past
+its connections' keepalive (a laptop asleep; make faults' frozen straggler) and its round mate
+each dropped the other, and with no third node to introduce them, each trained alone for good.
+Here two real DHT nodes are made to forget each other exactly so (their routing tables emptied),
+and each one's progress board must see the other again once the other's last heartbeat expired.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from swarm.dht import NetworkConfig, dht_time, visible_addresses
+from swarm.progress import ProgressBoard
+from swarm.records import PeerHeartbeat, RunKeys, Stage
+from swarm.session import connect
+
+TTL = 3.0
+
+
+async def _forget_everyone(_dht, node) -> int:
+    """In a DHT's process: empty its routing table, as unanswered requests do."""
+    table = node.protocol.routing_table
+    uids = list(table.uid_to_peer_id)
+    for uid in uids:
+        del table[uid]
+    return len(uids)
+
+
+def _beat(session, board: ProgressBoard, name: str, addresses: list[str]) -> None:
+    board.publish(
+        PeerHeartbeat(
+            peer_id=session.peer_id, name=name, stage=Stage.TRAINING, outer_step=3, inner_step=0,
+            inner_steps=5, time=dht_time(), addresses=addresses,
+        ),
+        force=True,
+    )  # fmt: skip
+
+
+def _others_in_sight(sessions, boards, names, addresses, timeout: float) -> list[set[str]]:
+    """Every board's view of the other peers, once each sees one (or at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for session, board, name, own in zip(sessions, boards, names, addresses):
+            _beat(session, board, name, own)
+        seen = [
+            {p.name for p in board.fetch().values() if p.peer_id != session.peer_id}
+            for session, board in zip(sessions, boards)
+        ]
+        if all(seen) or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.5)
+
+
+def test_peers_whose_dhts_forgot_each_other_see_each_other_again():
+    keys = RunKeys("rejoin")
+    a = connect(NetworkConfig(), keys)
+    b = None
+    try:
+        first = visible_addresses(a.dht)
+        b = connect(NetworkConfig(initial_peers=first[:1]), keys)
+        sessions = [a, b]
+        boards = [ProgressBoard(s.store, keys, ttl=TTL, period=0.0) for s in sessions]
+        names, addresses = ["a", "b"], [first, visible_addresses(b.dht)]
+        assert _others_in_sight(sessions, boards, names, addresses, 30) == [{"b"}, {"a"}]
+
+        assert [s.dht.run_coroutine(_forget_everyone) for s in sessions] == [1, 1]
+        # Each keeps beating (into its own storage only now) until the other's last heartbeat
+        # expired there: then neither sees the other, until the boards have their DHTs dial the
+        # peers they saw.
+        until = time.monotonic() + TTL + 1.0
+        while time.monotonic() < until:
+            for session, board, name, own in zip(sessions, boards, names, addresses):
+                _beat(session, board, name, own)
+            time.sleep(0.5)
+        started = time.monotonic()
+        seen = _others_in_sight(sessions, boards, names, addresses, 60)
+        assert seen == [{"b"}, {"a"}], f"still apart after {time.monotonic() - started:.0f} s: {seen}"
+    finally:
+        for session in (b, a):
+            if session is not None:
+                session.close()
+
+
+@pytest.mark.parametrize("address", ["/ip4/127.0.0.1/tcp/1", "nonsense", "/ip4/127.0.0.1/tcp/9/p2p/QmNope"])
+def test_a_heartbeat_names_only_its_own_addresses_to_dial(address):
+    """A heartbeat's addresses are a claim: only those under its writer's own peer id are kept
+    (the connection's handshake then proves who answers)."""
+    board = ProgressBoard(object(), RunKeys("rejoin"))
+    beat = PeerHeartbeat(
+        peer_id="QmWriter", name="w", stage=Stage.TRAINING, outer_step=0, inner_step=0, inner_steps=5,
+        time=dht_time(), addresses=[address, "/ip4/127.0.0.1/tcp/2/p2p/QmWriter"],
+    )  # fmt: skip
+    board._keep_in_touch({"QmWriter": beat})
+    assert dict(board._seen) == {"QmWriter": ["/ip4/127.0.0.1/tcp/2/p2p/QmWriter"]}
