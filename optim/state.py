@@ -24,8 +24,8 @@ class OuterState:
     params: list[torch.Tensor]
     momentum: list[torch.Tensor]
     inner: list[torch.Tensor] = field(default_factory=list)
-    """The inner optimizer's per-parameter tensors at the end of the last round (see
-    :meth:`DiLoCo.inner_state_tensors`). A joiner that starts AdamW from zero takes steps of
+    """The inner optimizer's per-parameter tensors at the donor's latest step boundary (see
+    :class:`InnerStateCopies`; none before its first round). A joiner that starts AdamW from zero takes steps of
     ±lr on every coordinate and its first pseudo-gradients derail the round (measured here:
     eval loss 3.2 -> 5.7 on the round after a join), so the state travels with θ."""
     inner_keys: list[list[Any]] = field(default_factory=list)

@@ -100,3 +100,7 @@ def test_a_joiner_mid_round_trusts_its_round_mates_then_the_median_claim():
     assert steps(Beats(honest, training("g", 40), liar), "me", 7, 100) == 60  # the median of three
     assert steps(Beats(honest, liar), "me", 7, 100, vouched={"liar"}) == 1  # a round mate is believed
     assert steps(Beats(training("me", 50)), "me", 7, 100) == 100  # nobody else: the whole round
+    # A peer that averaged with its mates last round starts this one with them, whatever a
+    # mate's heartbeat published a step in says.
+    assert steps(Beats(training("h", 1)), "me", 7, 100, vouched={"h"}) == 99
+    assert steps(Beats(training("h", 1)), "me", 7, 100, vouched={"h"}, in_step=True) == 100

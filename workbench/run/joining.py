@@ -182,14 +182,26 @@ def wait_for_peers(
 
 
 def steps_this_round(
-    board: Any, peer_id: str, outer_step: int, steps: int, vouched: Collection[str] = ()
+    board: Any,
+    peer_id: str,
+    outer_step: int,
+    steps: int,
+    vouched: Collection[str] = (),
+    *,
+    in_step: bool = False,
 ) -> int:
     """``steps`` (H), or fewer for a peer that joined mid-round, so that it reaches the barrier
-    with the others training this round (from their heartbeats).
+    with the others training this round (from their heartbeats). ``in_step``: this peer
+    averaged with its round mates last round (and downloaded nothing since), so it starts this
+    round with them: all of it. (A mate's heartbeat published a step into the round, as its
+    serving a joiner republishes it at once, cut such a peer's round by that step, and its
+    weight with it: group weights 40:64 for 40:80, and a run that drifted from the simulator.)
 
     A heartbeat's inner step is a claim: the most advanced of the peers that averaged with this
     one is believed; otherwise the median of the others (a fresh key claiming to be at step H-1
     alone would cut a joiner's first round to one step and its update to noise)."""
+    if in_step:
+        return steps
     training = [
         p
         for p in board.fetch().values()

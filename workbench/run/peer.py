@@ -301,7 +301,7 @@ class Peer:
             self.node.command(CHECK)
             self.node_max_diff = max(self.node_max_diff, self.node.max_param_diff(self.model))
         if self.dp is not None:
-            self.diloco.sync()  # commit: θ_global ← θ_local, step clock + 1, state snapshot
+            self.diloco.sync()  # commit: θ_global ← θ_local, step clock + 1
             report = dp_report
         else:
             report = self.diloco.sync(info=info)
@@ -358,20 +358,13 @@ class Peer:
         world = self.node.world_size if self.node is not None else 1
         total_inner = self.config.total_rounds * self.config.round_steps if cfg.peer.rounds else None
         steps, compute, samples, dp_report = 0, 0.0, 0, None
-        # A peer that just averaged with its round mates starts this round with them: a mate's
-        # heartbeat published a step into the round (its serving a joiner republishes it at
-        # once) cut this peer's round by that step, its weight with it, and the run drifted
-        # from what the simulator computes.
-        cap = (
-            cfg.round_steps
-            if self.in_step
-            else joining.steps_this_round(
-                self.board,
-                self.peer_id,
-                self.diloco.outer_step_count,
-                cfg.round_steps,
-                vouched=set(self.averager.vouching.vouched) if self.averager is not None else (),
-            )
+        cap = joining.steps_this_round(
+            self.board,
+            self.peer_id,
+            self.diloco.outer_step_count,
+            cfg.round_steps,
+            vouched=set(self.averager.vouching.vouched) if self.averager is not None else (),
+            in_step=self.in_step,
         )
         box, started = self.round_seconds, time.monotonic()
         # Time-boxed rounds: as many steps as fit in the box (at least one, at most H).
