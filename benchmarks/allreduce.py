@@ -13,6 +13,10 @@ over TCP, when available) and wire codec. Reported: seconds per all-reduce (medi
 repeats), "bus" throughput (2(n-1)/n of the tensor per member, what a ring or butterfly moves),
 the gloo all-reduces beside them (``baseline_seconds``), the ratio to gloo (the median of
 the attempts' ratios) and those ratios' first and third quartiles (``ratio_middle_half``).
+With ``--phases``, each direct row also has ``phases_ms``: where its time went, each phase's
+median over the members and attempts, in the order they run (``wake``: the trigger reaching
+the ring's thread; ``start``: the averager's buffers' lock; ``scale`` .. ``check``: inside
+``DirectPlane.all_reduce``; ``result``: the caller woken with it).
 Writes benchmarks/results/allreduce.json.
 """
 
@@ -57,7 +61,16 @@ def _gloo_all_reduce(tensor) -> float:
 
 
 def _averager_worker(
-    rank: int, world: int, port: int, configs: list[tuple], repeats: dict, barrier, addresses, failed, out
+    rank: int,
+    world: int,
+    port: int,
+    configs: list[tuple],
+    repeats: dict,
+    phases: bool,
+    barrier,
+    addresses,
+    failed,
+    out,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -94,7 +107,8 @@ def _averager_worker(
             codec=codec,
             start=True,
         )
-        times, baseline = [], []
+        times, baseline, timelines = [], [], []
+        ring = averager._driver.plane if phases and averager._driver is not None else None
         attempt = failures = 0
         while attempt <= repeats[mb]:  # the first is a warm-up
             # The baseline, interleaved: gloo's all-reduce of the same tensor, by the same
@@ -105,6 +119,8 @@ def _averager_worker(
             while control.stage.name == "LOOKING_FOR_GROUP" and not control.done():
                 time.sleep(0.005)
             barrier.wait()  # every member has its group
+            if ring is not None:
+                ring.timeline = []
             start = time.perf_counter()
             control.allow_allreduce()
             try:
@@ -114,6 +130,9 @@ def _averager_worker(
             else:
                 why = f"a group of fewer than {world} (here or on another member)"
             finished = time.perf_counter() - start
+            if ring is not None:
+                marks = [("trigger", start), *ring.timeline, ("result", start + finished)]
+                timeline = [(name, t - before) for (_, before), (name, t) in zip(marks, marks[1:])]
             # Counted only if every member averaged in the whole group; else all try again
             # (hivemind's matchmaking now and then misses a member on 2 busy cores).
             failed[rank] = not whole
@@ -127,10 +146,12 @@ def _averager_worker(
             if attempt:
                 times.append(finished)
                 baseline.append(seconds)
+                if ring is not None:
+                    timelines.append(timeline)
             attempt += 1
             barrier.wait()
         averager.shutdown()
-        results[(mb, codec, plane)] = (times, baseline)
+        results[(mb, codec, plane)] = (times, baseline, timelines)
     out.put((rank, results))
     barrier.wait()
     dht.shutdown()
@@ -182,6 +203,16 @@ def _slowest(per_member: list[list[float]]) -> float:
     return statistics.median(max(times) for times in zip(*per_member))
 
 
+def _phases(per_member: list[list[list[tuple[str, float]]]]) -> dict[str, float]:
+    """Each phase's median milliseconds over the members' attempts, in the order they ran."""
+    spent: dict[str, list[float]] = {}
+    for timelines in per_member:
+        for timeline in timelines:
+            for name, seconds in timeline:
+                spent.setdefault(name, []).append(seconds * 1000)
+    return {name: round(statistics.median(values), 3) for name, values in spent.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -191,6 +222,9 @@ def main() -> None:
     parser.add_argument("--codec", action="append", help="wire codecs (default: none, fp16)")
     parser.add_argument("--plane", action="append", help="data planes (default: hivemind, direct)")
     parser.add_argument("--quick", action="store_true", help="2 peers, 1 and 10 MB, fewer repeats")
+    parser.add_argument(
+        "--phases", action="store_true", help="also time the direct plane's phases (phases_ms)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "allreduce.json")
     args = parser.parse_args()
     peers = args.peers or ([2] if args.quick else [2, 4])
@@ -206,7 +240,7 @@ def main() -> None:
     for world in peers:
         port = 29500 + os.getpid() % 1000 + world
         configs = [(mb, codec, plane) for mb in sizes for codec in codecs for plane in planes]
-        ours = _run(_averager_worker, world, port, configs, repeats)
+        ours = _run(_averager_worker, world, port, configs, repeats, args.phases)
         for mb in sizes:
             # The gloo row: every baseline sample of this size, over all the configurations.
             base = _slowest([sum((o[(m, c, p)][1] for m, c, p in configs if m == mb), []) for o in ours])
@@ -241,12 +275,17 @@ def main() -> None:
                             baseline_seconds=_slowest(beside),
                         )
                     )
+                    timelines = [o[(mb, codec, plane)][2] for o in ours]
+                    if any(timelines):
+                        rows[-1]["phases_ms"] = _phases(timelines)
             for row in rows[-1 - len(codecs) * len(planes) :]:
                 print(
                     f"{row['peers']} peers {row['mb']:>5g} MB  {row['path']:<8} {row['codec']:<5} "
                     f"{row['seconds'] * 1000:8.1f} ms  {row['bus_mb_s']:7.0f} MB/s  {row['ratio']:.2f}x gloo",
                     flush=True,
                 )
+                if "phases_ms" in row:
+                    print("    " + ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items()), flush=True)
     result = dict(
         benchmark="allreduce",
         machine=dict(platform=platform.platform(), cpus=os.cpu_count()),

@@ -38,6 +38,7 @@ import math
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -191,6 +192,13 @@ class DirectPlane:
         self._send = lambda ring, wire: ring.allreduce([wire])  # tests put an impostor here
         self._seal = _seal  # and here
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.timeline: list[tuple[str, float]] | None = None
+        """A list to append each round's phases to as they end, ``(phase, time.perf_counter())``
+        (``benchmarks.allreduce --phases``); None in a peer."""
+
+    def mark(self, phase: str) -> None:
+        if self.timeline is not None:
+            self.timeline.append((phase, time.perf_counter()))
 
     def _scratch(self, dtype: torch.dtype, count: int, role: str = "flat") -> torch.Tensor:
         """A flat buffer of ``count`` elements kept for the next rounds."""
@@ -227,6 +235,7 @@ class DirectPlane:
         (no board round trip: a member that misses the round costs the group its ring, set up
         again next round); a new ring's members meet at the board first.
         On any error the tensors hold garbage: the caller keeps its own copy."""
+        self.mark("start")
         if not total > 0:
             raise RuntimeError(f"the group's weights sum to {total}")
         count = sum(t.numel() for t in tensors)
@@ -294,6 +303,7 @@ class DirectPlane:
             prepare(0)  # while the others come
             if wire is flat:
                 sketch_own(0)
+            self.mark("scale")
             try:
                 if isinstance(present, Future):
                     keys = present.result()
@@ -317,6 +327,7 @@ class DirectPlane:
                     f"not every member of the group came to its ring within {arrival:.0f} s "
                     f"({one_line(error)}); one gave up on the group during matchmaking or left"
                 ) from None
+            self.mark("arrival")
             if ring is None:
                 ring_id = hashlib.sha256(b"ring" + seed).digest()[:RING_ID_BYTES]
                 try:
@@ -331,6 +342,7 @@ class DirectPlane:
                 works.append(self._send(ring, wire[lo:hi]))
                 if wire is not flat:
                     sketch_own(index)
+            self.mark("connect, send, own sketch")
             # Each member's sketch of what it sent, straight from that member (gloo's all-to-all
             # uses the pair between the two; nobody relays another's sketch). R is known only to
             # the members (the group's seed), so nobody else can change a contribution and its
@@ -341,13 +353,16 @@ class DirectPlane:
             sent = torch.frombuffer(bytearray(own * len(members)), dtype=torch.uint8)
             posts = torch.empty(len(members) * POST_BYTES, dtype=torch.uint8)
             exchange = ring.alltoall_base(posts, sent, [], [], _options(timeout))
+            self.mark("seal")
             result = torch.zeros(ROWS, dtype=torch.float64)
             for work, (lo, hi) in zip(works, bounds):
                 work.wait()
                 if wire is not flat:
                     flat[lo:hi].copy_(wire[lo:hi])
                 result += sketcher.rows(flat[lo:hi], lo)
+            self.mark("ring, result sketch")
             exchange.wait()
+            self.mark("sketch exchange")
             parts = _opened(bytes(posts.numpy()), keys, seed, int(tag))
             result = Sketch(tuple(result.tolist()), 0.0)
         finally:
@@ -360,6 +375,7 @@ class DirectPlane:
         why = mismatch(result, parts, codec)
         if why is not None:
             raise RingTampered(why)
+        self.mark("check")
         self._rings[key] = (ring_id, ring, keys)
         while len(self._rings) > MAX_RINGS:
             self._rings.pop(next(iter(self._rings)))

@@ -325,6 +325,7 @@ class RingDriver:
             if step.gave_up():  # at once: the others are at the ring's arrival check by now
                 self._decline(ticket)
             return Outcome(ticket.group_id, False, "the step ended before its trigger")
+        self.plane.mark("wake")
         try:
             with self._tensors() as tensors:
                 self._ring(tensors, ticket)
@@ -334,6 +335,7 @@ class RingDriver:
             return Outcome(ticket.group_id, False, str(error))
         with self._rounds.get_lock():  # before the caller wakes: its report reads this
             self._rounds.value += 1
+        self.plane.mark("copy out, unlock")
         step.settle(ticket.gathered, None)
         if not self._used:
             self._used = True

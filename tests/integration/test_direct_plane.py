@@ -11,6 +11,19 @@ import socket
 from benchmarks import allreduce
 
 SIZE_MB = 0.05
+PHASES = [
+    "wake",
+    "start",
+    "scale",
+    "arrival",
+    "connect, send, own sketch",
+    "seal",
+    "ring, result sketch",
+    "sketch exchange",
+    "check",
+    "copy out, unlock",
+    "result",
+]
 
 
 def test_averagers_made_one_after_another_in_a_process_keep_averaging():
@@ -18,8 +31,14 @@ def test_averagers_made_one_after_another_in_a_process_keep_averaging():
     with socket.socket() as probe:  # a free port for gloo's baseline group
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    results = allreduce._run(allreduce._averager_worker, 2, port, configs, {SIZE_MB: 2})
+    results = allreduce._run(allreduce._averager_worker, 2, port, configs, {SIZE_MB: 2}, True)
     for member in results:
         for config in configs:
-            times, baseline = member[config]
+            times, baseline, timelines = member[config]
             assert len(times) == len(baseline) == 2, (config, member[config])  # every attempt averaged
+            # --phases: each attempt's time, phase by phase, in the order they ran on a kept ring
+            for seconds, timeline in zip(times, timelines):
+                names = [name for name, _ in timeline]
+                assert names == PHASES, names
+                assert all(spent >= 0 for _, spent in timeline)
+                assert abs(sum(spent for _, spent in timeline) - seconds) < 1e-6
