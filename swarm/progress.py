@@ -110,7 +110,8 @@ class ProgressBoard:
         """Remember where the other peers are; with none left in sight, have the DHT dial them
         again (:func:`swarm.dht.redial`: after a freeze two peers' DHTs forgot each other for
         good). An address is dialed only under its own peer's id, which the connection's
-        handshake proves: a heartbeat can send this peer nowhere but to its writer."""
+        handshake proves: a heartbeat can make this peer talk to nobody but its writer (at most
+        open a TCP connection elsewhere, every ``REDIAL_SECONDS`` while this peer is alone)."""
         others = [p for p in peers.values() if p.peer_id != self.peer_id_here]
         for peer in others:
             own = [a for a in peer.addresses if a.endswith(f"/p2p/{peer.peer_id}")]
