@@ -534,11 +534,17 @@ class StateSharing:
     def _sketches_from_peer(self, seed: bytes) -> tuple[int, list[Sketch]]:
         """In the averager process: the peer's outer step and its θ's sketches under ``seed``
         (:meth:`_answer_witnesses`)."""
+        deadline = time.monotonic() + WITNESS_SECONDS
         with self._witness_lock:
             self._witness_there.send(seed)
-            if not self._witness_there.poll(WITNESS_SECONDS):
-                raise TimeoutError(f"the peer's process did not sketch its θ within {WITNESS_SECONDS:.0f} s")
-            ok, value = self._witness_there.recv()
+            while True:  # an answer to an earlier request that timed out is skipped
+                if not self._witness_there.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(
+                        f"the peer's process did not sketch its θ within {WITNESS_SECONDS:.0f} s"
+                    )
+                answered, ok, value = self._witness_there.recv()
+                if answered == seed:
+                    break
         if not ok:
             raise RuntimeError(value)
         step, raw = value
@@ -559,7 +565,7 @@ class StateSharing:
             except Exception as error:  # noqa: BLE001 - this witness does not answer
                 answer = (False, one_line(error))
             try:
-                self._witness_here.send(answer)
+                self._witness_here.send((seed, *answer))
             except (EOFError, OSError):
                 return
 
