@@ -149,7 +149,13 @@ def download_state(
                 reason,
                 seconds,
             )
-            emit("state_downloaded", outer_step=state.outer_step, reason=reason, seconds=seconds)
+            emit(
+                "state_downloaded",
+                outer_step=state.outer_step,
+                reason=reason,
+                seconds=seconds,
+                optimizer_tensors=len(state.inner),  # AdamW's moments, from a donor past its first round
+            )
             return True
         logger.info("%s: no peer served the state yet (attempt %d of 3)", name, attempt + 1)
         time.sleep(1.0)
