@@ -392,7 +392,8 @@ def redial(dht, addresses: Sequence[str]) -> concurrent.futures.Future:
     dropped it during its sleep; with no third node to introduce them again, neither ever
     contacts the other: each trained alone for good (make faults' frozen straggler, when the
     freeze fell between two rounds). Malformed addresses are skipped."""
-    return dht.run_coroutine(partial(_redial, addresses=list(addresses)[:REDIAL_PEERS]), return_future=True)
+    bounded = list(addresses)[: 2 * REDIAL_PEERS]  # two addresses a peer: what the board passes
+    return dht.run_coroutine(partial(_redial, addresses=bounded), return_future=True)
 
 
 async def _redial(_dht, node, addresses: list[str]) -> int:
