@@ -390,6 +390,7 @@ class DiLoCo:
         """End the run on the swarm's θ: wait for the round in flight (``overlap``) and apply
         every mean still queued (``delay``), then drop the eager offset (what it stood in for
         is in those means now). The report of the round that was in flight, else None."""
+        self.inner_copies.leave()  # no inner step comes any more: askers copy at once
         report, mean = None, None
         if self._inflight is not None:
             report, mean = self._collect(self._inflight)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -98,7 +99,9 @@ class InnerStateCopies:
             self._stepping = True
 
     def take(self) -> InnerTensors:
-        """A copy of the optimizer's state (safe from any thread)."""
+        """A copy of the optimizer's state (safe from any thread); none (``([], [])``) if it
+        holds NaN or Inf: a peer whose inner steps diverged serves no moments, and a joiner
+        starts its own afresh, as the diverged peer itself does at its sync."""
         with self._lock:
             mine = self._trainer in (None, threading.get_ident()) or not self._stepping
             if not mine:
@@ -110,9 +113,10 @@ class InnerStateCopies:
             return asked.result(timeout=self.wait)
         except concurrent.futures.TimeoutError:
             with self._lock:
-                if asked in self._asked:
+                taken = asked not in self._asked  # the trainer is copying it now: not a second copy
+                if not taken:
                     self._asked.remove(asked)
-            if asked.done():  # answered just now
+            if taken:
                 return asked.result()
             logger.debug(
                 "the trainer reached no step boundary in %.0f s: copying AdamW's state now", self.wait
@@ -120,13 +124,20 @@ class InnerStateCopies:
             return self._copy()
 
     def _answer(self) -> None:
+        """The trainer copies for whoever asked. A copy that fails (the host out of memory) fails
+        those askers, not the trainer: a joiner's request must not stop the donor's training."""
         with self._lock:
             asked, self._asked = self._asked, []
         if not asked:
             return
         try:
             copy = self._copy()
-        except BaseException as error:  # the askers fail too, and the trainer sees it
+        except Exception as error:  # noqa: BLE001 - the askers see it
+            logger.warning("could not copy AdamW's state for a joiner: %s", error)
+            for future in asked:
+                future.set_exception(error)
+            return
+        except BaseException as error:  # Ctrl+C: the askers fail too, and the trainer stops
             for future in asked:
                 future.set_exception(error)
             raise
@@ -136,31 +147,102 @@ class InnerStateCopies:
     def _copy(self) -> InnerTensors:
         for _ in range(COPY_TRIES - 1):
             try:
-                return inner_state_tensors(self.optimizer)
+                return _finite_or_none(*inner_state_tensors(self.optimizer))
             except RuntimeError as error:  # "dictionary changed size during iteration"
                 logger.debug("copying AdamW's state again: %s", error)
-        return inner_state_tensors(self.optimizer)
+        return _finite_or_none(*inner_state_tensors(self.optimizer))
+
+
+def _finite_or_none(keys: list[list[Any]], tensors: list[torch.Tensor]) -> InnerTensors:
+    if all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
+        return keys, tensors
+    logger.warning("the inner optimizer's state holds NaN/Inf (its steps diverged): a joiner gets none")
+    return [], []
+
+
+MAX_STEP = 2.0**53  # an optimizer's step count, as a float: beyond it, not an integer any more
 
 
 def load_inner_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], state: OuterState) -> None:
-    """Adopt a donor's inner optimizer statistics when they fit ``params``; else keep ours."""
+    """Adopt a donor's inner optimizer statistics when they are ones this optimizer could hold
+    for ``params`` (:func:`inner_state_problem`); else keep ours, with a warning that says why.
+
+    The witnesses check θ, not these: each donor's moments are its own. Shapes alone let a
+    donor's NaN moments (a peer whose steps diverged), a negative step count (AdamW's bias
+    correction turns complex and its step raises) or an entry without ``exp_avg`` (a KeyError
+    at the joiner's first step) through, and moments out of proportion (``exp_avg`` 1e30 over
+    ``exp_avg_sq`` 0) would move every weight by 1e30 lr on the joiner's first step."""
     if not state.inner:
         return
     per_param: dict[int, dict[str, torch.Tensor]] = {}
     for (index, key), tensor in zip(state.inner_keys, state.inner):
         per_param.setdefault(int(index), {})[str(key)] = tensor.clone()
-    fits = all(
-        0 <= index < len(params)
-        and all(
-            (key == "step" and t.dim() == 0) or t.shape == params[index].shape for key, t in entry.items()
-        )
-        for index, entry in per_param.items()
-    )
-    if not fits:
-        logger.warning("the donor's inner optimizer state does not fit this model; starting it fresh")
+    problem = inner_state_problem(optimizer, params, per_param)
+    if problem:
+        logger.warning("the donor's inner optimizer state %s; starting it fresh", problem)
         return
     groups = optimizer.state_dict()["param_groups"]
     optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+
+
+def inner_state_problem(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    per_param: dict[int, dict[str, torch.Tensor]],
+) -> str:
+    """Why ``per_param`` (param index -> key -> tensor) is not a state ``optimizer`` could hold
+    for ``params``, or "".
+
+    Any optimizer: an entry for a parameter that exists, of its shape (a ``step`` a scalar), all
+    values finite, every entry with the same keys. Adam and AdamW (torch's, and
+    :class:`optim.eager.AdamW`): the keys it keeps (``max_exp_avg_sq`` too with ``amsgrad``), a
+    step count that is a whole number in [0, 2^53], ``exp_avg_sq`` >= 0, and
+    ``|exp_avg| <= c sqrt(exp_avg_sq)`` with ``c = (1 - β1) / sqrt((1 - β2)(1 - β1²/β2))``
+    (7.3 for the default betas): by Cauchy-Schwarz no sequence of gradients gives more, as both
+    moments start at zero and take every gradient. So the joiner's first steps move each weight
+    by at most about ``c`` times the learning rate, as an honest donor's moments would."""
+    keys: set[str] | None = None
+    for index, entry in per_param.items():
+        if not 0 <= index < len(params):
+            return f"has an entry for parameter {index} of {len(params)}"
+        for key, tensor in entry.items():
+            if not ((key == "step" and tensor.dim() == 0) or tensor.shape == params[index].shape):
+                return f"does not fit this model (parameter {index}'s {key!r}: {tuple(tensor.shape)})"
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return f"holds NaN/Inf (parameter {index}'s {key!r})"
+        if keys is None:
+            keys = set(entry)
+        elif set(entry) != keys:
+            return f"has entries with different keys ({sorted(keys)} and {sorted(entry)})"
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or keys is None:
+        return ""
+    groups = {i: g for g in optimizer.state_dict()["param_groups"] for i in g["params"]}
+    for index, entry in per_param.items():
+        group = groups.get(index, optimizer.param_groups[0])
+        wanted = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+        if set(entry) != wanted:
+            return f"has the keys {sorted(entry)}, where {type(optimizer).__name__} keeps {sorted(wanted)}"
+        step = float(entry["step"])
+        if not (0 <= step <= MAX_STEP and step == int(step)):
+            return f"has a step count of {step} (parameter {index})"
+        squares = entry["exp_avg_sq"]
+        if bool((squares < 0).any()) or (
+            "max_exp_avg_sq" in entry and bool((entry["max_exp_avg_sq"] < 0).any())
+        ):
+            return f"has a negative exp_avg_sq (parameter {index})"
+        beta1, beta2 = (float(b) for b in group["betas"])
+        if not beta1**2 < beta2 < 1:
+            continue
+        bound = (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1**2 / beta2))
+        # Slack for both moments' rounding (1e-3) and for squares that underflowed (eps, which
+        # AdamW adds to sqrt(exp_avg_sq) in its step: an exp_avg under it moves nothing).
+        limit = squares.sqrt().mul_(1.001 * bound).add_(bound * float(group.get("eps", 1e-8)))
+        if bool((entry["exp_avg"].abs() > limit).any()):
+            return (
+                f"has an exp_avg larger than AdamW can make from its exp_avg_sq ({bound:.1f} sqrt(exp_avg_sq); "
+                f"parameter {index})"
+            )
+    return ""
 
 
 @contextlib.contextmanager

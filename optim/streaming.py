@@ -404,6 +404,7 @@ class StreamingRounds:
 
     def finish(self) -> RoundReport | None:
         """End the run on the swarm's θ: merge the fragment still in flight (τ > 0)."""
+        self.inner_copies.leave()  # no inner step comes any more: askers copy at once
         return self._land() if self._inflight is not None else None
 
     def fingerprint(self) -> list[float]:

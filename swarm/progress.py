@@ -9,6 +9,7 @@ the one its signing key belongs to: nobody can publish a heartbeat for another p
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 
@@ -38,6 +39,7 @@ class ProgressBoard:
         self._last_fetch: dict[str, PeerHeartbeat] = {}
         self._seen: OrderedDict[str, list[str]] = OrderedDict()  # peer id -> its addresses, last seen last
         self._redialed = -REDIAL_SECONDS  # when the DHT was last asked to dial them again
+        self._seen_lock = threading.Lock()
         dht = getattr(store, "dht", None)
         self._dht = dht if hasattr(dht, "run_coroutine") else None  # (unit tests' stores have none)
         self.peer_id_here = dht.peer_id.to_base58() if self._dht is not None else None
@@ -113,21 +115,22 @@ class ProgressBoard:
         handshake proves: a heartbeat can make this peer talk to nobody but its writer (at most
         open a TCP connection elsewhere, every ``REDIAL_SECONDS`` while this peer is alone)."""
         others = [p for p in peers.values() if p.peer_id != self.peer_id_here]
-        for peer in others:
-            own = [a for a in peer.addresses if a.endswith(f"/p2p/{peer.peer_id}")]
-            if own and peer.stage is not Stage.LEAVING:
-                self._seen[peer.peer_id] = own
-                self._seen.move_to_end(peer.peer_id)
-            elif peer.stage is Stage.LEAVING:
-                self._seen.pop(peer.peer_id, None)
-        while len(self._seen) > REDIAL_PEERS:
-            self._seen.popitem(last=False)
-        now = time.monotonic()
-        if others or not self._seen or self._dht is None or now - self._redialed < REDIAL_SECONDS:
-            return
-        self._redialed = now
-        addresses = [a for peer in reversed(self._seen.values()) for a in peer[:2]]
-        logger.debug("no other peer in sight: dialing %d known peers again", len(self._seen))
+        with self._seen_lock:  # fetch() runs in the trainer and in an overlapped round's thread
+            for peer in others:
+                own = [a for a in peer.addresses if a.endswith(f"/p2p/{peer.peer_id}")]
+                if own and peer.stage is not Stage.LEAVING:
+                    self._seen[peer.peer_id] = own
+                    self._seen.move_to_end(peer.peer_id)
+                elif peer.stage is Stage.LEAVING:
+                    self._seen.pop(peer.peer_id, None)
+            while len(self._seen) > REDIAL_PEERS:
+                self._seen.popitem(last=False)
+            now = time.monotonic()
+            if others or not self._seen or self._dht is None or now - self._redialed < REDIAL_SECONDS:
+                return
+            self._redialed = now
+            addresses = [a for peer in reversed(self._seen.values()) for a in peer[:2]]
+            logger.debug("no other peer in sight: dialing %d known peers again", len(self._seen))
         redial(self._dht, addresses)
 
     def peer_id_of(self, public_key: str) -> str | None:

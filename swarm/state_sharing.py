@@ -22,7 +22,6 @@ import math
 import multiprocessing as mp
 import random
 import secrets
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's name to detect streams
@@ -113,7 +112,7 @@ class StateSharing:
         # A witness's seed (the averager process -> the peer's) and its answer (back): see
         # _answer_witnesses. Each process closes the other's end once the averager is forked.
         self._witness_here, self._witness_there = mp.Pipe() if theta_provider is not None else (None, None)
-        self._witness_lock = threading.Lock()
+        self._witness_asked: tuple[bytes, asyncio.Future, float] | None = None  # (seed, answer, deadline)
         # The download in progress: bytes received, bytes announced, donors serving it.
         self.download = mp.Array("d", 3)
 
@@ -514,7 +513,7 @@ class StateSharing:
             if snapshot is None and self._witness_there is not None:  # θ alone, sketched where it lives
                 await asyncio.sleep(max(0.0, self._sketch_after - time.monotonic()))
                 try:
-                    step, sketches = await loop.run_in_executor(None, self._sketches_from_peer, seed)
+                    step, sketches = await self._sketches_from_peer(seed)
                 finally:
                     self._sketch_after = time.monotonic() + 0.1
             else:
@@ -531,24 +530,51 @@ class StateSharing:
         answer = {"ok": True, "outer_step": step, "sketches": [s.to_bytes() for s in sketches]}
         return averaging_pb2.DownloadData(metadata=pack(answer))
 
-    def _sketches_from_peer(self, seed: bytes) -> tuple[int, list[Sketch]]:
-        """In the averager process: the peer's outer step and its θ's sketches under ``seed``
-        (:meth:`_answer_witnesses`)."""
-        deadline = time.monotonic() + WITNESS_SECONDS
-        with self._witness_lock:
-            self._witness_there.send(seed)
-            while True:  # an answer to an earlier request that timed out is skipped
-                if not self._witness_there.poll(max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(
-                        f"the peer's process did not sketch its θ within {WITNESS_SECONDS:.0f} s"
-                    )
-                answered, ok, value = self._witness_there.recv()
-                if answered == seed:
-                    break
+    async def _sketches_from_peer(self, seed: bytes) -> tuple[int, list[Sketch]]:
+        """In the averager process (under ``_sketch_lock``): the peer's outer step and its θ's
+        sketches under ``seed`` (:meth:`_answer_witnesses`).
+
+        One seed at a time is in the peer's process, and its answer is awaited in the event loop,
+        holding no thread. A caller that gives up (hivemind cancels the handler when the asker's
+        stream closes) leaves its seed there; the next request waits for that answer first, up to
+        its deadline, and sends its own seed only then. Awaited in the loop's thread pool, as it
+        once was, each abandoned request held a pool thread for up to ``WITNESS_SECONDS`` and
+        had its seed sent and θ copied all the same: a few askers that give up (any node can
+        ask) took every thread that hivemind's all-reduce and the ring's checks run in."""
+        loop = asyncio.get_running_loop()
+        if self._witness_asked is None:
+            loop.add_reader(self._witness_there.fileno(), self._witness_answered)
+        else:
+            _, earlier, deadline = self._witness_asked
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(earlier), max(0.0, deadline - time.monotonic()))
+        answer = loop.create_future()
+        self._witness_asked = (seed, answer, time.monotonic() + WITNESS_SECONDS)
+        self._witness_there.send(seed)
+        try:
+            ok, value = await asyncio.wait_for(asyncio.shield(answer), WITNESS_SECONDS)
+        except asyncio.TimeoutError:
+            raise TimeoutError(
+                f"the peer's process did not sketch its θ within {WITNESS_SECONDS:.0f} s"
+            ) from None
         if not ok:
             raise RuntimeError(value)
         step, raw = value
         return step, [Sketch.from_bytes(b) for b in raw]
+
+    def _witness_answered(self) -> None:
+        """The event loop's reader of the peer's answers: the one for the seed in flight is
+        taken; an answer to a request that timed out is dropped."""
+        asked = self._witness_asked
+        try:
+            while self._witness_there.poll():
+                answered, ok, value = self._witness_there.recv()
+                if asked is not None and answered == asked[0] and not asked[1].done():
+                    asked[1].set_result((ok, value))
+        except (EOFError, OSError):  # the peer's process is gone
+            asyncio.get_running_loop().remove_reader(self._witness_there.fileno())
+            if asked is not None and not asked[1].done():
+                asked[1].set_result((False, "the peer's process closed its pipe"))
 
     def _answer_witnesses(self) -> None:
         """In the peer's process (a thread): sketch θ for each seed the averager process sends.

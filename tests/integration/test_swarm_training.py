@@ -54,6 +54,8 @@ def test_late_joiner_downloads_state_and_matches(spawn, tmp_path):
     # With AdamW's moments, which the donor's training loop copied when the download asked for
     # them (optim.state.InnerStateCopies): 2 moments and a step count per parameter tensor.
     assert downloaded["optimizer_tensors"] > 0 and downloaded["optimizer_tensors"] % 3 == 0, downloaded
+    # ...and took them: an honest donor's moments pass the joiner's checks (optim.state).
+    assert "inner optimizer state" not in third.stderr(), third.stderr()[-3000:]
     # The joiner's first round with the group comes right after its download, or a round or two
     # later when it downloaded while the others were finishing a round (it then finds them
     # past its round, re-downloads, and joins the next). From then on it holds the same

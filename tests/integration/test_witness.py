@@ -5,6 +5,7 @@ memory, for every witness request of every join of a state too big to be kept sn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 
 import torch
@@ -82,6 +83,78 @@ def test_a_witness_sketches_theta_in_the_peers_process_without_fetching_the_whol
         assert isinstance(answers[1], Exception) and "within 3 s" in str(answers[1]), answers[1]
         assert isinstance(answers[2], Exception) and "not built yet" in str(answers[2]), answers[2]
         assert asked == {"state": 0, "theta": 4}
+    finally:
+        if averager is not None:
+            averager.shutdown()
+        dht.shutdown()
+
+
+async def _give_up(address: str, prefix: str, peer: str, count: int, after: float) -> None:
+    """A stock hivemind node asks ``peer`` to witness ``count`` times, each time giving up
+    after ``after`` s (its stream closes and hivemind cancels the handler)."""
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.proto import averaging_pb2
+
+    from swarm.group_averager import GroupAverager
+    from swarm.rendezvous import pack
+
+    p2p = await P2P.create(initial_peers=[address], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        stub = GroupAverager.get_stub(p2p, PeerID.from_base58(peer), namespace=prefix)
+        for _ in range(count):
+            request = averaging_pb2.DownloadData(metadata=pack({"seed": secrets.token_bytes(16)}))
+            with contextlib.suppress(Exception):  # given up, as meant
+                await stub.rpc_theta_sketch(request, timeout=after)
+    finally:
+        await p2p.shutdown()
+
+
+def test_askers_that_give_up_leave_one_seed_in_the_peers_process_and_no_thread_behind():
+    """Each request a caller abandoned used to hold a thread of the averager process's pool
+    (where hivemind's all-reduce and the ring's checks run) while it waited for the peer's
+    process, and still sent its seed there once the one before was answered: eight askers that
+    gave up made the peer copy and sketch θ eight times, and the next honest request waited for
+    all of them. Now the abandoned requests wait in the event loop for the one seed in flight,
+    and send nothing."""
+    import time
+
+    from hivemind import DHT
+
+    from optim.state import OuterState
+    from swarm.group_averager import GroupAverager
+    from swarm.sketch import state_sketches
+
+    theta = [torch.randn(300, 40), torch.randn(40)]
+    calls = []  # sketched in this process (the peer's), by its witness thread
+
+    def slow_theta() -> OuterState:
+        calls.append(time.monotonic())
+        time.sleep(1.5)  # a round in flight (overlapped): θ is served when it lands
+        return OuterState(outer_step=3, params=[t.clone() for t in theta], momentum=theta)
+
+    dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = None
+    try:
+        averager = GroupAverager(
+            [torch.zeros(12040)], dht, prefix="witness", state_provider=lambda: None, theta_provider=slow_theta,
+            target_group_size=2, ready_snapshots=False, start=True,
+        )  # fmt: skip
+        address, peer = str(dht.get_visible_maddrs()[0]), dht.peer_id.to_base58()
+        started = time.monotonic()
+        asyncio.run(_give_up(address, "witness", peer, count=8, after=0.3))
+        span = time.monotonic() - started
+        seed = secrets.token_bytes(16)
+        started = time.monotonic()
+        (answer,) = asyncio.run(_ask(address, "witness", peer, [seed]))
+        waited = time.monotonic() - started
+        assert isinstance(answer, dict) and answer["ok"] and answer["outer_step"] == 3, answer
+        assert answer["sketches"] == [s.to_bytes() for s in state_sketches(theta, seed)]
+        time.sleep(4.0)  # what the peer's process is still asked to sketch after that
+        # One seed at a time: while the askers kept asking (and giving up), one per 1.5 s at most,
+        # then the honest one's, and nothing after it. Before, the abandoned requests' seeds went
+        # on reaching the peer's process, one per 1.5 s, after the honest answer.
+        assert len(calls) <= 2 + span / 1.5 < 9, (len(calls), span, waited)
+        assert waited < 8.0, waited
     finally:
         if averager is not None:
             averager.shutdown()
