@@ -83,12 +83,29 @@ def judge(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> str 
     elif not math.isfinite(report.mean_norm) and not all_finite(outgoing.deltas):  # finite norm: all finite
         why = (
             f"round {outgoing.outer_step}: the averaged update holds NaN/Inf; the global params "
-            "were left unchanged (a peer diverged: lower the inner learning rate)"
+            f"were left unchanged ({_nan_senders(report.group_info)})"
         )
     else:
         return None
     report.error = why
     return why
+
+
+def _nan_senders(group_info: list[Any]) -> str:
+    """Who sent the NaN/Inf, as far as the members' declared norms tell (a declared norm is a
+    claim: a faulty member may declare a finite one; this peer's own is always finite, zeros
+    when it diverged)."""
+    named = [
+        str(info.get("name") or str(info.get("peer", "?"))[-12:])
+        for info in group_info
+        if isinstance(info, dict)
+        and not (isinstance(info.get("norm"), (int, float)) and math.isfinite(info["norm"]))
+    ]
+    if named:
+        return f"sent by {', '.join(named)}, whose declared norm is not finite: a peer that diverged or is faulty"
+    return (
+        "a member sent NaN/Inf under a finite declared norm: a faulty peer; this peer's own update was finite"
+    )
 
 
 def keepers(deltas: list[torch.Tensor]) -> list[torch.Tensor]:

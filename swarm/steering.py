@@ -159,9 +159,17 @@ class Steering:
         fields["version"] = base["version"] + 1
         fields["checkpoint"] = base.get("checkpoint", 0) + (1 if checkpoint else 0)
         fields["time"] = get_dht_time()
+        peers = self.board.fetch() if self.board is not None else {}
+        ahead = max((p.outer_step for p in peers.values()), default=0)
         if from_step is None:
-            peers = self.board.fetch() if self.board is not None else {}
-            from_step = max((p.outer_step for p in peers.values()), default=0) + 2
+            from_step = ahead + 2
+        elif from_step <= ahead:
+            # Each peer would apply it at its next round's start, wherever that is: not together.
+            raise SwarmError(
+                f"--from-step {from_step}: the run is at outer step {ahead} already, and each peer "
+                f"would apply the change at its own next round; use --from-step {ahead + 2} or later "
+                "(or leave it out: two rounds ahead)"
+            )
         fields["from_step"] = from_step
         try:
             control = ControlState.model_validate(fields)

@@ -118,13 +118,22 @@ class PeerConfig:
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
-        for flag, folder in (("--run-dir", self.run_dir), ("--resume", self.resume)):
-            if folder and os.path.exists(folder) and not os.path.isdir(folder):
-                raise ValueError(f"{flag} {folder} is a file: give a folder (a peer's run folder)")
+        if self.resume and os.path.exists(self.resume) and not os.path.isdir(self.resume):
+            folder = os.path.dirname(self.resume) or "."
+            raise ValueError(
+                f"--resume {self.resume} is a file: give the folder that holds it (--resume {folder})"
+            )
+        if self.run_dir and os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
+            raise ValueError(f"--run-dir {self.run_dir} is a file: give a folder (a peer's run folder)")
         if self.tensorboard == "" and not self.run_dir:
             raise ValueError("--tensorboard without a folder writes into the run folder: add --run-dir DIR")
         if self.wandb_mode not in WANDB_MODES:
             raise ValueError(f"unknown --wandb-mode {self.wandb_mode!r}: choose {', '.join(WANDB_MODES)}")
+        if self.secret == "SECRET":
+            raise ValueError(
+                "--secret SECRET is the join command's placeholder: replace SECRET with the run's "
+                "secret (its owner gives it to you privately)"
+            )
         if self.secret is not None and len(self.secret) < 8:
             raise ValueError("a run secret must be at least 8 characters (use a long random one)")
         try:

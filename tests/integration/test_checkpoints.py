@@ -32,6 +32,8 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     assert initial["outer_step"] == saved
     assert abs(initial["eval_loss"] - evals[saved]) < 1e-5  # the same global params
     assert [r["outer_step"] for r in again.events("round")] == [saved + 1, saved + 2, saved + 3]
+    # Resumed into its own --run-dir: a new key, said (a run's owner would stop being it).
+    assert "this peer gets a new key there" in again.stderr(), again.stderr()
 
     # Nothing left to do (--rounds at the checkpoint's step): said, not silently done.
     assert done.wait() == 0 and "nothing left to train" in done.stderr(), done.stderr()
@@ -51,6 +53,8 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     assert fallback.events("resumed_checkpoint")[0]["outer_step"] == saved - 2
     assert other.wait() == 2 and "belongs to run 'resume'" in other.stderr(), other.stderr()
     assert bigger.wait() == 2 and "written for model fingerprint" in bigger.stderr(), bigger.stderr()
+    for refused in (other, bigger):  # checked before the peer announced itself
+        assert "Others join with" not in refused.stdout() and not refused.events("started"), refused.stdout()
 
     # Nothing usable: one clear line, exit status 2.
     (first.directory / "checkpoint.prev.pt").write_bytes(b"not a checkpoint")
@@ -60,6 +64,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     assert len(errors) == 1 and "cannot resume" in errors[0] and "checkpoint.prev.pt" in errors[0], (
         broken.stderr()
     )
+    assert "Others join with" not in broken.stdout() and not broken.events("started"), broken.stdout()
 
 
 def test_a_steered_peer_resumes_with_the_flags_it_started_with(spawn):

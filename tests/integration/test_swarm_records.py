@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from swarm.dht import NetworkConfig, dht_time
+from swarm.errors import SwarmError
 from swarm.faults import FaultPlan
 from swarm.monitor import SwarmMonitor, dht_reader, replay
 from swarm.records import ControlState, PeerHeartbeat, RunKeys, Stage
@@ -135,6 +136,7 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
     status, joined, visible = checked.result()
     assert status.returncode == 1 and json.loads(status.stdout)["peers"] == [], status.stderr
     assert joined.returncode == 2 and "no live peer of run 'private'" in joined.stderr, joined.stderr
+    assert "--secret match" in joined.stderr, joined.stderr  # what a joiner of a private run forgot
     assert visible.returncode == 0 and len(json.loads(visible.stdout)["peers"]) == 1, visible.stderr
 
     # A second peer with the secret joins and trains with the owner.
@@ -230,6 +232,9 @@ def test_steering_reaches_every_peer(spawn):
     try:
         manifest_owner = first.events("started")[0]["owner"]
         steering = Steering(owner.store, owner.keys, owner=manifest_owner, board=owner.board)
+        # A step the run is past: each peer would apply it at its own next round, apart.
+        with pytest.raises(SwarmError, match="each peer would apply the change at its own next round"):
+            steering.publish(outer_lr=0.5, from_step=1)
         steering.pause("b")
         second.wait_event("paused", timeout=30)
         # Its heartbeat says so within a second or two (heartbeats are stored asynchronously).
@@ -306,6 +311,11 @@ def test_a_killed_peer_shows_as_left_within_its_ttl(spawn, tmp_path):
         first.wait_event("round", lambda e: e["outer_step"] >= step + 2, timeout=60)
         gone, alive = psutil.wait_procs(children, timeout=15)
         assert not alive, [p.cmdline()[:3] for p in alive]
+        # A joiner whose --rounds the run is past (it counts the run's rounds, not the joiner's)
+        # has nothing to train: said, not silently done (it exited 0 after 0 rounds).
+        late = spawn("c", "join", address, *FAST, "--run-id", "crash", "--rounds", "2")
+        assert late.wait(timeout=90) == 0, late.stderr()
+        assert "past --rounds 2" in late.stderr() and not late.events("round"), late.stderr()[-3000:]
     finally:
         monitor.close()
         session.close()

@@ -117,7 +117,7 @@ def test_flags_reach_the_config() -> None:
     assert (config.network.host, config.network.port) == ("0.0.0.0", 31337)
     assert config.network.announce == ["/ip4/203.0.113.7/tcp/31337"]
     assert config.network.client_mode is False and config.network.connect_timeout == 5.0
-    assert config_of("start", "--client-mode").network.client_mode is True
+    assert config_of("join", ADDRESS, "--client-mode").network.client_mode is True
 
 
 # --- user errors: one line, exit status 2, no traceback, no peer started ---------------------------------
@@ -216,6 +216,24 @@ def test_flags_reach_the_config() -> None:
             id="client-mode-announce",
         ),
         pytest.param(["start", "--error-feedback"], "add --update-codec int8", id="error-feedback-lossless"),
+        pytest.param(  # its join command would never connect
+            ["start", "--client-mode"],
+            "the first peer of a run must accept connections",
+            id="start-client-mode",
+        ),
+        pytest.param(
+            ["start", "--resume", "{tmp}/garbage"],
+            "is a file: give the folder that holds it (--resume {tmp})",
+            id="resume-a-file",
+        ),
+        pytest.param(
+            ["join", ADDRESS, "--secret", "SECRET"], "the join command's placeholder", id="secret-placeholder"
+        ),
+        pytest.param(
+            ["start", ADDRESS],
+            "workbench start: error: unrecognized arguments: " + ADDRESS + "; to join a run",
+            id="start-with-an-address",
+        ),
         pytest.param(
             [
                 "steer",
@@ -236,6 +254,7 @@ def test_bad_values_exit_2_with_one_error_line(
     argv: list[str], hint: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    hint = hint.replace("{tmp}", str(tmp_path))
     (tmp_path / "garbage").write_bytes(b'{"event": "round"}\n\xff\xfe')  # a metrics file, say
     try:
         status = main(argv)
@@ -633,3 +652,21 @@ def test_config_show_names_the_file_of_a_bad_host_as_start_does(capsys, tmp_path
         assert main([*argv, "--config", str(tmp_path / "run.toml")]) == EXIT_USER_ERROR
         line = one_error_line(capsys)
         assert "--host must be an IP address" in line and f"(host from file {tmp_path / 'run.toml'})" in line
+
+
+def test_the_secrets_variable_is_named_as_its_source(capsys, monkeypatch) -> None:
+    """--secret's default comes from WORKBENCH_RUN_SECRET: `config show --sources` said
+    "default", and a bad value's error did not name the variable."""
+    monkeypatch.setenv("WORKBENCH_RUN_SECRET", "supersecret123")
+    assert main(["config", "show", "--sources"]) == 0
+    out, _ = capsys.readouterr()
+    assert 'secret = "supersecret123"  # env WORKBENCH_RUN_SECRET' in out, out
+    monkeypatch.setenv("WORKBENCH_RUN_SECRET", "short")
+    assert main(["start"]) == EXIT_USER_ERROR
+    assert "(secret from env WORKBENCH_RUN_SECRET)" in one_error_line(capsys)
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.startswith("workbench 0.")

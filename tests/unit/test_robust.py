@@ -157,3 +157,24 @@ def test_clip_norm_scales_the_own_update_before_sending() -> None:
     outer.note_inner_step(samples=1)
     report = outer.sync()
     assert report.local_norm > 0.5 and abs(report.mean_norm - 0.5) < 1e-5
+
+
+def test_a_nan_mean_names_the_member_whose_declared_norm_was_not_finite_not_this_peer() -> None:
+    """The averaged update held NaN: the message told this (honest) peer to lower its inner
+    learning rate and named nobody."""
+    import torch
+
+    from optim.averager import RoundReport
+    from optim.contribution import Outgoing, judge
+
+    def judged(group_info):
+        mean = [torch.tensor([float("nan"), 1.0])]
+        outgoing = Outgoing(mean, {"name": "me", "norm": 1.0, "weight": 8}, 8.0, 1.0, 8, False, 5)
+        return judge(outgoing, RoundReport(group_size=2, group_info=group_info), outlier_ratio=0.0)
+
+    named = judged(
+        [{"name": "me", "norm": 1.0, "weight": 8}, {"name": "broken", "norm": float("nan"), "weight": 8}]
+    )
+    assert "holds NaN/Inf" in named and "sent by broken" in named and "me" not in named.split("sent by")[1]
+    hidden = judged([{"name": "me", "norm": 1.0, "weight": 8}, {"name": "liar", "norm": 1.0, "weight": 8}])
+    assert "under a finite declared norm: a faulty peer" in hidden and "lower the inner" not in hidden

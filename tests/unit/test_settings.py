@@ -59,6 +59,11 @@ def test_every_setting_with_a_target_lands_there_in_the_config() -> None:
         args = values_of("start", {key: value})
         if key in ("tensorboard", "checkpoint_every"):  # each needs a run folder to write in
             args.run_dir = "runs/a"
+        if key == "client_mode":  # a joiner's: the first peer of a run must be reachable
+            args.command, args.peers = (
+                "join",
+                ["/ip4/1.2.3.4/tcp/5/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"],
+            )
         assert item.read(build_config(args)) == value, key
         checked += 1
     assert checked >= 25

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from swarm.errors import SwarmError
+from workbench import __version__
 from workbench.cli.options import (
     EXIT_INTERRUPTED,
     EXIT_USER_ERROR,
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-vv for hivemind's)")
+    parser.add_argument("--version", action="version", version=f"workbench {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     start = commands.add_parser(
@@ -181,11 +183,22 @@ def _one_line_errors(run, errors) -> int:
         return 0
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+    from workbench.cli.options import subparser
+
+    hint = ""
+    if command in ("start", "demo") and any("/p2p/" in item or item.startswith("/ip") for item in extra):
+        hint = "; to join a run through a peer's address: workbench join ADDRESS"
+    subparser(parser, command).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+
+
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = attach_dash_values(argv if argv is not None else sys.argv[1:])
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # said by the command's own parser: "workbench start: error: ..."
+            _unrecognized(parser, args.command, extra)
     except SystemExit as stop:  # a mistake, already said in one line (see _Parser); --help re-raises
         if stop.code == EXIT_USER_ERROR:
             return EXIT_USER_ERROR

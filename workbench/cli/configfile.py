@@ -130,6 +130,11 @@ def layer(
     actions = settings_of(parser)
     given = explicit_keys(parser, argv) & set(actions)
     sources = {key: "flag" if key in given else "default" for key in actions}
+    from workbench.settings.commands import command_settings
+
+    for key, item in command_settings("demo" if command == "demo" else "start").items():
+        if key in sources and key not in given and item.default_env and item.default_env in environ:
+            sources[key] = f"env {item.default_env}"  # the default read from it (--secret)
     # Lowest first, so that a higher layer overwrites.
     # A bad value is refused even where a flag overrides it: the file or variable is wrong,
     # and the next command without that flag would take it.

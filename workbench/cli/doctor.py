@@ -242,7 +242,7 @@ def _reachability(dht) -> list[Check]:
             "reachability",
             "warn",
             "listening on loopback only: only peers on this machine can dial you",
-            "for other machines pass --host 0.0.0.0 and --announce /ip4/PUBLIC_IP/tcp/PORT, or use --client-mode",
+            "for other machines pass --host 0.0.0.0 and --announce /ip4/PUBLIC_IP/tcp/PORT, or join with --client-mode",
         )
     ]
 

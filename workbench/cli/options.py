@@ -98,6 +98,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     place (None: the component's default); the rest take more than a copy, below."""
     from swarm.averaging_config import AveragingConfig
     from swarm.dht import NetworkConfig
+    from swarm.errors import SwarmError
 
     parts: dict[str, dict[str, Any]] = {"data": {}, "train": {}, "averaging": {}, "network": {}, "peer": {}}
     for key, item in command_settings("demo" if args.command == "demo" else "start").items():
@@ -111,6 +112,12 @@ def build_config(args: argparse.Namespace) -> RunConfig:
     # Checked before torch is imported: a bad address or --host is told in 0.2 s, not 2-3 s (and
     # not 15 s on a loaded machine).
     network, averaging = NetworkConfig(**parts["network"]), AveragingConfig(**parts["averaging"])
+    if args.command == "start" and network.client_mode:
+        raise SwarmError(
+            "--client-mode: the first peer of a run must accept connections, or nobody can join "
+            "it (its join command would not connect); start the run on a machine others can reach "
+            "(--host 0.0.0.0 --announce /ip4/PUBLIC_IP/tcp/PORT), and use --client-mode to join"
+        )
     from optim.streaming import default_fragments
     from workbench.config import PeerConfig, RunConfig, TrainConfig
     from workbench.run.data import DataConfig

@@ -40,7 +40,8 @@ def check_run_exists(
         sleep(0.3)
     raise SwarmError(
         f"connected to the swarm, but no live peer of run '{run_id}' answered within "
-        f"{timeout:.0f} s: check --run-id matches the command `workbench start` printed"
+        f"{timeout:.0f} s: check that --run-id and --secret match the run's (a private run's "
+        "peers are invisible without its secret, and a wrong one looks like no run at all)"
     )
 
 

@@ -92,6 +92,7 @@ class Peer:
         self.node: NodeGroup | None = None  # a torchrun node: this is rank 0, driving the others
         self.node_max_diff = 0.0  # the largest θ_local difference between the node's ranks seen
         self.final_theta: list[float] = []  # finishing: θ's sketch the others compare (swarm.ending)
+        self._checkpoint: tuple[dict[str, Any], Path] | None = None  # --resume's, read in setup()
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -107,9 +108,19 @@ class Peer:
         network = cfg.network
         if not network.identity_path and self.run_dir:
             # The peer's key lives with its run directory: same peer id after a restart.
-            network = NetworkConfig(
-                **{**network.__dict__, "identity_path": str(self.run_dir / "identity.key")}
-            )
+            key = self.run_dir / "identity.key"
+            resumed = Path(cfg.peer.resume) / "identity.key" if cfg.peer.resume else None
+            if resumed is not None and not key.exists() and resumed.exists() and resumed != key:
+                # Not taken along: two resumes of one checkpoint side by side would be one peer id.
+                logger.warning(
+                    "resuming %s into another folder (%s): this peer gets a new key there, so a new "
+                    "peer id; a run's first peer is no longer its owner then (joiners' --owner, "
+                    "`workbench steer --key`): to keep it, pass --identity %s",
+                    cfg.peer.resume,
+                    self.run_dir,
+                    resumed,
+                )
+            network = NetworkConfig(**{**network.__dict__, "identity_path": str(key)})
         if self.run_dir:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._run_dir_lock = checkpoint.hold_run_dir(self.run_dir)  # before its identity key is read
@@ -141,6 +152,10 @@ class Peer:
         self.diloco, self.averager, self.dp = self.outer.rounds, self.outer.averager, self.outer.dp
         for averager in self.outer.averagers:  # "serving" is in the heartbeat: say it at once
             averager.serving.on_change = self.publish
+        if cfg.peer.resume:
+            # Read and checked before the peer announces itself (the join command, "started"): a
+            # corrupt checkpoint or one of another model is one line and nothing announced.
+            self._checkpoint = self._load_checkpoint(cfg.peer.resume)
         self._announce()
 
     def _steering(self, watcher: Any) -> Steering:
@@ -268,6 +283,18 @@ class Peer:
         if cfg.network.initial_peers and not self.download_state("joining"):
             logger.warning(
                 "%s: no peer could serve the global state; starting from the seed's init", self.name
+            )
+        elif (
+            cfg.network.initial_peers and cfg.peer.rounds and self.diloco.outer_step_count >= cfg.total_rounds
+        ):
+            logger.warning(
+                "%s: the run is at outer round %d, past --rounds %d (the run's round at which a "
+                "peer stops, not a count of this peer's rounds): nothing left to train (raise "
+                "--rounds above %d, or 0 for until Ctrl+C)",
+                self.name,
+                self.diloco.outer_step_count // cfg.outer_method.syncs_per_round(cfg.fragments),
+                cfg.peer.rounds,
+                self.diloco.outer_step_count // cfg.outer_method.syncs_per_round(cfg.fragments),
             )
         joining.wait_for_peers(
             self.board, self.beat, wanted=cfg.peer.min_peers, timeout=cfg.peer.wait_timeout, name=self.name
@@ -417,7 +444,9 @@ class Peer:
             self.stats.last_loss,
             eval_loss,
             report.group_size,
-            f"  (alone: {report.error})" if report.error else "",
+            f"  ({'alone' if report.group_size <= 1 else 'not applied'}: {report.error})"
+            if report.error
+            else "",
         )
 
     def finish(self, initial_eval: float) -> dict[str, Any]:
@@ -575,12 +604,8 @@ class Peer:
 
     def resume(self, directory: str) -> None:
         """Continue from the checkpoint in ``directory`` (``--resume``): refuses another run or model."""
-        payload, path = checkpoint.load_for(
-            directory,
-            run_id=self.config.peer.run_id,
-            fingerprint=self.fingerprint()[0],
-            summary=self.fingerprint()[1],
-        )
+        payload, path = self._checkpoint or self._load_checkpoint(directory)
+        self._checkpoint = None
         checkpoint.restore_training(payload, self.diloco, self.model, self.inner_optimizer, self.batches)
         stats = self.stats
         stats.bytes_sent, stats.bytes_received, stats.dp_bytes = payload.get("bytes", [0, 0, 0])
@@ -593,6 +618,14 @@ class Peer:
         self.averager.set_state_priority(self.diloco.outer_step_count)
         logger.info("%s: resumed from %s at outer step %d", self.name, path, self.diloco.outer_step_count)
         self.emit("resumed_checkpoint", path=str(path), outer_step=self.diloco.outer_step_count)
+
+    def _load_checkpoint(self, directory: str) -> tuple[dict[str, Any], Path]:
+        return checkpoint.load_for(
+            directory,
+            run_id=self.config.peer.run_id,
+            fingerprint=self.fingerprint()[0],
+            summary=self.fingerprint()[1],
+        )
 
     def inner_step(self, x: torch.Tensor, y: torch.Tensor, info: dict[str, Any]) -> tuple[float, Any]:
         """One AdamW step; for data-parallel, with the swarm's mean gradient (and its report)."""

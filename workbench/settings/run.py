@@ -94,7 +94,11 @@ class Schedule:
     """How long a run lasts and how often it evaluates (the rest of the DiLoCo group)."""
 
     rounds: int = setting(
-        0, "stop after this many outer rounds (default: 0 = never)", bound="rounds", target="peer.rounds"
+        0,
+        "stop once the run reaches this outer round (the run's count, which a joiner inherits; "
+        "default: 0 = never)",
+        bound="rounds",
+        target="peer.rounds",
     )
     round_seconds: float = setting(
         0.0,
