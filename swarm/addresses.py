@@ -49,6 +49,10 @@ def parse_peer_address(text: str) -> Multiaddr:
         raise AddressError(f"'{text}' does not start with a host (/ip4/, /ip6/ or /dns/); e.g. {EXAMPLE}")
     if not _TRANSPORT & set(names):
         raise AddressError(f"'{text}' has no port (/tcp/PORT or /udp/PORT/quic); e.g. {EXAMPLE}")
+    if "udp" in names and not {"quic", "quic-v1"} & set(names):
+        raise AddressError(
+            f"'{text}': a /udp/PORT address needs /quic or /quic-v1 after it (or use /tcp/PORT)"
+        )
     if "p2p" not in names:
         raise AddressError(
             f"'{text}' lacks the peer id: append /p2p/<peer id> as printed by `workbench start` "

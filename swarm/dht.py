@@ -274,6 +274,7 @@ def start_dht(
         kwargs["identity_path"] = config.identity_path
     if config.port and not config.client_mode:
         _check_port_free(config.host, config.port)
+    _check_names_resolve(config.initial_peers)
     deadline = time.monotonic() + config.connect_timeout
     while True:
         started = time.monotonic()
@@ -335,6 +336,32 @@ def _check_port_free(host: str, port: int) -> None:
                     f"port {port} on {host} is already in use (another peer?): pick another --port or use 0"
                 ) from None
             # Anything else (an address this machine does not have...): the daemon says it below.
+
+
+def _check_names_resolve(addresses: list[str]) -> None:
+    """SwarmError when every bootstrap peer is a /dns/ name and none resolves: said at once,
+    where hivemind would wait out --connect-timeout and say it could not reach them."""
+    from multiaddr import Multiaddr
+
+    names = []
+    for address in addresses:
+        parsed = Multiaddr(address)
+        protocols = [p.name for p in parsed.protocols()]
+        if not protocols or not protocols[0].startswith("dns"):
+            return  # an IP address: hivemind dials it
+        names.append(parsed.value_for_protocol(protocols[0]))
+    unresolved = []
+    for name in names:
+        try:
+            socket.getaddrinfo(name, None)
+            return
+        except (socket.gaierror, UnicodeError):
+            unresolved.append(name)
+    if unresolved:
+        raise SwarmError(
+            f"the bootstrap peers' host names do not resolve ({', '.join(unresolved)}): check the "
+            "spelling, or use the /ip4/ address the first peer printed"
+        )
 
 
 def _explain_start_failure(error: BaseException, config: NetworkConfig) -> str:

@@ -217,3 +217,24 @@ def test_an_offered_listener_must_be_where_the_donor_is_reached():
         )
     ]
     assert not reached_at("10.0.0.5", relayed)
+
+
+def test_a_udp_port_without_quic_is_rejected() -> None:
+    """libp2p dials UDP only as QUIC: /udp/PORT alone passed the check and then never connected."""
+    assert "needs /quic or /quic-v1" in error_of(parse_peer_address, f"/ip4/1.2.3.4/udp/31337/p2p/{PEER_ID}")
+    assert parse_peer_address(f"/ip4/1.2.3.4/udp/31337/quic-v1/p2p/{PEER_ID}")
+
+
+def test_bootstrap_names_that_do_not_resolve_are_said_at_once() -> None:
+    """A joiner through /dns/... waited out --connect-timeout, then "could not reach any bootstrap
+    peer"; `workbench doctor` already said "does not resolve"."""
+    import pytest
+
+    from swarm.dht import _check_names_resolve
+    from swarm.errors import SwarmError
+
+    invalid = f"/dns4/peer.invalid/tcp/31337/p2p/{PEER_ID}"  # .invalid never resolves (RFC 2606)
+    with pytest.raises(SwarmError, match=r"host names do not resolve \(peer.invalid\)"):
+        _check_names_resolve([invalid])
+    _check_names_resolve([invalid, f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER_ID}"])  # the IP is dialed
+    _check_names_resolve([invalid, f"/dns4/localhost/tcp/31337/p2p/{PEER_ID}"])

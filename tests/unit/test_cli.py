@@ -670,3 +670,32 @@ def test_version(capsys) -> None:
     with pytest.raises(SystemExit) as stop:
         main(["--version"])
     assert stop.value.code == 0 and capsys.readouterr().out.startswith("workbench 0.")
+
+
+def test_doctor_tells_a_wrong_peer_id_on_a_live_port_from_a_firewall(monkeypatch) -> None:
+    """The port answered but the DHT found no peer of that id there: the fix said "firewall"."""
+    import argparse
+
+    import workbench.cli.doctor as doctor
+    from swarm.errors import SwarmError
+
+    def unreachable(args):
+        raise SwarmError("could not reach any bootstrap peer")
+
+    monkeypatch.setattr(doctor, "_observer", unreachable)
+    args = argparse.Namespace(peers=[ADDRESS], owner=None, connect_timeout=5.0, run_id="r", secret=None)
+    for port, said in (("ok", "not the peer named by the address's /p2p/ id"), ("warn", "firewall")):
+        monkeypatch.setattr(
+            doctor, "probe_port", lambda host, p, *, timeout, port=port: doctor.Check("port x", port, "x")
+        )
+        bootstrap = [c for c in doctor.diagnose(args) if c.name == "bootstrap"]
+        assert bootstrap and bootstrap[0].status == "fail" and said in bootstrap[0].fix, bootstrap
+
+
+def test_a_tokenizer_path_that_does_not_exist_is_said_so(tmp_path) -> None:
+    """transformers took it for a hub name: "Repo id must use alphanumeric chars ..."."""
+    from workbench.run.hf import load_tokenizer
+
+    for name in (str(tmp_path / "tok"), "./no-such-tokenizer"):
+        with pytest.raises(ValueError, match="no such folder"):
+            load_tokenizer(name)

@@ -236,7 +236,7 @@ def test_a_key_the_run_would_ignore_is_refused_as_its_flag_is(tmp_path, monkeypa
         config_from_flags("demo", ef_decay=0.9)
 
 
-def test_simulate_reads_the_same_file_as_the_peers(tmp_path, capsys, monkeypatch):
+def test_simulate_reads_the_same_file_as_the_peers(tmp_path, capsys, monkeypatch, caplog):
     """One run.toml: simulate takes its optimizer and model keys (a flag still wins) and skips
     the peers' own (``announce``); start skips simulate's own (``steps``)."""
     import json
@@ -247,10 +247,12 @@ def test_simulate_reads_the_same_file_as_the_peers(tmp_path, capsys, monkeypatch
     path.write_text(
         'model = "tiny"\nsteps = 8\nbatch_size = 4\npeers = 2\n'
         "[diloco]\ninner_steps = 4\nouter_lr = 0.5\nouter_momentum = 0.3\n"
-        '[network]\nannounce = ["/ip4/203.0.113.7/tcp/31337"]\n'
+        '[network]\nannounce = ["/ip4/203.0.113.7/tcp/31337"]\n[averaging]\ncodec = "int8"\n'
     )
     assert main(["simulate", "--config", str(path), "--outer-lr", "0.6", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
+    # The wire codec is a peer's: skipped, and said (simulate's --codec is its update codec).
+    assert "simulate skips codec = 'int8'" in caplog.text and result["codec"] == "none", caplog.text
     assert (result["steps"], result["peers"], result["inner_steps"]) == (8, 2, 4)
     assert result["config"]["outer_lr"] == 0.6 and result["config"]["outer_momentum"] == 0.3
     config, sources = resolve(["start", "--config", str(path)], monkeypatch)

@@ -143,7 +143,7 @@ def test_too_short_for_block(tmp_path: Path) -> None:
     c = ByteCorpus.load(DataConfig(path=str(path)))
     with pytest.raises(DataError, match=r"has 5 bytes but a batch needs at least 65"):
         c.check_fits(64)
-    with pytest.raises(DataError, match=r"has 95 bytes but a batch needs at least 129.*smaller block_size"):
+    with pytest.raises(DataError, match=r"has 95 bytes but a batch needs at least 129.*smaller --block-size"):
         c.batches(block_size=128, batch_size=2, seed=0)
     with pytest.raises(DataError, match=r"fewer shards"):
         c.batches(block_size=32, batch_size=2, seed=0, shard=0, num_shards=4)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -152,6 +153,13 @@ def layer(
         for key, value in read_file(path).items():
             if key not in actions:
                 if key in known_elsewhere:
+                    if command == "simulate" and key == "codec":  # simulate's --codec is another setting
+                        logging.getLogger(__name__).warning(
+                            "%s: simulate skips codec = %r, the real peers' wire codec; the simulator's "
+                            "is update_codec (its --codec flag)",
+                            path,
+                            value,
+                        )
                     continue  # another command's setting (one file serves start, join, demo, simulate)
                 close = difflib.get_close_matches(key, [*actions, *known_elsewhere], n=1)
                 hint = f" (did you mean {close[0]}?)" if close else " (see `workbench config keys`)"

@@ -150,11 +150,15 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     try:
         session, read = _observer(args)
     except SwarmError as error:
-        checks.append(
-            Check(
-                "bootstrap", "fail", str(error), "check the address and that the peer's firewall lets TCP in"
-            )
+        answered = any(c.status == "ok" for c in ports)
+        fix = (
+            "its TCP port answers, so something listens there, but not the peer named by the address's "
+            "/p2p/ id: check that id against the one the peer printed (a peer started with another "
+            "--run-dir or key file has a new id)"
+            if answered
+            else "check the address and that the peer's firewall lets TCP in"
         )
+        checks.append(Check("bootstrap", "fail", str(error), fix))
         return checks
     try:
         checks.append(Check("bootstrap", "ok", "joined the DHT through the given peers"))

@@ -286,7 +286,7 @@ class ByteCorpus:
                 if not files:
                     raise DataError(
                         f"folder {str(root)!r} has no files ending in {', '.join(config.extensions)}; "
-                        f"add such files, point at another folder, or widen DataConfig.extensions."
+                        f"add such files or point at another folder (in Python, widen DataConfig.extensions)."
                     )
             else:
                 files, root = [root], root.parent
@@ -421,7 +421,7 @@ def _check_length(found: int, block_size: int, what: str, num_shards: int = 1) -
         hint = " or use fewer shards" if num_shards > 1 else ""
         raise DataError(
             f"{what} has {found} bytes but a batch needs at least {needed} (block_size + 1); "
-            f"use more or larger files, a smaller block_size{hint}, or raise max_bytes."
+            f"use more or larger files, a smaller --block-size{hint} (in Python, raise DataConfig.max_bytes)."
         )
 
 

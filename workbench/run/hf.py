@@ -136,6 +136,11 @@ def load_model(
 
 def load_tokenizer(name: str):
     """A ``transformers`` tokenizer from a local folder (or a hub name when online)."""
+    from pathlib import Path
+
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
+        # A path, not a hub name: transformers would say "Repo id must use alphanumeric chars".
+        raise ValueError(f"--tokenizer {name}: no such folder (give a folder holding tokenizer.json)")
     transformers = _require("transformers")
     try:
         return transformers.AutoTokenizer.from_pretrained(name)
