@@ -74,3 +74,33 @@ def test_a_joiner_does_not_serve_requests_made_before_it_came() -> None:
     watcher.control = ControlState(version=6, checkpoint=4)
     peer.apply(Outer(), data_parallel=False)
     assert [w["checkpoints"] for w in written] == [4]
+
+
+def test_a_paused_peer_answers_a_joiner_asking_for_its_adamw_state_at_once() -> None:
+    """A paused trainer reaches no step boundary: a joiner's request for AdamW's state waited
+    5 s for one. The pause's idle loop is a boundary now."""
+    import threading
+    import time
+
+    import torch
+
+    from optim.state import InnerStateCopies
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    copies = InnerStateCopies(optimizer, wait=30.0)
+    copies.boundary()  # this thread trains
+    watcher = Watcher()
+    watcher.control = ControlState(version=1, paused=["a"])
+    peer = steering(watcher, [])
+    got = []
+    asker = threading.Thread(target=lambda: got.append(copies.take()))
+    asker.start()
+    threading.Timer(1.0, lambda: setattr(watcher, "control", ControlState(version=2))).start()  # resumed
+    start = time.monotonic()
+    peer.wait_while_paused(10, None, copies.boundary)
+    asker.join(5)
+    assert got and len(got[0][1]) == 6, got  # 2 moments and a step, for the weight and the bias
+    assert time.monotonic() - start < 5.0

@@ -103,9 +103,12 @@ class Steering:
             self.round_seconds = float(settings["round_seconds"])
         self.settings = dict(settings)
 
-    def wait_while_paused(self, outer_step: int, stage: Stage) -> None:
+    def wait_while_paused(
+        self, outer_step: int, stage: Stage, idle: Callable[[], Any] = lambda: None
+    ) -> None:
         """Between inner steps: idle while the owner has this peer paused (heartbeats go on),
-        then go back to ``stage``."""
+        then go back to ``stage``. ``idle()`` runs every 0.2 s meanwhile (the trainer's step
+        boundary: a joiner asking for AdamW's state is answered, not kept waiting 5 s)."""
         if self.watcher is None:
             return
         control = self.watcher.poll()
@@ -115,6 +118,7 @@ class Steering:
         self.emit("paused", version=control.version, outer_step=outer_step)
         while control is not None and control.pauses(self.peer_id, self.name):
             self.beat(Stage.PAUSED)
+            idle()
             time.sleep(0.2)
             control = self.watcher.poll()
         logger.info("%s: resumed", self.name)

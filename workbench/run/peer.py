@@ -396,7 +396,10 @@ class Peer:
         box, started = self.round_seconds, time.monotonic()
         # Time-boxed rounds: as many steps as fit in the box (at least one, at most H).
         while steps < cap and not (box and steps and time.monotonic() - started >= box):
-            self.steering.wait_while_paused(self.diloco.outer_step_count, self.stage)
+            copies = getattr(self.diloco, "inner_copies", None)
+            self.steering.wait_while_paused(
+                self.diloco.outer_step_count, self.stage, copies.boundary if copies else lambda: None
+            )
             self.faults.apply(self.averager)
             self.beat(Stage.TRAINING)
             # The schedule follows the run's clock, not this peer's: a late joiner must not
