@@ -194,13 +194,16 @@ def inner_state_problem(
     for ``params``, or "".
 
     Any optimizer: an entry for a parameter that exists, of its shape (a ``step`` a scalar), all
-    values finite, every entry with the same keys. Adam and AdamW (torch's, and
-    :class:`optim.eager.AdamW`): the keys it keeps (``max_exp_avg_sq`` too with ``amsgrad``), a
-    step count that is a whole number in [0, 2^53], ``exp_avg_sq`` >= 0, and
+    values finite, and (but for Adam's, checked per group below) every entry with the same keys.
+    Adam and AdamW (torch's, and :class:`optim.eager.AdamW`), for real parameters: the keys its
+    group keeps (``max_exp_avg_sq`` too with ``amsgrad``), a step count that is a whole number in
+    [1, 2^53] (a stored state has taken a step), ``exp_avg_sq`` >= 0, and
     ``|exp_avg| <= c sqrt(exp_avg_sq)`` with ``c = (1 - β1) / sqrt((1 - β2)(1 - β1²/β2))``
     (7.3 for the default betas): by Cauchy-Schwarz no sequence of gradients gives more, as both
-    moments start at zero and take every gradient. So the joiner's first steps move each weight
-    by at most about ``c`` times the learning rate, as an honest donor's moments would."""
+    moments start at zero and take every gradient (the stored moments are not bias-corrected).
+    So the joiner's first step moves each weight by at most ``c · max(1, sqrt(1 - β2²) /
+    (1 - β1²))`` learning rates (7.3 for the default betas), as an honest donor's could."""
+    adam = isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
     keys: set[str] | None = None
     for index, entry in per_param.items():
         if not 0 <= index < len(params):
@@ -208,13 +211,13 @@ def inner_state_problem(
         for key, tensor in entry.items():
             if not ((key == "step" and tensor.dim() == 0) or tensor.shape == params[index].shape):
                 return f"does not fit this model (parameter {index}'s {key!r}: {tuple(tensor.shape)})"
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if (tensor.is_floating_point() or tensor.is_complex()) and not bool(torch.isfinite(tensor).all()):
                 return f"holds NaN/Inf (parameter {index}'s {key!r})"
         if keys is None:
             keys = set(entry)
-        elif set(entry) != keys:
+        elif set(entry) != keys and not adam:
             return f"has entries with different keys ({sorted(keys)} and {sorted(entry)})"
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or keys is None:
+    if not adam:
         return ""
     groups = {i: g for g in optimizer.state_dict()["param_groups"] for i in g["params"]}
     for index, entry in per_param.items():
@@ -223,8 +226,10 @@ def inner_state_problem(
         if set(entry) != wanted:
             return f"has the keys {sorted(entry)}, where {type(optimizer).__name__} keeps {sorted(wanted)}"
         step = float(entry["step"])
-        if not (0 <= step <= MAX_STEP and step == int(step)):
+        if not (1 <= step <= MAX_STEP and step == int(step)):
             return f"has a step count of {step} (parameter {index})"
+        if any(t.is_complex() for t in entry.values()) or params[index].is_complex():
+            continue  # Adam steps a complex parameter as its real view: finite is all checked here
         squares = entry["exp_avg_sq"]
         if bool((squares < 0).any()) or (
             "max_exp_avg_sq" in entry and bool((entry["max_exp_avg_sq"] < 0).any())
@@ -234,10 +239,15 @@ def inner_state_problem(
         if not beta1**2 < beta2 < 1:
             continue
         bound = (1 - beta1) / math.sqrt((1 - beta2) * (1 - beta1**2 / beta2))
-        # Slack for both moments' rounding (1e-3) and for squares that underflowed (eps, which
-        # AdamW adds to sqrt(exp_avg_sq) in its step: an exp_avg under it moves nothing).
-        limit = squares.sqrt().mul_(1.001 * bound).add_(bound * float(group.get("eps", 1e-8)))
-        if bool((entry["exp_avg"].abs() > limit).any()):
+        # Slack for the moments' own rounding (a few units of their dtype's precision: bf16's
+        # rounding took an honest state 1.2 % past the bound) and for squares that underflowed
+        # (eps, which AdamW adds to sqrt(exp_avg_sq) in its step, and the smallest square the
+        # dtype holds: fp16's squares of gradients under 2e-4 are 0).
+        info = torch.finfo(squares.dtype)
+        slack = 1 + max(1e-3, 8 * info.eps)
+        floor = float(group.get("eps", 1e-8)) + math.sqrt(info.smallest_normal)
+        limit = squares.float().sqrt().mul_(slack * bound).add_(bound * floor)
+        if bool((entry["exp_avg"].float().abs() > limit).any()):
             return (
                 f"has an exp_avg larger than AdamW can make from its exp_avg_sq ({bound:.1f} sqrt(exp_avg_sq); "
                 f"parameter {index})"

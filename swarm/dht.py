@@ -274,7 +274,6 @@ def start_dht(
         kwargs["identity_path"] = config.identity_path
     if config.port and not config.client_mode:
         _check_port_free(config.host, config.port)
-    _check_names_resolve(config.initial_peers)
     deadline = time.monotonic() + config.connect_timeout
     while True:
         started = time.monotonic()
@@ -338,35 +337,35 @@ def _check_port_free(host: str, port: int) -> None:
             # Anything else (an address this machine does not have...): the daemon says it below.
 
 
-def _check_names_resolve(addresses: list[str]) -> None:
-    """SwarmError when every bootstrap peer is a /dns/ name and none resolves: said at once,
-    where hivemind would wait out --connect-timeout and say it could not reach them."""
-    from multiaddr import Multiaddr
-
+def _unresolved(addresses: list[str]) -> list[str]:
+    """The bootstrap peers' host names, when every bootstrap peer is a /dns/ name and none of
+    them resolves (else []): after hivemind gave up on them, the reason to say. Not checked
+    before it tries: a service name (docker compose, Kubernetes) may resolve only once its
+    container is up, and a try is repeated within --connect-timeout."""
     names = []
-    for address in addresses:
-        parsed = Multiaddr(address)
-        protocols = [p.name for p in parsed.protocols()]
-        if not protocols or not protocols[0].startswith("dns"):
-            return  # an IP address: hivemind dials it
-        names.append(parsed.value_for_protocol(protocols[0]))
-    unresolved = []
+    for address in parse_peer_addresses(addresses):
+        protocols = [p.name for p in address.protocols()]
+        if not protocols[0].startswith("dns"):
+            return []  # an IP address: hivemind dialed it
+        names.append(address.value_for_protocol(protocols[0]))
     for name in names:
         try:
             socket.getaddrinfo(name, None)
-            return
+            return []
         except (socket.gaierror, UnicodeError):
-            unresolved.append(name)
-    if unresolved:
-        raise SwarmError(
-            f"the bootstrap peers' host names do not resolve ({', '.join(unresolved)}): check the "
-            "spelling, or use the /ip4/ address the first peer printed"
-        )
+            continue
+    return names
 
 
 def _explain_start_failure(error: BaseException, config: NetworkConfig) -> str:
     text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
     if _bootstrap_unreachable(error, config):
+        unresolved = _unresolved(config.initial_peers)
+        if unresolved:
+            return (
+                f"the bootstrap peers' host names do not resolve ({', '.join(unresolved)}): check the "
+                "spelling, or use the /ip4/ address the first peer printed"
+            )
         peers = " ".join(config.initial_peers)
         return (
             f"could not reach any bootstrap peer ({peers}) within {config.connect_timeout:.0f} s: check that "

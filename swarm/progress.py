@@ -39,7 +39,7 @@ class ProgressBoard:
         self._last_fetch: dict[str, PeerHeartbeat] = {}
         self._seen: OrderedDict[str, list[str]] = OrderedDict()  # peer id -> its addresses, last seen last
         self._redialed = -REDIAL_SECONDS  # when the DHT was last asked to dial them again
-        self._seen_lock = threading.Lock()
+        self._lock = threading.Lock()
         dht = getattr(store, "dht", None)
         self._dht = dht if hasattr(dht, "run_coroutine") else None  # (unit tests' stores have none)
         self.peer_id_here = dht.peer_id.to_base58() if self._dht is not None else None
@@ -115,7 +115,7 @@ class ProgressBoard:
         handshake proves: a heartbeat can make this peer talk to nobody but its writer (at most
         open a TCP connection elsewhere, every ``REDIAL_SECONDS`` while this peer is alone)."""
         others = [p for p in peers.values() if p.peer_id != self.peer_id_here]
-        with self._seen_lock:  # fetch() runs in the trainer and in an overlapped round's thread
+        with self._lock:  # fetch() runs in the trainer and in an overlapped round's thread
             for peer in others:
                 own = [a for a in peer.addresses if a.endswith(f"/p2p/{peer.peer_id}")]
                 if own and peer.stage is not Stage.LEAVING:
@@ -136,16 +136,18 @@ class ProgressBoard:
     def peer_id_of(self, public_key: str) -> str | None:
         """The peer id of a heartbeat's signing key (RSA work: the last ``MAX_KEYS`` are cached;
         keys are free, so the cache must not keep every key ever seen)."""
-        if public_key in self._peer_ids:
-            self._peer_ids.move_to_end(public_key)
-            return self._peer_ids[public_key]
+        with self._lock:  # fetch() runs in two threads (an overlapped round's, the trainer's)
+            if public_key in self._peer_ids:
+                self._peer_ids.move_to_end(public_key)
+                return self._peer_ids[public_key]
         from swarm.identity import peer_id_of
 
         try:
             found = peer_id_of(public_key)
         except (ValueError, TypeError):
             found = None
-        self._peer_ids[public_key] = found
-        while len(self._peer_ids) > MAX_KEYS:
-            self._peer_ids.popitem(last=False)
+        with self._lock:
+            self._peer_ids[public_key] = found
+            while len(self._peer_ids) > MAX_KEYS:
+                self._peer_ids.popitem(last=False)
         return found

@@ -549,8 +549,11 @@ class StateSharing:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(earlier), max(0.0, deadline - time.monotonic()))
         answer = loop.create_future()
+        try:
+            self._witness_there.send(seed)
+        except (OSError, EOFError) as error:  # the peer's process is gone: no answer will come
+            raise RuntimeError(f"the peer's process cannot be asked ({error})") from None
         self._witness_asked = (seed, answer, time.monotonic() + WITNESS_SECONDS)
-        self._witness_there.send(seed)
         try:
             ok, value = await asyncio.wait_for(asyncio.shield(answer), WITNESS_SECONDS)
         except asyncio.TimeoutError:

@@ -24,7 +24,7 @@ from typing import Any
 
 from swarm.claims import Ignored
 from swarm.errors import SwarmError
-from swarm.records import LONG_TTL, ControlState, PeerHeartbeat, RunKeys
+from swarm.records import LONG_TTL, ControlState, PeerHeartbeat, RunKeys, Stage
 from swarm.store import SignedStore
 
 logger = logging.getLogger(__name__)
@@ -138,8 +138,8 @@ class Steering:
     ) -> ControlState:
         """A new version with these changes on top of the current one; raises SwarmError for a
         non-owner or a bad value (nothing is published then). Peers apply it at the start of
-        outer step ``from_step`` (default: two rounds after the most advanced live peer's, so
-        every peer has polled it by then)."""
+        outer step ``from_step`` (default: two rounds after the run's, the upper median of the live
+        peers' claimed steps, so every peer has polled it by then)."""
         from hivemind.utils import get_dht_time
         from pydantic import ValidationError
 
@@ -160,7 +160,14 @@ class Steering:
         fields["checkpoint"] = base.get("checkpoint", 0) + (1 if checkpoint else 0)
         fields["time"] = get_dht_time()
         peers = self.board.fetch() if self.board is not None else {}
-        ahead = max((p.outer_step for p in peers.values()), default=0)
+        # The run's step: the upper median of the live peers' claims. A heartbeat is anyone's to
+        # sign, and its step a claim: with the most advanced claim, one key claiming 10^9 put
+        # every change out of reach (and refused every --from-step the owner could give).
+        # (Peers still joining claim step 0 until their download lands: not counted.)
+        steps = sorted(
+            p.outer_step for p in peers.values() if p.stage not in (Stage.JOINING, Stage.DOWNLOADING)
+        )
+        ahead = steps[len(steps) // 2] if steps else 0
         if from_step is None:
             from_step = ahead + 2
         elif from_step <= ahead:

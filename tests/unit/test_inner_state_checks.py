@@ -62,6 +62,7 @@ ATTACKS = {
     "negative step": lambda s: _changed(s, "step", lambda t: torch.tensor(-3.0)),
     "fractional step": lambda s: _changed(s, "step", lambda t: torch.tensor(2.5)),
     "huge step": lambda s: _changed(s, "step", lambda t: torch.tensor(1e30)),
+    "step 0 (a stored state has stepped)": lambda s: _changed(s, "step", lambda t: torch.tensor(0.0)),
     "no exp_avg": lambda s: _without(s, "exp_avg"),
     "negative exp_avg_sq": lambda s: _changed(s, "exp_avg_sq", lambda t: -t - 1),
     "exp_avg 1e30 over exp_avg_sq 0": lambda s: _changed(
@@ -120,3 +121,29 @@ def test_entries_with_different_keys_are_refused_for_any_optimizer() -> None:
     assert "different keys" in inner_state_problem(optimizer, list(model.parameters()), mixed)
     fine = {0: {"momentum_buffer": torch.ones(2, 3)}, 1: {"momentum_buffer": torch.ones(2)}}
     assert inner_state_problem(optimizer, list(model.parameters()), fine) == ""
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_honest_low_precision_moments_are_taken(dtype) -> None:
+    """bf16's rounding took an honest state 1.2 % past the bound; fp16's squares of gradients
+    under 2e-4 underflow to 0 while exp_avg does not: both were refused."""
+    beta1, beta2 = 0.9, 0.95
+    param = nn.Parameter(torch.zeros(64, dtype=dtype))
+    optimizer = torch.optim.AdamW([param], lr=1e-3, betas=(beta1, beta2))
+    for step in range(40):
+        scale = 1e-5 if dtype is torch.float16 else (beta2 / beta1) ** step  # underflow / the bound
+        param.grad = (torch.rand(64) * scale).to(dtype)
+        optimizer.step()
+    assert inner_state_problem(optimizer, [param], {0: dict(optimizer.state[param])}) == ""
+
+
+def test_groups_with_their_own_amsgrad_and_complex_parameters_are_taken() -> None:
+    real, other = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))
+    plain = nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    optimizer = torch.optim.AdamW([{"params": [real, plain]}, {"params": [other], "amsgrad": True}])
+    for _ in range(3):
+        for p in (real, other, plain):
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    entries = {i: dict(optimizer.state[p]) for i, p in enumerate((real, plain, other))}
+    assert inner_state_problem(optimizer, [real, plain, other], entries) == ""

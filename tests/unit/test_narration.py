@@ -190,7 +190,7 @@ def test_what_the_monitor_keeps_per_peer_goes_with_the_peer(monkeypatch) -> None
     derived = []
     monkeypatch.setattr(identity, "peer_id_of", lambda key: derived.append(key) or f"id-{key}")
     board = progress.ProgressBoard.__new__(progress.ProgressBoard)
-    board._peer_ids = progress.OrderedDict()
+    board._peer_ids, board._lock = progress.OrderedDict(), progress.threading.Lock()
     assert board.peer_id_of("k0") == "id-k0"
     for i in range(1, progress.MAX_KEYS + 100):
         board.peer_id_of(f"k{i}")

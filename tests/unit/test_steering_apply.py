@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from swarm.records import ControlState
+from swarm.records import ControlState, RunKeys
 from workbench.run.control import Steering
 
 
@@ -104,3 +104,53 @@ def test_a_paused_peer_answers_a_joiner_asking_for_its_adamw_state_at_once() -> 
     asker.join(5)
     assert got and len(got[0][1]) == 6, got  # 2 moments and a step, for the weight and the bias
     assert time.monotonic() - start < 5.0
+
+
+def test_a_heartbeat_claiming_to_be_far_ahead_does_not_put_steering_out_of_reach() -> None:
+    """The default step (and the --from-step check) followed the most advanced claim: one fresh
+    key claiming outer step 10^9 made every change wait for step 10^9 + 2, and refused any
+    --from-step the owner could give. The run's step is the upper median of the claims now,
+    peers still joining (step 0 until their download lands) left out."""
+    import time
+
+    import pytest
+
+    from swarm.errors import SwarmError
+    from swarm.identity import key_hash
+    from swarm.records import PeerHeartbeat, Stage
+    from swarm.steering import Steering
+
+    class Store:
+        public_key = "the owner's key"
+        stored: list = []
+
+        def read(self, key, schema):
+            return {}
+
+        def store(self, key, value, **options):
+            self.stored.append(value)
+            return True
+
+    def beat(peer: str, step: int, stage: Stage = Stage.TRAINING) -> PeerHeartbeat:
+        return PeerHeartbeat(
+            peer_id=peer, name=peer[-4:], stage=stage, outer_step=step, inner_step=0, inner_steps=5,
+            loss=1.0, samples_per_second=1.0, bytes_sent=0, bytes_received=0, device="cpu", time=time.time(),
+        )  # fmt: skip
+
+    class Board:
+        peers = {
+            "QmHonestA": beat("QmHonestA", 40),
+            "QmHonestB": beat("QmHonestB", 41),
+            "QmLiar": beat("QmLiar", 10**9),
+            "QmJoining": beat("QmJoining", 0, Stage.DOWNLOADING),
+        }
+
+        def fetch(self):
+            return dict(self.peers)
+
+    store = Store()
+    steering = Steering(store, RunKeys("r"), owner=key_hash(Store.public_key), board=Board())
+    assert steering.publish(outer_lr=0.5).from_step == 43
+    assert steering.publish(outer_lr=0.4, from_step=45).from_step == 45
+    with pytest.raises(SwarmError, match="use --from-step 43 or later"):
+        steering.publish(outer_lr=0.3, from_step=41)

@@ -150,7 +150,9 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     try:
         session, read = _observer(args)
     except SwarmError as error:
-        answered = any(c.status == "ok" for c in ports)
+        # A port that answers and a DHT that reached nobody: not a firewall (a daemon that did not
+        # start, or another hivemind version, fail otherwise and keep the general advice).
+        answered = any(c.status == "ok" for c in ports) and "could not reach any bootstrap peer" in str(error)
         fix = (
             "its TCP port answers, so something listens there, but not the peer named by the address's "
             "/p2p/ id: check that id against the one the peer printed (a peer started with another "
