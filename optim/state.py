@@ -228,11 +228,22 @@ def inner_state_problem(
         step = float(entry["step"])
         if not (1 <= step <= MAX_STEP and step == int(step)):
             return f"has a step count of {step} (parameter {index})"
-        if any(t.is_complex() for t in entry.values()) or params[index].is_complex():
+        dtype = params[index].dtype
+        moments = {k: t for k, t in entry.items() if k != "step"}
+        if any(
+            not (t.is_floating_point() or t.is_complex()) or t.is_complex() != dtype.is_complex
+            for t in moments.values()
+        ):
+            return f"has moments of another kind than parameter {index} ({dtype})"
+        if dtype.is_complex:
             continue  # Adam steps a complex parameter as its real view: finite is all checked here
-        squares = entry["exp_avg_sq"]
+        # As loading will hold them: in the parameter's dtype (the donor's dtype is its to choose).
+        moments = {k: t.to(dtype) for k, t in moments.items()}
+        if not all(bool(torch.isfinite(t).all()) for t in moments.values()):
+            return f"holds values out of {dtype}'s range (parameter {index})"
+        squares = moments["exp_avg_sq"]
         if bool((squares < 0).any()) or (
-            "max_exp_avg_sq" in entry and bool((entry["max_exp_avg_sq"] < 0).any())
+            "max_exp_avg_sq" in moments and bool((moments["max_exp_avg_sq"] < 0).any())
         ):
             return f"has a negative exp_avg_sq (parameter {index})"
         beta1, beta2 = (float(b) for b in group["betas"])
@@ -243,11 +254,11 @@ def inner_state_problem(
         # rounding took an honest state 1.2 % past the bound) and for squares that underflowed
         # (eps, which AdamW adds to sqrt(exp_avg_sq) in its step, and the smallest square the
         # dtype holds: fp16's squares of gradients under 2e-4 are 0).
-        info = torch.finfo(squares.dtype)
+        info = torch.finfo(dtype)
         slack = 1 + max(1e-3, 8 * info.eps)
         floor = float(group.get("eps", 1e-8)) + math.sqrt(info.smallest_normal)
         limit = squares.float().sqrt().mul_(slack * bound).add_(bound * floor)
-        if bool((entry["exp_avg"].float().abs() > limit).any()):
+        if bool((moments["exp_avg"].float().abs() > limit).any()):
             return (
                 f"has an exp_avg larger than AdamW can make from its exp_avg_sq ({bound:.1f} sqrt(exp_avg_sq); "
                 f"parameter {index})"

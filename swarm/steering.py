@@ -163,9 +163,12 @@ class Steering:
         # The run's step: the upper median of the live peers' claims. A heartbeat is anyone's to
         # sign, and its step a claim: with the most advanced claim, one key claiming 10^9 put
         # every change out of reach (and refused every --from-step the owner could give).
-        # (Peers still joining claim step 0 until their download lands: not counted.)
+        # (Not counted: peers still joining, at step 0 until their download lands, and paused
+        # ones, whose step stands still while the others train on.)
         steps = sorted(
-            p.outer_step for p in peers.values() if p.stage not in (Stage.JOINING, Stage.DOWNLOADING)
+            p.outer_step
+            for p in peers.values()
+            if p.stage not in (Stage.JOINING, Stage.DOWNLOADING, Stage.PAUSED)
         )
         ahead = steps[len(steps) // 2] if steps else 0
         if from_step is None:

@@ -63,6 +63,21 @@ ATTACKS = {
     "fractional step": lambda s: _changed(s, "step", lambda t: torch.tensor(2.5)),
     "huge step": lambda s: _changed(s, "step", lambda t: torch.tensor(1e30)),
     "step 0 (a stored state has stepped)": lambda s: _changed(s, "step", lambda t: torch.tensor(0.0)),
+    # The donor's dtypes are its own: loading casts the moments to the parameter's.
+    "complex exp_avg for a real weight": lambda s: _changed(
+        s, "exp_avg", lambda t: t.to(torch.complex64) * 1e30
+    ),
+    "fp16 squares to widen the slack": lambda s: _changed(
+        _changed(s, "exp_avg_sq", lambda t: torch.zeros_like(t, dtype=torch.float16)),
+        "exp_avg",
+        lambda t: torch.full_like(t, 0.05),
+    ),
+    "integer exp_avg_sq": lambda s: _changed(
+        s, "exp_avg_sq", lambda t: torch.zeros_like(t, dtype=torch.int64)
+    ),
+    "fp64 moments beyond fp32": lambda s: _changed(
+        s, "exp_avg_sq", lambda t: torch.full_like(t, 1e300, dtype=torch.float64)
+    ),
     "no exp_avg": lambda s: _without(s, "exp_avg"),
     "negative exp_avg_sq": lambda s: _changed(s, "exp_avg_sq", lambda t: -t - 1),
     "exp_avg 1e30 over exp_avg_sq 0": lambda s: _changed(

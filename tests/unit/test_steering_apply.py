@@ -110,7 +110,7 @@ def test_a_heartbeat_claiming_to_be_far_ahead_does_not_put_steering_out_of_reach
     """The default step (and the --from-step check) followed the most advanced claim: one fresh
     key claiming outer step 10^9 made every change wait for step 10^9 + 2, and refused any
     --from-step the owner could give. The run's step is the upper median of the claims now,
-    peers still joining (step 0 until their download lands) left out."""
+    peers still joining (step 0 until their download lands) and paused ones left out."""
     import time
 
     import pytest
@@ -143,6 +143,7 @@ def test_a_heartbeat_claiming_to_be_far_ahead_does_not_put_steering_out_of_reach
             "QmHonestB": beat("QmHonestB", 41),
             "QmLiar": beat("QmLiar", 10**9),
             "QmJoining": beat("QmJoining", 0, Stage.DOWNLOADING),
+            **{f"QmPaused{i}": beat(f"QmPaused{i}", 10, Stage.PAUSED) for i in range(3)},  # standing still
         }
 
         def fetch(self):
