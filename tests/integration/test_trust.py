@@ -379,6 +379,9 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
                 peer.kill()
     log = joiner.stderr()
     assert "downloaded the state at outer step" in log, log[-3000:]  # the direct transport
+    # ...and checked by the third peer across namespaces (its θ's sketches under the joiner's
+    # seed), not taken because "no other peer answered".
+    assert "confirmed by" in log or "moved past outer step" in log, log[-3000:]
     assert connections() == [], connections()  # the joiner never sent its token there
     liar = first.wait_event("started")["peer_id"][-8:]
     assert f"ignoring {liar}'s direct state offer" in log, log[-3000:]
