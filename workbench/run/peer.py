@@ -287,14 +287,15 @@ class Peer:
         elif (
             cfg.network.initial_peers and cfg.peer.rounds and self.diloco.outer_step_count >= cfg.total_rounds
         ):
+            reached = self.diloco.outer_step_count // cfg.outer_method.syncs_per_round(cfg.fragments)
             logger.warning(
                 "%s: the run is at outer round %d, past --rounds %d (the run's round at which a "
                 "peer stops, not a count of this peer's rounds): nothing left to train (raise "
                 "--rounds above %d, or 0 for until Ctrl+C)",
                 self.name,
-                self.diloco.outer_step_count // cfg.outer_method.syncs_per_round(cfg.fragments),
+                reached,
                 cfg.peer.rounds,
-                self.diloco.outer_step_count // cfg.outer_method.syncs_per_round(cfg.fragments),
+                reached,
             )
         joining.wait_for_peers(
             self.board, self.beat, wanted=cfg.peer.min_peers, timeout=cfg.peer.wait_timeout, name=self.name
