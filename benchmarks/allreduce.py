@@ -7,7 +7,9 @@ each measured all-reduce (interleaved: a drift in the machine's speed moves both
 one phase after the other, the same code's ratio moved from 0.50x to 0.29x between two days).
 Measured: one all-reduce of the workbench's averager (hivemind's DecentralizedAverager as the
 peers run it), timed from the moment every member has its group (matchmaking excluded:
-``require_trigger``) to the slowest member's finish, for each data plane (``hivemind``:
+``require_trigger``) to the slowest member's finish, both started like the baseline, right after
+a gloo barrier (a multiprocessing barrier let members go up to 0.7 ms apart on 2 busy cores, and the
+first to go waited for the last inside the measured time), for each data plane (``hivemind``:
 hivemind's butterfly all-reduce through its p2p daemon; ``direct``: the group's own gloo ring
 over TCP, when available) and wire codec. Reported: seconds per all-reduce (median of the
 repeats), "bus" throughput (2(n-1)/n of the tensor per member, what a ring or butterfly moves),
@@ -121,6 +123,7 @@ def _averager_worker(
             barrier.wait()  # every member has its group
             if ring is not None:
                 ring.timeline = []
+            dist.barrier()  # all go together, as before the baseline's all-reduce
             start = time.perf_counter()
             control.allow_allreduce()
             try:

@@ -192,6 +192,7 @@ class DirectPlane:
         self._send = lambda ring, wire: ring.allreduce([wire])  # tests put an impostor here
         self._seal = _seal  # and here
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._drawn: tuple[bytes, int, Sketcher] | None = None  # the next round's R (draw())
         self.timeline: list[tuple[str, float]] | None = None
         """A list to append each round's phases to as they end, ``(phase, time.perf_counter())``
         (``benchmarks.allreduce --phases``); None in a peer."""
@@ -199,6 +200,17 @@ class DirectPlane:
     def mark(self, phase: str) -> None:
         if self.timeline is not None:
             self.timeline.append((phase, time.perf_counter()))
+
+    def draw(self, seed: bytes, count: int) -> None:
+        """Draw the sketch's R for a round of ``count`` elements under ``seed`` ahead of it (the
+        ring's thread, while it waits for the step's trigger): 0.1-0.3 ms less in the round."""
+        self._drawn = (seed, count, Sketcher(seed, count, fast=True))
+
+    def _sketcher(self, seed: bytes, count: int) -> Sketcher:
+        drawn, self._drawn = self._drawn, None
+        if drawn is not None and drawn[:2] == (seed, count):
+            return drawn[2]
+        return Sketcher(seed, count, fast=True)
 
     def _scratch(self, dtype: torch.dtype, count: int, role: str = "flat") -> torch.Tensor:
         """A flat buffer of ``count`` elements kept for the next rounds."""
@@ -279,7 +291,7 @@ class DirectPlane:
             wire = self._scratch(torch.float32, count, "wire")
         else:
             wire = flat
-        sketcher: Sketcher | None = None
+        sketcher = self._sketcher(seed, count)  # R, for both sketches
         rows = torch.zeros(len(bounds), ROWS, dtype=torch.float64)  # own, per segment
         squares = [0.0] * len(bounds)
 
@@ -290,9 +302,6 @@ class DirectPlane:
                 wire[lo:hi].copy_(flat[lo:hi])
 
         def sketch_own(index: int) -> None:
-            nonlocal sketcher
-            if sketcher is None:
-                sketcher = Sketcher(seed, count, fast=True)  # R, drawn once for both sketches
             lo, hi = bounds[index]
             rows[index] = sketcher.rows(flat[lo:hi], lo)
             squares[index] = float(torch.dot(flat[lo:hi], flat[lo:hi]))  # |x|^2: 0.8x vector_norm's time

@@ -106,6 +106,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                     outcomes=self._outcomes_out,
                     board=self._board_here,
                     tensors=self.get_tensors,
+                    count=sum(t.numel() for t in args[0]),
                     masks=masks,
                     enabled=self._plane_enabled,
                     rounds=self.direct_rounds,

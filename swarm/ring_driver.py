@@ -276,16 +276,18 @@ class RingDriver:
         outcomes: Connection,
         board: Connection,
         tensors: Callable[[], Any],
+        count: int,
         masks: int,
         enabled: Any,
         rounds: Any,
     ) -> None:
-        """``tensors``: the averager's ``get_tensors`` (a lock over its shared buffers);
+        """``tensors``: the averager's ``get_tensors`` (a lock over its shared buffers), of
+        ``count`` elements in all;
         ``enabled`` and ``rounds``: shared values (the plane still on; rounds it carried)."""
         self.plane = plane
         self._tickets, self._outcomes, self._board = tickets, outcomes, board
         self._board_lock = threading.Lock()
-        self._tensors, self._masks = tensors, masks
+        self._tensors, self._count, self._masks = tensors, count, masks
         self._enabled, self._rounds = enabled, rounds
         self._steps: OrderedDict[bytes, DirectStep] = OrderedDict()
         self._steps_lock = threading.Lock()
@@ -321,6 +323,7 @@ class RingDriver:
                 return
 
     def _round(self, step: DirectStep, ticket: Ticket) -> Outcome:
+        self.plane.draw(ticket.seed, self._count)  # while the step's inner steps still run
         if not step.claim(ticket, wait=ticket.timeout):
             if step.gave_up():  # at once: the others are at the ring's arrival check by now
                 self._decline(ticket)

@@ -228,6 +228,33 @@ def _pair_round(plane: DirectPlane, values, r: int, rank: int, send: float | Non
     return float(tensors[0][0])
 
 
+def _member_that_draws_ahead(rank: int, values, out) -> None:
+    """Two rounds among 2 members; member 1 draws R ahead of each (as the ring's thread does
+    while it waits for the trigger): for another group's seed before round 0 (a ticket whose
+    step never came), for round 1's own seed before round 1."""
+    plane = DirectPlane("127.0.0.1")
+    used, sketcher = [], plane._sketcher
+    plane._sketcher = lambda seed, count: used.append(sketcher(seed, count)) or used[-1]
+    results = []
+    for r, seed in enumerate([b"another group", b"round1"]):
+        if rank == 1:
+            plane.draw(seed, 6)
+            drawn = plane._drawn[2]
+        try:
+            results.append(_pair_round(plane, values, r, rank))
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            results.append(type(error).__name__)
+        if rank == 1:  # whether this round's sketches used the R drawn ahead
+            results.append(used[-1] is drawn)
+    out.put((rank, results))
+
+
+def test_r_drawn_ahead_is_used_only_for_its_own_round():
+    results = dict(_members(_member_that_draws_ahead, 2, lambda r: ()))
+    assert results[0] == [1.5, 1.5]  # a stale R would have failed round 0's check (RingTampered)
+    assert results[1] == [1.5, False, 1.5, True]
+
+
 def _member_that_may_forget(rank: int, values, agree: bool, out) -> None:
     """Two rounds among 2 members; between them member 1 loses its side of their ring (as a
     peer whose round failed, or that was suspended past the ring's timeout, does)."""

@@ -215,6 +215,9 @@ class Plane:
     def mark(self, phase: str) -> None:  # the phases benchmarks.allreduce --phases times
         pass
 
+    def draw(self, seed: bytes, count: int) -> None:  # the round's R, drawn ahead
+        self.drawn = (seed, count)
+
     def all_reduce(self, tensors, **options):
         self.calls.append(options)
         if self.error is not None:
@@ -248,6 +251,7 @@ def _driver(plane, masks: int = 0):
         outcomes=outcomes_out,
         board=board_here,
         tensors=tensors,
+        count=sum(t.numel() for t in buffers),
         masks=masks,
         enabled=enabled,
         rounds=rounds,
