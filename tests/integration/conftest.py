@@ -153,6 +153,22 @@ class PeerProcess:
         kill_group(self.process)
 
 
+README_PORT = 31337
+
+
+def readme_flags(lab: Any, i: int, port: int = README_PORT) -> list[str]:
+    """The README's flags for a peer on another machine, for the lab's machine ``i``
+    (``workbench.local.netlab.NetLab``): listen on every interface, announce its address."""
+    return ["--host", "0.0.0.0", "--port", str(port), "--announce", f"/ip4/{lab.address(i)}/tcp/{port}"]
+
+
+def lab_peer(lab: Any, i: int, name: str, args: list[str], tmp_path: Path) -> PeerProcess:
+    """``workbench *args`` on the lab's machine ``i``, as peer ``name`` (its --run-dir under
+    ``tmp_path``)."""
+    where = ["--name", name, "--run-dir", str(tmp_path / name)]
+    return PeerProcess(name, [*args, *where], tmp_path, wrap=lambda argv: lab.command(i, argv))
+
+
 def helper(script: str, *args: str) -> subprocess.Popen:
     """``python -c script args...`` in its own process group, stdout piped (an attacker, a
     squatter): stop it with :func:`kill_group`, which takes its hivemind children along."""

@@ -17,7 +17,7 @@ from swarm.dht import NetworkConfig, dht_time, visible_addresses
 from swarm.progress import ProgressBoard
 from swarm.records import PeerHeartbeat, RunKeys, Stage
 from swarm.session import connect
-from tests.integration.conftest import FAST, NETNS, PeerProcess
+from tests.integration.conftest import FAST, NETNS, PeerProcess, lab_peer, readme_flags
 from workbench.local import netlab
 
 TTL = 3.0
@@ -117,23 +117,12 @@ def test_peers_on_two_machines_find_each_other_after_their_link_was_down(tmp_pat
 
     from workbench.local.netlab import _ip
 
-    port = 31337
     with netlab.NetLab(2, rate=None) as lab:
         common = [*FAST, "--run-id", "rejoin", "--averaging-timeout", "8"]
-        readme = ["--host", "0.0.0.0", "--port", str(port), "--announce"]
         peers: list[PeerProcess] = []
 
         def start(i: int, args: list[str]) -> PeerProcess:
-            name = "ab"[i]
-            where = [
-                *readme,
-                f"/ip4/{lab.address(i)}/tcp/{port}",
-                "--name",
-                name,
-                "--run-dir",
-                str(tmp_path / name),
-            ]
-            peers.append(PeerProcess(name, [*args, *where], tmp_path, wrap=lambda argv: lab.command(i, argv)))
+            peers.append(lab_peer(lab, i, "ab"[i], [*args, *readme_flags(lab, i)], tmp_path))
             return peers[-1]
 
         try:

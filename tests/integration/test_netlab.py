@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.integration.conftest import FAST, NETNS, PeerProcess
+from tests.integration.conftest import FAST, NETNS, PeerProcess, lab_peer
 from workbench.local import netlab
 
 pytestmark = [
@@ -71,9 +71,7 @@ def run_pair(
     peers: list[PeerProcess] = []
 
     def start(i: int, args: list[str]) -> PeerProcess:
-        name = "ab"[i]
-        where = [*network(i), "--name", name, "--run-dir", str(tmp_path / name)]
-        peers.append(PeerProcess(name, [*args, *where], tmp_path, wrap=lambda argv: lab.command(i, argv)))
+        peers.append(lab_peer(lab, i, "ab"[i], [*args, *network(i)], tmp_path))
         return peers[-1]
 
     try:

@@ -23,7 +23,15 @@ import torch
 
 from swarm.faults import FaultPlan
 from swarm.state_transfer import MAX_CONNECTIONS, TOKEN_WAIT
-from tests.integration.conftest import FAST, NETNS, PeerProcess, max_abs_diff
+from tests.integration.conftest import (
+    FAST,
+    NETNS,
+    README_PORT,
+    PeerProcess,
+    lab_peer,
+    max_abs_diff,
+    readme_flags,
+)
 from workbench.local import netlab
 
 
@@ -180,16 +188,13 @@ def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
     it as 16x the other's (optim.robust.counted_weights), name it, and still agree."""
     from tests.integration.test_netlab import run_pair
 
-    port = 31337
     faults = tmp_path / "faults.json"
     FaultPlan(overclaim_next=1).write(faults)
     with netlab.NetLab(2, rate=None) as lab:
         common = [*FAST, "--run-id", "readme", "--rounds", "4"]
-        readme = ["--host", "0.0.0.0", "--port", str(port), "--announce"]
 
         def network(i: int) -> list[str]:
-            lying = ["--fault-file", str(faults)] if i == 1 else []
-            return [*readme, f"/ip4/{lab.address(i)}/tcp/{port}", *lying]
+            return [*readme_flags(lab, i), *(["--fault-file", str(faults)] if i == 1 else [])]
 
         peers = run_pair(lab, tmp_path, common, network)
     for peer in peers:
@@ -208,22 +213,15 @@ def test_a_second_peer_cannot_squat_a_running_peers_port_or_folder(tmp_path):
     some of the connections meant for the first; one on its --run-dir shared its key, so its
     peer id. Both are refused with one line, and a peer from another machine still joins the
     first and averages with it."""
-    port = 31337
+    port = README_PORT
     with netlab.NetLab(2, rate=None) as lab:
-        readme = ["--host", "0.0.0.0", "--port", str(port), "--announce"]
         common = [*FAST, "--run-id", "squat", "--rounds", "2"]
-        first = PeerProcess(
-            "a",
-            ["start", *common, "--min-peers", "2", *readme, f"/ip4/{lab.address(0)}/tcp/{port}",
-             "--name", "a", "--run-dir", str(tmp_path / "a")],
-            tmp_path,
-            wrap=lambda argv: lab.command(0, argv),
-        )  # fmt: skip
+        first = lab_peer(lab, 0, "a", ["start", *common, "--min-peers", "2", *readme_flags(lab, 0)], tmp_path)
         peers = [first]
         try:
             address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
             attempts = {
-                "port": [*readme, f"/ip4/{lab.address(0)}/tcp/{port}", "--run-dir", str(tmp_path / "c")],
+                "port": [*readme_flags(lab, 0), "--run-dir", str(tmp_path / "c")],
                 "folder": ["--run-dir", str(tmp_path / "a")],
             }
             for what, flags in attempts.items():
@@ -238,13 +236,7 @@ def test_a_second_peer_cannot_squat_a_running_peers_port_or_folder(tmp_path):
                 assert squatter.returncode == 2 and len(errors) == 1 and expected in errors[0], (
                     squatter.stderr
                 )
-            joiner = PeerProcess(
-                "b",
-                ["join", address, *common, *readme, f"/ip4/{lab.address(1)}/tcp/{port}",
-                 "--name", "b", "--run-dir", str(tmp_path / "b")],
-                tmp_path,
-                wrap=lambda argv: lab.command(1, argv),
-            )  # fmt: skip
+            joiner = lab_peer(lab, 1, "b", ["join", address, *common, *readme_flags(lab, 1)], tmp_path)
             peers.append(joiner)
             for peer in peers:
                 assert peer.wait(timeout=180) == 0, peer.stderr()[-3000:]
@@ -264,16 +256,9 @@ def test_a_private_run_across_machines_averages_on_hivemind_s_path(tmp_path):
     same bits (swarm.butterfly). The same flags' public run takes the direct plane (above)."""
     from tests.integration.test_netlab import run_pair
 
-    port = 31337
     with netlab.NetLab(2, rate=None) as lab:
         common = [*FAST, "--run-id", "readme-private", "--secret", "two machines", "--codec", "fp16"]
-        readme = ["--host", "0.0.0.0", "--port", str(port), "--announce"]
-        peers = run_pair(
-            lab,
-            tmp_path,
-            [*common, "--rounds", "4"],
-            lambda i: [*readme, f"/ip4/{lab.address(i)}/tcp/{port}"],
-        )
+        peers = run_pair(lab, tmp_path, [*common, "--rounds", "4"], lambda i: readme_flags(lab, i))
     for peer in peers:
         log = peer.stderr()
         assert "hivemind's encrypted path" in log and "frame #" not in log and "Traceback" not in log
@@ -337,23 +322,13 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
     the honest donor serves. A stranger on the joiner's machine then tries the first donor's
     listener without the token of an offer: it gets not one byte, every connection is closed
     within the token's wait, and the three go on averaging."""
-    port, service = 31337, 31338
+    service = README_PORT + 1
     peers: list[PeerProcess] = []
     FaultPlan(offer_loopback_port=service).write(tmp_path / "liar.json")
     with netlab.NetLab(3, rate=None) as lab, _service_on_loopback(lab, 2, service) as connections:
 
         def start(i: int, args: list[str]) -> PeerProcess:
-            name = "abc"[i]
-            flags = [
-                "--host",
-                "0.0.0.0",
-                "--port",
-                str(port),
-                "--announce",
-                f"/ip4/{lab.address(i)}/tcp/{port}",
-            ]
-            where = [*flags, "--name", name, "--run-dir", str(tmp_path / name)]
-            peers.append(PeerProcess(name, [*args, *where], tmp_path, wrap=lambda argv: lab.command(i, argv)))
+            peers.append(lab_peer(lab, i, "abc"[i], [*args, *readme_flags(lab, i)], tmp_path))
             return peers[-1]
 
         common = [*FAST, "--run-id", "readme-join", "--rounds", "0"]  # until Ctrl+C
@@ -395,6 +370,51 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
     mates = {r["outer_step"]: r for r in first.events("round") if r["group_size"] == 3}
     shared = [r for r in joiner.events("round") if r["group_size"] == 3 and r["outer_step"] in mates]
     assert shared and all(not r["resync"] for r in shared), shared
+
+
+@pytest.mark.faults
+@NETNS
+@pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+def test_an_overlapped_run_on_three_machines_takes_in_a_joiner(tmp_path):
+    """--overlap across three network namespaces, with the README's multi-machine flags: the
+    joiner gets the state over the direct transport while the round in flight is still being
+    averaged (overlapped donors keep no ready snapshot: each makes one when asked), another peer
+    confirms it, and the three then average with one θ."""
+    peers: list[PeerProcess] = []
+    with netlab.NetLab(3, rate=None) as lab:
+
+        def start(i: int, args: list[str]) -> PeerProcess:
+            peers.append(lab_peer(lab, i, "abc"[i], [*args, *readme_flags(lab, i)], tmp_path))
+            return peers[-1]
+
+        common = [*FAST, "--run-id", "overlap-join", "--rounds", "0", "--overlap"]  # until Ctrl+C
+        try:
+            first = start(0, ["start", *common, "--min-peers", "2"])
+            address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
+            start(1, ["join", address, *common])
+            first.wait_event("round", lambda e: e["outer_step"] >= 2 and e["group_size"] == 2, timeout=120)
+            joiner = start(2, ["join", address, *common])
+            downloaded = joiner.wait_event("state_downloaded", timeout=120)
+            together = joiner.wait_event("round", lambda e: e["group_size"] == 3, timeout=120)
+            first.wait_event("round", lambda e: e["outer_step"] >= together["outer_step"] + 3, timeout=120)
+            for peer in peers:
+                peer.process.send_signal(signal.SIGINT)
+            for peer in peers:
+                assert peer.wait(timeout=60) == 0, peer.stderr()[-3000:]
+        finally:
+            for peer in peers:
+                peer.kill()
+    log = joiner.stderr()
+    assert downloaded["outer_step"] >= 2, downloaded
+    assert "downloaded the state at outer step" in log, log[-3000:]  # the direct transport
+    assert "confirmed by" in log or "moved past outer step" in log, log[-3000:]
+    for peer in peers:
+        assert "frame #" not in peer.stderr() and "Traceback" not in peer.stderr(), peer.stderr()[-3000:]
+    # The same θ at every round the three averaged together: no resync after the first.
+    mates = {r["outer_step"] for r in first.events("round") if r["group_size"] == 3}
+    shared = [r for r in joiner.events("round") if r["group_size"] == 3 and r["outer_step"] in mates]
+    assert len(shared) >= 2 and all(not r["resync"] for r in shared), shared
+    assert {r["plane"] for r in shared} == {"direct"}, shared
 
 
 SERVICE = """
