@@ -234,6 +234,11 @@ def test_flags_reach_the_config() -> None:
             "workbench start: error: unrecognized arguments: " + ADDRESS + "; to join a run",
             id="start-with-an-address",
         ),
+        pytest.param(  # said by the action's own parser, which has the help for it
+            ["config", "keys", "--bogus"],
+            "workbench config keys: error: unrecognized arguments: --bogus (see workbench config keys --help)",
+            id="config-action-unknown-flag",
+        ),
         pytest.param(
             [
                 "steer",

@@ -183,13 +183,16 @@ def _one_line_errors(run, errors) -> int:
         return 0
 
 
-def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
     from workbench.cli.options import subparser
 
     hint = ""
-    if command in ("start", "demo") and any("/p2p/" in item or item.startswith("/ip") for item in extra):
+    if args.command in ("start", "demo") and any("/p2p/" in item or item.startswith("/ip") for item in extra):
         hint = "; to join a run through a peer's address: workbench join ADDRESS"
-    subparser(parser, command).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    said_by = subparser(parser, args.command)
+    if getattr(args, "config_command", None):  # `workbench config show: error: ...`
+        said_by = subparser(said_by, args.config_command)
+    said_by.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
@@ -198,7 +201,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # said by the command's own parser: "workbench start: error: ..."
-            _unrecognized(parser, args.command, extra)
+            _unrecognized(parser, args, extra)
     except SystemExit as stop:  # a mistake, already said in one line (see _Parser); --help re-raises
         if stop.code == EXIT_USER_ERROR:
             return EXIT_USER_ERROR
