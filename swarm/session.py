@@ -33,6 +33,11 @@ class RunSession:
     def peer_id(self) -> str:
         return self.dht.peer_id.to_base58()
 
+    @property
+    def key_kept(self) -> bool:
+        """Whether the identity key file outlives this session (False: a throwaway key)."""
+        return self.identity_path not in self._cleanup
+
     def close(self, *nodes: object) -> None:
         """Shut down ``nodes`` (averagers) first, then the DHT; remove throwaway keys."""
         shutdown_quietly(*nodes, self.dht)

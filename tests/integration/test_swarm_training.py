@@ -21,6 +21,9 @@ def test_two_peers_agree_and_learn(spawn):
     assert "direct data plane" not in first.stderr() + second.stderr()
 
     assert "workbench join" in first.stdout() and first.address() in first.stdout()
+    # The owner key to steer with: the run folder's, kept (no "temporary file" note).
+    assert f"--key FILE`): {first.directory / 'identity.key'}\n" in first.stdout(), first.stdout()
+    assert "temporary file" not in first.stdout()
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
     for peer in (first, second):
         rounds = peer.events("round")

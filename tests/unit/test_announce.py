@@ -16,7 +16,8 @@ def test_the_join_command_is_printed_before_the_started_event(monkeypatch):
         config=types.SimpleNamespace(network=types.SimpleNamespace(initial_peers=[])),
         beat=lambda stage: order.append(f"beat {stage.value}"),
         dht=None,
-        on_started=lambda addresses: order.append(f"printed {addresses[0]}"),
+        on_started=lambda addresses, key, kept: order.append(f"printed {addresses[0]} {key} {kept}"),
+        session=types.SimpleNamespace(identity_path="/tmp/k.key", key_kept=False),
         emit=lambda kind, **fields: order.append(kind),
         peer_id="Qm",
         device="cpu",
@@ -26,4 +27,4 @@ def test_the_join_command_is_printed_before_the_started_event(monkeypatch):
         corpus=types.SimpleNamespace(source="bytes"),
     )
     peer_module.Peer._announce(stub)
-    assert order[1:] == ["printed /ip4/127.0.0.1/tcp/1/p2p/Qm", "started"], order
+    assert order[1:] == ["printed /ip4/127.0.0.1/tcp/1/p2p/Qm /tmp/k.key False", "started"], order

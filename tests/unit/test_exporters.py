@@ -59,6 +59,24 @@ def test_tensorboard_event_files_load_back(tmp_path: Path) -> None:
     assert accumulator.Scalars("done/final_eval_loss")[0].step == 3
 
 
+def test_a_replay_keeps_the_events_asked_for_and_refuses_table_flags(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = _run_dir(tmp_path)
+    assert main(["export", str(run_dir), "--events", "round", "--tensorboard", str(tmp_path / "tb")]) == 0
+    accumulator = EventAccumulator(str(tmp_path / "tb" / "a"))
+    accumulator.Reload()
+    tags = accumulator.Tags()["scalars"]
+    assert "loss" in tags and not any(t.startswith(("initial_eval/", "done/")) for t in tags), tags
+    assert "a: 3 events exported" in capsys.readouterr().err
+    for flag in (["--csv"], ["--out", str(tmp_path / "x.csv")]):  # ignored before: no table, no error
+        assert main(["export", str(run_dir), *flag, "--tensorboard", str(tmp_path / "tb2")]) == 2
+        error = capsys.readouterr().err
+        assert f"{flag[0]} writes the table" in error and error.count("\n") == 1, error
+    assert not (tmp_path / "tb2").exists() and not (tmp_path / "x.csv").exists()
+
+
 def test_wandb_offline_runs_hold_the_history(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")

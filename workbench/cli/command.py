@@ -31,6 +31,8 @@ from workbench.cli.options import (
 from workbench.settings.commands import add_demo_options, add_peer_options
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from workbench.config import RunConfig
 
 __all__ = ["EXIT_INTERRUPTED", "EXIT_USER_ERROR", "build_config", "build_parser", "main"]
@@ -135,7 +137,7 @@ def _configure_logging(verbose: int) -> None:
     logging.getLogger("multiaddr").setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
 
 
-def _print_join_command(config: RunConfig, addresses: list[str]) -> None:
+def _print_join_command(config: RunConfig, addresses: list[str], key: Path, kept: bool) -> None:
     from workbench.cli.argv import join_command
 
     public = [a for a in addresses if "/127." not in a and "/::1/" not in a] or addresses
@@ -145,6 +147,13 @@ def _print_join_command(config: RunConfig, addresses: list[str]) -> None:
         print("Other addresses of this peer: " + " ".join(public[1:]) + "\n", flush=True)
     if config.peer.secret:
         print("This run is private: give joiners the run secret in place of SECRET, privately.\n", flush=True)
+    print(f"The run's owner key, to steer it (`workbench steer ADDRESS --key FILE`): {key}", flush=True)
+    if not kept:  # the run could not be steered once this peer is gone
+        print(
+            "(a temporary file, deleted when this peer exits: --run-dir DIR or --identity FILE keeps it)",
+            flush=True,
+        )
+    print(flush=True)
     if config.network.host == "127.0.0.1":
         print(
             "(listening on 127.0.0.1 only: use --host 0.0.0.0 and --announce for other machines)\n",
@@ -279,7 +288,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
             check_present(config.peer.resume)
 
         on_started = (
-            (lambda addresses: _print_join_command(config, addresses)) if args.command == "start" else None
+            (lambda addresses, key, kept: _print_join_command(config, addresses, key, kept))
+            if args.command == "start"
+            else None
         )
         global _ran_torch
         _ran_torch = True

@@ -36,7 +36,8 @@ def add_export_parser(commands) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a peer's or a demo's --run-dir")
     parser.add_argument("--csv", action="store_true", help="CSV (default: JSON lines)")
     parser.add_argument(
-        "--events", default="round", help="comma-separated event kinds, or 'all' (default: round)"
+        "--events",
+        help="comma-separated event kinds, or 'all' (default: round; with --tensorboard/--wandb: all)",
     )
     parser.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     parser.add_argument(
@@ -139,11 +140,19 @@ def _open_out(path: str):
         raise ExportError(f"cannot write --out {path}: {error.strerror or error}") from None
 
 
+def _kinds(events: str) -> set[str] | None:
+    return None if events == "all" else {k.strip() for k in events.split(",") if k.strip()}
+
+
 def run_export_command(args: argparse.Namespace) -> int:
     if args.tensorboard or args.wandb:
+        if args.csv or args.out:
+            raise ExportError(
+                f"{'--csv' if args.csv else '--out'} writes the table; with --tensorboard or --wandb the "
+                "events go there instead: drop it, or export the table in a second command"
+            )
         return _replay(args)
-    kinds = None if args.events == "all" else {k.strip() for k in args.events.split(",") if k.strip()}
-    rows = read_events(args.run_dir, kinds)
+    rows = read_events(args.run_dir, _kinds(args.events or "round"))
     out = _open_out(args.out) if args.out else sys.stdout
     try:
         if args.csv:
@@ -168,11 +177,12 @@ def run_export_command(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    """Every peer's events into TensorBoard and/or W&B, one run per peer."""
+    """Every peer's events (of ``--events``; default all) into TensorBoard and/or W&B, one run
+    per peer."""
     from workbench.run.exporters import make_exporters
 
     peers: dict[str, list[dict[str, Any]]] = {}
-    for event in read_events(args.run_dir, None):
+    for event in read_events(args.run_dir, _kinds(args.events or "all")):
         peers.setdefault(str(event.get("peer", "peer")), []).append(event)
     for name, events in peers.items():
         exporters = make_exporters(

@@ -61,7 +61,11 @@ class Peer:
     checkpoints (:mod:`workbench.run.checkpoint`) and, in the local lab, injected faults
     (:mod:`workbench.run.faults`). This class runs the rounds and publishes the heartbeat."""
 
-    def __init__(self, config: RunConfig, *, on_started: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, *, on_started: Callable[[list[str], Path, bool], None] | None = None
+    ) -> None:
+        """``on_started(addresses, key, kept)``: called once the peer is reachable, with its
+        addresses, its key file and whether that file is kept (else deleted when the peer exits)."""
         self.config = config
         self.on_started = on_started
         run_dir = config.peer.run_dir
@@ -178,7 +182,7 @@ class Peer:
         addresses = visible_addresses(self.dht)
         self.addresses = addresses
         if self.on_started:  # first: whoever sees the "started" event can read the join command
-            self.on_started(addresses)
+            self.on_started(addresses, self.session.identity_path, self.session.key_kept)
         self.emit(
             "started",
             peer_id=self.peer_id,
@@ -680,7 +684,9 @@ class Peer:
         self.events.close()
 
 
-def run_peer(config: RunConfig, *, on_started: Callable[[list[str]], None] | None = None) -> dict[str, Any]:
+def run_peer(
+    config: RunConfig, *, on_started: Callable[[list[str], Path, bool], None] | None = None
+) -> dict[str, Any]:
     """Run a peer in the main thread; Ctrl+C, SIGTERM or SIGHUP stops it cleanly within seconds."""
     with stopped_by_signals():  # SIGTERM, SIGHUP (a closed terminal): like Ctrl+C
         stop_with_launcher()  # started by the local lab: also when the lab is gone

@@ -37,7 +37,10 @@ class ModelAndData:
         metavar="PRESET|DIR",
     )
     block_size: int | None = setting(
-        None, "context length in tokens (default: the preset's, 128)", bound="block_size", metavar="T"
+        None,
+        "context length in tokens (default: the preset's: tiny 64, small 128, medium 256)",
+        bound="block_size",
+        metavar="T",
     )
     tokenizer: str | None = setting(
         None,
