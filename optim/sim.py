@@ -60,6 +60,9 @@ class SimConfig:
     on_round: Callable[[dict[str, float]], None] | None = None
     """Called from each virtual peer's thread after each of its rounds with {"rank", "round",
     "step", "loss" (last inner loss), "bytes" (its payload bytes so far)}: live progress."""
+    on_eval: Callable[[dict[str, float]], None] | None = None
+    """Called with each entry of the history as it is evaluated ({"round", "step",
+    "eval_loss", "bytes_per_peer"}), the initial evaluation first (round 0)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.peers <= 1024:
@@ -225,6 +228,8 @@ def simulate(
     swarm = InProcessSwarm(config.peers, dropout=config.dropout, seed=config.seed)
     peers = [make_peer(rank, swarm) for rank in range(config.peers)]
     initial = _evaluate_global(peers[0], evaluate)
+    if config.on_eval is not None:
+        config.on_eval({"round": 0, "step": 0, "eval_loss": initial, "bytes_per_peer": 0})
     bytes_sent = [0] * config.peers
     peak = [0] * config.peers
     history: list[dict[str, float]] = []
@@ -282,11 +287,13 @@ def simulate(
                     history.append(
                         {
                             "round": round_index + 1,
-                            "step": (round_index + 1) * peer.inner_steps,
+                            "step": min((round_index + 1) * peer.inner_steps, config.steps),
                             "eval_loss": _evaluate_global(peer, evaluate),
                             "bytes_per_peer": bytes_sent[0],
                         }
                     )
+                    if config.on_eval is not None:
+                        config.on_eval(dict(history[-1]))
         except threading.BrokenBarrierError:
             pass  # another peer failed; its error is reported
         except BaseException as error:

@@ -178,14 +178,24 @@ def helper(script: str, *args: str) -> subprocess.Popen:
 
 
 def workbench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    """``python -m workbench args...`` to its end: a CLI command (status, steer, a refused join)."""
-    return subprocess.run(
-        [sys.executable, "-m", "workbench", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
+    """``python -m workbench args...`` to its end: a CLI command (status, steer, a refused join).
+    One still running after ``timeout`` s fails the test with every thread's stack (workbench
+    dumps them on SIGUSR1) and what it printed: where it hung, not only that it did."""
+    argv = [sys.executable, "-m", "workbench", *args]
+    process = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
     )
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(2.0)
+        process.kill()
+        out, err = process.communicate()
+        pytest.fail(
+            f"`workbench {' '.join(args)}` still running after {timeout} s:\n{out[-2000:]}\n{err[-8000:]}"
+        )
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
 
 
 def workbench_all(*commands: list[str], timeout: float = 90) -> list[subprocess.CompletedProcess]:

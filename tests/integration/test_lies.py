@@ -15,7 +15,7 @@ import time
 import pytest
 
 from swarm.faults import FaultPlan
-from tests.integration.conftest import FAST, JOIN_ROUNDS, helper, kill_group, max_abs_diff
+from tests.integration.conftest import FAST, JOIN_ROUNDS, helper, kill_group, max_abs_diff, workbench
 
 LIAR = """
 import sys, time
@@ -66,12 +66,7 @@ def test_a_lying_heartbeat_moves_nothing(spawn, mode):
         # values, the honest peers' flags for lies about rounds), and not among the peers.
         ignored, snapshot, deadline = [], {}, time.monotonic() + 180
         while not ignored and time.monotonic() < deadline:
-            status = subprocess.run(
-                [sys.executable, "-m", "workbench", "status", first.address(), "--run-id", run_id, "--json"],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            status = workbench("status", first.address(), "--run-id", run_id, "--json", timeout=60)
             if status.returncode == 0:
                 snapshot = json.loads(status.stdout.splitlines()[-1])
                 ignored = [i["peer_id"] for i in snapshot["ignored"]]

@@ -106,12 +106,15 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
     assert "--secret SECRET" in owner.stdout() and secret not in owner.stdout()
 
     # Without the secret, status sees nobody and join finds no run; with it, status sees the
-    # owner. (Three independent processes: side by side.)
+    # owner. (Three independent processes: side by side.) The join's --connect-timeout also
+    # covers starting its own p2p daemon: 3 s ran out before it reached the owner beside a busy
+    # loop on 2 cores ("could not reach any bootstrap peer within 3 s"); 10 s also bounds its
+    # wait for a live peer of the run.
     pool = ThreadPoolExecutor(1)
     checked = pool.submit(
         workbench_all,
         ["status", address, "--run-id", "private", "--json"],
-        ["join", address, *FAST, "--run-id", "private", "--connect-timeout", "3"],
+        ["join", address, *FAST, "--run-id", "private", "--connect-timeout", "10"],
         ["status", address, "--run-id", "private", "--secret", secret, "--json"],
     )
     pool.shutdown(wait=False)

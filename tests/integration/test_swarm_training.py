@@ -28,6 +28,7 @@ def test_two_peers_agree_and_learn(spawn):
     for peer in (first, second):
         rounds = peer.events("round")
         assert [r["outer_step"] for r in rounds] == [1, 2, 3, 4]
+        assert all(r["evaluated"] for r in rounds)  # --eval-every 1
         assert all(r["group_size"] == 2 for r in rounds), [
             (r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds
         ]

@@ -68,7 +68,7 @@ def _bigram(**kwargs) -> Experiment:
 
 
 def test_a_simulation_stops_at_the_end_of_a_round_and_keeps_the_rounds_done():
-    run = _bigram(steps=100_000).run()
+    run = _bigram(steps=100_000, eval_every=1).run()
     deadline = time.monotonic() + 60
     while run.source().poll().outer_round < 2:
         assert time.monotonic() < deadline and run.running
@@ -78,8 +78,11 @@ def test_a_simulation_stops_at_the_end_of_a_round_and_keeps_the_rounds_done():
         run.wait(timeout=60)
     assert not run.running and "stopped" in repr(run)
     history = run.history()
-    assert len(history) >= 2 and history["loss"].notna().all()
-    assert history["round"].tolist() == sorted(history["round"])
+    assert len(history) >= 3 and history["round"].tolist() == list(range(len(history)))
+    done = history[history["round"] > 0]  # the rounds every peer finished, with what they measured
+    # (the last may have been stopped before rank 0 evaluated it)
+    assert done["loss"].notna().all() and done["eval_loss"].iloc[:-1].notna().all(), history
+    assert done["seconds"].is_monotonic_increasing and done["seconds"].nunique() == len(done), history
     # The view keeps the peers that ran, done with their rounds.
     snapshot = run.source().poll()
     assert len(snapshot.peers) == 2 and {p.stage.value for p in snapshot.peers.values()} == {"finishing"}
@@ -131,10 +134,113 @@ def test_compare_names_the_runs_with_nothing_to_draw():
     done = _bigram(steps=4).run().wait(timeout=120)
     with pytest.raises(ValueError, match="has not run \\(call .run\\(\\) first\\)"):
         compare([done, _bigram(steps=4, name="later")])
-    failed = _bigram(steps=100_000, name="cut").run()
-    failed.stop()
-    with pytest.raises(SwarmError):
+    failed = _bigram(steps=4, name="cut", data="/nonexistent/corpus").run()
+    with pytest.raises(ValueError, match="/nonexistent/corpus"):
         failed.wait(timeout=60)
-    with pytest.raises(ValueError, match="cut ended with no evaluation \\(cut was stopped"):
-        compare([done, failed])  # a simulation evaluates at its end: stopped early, none
+    with pytest.raises(ValueError, match="cut ended with no evaluation \\("):
+        compare([done, failed])  # it failed before its first evaluation
+    with pytest.raises(ValueError, match="sent no bytes"):
+        compare(
+            [
+                Experiment(model=_Bigram, loss_fn=_loss, peers=1, steps=4, inner_steps=2, name="solo")
+                .run()
+                .wait(timeout=120)
+            ],
+            x="bytes",
+        )
+    with pytest.raises(ValueError, match="compare takes a list of experiments"):
+        compare([])
     assert compare([done]).get_legend().get_texts()[0].get_text() == done.name
+    assert compare(done).get_legend().get_texts()[0].get_text() == done.name  # one alone
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "rounds", "steps", "evaluated"),
+    [
+        # The last round is short (30 = 20 + 10): one row for it, at the step the peers reached.
+        (dict(inner_steps=20, steps=30), [0, 1, 2], [0, 20, 30], [0, 1, 2]),
+        # --eval-every 3: a row for every round, an eval loss where evaluated (and at the end).
+        (dict(inner_steps=2, rounds=5, eval_every=3), [0, 1, 2, 3, 4, 5], [0, 2, 4, 6, 8, 10], [0, 3, 5]),
+        # Streaming syncs a fragment every H/F steps: still a row per outer round of H steps.
+        (
+            dict(method="streaming", inner_steps=4, fragments=2, rounds=3),
+            [0, 1, 2, 3],
+            [0, 4, 8, 12],
+            [0, 1, 2, 3],
+        ),
+    ],
+    ids=["short-last-round", "eval-every", "streaming"],
+)
+def test_a_simulations_history_has_one_row_per_outer_round(kwargs, rounds, steps, evaluated):
+    run = Experiment(model="tiny", peers=2, batch_size=4, **kwargs).run().wait(timeout=120)
+    history = run.history()
+    assert history["round"].tolist() == rounds and history["step"].tolist() == steps, history
+    assert history["tokens"].tolist() == [s * 2 * 4 * run.config.model.block_size for s in steps]
+    assert history.dropna(subset=["eval_loss"])["round"].tolist() == evaluated, history
+    assert history["eval_loss"].iloc[-1] == run.result.final_eval_loss
+    assert history["bytes_per_peer"].iloc[-1] == run.result.bytes_per_peer
+    assert history["bytes_per_peer"].is_monotonic_increasing and history["seconds"].notna().all()
+
+
+def test_text_numbers_and_a_stop_before_run_are_taken_as_the_cli_takes_them():
+    streaming = dict(method="streaming", inner_steps=4, fragments=2, peers=2, steps=8, model="tiny")
+    run = Experiment(alpha="0.5", sync_delay="1", **streaming)
+    run.stop()  # nothing to stop yet: the run goes on to its end
+    run.run().wait(timeout=120)
+    assert len(run.history()) == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(model=_Bigram), "_Bigram.forward takes only x: give loss_fn="),
+        (dict(speeds=["1", "1"]), "speeds is a list of numbers"),
+        (dict(speeds=5), "speeds is a list of numbers"),
+        (dict(backend="local", peers=65), "backend='local' starts at most 64 peers"),
+    ],
+)
+def test_more_bad_arguments_are_refused_where_they_are_written(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Experiment(**kwargs)
+
+
+def test_wait_takes_no_negative_timeout():
+    run = _bigram(steps=4).run()
+    with pytest.raises(ValueError, match="timeout is seconds to wait"):
+        run.wait(-1)
+    run.wait(timeout=120)
+
+
+class _Events:
+    """A real peer's event log as `_follow` reads it (workbench.local.launch.LocalPeer)."""
+
+    def __init__(self, events: list[dict]) -> None:
+        self.pending = events
+
+    def poll_events(self) -> list[dict]:
+        events, self.pending = self.pending, []
+        return events
+
+
+def test_real_peers_rounds_count_the_steps_they_ran_and_only_the_evaluations_made():
+    """The first peer's round events: its H was steered from 5 to 10 after round 2, and it
+    evaluates every 2 rounds (a round event carries the last evaluation otherwise)."""
+    run = Experiment(backend="local", peers=2, inner_steps=5, rounds=4, eval_every=2, model="tiny")
+    rounds = [(1, 5, 4.0, False), (2, 5, 3.5, True), (3, 10, 3.5, False), (4, 10, 3.0, True)]
+    events = [{"event": "initial_eval", "outer_step": 0, "eval_loss": 5.0}] + [
+        {
+            "event": "round",
+            "outer_step": r,
+            "inner_steps": h,
+            "loss": 4.5,
+            "eval_loss": e,
+            "evaluated": done,
+            "bytes_sent": 100,
+        }  # fmt: skip
+        for r, h, e, done in rounds
+    ]
+    run._follow(_Events(events), lambda: True)
+    history = run.history()
+    assert history["step"].tolist() == [0, 5, 10, 20, 30]
+    assert history["eval_loss"].tolist()[::2] == [5.0, 3.5, 3.0] and history["eval_loss"][1::2].isna().all()
+    assert history["bytes_per_peer"].tolist() == [0, 100, 200, 300, 400]

@@ -129,6 +129,10 @@ PEER_SETTINGS = (
 per-peer folders are written below)."""
 
 
+MAX_LOCAL_PEERS = 64
+"""Peers one machine's launcher starts (each is a process with its DHT and p2p daemon)."""
+
+
 def peer_arguments(config: RunConfig, *, name: str, run_dir: Path) -> list[str]:
     """CLI flags that rebuild ``config`` for one local peer."""
     try:
@@ -167,8 +171,8 @@ class LocalSwarm:
     """Starts, watches and stops N local peers."""
 
     def __init__(self, config: RunConfig, *, peers: int, run_dir: Path) -> None:
-        if not 1 <= peers <= 64:
-            raise LaunchError(f"--peers must be within 1..64 on one machine (got {peers})")
+        if not 1 <= peers <= MAX_LOCAL_PEERS:
+            raise LaunchError(f"--peers must be within 1..{MAX_LOCAL_PEERS} on one machine (got {peers})")
         self.config = config
         self.count = peers
         self.run_dir = run_dir
@@ -396,8 +400,8 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
         raise LaunchError("the demo needs --rounds >= 1")
     if config.peer.shard is not None:
         raise LaunchError("the demo gives each peer its own shard (I/N for peer I); drop --shard")
-    if not 1 <= args.peers <= 64:
-        raise LaunchError(f"--peers must be within 1..64 on one machine (got {args.peers})")
+    if not 1 <= args.peers <= MAX_LOCAL_PEERS:
+        raise LaunchError(f"--peers must be within 1..{MAX_LOCAL_PEERS} on one machine (got {args.peers})")
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="workbench-demo-"))
     config = replace(
         config, peer=replace(config.peer, run_id=f"demo-{uuid.uuid4().hex[:8]}", min_peers=args.peers)

@@ -112,7 +112,24 @@ def _custom_model(flags: dict[str, Any], backend: str) -> Callable[[], torch.nn.
     built = make()  # now, not in the run's thread: a broken factory fails here, where it is called
     if not isinstance(built, torch.nn.Module):
         raise ValueError(f"model() must return a torch.nn.Module (got {type(built).__name__})")
+    if loss_fn is None and not _takes_two(built):
+        raise ValueError(
+            f"{type(built).__name__}.forward takes only x: give loss_fn=<function of (output, y)>, or "
+            "make forward(x, y) return (output, loss)"
+        )
     return (lambda: WithLoss(make(), loss_fn)) if loss_fn is not None else make
+
+
+def _takes_two(module: torch.nn.Module) -> bool:
+    """Whether ``module(x, y)`` can be called (its forward takes a second positional argument)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the run say
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
 def config_from_flags(command: str = "demo", **flags: Any) -> tuple[RunConfig, Any]:
@@ -165,6 +182,13 @@ class Experiment:
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
         _check_counts(peers=peers, steps=steps, rounds=rounds)
+        if backend == "local":
+            from workbench.local.launch import MAX_LOCAL_PEERS
+
+            if peers > MAX_LOCAL_PEERS:
+                raise ValueError(
+                    f"backend='local' starts at most {MAX_LOCAL_PEERS} peers on this machine (got {peers})"
+                )
         if isinstance(initial_peers, (str, bytes)):
             raise ValueError(
                 f"initial_peers is a list of multiaddrs: initial_peers=[{initial_peers!r}] (got a string)"
@@ -175,8 +199,11 @@ class Experiment:
             from swarm.addresses import parse_peer_addresses
 
             parse_peer_addresses(initial_peers)  # a bad address is an error here, not in the run
-        if isinstance(speeds, (str, bytes)):
-            raise ValueError(f"speeds is a list of numbers, one per peer (got the string {speeds!r})")
+        if speeds is not None and (
+            not isinstance(speeds, (list, tuple))
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in speeds)
+        ):
+            raise ValueError(f"speeds is a list of numbers, one per peer, e.g. [1, 1, 0.5] (got {speeds!r})")
         if speeds is not None and backend != "sim":
             raise ValueError("speeds= sets the simulator's virtual clock: use it with backend='sim'")
         if backend == "sim" and flags.get("codec", "none") != "none":
@@ -276,6 +303,8 @@ class Experiment:
         """Block until the run ends; re-raises its error."""
         if self._thread is None:
             raise RuntimeError("call run() first")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout is seconds to wait, >= 0, or None to wait for the end (got {timeout})")
         try:
             # An Event, not Thread.join: Ctrl+C in a join can leave the thread looking finished
             # while it runs on (CPython's join lock), and then stop() and repr lie.
@@ -292,8 +321,10 @@ class Experiment:
 
     def stop(self) -> None:
         """Stop the run early: a simulation at the end of the round in progress (its history
-        keeps the rounds done), real peers leave cleanly. ``wait()`` then raises "was stopped"."""
-        self._stop.set()
+        keeps the rounds done), real peers leave cleanly. ``wait()`` then raises "was stopped".
+        Before ``run()`` (or after the run ended) there is nothing to stop: a no-op."""
+        if self.running:
+            self._stop.set()
 
     # --- results --------------------------------------------------------------------------------
 
@@ -308,6 +339,7 @@ class Experiment:
         return pd.DataFrame(rows, columns=columns)
 
     def _add(self, **row: Any) -> None:
+        """Append a history row (the dict itself: a simulation fills in its eval loss later)."""
         with self._lock:
             self._rows.append(row)
 
@@ -345,43 +377,42 @@ class Experiment:
             method=self.method,
             diloco=self.config.diloco,
             fragments=self.config.fragments,
-            sync_delay=self.flags.get("sync_delay") or 0,
-            alpha=self.flags.get("alpha"),
+            sync_delay=self.config.sync_delay,  # checked values: "0.5" from a notebook is a number here
+            alpha=self.config.alpha,
         )
-        H = spec.loop_steps()
+        H = spec.loop_steps()  # inner steps per simulator round: 1 for streaming's fragments
+        per_row = max(1, self.config.diloco.inner_steps // H)  # simulator rounds per outer round
         source = SimSource(self.name, self.peers, inner_steps=H)
         self._source = source
-        started = time.monotonic()
-        evals_wanted = min(self.steps // H, 24) or 1  # ~24 evaluations whatever H is
-        every = (
+        every = per_row * (
             self.args.eval_every  # checked as the flag is
             if self.flags.get("eval_every") is not None
-            else max(1, (self.steps // H) // evals_wanted)
+            else max(1, self.rounds // min(self.rounds, 24))  # ~24 evaluations whatever H is
         )
-        losses: dict[int, dict[int, float]] = {}
+        rows = _SimRows(self, H, per_row, time.monotonic())
         if self.flags.get("threads"):  # given: process-wide, as `workbench simulate --threads`
             torch.set_num_threads(self.config.train.threads)
 
         def on_round(info: dict[str, float]) -> None:
             source.update(info)
-            losses.setdefault(int(info["round"]), {})[int(info["rank"])] = info["loss"]
+            rows.reported(info)
             if self._stop.is_set():
-                raise Stopped(f"{self.name} was stopped at round {int(info['round'])}")
+                raise Stopped(f"{self.name} was stopped at round {rows.outer_round(int(info['round']))}")
 
         try:
-            result = self._simulate(spec, every, on_round)
-        except BaseException:
-            for at in sorted(losses):  # the rounds done: what a stopped or failed run leaves
-                step = at * H
-                mean = sum(losses[at].values()) / len(losses[at])
-                self._add(round=at, step=step, tokens=self._tokens(step), bytes_per_peer=None,
-                          loss=mean, eval_loss=None, seconds=time.monotonic() - started)  # fmt: skip
+            result = self._simulate(spec, every, on_round, rows.evaluated)
+        finally:
             source.finish()
-            raise
-        self._record_sim(result, losses, started)
-        source.finish()
+        self.result = result
+        rows.finish(result)
 
-    def _simulate(self, spec, every: int, on_round: Callable[[dict[str, float]], None]):
+    def _simulate(
+        self,
+        spec,
+        every: int,
+        on_round: Callable[[dict[str, float]], None],
+        on_eval: Callable[[dict[str, float]], None],
+    ):
         from optim.sim import SimConfig
         from workbench.simulate import run_simulation
 
@@ -397,44 +428,11 @@ class Experiment:
                 seed=self.config.peer.seed,
                 eval_every=every,
                 on_round=on_round,
+                on_eval=on_eval,
                 speeds=self.speeds,
                 round_seconds=self.config.peer.round_seconds,
             ),
         )
-
-    def _record_sim(self, result, losses: dict[int, dict[int, float]], started: float) -> None:
-        self.result = result
-        self._add(
-            round=0,
-            step=0,
-            tokens=0,
-            bytes_per_peer=0,
-            loss=None,
-            eval_loss=result.initial_eval_loss,
-            seconds=0.0,
-        )
-        for entry in result.history:
-            at = losses.get(int(entry["round"]), {})
-            self._add(
-                round=int(entry["round"]),
-                step=int(entry["step"]),
-                tokens=self._tokens(int(entry["step"])),
-                bytes_per_peer=int(entry["bytes_per_peer"]),
-                loss=sum(at.values()) / len(at) if at else None,
-                eval_loss=entry["eval_loss"],
-                seconds=None,
-            )
-        last = self._rows[-1] if self._rows else None
-        if last is None or last["step"] != self.steps:
-            self._add(
-                round=result.rounds,
-                step=self.steps,
-                tokens=self._tokens(self.steps),
-                bytes_per_peer=result.bytes_per_peer,
-                loss=None,
-                eval_loss=result.final_eval_loss,
-                seconds=time.monotonic() - started,
-            )
 
     def _local_config(self) -> RunConfig:
         run_id = f"nb-{uuid.uuid4().hex[:8]}"
@@ -496,7 +494,7 @@ class Experiment:
     def _follow(self, peer, finished) -> None:
         """Turn a real peer's round events into history rows until the run ends."""
         started = time.monotonic()
-        sent = 0
+        sent = step = 0
         while True:
             for event in peer.poll_events():
                 if event["event"] == "initial_eval":
@@ -511,14 +509,15 @@ class Experiment:
                     )
                 if event["event"] == "round":
                     sent += event["bytes_sent"]
-                    step = event["outer_step"] * self.config.diloco.inner_steps
+                    # Its own H this round: steered or time-boxed rounds change it.
+                    step += event.get("inner_steps") or self.config.diloco.inner_steps
                     self._add(
                         round=event["outer_step"],
                         step=step,
                         tokens=self._tokens(step),
                         bytes_per_peer=sent,
                         loss=event["loss"],
-                        eval_loss=event["eval_loss"],
+                        eval_loss=event["eval_loss"] if event.get("evaluated", True) else None,
                         seconds=time.monotonic() - started,
                     )
                 if event["event"] == "done":
@@ -531,6 +530,79 @@ class Experiment:
             time.sleep(0.3)
 
 
+class _SimRows:
+    """A simulation's history rows, made as it runs: one per outer round once every virtual peer
+    has reported it (a round cut short by stop() leaves no row), its eval loss added when rank 0
+    evaluates it. Streaming's simulator rounds are single inner steps: ``per_row`` of them make
+    an outer round (H inner steps)."""
+
+    def __init__(self, experiment: Experiment, loop_steps: int, per_row: int, started: float) -> None:
+        self.experiment, self.started = experiment, started
+        self.loop_steps, self.per_row = loop_steps, per_row
+        self.lock = threading.Lock()
+        self.reports: dict[int, dict[int, dict[str, float]]] = {}  # simulator round -> rank -> info
+        self.trained = [0] * experiment.peers  # inner steps each peer ran so far
+        self.rows: dict[int, dict[str, Any]] = {}  # outer round -> its row (also in the history)
+        self.evals: dict[int, float] = {}  # outer round -> eval loss, when it came first
+
+    def outer_round(self, sim_round: int) -> int:
+        return -(-sim_round // self.per_row)
+
+    def reported(self, info: dict[str, float]) -> None:
+        sim_round, rank = int(info["round"]), int(info["rank"])
+        experiment = self.experiment
+        with self.lock:
+            self.trained[rank] += int(info["step"]) - (sim_round - 1) * self.loop_steps  # this round's
+            at = self.reports.setdefault(sim_round, {})
+            at[rank] = dict(info)
+            if len(at) < experiment.peers:
+                return
+            del self.reports[sim_round]
+            step = max(int(i["step"]) for i in at.values())
+            if sim_round % self.per_row and step < experiment.steps:
+                return  # inside an outer round (streaming)
+            outer = self.outer_round(sim_round)
+            config = experiment.config
+            row = dict(
+                round=outer,
+                step=step,
+                tokens=sum(self.trained) * config.data.batch_size * config.model.block_size,
+                bytes_per_peer=int(at[0]["bytes"]),
+                loss=sum(i["loss"] for i in at.values()) / len(at),
+                eval_loss=self.evals.pop(outer, None),
+                seconds=time.monotonic() - self.started,
+            )
+            self.rows[outer] = row
+        with experiment._lock:  # noqa: SLF001 - the experiment's own rows, this very dict
+            experiment._rows.append(row)  # noqa: SLF001
+
+    def evaluated(self, entry: dict[str, float]) -> None:
+        outer = self.outer_round(int(entry["round"]))
+        with self.lock:
+            if outer == 0:
+                row = dict(round=0, step=0, tokens=0, bytes_per_peer=0, loss=None,
+                           eval_loss=entry["eval_loss"], seconds=0.0)  # fmt: skip
+                self.rows[0] = row
+            elif outer in self.rows:  # rank 0 evaluates after every peer reported: usually here
+                with self.experiment._lock:  # noqa: SLF001
+                    self.rows[outer]["eval_loss"] = entry["eval_loss"]
+                return
+            else:
+                self.evals[outer] = entry["eval_loss"]
+                return
+        with self.experiment._lock:  # noqa: SLF001
+            self.experiment._rows.append(row)  # noqa: SLF001
+
+    def finish(self, result: Any) -> None:
+        """The last row takes the run's end: the means a delayed or overlapped run still had in
+        flight applied, and the final θ's eval loss."""
+        with self.lock, self.experiment._lock:  # noqa: SLF001
+            last = self.rows.get(max(self.rows, default=0))
+            if last is not None and last["round"] > 0:
+                last["bytes_per_peer"] = int(result.bytes_per_peer)
+                last["eval_loss"] = result.final_eval_loss
+
+
 def compare(experiments: list[Experiment], *, x: str = "tokens", ax=None):
     """Eval loss of several runs against tokens trained (``x="tokens"``) or bytes each peer sent
     (``x="bytes"``), on one matplotlib axis; returns the axis."""
@@ -538,6 +610,10 @@ def compare(experiments: list[Experiment], *, x: str = "tokens", ax=None):
 
     if x not in ("tokens", "bytes"):
         raise ValueError("x must be 'tokens' or 'bytes'")
+    if isinstance(experiments, Experiment):
+        experiments = [experiments]
+    if not experiments:
+        raise ValueError("compare takes a list of experiments (got none)")
     column = "tokens" if x == "tokens" else "bytes_per_peer"
     frames = []
     for experiment in experiments:
@@ -551,7 +627,14 @@ def compare(experiments: list[Experiment], *, x: str = "tokens", ax=None):
                 else "has no evaluation yet (.wait() for it)"
             )
             raise ValueError(f"{experiment.name} {why}: nothing to compare")
-        frames.append(frame[frame[column] > 0] if x == "bytes" else frame)
+        if x == "bytes":
+            frame = frame[frame[column] > 0]
+            if frame.empty:
+                raise ValueError(
+                    f"{experiment.name} sent no bytes (a single peer averages with nobody): compare it "
+                    "with x='tokens'"
+                )
+        frames.append(frame)
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4))
     for experiment, frame in zip(experiments, frames, strict=True):

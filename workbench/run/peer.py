@@ -370,11 +370,12 @@ class Peer:
             # params this peer carries on with (and matches the others').
             logger.warning("%s: %s; downloading the global state", self.name, resync)
             self.download_state(resync, avoid=outvoted)
-        if self.diloco.outer_step_count % cfg.peer.eval_every == 0 or (
+        evaluated = self.diloco.outer_step_count % cfg.peer.eval_every == 0 or bool(
             cfg.peer.rounds and self.diloco.outer_step_count >= self.config.total_rounds
-        ):
+        )
+        if evaluated:
             eval_loss = self.evaluate()
-        self._report_round(report, info, eval_loss, resync, round_start, compute)
+        self._report_round(report, info, eval_loss, resync, round_start, compute, evaluated)
         return eval_loss
 
     def evaluate(self) -> float:
@@ -437,11 +438,13 @@ class Peer:
         resync: str | None,
         round_start: float,
         compute: float,
+        evaluated: bool,
     ) -> None:
         outer_step = self.diloco.outer_step_count
         self.emit(
             "round",
             **round_fields(report, info, outer_step, self.stats, eval_loss=eval_loss, resync=resync),
+            evaluated=evaluated,  # else eval_loss is the last evaluation's (--eval-every)
             round_seconds=time.monotonic() - round_start,
             compute_seconds=compute,
         )
