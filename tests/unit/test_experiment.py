@@ -197,10 +197,14 @@ def test_text_numbers_and_a_stop_before_run_are_taken_as_the_cli_takes_them():
         (dict(speeds=["1", "1"]), "speeds is a list of numbers"),
         (dict(speeds=5), "speeds is a list of numbers"),
         (dict(backend="local", peers=65), "backend='local' starts at most 64 peers"),
+        (dict(backend="local", headless=True, json=True), "headless=, json=: `workbench demo`'s display"),
+        (dict(timeout=60), "timeout=: `workbench demo`'s display settings"),
+        (dict(backend="swarm", peers=3), "backend='swarm' runs one peer"),
+        (dict(backend="swarm", client_mode=True), "the first peer of a run must accept connections"),
     ],
 )
 def test_more_bad_arguments_are_refused_where_they_are_written(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, SwarmError), match=message):
         Experiment(**kwargs)
 
 

@@ -178,9 +178,18 @@ class LocalSwarm:
         self.run_dir = run_dir
         self.peers: list[LocalPeer] = []
 
-    def _spawn(self, command: str, name: str, extra: list[str], *, again: bool = False) -> LocalPeer:
+    def _spawn(
+        self,
+        command: str,
+        name: str,
+        extra: list[str],
+        *,
+        again: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> LocalPeer:
         """Start one peer in ``run_dir/name``; ``again``: a restart, which keeps its log of events
-        (and its identity key and checkpoints, as every start does)."""
+        (and its identity key and checkpoints, as every start does); ``env``: more variables
+        (a secret, which must not be on a command line)."""
         directory = self.run_dir / name
         directory.mkdir(parents=True, exist_ok=True)
         # A reused --run-dir starts clean; a restarted peer keeps its events and loses its faults.
@@ -207,7 +216,7 @@ class LocalSwarm:
             start_new_session=True,
             # It stops by itself if this process is gone without stopping it (killed, a notebook
             # kernel restarted): workbench.run.stopping.stop_with_launcher.
-            env={**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid())},
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid())},
         )
         log.close()
         peer = LocalPeer(name=name, directory=directory, process=process)

@@ -57,13 +57,12 @@ SIM_IGNORES = (
     "averaging_timeout",
     "data_plane",
     "device",
-    "headless",
     "matchmaking_time",
-    "no_tui",
     "shard",
-    "timeout",
 )
 """Settings of real peers that the simulator has no use for: refused on ``backend="sim"``."""
+DEMO_DISPLAY = ("headless", "json", "no_tui", "timeout")
+"""`workbench demo`'s ways to show and bound its run: an Experiment has its own (refused)."""
 
 
 class WithLoss(torch.nn.Module):
@@ -132,15 +131,26 @@ def _takes_two(module: torch.nn.Module) -> bool:
     return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
 
-def config_from_flags(command: str = "demo", **flags: Any) -> tuple[RunConfig, Any]:
+def config_from_flags(
+    command: str = "demo", *, initial_peers: list[str] | None = None, **flags: Any
+) -> tuple[RunConfig, Any]:
     """A RunConfig from settings given as keyword arguments, named as the CLI's flags
     (``inner_steps=20`` is ``--inner-steps 20``, ``eager=False`` is ``--no-eager``), checked
-    as the flags are (:mod:`workbench.settings`) and built directly, without argv."""
+    as the flags are (:mod:`workbench.settings`) and built directly, without argv
+    (``initial_peers``: the addresses of ``join``)."""
     from workbench.cli.options import build_config
     from workbench.settings.commands import values_of
 
     args = values_of(command, flags)
+    if command == "join":
+        args.peers = list(initial_peers or [])
     return build_config(args), args
+
+
+SWARM_SETTINGS = ("host", "port", "announce", "client_mode", "identity", "owner", "connect_timeout")
+"""The network settings a ``backend="swarm"`` peer is started with (beside the demo peers'
+:data:`workbench.local.launch.PEER_SETTINGS`; the secret goes by its environment variable, never
+on a command line)."""
 
 
 def _check_counts(**counts: Any) -> None:
@@ -167,7 +177,7 @@ class Experiment:
         self,
         *,
         backend: str = "sim",
-        peers: int = 4,
+        peers: int | None = None,
         steps: int | None = None,
         rounds: int | None = None,
         name: str | None = None,
@@ -181,6 +191,12 @@ class Experiment:
         ``round_seconds`` is wall time and each peer's speed is its own."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
+        if backend == "swarm" and peers is not None:
+            raise ValueError(
+                "backend='swarm' runs one peer on this machine, of a run others join from theirs: "
+                "peers= is for backend='sim' or 'local'"
+            )
+        peers = 1 if backend == "swarm" else 4 if peers is None else peers
         _check_counts(peers=peers, steps=steps, rounds=rounds)
         if backend == "local":
             from workbench.local.launch import MAX_LOCAL_PEERS
@@ -211,6 +227,12 @@ class Experiment:
                 f"codec={flags['codec']!r} is the wire codec of real peers' all-reduce, and the simulator "
                 f"has no wire: use update_codec={flags['codec']!r} to compress the updates it averages"
             )
+        shown = [key for key in DEMO_DISPLAY if flags.get(key) not in (None, False)]
+        if shown:
+            raise ValueError(
+                f"{', '.join(f'{key}=' for key in shown)}: `workbench demo`'s display settings; an "
+                "Experiment shows its run with .widget() and .history(), and .wait(timeout) bounds the wait"
+            )
         ignored = [key for key in SIM_IGNORES if flags.get(key) not in (None, False)]
         if backend == "sim" and ignored:
             raise ValueError(
@@ -224,10 +246,13 @@ class Experiment:
         self.make_model = _custom_model(flags, backend)  # your own nn.Module (sim), else None
         self.flags = dict(flags)
         self.method = flags.get("method", "diloco")
-        self.config, self.args = config_from_flags("demo", **flags)
+        # A swarm peer takes `workbench start`'s or `join`'s settings (--run-id, --host,
+        # --announce, --secret...); the others the demo's.
+        command = "demo" if backend != "swarm" else "join" if initial_peers else "start"
+        self.config, self.args = config_from_flags(command, initial_peers=initial_peers, **flags)
         H = self.config.diloco.inner_steps
         if steps is None and rounds is None:
-            rounds = 8
+            rounds = 0 if backend == "swarm" else 8  # a swarm peer: until stop(), as the CLI's
         self.rounds = rounds if rounds is not None else max(1, -(-steps // H))  # type: ignore[operator]
         self.steps = steps if steps is not None else self.rounds * H
         if backend == "sim":  # its settings, checked now rather than in the run's thread
@@ -459,17 +484,17 @@ class Experiment:
 
     def _run_swarm(self) -> None:
         """One real peer: joins ``initial_peers`` (or starts a run), as `workbench join/start`."""
+        from workbench.cli.argv import setting_arguments
         from workbench.local.launch import LaunchError, LocalSwarm
         from workbench.sources import LiveSource
 
-        config = self._local_config()
-        config = replace(
-            config, peer=replace(config.peer, min_peers=1, run_id=self.flags.get("run_id", "workbench"))
-        )
+        config = replace(self.config, peer=replace(self.config.peer, rounds=self.rounds))
         swarm = LocalSwarm(config, peers=1, run_dir=self.run_dir)
         swarm.run_dir.mkdir(parents=True, exist_ok=True)
-        command, extra = ("join", list(self.initial_peers)) if self.initial_peers else ("start", [])
-        peer = swarm._spawn(command, "peer", extra)  # noqa: SLF001 - one peer, no shard
+        command = "join" if self.initial_peers else "start"
+        extra = [*self.initial_peers, *setting_arguments(config, SWARM_SETTINGS, changed_only=True)]
+        secret = {"WORKBENCH_RUN_SECRET": config.peer.secret} if config.peer.secret else {}
+        peer = swarm._spawn(command, "peer", extra, env=secret)  # noqa: SLF001 - one peer, no shard
         try:
             deadline = time.monotonic() + 120
             while (started := peer.last("started")) is None:
@@ -479,11 +504,14 @@ class Experiment:
                 if time.monotonic() > deadline:
                     raise LaunchError(f"the peer did not start within 120 s:\n{peer.log_tail()}")
                 time.sleep(0.2)
-            owner_key = self.run_dir / "peer" / "identity.key"
+            owner_key = config.network.identity_path or self.run_dir / "peer" / "identity.key"
             self._source = LiveSource.connect(
                 self.initial_peers or started["addresses"][:1],
                 run_id=config.peer.run_id,
+                secret=config.peer.secret,
+                owner=config.peer.owner,
                 key=owner_key if not self.initial_peers else None,
+                connect_timeout=config.network.connect_timeout,
             )
             self._follow(peer, lambda: peer.process.poll() is not None)
         finally:
