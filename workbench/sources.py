@@ -52,6 +52,8 @@ class LiveSource:
         self._steering = None
         self._last: SwarmSnapshot | None = None
         self._lock = threading.Lock()  # poll runs in the UI's worker thread, steer in the UI thread
+        self.ended = False
+        """Closed (the run it watched is over): a poll gives the last reading."""
 
     @classmethod
     def connect(
@@ -74,7 +76,8 @@ class LiveSource:
 
     def poll(self) -> SwarmSnapshot:
         with self._lock:
-            self._last = self.monitor.poll()
+            if not (self.ended and self._last is not None):
+                self._last = self.monitor.poll()
             return self._last
 
     def _steering_api(self):
@@ -100,6 +103,8 @@ class LiveSource:
             return steering.publish(**changes)
 
     def close(self) -> None:
+        with self._lock:  # not in the middle of a poll
+            self.ended = True
         self.monitor.close()
         self.session.close()
 
@@ -271,6 +276,11 @@ class SimSource:
                     time=time.time(),
                 )
             )
+
+    @property
+    def ended(self) -> bool:
+        """The simulation is over (its last state stays in view)."""
+        return self._done
 
     def finish(self) -> None:
         """The run ended: its peers stay in view, done with their rounds (not "left": the

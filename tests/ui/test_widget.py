@@ -129,3 +129,18 @@ def test_static_html_fallback() -> None:
 def test_a_poll_interval_out_of_bounds_is_refused(interval) -> None:
     with pytest.raises(ValueError, match="--interval must be"):
         SwarmWidget(FakeSource(), interval=interval, autostart=False)
+
+
+def test_the_widget_stops_polling_once_the_run_is_over() -> None:
+    """A simulation's source says when it is over: the widget reads its last state and its
+    thread ends (one per widget kept polling a finished run until stop())."""
+    from workbench.sources import SimSource
+
+    source = SimSource("done soon", 2, inner_steps=5)
+    w = SwarmWidget(source, interval=0.05)
+    source.update({"rank": 0, "round": 1, "loss": 3.0, "bytes": 10})
+    assert w._thread.is_alive()
+    source.finish()
+    w._thread.join(timeout=5)
+    assert not w._thread.is_alive()
+    assert {p["stage"] for p in w.snapshot["peers"]} == {"finishing"}  # its last state, read

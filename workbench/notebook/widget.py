@@ -71,11 +71,15 @@ class SwarmWidget(anywidget.AnyWidget):
         self._stop.set()
 
     def _loop(self) -> None:
+        """Poll every ``interval`` until stop(), or until the run is over: its last state read,
+        nothing more will change (a thread per widget kept polling a finished run for good)."""
         while not self._stop.wait(self.interval):
             try:
                 self.refresh()
             except Exception as error:  # a poll hiccup: keep the last view, say so
                 self.message = f"poll failed: {error}"
+            if getattr(self.source, "ended", False):
+                return
 
     def refresh(self) -> None:
         """Read the source once and sync the view."""
