@@ -197,6 +197,10 @@ class RunConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
+    simulated: bool = False
+    """Built for the simulator (``Experiment(backend="sim")``), which runs streaming's fragments
+    on any schedule: the checks only real peers need (H divisible by F, no --delay) are not
+    made, as `workbench simulate` does not make them."""
 
     @property
     def outer_method(self) -> Method:
@@ -226,8 +230,10 @@ class RunConfig:
                 f"unknown method '{self.method}'; choose {', '.join(names(real_peers=True))} "
                 "(local_sgd and sparseloco are diloco with their preset's settings)"
             )
-        if self.outer_method.fragmented and (
-            self.fragments < 1 or self.diloco.inner_steps % self.fragments or self.diloco.delay
+        if (
+            self.outer_method.fragmented
+            and not self.simulated
+            and (self.fragments < 1 or self.diloco.inner_steps % self.fragments or self.diloco.delay)
         ):
             h, f = self.diloco.inner_steps, max(1, self.fragments)
             fits = [str(n) for n in range(2, 9) if h % n == 0]

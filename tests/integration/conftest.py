@@ -169,6 +169,14 @@ def lab_peer(lab: Any, i: int, name: str, args: list[str], tmp_path: Path) -> Pe
     return PeerProcess(name, [*args, *where], tmp_path, wrap=lambda argv: lab.command(i, argv))
 
 
+def interrupt_all(peers: list[PeerProcess] | tuple[PeerProcess, ...], timeout: float = 60) -> None:
+    """Ctrl+C to every peer at once, as a user stops a run; each must then exit 0."""
+    for peer in peers:
+        peer.process.send_signal(signal.SIGINT)
+    for peer in peers:
+        assert peer.wait(timeout=timeout) == 0, peer.stderr()[-3000:]
+
+
 def helper(script: str, *args: str) -> subprocess.Popen:
     """``python -c script args...`` in its own process group, stdout piped (an attacker, a
     squatter): stop it with :func:`kill_group`, which takes its hivemind children along."""

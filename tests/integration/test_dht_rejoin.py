@@ -17,7 +17,7 @@ from swarm.dht import NetworkConfig, dht_time, visible_addresses
 from swarm.progress import ProgressBoard
 from swarm.records import PeerHeartbeat, RunKeys, Stage
 from swarm.session import connect
-from tests.integration.conftest import FAST, NETNS, PeerProcess, lab_peer, readme_flags
+from tests.integration.conftest import FAST, NETNS, PeerProcess, interrupt_all, lab_peer, readme_flags
 from workbench.local import netlab
 
 TTL = 3.0
@@ -113,7 +113,6 @@ def test_peers_on_two_machines_find_each_other_after_their_link_was_down(tmp_pat
     turned off too; a freeze between two rounds does, see the test above and make faults'
     frozen straggler), so it checks the recovery across machines as users deploy, not the
     redial itself."""
-    import signal
 
     from workbench.local.netlab import _ip
 
@@ -141,10 +140,7 @@ def test_peers_on_two_machines_find_each_other_after_their_link_was_down(tmp_pat
             assert alone == [1, 1], alone  # the outage did separate them
             for peer in peers:
                 peer.wait_event("round", lambda e: e["time"] > cut_off and e["group_size"] == 2, timeout=90)
-            for peer in peers:
-                peer.process.send_signal(signal.SIGINT)
-            for peer in peers:
-                assert peer.wait(timeout=60) == 0, peer.stderr()[-3000:]
+            interrupt_all(peers)
         finally:
             for peer in peers:
                 peer.kill()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,15 @@ import time
 import pytest
 
 from swarm.faults import FaultPlan
-from tests.integration.conftest import FAST, JOIN_ROUNDS, helper, kill_group, max_abs_diff, workbench
+from tests.integration.conftest import (
+    FAST,
+    JOIN_ROUNDS,
+    helper,
+    interrupt_all,
+    kill_group,
+    max_abs_diff,
+    workbench,
+)
 
 LIAR = """
 import sys, time
@@ -77,10 +84,8 @@ def test_a_lying_heartbeat_moves_nothing(spawn, mode):
             peer.wait_event("round", lambda e: e["outer_step"] >= step, timeout=120)
     finally:
         kill_group(liar)
+    interrupt_all((first, second))
     for peer in (first, second):
-        peer.process.send_signal(signal.SIGINT)
-    for peer in (first, second):
-        assert peer.wait(timeout=60) == 0, peer.stderr()[-3000:]
         # Up to `step` (the last round may be cut by Ctrl+C): every round a pair, no resync.
         rounds = [r for r in peer.events("round") if r["outer_step"] <= step]
         assert [r["outer_step"] for r in rounds] == list(range(1, step + 1))
@@ -152,10 +157,7 @@ def test_a_competing_manifest_neither_hides_the_run_nor_takes_its_steering(spawn
         assert refused.returncode == 2 and "does not match" in refused.stderr, refused.stderr[-2000:]
     finally:
         kill_group(squatter)
-    for peer in (owner, joiner):
-        peer.process.send_signal(signal.SIGINT)
-    for peer in (owner, joiner):
-        assert peer.wait(timeout=30) == 0, peer.stderr()[-3000:]
+    interrupt_all((owner, joiner), timeout=30)
     assert any(r["group_size"] == 2 for r in joiner.events("round")), joiner.events("round")  # the real run
 
 

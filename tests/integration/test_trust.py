@@ -15,7 +15,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import psutil
 import pytest
@@ -28,6 +29,7 @@ from tests.integration.conftest import (
     NETNS,
     README_PORT,
     PeerProcess,
+    interrupt_all,
     lab_peer,
     max_abs_diff,
     readme_flags,
@@ -136,10 +138,7 @@ def test_outsiders_reach_no_ring_and_no_board(spawn):
     step = max(e["outer_step"] for e in first.events("round")) + 3
     for peer in (first, second):
         peer.wait_event("round", lambda e: e["outer_step"] >= step, timeout=120)
-    for peer in (first, second):
-        peer.process.send_signal(signal.SIGINT)
-    for peer in (first, second):
-        assert peer.wait(timeout=60) == 0, peer.stderr()[-3000:]
+    interrupt_all((first, second))
     for peer in (first, second):
         # Up to `step` (the last round may be cut by Ctrl+C).
         rounds = [r for r in peer.events("round") if r["outer_step"] <= step]
@@ -323,35 +322,16 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
     listener without the token of an offer: it gets not one byte, every connection is closed
     within the token's wait, and the three go on averaging."""
     service = README_PORT + 1
-    peers: list[PeerProcess] = []
     FaultPlan(offer_loopback_port=service).write(tmp_path / "liar.json")
     with netlab.NetLab(3, rate=None) as lab, _service_on_loopback(lab, 2, service) as connections:
-
-        def start(i: int, args: list[str]) -> PeerProcess:
-            peers.append(lab_peer(lab, i, "abc"[i], [*args, *readme_flags(lab, i)], tmp_path))
-            return peers[-1]
-
-        common = [*FAST, "--run-id", "readme-join", "--rounds", "0"]  # until Ctrl+C
-        try:
-            first = start(
-                0, ["start", *common, "--min-peers", "2", "--fault-file", str(tmp_path / "liar.json")]
-            )
-            address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
-            start(1, ["join", address, *common])
-            first.wait_event("round", lambda e: e["outer_step"] >= 2, timeout=120)
-            joiner = start(2, ["join", address, *common])
-            joiner.wait_event("state_downloaded", timeout=120)
-            attacked = _stranger_at_the_state_listener(lab, first)
-            # Three rounds of three, then stop all at once (the last round may be cut short).
-            together = joiner.wait_event("round", lambda e: e["group_size"] == 3, timeout=120)
-            first.wait_event("round", lambda e: e["outer_step"] >= together["outer_step"] + 3, timeout=120)
-            for peer in peers:
-                peer.process.send_signal(signal.SIGINT)
-            for peer in peers:
-                assert peer.wait(timeout=60) == 0, peer.stderr()[-3000:]
-        finally:
-            for peer in peers:
-                peer.kill()
+        peers, _, together, attacked = _a_third_machine_joins(
+            lab,
+            tmp_path,
+            [*FAST, "--run-id", "readme-join"],
+            first_flags=["--fault-file", str(tmp_path / "liar.json")],
+            after_download=lambda first: _stranger_at_the_state_listener(lab, first),
+        )
+    first, joiner = peers[0], peers[2]
     log = joiner.stderr()
     assert "downloaded the state at outer step" in log, log[-3000:]  # the direct transport
     # ...and checked by the third peer across namespaces (its θ's sketches under the joiner's
@@ -380,30 +360,11 @@ def test_an_overlapped_run_on_three_machines_takes_in_a_joiner(tmp_path):
     joiner gets the state over the direct transport while the round in flight is still being
     averaged (overlapped donors keep no ready snapshot: each makes one when asked), another peer
     confirms it, and the three then average with one θ."""
-    peers: list[PeerProcess] = []
     with netlab.NetLab(3, rate=None) as lab:
-
-        def start(i: int, args: list[str]) -> PeerProcess:
-            peers.append(lab_peer(lab, i, "abc"[i], [*args, *readme_flags(lab, i)], tmp_path))
-            return peers[-1]
-
-        common = [*FAST, "--run-id", "overlap-join", "--rounds", "0", "--overlap"]  # until Ctrl+C
-        try:
-            first = start(0, ["start", *common, "--min-peers", "2"])
-            address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
-            start(1, ["join", address, *common])
-            first.wait_event("round", lambda e: e["outer_step"] >= 2 and e["group_size"] == 2, timeout=120)
-            joiner = start(2, ["join", address, *common])
-            downloaded = joiner.wait_event("state_downloaded", timeout=120)
-            together = joiner.wait_event("round", lambda e: e["group_size"] == 3, timeout=120)
-            first.wait_event("round", lambda e: e["outer_step"] >= together["outer_step"] + 3, timeout=120)
-            for peer in peers:
-                peer.process.send_signal(signal.SIGINT)
-            for peer in peers:
-                assert peer.wait(timeout=60) == 0, peer.stderr()[-3000:]
-        finally:
-            for peer in peers:
-                peer.kill()
+        peers, downloaded, _, _ = _a_third_machine_joins(
+            lab, tmp_path, [*FAST, "--run-id", "overlap-join", "--overlap"]
+        )
+    first, joiner = peers[0], peers[2]
     log = joiner.stderr()
     assert downloaded["outer_step"] >= 2, downloaded
     assert "downloaded the state at outer step" in log, log[-3000:]  # the direct transport
@@ -415,6 +376,45 @@ def test_an_overlapped_run_on_three_machines_takes_in_a_joiner(tmp_path):
     shared = [r for r in joiner.events("round") if r["group_size"] == 3 and r["outer_step"] in mates]
     assert len(shared) >= 2 and all(not r["resync"] for r in shared), shared
     assert {r["plane"] for r in shared} == {"direct"}, shared
+
+
+def _a_third_machine_joins(
+    lab: netlab.NetLab,
+    tmp_path,
+    common: list[str],
+    *,
+    first_flags: Sequence[str] = (),
+    after_download: Callable[[PeerProcess], Any] = lambda first: None,
+) -> tuple[list[PeerProcess], dict, dict, Any]:
+    """Peers a and b train on the lab's machines 0 and 1 (the README's flags, ``common``, a
+    with ``first_flags``) until they averaged twice; c joins from machine 2 and downloads the
+    state (``after_download(a)`` runs then), the three average 3 more rounds and all are
+    stopped with Ctrl+C. Returns [a, b, c], c's first download, its first round of three and what
+    ``after_download`` gave."""
+    peers: list[PeerProcess] = []
+
+    def start(i: int, args: list[str]) -> PeerProcess:
+        peers.append(
+            lab_peer(lab, i, "abc"[i], [*args, *common, "--rounds", "0", *readme_flags(lab, i)], tmp_path)
+        )
+        return peers[-1]
+
+    try:
+        first = start(0, ["start", "--min-peers", "2", *first_flags])
+        address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
+        start(1, ["join", address])
+        first.wait_event("round", lambda e: e["outer_step"] >= 2 and e["group_size"] == 2, timeout=120)
+        joiner = start(2, ["join", address])
+        downloaded = joiner.wait_event("state_downloaded", timeout=120)
+        extra = after_download(first)
+        # Three rounds of three, then stop all at once (the last round may be cut short).
+        together = joiner.wait_event("round", lambda e: e["group_size"] == 3, timeout=120)
+        first.wait_event("round", lambda e: e["outer_step"] >= together["outer_step"] + 3, timeout=120)
+        interrupt_all(peers)
+    finally:
+        for peer in peers:
+            peer.kill()
+    return peers, downloaded, together, extra
 
 
 SERVICE = """
@@ -483,7 +483,6 @@ def test_a_stopped_peer_takes_its_children_along_without_a_traceback(spawn, how)
     """A service manager's SIGTERM, a closed terminal's group-wide signal, Ctrl+C: the peer and
     its child processes (hivemind's DHT, averager and p2p daemons) end, with no traceback."""
     import os
-    import signal
 
     common = [*FAST, "--run-id", f"stop-{len(how)}", "--rounds", "0"]
     first = spawn("a", "start", *common, "--min-peers", "2")

@@ -168,8 +168,10 @@ def test_compare_names_the_runs_with_nothing_to_draw():
             [0, 4, 8, 12],
             [0, 1, 2, 3],
         ),
+        # H not divisible by F: the simulator runs it, as `workbench simulate` does (real peers refuse it).
+        (dict(method="streaming", inner_steps=5, fragments=2, rounds=2), [0, 1, 2], [0, 5, 10], [0, 1, 2]),
     ],
-    ids=["short-last-round", "eval-every", "streaming"],
+    ids=["short-last-round", "eval-every", "streaming", "streaming-uneven"],
 )
 def test_a_simulations_history_has_one_row_per_outer_round(kwargs, rounds, steps, evaluated):
     run = Experiment(model="tiny", peers=2, batch_size=4, **kwargs).run().wait(timeout=120)
@@ -200,6 +202,10 @@ def test_text_numbers_and_a_stop_before_run_are_taken_as_the_cli_takes_them():
         (dict(backend="local", headless=True, json=True), "headless=, json=: `workbench demo`'s display"),
         (dict(timeout=60), "timeout=: `workbench demo`'s display settings"),
         (dict(backend="swarm", peers=3), "backend='swarm' runs one peer"),
+        (
+            dict(backend="local", method="streaming", inner_steps=5, fragments=2),
+            "streaming on real peers needs",
+        ),
         (dict(backend="swarm", client_mode=True), "the first peer of a run must accept connections"),
     ],
 )

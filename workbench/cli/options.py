@@ -92,9 +92,10 @@ def _model_shape(args: argparse.Namespace):
     return replace(shape, block_size=args.block_size) if args.block_size else shape
 
 
-def build_config(args: argparse.Namespace) -> RunConfig:
+def build_config(args: argparse.Namespace, *, simulated: bool = False) -> RunConfig:
     """The config tree from parsed flags (or :func:`workbench.settings.commands.values_of`);
-    raises ValueError/SwarmError on a bad value. Each setting with a ``target`` is copied to its
+    raises ValueError/SwarmError on a bad value (``simulated``: for the simulator, which needs
+    fewer of them: :attr:`workbench.config.RunConfig.simulated`). Each setting with a ``target`` is copied to its
     place (None: the component's default); the rest take more than a copy, below."""
     from swarm.averaging_config import AveragingConfig
     from swarm.dht import NetworkConfig
@@ -124,6 +125,7 @@ def build_config(args: argparse.Namespace) -> RunConfig:
 
     diloco = outer_config(args)
     return RunConfig(
+        simulated=simulated,
         method=method(args.method).real_peers,
         fragments=args.fragments or default_fragments(diloco.inner_steps),
         sync_delay=getattr(args, "sync_delay", None) or 0,

@@ -132,7 +132,7 @@ def _takes_two(module: torch.nn.Module) -> bool:
 
 
 def config_from_flags(
-    command: str = "demo", *, initial_peers: list[str] | None = None, **flags: Any
+    command: str = "demo", *, initial_peers: list[str] | None = None, simulated: bool = False, **flags: Any
 ) -> tuple[RunConfig, Any]:
     """A RunConfig from settings given as keyword arguments, named as the CLI's flags
     (``inner_steps=20`` is ``--inner-steps 20``, ``eager=False`` is ``--no-eager``), checked
@@ -144,7 +144,7 @@ def config_from_flags(
     args = values_of(command, flags)
     if command == "join":
         args.peers = list(initial_peers or [])
-    return build_config(args), args
+    return build_config(args, simulated=simulated), args
 
 
 SWARM_SETTINGS = ("host", "port", "announce", "client_mode", "identity", "owner", "connect_timeout")
@@ -249,7 +249,9 @@ class Experiment:
         # A swarm peer takes `workbench start`'s or `join`'s settings (--run-id, --host,
         # --announce, --secret...); the others the demo's.
         command = "demo" if backend != "swarm" else "join" if initial_peers else "start"
-        self.config, self.args = config_from_flags(command, initial_peers=initial_peers, **flags)
+        self.config, self.args = config_from_flags(
+            command, initial_peers=initial_peers, simulated=backend == "sim", **flags
+        )
         H = self.config.diloco.inner_steps
         if steps is None and rounds is None:
             rounds = 0 if backend == "swarm" else 8  # a swarm peer: until stop(), as the CLI's
