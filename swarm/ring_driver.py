@@ -323,7 +323,10 @@ class RingDriver:
                 return
 
     def _round(self, step: DirectStep, ticket: Ticket) -> Outcome:
-        self.plane.draw(ticket.seed, self._count)  # while the step's inner steps still run
+        try:  # while the step's inner steps still run; only a head start: the round draws it else
+            self.plane.draw(ticket.seed, self._count)
+        except Exception as error:  # noqa: BLE001 - out of memory, say: not this thread's end
+            logger.debug("could not draw the round's sketch ahead: %s", one_line(error))
         if not step.claim(ticket, wait=ticket.timeout):
             if step.gave_up():  # at once: the others are at the ring's arrival check by now
                 self._decline(ticket)

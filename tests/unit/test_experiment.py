@@ -202,6 +202,7 @@ def test_text_numbers_and_a_stop_before_run_are_taken_as_the_cli_takes_them():
         (dict(backend="local", headless=True, json=True), "headless=, json=: `workbench demo`'s display"),
         (dict(timeout=60), "timeout=: `workbench demo`'s display settings"),
         (dict(backend="swarm", peers=3), "backend='swarm' runs one peer"),
+        (dict(backend="swarm", resume="/ckpt", checkpoint_every=2), "checkpoint_every=, resume=: not passed"),
         (
             dict(backend="local", method="streaming", inner_steps=5, fragments=2),
             "streaming on real peers needs",

@@ -38,6 +38,9 @@ def test_scalars_take_numbers_at_the_runs_clock() -> None:
     assert step == 1 and values == {"loss": 4.0, "eval_loss": 4.2, "group_size": 2.0, "bytes_sent": 1000.0}
     assert scalars(EVENTS[0]) is None  # nothing numeric to plot
     assert scalars({"event": "round", "outer_step": 4, "loss": float("nan")}) == (4, {})
+    # --eval-every: a round that did not evaluate carries the last evaluation, not plotted again
+    stale = {"event": "round", "outer_step": 5, "loss": 2.0, "eval_loss": 2.5, "evaluated": False}
+    assert scalars(stale) == (5, {"loss": 2.0})
 
 
 def _run_dir(tmp_path: Path) -> Path:

@@ -148,6 +148,8 @@ def config_from_flags(
 
 
 SWARM_SETTINGS = ("host", "port", "announce", "client_mode", "identity", "owner", "connect_timeout")
+SWARM_REFUSES = ("checkpoint_every", "fault_file", "resume")
+"""`start`'s settings a notebook's swarm peer is not given (its folder is the Experiment's): refused."""
 """The network settings a ``backend="swarm"`` peer is started with (beside the demo peers'
 :data:`workbench.local.launch.PEER_SETTINGS`; the secret goes by its environment variable, never
 on a command line)."""
@@ -197,6 +199,12 @@ class Experiment:
                 "peers= is for backend='sim' or 'local'"
             )
         peers = 1 if backend == "swarm" else 4 if peers is None else peers
+        dropped = [key for key in SWARM_REFUSES if flags.get(key) not in (None, 0, "")]
+        if backend == "swarm" and dropped:
+            raise ValueError(
+                f"{', '.join(f'{key}=' for key in dropped)}: not passed to a notebook's swarm peer; run "
+                "`workbench start` or `join` in a terminal for checkpoints, a resume or a fault file"
+            )
         _check_counts(peers=peers, steps=steps, rounds=rounds)
         if backend == "local":
             from workbench.local.launch import MAX_LOCAL_PEERS
@@ -507,8 +515,12 @@ class Experiment:
                     raise LaunchError(f"the peer did not start within 120 s:\n{peer.log_tail()}")
                 time.sleep(0.2)
             owner_key = config.network.identity_path or self.run_dir / "peer" / "identity.key"
+            own = list(started["addresses"])  # only the announced ones, with --announce
+            if config.network.host in ("0.0.0.0", "127.0.0.1") and config.network.port:
+                # Its own peer through loopback first: a router may not loop the public address back.
+                own.insert(0, f"/ip4/127.0.0.1/tcp/{config.network.port}/p2p/{started['peer_id']}")
             self._source = LiveSource.connect(
-                self.initial_peers or started["addresses"][:1],
+                self.initial_peers or own,
                 run_id=config.peer.run_id,
                 secret=config.peer.secret,
                 owner=config.peer.owner,
@@ -526,6 +538,7 @@ class Experiment:
         started = time.monotonic()
         sent = step = 0
         while True:
+            over = finished()  # before the read: the events it then gets include the last ones
             for event in peer.poll_events():
                 if event["event"] == "initial_eval":
                     self._add(
@@ -552,8 +565,7 @@ class Experiment:
                     )
                 if event["event"] == "done":
                     self.result = event
-            if finished():
-                peer.poll_events()
+            if over:
                 return
             if self._stop.is_set():
                 raise Stopped(f"{self.name} was stopped")

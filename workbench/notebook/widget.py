@@ -74,11 +74,12 @@ class SwarmWidget(anywidget.AnyWidget):
         """Poll every ``interval`` until stop(), or until the run is over: its last state read,
         nothing more will change (a thread per widget kept polling a finished run for good)."""
         while not self._stop.wait(self.interval):
+            over = getattr(self.source, "ended", False)  # before the read: it then holds the end
             try:
                 self.refresh()
             except Exception as error:  # a poll hiccup: keep the last view, say so
                 self.message = f"poll failed: {error}"
-            if getattr(self.source, "ended", False):
+            if over:
                 return
 
     def refresh(self) -> None:

@@ -64,6 +64,8 @@ def scalars(event: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
         if isinstance(event.get(name), (int, float))
         and not isinstance(event.get(name), bool)
         and math.isfinite(float(event[name]))
+        # a round that did not evaluate (--eval-every) carries the last evaluation: not plotted again
+        and not (name == "eval_loss" and event.get("evaluated") is False)
     }
     step = event.get("outer_step", event.get("syncs", 0))
     return (int(step) if isinstance(step, (int, float)) else 0), values
