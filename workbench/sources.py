@@ -76,7 +76,9 @@ class LiveSource:
 
     def poll(self) -> SwarmSnapshot:
         with self._lock:
-            if not (self.ended and self._last is not None):
+            if self.ended and self._last is None:
+                raise SwarmError(f"{self.title}: its view is closed, and it ended before it was read")
+            if not self.ended:
                 self._last = self.monitor.poll()
             return self._last
 

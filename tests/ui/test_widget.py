@@ -144,3 +144,38 @@ def test_the_widget_stops_polling_once_the_run_is_over() -> None:
     w._thread.join(timeout=5)
     assert not w._thread.is_alive()
     assert {p["stage"] for p in w.snapshot["peers"]} == {"finishing"}  # its last state, read
+
+
+def test_a_closed_live_source_answers_with_its_last_reading(monkeypatch) -> None:
+    """After its run ended (Experiment closes it), a live source gives its last reading, or says
+    it has none, instead of polling a DHT that is shut down."""
+    import types
+
+    import workbench.sources as sources
+
+    readings = []
+
+    class Monitor:
+        def __init__(self, read, record_to=None) -> None:
+            pass
+
+        def poll(self):
+            readings.append(len(readings))
+            return f"reading {readings[-1]}"
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(sources, "SwarmMonitor", Monitor)
+    monkeypatch.setattr(sources, "dht_reader", lambda *args, **kwargs: None)
+    session = types.SimpleNamespace(
+        keys=sources.RunKeys("closed"), board=None, store=None, close=lambda: None
+    )
+    source = sources.LiveSource(session)
+    assert source.poll() == "reading 0"
+    source.close()
+    assert source.poll() == "reading 0" and readings == [0]  # no poll of the closed session
+    never_read = sources.LiveSource(session)
+    never_read.close()
+    with pytest.raises(SwarmError, match="it ended before it was read"):
+        never_read.poll()

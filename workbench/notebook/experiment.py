@@ -509,6 +509,8 @@ class Experiment:
             deadline = time.monotonic() + 120
             while (started := peer.last("started")) is None:
                 peer.poll_events()
+                if self._stop.is_set():
+                    raise Stopped(f"{self.name} was stopped before its peer started")
                 if peer.process.poll() is not None:
                     raise LaunchError(f"the peer exited before starting:\n{peer.log_tail()}")
                 if time.monotonic() > deadline:
