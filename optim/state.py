@@ -138,8 +138,13 @@ class InnerStateCopies:
                 future.set_exception(error)
             return
         except BaseException as error:  # Ctrl+C: the askers fail too, and the trainer stops
+            # With an error of their own: the KeyboardInterrupt itself, handed to an asker (hivemind's
+            # state thread), crossed to the averager process and ended its event loop's thread.
+            stopped = RuntimeError(
+                f"the trainer stopped while it copied AdamW's state ({type(error).__name__})"
+            )
             for future in asked:
-                future.set_exception(error)
+                future.set_exception(stopped)
             raise
         for future in asked:
             future.set_result(copy)

@@ -216,7 +216,9 @@ class StateSharing:
                 await self._current_snapshot()
                 if self._fresh_snapshot() is not None:
                     return
-        except Exception as error:  # noqa: BLE001 - a joiner's request will try again
+        except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - a joiner's request will try again
+            # (a KeyboardInterrupt here is the peer's process's, sent as the state's answer: raised
+            # out of this task it would end the averager's event loop)
             logger.debug("could not snapshot the state ahead of joiners: %s", one_line(error))
 
     async def _current_snapshot(self) -> Snapshot:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -208,6 +209,33 @@ def test_a_failed_copy_fails_its_askers_not_the_trainer() -> None:
     asker.join(10)
     assert len(errors) == 1
     one_step(outer, inner, 1)  # and trains on
+
+
+def test_a_copy_cut_by_ctrl_c_stops_the_trainer_and_fails_its_askers_with_an_error_of_their_own() -> None:
+    """Ctrl+C in the trainer's copy: the trainer stops (KeyboardInterrupt), the asker gets a
+    RuntimeError. Handed the KeyboardInterrupt itself, hivemind's state thread sent it to the
+    averager process, whose event loop's thread died with a traceback in the peer's log."""
+    outer, inner = adamw_peer()
+    past_the_first_round(outer, inner)
+    one_step(outer, inner, 0)
+    copies = outer.inner_copies
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            copies.take()
+        except BaseException as error:  # noqa: BLE001 - what the asker got
+            errors.append(error)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    while not copies._asked:
+        time.sleep(0.001)
+    copies._copy = lambda: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        copies.boundary()
+    asker.join(10)
+    assert len(errors) == 1 and type(errors[0]) is RuntimeError and "KeyboardInterrupt" in str(errors[0])
 
 
 def test_an_asker_whose_wait_runs_out_while_the_trainer_copies_takes_that_copy(monkeypatch) -> None:
