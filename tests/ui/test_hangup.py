@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 CHILD = """
-import sys
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # where it hangs, if it does
 from tests.ui.fake import FakeSource
 from tui.app import run_app
 from workbench.run.stopping import stopped_by_signals
@@ -91,8 +92,14 @@ def test_a_hang_up_ends_a_busy_monitor(tmp_path: Path) -> None:
                     assert m.process.poll() is None and now < deadline, m.output.decode(errors="replace")[
                         -3000:
                     ]
-                elif i in hung_up and m.process.poll() is None:
-                    assert now - hung_up[i] < 10, f"monitor {i} still running 10 s after SIGHUP"
+                elif i in hung_up and m.process.poll() is None and now - hung_up[i] >= 10:
+                    m.process.send_signal(signal.SIGUSR1)  # every thread's stack, into its terminal
+                    time.sleep(2.0)
+                    m.drain()
+                    raise AssertionError(
+                        f"monitor {i} still running 10 s after SIGHUP; its threads:\n"
+                        + m.output.decode(errors="replace")[-6000:]
+                    )
             time.sleep(0.02)
         for m in monitors:
             assert m.process.returncode == 0, m.output.decode(errors="replace")[-3000:]
