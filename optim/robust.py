@@ -74,20 +74,30 @@ def overclaimed(group_info: list[Any]) -> dict[str, str]:
     }
 
 
-def _members(group_info: list[Any]) -> list[tuple[str, float, float]]:
-    """(peer, norm, counted weight) of every member whose declared norm and weight parse."""
-    members = []
-    for info in group_info:
-        if not isinstance(info, dict):
-            continue
-        norm, weight = info.get("norm"), info.get("weight")
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (norm, weight)):
-            continue
-        if not (math.isfinite(norm) and math.isfinite(weight)) or norm < 0 or weight < 0:
-            continue
-        members.append((str(info.get("peer", "?")), float(norm), float(weight)))
-    counted = counted_weights([w for _, _, w in members])
-    return [(peer, norm, w) for (peer, norm, _), w in zip(members, counted)]
+def _norm(value: Any) -> float | None:
+    """A declared update norm: a finite number >= 0, else None."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def _members(group_info: list[Any]) -> list[tuple[str, float | None, float]]:
+    """(peer, declared norm or None, counted weight) of every member, in the group's order."""
+    infos = [i for i in group_info if isinstance(i, dict)]
+    counted = counted_weights([i.get("weight") for i in infos])
+    return [(str(i.get("peer", "?")), _norm(i.get("norm")), w) for i, w in zip(infos, counted)]
+
+
+def _unchecked(members: list[tuple[str, float | None, float]]) -> str | None:
+    """Why the round cannot be checked: a member that counts in the mean declared no norm to
+    check its update against (a diverged peer declares a weight of 0 and sends nothing)."""
+    for peer, norm, weight in members:
+        if weight > 0 and norm is None:
+            return (
+                f"peer {peer[-12:]} counts for {weight:.4g} samples but declared no valid update norm, "
+                "so its update cannot be checked: the round's mean was refused"
+            )
+    return None
 
 
 def check_round(
@@ -96,12 +106,19 @@ def check_round(
     """Why the group's mean must be refused this round, or None to apply it (``misreport``:
     also check the mean against the declared norms; off for a trimmed mean, which they do not
     bound)."""
-    members = [m for m in _members(group_info) if m[2] > 0]
+    members = _members(group_info)
     if ratio <= 0 or len(members) < 2:
         return None
-    for peer, norm, weight in members:
-        median = statistics.median(n for p, n, _ in members if p != peer)
-        more = max(1.0, weight / statistics.median(w for p, _, w in members if p != peer))
+    why = _unchecked(members)
+    if why:
+        return why
+    counted = [(peer, norm, weight) for peer, norm, weight in members if weight > 0]
+    for index, (peer, norm, weight) in enumerate(counted):
+        others = counted[:index] + counted[index + 1 :]  # by place: two members may claim one id
+        if not others:
+            break
+        median = statistics.median(n for _, n, _ in others)
+        more = max(1.0, weight / statistics.median(w for _, _, w in others))
         if norm > ratio * more * max(median, 1e-12):
             allowed = f"{ratio:g}x" if more == 1 else f"{ratio * more:.3g}x for {more:.3g}x their samples"
             return (
@@ -113,10 +130,27 @@ def check_round(
 
 def misreported(mean_norm: float, group_info: list[Any]) -> str | None:
     """Why the weighted mean's norm is more than the members' declared (norm, weight) allow, or
-    None (fewer than two members with a weight: nothing to check)."""
-    members = [m for m in _members(group_info) if m[2] > 0]
+    None (a peer alone, or no member with a weight: nothing to check). Run with one counted
+    member too: the others, declaring a weight of 0, must have sent nothing, and a member that
+    declared 0 (or a weight that does not parse) but sent an update is caught here."""
+    members = _members(group_info)
     if len(members) < 2:
         return None
+    why = _unchecked(members)
+    if why:
+        return why
+    counted = [(norm, weight) for _, norm, weight in members if weight > 0]
+    total = sum(w for _, w in counted)
+    if not total > 0:
+        return None  # every member declared 0: nothing was to be averaged (NaN is caught apart)
+    bound = sum(w * n for n, w in counted) / total
+    # 5% slack: a lossy wire codec (hivemind's int8) may grow the mean's norm a little.
+    if mean_norm > bound * 1.05 + 1e-6:
+        return (
+            f"the group's mean has norm {mean_norm:.3g}, more than the members' reported norms allow "
+            f"({bound:.3g}): a member sent more than it declared; the round's mean was refused"
+        )
+    return None
     total = sum(w for _, _, w in members)
     bound = sum(w * n for _, n, w in members) / total
     # 5% slack: a lossy wire codec (hivemind's int8) may grow the mean's norm a little.

@@ -57,6 +57,11 @@ CODECS: dict[str, Callable[[], Any]] = {
 assert set(CODECS) == set(CODEC_BYTES), f"{set(CODECS)=} {set(CODEC_BYTES)=}"
 
 
+def _peer_name(peer: Any) -> str:
+    """A hivemind PeerID in base58 (what heartbeats and the gathered info call a peer)."""
+    return peer.to_base58() if hasattr(peer, "to_base58") else str(peer)
+
+
 class SwarmAverager(Downloading):
     """An :class:`optim.Averager` over hivemind; also downloads and serves the global state."""
 
@@ -254,7 +259,11 @@ class SwarmAverager(Downloading):
             group_size=group,
             bytes_sent=moved,
             bytes_received=moved,
-            group_info=[data for data in gathered.values() if isinstance(data, dict)],
+            # Each member's info under the peer id hivemind authenticated, not the one it wrote
+            # (a member that copied another's id once emptied the robust check's median).
+            group_info=[
+                dict(data, peer=_peer_name(peer)) for peer, data in gathered.items() if isinstance(data, dict)
+            ],
             robust_mean=self.config.aggregate == "trimmed-mean",
             matchmaking_seconds=self.formed_after,
             plane="direct" if self.averager.direct_rounds.value > direct_before else "hivemind",

@@ -133,6 +133,15 @@ def test_a_peer_reads_its_rounds_arrivals_from_the_members_info_and_skips_malfor
         {"arrived": "soon", "name": "str"},
         "not a dict",
     ]
+    stats.arrivals(
+        SimpleNamespace(
+            group_size=3, error=None, group_info=[*infos, {"arrived": 101.9, "name": "x]\x1b[2J"}]
+        )
+    )
+    assert (round(stats.last_round_spread, 3), stats.last_round_last) == (
+        1.9,
+        "",
+    )  # not a peer name: left out
     stats.arrivals(SimpleNamespace(group_size=3, error=None, group_info=infos))
     assert (round(stats.last_round_spread, 3), stats.last_round_last, stats.last_round_alone) == (
         1.8,

@@ -30,6 +30,32 @@ def test_honest_rounds_pass() -> None:
     assert check_round(5.0, [member("a", 5.0)], ratio=10) is None  # alone: nothing to compare
 
 
+def test_a_member_that_declares_no_norm_or_no_weight_gets_no_update_past_the_checks() -> None:
+    """A round mate's norm and weight are its own claims. One that declared no norm (or one that
+    does not parse) once fell out of both checks, and so did one declaring a weight of 0: in a
+    pair round neither check then ran, and its 1e6-scale update was applied. Now a counted
+    member without a norm refuses the round, and the misreport check bounds the mean by the
+    counted members alone, so a member declaring 0 must have sent nothing."""
+    me = member("me", 0.1)
+    for liar in ({"peer": "att", "weight": 8.0}, member("att", "x"), member("att", float("nan"))):  # type: ignore[arg-type]
+        verdict = check_round(0.1, [me, liar], ratio=10)
+        assert verdict is not None and "att" in verdict and "declared no valid update norm" in verdict
+    for weight in (0.0, "8", None, -1.0):
+        verdict = check_round(5e5, [me, member("att", 0.1, weight=weight)], ratio=10)  # type: ignore[arg-type]
+        assert verdict is not None and "more than the members' reported norms allow" in verdict
+    # A peer that diverged declares a weight of 0 and a NaN norm, and sends nothing: the mean is
+    # the other member's own update, which passes.
+    assert check_round(0.1, [me, member("nan", float("nan"), weight=0.0)], ratio=10) is None
+
+
+def test_two_members_claiming_one_peer_id_are_each_checked() -> None:
+    """Each member is compared with the others by its place in the group: a copied peer id
+    once emptied the median (statistics.median raised, and the error stopped the peer)."""
+    assert check_round(1.0, [member("h", 1.0), member("h", 1.0)], ratio=10) is None
+    verdict = check_round(1.0, [member("h", 1.0), member("h", 50.0), member("x", 1.0)], ratio=10)
+    assert verdict is not None and "50x" in verdict
+
+
 def test_a_peer_that_trained_more_steps_may_send_a_larger_update() -> None:
     """Time-boxed rounds: the fast peer ran 20x the slow one's samples and its pseudo-gradient
     is 21x as large (measured on two real peers): an honest round. The same norm for the same

@@ -8,11 +8,12 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
 
-from swarm.records import PeerHeartbeat, Stage
+from swarm.records import NAME_PATTERN, PeerHeartbeat, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +42,12 @@ class RoundStats:
 
     def arrivals(self, report: Any) -> None:
         """The last round's arrivals from its members' info (other peers' claims: malformed
-        entries are skipped, names cut to 64 characters), or why this peer was alone."""
+        entries are skipped, and a name that is not a valid peer name is left out: it goes into
+        this peer's heartbeat, whose schema would refuse it), or why this peer was alone."""
         alone = report.group_size <= 1
         self.last_round_alone = (report.error or "no other peer in this round")[:200] if alone else ""
         times = [
-            (float(g["arrived"]), str(g.get("name") or "")[:64])
+            (float(g["arrived"]), _claimed_name(g.get("name")))
             for g in (report.group_info if not alone else [])
             if isinstance(g, dict)
             and isinstance(g.get("arrived"), (int, float))
@@ -57,6 +59,14 @@ class RoundStats:
             return
         last, name = max(times)
         self.last_round_spread, self.last_round_last = min(last - min(times)[0], 86400.0), name
+
+
+def _claimed_name(name: Any) -> str:
+    """A name another peer gave in its gathered info, cut to 64 characters; "" unless it is a
+    valid peer name (a round mate once named itself "x]" and this peer's next heartbeat failed
+    its own schema, stopping the peer)."""
+    name = str(name or "")[:64]
+    return name if re.fullmatch(NAME_PATTERN, name) else ""
 
 
 class Events:
