@@ -104,6 +104,11 @@ class RoundBarrier:
         """How long to wait for a round mate still training: learned from how long this
         barrier waited for its last round mates (``round_wait`` until it has seen 5 rounds). A
         peer downloading the state gets the whole ``round_wait``."""
+        self.doubted: frozenset[str] | None = None
+        """Set when a stranger said it was downloading for a whole round wait and never came (the
+        peers this one had averaged with then): strangers' downloads get the grace only, as
+        strangers training do, until a peer not among those averages with this one. Fresh keys
+        saying "downloading", one a round, once held every round for the whole round wait."""
         self.expected: tuple[str, ...] = ()
         """The round mates the last AVERAGE verdict expects (peer ids), when it saw every other
         live peer ready (none otherwise, and after any other verdict). Matchmaking forms the
@@ -216,8 +221,15 @@ class RoundBarrier:
             others = [p for p in others if p not in ahead]
             now = self.clock()
             # A joiner downloading the state is waited for like a vouched peer (a download of a
-            # large state legitimately takes long); one that never shows up is struck all the same.
-            trusted = [p for p in others if p.peer_id in vouched or p.stage is Stage.DOWNLOADING]
+            # large state legitimately takes long); one that never shows up is struck all the same,
+            # and the next strangers' downloads are doubted (:attr:`doubted`).
+            if self.doubted is not None and not vouched <= self.doubted:
+                self.doubted = None  # someone new averaged with this one: a joiner that came
+            trusted = [
+                p
+                for p in others
+                if p.peer_id in vouched or (p.stage is Stage.DOWNLOADING and self.doubted is None)
+            ]
             busy_peers = [p for p in others if busy(p, others) and (now < grace or p in trusted)]
             if now >= grace:
                 for p in others:
@@ -249,6 +261,7 @@ class RoundBarrier:
                 )
                 for p in busy_peers:
                     if p.peer_id not in vouched:  # "downloading" for a whole round wait
+                        self.doubted = frozenset(vouched)
                         self.strike(
                             p,
                             outer_step,

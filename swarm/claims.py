@@ -171,7 +171,8 @@ def judge_state(
     donor (a tie refuses); a state no
     other peer can confirm is taken only from a vouched donor, when no other peer answered at
     all (the donor is then the only witness there is), or when every peer asked is past it (they
-    moved on during the download: see the comment below)."""
+    moved on during the download: see the comment below) but was not before it began
+    (``claims``: the outer steps their heartbeats claimed when they were chosen as witnesses)."""
     at_step = {peer: got[1] for peer, got in answers.items() if got is not None and got[0] == step}
     steps = [got[0] for got in answers.values() if got is not None]
     agree = {peer for peer, sketches in at_step.items() if state_mismatch(mine, sketches) is None}
@@ -211,6 +212,17 @@ def judge_state(
                 False, f"{len(silent)} peer(s) that claim outer step {step} were asked and did not answer"
             )
         return StateVerdict(True, "no other peer answered: the donor is the only witness")
+    before = [s for peer, s in (claims or {}).items() if peer != donor and answers.get(peer) is not None]
+    if min(steps) > step and before and min(before) > step:
+        # Every peer that answered was past this step before the download began (their
+        # heartbeats said so when the witnesses were chosen): nobody could ever have confirmed
+        # it. A donor serving a made-up θ one step behind the swarm was taken this way, then
+        # found stale at the next round, then asked again: for ever.
+        return StateVerdict(
+            False,
+            f"every peer asked was past outer step {step} before the download began (at {min(before)} "
+            "or later): the donor served an old state",
+        )
     if min(steps) > step:
         # Everyone asked moved on while this peer downloaded (rounds shorter than a download,
         # which overlapped peers do not wait for): nobody can confirm it any more, nobody

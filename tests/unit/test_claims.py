@@ -144,6 +144,28 @@ def test_a_stranger_forever_training_costs_about_one_round_not_the_round_wait():
     assert "liar" in board.ignored and "training" in board.ignored["liar"]
 
 
+def test_strangers_downloading_one_a_round_cost_one_round_wait_then_the_grace():
+    """A downloader is waited for the whole round wait, vouched or not (a large state takes
+    long). Fresh keys saying "downloading", a new one each round, held every round that long
+    (10 rounds: 601 s). After one never came, strangers' downloads get the grace only, until
+    a peer this one had not averaged with does average with it (a joiner that came)."""
+    board = FakeBoard(beat("mate", 4), beat("me", 4))
+    swarm = averager(board, vouched=["mate"], round_wait=60.0)
+    waits = []
+    for step in range(4, 14):
+        board.beats[f"liar{step}"] = beat(f"liar{step}", 0, Stage.DOWNLOADING)
+        started = swarm.clock()
+        assert swarm.wait_for_round_mates(step) is Verdict.AVERAGE
+        waits.append(swarm.clock() - started)
+        board.beats.update(mate=beat("mate", step + 1), me=beat("me", step + 1))
+    assert 60 <= waits[0] < 60.5 and all(5 <= w < 5.5 for w in waits[1:]), waits
+    swarm.vouching.averaged_with(["joiner"])  # an honest joiner came: downloads are believed again
+    board.beats["slow"] = beat("slow", 0, Stage.DOWNLOADING)
+    started = swarm.clock()
+    swarm.wait_for_round_mates(14)
+    assert 60 <= swarm.clock() - started < 60.5
+
+
 def test_a_vouched_peer_still_training_is_waited_for():
     board = FakeBoard(beat("mate", 4, Stage.TRAINING))
     swarm = averager(board, vouched=["mate"], round_wait=7.0)
@@ -324,6 +346,12 @@ def test_judge_state_without_witnesses_at_the_step():
     # Everyone else moved on during the download: nobody can confirm it, nobody contradicts it.
     verdict = judge_state(3, good, behind, donor="d", vouched=set())
     assert verdict.accept and "unconfirmed" in verdict.why
+    assert judge_state(3, good, behind, donor="d", vouched=set(), claims={"a": 3, "b": 5, "d": 9}).accept
+    # ...but not when they were all past it before the download began: a donor serving a
+    # made-up θ one step behind the swarm was taken, found stale next round, and asked again.
+    verdict = judge_state(3, good, behind, donor="d", vouched=set(), claims={"a": 4, "b": 5, "d": 3})
+    assert not verdict.accept and "past outer step 3 before the download began (at 4" in verdict.why
+    assert not verdict.contradicted
 
 
 def test_an_overlapped_barrier_waits_for_a_downloader_unless_this_peer_serves_it():

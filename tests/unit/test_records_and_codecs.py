@@ -5,6 +5,7 @@ Importing swarm.averaging imports hivemind (no DHT or averager is started here).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -415,6 +416,35 @@ def test_served_state_round_trips_with_queued_updates() -> None:
     assert torch.equal(state.inner[0], inner[0]) and state.inner_keys == [[0, "exp_avg"]]
     with pytest.raises(SwarmError, match="tensors for 2 params"):
         _parse_state(metadata, [*params, *momentum])
+
+
+def test_a_state_with_numbers_no_honest_peer_holds_is_a_malformed_donor() -> None:
+    """Witnesses check θ against theirs, and not every state can be confirmed; they never see the
+    step's sign, the momentum or the queued updates. A donor's step of -1 stopped the joiner (its
+    next heartbeat failed the schema), a NaN queued update stopped it at its next sync, and a
+    queued update of 1e30 took its θ to 1e30. Each is now refused like a malformed state."""
+    from swarm.download import _parse_state
+    from swarm.errors import SwarmError
+
+    params = [torch.randn(3, 2), torch.randn(4)]
+    small = [p * 0.01 for p in params]
+    meta = {"outer_step": 7, "num_params": 2, "num_pending": 1}
+    assert _parse_state(meta, [*params, *small, *small]).outer_step == 7
+    huge = [torch.full_like(p, 1e30) for p in params]
+    nan = [torch.full_like(p, float("nan")) for p in params]
+    bad = [
+        ({**meta, "outer_step": -1}, [*params, *small, *small], "outer step -1 is outside"),
+        ({**meta, "outer_step": 10**9 + 1}, [*params, *small, *small], "outside 0..1000000000"),
+        (meta, [*nan, *small, *small], "θ holds NaN/Inf"),
+        (meta, [*huge, *small, *small], "θ has a norm beyond float32"),
+        (meta, [*params, *small, *nan], "queued update 0 has norm nan"),
+        (meta, [*params, *small, *huge], "queued update 0 has norm inf"),
+        (meta, [*params, *small, *[p * 2 for p in params]], "queued update 0 has norm"),
+        (meta, [*params, *[p * 11 for p in params], *small], "outer momentum has norm"),
+    ]
+    for metadata, tensors, why in bad:
+        with pytest.raises(SwarmError, match=re.escape(why)):
+            _parse_state(metadata, tensors)
 
 
 def test_a_state_whose_moments_or_queue_do_not_fit_its_theta_is_a_malformed_donor() -> None:
