@@ -268,6 +268,10 @@ def start_dht(
         client_mode=config.client_mode,
         record_validators=list(validators),
         check_if_identity_free=not fresh_identity,
+        # hivemind asks the router to forward a public port to the daemon (UPnP / NAT-PMP) by
+        # default: a peer meant for a LAN (--host 192.168.x.y) would be opened to the internet
+        # on routers that allow it. Reachability from outside is the user's choice (--announce).
+        nat_port_map=False,
         start=False,
     )
     if config.identity_path:

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -149,6 +149,21 @@ class SwarmSnapshot:
 MAX_DEPARTED = 1024  # departed peers shown (the most recent); fresh keys are free
 
 
+def swarm_round(peers: Iterable[PeerHeartbeat], *, default: int = 0) -> int:
+    """The outer step the swarm is at: the highest that at least half of the training peers
+    claim, the upper median (all alive peers when none trains; ``default`` when none is alive).
+    Not the highest claim ever seen: one fresh key claiming outer step 10^9 set the round shown
+    everywhere (the TUI, `status`, its JSON, the ETA) for the monitor's lifetime, with every
+    honest peer "lagging". Now it takes as many liars as honest peers (in a run of two, one:
+    who of the two tells the truth is not known), and only while they are alive."""
+    peers = list(peers)
+    training = [p for p in peers if p.stage not in (Stage.DOWNLOADING, Stage.JOINING, Stage.PAUSED)] or peers
+    if not training:
+        return default
+    steps = sorted((p.outer_step for p in training), reverse=True)
+    return steps[(len(steps) - 1) // 2]
+
+
 class SwarmMonitor:
     """Derives snapshots from readings; reads the DHT through ``read`` (a callable returning a
     :class:`Reading`) or is fed readings by :meth:`ingest` (replay, tests)."""
@@ -264,8 +279,7 @@ class SwarmMonitor:
             del self._names[pid]
         self._killed &= kept
 
-        top = max((p.outer_step for p in alive.values()), default=self._round)
-        self._round = max(self._round, top)
+        top = self._round = swarm_round(alive.values(), default=self._round)
         self._tell_rounds(alive, now, event)
         lagging = {
             pid

@@ -240,3 +240,20 @@ def test_bootstrap_names_that_do_not_resolve_are_the_reason_given() -> None:
     assert "host names do not resolve (peer.invalid)" in said(invalid)
     assert "could not reach any bootstrap peer" in said(invalid, f"/ip4/203.0.113.7/tcp/31337/p2p/{PEER_ID}")
     assert "could not reach any bootstrap peer" in said(invalid, f"/dns4/localhost/tcp/31337/p2p/{PEER_ID}")
+
+
+def test_a_peer_asks_no_router_to_open_a_port(monkeypatch) -> None:
+    """hivemind maps a public port through the router (UPnP / NAT-PMP) unless told not to: a
+    peer bound to a LAN address would be reachable from the internet on routers that allow it."""
+    from swarm import dht
+
+    made = {}
+
+    def capture(**kwargs):
+        made.update(kwargs)
+        raise RuntimeError("not started in a unit test")
+
+    monkeypatch.setattr(dht, "_quiet_dht_class", lambda: capture)
+    with pytest.raises(dht.SwarmError, match="not started in a unit test"):
+        dht.start_dht(dht.NetworkConfig(host="127.0.0.1"))
+    assert made["nat_port_map"] is False and made["host_maddrs"] == ["/ip4/127.0.0.1/tcp/0"]

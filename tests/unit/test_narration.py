@@ -179,6 +179,20 @@ def test_one_peer_claiming_a_far_off_round_tells_nothing_and_is_forgotten() -> N
     assert len(monitor._seen) <= 64  # claims nobody follows are dropped (after 60 s, beyond 64)
 
 
+def test_the_swarm_s_round_is_what_half_its_peers_claim_not_the_highest_claim_ever() -> None:
+    """One fresh key claiming outer step 10^9 set the round shown everywhere for the monitor's
+    lifetime (a running maximum), and every honest peer was shown lagging."""
+    monitor = SwarmMonitor()
+    honest = [hb(p, 1.0, 7) for p in "abc"]
+    snapshot = monitor.ingest(reading(1.0, *honest, hb("liar", 1.0, 10**9)))
+    assert snapshot.outer_round == 7 and not snapshot.lagging
+    snapshot = monitor.ingest(reading(30.0, *[hb(p, 30.0, 9) for p in "abc"]))  # the liar is gone
+    assert snapshot.outer_round == 9
+    # A real laggard is still one, in a run of two too (who of two tells the truth is not known).
+    snapshot = monitor.ingest(reading(31.0, hb("a", 31.0, 9), hb("b", 31.0, 4)))
+    assert snapshot.outer_round == 9 and snapshot.lagging == ["id-b"]
+
+
 def test_what_the_monitor_keeps_per_peer_goes_with_the_peer(monkeypatch) -> None:
     """Keys are free: a flood of fresh keys, each seen for a moment, must not grow the monitor
     (history, names, departed) or the board's key cache for the rest of the run."""

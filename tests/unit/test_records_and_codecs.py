@@ -404,8 +404,8 @@ def test_served_state_round_trips_with_queued_updates() -> None:
     from swarm.errors import SwarmError
 
     params = [torch.randn(3, 2), torch.randn(4)]
-    momentum = [torch.randn(3, 2), torch.randn(4)]
-    queued = [[torch.randn(3, 2), torch.randn(4)]]
+    momentum = [torch.randn(3, 2) * 0.1, torch.randn(4) * 0.1]  # in proportion to θ, as honest ones are
+    queued = [[torch.randn(3, 2) * 0.01, torch.randn(4) * 0.01]]
     inner = [torch.randn(3, 2)]
     metadata = {"outer_step": 7, "num_params": 2, "num_pending": 1, "inner_keys": [[0, "exp_avg"]]}
     state = _parse_state(metadata, [*params, *momentum, *queued[0], *inner])
