@@ -256,11 +256,16 @@ class StreamingDiLoCo:
         self.outer_optimizer.step()  # params without .grad are skipped
         self.outer_optimizer.zero_grad(set_to_none=True)
         self.global_intact = True
+        self.mix(f)
+        self.syncs += 1
+
+    @torch.no_grad()
+    def mix(self, f: int) -> None:
+        """Mix fragment ``f``'s θ into the model's fragment: ``alpha·local + (1 − alpha)·θ``."""
         alpha = self.config.alpha
-        for i in indices:
+        for i in self.fragments[f]:
             p, g = self.params[i], self.global_params[i].to(self.params[i].device, self.params[i].dtype)
             p.copy_(alpha * p + (1 - alpha) * g)
-        self.syncs += 1
 
 
 class StreamingRounds:
@@ -294,6 +299,7 @@ class StreamingRounds:
         self._clock = streaming.syncs
         self._inflight: _FragmentInFlight | None = None
         self._landed: RoundReport | None = None  # the merged fragment's report, for the next sync
+        self._unmixed: int | None = None  # a fragment θ holds merged, the model not yet (a resume)
 
     @property
     def outer_step_count(self) -> int:
@@ -307,6 +313,40 @@ class StreamingRounds:
     @property
     def sync_delay(self) -> int:
         return self.streaming.config.sync_delay
+
+    @property
+    def feedback(self) -> list[Any]:
+        """Each fragment's error-feedback memory (None without one): what a checkpoint keeps."""
+        return self.streaming.feedback
+
+    def local_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps beside the outer state (taken after :meth:`outer_state`): the
+        samples each fragment trained since its last sync (its weight at the next one), and the
+        fragment in flight (τ > 0), whose merge the outer state holds but the model does not yet."""
+        inflight = self._inflight
+        return {
+            "samples_since": list(self.streaming.samples_since),
+            "in_flight": inflight.fragment if inflight is not None and landed(inflight) else None,
+        }
+
+    def load_local_state(self, state: dict[str, Any]) -> None:
+        """The inverse of :meth:`local_state`, after :meth:`load_outer_state` and with the model
+        as it was saved. θ holds the merge of the fragment that was in flight; the model takes it
+        τ inner steps into this round, as it would have."""
+        s = self.streaming
+        since = state.get("samples_since")
+        if isinstance(since, list) and len(since) == len(s.fragments):
+            s.samples_since = [int(n) for n in since]
+        fragment = state.get("in_flight")
+        if isinstance(fragment, int) and not isinstance(fragment, bool) and 0 <= fragment < len(s.fragments):
+            self._unmixed = fragment
+
+    def _mix_resumed(self) -> None:
+        """Mix the fragment merged into θ before a resume into the model (see load_local_state)."""
+        if self._unmixed is not None:
+            with self.lock:
+                self.streaming.mix(self._unmixed)
+                self._unmixed = None
 
     def retune(
         self, *, outer_lr: float | None = None, inner_steps: int | None = None, codec: str | None = None
@@ -349,6 +389,8 @@ class StreamingRounds:
         self.inner_copies.boundary()  # before a merge that waits for its all-reduce
         if self._inflight is not None and self.inner_step_count >= self.sync_delay:
             self._landed = self._land()
+        if self.inner_step_count >= self.sync_delay:
+            self._mix_resumed()
 
     def sync(self, *, info: dict[str, Any] | None = None) -> RoundReport:
         """Sync the fragment whose turn it is: at once (τ = 0), or start its all-reduce in the
@@ -367,6 +409,7 @@ class StreamingRounds:
             # others at the barrier) merges here, before the next fragment goes out.
             report = self._land() if self._inflight is not None else self._landed
             self._landed = None
+            self._mix_resumed()
             if info and "fingerprint" in info:  # taken after that merge: every peer's θ is the same here
                 info = dict(info, fingerprint=self.fingerprint())
             start = time.monotonic()
@@ -405,6 +448,7 @@ class StreamingRounds:
     def finish(self) -> RoundReport | None:
         """End the run on the swarm's θ: merge the fragment still in flight (τ > 0)."""
         self.inner_copies.leave()  # no inner step comes any more: askers copy at once
+        self._mix_resumed()
         return self._land() if self._inflight is not None else None
 
     def fingerprint(self) -> list[float]:
@@ -476,7 +520,7 @@ class StreamingRounds:
             s.samples_since = [0] * len(s.fragments)
             # A fragment in flight was computed from a stale θ; its merge is in the state (the
             # thread finishes on its own; its result is dropped).
-            self._inflight, self._landed = None, None
+            self._inflight, self._landed, self._unmixed = None, None, None
             for p, g in zip(s.params, self.global_params):
                 p.copy_(g.to(p.device, p.dtype))
         load_inner_state(s.inner_optimizer, s.params, state)

@@ -149,6 +149,7 @@ def training_state(rounds: Any, model: Any, inner_optimizer: Any, batches: Any) 
         "inner_optimizer": inner_optimizer.state_dict(),
         "feedback": residuals,
         "data": batches.state_dict() if batches is not None else None,
+        "local": rounds.local_state() if hasattr(rounds, "local_state") else None,
     }
 
 
@@ -162,6 +163,12 @@ def restore_training(
     inner_optimizer.load_state_dict(payload["inner_optimizer"])
     rounds.load_outer_state(OuterState(**payload["outer"]))
     inner_optimizer.load_state_dict(payload["inner_optimizer"])  # load_outer_state may reset it
+    if hasattr(rounds, "load_local_state"):
+        # Streaming: load_outer_state starts the model from θ, as a joiner must; a resumed peer's
+        # fragments not synced yet carry its own inner steps since their last sync (lost before:
+        # a resumed run ended 4e-2 away from an uninterrupted one), and their samples count.
+        model.load_state_dict(payload["model"])
+        rounds.load_local_state(payload.get("local") or {})
     feedback = getattr(rounds, "feedback", None)
     if isinstance(feedback, list):
         for memory, residuals in zip(feedback, payload.get("feedback") or []):
