@@ -157,8 +157,15 @@ class DiLoCo:
     @torch.no_grad()
     def compute_pseudo_gradients(self) -> list[torch.Tensor]:
         """Δ = θ − θ_local, one fp32 CPU tensor per parameter (same shapes as the params); θ
-        is where this round started (with eager updates: θ + this peer's offset)."""
-        return [g - local.float() for g, local in zip(self.working_params(), self._host_params())]
+        is where this round started (with eager updates: θ + this peer's offset), in the
+        parameters' dtype as the model started from it: with bf16 parameters, an fp32 θ minus
+        the model's bf16 put θ's own rounding into every Δ, and the outer step then undid θ's
+        progress finer than bf16 (two peers adding half a bf16 ulp a round moved θ by 0.5 ulp in
+        10 rounds, not 5; with no training at all, a round still moved θ)."""
+        return [
+            (g if local.dtype == g.dtype else g.to(local.dtype).float()) - local.float()
+            for g, local in zip(self.working_params(), self._host_params())
+        ]
 
     def _host_params(self) -> list[torch.Tensor]:
         """θ_local on the host. From a GPU, through pinned buffers kept across rounds: the copies

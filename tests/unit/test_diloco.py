@@ -865,3 +865,32 @@ def test_eager_peers_hold_one_consensus_theta_and_a_download_resets_the_offset()
     joiner.load_outer_state(donor.outer_state())
     assert all(float(o.abs().max()) == 0 for o in joiner.offset) and joiner._proxy is None
     assert_all_close(params_of(joiner.model), donor.global_params, atol=0)
+
+
+def test_bf16_parameters_keep_theta_s_progress_finer_than_bf16() -> None:
+    """θ is fp32 and the model starts each round from θ in bf16. Δ was θ minus the model, so it
+    held θ's own rounding: with no training at all a round moved θ, and updates smaller than
+    a bf16 step were undone by the next round. Δ is now taken from θ as the model started."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)  # θ off bf16's grid, as an fp32 master is
+    theta = [p.detach().clone() for p in model.parameters()]
+    model = model.to(torch.bfloat16)
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    diloco = DiLoCo(
+        model, inner, LocalAverager(), DiLoCoConfig(inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
+    )
+    with torch.no_grad():
+        for g, t in zip(diloco.global_params, theta):
+            g.copy_(t)
+    diloco.restore_parameters()
+    for _ in range(3):  # rounds without training: Δ = 0, θ stays
+        for _ in range(2):
+            model(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            inner.step()
+            inner.zero_grad()
+            report = diloco.step(samples=4)
+    assert report.local_norm == 0.0
+    assert all(torch.equal(g, t) for g, t in zip(diloco.global_params, theta))
