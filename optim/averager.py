@@ -72,7 +72,9 @@ class RoundReport:
 class Averager(Protocol):
     """Replace ``tensors`` in place by their weighted mean over a group of peers. An averager
     whose ``keeps_tensors_on_failure`` is true writes them only once the mean is complete (on
-    an error they still hold the caller's values), which spares its caller a backup copy."""
+    an error they still hold the caller's values), which spares its caller a backup copy. One
+    may also say how many peers it expects in a group (``expected_group() -> int``): eager
+    updates stand in for 1/that of a mean before the first one lands (else the whole Δ)."""
 
     def all_reduce(
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
@@ -83,6 +85,9 @@ class LocalAverager:
     """A swarm of one: leaves the tensors as they are. DiLoCo over it is DiLoCo with k=1."""
 
     keeps_tensors_on_failure = True
+
+    def expected_group(self) -> int:
+        return 1
 
     def all_reduce(
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None

@@ -138,7 +138,9 @@ class DiLoCo:
         self.global_intact = True
         """False from the moment a change of θ (an outer step, an adopted state) was cut short by an
         exception, Ctrl+C included: θ may then be half updated (a peer stopped so writes no θ)."""
-        self._share = 1.0  # this peer's share of the last mean that landed (its weight / the group's)
+        self._share: float | None = (
+            None  # this peer's share of the last mean that landed (its weight / the group's)
+        )
 
     def _outer_sgd(self, params: list[torch.Tensor]) -> SGD:
         return SGD(
@@ -316,7 +318,7 @@ class DiLoCo:
         else:
             self.apply_outer_step(outgoing.deltas, checked=True)  # judge() found the mean finite
         if self.offset:  # as overlapped: this round's share is learnt once its mean lands
-            self.apply_eager(sent, self._share)
+            self.apply_eager(sent, self._stand_in_share())
             self._share = own_share(report, outgoing.weight)
         self._next_round()
         return report
@@ -371,13 +373,14 @@ class DiLoCo:
             report, mean = self._collect(self._inflight)
             self._share = own_share(report, self._inflight.outgoing.weight)
         sent = [d.clone() for d in outgoing.deltas] if self.offset else []  # the all-reduce overwrites them
+        share = self._stand_in_share() if self.offset else 1.0  # (not under the lock: may ask the DHT)
         with self.lock:  # θ, the clock and the in-flight round change together (see outer_state)
             if self._pending:  # queued in a downloaded state: the donor's, not our stale round's
                 mean = self._pending.pop(0)
             if mean is not None:
                 self._apply(mean)
             if self.offset:
-                self.apply_eager(sent, self._share)
+                self.apply_eager(sent, share)
             self._inflight = InFlight(
                 outgoing,
                 in_background(
@@ -418,6 +421,20 @@ class DiLoCo:
         if self.offset_optimizer is not None:
             self.offset_optimizer.state.clear()
         self._proxy = None
+
+    def _stand_in_share(self) -> float:
+        """The share of the mean in flight this peer's Δ stands in for: its share of the last
+        mean that landed, or before one has, 1 / the group its averager expects (Kale et al.'s
+        Δ/M; the whole Δ stood in before, M times the paper's first step)."""
+        if self._share is not None:
+            return self._share
+        expected = getattr(self.averager, "expected_group", None)
+        try:
+            size = int(expected()) if callable(expected) else 1
+        except Exception as error:  # noqa: BLE001 - an estimate: the whole Δ, as alone
+            logger.debug("could not tell the expected group size: %s", error)
+            size = 1
+        return 1.0 / max(1, size)
 
     @torch.no_grad()
     def apply_eager(self, sent: list[torch.Tensor], share: float) -> None:

@@ -165,6 +165,9 @@ class _PeerAverager:
         self.swarm = swarm
         self.rank = rank
 
+    def expected_group(self) -> int:
+        return self.swarm.peers
+
     def all_reduce(
         self, tensors: Sequence[torch.Tensor], *, weight: float, info: dict[str, Any] | None = None
     ) -> RoundReport:

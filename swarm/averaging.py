@@ -371,6 +371,17 @@ class SwarmAverager(Downloading):
         """The round barrier (:class:`swarm.barrier.RoundBarrier`)."""
         return self.barrier.wait_for_round_mates(outer_step)
 
+    def expected_group(self) -> int:
+        """This peer and the live peers that would average with it (not paused, not done):
+        what eager updates stand in for before a first mean lands (:class:`optim.Averager`).
+        Heartbeats are claims: an estimate, used for one round."""
+        others = [
+            p
+            for p in self.board.fetch().values()
+            if p.peer_id != self.peer_id and p.stage not in (Stage.PAUSED, Stage.LEAVING) and not p.done
+        ]
+        return 1 + len(others)
+
     # --- state for late joiners ---------------------------------------------------------------
 
     def start_serving(self) -> None:

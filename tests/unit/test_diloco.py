@@ -806,6 +806,28 @@ def test_a_lone_eager_peer_trains_exactly_like_blocking_diloco(overlap: bool) ->
     assert_all_close(params_of(eager.model), eager.global_params, atol=0)  # no offset left
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking-delay", "overlap"])
+def test_before_a_first_mean_lands_an_eager_peer_stands_in_for_its_expected_share(overlap: bool) -> None:
+    """Kale et al.'s eager step uses Δ/M for this peer's part of the mean in flight. Before any
+    mean had landed the share was 1, so the first round moved the start point M times as far.
+    The averager's expected group size gives the first share; the next rounds use the share the
+    last mean showed, as before."""
+
+    class ExpectsThree(LocalAverager):
+        def expected_group(self) -> int:
+            return 3
+
+    config = DiLoCoConfig(inner_steps=2, outer_lr=0.7, outer_momentum=0.9, delay=1, overlap=overlap)
+    alone, opt_a = _lone(config)
+    three, opt_t = _lone(config)
+    three.averager = ExpectsThree()
+    train_round(alone, opt_a, batches(0, 2))
+    train_round(three, opt_t, batches(0, 2))
+    # The outer SGD's first step is linear in its gradient: a third of the stand-in, a third of the offset.
+    assert max(float(o.abs().max()) for o in alone.offset) > 1e-3
+    assert_all_close(three.offset, [o / 3 for o in alone.offset], atol=1e-7)
+
+
 def test_the_naive_delay_lags_a_round_and_finish_applies_its_last_mean() -> None:
     base = DiLoCoConfig(inner_steps=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
     blocking, opt_b = _lone(base)
