@@ -422,6 +422,51 @@ class DiLoCo:
             self.offset_optimizer.state.clear()
         self._proxy = None
 
+    def local_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps beside the outer state: with eager updates, this peer's offset,
+        its SGD's momentum, last round's stand-in and share ({} without). A resume without them
+        ran one round of the naive delay (a lone eager peer then left blocking DiLoCo's path)."""
+        if not self.offset:
+            return {}
+        with self.lock:
+            state = self.offset_optimizer.state
+            return {
+                "offset": [o.clone() for o in self.offset],
+                "offset_momentum": [
+                    m.clone() if (m := state.get(o, {}).get("momentum_buffer")) is not None else None
+                    for o in self.offset
+                ],
+                "proxy": [p.clone() for p in self._proxy] if self._proxy is not None else None,
+                "share": self._share,
+            }
+
+    @torch.no_grad()
+    def load_local_state(self, state: dict[str, Any]) -> None:
+        """The inverse of :meth:`local_state`, after :meth:`load_outer_state`; the model then starts
+        from θ + offset. A state of another shape (another config) is skipped with a warning."""
+        offset = state.get("offset")
+        if not self.offset or not offset:
+            self.restore_parameters()  # (the model as saved at a round's end: θ; its write marks kept)
+            return
+        shapes = [tuple(o.shape) for o in self.offset]
+        momentum, proxy = state.get("offset_momentum") or [None] * len(offset), state.get("proxy")
+        if (
+            [tuple(o.shape) for o in offset] != shapes
+            or len(momentum) != len(offset)
+            or (proxy is not None and [tuple(p.shape) for p in proxy] != shapes)
+        ):
+            logger.warning("the checkpoint's eager offset does not fit this model; starting it at zero")
+            return
+        with self.lock:
+            for o, saved, m in zip(self.offset, offset, momentum):
+                o.copy_(saved)
+                if m is not None:
+                    self.offset_optimizer.state[o]["momentum_buffer"] = m.clone().float()
+            self._proxy = [p.clone().float() for p in proxy] if proxy is not None else None
+            share = state.get("share")
+            self._share = float(share) if isinstance(share, (int, float)) and 0 < share <= 1 else None
+        self.restore_parameters()
+
     def _stand_in_share(self) -> float:
         """The share of the mean in flight this peer's Δ stands in for: its share of the last
         mean that landed, or before one has, 1 / the group its averager expects (Kale et al.'s

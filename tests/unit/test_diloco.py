@@ -916,3 +916,30 @@ def test_bf16_parameters_keep_theta_s_progress_finer_than_bf16() -> None:
             report = diloco.step(samples=4)
     assert report.local_norm == 0.0
     assert all(torch.equal(g, t) for g, t in zip(diloco.global_params, theta))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking-delay", "overlap"])
+def test_an_eager_peer_resumed_from_its_checkpoint_goes_on_as_if_never_stopped(overlap: bool) -> None:
+    """A checkpoint kept θ, momentum and the queued mean, not the eager offset: a resumed peer
+    ran one round of the naive delay and left the path it was on (6e-2 away for a lone peer).
+    The offset, its momentum, last round's stand-in and share now go with the checkpoint."""
+    import io
+
+    from workbench.run.checkpoint import restore_training, training_state
+
+    config = DiLoCoConfig(inner_steps=2, outer_lr=0.7, outer_momentum=0.9, delay=1, overlap=overlap)
+    reference, opt_r = _lone(config)
+    for r in range(6):
+        train_round(reference, opt_r, batches(r, 2))
+    peer, opt = _lone(config)
+    for r in range(3):
+        train_round(peer, opt, batches(r, 2))
+    saved = io.BytesIO()
+    torch.save(training_state(peer, peer.model, opt, None), saved)
+    peer, opt = _lone(config, seed=7)  # another start: everything comes from the checkpoint
+    saved.seek(0)
+    restore_training(torch.load(saved, weights_only=False), peer, peer.model, opt, None)
+    for r in range(3, 6):
+        train_round(peer, opt, batches(r, 2))
+    assert_all_close(peer.global_params, reference.global_params, atol=0)
+    assert_all_close(params_of(peer.model), params_of(reference.model), atol=0)
