@@ -109,9 +109,112 @@ def test_a_failed_write_leaves_no_temp_file(tmp_path) -> None:
             raise OSError("No space left on device")
 
     checkpoint.save(tmp_path, {"step": 1})
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(CheckpointError, match="No space left on device.*the earlier checkpoints are kept"):
         checkpoint.save(tmp_path, {"step": 2, "odd": Unpicklable()})
     assert checkpoint.load(tmp_path)[0]["step"] == 1 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_full_disk_in_torch_s_writer_is_one_clear_error(tmp_path, monkeypatch) -> None:
+    """torch's zip writer reports a full disk as RuntimeError ("unexpected pos"): two tracebacks."""
+    checkpoint.save(tmp_path, {"step": 1})
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointError, match="unexpected pos.*is the disk full"):
+        checkpoint.save(tmp_path, {"step": 2})
+    monkeypatch.undo()
+    assert checkpoint.load(tmp_path)[0]["step"] == 1 and not list(tmp_path.glob("*.tmp"))
+
+
+def _flip(path, at: float = 0.5) -> None:
+    """Flip one byte in the middle of ``path``'s first tensor's stored bytes."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        entry = next(i for i in archive.infolist() if "/data/" in i.filename)
+    data = bytearray(path.read_bytes())
+    header = entry.header_offset  # the local header's name and (alignment) extra field lengths:
+    start = header + 30 + int.from_bytes(data[header + 26 : header + 28], "little")
+    start += int.from_bytes(data[header + 28 : header + 30], "little")
+    data[start + int(entry.compress_size * at)] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_nan_weights_or_a_missing_part_pass_over_the_newest_checkpoint(tmp_path) -> None:
+    """torch.load read a checkpoint with flipped bytes without a word: the peer resumed on
+    them (one flip in a float32 exponent is NaN, and the peer was told to lower its learning
+    rate), and never tried the good previous checkpoint."""
+    good = {"model": {"w": torch.ones(256)}, "inner_optimizer": {}, "outer": {"params": [torch.ones(256)]}}
+
+    def flipped(path) -> None:
+        checkpoint.save(tmp_path, {**good, "step": 2})
+        _flip(path)
+
+    cases = {  # each writes a bad newest checkpoint over a good one at step 1
+        "does not match its checksum": flipped,
+        "holds NaN/Inf in the model": lambda path: checkpoint.save(
+            tmp_path, {**good, "step": 2, "model": {"w": torch.full((256,), float("nan"))}}
+        ),
+        "holds NaN/Inf in the global params": lambda path: checkpoint.save(
+            tmp_path, {**good, "step": 2, "outer": {"params": [torch.full((4,), float("inf"))]}}
+        ),
+        "is incomplete (no inner_optimizer)": lambda path: checkpoint.save(
+            tmp_path, {"step": 2, "model": {}, "outer": {}}
+        ),
+    }
+    for why, spoil in cases.items():
+        for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+            (tmp_path / name).unlink(missing_ok=True)
+        checkpoint.save(tmp_path, {**good, "step": 1})
+        spoil(tmp_path / "checkpoint.pt")
+        with pytest.raises(CheckpointError) as refused:  # (the newest, read alone)
+            checkpoint._read(tmp_path / "checkpoint.pt", checkpoint.REQUIRED)
+        assert why in str(refused.value)
+        payload, path = checkpoint.load(tmp_path, required=checkpoint.REQUIRED)
+        assert payload["step"] == 1 and path.name == "checkpoint.prev.pt", why
+
+
+def test_after_passing_over_a_corrupt_checkpoint_the_next_save_keeps_the_good_previous_one(tmp_path) -> None:
+    """The next save moved the corrupt newest checkpoint over the good previous one: two saves
+    after a fallback, the only good checkpoint was gone."""
+    for step in (1, 2):
+        checkpoint.save(tmp_path, {"step": step, "w": torch.ones(64)})
+    _flip(tmp_path / "checkpoint.pt", at=0.0)
+    assert checkpoint.load(tmp_path)[0]["step"] == 1
+    checkpoint.save(tmp_path, {"step": 3})
+    assert checkpoint._read(tmp_path / "checkpoint.prev.pt")["step"] == 1
+    checkpoint.save(tmp_path, {"step": 4})  # from here on, as always
+    assert checkpoint._read(tmp_path / "checkpoint.prev.pt")["step"] == 3
+
+
+def test_an_unreadable_checkpoint_is_refused_not_passed_over(tmp_path, monkeypatch) -> None:
+    import zipfile
+
+    checkpoint.save(tmp_path, {"step": 1})
+    checkpoint.save(tmp_path, {"step": 2})
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(zipfile, "ZipFile", denied)
+    with pytest.raises(
+        CheckpointError, match=r"cannot read .*checkpoint.pt: permission denied \(.*chmod u\+r"
+    ):
+        checkpoint.load(tmp_path)
+
+
+def test_a_run_dir_holding_a_checkpoint_is_refused_without_resume(tmp_path) -> None:
+    """Started again without --resume, a peer's first saves replaced both checkpoints of the
+    folder, silently."""
+    checkpoint.check_no_checkpoint(tmp_path, None)  # nothing there
+    checkpoint.save(tmp_path, {"step": 10})
+    with pytest.raises(CheckpointError, match=f"continue from it with --resume {tmp_path}"):
+        checkpoint.check_no_checkpoint(tmp_path, None)
+    checkpoint.check_no_checkpoint(tmp_path, tmp_path)  # resumed into its own folder
+    with pytest.raises(CheckpointError, match="holds a checkpoint"):
+        checkpoint.check_no_checkpoint(tmp_path, tmp_path / "elsewhere")
 
 
 def test_a_peers_training_state_round_trips_with_adamw_saved_once(tmp_path) -> None:

@@ -190,6 +190,12 @@ def test_flags_reach_the_config() -> None:
         pytest.param(["start", "--resume", "{tmp}/no-such-run"], "no such folder", id="resume-missing"),
         pytest.param(["start", "--resume", "{tmp}"], "checkpoint.pt does not exist", id="resume-empty"),
         pytest.param(["start", "--run-dir", "{tmp}/garbage"], "is a file: give a folder", id="run-dir-file"),
+        pytest.param(
+            ["start", "--run-dir", "{tmp}/held"],
+            "holds a checkpoint (checkpoint.pt) that this peer's saves would replace: continue from it "
+            "with --resume {tmp}/held",
+            id="run-dir-with-a-checkpoint",
+        ),
         pytest.param(["start", "--shard", "0/0"], "must be at least 1", id="shard-of-0"),
         pytest.param(
             ["start", "--checkpoint-every", "2"],
@@ -261,6 +267,8 @@ def test_bad_values_exit_2_with_one_error_line(
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     hint = hint.replace("{tmp}", str(tmp_path))
     (tmp_path / "garbage").write_bytes(b'{"event": "round"}\n\xff\xfe')  # a metrics file, say
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "checkpoint.pt").write_bytes(b"a stopped peer's")
     try:
         status = main(argv)
     except SystemExit as stop:  # out of a flag's bounds: argparse says so before anything starts

@@ -281,11 +281,13 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
         if node_world()[0] > 0:  # a torchrun rank other than 0: rank 0 is the node's peer
             end_process(follow(config))
-        from workbench.run.checkpoint import check_present
+        from workbench.run.checkpoint import check_no_checkpoint, check_present
         from workbench.run.peer import run_peer
 
         if config.peer.resume:  # before the peer creates its folder, key and metrics (Peer.run reads it)
             check_present(config.peer.resume)
+        if config.peer.run_dir:
+            check_no_checkpoint(config.peer.run_dir, config.peer.resume)
 
         on_started = (
             (lambda addresses, key, kept: _print_join_command(config, addresses, key, kept))

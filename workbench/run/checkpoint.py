@@ -16,6 +16,7 @@ import fcntl
 import logging
 import os
 import time
+import zipfile
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +33,19 @@ NAME, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"
 
 class CheckpointError(SwarmError):
     """No usable checkpoint (missing, truncated, corrupt, or for another run/model)."""
+
+
+class CheckpointUnreadable(CheckpointError):
+    """A checkpoint this process may not read (permissions): not corrupt, so not passed over
+    for the previous one (which a later save would then replace)."""
+
+
+REQUIRED = ("model", "inner_optimizer", "outer")
+"""What every checkpoint holds (:func:`training_state`)."""
+
+_passed_over: set[str] = set()
+"""Newest checkpoints found corrupt and passed over for the previous one (their resolved paths):
+the next save in that folder replaces them instead of moving them over the good previous one."""
 
 
 def hold_run_dir(directory: Path) -> IO[str]:
@@ -71,12 +85,19 @@ def save(directory: str | Path, payload: dict[str, Any]) -> Path:
                 torch.save({"format": FORMAT, "saved": time.time(), **payload}, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
+        except (OSError, RuntimeError) as error:  # torch says a full disk as "unexpected pos"
+            temporary.unlink(missing_ok=True)  # no half file left beside the good ones
+            raise CheckpointError(
+                f"could not write a checkpoint in {directory} ({_one_line(error)}; is the disk full?): "
+                "the earlier checkpoints are kept; free some space or give another --run-dir"
+            ) from None
         except BaseException:
-            temporary.unlink(missing_ok=True)  # a full disk: no half file left beside the good ones
+            temporary.unlink(missing_ok=True)
             raise
-        if path.exists():
+        if path.exists() and str(path.resolve()) not in _passed_over:
             os.replace(path, directory / PREVIOUS)
-        os.replace(temporary, path)
+        os.replace(temporary, path)  # (a corrupt newest one is replaced: the previous one stays)
+        _passed_over.discard(str(path.resolve()))
         folder = os.open(directory, os.O_RDONLY)
         try:
             os.fsync(folder)  # the renames themselves survive a power cut
@@ -85,15 +106,49 @@ def save(directory: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def _read(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The checkpoint at ``path``, checked: every stored record against its CRC-32 (torch.load
+    reads flipped bytes without a word: a resumed peer then hit NaN and was told to lower its
+    learning rate), the ``required`` keys (a peer's: :data:`REQUIRED`), and finite weights and
+    global state."""
     try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+        if damaged is not None:
+            raise CheckpointError(f"{path} is corrupt ({damaged} does not match its checksum)")
         payload = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
+    except PermissionError:
+        raise CheckpointUnreadable(
+            f"cannot read {path}: permission denied (let this user read it: chmod u+r {path})"
+        ) from None
+    except CheckpointError:
+        raise
     except Exception as error:  # truncated zip, garbage bytes, unpickling errors, ...
-        raise CheckpointError(f"{path} is truncated or corrupt ({type(error).__name__}: {error})") from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({_one_line(error)})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a workbench checkpoint ({FORMAT})")
+    missing = [key for key in required if key not in payload]
+    if missing:
+        raise CheckpointError(f"{path} is incomplete (no {', '.join(missing)})")
+    outer = payload.get("outer") if isinstance(payload.get("outer"), dict) else {}
+    model = payload.get("model")
+    weights = {
+        "the model": list(model.values()) if isinstance(model, dict) else [],
+        "the global params": list(outer.get("params") or []),
+        "the outer momentum": list(outer.get("momentum") or []),
+    }
+    for what, tensors in weights.items():
+        if not all(
+            bool(torch.isfinite(t).all()) for t in tensors if torch.is_tensor(t) and t.is_floating_point()
+        ):
+            raise CheckpointError(f"{path} holds NaN/Inf in {what}")
     return payload
 
 
@@ -113,21 +168,42 @@ def check_present(directory: str | Path) -> None:
         )
 
 
-def load(directory: str | Path) -> tuple[dict[str, Any], Path]:
-    """The newest good checkpoint in ``directory`` and its path; raises CheckpointError."""
+def load(directory: str | Path, *, required: tuple[str, ...] = ()) -> tuple[dict[str, Any], Path]:
+    """The newest good checkpoint in ``directory`` (holding the ``required`` keys) and its path;
+    raises CheckpointError."""
     directory = Path(directory)
     check_present(directory)
     try:
-        return _read(directory / NAME), directory / NAME
+        return _read(directory / NAME, required), directory / NAME
+    except CheckpointUnreadable as newest:
+        raise CheckpointError(f"cannot resume: {newest}") from None
     except CheckpointError as newest:
         if not (directory / PREVIOUS).exists():
             raise CheckpointError(f"cannot resume: {newest}") from None
         try:
-            payload = _read(directory / PREVIOUS)
+            payload = _read(directory / PREVIOUS, required)
         except CheckpointError as previous:
             raise CheckpointError(f"cannot resume: {newest}; and {previous}") from None
         logger.warning("%s; resuming from the previous checkpoint %s", newest, directory / PREVIOUS)
+        if (directory / NAME).exists():
+            _passed_over.add(str((directory / NAME).resolve()))
         return payload, directory / PREVIOUS
+
+
+def check_no_checkpoint(directory: str | Path, resume: str | Path | None) -> None:
+    """CheckpointError if ``directory`` (a ``--run-dir``) holds a checkpoint this start would
+    replace: without ``--resume`` of that folder, its checkpoints were silently overwritten by
+    the new run's first saves."""
+    directory = Path(directory)
+    if resume is not None and directory.resolve() == Path(resume).resolve():
+        return
+    held = [directory / name for name in (NAME, PREVIOUS) if (directory / name).exists()]
+    if held:
+        raise CheckpointError(
+            f"--run-dir {directory} holds a checkpoint ({held[0].name}) that this peer's saves would replace: "
+            f"continue from it with --resume {directory}, or give another --run-dir (or delete "
+            f"{directory}/checkpoint*.pt to start over there)"
+        )
 
 
 # --- a peer's training state, in and out of a checkpoint -----------------------------------------
@@ -185,7 +261,7 @@ def load_for(
 ) -> tuple[dict[str, Any], Path]:
     """:func:`load`, refusing a checkpoint of another run or model (``--resume``); ``summary``:
     this peer's model and optimizer in words, shown beside the checkpoint's when they differ."""
-    payload, path = load(directory)
+    payload, path = load(directory, required=REQUIRED)
     if payload.get("run_id") != run_id:
         raise CheckpointError(
             f"{path} belongs to run '{payload.get('run_id')}', not '{run_id}': pass --run-id {payload.get('run_id')}"
