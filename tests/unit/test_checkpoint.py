@@ -251,3 +251,20 @@ def test_a_peers_training_state_round_trips_with_adamw_saved_once(tmp_path) -> N
     assert mine.keys() == theirs.keys() and all(
         torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in mine[i]
     )
+
+
+def test_a_run_dir_this_user_cannot_write_is_one_line_with_the_fix(tmp_path, monkeypatch) -> None:
+    import builtins
+
+    real_open = builtins.open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(".lock"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", read_only)
+    with pytest.raises(
+        CheckpointError, match="cannot write in --run-dir .*Permission denied.*fix its permissions"
+    ):
+        checkpoint.hold_run_dir(tmp_path)

@@ -712,3 +712,16 @@ def test_a_tokenizer_path_that_does_not_exist_is_said_so(tmp_path) -> None:
     for name in (str(tmp_path / "tok"), "./no-such-tokenizer"):
         with pytest.raises(ValueError, match="no such folder"):
             load_tokenizer(name)
+
+
+def test_two_models_that_differ_only_in_block_size_are_told_apart_in_words() -> None:
+    """A joiner with another --block-size was refused with two identical descriptions of the
+    models (the parameter counts rounded alike), so it could not see what differed."""
+    from workbench.run.joining import fingerprint
+    from workbench.run.model import build_model
+
+    summaries = []
+    for block in ("64", "96"):
+        config = config_of("start", "--model", "tiny", "--block-size", block)
+        summaries.append(fingerprint(config, build_model(config.model, seed=0))[1])
+    assert summaries[0] != summaries[1] and "block size 96" in summaries[1], summaries

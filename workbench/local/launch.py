@@ -32,6 +32,7 @@ from workbench.cli.argv import method_arguments, model_flags, optimizer_argument
 from workbench.config import RunConfig
 from workbench.local.demo_table import DemoTable, describe
 from workbench.run.checkpoint import NAME as CHECKPOINT
+from workbench.run.checkpoint import PREVIOUS as PREVIOUS_CHECKPOINT
 from workbench.run.stopping import LAUNCHER_PID, not_interrupted, stopped_by_signals
 
 
@@ -192,9 +193,11 @@ class LocalSwarm:
         (a secret, which must not be on a command line)."""
         directory = self.run_dir / name
         directory.mkdir(parents=True, exist_ok=True)
-        # A reused --run-dir starts clean; a restarted peer keeps its events and loses its faults.
-        for stale in ("faults.json",) if again else ("metrics.jsonl", "global_params.pt", "faults.json"):
-            (directory / stale).unlink(missing_ok=True)
+        # A reused --run-dir starts clean (its checkpoints too: a peer refuses a --run-dir holding
+        # one without --resume); a restarted peer keeps its events and loses its faults.
+        stale = ("metrics.jsonl", "global_params.pt", "faults.json", CHECKPOINT, PREVIOUS_CHECKPOINT)
+        for name in ("faults.json",) if again else stale:
+            (directory / name).unlink(missing_ok=True)
         argv = [
             sys.executable,
             "-m",
@@ -238,7 +241,7 @@ class LocalSwarm:
         if not live:
             raise LaunchError("no running peer to join through: every peer of this demo has stopped")
         extra = [live[0].last("started")["addresses"][0], "--shard", f"{index}/{self.count}"]
-        if (old.directory / CHECKPOINT).exists():
+        if (old.directory / CHECKPOINT).exists() or (old.directory / PREVIOUS_CHECKPOINT).exists():
             extra += ["--resume", str(old.directory)]
         old.poll_events()
         peer = self._spawn("join", name, extra, again=True)

@@ -55,7 +55,13 @@ def hold_run_dir(directory: Path) -> IO[str]:
 
     A POSIX record lock: held by this process only (hivemind's forked children do not inherit
     it) and released by the kernel when the process dies, even by SIGKILL."""
-    handle = open(directory / ".lock", "a+")  # noqa: SIM115 - held open for the life of the peer
+    try:
+        handle = open(directory / ".lock", "a+")  # noqa: SIM115 - held open for the life of the peer
+    except OSError as error:  # a read-only folder, another user's: the bare errno said no fix
+        raise CheckpointError(
+            f"cannot write in --run-dir {directory} ({error.strerror or error}): give a folder this user "
+            "can write to, or fix its permissions"
+        ) from None
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -54,7 +54,8 @@ def fingerprint(config: RunConfig, model: Any) -> tuple[str, str]:
         compression=config.averaging.compression,
     )
     summary = (
-        f"{type(model).__name__} {model.num_params() / 1e6:.2f}M params, {config.method} "
+        f"{type(model).__name__} {model.num_params() / 1e6:.2f}M params, block size {config.model.block_size}, "
+        f"{config.method} "
         f"H={config.diloco.inner_steps} outer lr {config.diloco.outer_lr} codec {config.diloco.codec}"
     )
     return model_fingerprint(model, optimizer), summary

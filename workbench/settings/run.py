@@ -285,7 +285,9 @@ class Demo:
     no_tui: bool = setting(False, "a simple live table instead of the swarm monitor app", kind="switch")
     json: bool = setting(False, "print one JSON result object on stdout at the end", kind="switch")
     run_dir: str | None = setting(
-        None, "keep each peer's metrics and logs here (default: a temp dir)", metavar="DIR"
+        None,
+        "keep each peer's metrics and logs here (default: a temp dir; a reused one starts clean)",
+        metavar="DIR",
     )
     timeout: float = setting(900.0, "give up after this many seconds (default: 900)", bound="timeout")
 
