@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,4 +250,18 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             f"{result.bytes_per_peer / 1e6:.1f} MB sent per peer, {result.seconds:.0f} s",
             file=sys.stderr,
         )
+    rose = diverged(result.initial_eval_loss, result.final_eval_loss)
+    if rose:
+        print(f"warning: {rose}", file=sys.stderr)
     return 0
+
+
+def diverged(initial: float, final: float) -> str | None:
+    """Why a run's eval loss says it diverged (it ended above where it started, or not finite),
+    or None: a simulation that got worse is worth a line, not only a number."""
+    if not math.isfinite(final) or (math.isfinite(initial) and final > initial * 1.05):
+        return (
+            f"the eval loss ended above where it started ({initial:.3f} -> {final:.3f}): the run "
+            "diverged; lower --outer-lr or --inner-lr"
+        )
+    return None

@@ -179,3 +179,12 @@ def test_a_simulation_started_in_the_background_stops_on_a_signal(corpus: Path, 
     assert process.returncode == 130, err
     assert err.strip().splitlines()[-1] == "stopped.", err
     assert "Traceback" not in err and "terminate called" not in err, err
+
+
+def test_a_diverged_simulation_says_so() -> None:
+    """`simulate --outer-lr 10 --inner-lr 0.999` ended at 24712 from 5.37 with exit 0 and no word."""
+    from workbench.simulate import diverged
+
+    assert "diverged; lower --outer-lr or --inner-lr" in diverged(5.369, 24712.78)
+    assert "5.369 -> nan" in diverged(5.369, float("nan"))
+    assert diverged(5.369, 2.6) is None and diverged(5.369, 5.4) is None  # learned, or about flat
