@@ -50,6 +50,8 @@ class DataParallel:
         if not all_finite(grads):
             raise FloatingPointError("the averaged gradient holds NaN/Inf: lower the learning rate")
         for p, g in zip(self.params, grads):
+            if p.grad is None and not bool(g.any()):
+                continue  # unused here and by every member: no gradient, as torch alone leaves it
             p.grad = g.to(p.device, p.dtype)
         report.payload_bytes = sum(g.numel() * 4 for g in grads)
         report.seconds = time.monotonic() - start

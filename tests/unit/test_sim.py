@@ -387,3 +387,29 @@ def test_an_experiment_runs_time_boxed_rounds_on_the_virtual_clock():
     assert run.result.steps_per_peer == [40, 20] and run.result.utilization == [1.0, 1.0]
     with pytest.raises(ValueError, match="backend='sim'"):
         Experiment(backend="local", speeds=[1.0, 0.5])
+
+
+def test_data_parallel_leaves_a_parameter_no_member_used_without_a_gradient() -> None:
+    """A parameter unused this step (by every member) got a zero gradient, so AdamW's weight
+    decay and momentum moved it, where torch alone leaves a parameter whose .grad is None."""
+    from optim.averager import LocalAverager
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used = torch.nn.Linear(2, 1)
+            self.unused = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)
+
+    model = Model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    data_parallel = DataParallel(model, optimizer, LocalAverager())
+    for _ in range(3):
+        model(torch.randn(4, 2)).pow(2).mean().backward()
+        data_parallel.before_inner_step(samples=4)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert torch.equal(model.unused.detach(), torch.ones(3))
+    assert model.used.weight.grad is None and model.used.weight.abs().sum() > 0
