@@ -46,6 +46,7 @@ from optim.state import (
     holding,
     inner_state_tensors,
     load_inner_state,
+    warn_unsynced_buffers,
 )
 
 __all__ = [  # the config and state live in their own modules; importing them from here still works
@@ -80,6 +81,7 @@ class DiLoCo:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters: nothing for DiLoCo to average")
+        warn_unsynced_buffers(model)
         self.outer_step_count = 0
         """Completed outer rounds (the run's clock: peers at the same step hold the same θ)."""
         self.inner_step_count = 0

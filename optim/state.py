@@ -286,3 +286,27 @@ def holding(params: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> I
         with torch.no_grad():
             for p, k in zip(params, kept):
                 p.copy_(k)
+
+
+_TOLD_BUFFERS: set[str] = set()
+
+
+def warn_unsynced_buffers(model: torch.nn.Module) -> list[str]:
+    """Say once per model class that its floating-point buffers (BatchNorm's running mean and
+    variance, say) stay each peer's own: only parameters are averaged and downloaded, so the
+    peers' running statistics drift apart and a joiner starts them afresh. The names, or []."""
+    names = [name for name, buffer in model.named_buffers() if buffer.is_floating_point()]
+    kind = type(model).__name__
+    if names and kind not in _TOLD_BUFFERS:
+        _TOLD_BUFFERS.add(kind)
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        logger.warning(
+            "%s has %d floating-point buffers (%s): they are not averaged or sent to joiners, so each "
+            "peer keeps its own (BatchNorm's running statistics drift apart between peers). Prefer "
+            "LayerNorm or GroupNorm, or recompute the statistics before evaluating "
+            "(torch.optim.swa_utils.update_bn)",
+            kind,
+            len(names),
+            shown,
+        )
+    return names

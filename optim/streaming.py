@@ -38,7 +38,7 @@ from optim.diloco import (
     read_settled,
 )
 from optim.eager import SGD
-from optim.state import InnerStateCopies, InnerTensors, holding
+from optim.state import InnerStateCopies, InnerTensors, holding, warn_unsynced_buffers
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -152,6 +152,7 @@ class StreamingDiLoCo:
         self.inner_optimizer = inner_optimizer
         self.config = config
         self.params = [p for p in model.parameters() if p.requires_grad]
+        warn_unsynced_buffers(model)
         self.fragments = split_fragments([p.numel() for p in self.params], config.fragments)
         # One transport for every fragment (the simulator), or one per fragment (a real swarm,
         # where each fragment is its own hivemind averaging group with its own tensor shapes).
