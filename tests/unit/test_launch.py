@@ -225,3 +225,40 @@ def test_model_and_data_flags_reach_every_demo_peer(tmp_path: Path) -> None:
     # A preset with its own context: the printed join command carries it (it used to fail).
     assert "--model tiny --block-size 32" in join_command(small, ["ADDR"])
     assert f"--model {model} --block-size 64" in join_command(config, ["ADDR"])
+
+
+def test_a_demo_peer_starts_in_its_own_folder_which_a_reuse_cleans(tmp_path: Path, monkeypatch) -> None:
+    """Each peer is started with its own name and --run-dir (a loop over the files a reused
+    folder drops once took the name's place: every peer got --name checkpoint.prev.pt); a
+    reused folder loses its metrics and checkpoints (a peer refuses a --run-dir holding one),
+    a restart keeps them and resumes."""
+    import subprocess
+
+    from workbench.local import launch
+
+    started: list[list[str]] = []
+
+    class Process:
+        pid = 1
+
+        def __init__(self, argv, **kwargs) -> None:
+            started.append(argv)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Process)
+    config = build_config(build_parser().parse_args(["demo", "--model", "tiny", "--run-dir", str(tmp_path)]))
+    swarm = launch.LocalSwarm(config, peers=2, run_dir=tmp_path)
+    old = tmp_path / "peer-1"
+    old.mkdir()
+    for leftover in ("metrics.jsonl", "checkpoint.pt", "checkpoint.prev.pt", "identity.key"):
+        (old / leftover).write_text("an earlier demo's")
+    swarm._spawn("start", "peer-1", [])
+    argv = started[-1]
+    assert argv[argv.index("--name") + 1] == "peer-1"
+    assert argv[argv.index("--run-dir") + 1] == str(old)
+    assert sorted(p.name for p in old.iterdir()) == ["identity.key", "peer.log"]
+    (old / "checkpoint.pt").write_text("this run's")
+    swarm._spawn("join", "peer-1", [], again=True)
+    assert started[-1][started[-1].index("--name") + 1] == "peer-1" and (old / "checkpoint.pt").exists()

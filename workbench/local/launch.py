@@ -196,8 +196,8 @@ class LocalSwarm:
         # A reused --run-dir starts clean (its checkpoints too: a peer refuses a --run-dir holding
         # one without --resume); a restarted peer keeps its events and loses its faults.
         stale = ("metrics.jsonl", "global_params.pt", "faults.json", CHECKPOINT, PREVIOUS_CHECKPOINT)
-        for name in ("faults.json",) if again else stale:
-            (directory / name).unlink(missing_ok=True)
+        for leftover in ("faults.json",) if again else stale:
+            (directory / leftover).unlink(missing_ok=True)
         argv = [
             sys.executable,
             "-m",
