@@ -133,15 +133,15 @@ def test_a_peer_reads_its_rounds_arrivals_from_the_members_info_and_skips_malfor
         {"arrived": "soon", "name": "str"},
         "not a dict",
     ]
-    stats.arrivals(
-        SimpleNamespace(
-            group_size=3, error=None, group_info=[*infos, {"arrived": 101.9, "name": "x]\x1b[2J"}]
+    for junk in ("x]\x1b[2J", "x²", "a½"):  # not peer names (the last two: to the schema, not to Python's re)
+        stats.arrivals(
+            SimpleNamespace(group_size=3, error=None, group_info=[*infos, {"arrived": 101.9, "name": junk}])
         )
-    )
-    assert (round(stats.last_round_spread, 3), stats.last_round_last) == (
-        1.9,
-        "",
-    )  # not a peer name: left out
+        assert (round(stats.last_round_spread, 3), stats.last_round_last) == (1.9, ""), junk
+        PeerHeartbeat.model_validate(
+            dict(peer_id="p", name="n", stage="training", outer_step=1, inner_step=0, inner_steps=5, time=0.0)
+            | dict(last_round_last=stats.last_round_last)
+        )
     stats.arrivals(SimpleNamespace(group_size=3, error=None, group_info=infos))
     assert (round(stats.last_round_spread, 3), stats.last_round_last, stats.last_round_alone) == (
         1.8,

@@ -432,3 +432,20 @@ def test_status_into_a_pipe_keeps_every_cell_whole(capsys, monkeypatch) -> None:
     out = capsys.readouterr().out
     assert "…" not in out, out
     assert "a-rather-long-peer-name" in out and "averaging" in out and "2.346" in out, out
+
+
+def test_a_name_is_judged_as_the_heartbeat_schema_judges_it() -> None:
+    """Python's re and pydantic's regex engine read \\w differently: "x²" passed check_name (and a
+    round mate's name check) and then failed the heartbeat's schema, which stopped the peer."""
+    from swarm.errors import SwarmError
+    from swarm.records import check_name, is_name
+
+    for name in ("x²", "a½", "x]", "", "a" * 65):
+        assert not is_name(name)
+        with pytest.raises(SwarmError, match="invalid peer name"):
+            check_name(name)
+    for name in ("alice", "ü-3", "٣", "peer 0", "a" * 64):
+        assert is_name(name) and check_name(name) == name
+        PeerHeartbeat(
+            peer_id="p", name=name, stage="training", outer_step=0, inner_step=0, inner_steps=1, time=0.0
+        )

@@ -8,12 +8,11 @@ import dataclasses
 import json
 import logging
 import math
-import re
 import time
 from pathlib import Path
 from typing import Any
 
-from swarm.records import NAME_PATTERN, PeerHeartbeat, Stage
+from swarm.records import PeerHeartbeat, Stage, is_name
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ def _claimed_name(name: Any) -> str:
     valid peer name (a round mate once named itself "x]" and this peer's next heartbeat failed
     its own schema, stopping the peer)."""
     name = str(name or "")[:64]
-    return name if re.fullmatch(NAME_PATTERN, name) else ""
+    return name if is_name(name) else ""
 
 
 class Events:
