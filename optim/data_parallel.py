@@ -50,8 +50,12 @@ class DataParallel:
         if not all_finite(grads):
             raise FloatingPointError("the averaged gradient holds NaN/Inf: lower the learning rate")
         for p, g in zip(self.params, grads):
-            if p.grad is None and not bool(g.any()):
-                continue  # unused here and by every member: no gradient, as torch alone leaves it
+            if not bool(g.any()):
+                # Unused by every member (or a gradient of exactly 0 everywhere): no gradient, as
+                # torch alone leaves an unused parameter, decided from the mean every member holds
+                # (by this member's own .grad, one that used it with a zero gradient would step).
+                p.grad = None
+                continue
             p.grad = g.to(p.device, p.dtype)
         report.payload_bytes = sum(g.numel() * 4 for g in grads)
         report.seconds = time.monotonic() - start

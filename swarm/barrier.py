@@ -72,6 +72,11 @@ class Serving:
         return self._count > 0
 
 
+DOUBT_ROUNDS = 10
+"""Rounds strangers' downloads get the grace only after one never came (:attr:`RoundBarrier.doubted`):
+fresh keys, one a round, then cost a round wait every 11 rounds, about a grace a round."""
+
+
 class RoundBarrier:
     """One peer's barrier, run by its averager before every round."""
 
@@ -104,11 +109,13 @@ class RoundBarrier:
         """How long to wait for a round mate still training: learned from how long this
         barrier waited for its last round mates (``round_wait`` until it has seen 5 rounds). A
         peer downloading the state gets the whole ``round_wait``."""
-        self.doubted: frozenset[str] | None = None
+        self.doubted: tuple[frozenset[str], int] | None = None
         """Set when a stranger said it was downloading for a whole round wait and never came (the
-        peers this one had averaged with then): strangers' downloads get the grace only, as
-        strangers training do, until a peer not among those averages with this one. Fresh keys
-        saying "downloading", one a round, once held every round for the whole round wait."""
+        peers this one had averaged with then, and the round): strangers' downloads get the grace
+        only, as strangers training do, until a peer not among those averages with this one, or
+        for :data:`DOUBT_ROUNDS` rounds (an honest joiner slower than a round wait, or killed
+        mid-download, must not lock the next ones out for good). Fresh keys saying
+        "downloading", one a round, once held every round for the whole round wait."""
         self.expected: tuple[str, ...] = ()
         """The round mates the last AVERAGE verdict expects (peer ids), when it saw every other
         live peer ready (none otherwise, and after any other verdict). Matchmaking forms the
@@ -223,8 +230,10 @@ class RoundBarrier:
             # A joiner downloading the state is waited for like a vouched peer (a download of a
             # large state legitimately takes long); one that never shows up is struck all the same,
             # and the next strangers' downloads are doubted (:attr:`doubted`).
-            if self.doubted is not None and not vouched <= self.doubted:
-                self.doubted = None  # someone new averaged with this one: a joiner that came
+            if self.doubted is not None and (
+                not vouched <= self.doubted[0] or outer_step >= self.doubted[1] + DOUBT_ROUNDS
+            ):
+                self.doubted = None  # someone new averaged with this one (a joiner that came), or time
             trusted = [
                 p
                 for p in others
@@ -261,7 +270,7 @@ class RoundBarrier:
                 )
                 for p in busy_peers:
                     if p.peer_id not in vouched:  # "downloading" for a whole round wait
-                        self.doubted = frozenset(vouched)
+                        self.doubted = (frozenset(vouched), outer_step)
                         self.strike(
                             p,
                             outer_step,

@@ -171,8 +171,9 @@ def judge_state(
     donor (a tie refuses); a state no
     other peer can confirm is taken only from a vouched donor, when no other peer answered at
     all (the donor is then the only witness there is), or when every peer asked is past it (they
-    moved on during the download: see the comment below) but was not before it began
-    (``claims``: the outer steps their heartbeats claimed when they were chosen as witnesses)."""
+    moved on during the download: see the comment below) but most of them (and every one that
+    averaged with this one) were not before it began (``claims``: the outer steps their
+    heartbeats claimed when they were chosen as witnesses)."""
     at_step = {peer: got[1] for peer, got in answers.items() if got is not None and got[0] == step}
     steps = [got[0] for got in answers.values() if got is not None]
     agree = {peer for peer, sketches in at_step.items() if state_mismatch(mine, sketches) is None}
@@ -212,16 +213,20 @@ def judge_state(
                 False, f"{len(silent)} peer(s) that claim outer step {step} were asked and did not answer"
             )
         return StateVerdict(True, "no other peer answered: the donor is the only witness")
-    before = [s for peer, s in (claims or {}).items() if peer != donor and answers.get(peer) is not None]
-    if min(steps) > step and before and min(before) > step:
-        # Every peer that answered was past this step before the download began (their
-        # heartbeats said so when the witnesses were chosen): nobody could ever have confirmed
-        # it. A donor serving a made-up θ one step behind the swarm was taken this way, then
-        # found stale at the next round, then asked again: for ever.
+    before = {
+        peer: s for peer, s in (claims or {}).items() if peer != donor and answers.get(peer) is not None
+    }
+    past = {peer for peer, s in before.items() if s > step}
+    if min(steps) > step and past and (past & vouched or 2 * len(past) > len(before)):
+        # Most peers that answered (or one that averaged with this one) were past this step
+        # before the download began (their heartbeats said so when the witnesses were chosen):
+        # it was old when served. A donor serving a made-up θ one step behind the swarm was
+        # taken this way, then found stale at the next round, then asked again: for ever. (Most,
+        # not all: one fresh key claiming the donor's step would otherwise switch this off.)
         return StateVerdict(
             False,
-            f"every peer asked was past outer step {step} before the download began (at {min(before)} "
-            "or later): the donor served an old state",
+            f"{len(past)} of {len(before)} peers asked were past outer step {step} before the download "
+            f"began (at {min(before[p] for p in past)} or later): the donor served an old state",
         )
     if min(steps) > step:
         # Everyone asked moved on while this peer downloaded (rounds shorter than a download,

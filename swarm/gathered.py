@@ -40,6 +40,16 @@ def unwrap(data: Any) -> Any:
     return data[USER] if isinstance(data, dict) and USER in data else data
 
 
+def reported(member: Any) -> dict[str, Any]:
+    """A member's gathered data as its round reports it: its caller's info (``{}`` if that is
+    not a dict: dropped, such a member once left a pair round with one member to check, and its
+    update went through unchecked), with ``weight`` the weight the group's mean counted it by
+    (:func:`weight_of`), not the one its info claims: the robust checks then bound the mean the
+    group actually took."""
+    info = unwrap(member)
+    return {**(info if isinstance(info, dict) else {}), "weight": weight_of(member)}
+
+
 def takes_direct_rings(member: Any) -> bool:
     plane = member.get(PLANE) if isinstance(member, dict) and USER in member else None
     return isinstance(plane, int) and not isinstance(plane, bool) and plane == PROTOCOL

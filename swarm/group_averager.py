@@ -271,7 +271,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             mask_scale=gathered.mask_scale(members, self._codec, limit=sum(m.numel() for m in masks))
             if masks
             else 1.0,
-            gathered={peer: gathered.unwrap(m) for peer, m in zip(group_info.peer_ids, members)},
+            gathered={peer: gathered.reported(m) for peer, m in zip(group_info.peer_ids, members)},
         )
         self._posted[group_info.group_id] = (
             asyncio.get_running_loop().create_future(),
@@ -345,7 +345,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             results = await self._checked_butterfly(group_info, members, min_vector_size, **kwargs)
         else:  # int8: unchecked (swarm.consensus says why)
             results = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        return {peer: gathered.unwrap(data) for peer, data in results.items()}
+        return {peer: gathered.reported(data) for peer, data in results.items()}
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs: Any) -> None:
         """hivemind's all-reduce into ``tensors``; if every member takes the mean, with replies

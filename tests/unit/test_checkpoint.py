@@ -154,7 +154,7 @@ def test_flipped_bytes_nan_weights_or_a_missing_part_pass_over_the_newest_checkp
 
     cases = {  # each writes a bad newest checkpoint over a good one at step 1
         "does not match its checksum": flipped,
-        "holds NaN/Inf in the model": lambda path: checkpoint.save(
+        "holds NaN in the model": lambda path: checkpoint.save(
             tmp_path, {**good, "step": 2, "model": {"w": torch.full((256,), float("nan"))}}
         ),
         "holds NaN/Inf in the global params": lambda path: checkpoint.save(
@@ -268,3 +268,11 @@ def test_a_run_dir_this_user_cannot_write_is_one_line_with_the_fix(tmp_path, mon
         CheckpointError, match="cannot write in --run-dir .*Permission denied.*fix its permissions"
     ):
         checkpoint.hold_run_dir(tmp_path)
+
+
+def test_a_model_buffer_of_minus_infinity_is_no_corruption(tmp_path) -> None:
+    """An attention mask kept as a buffer holds -inf by design: such a model must resume."""
+    mask = torch.full((4, 4), float("-inf")).triu(1)
+    payload = {"model": {"mask": mask}, "inner_optimizer": {}, "outer": {"params": [torch.ones(2)]}}
+    checkpoint.save(tmp_path, payload)
+    assert torch.equal(checkpoint.load(tmp_path, required=checkpoint.REQUIRED)[0]["model"]["mask"], mask)

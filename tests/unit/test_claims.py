@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarm.averaging_config import AveragingConfig
-from swarm.barrier import RoundBarrier, Verdict
+from swarm.barrier import DOUBT_ROUNDS, RoundBarrier, Verdict
 from swarm.claims import (
     STRIKES,
     Ignored,
@@ -164,6 +164,22 @@ def test_strangers_downloading_one_a_round_cost_one_round_wait_then_the_grace():
     started = swarm.clock()
     swarm.wait_for_round_mates(14)
     assert 60 <= swarm.clock() - started < 60.5
+    # Without one, the doubt ends after DOUBT_ROUNDS rounds all the same (a joiner slower than a
+    # round wait must not lock the next ones out for good).
+    board.beats["slower"] = beat("slower", 0, Stage.DOWNLOADING)
+    board.beats.update(mate=beat("mate", 16), me=beat("me", 16))
+    swarm.wait_for_round_mates(15)  # "slow" never came: doubted from round 14, "slower" gets the grace
+    waits = []
+    for step in range(16, 16 + DOUBT_ROUNDS + 1):
+        board.beats[f"late{step}"] = beat(f"late{step}", 0, Stage.DOWNLOADING)
+        started = swarm.clock()
+        swarm.wait_for_round_mates(step)
+        waits.append(swarm.clock() - started)
+        board.beats.update(mate=beat("mate", step + 1), me=beat("me", step + 1))
+    full = [step for step, w in zip(range(16, 16 + DOUBT_ROUNDS + 1), waits) if w >= 60]
+    assert full == [14 + DOUBT_ROUNDS] and all(w < 5.5 or w >= 60 for w in waits), str(
+        [round(w) for w in waits]
+    )
 
 
 def test_a_vouched_peer_still_training_is_waited_for():
@@ -350,8 +366,19 @@ def test_judge_state_without_witnesses_at_the_step():
     # ...but not when they were all past it before the download began: a donor serving a
     # made-up θ one step behind the swarm was taken, found stale next round, and asked again.
     verdict = judge_state(3, good, behind, donor="d", vouched=set(), claims={"a": 4, "b": 5, "d": 3})
-    assert not verdict.accept and "past outer step 3 before the download began (at 4" in verdict.why
+    assert (
+        not verdict.accept
+        and "2 of 2 peers asked were past outer step 3 before the download began (at 4" in verdict.why
+    )
     assert not verdict.contradicted
+    # One fresh key claiming the donor's step does not switch this off; nor do two among three
+    # when the third averaged with this one.
+    answers = _answers(5, a=0.0, b=0.0, c=0.0)
+    claims = {"a": 5, "b": 5, "c": 3}
+    assert not judge_state(3, good, answers, donor="d", vouched=set(), claims=claims).accept
+    claims = {"a": 5, "b": 3, "c": 3}
+    assert judge_state(3, good, answers, donor="d", vouched=set(), claims=claims).accept
+    assert not judge_state(3, good, answers, donor="d", vouched={"a"}, claims=claims).accept
 
 
 def test_an_overlapped_barrier_waits_for_a_downloader_unless_this_peer_serves_it():

@@ -204,3 +204,24 @@ def test_a_nan_mean_names_the_member_whose_declared_norm_was_not_finite_not_this
     assert "holds NaN/Inf" in named and "sent by broken" in named and "me" not in named.split("sent by")[1]
     hidden = judged([{"name": "me", "norm": 1.0, "weight": 8}, {"name": "liar", "norm": 1.0, "weight": 8}])
     assert "under a finite declared norm: a faulty peer" in hidden and "lower the inner" not in hidden
+
+
+def test_a_member_whose_info_is_not_a_dict_or_claims_another_weight_is_checked_as_the_mean_counted_it() -> (
+    None
+):
+    """The round's group info held only members whose info was a dict: one sending a list was
+    dropped, so in a pair round one member was left to check and its update went through. And
+    a member's info could claim a weight of 0 while the mean counted the weight it gathered."""
+    from swarm import gathered
+
+    def wrapper(user, weight: float) -> dict:
+        return {**gathered.own(False, weight, b"", user), gathered.NONCE: b"n" * 16}
+
+    me = gathered.reported(wrapper({"peer": "me", "norm": 0.1, "weight": 8.0}, 8.0))
+    for user in (["not", "a", "dict"], None, {"peer": "att", "norm": 0.1, "weight": 0.0}):
+        liar = gathered.reported(wrapper(user, 8.0))
+        assert liar["weight"] == 8.0  # what the mean counted
+        verdict = check_round(6.6e5, [me, liar], ratio=10)
+        assert verdict is not None and (
+            "declared no valid update norm" in verdict or "more than" in verdict
+        ), user

@@ -145,17 +145,21 @@ def _read(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
         raise CheckpointError(f"{path} is incomplete (no {', '.join(missing)})")
     outer = payload.get("outer") if isinstance(payload.get("outer"), dict) else {}
     model = payload.get("model")
+    # θ and its momentum are never infinite; a model's state may be (a -inf attention mask kept
+    # as a buffer), so only NaN refuses it.
     weights = {
-        "the model": list(model.values()) if isinstance(model, dict) else [],
-        "the global params": list(outer.get("params") or []),
-        "the outer momentum": list(outer.get("momentum") or []),
+        "the model": (list(model.values()) if isinstance(model, dict) else [], torch.isnan),
+        "the global params": (list(outer.get("params") or []), _not_finite),
+        "the outer momentum": (list(outer.get("momentum") or []), _not_finite),
     }
-    for what, tensors in weights.items():
-        if not all(
-            bool(torch.isfinite(t).all()) for t in tensors if torch.is_tensor(t) and t.is_floating_point()
-        ):
-            raise CheckpointError(f"{path} holds NaN/Inf in {what}")
+    for what, (tensors, bad) in weights.items():
+        if any(bool(bad(t).any()) for t in tensors if torch.is_tensor(t) and t.is_floating_point()):
+            raise CheckpointError(f"{path} holds {'NaN' if bad is torch.isnan else 'NaN/Inf'} in {what}")
     return payload
+
+
+def _not_finite(tensor: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(tensor)
 
 
 def check_present(directory: str | Path) -> None:
