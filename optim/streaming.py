@@ -235,6 +235,20 @@ class StreamingDiLoCo:
         averaging weight (samples since its last sync) and its payload in bytes."""
         indices = self.fragments[f]
         deltas = [self.global_params[i] - self.params[i].detach().to("cpu", torch.float32) for i in indices]
+        if not all_finite(deltas):
+            # As DiLoCo: a diverged peer sends nothing (weight 0), starts again from the swarm's θ
+            # (every fragment: NaN spreads through the whole model in one step, and α mixing
+            # would keep it) and its AdamW moments afresh. Sent on, the NaN stopped the codec
+            # and, in the simulator, every peer.
+            logger.error(
+                "fragment %d: this peer's pseudo-gradient holds NaN/Inf; not sent, restarting from θ", f
+            )
+            with torch.no_grad():
+                for p, g in zip(self.params, self.global_params):
+                    p.copy_(g.to(p.device, p.dtype))
+            self.inner_optimizer.state.clear()
+            self.samples_since[f] = 0
+            return [torch.zeros_like(d) for d in deltas], 0.0, 0
         if self.feedback[f] is not None:
             encoded, deltas = self.feedback[f].compress(deltas)
             payload = encoded_nbytes(encoded)

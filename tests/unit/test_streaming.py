@@ -441,3 +441,45 @@ def test_a_streaming_peer_resumed_from_its_checkpoint_goes_on_as_if_never_stoppe
     rounds.finish()
     for resumed, reference in zip(rounds.global_params, uninterrupted):
         assert torch.equal(resumed, reference)
+
+
+def test_a_streaming_peer_whose_update_goes_nan_sends_nothing_and_takes_the_group_s_fragments():
+    """As DiLoCo's diverged peer: weight 0, zeros, and the whole model back to the swarm's θ
+    (NaN spreads to every fragment in a step; α mixing would keep it). Sent on, the NaN stopped
+    the codec and, in the simulator, every peer (BrokenBarrierError)."""
+    import threading
+
+    peers, H = 3, 4
+    swarm = InProcessSwarm(peers)
+    models = [init_model() for _ in range(peers)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=0.05) for m in models]
+    config = streaming(inner_steps=H, fragments=2, sync_delay=1)
+    outers = [
+        StreamingDiLoCo(m, o, swarm.averager(k), config) for k, (m, o) in enumerate(zip(models, inners))
+    ]
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        data = stream(k)
+        try:
+            for t in range(3 * H):
+                _train(models[k], inners[k], data, 1, outers[k].after_inner_step)
+                if k == 2 and t == H + 1:
+                    with torch.no_grad():
+                        next(models[k].parameters()).fill_(float("nan"))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            swarm.abort()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(peers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for outer in outers:
+        outer.finish()
+    assert not errors, errors
+    for outer in outers:
+        assert all(bool(torch.isfinite(g).all()) for g in outer.global_params)
+        assert all(torch.equal(a, b) for a, b in zip(outer.global_params, outers[0].global_params))
+    assert all(bool(torch.isfinite(p).all()) for p in models[2].parameters())  # back on the swarm's θ
