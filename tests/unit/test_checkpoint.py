@@ -103,6 +103,27 @@ def test_ctrl_c_during_a_write_takes_effect_after_it(tmp_path) -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_ctrl_c_during_a_write_waits_for_the_peer_to_say_it_wrote_it(tmp_path) -> None:
+    """The peer wraps the save, its log line and its event in another hold: a SIGINT during the
+    write stopped the peer before it said it had written a checkpoint (it had)."""
+    import os
+    import signal
+
+    from workbench.run.stopping import not_interrupted
+
+    class InterruptsWhilePickled:
+        def __reduce__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            return (dict, ())
+
+    said = []
+    with pytest.raises(KeyboardInterrupt), not_interrupted():
+        checkpoint.save(tmp_path, {"step": 7, "odd": InterruptsWhilePickled()})
+        said.append("wrote checkpoint")
+    assert said == ["wrote checkpoint"] and checkpoint.load(tmp_path)[0]["step"] == 7
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_failed_write_leaves_no_temp_file(tmp_path) -> None:
     class Unpicklable:
         def __reduce__(self):

@@ -595,22 +595,27 @@ class Peer:
             logger.warning("%s: a checkpoint was requested but this peer has no --run-dir", self.name)
             return None
         payload = checkpoint.training_state(self.diloco, self.model, self.inner_optimizer, self.batches)
-        path = checkpoint.save(
-            self.run_dir,
-            {
-                "run_id": self.config.peer.run_id,
-                "fingerprint": self.fingerprint()[0],
-                "summary": self.fingerprint()[1],
-                "name": self.name,
-                **payload,
-                "bytes": [self.stats.bytes_sent, self.stats.bytes_received, self.stats.dp_bytes],
-                "control_version": self.steering.version,
-                "control_checkpoints": self.steering.checkpoints,
-                "steered": dict(self.steering.settings),
-            },
-        )
-        logger.info("%s: wrote checkpoint %s at outer step %d", self.name, path, self.diloco.outer_step_count)
-        self.emit("checkpoint", path=str(path), outer_step=self.diloco.outer_step_count)
+        # Ctrl+C during the save takes effect after its line and event (it came after the file
+        # was written, and the peer stopped without saying it had written one).
+        with not_interrupted():
+            path = checkpoint.save(
+                self.run_dir,
+                {
+                    "run_id": self.config.peer.run_id,
+                    "fingerprint": self.fingerprint()[0],
+                    "summary": self.fingerprint()[1],
+                    "name": self.name,
+                    **payload,
+                    "bytes": [self.stats.bytes_sent, self.stats.bytes_received, self.stats.dp_bytes],
+                    "control_version": self.steering.version,
+                    "control_checkpoints": self.steering.checkpoints,
+                    "steered": dict(self.steering.settings),
+                },
+            )
+            logger.info(
+                "%s: wrote checkpoint %s at outer step %d", self.name, path, self.diloco.outer_step_count
+            )
+            self.emit("checkpoint", path=str(path), outer_step=self.diloco.outer_step_count)
         return path
 
     def resume(self, directory: str) -> None:
