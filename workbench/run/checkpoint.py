@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import torch
 
+from swarm.dataplane import one_line
 from swarm.errors import SwarmError
 from workbench.run.stopping import not_interrupted
 
@@ -94,7 +95,7 @@ def save(directory: str | Path, payload: dict[str, Any]) -> Path:
         except (OSError, RuntimeError) as error:  # torch says a full disk as "unexpected pos"
             temporary.unlink(missing_ok=True)  # no half file left beside the good ones
             raise CheckpointError(
-                f"could not write a checkpoint in {directory} ({_one_line(error)}; is the disk full?): "
+                f"could not write a checkpoint in {directory} ({one_line(error)}; is the disk full?): "
                 "the earlier checkpoints are kept; free some space or give another --run-dir"
             ) from None
         except BaseException:
@@ -110,11 +111,6 @@ def save(directory: str | Path, payload: dict[str, Any]) -> Path:
         finally:
             os.close(folder)
     return path
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def _read(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -137,7 +133,7 @@ def _read(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
     except CheckpointError:
         raise
     except Exception as error:  # truncated zip, garbage bytes, unpickling errors, ...
-        raise CheckpointError(f"{path} is truncated or corrupt ({_one_line(error)})") from None
+        raise CheckpointError(f"{path} is truncated or corrupt ({one_line(error)})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a workbench checkpoint ({FORMAT})")
     missing = [key for key in required if key not in payload]
