@@ -67,6 +67,9 @@ class FaultPlan:
     """Sleep this long per streamed part of a served state (a test can kill a donor mid-download)."""
     serve_noise: float = 0.0
     """Serve θ with this much relative noise (a lying donor; this peer's own θ is untouched)."""
+    serve_steps_back: float = 0.0
+    """Label the served state this many outer steps older than it is: with ``serve_noise``, a
+    made-up θ just behind the swarm, a step no honest peer holds any more to contradict it."""
     serve_bad_slices: float = 0.0
     """Flip a byte of every slice served over the direct transport (a donor whose slices do not
     match the hashes it offered)."""
@@ -155,7 +158,7 @@ class FaultReader:
 
 def fault_value(fault_file: str | None, key: str) -> float:
     """A state-serving fault of the local lab (``serve_delay_ms``, ``serve_noise``,
-    ``offer_loopback_port``, ``state_priority``), 0 if there is none or the file is half-written."""
+    ``serve_steps_back``, ``offer_loopback_port``, ``state_priority``), 0 if there is none or the file is half-written."""
     try:
         return float(getattr(FaultPlan.read(fault_file), key))
     except (OSError, ValueError):

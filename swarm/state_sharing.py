@@ -624,15 +624,20 @@ class StateSharing:
         return dict(await asyncio.gather(*map(ask, peers)))
 
     def _served(self, state: OuterState) -> OuterState:
-        """``state`` as this peer serves it (the lab's fault: θ with made-up noise)."""
+        """``state`` as this peer serves it (the lab's faults: θ with made-up noise, labelled
+        some outer steps older than it is)."""
         noise = fault_value(self._fault_file, "serve_noise")
-        if not noise:
-            return state
-        logger.warning("fault injection: serving θ with %g relative noise", noise)  # its own is untouched
-        return dataclasses.replace(
-            state,
-            params=[p + noise * p.norm() / p.numel() ** 0.5 * torch.randn_like(p) for p in state.params],
-        )
+        back = int(fault_value(self._fault_file, "serve_steps_back"))
+        if noise:
+            logger.warning("fault injection: serving θ with %g relative noise", noise)  # its own is untouched
+            state = dataclasses.replace(
+                state,
+                params=[p + noise * p.norm() / p.numel() ** 0.5 * torch.randn_like(p) for p in state.params],
+            )
+        if back:
+            logger.warning("fault injection: serving the state as %d outer step(s) older", back)
+            state = dataclasses.replace(state, outer_step=max(0, state.outer_step - back))
+        return state
 
     def get_current_state(self):
         state = self._served(self._state_provider())

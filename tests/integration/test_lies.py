@@ -187,6 +187,40 @@ def test_a_donor_serving_a_made_up_state_is_refused(spawn, tmp_path):
     assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
 
 
+@pytest.mark.faults
+def test_a_donor_serving_a_made_up_state_one_step_behind_is_refused(spawn, tmp_path):
+    """The same liar labels its made-up θ one outer step older than the swarm is: no honest
+    peer holds that step any more, so none can contradict the sketch. The joiner's witnesses
+    were past that step before the download began (their heartbeats said so when it chose
+    them): the state was old when served, and it is refused rather than taken "unconfirmed"
+    (which was taken, found stale at the next round, downloaded again from the same liar: for
+    ever). The joiner takes an honest peer's state and averages on its θ.
+
+    On hivemind's state stream (``--data-plane hivemind``), where donors are tried in the order
+    of the priority they declare, the liar's 10⁶ goes first. (The direct transport takes the
+    latest step offered, so there an older offer loses to the honest ones anyway.)"""
+    liar = tmp_path / "liar.json"
+    FaultPlan(serve_noise=0.05, serve_steps_back=1, state_priority=1e6).write(liar)
+    common = [*FAST, "--rounds", str(JOIN_ROUNDS), "--run-id", "old-made-up-state", "--data-plane", "hivemind"]
+    first = spawn("a", "start", *common, "--min-peers", "3")
+    second = spawn("b", "join", first.address(), *common, "--min-peers", "3")
+    third = spawn("c", "join", first.address(), *common, "--min-peers", "3", "--fault-file", str(liar))
+    first.wait_event("round", lambda e: e["outer_step"] >= 3 and e["group_size"] == 3)
+    joiner = spawn("d", "join", first.address(), *common)
+    for peer in (first, second, third, joiner):
+        assert peer.wait() == 0, peer.stderr()
+    log = joiner.stderr()
+    assert "the donor served an old state" in log, log[-3000:]
+    assert "fault injection: serving the state as 1 outer step(s) older" in third.stderr()
+    # A witness's heartbeat can lag its round (FAST rounds last less than a heartbeat period):
+    # the first download may still be taken unconfirmed, and found stale at the next round.
+    # Without the check the joiner took the liar's state again at every round, for the whole run.
+    assert log.count("unconfirmed") <= 3, log[-3000:]
+    rounds = [(r["outer_step"], r["group_size"], r["alone_reason"]) for r in joiner.events("round")]
+    assert any(size >= 3 for _, size, _ in rounds), rounds
+    assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
+
+
 FLOODER = """
 import sys
 from functools import partial
