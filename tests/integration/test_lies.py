@@ -201,7 +201,15 @@ def test_a_donor_serving_a_made_up_state_one_step_behind_is_refused(spawn, tmp_p
     latest step offered, so there an older offer loses to the honest ones anyway.)"""
     liar = tmp_path / "liar.json"
     FaultPlan(serve_noise=0.05, serve_steps_back=1, state_priority=1e6).write(liar)
-    common = [*FAST, "--rounds", str(JOIN_ROUNDS), "--run-id", "old-made-up-state", "--data-plane", "hivemind"]
+    common = [
+        *FAST,
+        "--rounds",
+        str(JOIN_ROUNDS),
+        "--run-id",
+        "old-made-up-state",
+        "--data-plane",
+        "hivemind",
+    ]
     first = spawn("a", "start", *common, "--min-peers", "3")
     second = spawn("b", "join", first.address(), *common, "--min-peers", "3")
     third = spawn("c", "join", first.address(), *common, "--min-peers", "3", "--fault-file", str(liar))
