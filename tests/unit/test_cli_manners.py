@@ -95,3 +95,42 @@ def test_long_work_shows_a_progress_bar_on_a_terminal_only(tmp_path: Path) -> No
     )
     assert piped.returncode == 0, piped.stderr[-800:]
     assert shown not in piped.stderr + piped.stdout  # logs stay plain
+
+
+INTERRUPTED_WHILE_LOADING = """
+import builtins, sys
+real = builtins.__import__
+def interrupted(name, *args, **kwargs):
+    if name == "workbench.cli.command":
+        raise KeyboardInterrupt  # Ctrl+C while the command's modules load (about 0.5 s)
+    return real(name, *args, **kwargs)
+builtins.__import__ = interrupted
+from workbench.cli import main
+sys.exit(main(["start", "--model", "tiny"]))
+"""
+
+
+def test_ctrl_c_while_the_command_loads_stops_it_with_one_line() -> None:
+    """Before, an import's traceback (40 lines from pydantic or platform.py) and exit 1."""
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_WHILE_LOADING], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stderr) == (130, "stopped.\n"), done.stderr[-2000:]
+
+
+def test_torch_s_developer_lines_show_only_with_v() -> None:
+    """torch logs "FakeTensor cache stats: ..." at INFO when the process exits (after a Ctrl+C
+    while a peer starts, say); the peer's INFO log is for its user."""
+    import logging
+
+    from workbench.cli.command import _configure_logging
+
+    torch_logger = logging.getLogger("torch")
+    level = torch_logger.level
+    try:
+        _configure_logging(0)
+        assert not logging.getLogger("torch._subclasses.fake_tensor").isEnabledFor(logging.INFO)
+        _configure_logging(1)
+        assert logging.getLogger("torch._subclasses.fake_tensor").isEnabledFor(logging.INFO)
+    finally:
+        torch_logger.setLevel(level)
