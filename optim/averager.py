@@ -50,6 +50,11 @@ class RoundReport:
     """Why a check made while the mean was formed refuses it (the round is then refused like
     one the robust check refuses; :func:`optim.contribution.judge`)."""
 
+    applied: bool = True
+    """False when this peer left its global params unchanged after a group round (the robust
+    check refused the mean, or it held NaN/Inf): :attr:`error` says why, and the optimizer
+    logged it as an error (:func:`optim.contribution.judge`)."""
+
     plane: str = ""
     """The transport that carried the all-reduce (a swarm's "direct" ring or "hivemind"'s path);
     empty when nothing was averaged or the averager has no such choice."""

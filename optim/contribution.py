@@ -87,7 +87,7 @@ def judge(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> str 
         )
     else:
         return None
-    report.error = why
+    report.error, report.applied = why, False
     return why
 
 

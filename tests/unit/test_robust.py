@@ -206,6 +206,30 @@ def test_a_nan_mean_names_the_member_whose_declared_norm_was_not_finite_not_this
     assert "under a finite declared norm: a faulty peer" in hidden and "lower the inner" not in hidden
 
 
+def test_a_refused_round_s_log_line_names_its_cause_once() -> None:
+    """The optimizer logs a refused mean in full, as an error; the peer's round line repeated
+    the whole message after it ("not applied: round 4: the averaged update holds NaN/Inf; the
+    global params were left unchanged (a member sent ...)"). It now names the cause only."""
+    import torch
+
+    from optim.averager import RoundReport
+    from optim.contribution import Outgoing, judge
+    from workbench.run.telemetry import round_note
+
+    info = {"name": "me", "norm": 1.0, "weight": 8}
+    outgoing = Outgoing([torch.tensor([float("nan"), 1.0])], info, 8.0, 1.0, 8, False, 5)
+    report = RoundReport(group_size=2, group_info=[info, {**info, "name": "broken", "norm": float("nan")}])
+    assert judge(outgoing, report, outlier_ratio=0.0) and not report.applied
+    assert round_note(report) == "  (not applied: the averaged update holds NaN/Inf)"
+    assert "round 5" in report.error and "sent by broken" in report.error  # the event keeps it whole
+    diverged = Outgoing([torch.tensor([1.0, 1.0])], info, 8.0, 1.0, 8, True, 5)  # own Δ was NaN
+    applied = RoundReport(group_size=2, group_info=[info, info])
+    assert judge(diverged, applied, outlier_ratio=0.0) is None and applied.applied
+    assert round_note(applied).startswith("  (this peer's pseudo-gradient held NaN/Inf: not sent")
+    assert round_note(RoundReport(group_size=1, error="no other peer")) == "  (alone: no other peer)"
+    assert round_note(RoundReport(group_size=2)) == ""
+
+
 def test_a_member_whose_info_is_not_a_dict_or_claims_another_weight_is_checked_as_the_mean_counted_it() -> (
     None
 ):

@@ -43,7 +43,7 @@ from workbench.run.faults import InjectedFaults
 from workbench.run.node import CHECK, STEP, SYNC, NodeGroup
 from workbench.run.outer import OuterLoop, build_outer, start_averagers
 from workbench.run.stopping import close_within, not_interrupted, stop_with_launcher, stopped_by_signals
-from workbench.run.telemetry import Events, RoundStats, heartbeat_of, round_fields
+from workbench.run.telemetry import Events, RoundStats, heartbeat_of, round_fields, round_note
 from workbench.run.training import build_model_and_optimizer, load_data, train_step, trained_shapes
 
 logger = logging.getLogger(__name__)
@@ -455,9 +455,7 @@ class Peer:
             self.stats.last_loss,
             eval_loss,
             report.group_size,
-            f"  ({'alone' if report.group_size <= 1 else 'not applied'}: {report.error})"
-            if report.error
-            else "",
+            round_note(report),
         )
 
     def finish(self, initial_eval: float) -> dict[str, Any]:

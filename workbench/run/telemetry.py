@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,20 @@ class Events:
             except Exception as error:  # noqa: BLE001
                 logger.warning("closing the %s exporter: %s", type(exporter).__name__, error)
         self.exporters = []
+
+
+def round_note(report: Any) -> str:
+    """The end of a round's log line: why it averaged alone, or what kept its mean out. The
+    optimizer has just logged a refusal in full as an error (:func:`optim.contribution.judge`):
+    the line names its cause only, not the whole message again."""
+    if not report.error:
+        return ""
+    if report.group_size <= 1:
+        return f"  (alone: {report.error})"
+    if report.applied:  # a finite mean, applied (this peer's own Δ was not)
+        return f"  ({report.error})"
+    cause = re.sub(r"^round \d+: ", "", report.error).split("; ")[0]
+    return f"  (not applied: {cause})"
 
 
 def round_fields(
