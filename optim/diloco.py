@@ -64,6 +64,13 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def pseudo_gradient(theta: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Δ = θ − θ_local in fp32 on the host, with θ (fp32) first rounded to the local params'
+    dtype, as the model started from it (see :meth:`DiLoCo.compute_pseudo_gradients`)."""
+    started = theta if local.dtype == theta.dtype else theta.to(local.dtype).float()
+    return started - local.detach().to("cpu", torch.float32)
+
+
 class DiLoCo:
     """Wraps ``model`` and its inner optimizer; averages pseudo-gradients every H steps."""
 
@@ -166,10 +173,7 @@ class DiLoCo:
         the model's bf16 put θ's own rounding into every Δ, and the outer step then undid θ's
         progress finer than bf16 (two peers adding half a bf16 ulp a round moved θ by 0.5 ulp in
         10 rounds, not 5; with no training at all, a round still moved θ)."""
-        return [
-            (g if local.dtype == g.dtype else g.to(local.dtype).float()) - local.float()
-            for g, local in zip(self.working_params(), self._host_params())
-        ]
+        return [pseudo_gradient(g, local) for g, local in zip(self.working_params(), self._host_params())]
 
     def _host_params(self) -> list[torch.Tensor]:
         """θ_local on the host. From a GPU, through pinned buffers kept across rounds: the copies

@@ -35,6 +35,7 @@ from optim.diloco import (
     in_background,
     landed,
     load_inner_state,
+    pseudo_gradient,
     read_settled,
 )
 from optim.eager import SGD
@@ -234,7 +235,9 @@ class StreamingDiLoCo:
         """Fragment ``f``'s pseudo-gradient as it goes on the wire (codec, error feedback), its
         averaging weight (samples since its last sync) and its payload in bytes."""
         indices = self.fragments[f]
-        deltas = [self.global_params[i] - self.params[i].detach().to("cpu", torch.float32) for i in indices]
+        # θ as the model started from it (in bf16 parameters' dtype, as DiLoCo takes it): an fp32
+        # θ put its own rounding into every Δ, and a round without training moved θ.
+        deltas = [pseudo_gradient(self.global_params[i], self.params[i]) for i in indices]
         if not all_finite(deltas):
             # As DiLoCo: a diverged peer sends nothing (weight 0), starts again from the swarm's θ
             # (every fragment: NaN spreads through the whole model in one step, and α mixing

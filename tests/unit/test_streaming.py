@@ -483,3 +483,32 @@ def test_a_streaming_peer_whose_update_goes_nan_sends_nothing_and_takes_the_grou
         assert all(bool(torch.isfinite(g).all()) for g in outer.global_params)
         assert all(torch.equal(a, b) for a, b in zip(outer.global_params, outers[0].global_params))
     assert all(bool(torch.isfinite(p).all()) for p in models[2].parameters())  # back on the swarm's θ
+
+
+def test_bf16_parameters_keep_a_fragment_s_theta_when_nothing_trains() -> None:
+    """As DiLoCo's: θ is fp32 and the model starts from θ in bf16. A fragment's Δ was θ minus
+    the model, so it held θ's own rounding, and rounds without any training moved θ."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)  # θ off bf16's grid, as an fp32 master is
+    theta = [p.detach().clone() for p in model.parameters()]
+    model = model.to(torch.bfloat16)
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    outer = StreamingDiLoCo(
+        model, inner, LocalAverager(), streaming(inner_steps=4, fragments=2, outer_lr=0.7, outer_momentum=0.9)
+    )
+    with torch.no_grad():
+        for g, t in zip(outer.global_params, theta):
+            g.copy_(t)
+        for p, t in zip(model.parameters(), theta):
+            p.copy_(t.to(torch.bfloat16))
+    for _ in range(12):  # three syncs of each fragment, nothing learnt
+        model(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        inner.step()
+        inner.zero_grad()
+        outer.after_inner_step(samples=4)
+    outer.finish()
+    assert outer.syncs >= 4
+    assert all(torch.equal(g, t) for g, t in zip(outer.global_params, theta))
