@@ -81,6 +81,9 @@ class BenchConfig:
     """Held-out batches per evaluation (fixed windows of the val split)."""
     history_points: int = 4
     """Evaluations of peer 0 during each run, for the loss curves in the JSON."""
+    sweep: bool = True
+    """Sweep the learning rates and outer settings; False runs each swept row once, at the
+    first value of each sweep (every row and code path, no tuning: a smoke run)."""
 
     def __post_init__(self) -> None:
         preset(self.preset)  # raises ValueError naming the presets
@@ -214,7 +217,12 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
     rows: list[dict[str, Any]] = []
     sweep: list[dict[str, Any]] = []
     start = time.monotonic()
-    total = 2 * len(SWEEP_INNER_LR) + 2 * len(SWEEP_OUTER) - 1 + len(SWEEP_SPARSELOCO_OUTER) + len(methods(H))
+    inner_lrs, outers, sparse_outers = (
+        (SWEEP_INNER_LR, SWEEP_OUTER, SWEEP_SPARSELOCO_OUTER)
+        if config.sweep
+        else (SWEEP_INNER_LR[:1], SWEEP_OUTER[:1], SWEEP_SPARSELOCO_OUTER[:1])
+    )
+    total = 2 * len(inner_lrs) + 2 * len(outers) - 1 + len(sparse_outers) + len(methods(H))
     done = 0
 
     def run(name: str, codec: str, spec: MethodSpec, inner_lr: float) -> dict[str, Any]:
@@ -256,12 +264,12 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
         return min(candidates, key=lambda r: r["final_eval_loss"])
 
     dp_spec = MethodSpec(method="dp", diloco=DiLoCoConfig(inner_steps=1))
-    dp_runs = [run("dp", "fp32", dp_spec, lr) for lr in SWEEP_INNER_LR]
+    dp_runs = [run("dp", "fp32", dp_spec, lr) for lr in inner_lrs]
     rows.append(best("dp", dp_runs))
     for r in dp_runs:  # ratios against the best dp
         r["loss_ratio_to_dp"] = r["final_eval_loss"] / rows[0]["final_eval_loss"]
     paper = DiLoCoConfig(inner_steps=H)
-    by_lr = [run("diloco", "fp32", MethodSpec(method="diloco", diloco=paper), lr) for lr in SWEEP_INNER_LR]
+    by_lr = [run("diloco", "fp32", MethodSpec(method="diloco", diloco=paper), lr) for lr in inner_lrs]
     lr = min(by_lr, key=lambda r: r["final_eval_loss"])["inner_lr"]
 
     def outer(o_lr: float, mom: float, **extra: Any) -> DiLoCoConfig:
@@ -269,7 +277,7 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
 
     by_outer = [
         run("diloco", "fp32", MethodSpec(method="diloco", diloco=outer(o_lr, mom)), lr)
-        for o_lr, mom in SWEEP_OUTER[1:]  # the paper's is in by_lr already
+        for o_lr, mom in outers[1:]  # the paper's is in by_lr already
     ]
     top = best("diloco", by_lr + by_outer)
     rows.append(top)
@@ -281,7 +289,7 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
             MethodSpec(method="diloco", diloco=outer(o_lr, mom, delay=1, overlap=True)),
             lr,
         )
-        for o_lr, mom in SWEEP_OUTER
+        for o_lr, mom in outers
     ]
     rows.append(best("diloco-eager", eager))
     sparse = [
@@ -294,10 +302,10 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
             ),
             lr,
         )
-        for o_lr, decay in SWEEP_SPARSELOCO_OUTER
+        for o_lr, decay in sparse_outers
     ]
     best_sparse = best("sparseloco", sparse)
-    rows.append(sparse[0])  # SWEEP_SPARSELOCO_OUTER[0]: as published (outer lr 1, β 0.95)
+    rows.append(sparse[0])  # sparse_outers[0]: as published (outer lr 1, β 0.95)
     rows.append(dict(best_sparse, method="sparseloco-tuned"))  # the same codec, lr and β swept
     for name, codec, spec in methods(H, diloco=diloco):
         rows.append(run(name, codec, spec, lr))
@@ -496,6 +504,11 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, metavar="H", help="H (default: 50; 10 with --quick)")
     parser.add_argument("--peers", type=int, default=4, help="virtual peers (default: 4)")
     parser.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="run each swept row once, at its first setting (every row, no tuning: a smoke run)",
+    )
+    parser.add_argument(
         "--estimate", action="store_true", help="time a few steps, print the projection, exit"
     )
     parser.add_argument(
@@ -524,6 +537,7 @@ def main() -> None:
         inner_steps=H,
         steps=args.steps or H * TARGET_ROUNDS,
         peers=args.peers,
+        sweep=not args.no_sweep,
     )
     params = build_model(preset(config.preset), seed=config.seed).num_params()
     mode = "quick" if args.quick else "full"
