@@ -26,8 +26,9 @@ from optim.sim import InProcessSwarm, SimConfig, SimResult, VirtualPeer, simulat
 from optim.streaming import StreamingConfig
 from workbench.config import TrainConfig
 from workbench.run.data import ByteCorpus, DataConfig, evaluate
-from workbench.run.model import ModelConfig, build_model, preset
+from workbench.run.model import ModelConfig
 from workbench.run.progress_bar import Bar, progress
+from workbench.run.training import network
 
 
 @dataclass(kw_only=True)
@@ -85,10 +86,13 @@ def run_simulation(
     sim: SimConfig,
     eval_batches: int = 8,
     make_model: Callable[[], torch.nn.Module] | None = None,
+    hf_model: str | None = None,
 ) -> SimResult:
-    """``make_model``: your own module instead of the preset ``model`` (one call per virtual
-    peer; each must return the same initial θ). Its ``forward(x, y)`` returns
-    ``(output, loss)``; see :class:`workbench.notebook.experiment.WithLoss` to add a loss function."""
+    """The peers train the model real peers would: the preset ``model`` or the Hugging Face
+    folder ``hf_model`` (``model`` then gives the context length), sized to the corpus'
+    vocabulary. ``make_model``: your own module instead (one call per virtual peer; each must
+    return the same initial θ). Its ``forward(x, y)`` returns ``(output, loss)``; see
+    :class:`workbench.notebook.experiment.WithLoss` to add a loss function."""
     corpus = ByteCorpus.load(data)
     corpus.check_fits(model.block_size)
     held_out = corpus.eval_batches(
@@ -99,7 +103,7 @@ def run_simulation(
     total = sim.steps
 
     def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
-        net = make_model() if make_model is not None else build_model(model, seed=sim.seed)
+        net = make_model() if make_model is not None else network(model, hf_model, corpus, seed=sim.seed)
         inner = AdamW(
             net.parameters(),
             lr=train.inner_lr,
@@ -166,6 +170,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--straggler '{text}' must look like RANK:FRACTION, e.g. 3:0.5") from None
     from optim.streaming import default_fragments
     from workbench.cli.optimizer_flags import effective, outer_config
+    from workbench.cli.options import build_config
 
     diloco = outer_config(args)
     fragments = args.fragments or default_fragments(diloco.inner_steps)  # as real peers choose it
@@ -204,11 +209,15 @@ def run_simulate_command(args: argparse.Namespace) -> int:
         bar.show(info["step"], f"{title}: round {int(info['round'])}, loss {info['loss']:.3f}")
 
     title = f"{args.method} on {args.peers} virtual peers"
+    # The model and data as a peer given the same settings takes them (a folder's model, its
+    # --block-size, a --tokenizer or --dataset): the simulated run is the one peers would run.
+    config = build_config(args, simulated=True)
     with bars:
         result = run_simulation(
             spec,
-            model=preset(args.model),
-            data=DataConfig(path=args.data, batch_size=args.batch_size),
+            model=config.model,
+            hf_model=config.hf_model,
+            data=config.data,
             train=TrainConfig(inner_lr=args.inner_lr),
             sim=dataclasses.replace(sim, on_round=on_round),
         )

@@ -148,3 +148,40 @@ def test_dataset_mistakes_are_clear(tmp_path: Path) -> None:
         DataConfig(path="x", dataset="y")
     with pytest.raises((ValueError, DataError), match="cannot open dataset"):
         ByteCorpus.load(DataConfig(dataset=str(tmp_path / "no-such-dataset-here")))
+
+
+def test_the_simulator_trains_the_folder_s_model_on_the_tokenizer_s_ids(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`workbench simulate --model DIR` stopped with "unknown model preset", and
+    `Experiment(backend="sim", model=DIR)` trained the built-in GPT instead of the folder's
+    model, silently; --tokenizer and --block-size were not simulate's. Now every virtual peer
+    builds what a real peer with the same settings would."""
+    import json
+
+    from workbench import Experiment
+    from workbench.cli.command import main
+
+    llama, tokenizer = make_llama(tmp_path / "llama"), make_tokenizer(tmp_path / "tok")
+    data = tmp_path / "words.txt"
+    data.write_text("\n".join(documents(300)))
+    built: list[tuple[str, int, int]] = []
+    load = hf.load_model
+
+    def spy(path, **kwargs):
+        built.append((path, kwargs["block_size"], kwargs["vocab_size"]))
+        return load(path, **kwargs)
+
+    monkeypatch.setattr(hf, "load_model", spy)
+    common = ["--peers", "2", "--inner-steps", "2", "--steps", "4", "--batch-size", "4", "--block-size", "16"]
+    flags = ["--model", str(llama), "--tokenizer", str(tokenizer), "--data", str(data)]
+    assert main(["simulate", *flags, *common, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["outer_rounds"] == 2 and result["final_eval_loss"] < result["initial_eval_loss"]
+    assert built == [(str(llama), 16, 12)] * 2  # one per virtual peer, sized to the tokenizer
+    built.clear()
+    run = Experiment(
+        backend="sim", peers=2, rounds=1, model=str(llama), tokenizer=str(tokenizer), data=str(data),
+        inner_steps=2, batch_size=4, block_size=16,
+    ).run().wait(120)  # fmt: skip
+    assert run.error is None and built == [(str(llama), 16, 12)] * 2

@@ -455,6 +455,7 @@ class Experiment:
             spec,
             make_model=self.make_model,
             model=self.config.model,
+            hf_model=self.config.hf_model,
             data=self.config.data,
             train=self.config.train,
             sim=SimConfig(

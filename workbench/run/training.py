@@ -13,7 +13,7 @@ from optim.eager import AdamW
 from optim.inner import inner_step
 from workbench.config import RunConfig
 from workbench.run.data import ByteCorpus
-from workbench.run.model import autocast_context, build_model, pick_device
+from workbench.run.model import ModelConfig, autocast_context, build_model, pick_device
 
 
 def train_step(
@@ -108,15 +108,23 @@ def build_model_and_optimizer(
 
 
 def _model(cfg: RunConfig, corpus: ByteCorpus, *, shapes_only: bool = False) -> torch.nn.Module:
-    if cfg.hf_model:
+    return network(cfg.model, cfg.hf_model, corpus, seed=cfg.peer.seed, shapes_only=shapes_only)
+
+
+def network(
+    shape: ModelConfig, hf_model: str | None, corpus: ByteCorpus, *, seed: int, shapes_only: bool = False
+) -> torch.nn.Module:
+    """The model a peer trains: a Hugging Face folder's (``hf_model``; of the preset ``shape``
+    only its context length applies), else the preset, sized to the corpus' vocabulary (bytes,
+    or a tokenizer's ids when --tokenizer is given). The simulator builds its peers' with it too."""
+    if hf_model:
         import workbench.run.hf as hf
 
         return hf.load_model(
-            cfg.hf_model,
-            seed=cfg.peer.seed,
-            block_size=cfg.model.block_size,
+            hf_model,
+            seed=seed,
+            block_size=shape.block_size,
             vocab_size=corpus.vocab_size,
             shapes_only=shapes_only,
         )
-    # A preset reads bytes, or a tokenizer's ids when --tokenizer is given.
-    return build_model(dataclasses.replace(cfg.model, vocab_size=corpus.vocab_size), seed=cfg.peer.seed)
+    return build_model(dataclasses.replace(shape, vocab_size=corpus.vocab_size), seed=seed)

@@ -17,6 +17,7 @@ from workbench.settings.run import (
     DEMO_DEFAULTS,
     Averaging,
     Demo,
+    Machine,
     ModelAndData,
     Network,
     Outputs,
@@ -25,7 +26,11 @@ from workbench.settings.run import (
 )
 from workbench.settings.simulate import Bench, Swarm
 
-TRAINING = {"model and data": (ModelAndData,), "DiLoCo": (Optimizer, Schedule), "averaging": (Averaging,)}
+TRAINING = {
+    "model and data": (ModelAndData, Machine),
+    "DiLoCo": (Optimizer, Schedule),
+    "averaging": (Averaging,),
+}
 """The settings every peer command takes, by ``--help`` group."""
 PEER = {"network": (Network, RunAccess, Outputs)}
 """What ``start`` and ``join`` add: where the peer listens, which run it trusts, what it writes."""
@@ -35,7 +40,7 @@ PEER_COMMANDS = ("start", "join", "demo")
 def sections(command: str) -> tuple[type, ...]:
     """The sections of a peer command (``start``, ``join``, ``demo``) or ``simulate``."""
     if command == "simulate":
-        return (Swarm, Optimizer, Bench)
+        return (Swarm, Optimizer, ModelAndData, Bench)
     if command not in PEER_COMMANDS:
         raise ValueError(f"no settings for command '{command}'")
     own = (Demo,) if command == "demo" else tuple(s for group in PEER.values() for s in group)
@@ -105,6 +110,7 @@ def add_simulate_options(parser: argparse.ArgumentParser) -> None:
     )
     add_section(parser, Swarm)
     add_section(parser.add_argument_group(Optimizer.__doc__), Optimizer, **SIMULATE_ALIASES)
+    add_section(parser.add_argument_group("model and data"), ModelAndData)  # as the peers take them
     add_section(parser, Bench)
 
 

@@ -82,6 +82,12 @@ class ModelAndData:
     batch_size: int = setting(
         16, "sequences per inner step (default: 16)", bound="batch_size", target="data.batch_size"
     )
+
+
+@dataclass(kw_only=True)
+class Machine:
+    """where a peer trains (beside its model and data; ``simulate`` has its own seed and threads)"""
+
     device: str = setting(
         "auto", "auto, cpu or cuda[:N] (default: auto = CUDA when present)", target="peer.device"
     )

@@ -18,13 +18,8 @@ class Swarm:
 
 @dataclass(kw_only=True)
 class Bench:
-    """The model, the data, and the virtual peers' faults and speeds."""
+    """The virtual peers' faults and speeds (the model and data are the peers' settings)."""
 
-    model: str = setting("small", "model preset (default: small)")
-    data: str | None = setting(
-        None, "text file or folder (default: the Python stdlib's source)", metavar="PATH"
-    )
-    batch_size: int = setting(16, "sequences per inner step per peer (default: 16)", bound="batch_size")
     straggler: list[str] = setting(
         [],
         "a peer that runs only FRACTION of each round's steps, e.g. 3:0.5 (repeatable)",
