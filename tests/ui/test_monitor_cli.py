@@ -44,6 +44,7 @@ def test_without_a_terminal_the_monitor_says_what_to_use_instead() -> None:
     result = workbench("replay", str(RECORDING))
     assert result.returncode == 2 and "is a full-screen terminal app" in result.stderr, result.stderr
     assert "--web serves the app to a browser" in result.stderr and "\x1b[" not in result.stdout
+    assert "`workbench status --replay FILE`" in result.stderr, result.stderr
     address = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
     started = time.monotonic()
     result = workbench("monitor", address, "--connect-timeout", "30")

@@ -104,7 +104,7 @@ def _need_a_terminal(command: str, cleanup=lambda: None) -> None:
     instead = (
         "`workbench status MULTIADDR --watch 2` (or --json) prints the same readings as lines, and "
         if command == "monitor"
-        else ""
+        else "`workbench status --replay FILE` (or --json) prints the recorded readings as lines, and "
     )
     raise SwarmError(
         f"`workbench {command}` is a full-screen terminal app, and stdin or stderr is not a terminal "
