@@ -25,10 +25,13 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from swarm.bounds import BOUNDS
 from swarm.records import CLOCK_SLACK, PeerHeartbeat
-from swarm.sketch import Sketch, state_mismatch
+
+if TYPE_CHECKING:  # swarm.sketch imports torch: 1,557 modules against 636, for the monitor and status
+    from swarm.sketch import Sketch
 
 MAX_LOSS = 1e4  # a cross-entropy over any vocabulary a model here can have is far below
 MAX_SAMPLES_PER_SECOND = 1e7
@@ -174,6 +177,8 @@ def judge_state(
     moved on during the download: see the comment below) but most of them (and every one that
     averaged with this one) were not before it began (``claims``: the outer steps their
     heartbeats claimed when they were chosen as witnesses)."""
+    from swarm.sketch import state_mismatch
+
     at_step = {peer: got[1] for peer, got in answers.items() if got is not None and got[0] == step}
     steps = [got[0] for got in answers.values() if got is not None]
     agree = {peer for peer, sketches in at_step.items() if state_mismatch(mine, sketches) is None}

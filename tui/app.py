@@ -7,7 +7,9 @@ fault injection: :mod:`tui.console`; the widgets: :mod:`tui.widgets`.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -230,11 +232,36 @@ class SwarmApp(OwnerConsole):
         )
 
 
+STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None)
+
+
 def run_app(source) -> None:
-    """Run the monitor over ``source`` until the user quits; always closes the source."""
+    """Run the monitor over ``source`` until the user quits; always closes the source.
+
+    While the app runs, SIGTERM and SIGHUP (a closed terminal) end it as `q` does, and
+    KeyboardInterrupt is raised once it has ended, as a caller's handler that raises it promises
+    (``workbench.run.stopping.stopped_by_signals``). Raised by the handler itself it landed
+    wherever the event loop was, once inside asyncio scheduling a task's wake-up: the wake-up
+    was lost, the app's shutdown waited for that task for ever, and the monitor outlived its
+    terminal (1 hang-up in about 950 under load; every time with the signal placed there)."""
     app = SwarmApp(source)
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        stopped.append(signum)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (yet or any more): nothing to break, stop now
+            raise KeyboardInterrupt from None
+        loop.call_soon_threadsafe(app.exit)  # at the loop's next turn, as asyncio.Runner does Ctrl+C
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
         app.run()
     finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         app.stop_polling()  # a signal can end the UI before it unmounts (and its workers are cancelled)
         source.close()
+    if stopped:
+        raise KeyboardInterrupt
