@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from textual import on
-from textual.app import ComposeResult, ScreenStackError, SystemCommand
+from textual.app import App, ComposeResult, ScreenStackError, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
@@ -236,15 +236,22 @@ STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)
 
 
 def run_app(source) -> None:
-    """Run the monitor over ``source`` until the user quits; always closes the source.
+    """Run the monitor over ``source`` until the user quits; always closes the source."""
+    app = SwarmApp(source)
+    try:
+        run_until_stopped(app)
+    finally:
+        app.stop_polling()  # a signal can end the UI before it unmounts (and its workers are cancelled)
+        source.close()
 
-    While the app runs, SIGTERM and SIGHUP (a closed terminal) end it as `q` does, and
-    KeyboardInterrupt is raised once it has ended, as a caller's handler that raises it promises
+
+def run_until_stopped(app: App) -> None:
+    """``app.run()``, which SIGTERM and SIGHUP (a closed terminal) end as `q` does; then
+    KeyboardInterrupt, as a caller's handler that raises it promises
     (``workbench.run.stopping.stopped_by_signals``). Raised by the handler itself it landed
     wherever the event loop was, once inside asyncio scheduling a task's wake-up: the wake-up
     was lost, the app's shutdown waited for that task for ever, and the monitor outlived its
     terminal (1 hang-up in about 950 under load; every time with the signal placed there)."""
-    app = SwarmApp(source)
     stopped: list[int] = []
 
     def stop(signum: int, frame: object) -> None:
@@ -261,7 +268,5 @@ def run_app(source) -> None:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        app.stop_polling()  # a signal can end the UI before it unmounts (and its workers are cancelled)
-        source.close()
     if stopped:
         raise KeyboardInterrupt

@@ -357,7 +357,7 @@ def run_demo(config: RunConfig, *, peers: int, run_dir: Path, timeout: float, sh
 def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> int:
     """`workbench demo` in a terminal: the swarm monitor over the local peers, with steering
     (peer-0's key is the run's owner key) and fault injection. Quitting the app stops the peers."""
-    from tui.app import SwarmApp
+    from tui.app import SwarmApp, run_until_stopped
     from workbench.sources import DemoSource
 
     swarm = LocalSwarm(config, peers=peers, run_dir=run_dir)
@@ -384,7 +384,7 @@ def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> in
         watcher = threading.Thread(target=supervise, daemon=True)
         watcher.start()
         try:
-            app.run()
+            run_until_stopped(app)
         finally:
             stop.set()
             if source is not None:
