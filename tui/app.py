@@ -251,8 +251,13 @@ def run_until_stopped(app: App) -> None:
     (``workbench.run.stopping.stopped_by_signals``). Raised by the handler itself it landed
     wherever the event loop was, once inside asyncio scheduling a task's wake-up: the wake-up
     was lost, the app's shutdown waited for that task for ever, and the monitor outlived its
-    terminal (1 hang-up in about 950 under load; every time with the signal placed there)."""
+    terminal (1 hang-up in about 950 under load; every time with the signal placed there). A
+    second signal raises at once: the app's own exit is stuck, and the caller stops anyway."""
     stopped: list[int] = []
+
+    async def exit_once_mounted() -> None:
+        await app._mounted_event.wait()  # exited before its screen is up, Textual shows errors
+        app.exit()
 
     def stop(signum: int, frame: object) -> None:
         stopped.append(signum)
@@ -260,7 +265,10 @@ def run_until_stopped(app: App) -> None:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no event loop (yet or any more): nothing to break, stop now
             raise KeyboardInterrupt from None
-        loop.call_soon_threadsafe(app.exit)  # at the loop's next turn, as asyncio.Runner does Ctrl+C
+        if len(stopped) > 1:  # asked again: the app's own exit is stuck, leave it as Ctrl+C would
+            raise KeyboardInterrupt
+        # At the loop's next turn, as asyncio.Runner does Ctrl+C.
+        loop.call_soon_threadsafe(lambda: loop.create_task(exit_once_mounted()))
 
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:

@@ -227,6 +227,12 @@ def test_a_refused_round_s_log_line_names_its_cause_once() -> None:
     assert judge(diverged, applied, outlier_ratio=0.0) is None and applied.applied
     assert round_note(applied).startswith("  (this peer's pseudo-gradient held NaN/Inf: not sent")
     assert round_note(RoundReport(group_size=1, error="no other peer")) == "  (alone: no other peer)"
+    mates = [info, {**info, "name": "big", "norm": 100.0}, {**info, "name": "other", "norm": 1.1}]
+    outlier = RoundReport(group_size=3, group_info=mates)
+    big = Outgoing([torch.tensor([40.0, 0.0])], info, 8.0, 1.0, 8, False, 5)
+    assert judge(big, outlier, outlier_ratio=10.0) and not outlier.applied
+    note = round_note(outlier)  # the check's own text holds "; ": all of it, only the tail cut
+    assert note.startswith("  (not applied: ") and "limit 10x" in note and "left unchanged" not in note, note
     assert round_note(RoundReport(group_size=2)) == ""
 
 

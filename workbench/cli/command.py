@@ -135,9 +135,10 @@ def _configure_logging(verbose: int) -> None:
     logging.getLogger("hivemind").setLevel(level)
     # multiaddr traces every address it parses at DEBUG (several lines per peer id): -vv only.
     logging.getLogger("multiaddr").setLevel(logging.DEBUG if verbose > 1 else logging.INFO)
-    # torch's own INFO lines are for its developers ("FakeTensor cache stats: ..." at exit,
-    # after a Ctrl+C while the peer starts): -v shows them.
-    logging.getLogger("torch").setLevel(logging.DEBUG if verbose else logging.WARNING)
+    # torch's INFO lines are for its developers. Its import sets its loggers to WARNING, but a
+    # Ctrl+C during that import left them at the root's INFO, and "FakeTensor cache stats: ..."
+    # came out at exit.
+    logging.getLogger("torch").setLevel(logging.WARNING)
 
 
 def _print_join_command(config: RunConfig, addresses: list[str], key: Path, kept: bool) -> None:

@@ -118,7 +118,7 @@ def round_note(report: Any) -> str:
         return f"  (alone: {report.error})"
     if report.applied:  # a finite mean, applied (this peer's own Δ was not)
         return f"  ({report.error})"
-    cause = re.sub(r"^round \d+: ", "", report.error).split("; ")[0]
+    cause = re.sub(r"^round \d+: |; the global params were left unchanged.*$", "", report.error)
     return f"  (not applied: {cause})"
 
 
