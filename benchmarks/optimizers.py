@@ -530,7 +530,9 @@ def main() -> None:
     config = quick() if args.quick else full()
     H = args.inner_steps or config.inner_steps
     if args.out is None:
-        args.out = RESULTS / (f"optimizers_h{H}.json" if args.inner_steps else "optimizers.json")
+        name = f"optimizers_h{H}" if args.inner_steps else "optimizers"
+        # An untuned smoke run must not replace the published, swept results.
+        args.out = RESULTS / f"{name}{'_no_sweep' if args.no_sweep else ''}.json"
     config = dataclasses.replace(
         config,
         preset=args.preset or config.preset,
