@@ -167,16 +167,9 @@ def test_a_donor_serving_a_made_up_state_is_refused(spawn, tmp_path):
     serves θ with 5 % noise. The joiner sketches what it got under a seed the donor never saw,
     the two honest peers' sketches disagree, and it takes the state from one of them instead:
     it averages with them on their θ, never the made-up one."""
-    liar = tmp_path / "liar.json"
-    FaultPlan(serve_noise=0.05, state_priority=1e6).write(liar)
-    common = [*FAST, "--rounds", str(JOIN_ROUNDS), "--run-id", "made-up-state"]
-    first = spawn("a", "start", *common, "--min-peers", "3")
-    second = spawn("b", "join", first.address(), *common, "--min-peers", "3")
-    third = spawn("c", "join", first.address(), *common, "--min-peers", "3", "--fault-file", str(liar))
-    first.wait_event("round", lambda e: e["outer_step"] >= 3 and e["group_size"] == 3)
-    joiner = spawn("d", "join", first.address(), *common)
-    for peer in (first, second, third, joiner):
-        assert peer.wait() == 0, peer.stderr()
+    first, third, joiner = _a_joiner_beside_a_lying_donor(
+        spawn, tmp_path, FaultPlan(serve_noise=0.05, state_priority=1e6), "--run-id", "made-up-state"
+    )
     log = joiner.stderr()
     assert "refused the state served by" in log and "most peers hold another θ" in log, log[-3000:]
     assert "fault injection: serving θ" in third.stderr()
@@ -199,24 +192,10 @@ def test_a_donor_serving_a_made_up_state_one_step_behind_is_refused(spawn, tmp_p
     On hivemind's state stream (``--data-plane hivemind``), where donors are tried in the order
     of the priority they declare, the liar's 10⁶ goes first. (The direct transport takes the
     latest step offered, so there an older offer loses to the honest ones anyway.)"""
-    liar = tmp_path / "liar.json"
-    FaultPlan(serve_noise=0.05, serve_steps_back=1, state_priority=1e6).write(liar)
-    common = [
-        *FAST,
-        "--rounds",
-        str(JOIN_ROUNDS),
-        "--run-id",
-        "old-made-up-state",
-        "--data-plane",
-        "hivemind",
-    ]
-    first = spawn("a", "start", *common, "--min-peers", "3")
-    second = spawn("b", "join", first.address(), *common, "--min-peers", "3")
-    third = spawn("c", "join", first.address(), *common, "--min-peers", "3", "--fault-file", str(liar))
-    first.wait_event("round", lambda e: e["outer_step"] >= 3 and e["group_size"] == 3)
-    joiner = spawn("d", "join", first.address(), *common)
-    for peer in (first, second, third, joiner):
-        assert peer.wait() == 0, peer.stderr()
+    plan = FaultPlan(serve_noise=0.05, serve_steps_back=1, state_priority=1e6)
+    first, third, joiner = _a_joiner_beside_a_lying_donor(
+        spawn, tmp_path, plan, "--run-id", "old-made-up-state", "--data-plane", "hivemind"
+    )
     log = joiner.stderr()
     assert "the donor served an old state" in log, log[-3000:]
     assert "fault injection: serving the state as 1 outer step(s) older" in third.stderr()
@@ -227,6 +206,22 @@ def test_a_donor_serving_a_made_up_state_one_step_behind_is_refused(spawn, tmp_p
     rounds = [(r["outer_step"], r["group_size"], r["alone_reason"]) for r in joiner.events("round")]
     assert any(size >= 3 for _, size, _ in rounds), rounds
     assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
+
+
+def _a_joiner_beside_a_lying_donor(spawn, tmp_path, plan: FaultPlan, *flags: str):
+    """Peers a and b, and c serving its state with ``plan``'s faults, train in threes; then d
+    joins. All run to the end: (a, the liar c, the joiner d)."""
+    liar = tmp_path / "liar.json"
+    plan.write(liar)
+    common = [*FAST, "--rounds", str(JOIN_ROUNDS), *flags]
+    first = spawn("a", "start", *common, "--min-peers", "3")
+    second = spawn("b", "join", first.address(), *common, "--min-peers", "3")
+    third = spawn("c", "join", first.address(), *common, "--min-peers", "3", "--fault-file", str(liar))
+    first.wait_event("round", lambda e: e["outer_step"] >= 3 and e["group_size"] == 3)
+    joiner = spawn("d", "join", first.address(), *common)
+    for peer in (first, second, third, joiner):
+        assert peer.wait() == 0, peer.stderr()
+    return first, third, joiner
 
 
 FLOODER = """

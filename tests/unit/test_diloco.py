@@ -889,17 +889,21 @@ def test_eager_peers_hold_one_consensus_theta_and_a_download_resets_the_offset()
     assert_all_close(params_of(joiner.model), donor.global_params, atol=0)
 
 
+def bf16_beside_its_fp32_theta(model: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """``model`` in bf16, and its fp32 θ off bf16's grid (as an fp32 master copy is)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    theta = [p.detach().clone() for p in model.parameters()]
+    return model.to(torch.bfloat16), theta
+
+
 def test_bf16_parameters_keep_theta_s_progress_finer_than_bf16() -> None:
     """θ is fp32 and the model starts each round from θ in bf16. Δ was θ minus the model, so it
     held θ's own rounding: with no training at all a round moved θ, and updates smaller than
     a bf16 step were undone by the next round. Δ is now taken from θ as the model started."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(16, 4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 1e-3)  # θ off bf16's grid, as an fp32 master is
-    theta = [p.detach().clone() for p in model.parameters()]
-    model = model.to(torch.bfloat16)
+    model, theta = bf16_beside_its_fp32_theta(torch.nn.Linear(16, 4))
     inner = torch.optim.SGD(model.parameters(), lr=0.0)
     diloco = DiLoCo(
         model, inner, LocalAverager(), DiLoCoConfig(inner_steps=2, outer_lr=0.7, outer_momentum=0.9)

@@ -488,13 +488,11 @@ def test_a_streaming_peer_whose_update_goes_nan_sends_nothing_and_takes_the_grou
 def test_bf16_parameters_keep_a_fragment_s_theta_when_nothing_trains() -> None:
     """As DiLoCo's: θ is fp32 and the model starts from θ in bf16. A fragment's Δ was θ minus
     the model, so it held θ's own rounding, and rounds without any training moved θ."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 1e-3)  # θ off bf16's grid, as an fp32 master is
-    theta = [p.detach().clone() for p in model.parameters()]
-    model = model.to(torch.bfloat16)
+    from tests.unit.test_diloco import bf16_beside_its_fp32_theta
+
+    model, theta = bf16_beside_its_fp32_theta(
+        torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    )
     inner = torch.optim.SGD(model.parameters(), lr=0.0)
     outer = StreamingDiLoCo(
         model, inner, LocalAverager(), streaming(inner_steps=4, fragments=2, outer_lr=0.7, outer_momentum=0.9)
