@@ -254,6 +254,7 @@ def run_until_stopped(app: App) -> None:
     terminal (1 hang-up in about 950 under load; every time with the signal placed there). A
     second signal raises at once: the app's own exit is stuck, and the caller stops anyway."""
     stopped: list[int] = []
+    exiting: list[asyncio.Task] = []  # held here: the loop keeps only a weak reference to a task
 
     async def exit_once_mounted() -> None:
         await app._mounted_event.wait()  # exited before its screen is up, Textual shows errors
@@ -268,7 +269,7 @@ def run_until_stopped(app: App) -> None:
         if len(stopped) > 1:  # asked again: the app's own exit is stuck, leave it as Ctrl+C would
             raise KeyboardInterrupt
         # At the loop's next turn, as asyncio.Runner does Ctrl+C.
-        loop.call_soon_threadsafe(lambda: loop.create_task(exit_once_mounted()))
+        loop.call_soon_threadsafe(lambda: exiting.append(loop.create_task(exit_once_mounted())))
 
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:

@@ -17,12 +17,16 @@ from swarm.faults import FaultPlan
 from tests.integration.conftest import (
     FAST,
     JOIN_ROUNDS,
+    NETNS,
     helper,
     interrupt_all,
     kill_group,
+    lab_peer,
     max_abs_diff,
+    readme_flags,
     workbench,
 )
+from workbench.local import netlab
 
 LIAR = """
 import sys, time
@@ -181,7 +185,20 @@ def test_a_donor_serving_a_made_up_state_is_refused(spawn, tmp_path):
 
 
 @pytest.mark.faults
-def test_a_donor_serving_a_made_up_state_one_step_behind_is_refused(spawn, tmp_path):
+@pytest.mark.parametrize(
+    "machines",
+    [
+        "loopback",
+        pytest.param(
+            "netns",
+            marks=[
+                NETNS,
+                pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}"),
+            ],
+        ),
+    ],
+)
+def test_a_donor_serving_a_made_up_state_one_step_behind_is_refused(spawn, tmp_path, machines):
     """The same liar labels its made-up θ one outer step older than the swarm is: no honest
     peer holds that step any more, so none can contradict the sketch. The joiner's witnesses
     were past that step before the download began (their heartbeats said so when it chose
@@ -191,11 +208,17 @@ def test_a_donor_serving_a_made_up_state_one_step_behind_is_refused(spawn, tmp_p
 
     On hivemind's state stream (``--data-plane hivemind``), where donors are tried in the order
     of the priority they declare, the liar's 10⁶ goes first. (The direct transport takes the
-    latest step offered, so there an older offer loses to the honest ones anyway.)"""
+    latest step offered, so there an older offer loses to the honest ones anyway.)
+
+    ``netns``: each peer on its own machine (``workbench.local.netlab``), started with the
+    README's multi-machine flags (``--host 0.0.0.0 --announce ...``)."""
     plan = FaultPlan(serve_noise=0.05, serve_steps_back=1, state_priority=1e6)
-    first, third, joiner = _a_joiner_beside_a_lying_donor(
-        spawn, tmp_path, plan, "--run-id", "old-made-up-state", "--data-plane", "hivemind"
-    )
+    flags = ["--run-id", "old-made-up-state", "--data-plane", "hivemind"]
+    if machines == "netns":
+        with netlab.NetLab(4, rate=None) as lab:
+            first, third, joiner = _a_joiner_beside_a_lying_donor(spawn, tmp_path, plan, *flags, lab=lab)
+    else:
+        first, third, joiner = _a_joiner_beside_a_lying_donor(spawn, tmp_path, plan, *flags)
     log = joiner.stderr()
     assert "the donor served an old state" in log, log[-3000:]
     assert "fault injection: serving the state as 1 outer step(s) older" in third.stderr()
@@ -208,19 +231,38 @@ def test_a_donor_serving_a_made_up_state_one_step_behind_is_refused(spawn, tmp_p
     assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
 
 
-def _a_joiner_beside_a_lying_donor(spawn, tmp_path, plan: FaultPlan, *flags: str):
+def _a_joiner_beside_a_lying_donor(spawn, tmp_path, plan: FaultPlan, *flags: str, lab=None):
     """Peers a and b, and c serving its state with ``plan``'s faults, train in threes; then d
-    joins. All run to the end: (a, the liar c, the joiner d)."""
+    joins. All run to the end: (a, the liar c, the joiner d). With ``lab``
+    (``workbench.local.netlab.NetLab``): each on its own machine, with the README's flags."""
     liar = tmp_path / "liar.json"
     plan.write(liar)
     common = [*FAST, "--rounds", str(JOIN_ROUNDS), *flags]
-    first = spawn("a", "start", *common, "--min-peers", "3")
-    second = spawn("b", "join", first.address(), *common, "--min-peers", "3")
-    third = spawn("c", "join", first.address(), *common, "--min-peers", "3", "--fault-file", str(liar))
-    first.wait_event("round", lambda e: e["outer_step"] >= 3 and e["group_size"] == 3)
-    joiner = spawn("d", "join", first.address(), *common)
-    for peer in (first, second, third, joiner):
-        assert peer.wait() == 0, peer.stderr()
+    started = []
+
+    def peer(i: int, *args: str):
+        name = "abcd"[i]
+        if lab is None:
+            started.append(spawn(name, *args, *common))
+        else:
+            started.append(lab_peer(lab, i, name, [*args, *common, *readme_flags(lab, i)], tmp_path))
+        return started[-1]
+
+    try:
+        first = peer(0, "start", "--min-peers", "3")
+        if lab is None:
+            address = first.address()
+        else:
+            address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
+        peer(1, "join", address, "--min-peers", "3")
+        third = peer(2, "join", address, "--min-peers", "3", "--fault-file", str(liar))
+        first.wait_event("round", lambda e: e["outer_step"] >= 3 and e["group_size"] == 3, timeout=120)
+        joiner = peer(3, "join", address)
+        for each in started:
+            assert each.wait() == 0, each.stderr()
+    finally:
+        for each in started:
+            each.kill()
     return first, third, joiner
 
 
