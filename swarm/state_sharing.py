@@ -389,7 +389,11 @@ class StateSharing:
         # the direct transport is slowed alike (StateServer.delay).
         delay = fault_value(self._fault_file, "serve_delay_ms") / 1000
         if delay:
-            logger.warning("serving the state slowly (fault injection: %.0f ms per part)", delay * 1000)
+            logger.warning(
+                "serving the state slowly to %s (fault injection: %.0f ms per part)",
+                context.remote_id.to_base58(),
+                delay * 1000,
+            )
         async for message in super().rpc_download_state(request, context):
             yield message
             if delay:

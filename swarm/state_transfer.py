@@ -342,7 +342,9 @@ class StateServer:
                     return  # not one of ours: nothing read beyond the token, nothing sent
                 if self.delay():
                     logger.warning(
-                        "serving the state slowly (fault injection: %.0f ms per part)", self.delay()
+                        "serving the state slowly to %s (fault injection: %.0f ms per part)",
+                        offer.joiner,
+                        self.delay(),
                     )
                 snapshot = offer.snapshot
                 count = len(snapshot.hashes)

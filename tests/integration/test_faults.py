@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 
@@ -108,7 +109,18 @@ def test_a_peer_killed_mid_run_does_not_stall_the_others(spawn, scenario, mode):
     assert max_abs_diff(first.global_params(), second.global_params()) <= 1e-5
 
 
-_SERVING = "serving the state slowly"
+def _donor_serving(joiner: Any, donors: tuple[Any, ...], timeout: float = 60) -> Any:
+    """The donor that logs it serves ``joiner``'s download (slowed by fault injection). Named by
+    the joiner's peer id: under load a donor may first serve the other donor's resync download,
+    and a donor's kill timed on that line would come before the joiner reached the swarm."""
+    served = f"serving the state slowly to {joiner.wait_event('started', timeout=60)['peer_id']} "
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for donor in donors:
+            if served in donor.stderr():
+                return donor
+        time.sleep(0.05)
+    pytest.fail(f"no donor served {joiner.name} within {timeout} s:\n{joiner.stderr()[-3000:]}")
 
 
 @pytest.mark.faults
@@ -123,18 +135,9 @@ def test_a_donor_killed_mid_download_the_joiner_takes_another(spawn, scenario, t
     first = spawn("a", "start", *slow, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *slow, "--min-peers", "2")
     second.wait_event("round", lambda e: e["outer_step"] >= 2)
-    served = {peer.name: peer.stderr().count(_SERVING) for peer in (first, second)}  # b's join
     joiner = spawn("c", "join", first.address(), second.address(), *common)
     # Whoever hivemind picked logs that it serves; kill it while the stream is still running.
-    deadline = time.monotonic() + 60
-    donor = None
-    while donor is None and time.monotonic() < deadline:
-        for peer in (first, second):
-            if peer.stderr().count(_SERVING) > served[peer.name]:
-                donor = peer
-                break
-        time.sleep(0.05)
-    assert donor is not None, joiner.stderr()[-3000:]
+    donor = _donor_serving(joiner, (first, second))
     time.sleep(0.5)  # a few parts in
     assert not joiner.events("state_downloaded"), "the download finished before the kill"
     # The surviving donor serves the retry at full speed: the stream under way read its delay
@@ -202,13 +205,8 @@ def test_every_donor_gone_mid_download_the_joiner_starts_cleanly(spawn, scenario
     first = spawn("a", "start", *slow, "--rounds", str(JOIN_ROUNDS), "--min-peers", "2")
     second = spawn("b", "join", first.address(), *slow, "--rounds", str(JOIN_ROUNDS), "--min-peers", "2")
     second.wait_event("round", lambda e: e["outer_step"] >= 2)
-    served = {peer.name: peer.stderr().count(_SERVING) for peer in (first, second)}
     joiner = spawn("c", "join", first.address(), second.address(), *common)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(
-        peer.stderr().count(_SERVING) > served[peer.name] for peer in (first, second)
-    ):
-        time.sleep(0.05)
+    _donor_serving(joiner, (first, second))
     time.sleep(0.5)  # a few parts in
     assert not joiner.events("state_downloaded"), "the download finished before the kill"
     killed_at = time.time()
