@@ -4,7 +4,9 @@ In hivemind's butterfly all-reduce each member reduces one slice of the vector a
 every member's part of that slice, so the reducer can drop, per coordinate, the ``k`` largest
 and ``k`` smallest values before averaging (k = 1, or fewer so that one value is left). A single
 peer that sends NaN or a huge update then moves no coordinate of the mean. The mean is
-unweighted (every member counts the same), as trimmed means usually are.
+unweighted (every member counts the same), as trimmed means usually are; a member that sends
+with weight 0 (a peer whose update diverged sends zeros so that the all-reduce still finds it)
+casts no vote: its zeros would otherwise pull every coordinate toward 0.
 
 Only hivemind's plane can do this: the direct plane's gloo ring only sums. It is installed in
 hivemind's averager process (see ``GroupAverager.run`` in swarm.group_averager).
@@ -22,12 +24,17 @@ class _TrimmedParts:
     def __init__(self, trim: int) -> None:
         self.trim = trim
         self.parts: list[torch.Tensor] = []
+        self.shape: torch.Size | None = None
 
     def add_(self, tensor: torch.Tensor, alpha: float = 1.0) -> _TrimmedParts:
-        self.parts.append(tensor.detach().float().clone())
+        self.shape = tensor.shape
+        if alpha > 0:  # weight 0: the member sent nothing to count (see the module's docstring)
+            self.parts.append(tensor.detach().float().clone())
         return self
 
     def div_(self, denominator: float) -> torch.Tensor:
+        if not self.parts:  # every member sent with weight 0: nothing to average
+            return torch.zeros(self.shape if self.shape is not None else (0,))
         return trimmed_mean(self.parts, self.trim)
 
 
