@@ -325,7 +325,7 @@ class DiLoCo:
             self.apply_outer_step(outgoing.deltas, checked=True)  # judge() found the mean finite
         if self.offset:  # as overlapped: this round's share is learnt once its mean lands
             self.apply_eager(sent, self._stand_in_share())
-            self._share = own_share(report, outgoing.weight)
+            self._learn_share(report, outgoing.weight)
         self._next_round()
         return report
 
@@ -377,7 +377,7 @@ class DiLoCo:
         report, mean = RoundReport(group_size=1, pending=True, info=outgoing.info), None  # first round
         if self._inflight is not None:
             report, mean = self._collect(self._inflight)
-            self._share = own_share(report, self._inflight.outgoing.weight)
+            self._learn_share(report, self._inflight.outgoing.weight)
         sent = [d.clone() for d in outgoing.deltas] if self.offset else []  # the all-reduce overwrites them
         share = self._stand_in_share() if self.offset else 1.0  # (not under the lock: may ask the DHT)
         with self.lock:  # θ, the clock and the in-flight round change together (see outer_state)
@@ -472,6 +472,15 @@ class DiLoCo:
             share = state.get("share")
             self._share = float(share) if isinstance(share, (int, float)) and 0 < share <= 1 else None
         self.restore_parameters()
+
+    def _learn_share(self, report: RoundReport, weight: float) -> None:
+        """Remember this peer's share of the mean that just landed, for the next stand-in. A
+        round whose averaging failed (this peer fell back on its own update) says nothing of the
+        group the next round will find: the share learnt before stands (else the next stand-in
+        would be the whole Δ, M times its share, as before the first mean)."""
+        if report.group_size <= 1 and report.error and self._share is not None:
+            return
+        self._share = own_share(report, weight)
 
     def _stand_in_share(self) -> float:
         """The share of the mean in flight this peer's Δ stands in for: its share of the last

@@ -828,6 +828,31 @@ def test_before_a_first_mean_lands_an_eager_peer_stands_in_for_its_expected_shar
     assert_all_close(three.offset, [o / 3 for o in alone.offset], atol=1e-7)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking-delay", "overlap"])
+def test_a_failed_averaging_does_not_make_the_next_stand_in_the_whole_delta(overlap: bool) -> None:
+    """A round whose all-reduce failed lands this peer's own update (a group of 1): that says
+    nothing of the group the next round finds, so the share learnt from the last real mean
+    (1/3 here) stands; it became 1, and the next stand-in M times too large."""
+
+    class ThreeThenFails(LocalAverager):
+        calls = 0
+
+        def all_reduce(self, tensors, *, weight, info=None):  # type: ignore[no-untyped-def]
+            ThreeThenFails.calls += 1
+            if ThreeThenFails.calls == 2:
+                raise RuntimeError("the group fell apart")
+            return RoundReport(group_size=3, group_info=[dict(info or {}, weight=weight)] * 3)
+
+    config = DiLoCoConfig(inner_steps=2, outer_lr=0.7, outer_momentum=0.9, delay=1, overlap=overlap)
+    eager, opt = _lone(config)
+    eager.averager = ThreeThenFails()
+    for r in range(3 if overlap else 2):  # the failed round has just landed (overlapped: a round late)
+        train_round(eager, opt, batches(r, 2))
+    assert ThreeThenFails.calls >= 2
+    assert eager._stand_in_share() == pytest.approx(1 / 3)
+    eager.finish()
+
+
 def test_the_naive_delay_lags_a_round_and_finish_applies_its_last_mean() -> None:
     base = DiLoCoConfig(inner_steps=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
     blocking, opt_b = _lone(base)
