@@ -29,6 +29,7 @@ import torch
 
 from optim.averager import Averager, RoundReport
 from optim.codecs import all_finite, encoded_nbytes
+from optim.contribution import Outgoing, global_norm, judge
 from optim.diloco import (
     DiLoCoConfig,
     OuterState,
@@ -177,7 +178,9 @@ class StreamingDiLoCo:
         self.syncs = 0
         """Fragment syncs merged."""
         self.samples_since = [0] * len(self.fragments)
-        self._pending: dict[int, tuple[int, list[torch.Tensor]]] = {}  # merge step -> (fragment, mean Δ)
+        self._pending: dict[
+            int, tuple[int, list[torch.Tensor], bool]
+        ] = {}  # merge step -> (fragment, mean Δ, refused)
 
     @property
     def outer_step_count(self) -> int:
@@ -220,20 +223,30 @@ class StreamingDiLoCo:
 
     @torch.no_grad()
     def begin_sync(self, f: int, info: dict[str, Any] | None) -> RoundReport:
-        """Pseudo-gradient of fragment ``f`` → codec → averager; merged ``sync_delay`` steps later."""
+        """Pseudo-gradient of fragment ``f`` → codec → averager → the robust checks; merged
+        ``sync_delay`` steps later."""
         start = time.monotonic()
-        deltas, weight, payload = self.outgoing(f)
-        report = self.averagers[f].all_reduce(deltas, weight=weight, info=info)
-        report.payload_bytes = payload
+        outgoing = self.outgoing(f, info)
+        report = self.averagers[f].all_reduce(outgoing.deltas, weight=outgoing.weight, info=outgoing.info)
+        refused = self.judge(f, outgoing, report)
         report.seconds = time.monotonic() - start
-        report.info = report.info or dict(info or {})
-        self._pending[self.step_count + self.config.sync_delay] = (f, deltas)
+        self._pending[self.step_count + self.config.sync_delay] = (f, outgoing.deltas, bool(refused))
         return report
 
+    def judge(self, f: int, outgoing: Outgoing, report: RoundReport) -> str | None:
+        """As DiLoCo judges a round (optim.contribution.judge): fill in the report; why fragment
+        ``f``'s mean must not be merged (an outlier, a misreported norm, NaN/Inf), or None."""
+        refused = judge(outgoing, report, self.config.outer.outlier_ratio)
+        if refused:
+            logger.error("fragment %d: %s", f, refused)
+        return refused
+
     @torch.no_grad()
-    def outgoing(self, f: int) -> tuple[list[torch.Tensor], float, int]:
-        """Fragment ``f``'s pseudo-gradient as it goes on the wire (codec, error feedback), its
-        averaging weight (samples since its last sync) and its payload in bytes."""
+    def outgoing(self, f: int, info: dict[str, Any] | None = None) -> Outgoing:
+        """Fragment ``f``'s pseudo-gradient as it goes on the wire (clipped to
+        ``outer.clip_norm``, codec, error feedback), its averaging weight (samples since its
+        last sync), its payload in bytes, and ``info`` with the norm and weight every member's
+        robust check reads (as DiLoCo's)."""
         indices = self.fragments[f]
         # θ as the model started from it (in bf16 parameters' dtype, as DiLoCo takes it): an fp32
         # θ put its own rounding into every Δ, and a round without training moved θ.
@@ -251,7 +264,12 @@ class StreamingDiLoCo:
                     p.copy_(g.to(p.device, p.dtype))
             self.inner_optimizer.state.clear()
             self.samples_since[f] = 0
-            return [torch.zeros_like(d) for d in deltas], 0.0, 0
+            zeros = [torch.zeros_like(d) for d in deltas]
+            return Outgoing(zeros, dict(info or {}, norm=0.0, weight=0.0), 0.0, 0.0, 0, True, self.syncs)
+        local_norm = global_norm(deltas)
+        clip = self.config.outer.clip_norm
+        if clip and local_norm > clip:
+            deltas = [d * (clip / local_norm) for d in deltas]
         if self.feedback[f] is not None:
             encoded, deltas = self.feedback[f].compress(deltas)
             payload = encoded_nbytes(encoded)
@@ -259,12 +277,20 @@ class StreamingDiLoCo:
             deltas, payload = self.codec.round_trip(deltas)
         weight = float(max(self.samples_since[f], 1))
         self.samples_since[f] = 0
-        return deltas, weight, payload
+        info = dict(info or {}, norm=global_norm(deltas), weight=weight)
+        return Outgoing(deltas, info, weight, local_norm, payload, False, self.syncs)
 
     @torch.no_grad()
-    def merge(self, f: int, mean_deltas: list[torch.Tensor]) -> None:
-        """Outer SGD on the fragment's θ, then mix it into the model's fragment."""
+    def merge(self, f: int, mean_deltas: list[torch.Tensor], refused: bool = False) -> None:
+        """Outer SGD on the fragment's θ, then mix it into the model's fragment. ``refused`` (by
+        the robust checks, :meth:`judge`): θ stays, and the model's fragment is still mixed
+        with it, as DiLoCo puts every peer back on θ after a refused round (an outlier's
+        fragment would otherwise go out again the next time)."""
         indices = self.fragments[f]
+        if refused:
+            self.mix(f)
+            self.syncs += 1
+            return
         if not all_finite(mean_deltas):
             logger.error("fragment %d: the averaged update holds NaN/Inf; left unchanged", f)
             return
@@ -431,21 +457,20 @@ class StreamingRounds:
             if info and "fingerprint" in info:  # taken after that merge: every peer's θ is the same here
                 info = dict(info, fingerprint=self.fingerprint())
             start = time.monotonic()
-            deltas, weight, payload = s.outgoing(fragment)
-            info = dict(info or {})
+            outgoing = s.outgoing(fragment, info)
             averager = s.averagers[fragment]
             with self.lock:
                 self._inflight = _FragmentInFlight(
                     fragment,
-                    deltas,
-                    info,
-                    payload,
+                    outgoing,
                     start,
-                    in_background(averager.all_reduce, deltas, weight=weight, info=info),
+                    in_background(
+                        averager.all_reduce, outgoing.deltas, weight=outgoing.weight, info=outgoing.info
+                    ),
                 )
                 self._clock += 1
             if report is None:  # the first sync: nothing merged yet
-                report = RoundReport(group_size=1, pending=True, info=info)
+                report = RoundReport(group_size=1, pending=True, info=outgoing.info)
         self.inner_step_count = 0
         self.inner_copies.enter()
         return report
@@ -455,11 +480,10 @@ class StreamingRounds:
         inflight = self._inflight
         assert inflight is not None
         report = inflight.future.result()  # re-raises only what stops the run
-        report.payload_bytes = inflight.payload
+        refused = self.streaming.judge(inflight.fragment, inflight.outgoing, report)
         report.seconds = time.monotonic() - inflight.start
-        report.info = report.info or inflight.info
         with self.lock:
-            self.streaming.merge(inflight.fragment, inflight.deltas)
+            self.streaming.merge(inflight.fragment, inflight.outgoing.deltas, bool(refused))
             self._inflight = None
         return report
 
@@ -503,12 +527,14 @@ class StreamingRounds:
         keys, tensors = copies
         params = [g.clone() for g in self.global_params]
         momentum = [m.clone() for m in self._momentum()]
-        if landed(inflight) and all_finite(inflight.deltas):  # as merge() judges
+        if landed(inflight) and not judge(  # as _land() will judge it (on a copy of the report)
+            inflight.outgoing, dataclasses.replace(inflight.future.result()), s.config.outer.outlier_ratio
+        ):
             indices = s.fragments[inflight.fragment]
             _outer_step_on_copies(
                 [params[i] for i in indices],
                 [momentum[i] for i in indices],
-                inflight.deltas,
+                inflight.outgoing.deltas,
                 s.outer_optimizer.param_groups[0],
                 fresh=[self.global_params[i] not in s.outer_optimizer.state for i in indices],
             )
@@ -548,9 +574,7 @@ class StreamingRounds:
 @dataclass
 class _FragmentInFlight:
     fragment: int
-    deltas: list[torch.Tensor]  # the fragment's mean once the future is done
-    info: dict[str, Any]
-    payload: int
+    outgoing: Outgoing  # its deltas hold the fragment's mean once the future is done
     start: float
     future: concurrent.futures.Future
 

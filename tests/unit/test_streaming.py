@@ -510,3 +510,101 @@ def test_bf16_parameters_keep_a_fragment_s_theta_when_nothing_trains() -> None:
     outer.finish()
     assert outer.syncs >= 4
     assert all(torch.equal(g, t) for g, t in zip(outer.global_params, theta))
+
+
+def test_clip_norm_bounds_each_fragment_s_update() -> None:
+    """``clip_norm`` was accepted for streaming and changed nothing: a fragment's Δ is clipped
+    before it goes out, as DiLoCo's whole Δ is."""
+
+    def moved(clip: float) -> float:
+        torch.manual_seed(0)
+        model = init_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+        outer = StreamingDiLoCo(
+            model,
+            inner,
+            LocalAverager(),
+            streaming(
+                inner_steps=4, fragments=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False, clip_norm=clip
+            ),
+        )
+        before = [g.clone() for g in outer.global_params]
+        _train(model, inner, stream(0), 2, outer.after_inner_step)  # fragment 0 synced once
+        assert outer.syncs == 1
+        return float(
+            torch.linalg.vector_norm(
+                torch.cat([(g - b).flatten() for g, b in zip(outer.global_params, before)])
+            )
+        )
+
+    assert moved(0.0) > 1e-2
+    assert moved(1e-3) == pytest.approx(1e-3, rel=1e-4)
+
+
+class _OutlierBeside:
+    """A group of three as the robust check sees it: this peer, an honest twin, and a member
+    declaring 1000x their norm. The tensors are left as they are (the mean is this peer's Δ)."""
+
+    def all_reduce(self, tensors, *, weight, info=None):
+        from optim.averager import RoundReport
+
+        mine = dict(info or {}, peer="me")
+        twin = dict(mine, peer="twin")
+        liar = dict(mine, peer="liar", norm=1000 * float(mine["norm"]) + 1.0)
+        return RoundReport(group_size=3, group_info=[mine, twin, liar])
+
+
+@pytest.mark.parametrize("sync_delay", [0, 1])
+def test_a_fragment_with_an_outlier_in_its_group_is_refused_on_real_peers(sync_delay: int) -> None:
+    """Streaming ran no robust check: one member's 1000x update was merged into θ. Now a
+    fragment's mean is judged as DiLoCo's round is (in the background with τ > 0): refused, θ
+    stays, the round says why, and a state served while it is in flight does not hold it."""
+    model = init_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    config = streaming(inner_steps=4, fragments=2, sync_delay=sync_delay, outer_lr=0.7, outer_momentum=0.9)
+    rounds = StreamingRounds(StreamingDiLoCo(model, inner, _OutlierBeside(), config))
+    theta = [g.clone() for g in rounds.global_params]
+    data, reports = stream(0), []
+    for _ in range(3):
+        _train(model, inner, data, rounds.steps_per_round, rounds.note_inner_step)
+        reports.append(rounds.sync())
+        served = rounds.outer_state(inner=False).params
+        assert all(torch.equal(s, t) for s, t in zip(served, theta))
+    rounds.finish()
+    assert all(torch.equal(g, t) for g, t in zip(rounds.global_params, theta))
+    landed = [r for r in reports if not r.pending]
+    assert landed and all("the median of the others" in r.error and not r.applied for r in landed), landed
+
+
+@pytest.mark.parametrize("ratio", [10.0, 0.0], ids=["checked", "unchecked"])
+def test_simulated_streaming_peers_refuse_a_runaway_peer_s_fragments(ratio: float) -> None:
+    """Three simulated peers, one training with 100x the learning rate: every fragment mean it
+    is in is refused, so θ never moves and every peer ends on the initial θ; without the check
+    (ratio 0) θ takes its updates."""
+    import threading
+
+    peers, H = 3, 4
+    swarm = InProcessSwarm(peers)
+    models = [init_model() for _ in range(peers)]
+    theta = [p.detach().clone() for p in models[0].parameters()]
+    inners = [torch.optim.AdamW(m.parameters(), lr=5.0 if k == 2 else 0.05) for k, m in enumerate(models)]
+    config = streaming(inner_steps=H, fragments=2, sync_delay=1, outlier_ratio=ratio)
+    outers = [
+        StreamingDiLoCo(m, o, swarm.averager(k), config) for k, (m, o) in enumerate(zip(models, inners))
+    ]
+    threads = [
+        threading.Thread(
+            target=_train, args=(models[k], inners[k], stream(k), 2 * H, outers[k].after_inner_step)
+        )
+        for k in range(peers)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for outer in outers:
+        outer.finish()
+        assert outer.syncs == 4
+        assert all(torch.equal(a, b) for a, b in zip(outer.global_params, outers[0].global_params))
+    unchanged = all(torch.equal(g, t) for g, t in zip(outers[0].global_params, theta))
+    assert unchanged == (ratio > 0)

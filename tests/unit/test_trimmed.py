@@ -50,7 +50,10 @@ def _reduce(parts: list[torch.Tensor], weights: list[float]) -> list[torch.Tenso
     async def run() -> list[torch.Tensor]:
         reducer = TrimmedPartReducer([parts[0].shape], num_senders=len(parts))
         return await asyncio.gather(
-            *(reducer.accumulate_part(i, 0, part, weight=w) for i, (part, w) in enumerate(zip(parts, weights)))
+            *(
+                reducer.accumulate_part(i, 0, part, weight=w)
+                for i, (part, w) in enumerate(zip(parts, weights))
+            )
         )
 
     return asyncio.run(run())
