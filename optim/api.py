@@ -160,7 +160,7 @@ class Method:
         if self.every_step:
             from optim.data_parallel import DataParallel
 
-            return DataParallel(model, inner_optimizer, averager)
+            return DataParallel(model, inner_optimizer, averager, clip_norm=config.clip_norm)
         if self.fragmented:
             from optim.streaming import StreamingConfig, StreamingDiLoCo
 

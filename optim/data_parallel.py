@@ -11,6 +11,7 @@ Hook it between ``backward()`` and ``inner_optimizer.step()``::
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,14 +29,25 @@ T = TypeVar("T")
 
 
 class DataParallel:
-    """All-reduce gradients every step through an :class:`~optim.averager.Averager`."""
+    """All-reduce gradients every step through an :class:`~optim.averager.Averager`.
+    ``clip_norm`` (``--clip-norm``): this peer's gradient is scaled down to at most that norm
+    before it is averaged, as DiLoCo clips a peer's own Δ (``--grad-clip`` clips the averaged
+    gradient, as torch's ``clip_grad_norm_`` does after the all-reduce)."""
 
     def __init__(
-        self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, averager: Averager
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        averager: Averager,
+        *,
+        clip_norm: float = 0.0,
     ) -> None:
+        if not (clip_norm >= 0 and math.isfinite(clip_norm)):
+            raise ValueError(f"clip_norm must be a finite number >= 0 (0: off), got {clip_norm}")
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.averager = averager
+        self.clip_norm = clip_norm
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.outer_step_count = 0
         """Completed all-reduces (one per inner step)."""
@@ -46,6 +58,10 @@ class DataParallel:
             (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to("cpu", torch.float32)
             for p in self.params
         ]
+        if self.clip_norm:
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            if norm > self.clip_norm:  # (a NaN norm is not: the NaN check below catches it)
+                grads = [g * (self.clip_norm / norm) for g in grads]
         report = self.averager.all_reduce(grads, weight=float(samples), info=info)
         if not all_finite(grads):
             raise FloatingPointError("the averaged gradient holds NaN/Inf: lower the learning rate")

@@ -162,3 +162,19 @@ def test_a_presets_shapes_cost_no_import_of_torch_dynamo():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_data_parallel_peer_clips_its_gradient_and_its_state_keeper_clips_nothing(monkeypatch):
+    """``--clip-norm`` on a dp peer: the gradient it sends is clipped (DataParallel); the
+    DiLoCo(H=1) that keeps θ for joiners clips nothing (it clipped each step's parameter change)."""
+    calls: list[str] = []
+    monkeypatch.setattr("swarm.averaging.SwarmAverager", lambda *a, **k: FakeAverager(calls, *a, **k))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = config("--method", "dp", "--clip-norm", "0.5")
+    outer = start_averagers(
+        cfg, list(model.parameters()), dht=None, keys=None, board=None, beat=lambda stage: None
+    )
+    build_outer(cfg, model, inner, outer)
+    assert outer.dp is not None and outer.dp.clip_norm == 0.5 and outer.dp.averager is outer.averager
+    assert outer.rounds.config.clip_norm == 0.0 and cfg.diloco.clip_norm == 0.5

@@ -413,3 +413,41 @@ def test_data_parallel_leaves_a_parameter_no_member_used_without_a_gradient() ->
         optimizer.zero_grad(set_to_none=True)
     assert torch.equal(model.unused.detach(), torch.ones(3))
     assert model.used.weight.grad is None and model.used.weight.abs().sum() > 0
+
+
+def test_clip_norm_clips_a_data_parallel_peer_s_gradient_alike_in_the_simulator_and_on_real_peers() -> None:
+    """``--clip-norm`` for dp: the simulator's dp ignored it, and real peers' dp clipped each
+    step's change of the parameters (their DiLoCo(H=1) wrapper's Δ). Both now scale this peer's
+    gradient to at most the norm before it is averaged."""
+    from optim.api import METHODS
+    from optim.averager import LocalAverager
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    built = METHODS["dp"].build(
+        model, optimizer, LocalAverager(), DiLoCoConfig(**_dp_state(), clip_norm=0.01)
+    )
+    assert isinstance(built, DataParallel) and built.clip_norm == 0.01
+    before = [p.detach().clone() for p in model.parameters()]
+    (model(torch.ones(4, 3)) * 100).sum().backward()
+    built.before_inner_step(samples=4)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert float(grads.norm()) == pytest.approx(0.01, rel=1e-5)
+    optimizer.step()
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    assert float(moved.norm()) == pytest.approx(0.01, rel=1e-5)  # SGD lr 1: the clipped gradient
+    with pytest.raises(ValueError, match="clip_norm must be"):
+        DataParallel(model, optimizer, LocalAverager(), clip_norm=float("nan"))
+
+
+def _dp_state() -> dict:
+    from dataclasses import asdict
+
+    from optim.data_parallel import data_parallel_state
+
+    state = data_parallel_state()
+    return {
+        k: v
+        for k, v in asdict(state).items()
+        if k in ("inner_steps", "outer_lr", "outer_momentum", "nesterov")
+    }

@@ -113,14 +113,20 @@ def build_outer(config: RunConfig, model, inner_optimizer, outer: OuterLoop) -> 
         outer.rounds = StreamingRounds(
             StreamingDiLoCo(model, inner_optimizer, outer.averagers, streaming_config)
         )
+    elif config.outer_method.every_step:
+        # Gradients go through the swarm every step (clipped there: --clip-norm is this peer's
+        # gradient); DiLoCo(H=1, lr 1, no momentum) over a swarm of one then just keeps θ, the
+        # step clock and the state served to joiners, and clips nothing (it clipped each step's
+        # change of the parameters, while the simulator's dp ignored the flag).
+        outer.rounds = DiLoCo(
+            model,
+            inner_optimizer,
+            averager=LocalAverager(),
+            config=dataclasses.replace(config.diloco, clip_norm=0.0),
+        )
+        outer.dp = DataParallel(model, inner_optimizer, outer.averager, clip_norm=config.diloco.clip_norm)
     else:
-        diloco = DiLoCo(model, inner_optimizer, averager=outer.averager, config=config.diloco)
-        outer.rounds = diloco
-        if config.outer_method.every_step:
-            # Gradients go through the swarm every step; DiLoCo(H=1, lr 1, no momentum) over a
-            # swarm of one then just keeps θ, the step clock and the state served to joiners.
-            diloco.averager = LocalAverager()
-            outer.dp = DataParallel(model, inner_optimizer, outer.averager)
+        outer.rounds = DiLoCo(model, inner_optimizer, averager=outer.averager, config=config.diloco)
     for averager in outer.averagers:
         averager.start_serving()
     return outer
