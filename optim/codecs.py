@@ -512,6 +512,18 @@ class ErrorFeedback:
                     "the model changed; call reset() (or load a matching state_dict) first"
                 )
 
+    @torch.no_grad()
+    def take_back(self, decoded: list[Tensor]) -> None:
+        """What :meth:`compress` returned was never applied (the round was refused, or this peer
+        was left out of it): keep it for the next round, so that ``Σ applied + residual ==
+        Σ inputs`` still holds. Nothing after a :meth:`reset` (a downloaded state replaced
+        what it belonged to)."""
+        if self.residuals is None:
+            return
+        self._check_shapes(decoded, self.residuals)
+        for residual, d in zip(self.residuals, decoded):
+            residual.add_(d.to(residual.device, torch.float32))
+
     def reset(self) -> None:
         """Forget all residuals (after a state download, or when the model changes)."""
         self.residuals = None

@@ -13,7 +13,7 @@ import torch
 
 from optim.averager import RoundReport
 from optim.codecs import all_finite
-from optim.robust import check_round, claim, counted_weights, misreported, overclaimed
+from optim.robust import check_round, claim, counted_weights, is_outlier, misreported, overclaimed
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ class Outgoing:
     payload_bytes: int
     diverged: bool
     outer_step: int
+    sent: list[torch.Tensor] | None = None
+    """With error feedback: a copy of what went out (the all-reduce overwrites ``deltas``), to
+    take back into the residual if the group does not apply it (:func:`not_applied`)."""
 
 
 @dataclass
@@ -89,6 +92,28 @@ def judge(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> str 
         return None
     report.error, report.applied = why, False
     return why
+
+
+def take_back_unapplied(feedback: Any, outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> None:
+    """Error feedback (``feedback``, an :class:`optim.codecs.ErrorFeedback` or None) keeps what
+    this peer sent when the group's θ will not hold it (:func:`not_applied`): "compression
+    delays coordinates, it never loses them" held only for rounds that were applied."""
+    if feedback is not None and outgoing.sent is not None and not_applied(outgoing, report, outlier_ratio):
+        feedback.take_back(outgoing.sent)
+
+
+def not_applied(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> bool:
+    """Whether this peer's update went out and the group's θ will not hold it: the round was
+    refused for another member's update (an outlier, a misreport, NaN) or this peer was left
+    out of the mean (``missed``). Not when this peer's own update was the outlier: sent again,
+    it would be refused again. (An all-reduce that failed lands this peer's own update.)"""
+    if outgoing.diverged:
+        return False
+    if report.missed:
+        return True
+    if report.applied or report.group_size <= 1:
+        return False
+    return not is_outlier(float(outgoing.info.get("norm", 0.0)), report.group_info, ratio=outlier_ratio)
 
 
 def _nan_senders(group_info: list[Any]) -> str:

@@ -37,7 +37,16 @@ from optim.averager import Averager, RoundReport
 from optim.background import in_background, landed, read_settled
 from optim.codecs import all_finite, encoded_nbytes
 from optim.config import DiLoCoConfig
-from optim.contribution import InFlight, Outgoing, global_norm, judge, keepers, own_share, spread_over_keepers
+from optim.contribution import (
+    InFlight,
+    Outgoing,
+    global_norm,
+    judge,
+    keepers,
+    own_share,
+    spread_over_keepers,
+    take_back_unapplied,
+)
 from optim.eager import SGD
 from optim.state import (
     InnerStateCopies,
@@ -317,6 +326,7 @@ class DiLoCo:
         sent = [d.clone() for d in outgoing.deltas] if self.offset else []
         report = self.average(outgoing.deltas, outgoing.info, weight=outgoing.weight)
         refused = judge(outgoing, report, self.config.outlier_ratio)
+        take_back_unapplied(self.feedback, outgoing, report, self.config.outlier_ratio)
         if refused:
             logger.error("%s", refused)
         elif self.config.delay:
@@ -361,7 +371,10 @@ class DiLoCo:
         if self.config.topk_mean == "kept":  # how the group scales the kept-masks (swarm.gathered)
             info["kept"] = int(sum(int(torch.count_nonzero(d)) for d in deltas))
         info.setdefault("outer_step", self.outer_step_count)
-        return Outgoing(deltas, info, weight, local_norm, payload_bytes, diverged, self.outer_step_count)
+        sent = [d.clone() for d in deltas] if self.feedback is not None and not diverged else None
+        return Outgoing(
+            deltas, info, weight, local_norm, payload_bytes, diverged, self.outer_step_count, sent
+        )
 
     def _next_round(self) -> None:
         self.restore_parameters()
@@ -520,6 +533,7 @@ class DiLoCo:
         """Wait for a round in flight: its report, and its mean unless refused."""
         report = inflight.future.result()  # re-raises only what stops the run
         refused = judge(inflight.outgoing, report, self.config.outlier_ratio)
+        take_back_unapplied(self.feedback, inflight.outgoing, report, self.config.outlier_ratio)
         if refused:
             logger.error("%s", refused)
             return report, None

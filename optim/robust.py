@@ -117,15 +117,34 @@ def check_round(
         others = counted[:index] + counted[index + 1 :]  # by place: two members may claim one id
         if not others:
             break
-        median = statistics.median(n for _, n, _ in others)
-        more = max(1.0, weight / statistics.median(w for _, _, w in others))
-        if norm > ratio * more * max(median, 1e-12):
-            allowed = f"{ratio:g}x" if more == 1 else f"{ratio * more:.3g}x for {more:.3g}x their samples"
-            return (
-                f"peer {peer[-12:]} sent an update of norm {norm:.3g}, {norm / max(median, 1e-12):.0f}x the "
-                f"median of the others ({median:.3g}; limit {allowed}): the round's mean was refused"
-            )
+        why = _too_large(norm, weight, [(n, w) for _, n, w in others], ratio)
+        if why:
+            return f"peer {peer[-12:]} sent an update of norm {norm:.3g}, {why}: the round's mean was refused"
     return misreported(mean_norm, group_info) if misreport else None
+
+
+def _too_large(norm: float, weight: float, others: list[tuple[float, float]], ratio: float) -> str | None:
+    """How far ``norm`` (of a member counting for ``weight``) is beyond the outlier rule's limit
+    among ``others`` (their declared norms and counted weights), or None within it."""
+    median = statistics.median(n for n, _ in others)
+    more = max(1.0, weight / statistics.median(w for _, w in others))
+    if norm <= ratio * more * max(median, 1e-12):
+        return None
+    allowed = f"{ratio:g}x" if more == 1 else f"{ratio * more:.3g}x for {more:.3g}x their samples"
+    return f"{norm / max(median, 1e-12):.0f}x the median of the others ({median:.3g}; limit {allowed})"
+
+
+def is_outlier(norm: float, group_info: list[Any], *, ratio: float) -> bool:
+    """Whether the member that declared ``norm`` (this peer: its entry is the first with that
+    norm) is beyond the outlier rule's limit among the others: a refused round was then refused
+    for its own update, which must not go out again (error feedback keeps what was not applied)."""
+    if ratio <= 0:
+        return False
+    counted = [(n, w) for _, n, w in _members(group_info) if w > 0 and n is not None]
+    mine = next((i for i, (n, _) in enumerate(counted) if n == norm), None)
+    if mine is None or len(counted) < 2:
+        return False
+    return _too_large(norm, counted[mine][1], counted[:mine] + counted[mine + 1 :], ratio) is not None
 
 
 def misreported(mean_norm: float, group_info: list[Any]) -> str | None:

@@ -29,7 +29,7 @@ import torch
 
 from optim.averager import Averager, RoundReport
 from optim.codecs import all_finite, encoded_nbytes
-from optim.contribution import Outgoing, global_norm, judge
+from optim.contribution import Outgoing, global_norm, judge, take_back_unapplied
 from optim.diloco import (
     DiLoCoConfig,
     OuterState,
@@ -237,6 +237,7 @@ class StreamingDiLoCo:
         """As DiLoCo judges a round (optim.contribution.judge): fill in the report; why fragment
         ``f``'s mean must not be merged (an outlier, a misreported norm, NaN/Inf), or None."""
         refused = judge(outgoing, report, self.config.outer.outlier_ratio)
+        take_back_unapplied(self.feedback[f], outgoing, report, self.config.outer.outlier_ratio)
         if refused:
             logger.error("fragment %d: %s", f, refused)
         return refused
@@ -278,7 +279,8 @@ class StreamingDiLoCo:
         weight = float(max(self.samples_since[f], 1))
         self.samples_since[f] = 0
         info = dict(info or {}, norm=global_norm(deltas), weight=weight)
-        return Outgoing(deltas, info, weight, local_norm, payload, False, self.syncs)
+        sent = [d.clone() for d in deltas] if self.feedback[f] is not None else None
+        return Outgoing(deltas, info, weight, local_norm, payload, False, self.syncs, sent)
 
     @torch.no_grad()
     def merge(self, f: int, mean_deltas: list[torch.Tensor], refused: bool = False) -> None:

@@ -993,3 +993,51 @@ def test_a_model_with_batchnorm_is_told_its_running_statistics_stay_each_peer_s(
         )
     told = [r.getMessage() for r in caplog.records if "not averaged or sent to joiners" in r.getMessage()]
     assert len(told) == 1 and "norm.running_mean, norm.running_var" in told[0], told
+
+
+class _GroupOfThree(LocalAverager):
+    """This peer beside two members declaring ``others`` × its norm; the tensors stay (the mean
+    is this peer's own update), ``missed``: this peer was left out of the mean."""
+
+    def __init__(self, others: tuple[float, float], missed: bool = False) -> None:
+        self.others, self.missed = others, missed
+
+    def all_reduce(self, tensors, *, weight, info=None):  # type: ignore[no-untyped-def]
+        mine = dict(info or {}, peer="me")
+        group = [
+            mine,
+            *(dict(mine, peer=f"m{i}", norm=k * float(mine["norm"])) for i, k in enumerate(self.others)),
+        ]
+        return RoundReport(group_size=3, group_info=group, missed=self.missed)
+
+
+@pytest.mark.parametrize(
+    ("others", "missed", "kept"),
+    [
+        ((1.0, 1000.0), False, True),  # refused for another member's update: kept
+        ((1.0, 1.0), True, True),  # left out of the mean (the simulator's dropout): kept
+        ((1e-3, 1e-3), False, False),  # refused for this peer's own update: not sent again
+        ((1.0, 1.0), False, False),  # applied: the residual is what the codec dropped
+    ],
+    ids=["refused-for-another", "missed", "refused-for-its-own", "applied"],
+)
+def test_error_feedback_keeps_what_the_group_did_not_apply(others, missed: bool, kept: bool) -> None:
+    """What error feedback sent left its residual at once; a refused round (or one this peer
+    missed) then lost it for good, against "compression delays coordinates, it never loses
+    them": with SparseLoCo's top-k, the part sent was exactly the part lost (0.0089 of 0.0193)."""
+    config = DiLoCoConfig(
+        inner_steps=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False, codec="topk", topk_density=0.25,
+        error_feedback=True,
+    )  # fmt: skip
+    outer, opt = _lone(config)
+    outer.averager = _GroupOfThree(others, missed)
+    theta = [g.clone() for g in outer.global_params]
+    local, report = train_round(outer, opt, batches(0, 2))
+    delta = [t - p for t, p in zip(theta, local)]
+    residual = outer.feedback.residuals
+    sent = [d - r for d, r in zip(delta, residual)]  # what left the residual and was not taken back
+    assert report.applied == (others == (1.0, 1.0))
+    if kept:
+        assert_all_close(residual, delta, atol=1e-6)  # nothing was lost: all of Δ is kept
+    else:
+        assert max(float(s.abs().max()) for s in sent) > 1e-4  # the top-k part went out
