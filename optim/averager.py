@@ -42,6 +42,9 @@ class RoundReport:
     """L2 norm of the averaged pseudo-gradient the outer step applied."""
     stale: bool = False
     """This peer's global state is known to be behind the group's: fetch it before going on."""
+    ahead: dict[str, int] = field(default_factory=dict)
+    """With :attr:`stale`: the peers whose claim to be past this round made it so (peer id ->
+    the outer step claimed). A download that then reaches no such step disproves them."""
     robust_mean: bool = False
     """No bound from the members' declared norms applies to the mean (a trimmed mean; a sparse
     mean over the members that kept each coordinate, checked before it was spread), so the

@@ -38,7 +38,7 @@ from optim.averager import RoundReport
 from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.barrier import RoundBarrier, Serving, Verdict
-from swarm.claims import Vouching
+from swarm.claims import STRIKES, Vouching
 from swarm.deadlines import LearnedDeadline, matchmaking_window
 from swarm.dht import quiet_children
 from swarm.download import Downloading
@@ -211,6 +211,7 @@ class SwarmAverager(Downloading):
         if verdict is not Verdict.AVERAGE:
             report = self._alone(info, verdict.value)
             report.stale = verdict is Verdict.BEHIND
+            report.ahead = dict(self.barrier.ahead)
             return report
         if self.claim_next:  # fault injection: a peer lying about its weight, in every attempt
             weight, self.claim_next = self.claim_next, 0.0
@@ -366,6 +367,19 @@ class SwarmAverager(Downloading):
             reason,
         )
         return RoundReport(group_size=1, group_info=[info], error=reason)
+
+    def settle_claims(self, claims: dict[str, int], reached: int) -> None:
+        """After a state download that ``claims`` (peer id -> the outer step it said it held)
+        sent this peer to, which reached outer step ``reached``: a claimant past it is not
+        believed any more (:meth:`swarm.claims.Vouching.disprove`), and ignored the third time."""
+        for peer, step in claims.items():
+            if step <= reached or peer == self.peer_id:
+                continue
+            why = f"claimed outer step {step}, and the download it sent this peer to reached only {reached}"
+            if self.vouching.disprove(peer):
+                self.board.ignore(peer, f"{why}, {STRIKES} times")
+            else:
+                logger.warning("peer %s %s: its claims are no longer believed", peer[-8:], why)
 
     def wait_for_round_mates(self, outer_step: int) -> Verdict:
         """The round barrier (:class:`swarm.barrier.RoundBarrier`)."""

@@ -116,6 +116,9 @@ class RoundBarrier:
         for :data:`DOUBT_ROUNDS` rounds (an honest joiner slower than a round wait, or killed
         mid-download, must not lock the next ones out for good). Fresh keys saying
         "downloading", one a round, once held every round for the whole round wait."""
+        self.ahead: dict[str, int] = {}
+        """The claims that made the last verdict BEHIND (peer id -> outer step claimed); empty
+        after any other verdict."""
         self.expected: tuple[str, ...] = ()
         """The round mates the last AVERAGE verdict expects (peer ids), when it saw every other
         live peer ready (none otherwise, and after any other verdict). Matchmaking forms the
@@ -194,7 +197,7 @@ class RoundBarrier:
         claimant is ignored for the rest of the run."""
         started = self.clock()
         learned = self.wait.seconds
-        self.expected = ()
+        self.expected, self.ahead = (), {}
         # What an honest newcomer costs: about one round of inner steps (measured between this
         # peer's rounds), and at least a couple of matchmaking windows.
         grace = started + min(
@@ -218,6 +221,7 @@ class RoundBarrier:
             vouched = self.vouching.vouched
             ahead = [p for p in others if behind(p)]
             if self.believed_ahead(behind, others):
+                self.ahead = {p.peer_id: p.outer_step for p in ahead}
                 return Verdict.BEHIND
             for p in ahead:  # not believed: not a round mate either
                 self.strike(

@@ -15,7 +15,12 @@ a schema-valid heartbeat with any outer step, stage or loss. So:
   projection the donor never saw, what other peers hold at that outer step;
 - **three strikes**: a peer that says it trains the round but never shows up in the group, or
   says it is rounds ahead of every peer that averaged with this one, in three rounds without
-  averaging with this one in between, is ignored for the rest of the run and shown as such in the TUI, ``status`` and the widget.
+  averaging with this one in between, is ignored for the rest of the run and shown as such in the TUI, ``status`` and the widget;
+- **a claim to be ahead must be borne out**: when it sends this peer to download the state and
+  the download (a verified state) reaches no step that far, the claimant is no longer believed
+  (:meth:`Vouching.disprove`); averaging with it again does not forgive that, and the third
+  time it is ignored. A vouched peer that claimed one step more than it held, round after
+  round, held every peer that believed it out of every group.
 """
 
 from __future__ import annotations
@@ -81,12 +86,26 @@ class Vouching:
     def __init__(self) -> None:
         self.vouched: set[str] = set()
         self._strikes: dict[str, tuple[int, int]] = {}  # peer id -> (strikes, last round struck)
+        self._disproven: OrderedDict[str, int] = OrderedDict()  # peer id -> claims not borne out
 
     def averaged_with(self, peer_ids: list[str]) -> None:
-        """A verified round's members: believed from now on, their strikes forgiven."""
+        """A verified round's members: believed from now on, their strikes forgiven (not a
+        disproven claim: a member can average honestly and still lie about its step)."""
         for peer in peer_ids:
-            self.vouched.add(peer)
+            if peer not in self._disproven:
+                self.vouched.add(peer)
             self._strikes.pop(peer, None)
+
+    def disprove(self, peer_id: str) -> bool:
+        """``peer_id`` claimed an outer step that the download it sent this peer to did not
+        reach: no longer believed, for the rest of the run; True the ``STRIKES``-th time (then
+        ignore it). An honest peer ahead serves its state, or another peer at its step does."""
+        self.vouched.discard(peer_id)
+        count = self._disproven.pop(peer_id, 0) + 1
+        self._disproven[peer_id] = count
+        while len(self._disproven) > MAX_IGNORED:  # fresh keys are free
+            self._disproven.popitem(last=False)
+        return count >= STRIKES
 
     def strike(self, peer_id: str, outer_step: int) -> bool:
         """One strike per round; True once the peer has ``STRIKES`` rounds of them without

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from optim import robust
@@ -122,7 +122,7 @@ def mask_scale(members: list[Any], codec: str, *, limit: int) -> float:
 
 
 def diverged_from_group(
-    mine: dict[str, Any], group: list[dict[str, Any]], *, rel_tol: float = 1e-5
+    mine: dict[str, Any], group: list[dict[str, Any]], *, rel_tol: float = 1e-5, ignored: Collection[str] = ()
 ) -> str | None:
     """Why this peer's global params before the round differ from the group's, or None.
 
@@ -130,15 +130,26 @@ def diverged_from_group(
     outer step) or on another trajectory (e.g. it stepped alone while others averaged), its θ
     is now wrong and it must download the state. Among members at the same step, the
     trajectory held by most members wins; ties go to the lowest peer id.
+
+    A member's outer step is its claim: "behind" takes more than half of the other members
+    past this peer's step (one member claiming 1e9 sent every honest member of its groups to
+    download the state every round), and ``ignored`` peers (caught lying) count for nothing.
+    With one other member its claim is followed, and the download must bear it out
+    (:func:`claimed_ahead`, ``SwarmAverager.settle_claims``).
     """
     # Other peers' info is untrusted input: skip members whose info does not parse.
-    others = [g for g in map(_parse_info, group) if g is not None and g["peer"] != mine.get("peer")]
+    others = [
+        g
+        for g in map(_parse_info, group)
+        if g is not None and g["peer"] != mine.get("peer") and g["peer"] not in ignored
+    ]
     mine = _parse_info(mine) or {"peer": str(mine.get("peer")), "outer_step": -1, "fingerprint": []}
     if not others:
         return None
-    top = max(g["outer_step"] for g in [mine, *others])
-    if mine["outer_step"] < top:
-        return f"behind the group (outer step {mine['outer_step']} < {top})"
+    past = sorted(g["outer_step"] for g in others if g["outer_step"] > mine["outer_step"])
+    if 2 * len(past) > len(others):
+        return f"behind the group (outer step {mine['outer_step']} < {past[0]})"
+    top = mine["outer_step"]  # a minority past it: they left the group's step, not this peer
     same = [g for g in [mine, *others] if g["outer_step"] == top]
 
     def rank(member: dict[str, Any]) -> tuple[int, str]:
@@ -149,6 +160,19 @@ def diverged_from_group(
     if _same_fingerprint(mine, best, rel_tol):
         return None
     return f"its global params differ from the group's ({-rank(best)[0]} of {len(same)} peers agree on another state)"
+
+
+def claimed_ahead(mine: dict[str, Any], group: list[dict[str, Any]]) -> dict[str, int]:
+    """The other members that said they were past this peer's outer step (peer id -> step):
+    what a "behind the group" download must bear out."""
+    me = _parse_info(mine)
+    if me is None:
+        return {}
+    return {
+        g["peer"]: g["outer_step"]
+        for g in map(_parse_info, group)
+        if g is not None and g["peer"] != me["peer"] and g["outer_step"] > me["outer_step"]
+    }
 
 
 def holding_the_same_state(

@@ -512,3 +512,46 @@ def test_after_a_round_that_failed_for_all_only_the_later_ids_fetch_the_state():
     assert not stale(["QmC", "QmD"])  # the first: the others come to it
     assert stale(["QmA"]) and stale(["QmC", "QmA"])
     assert stale([])  # nobody left in this round: the others moved on without it
+
+
+def _settle(barrier: RoundBarrier, claims: dict[str, int], reached: int) -> None:
+    """SwarmAverager.settle_claims on the barrier's vouching and board (no hivemind)."""
+    from types import SimpleNamespace
+
+    from swarm.averaging import SwarmAverager
+
+    host = SimpleNamespace(peer_id="me", vouching=barrier.vouching, board=barrier.board)
+    SwarmAverager.settle_claims(host, claims, reached)  # type: ignore[arg-type]
+
+
+def test_a_vouched_peer_claiming_one_step_more_than_it_holds_is_found_out():
+    """A member averaged honestly once (vouched), then said it was one step ahead, round after
+    round: every round this peer believed it, stepped alone and downloaded a state no further
+    than its own, for ever (10 of 10 rounds BEHIND, measured). Now the download has to bear
+    the claim out: it did not, so the claim is no longer believed and the liar is struck out."""
+    board = FakeBoard(beat("h1", 10), beat("liar", 11))
+    barrier = averager(board, vouched=["h1", "liar"])
+    assert barrier.wait_for_round_mates(10) is Verdict.BEHIND
+    assert barrier.ahead == {"liar": 11}
+    _settle(barrier, barrier.ahead, reached=10)  # the honest donor's state: step 10
+    assert "liar" not in barrier.vouching.vouched
+    verdicts = []
+    for r in range(10, 10 + STRIKES + 1):
+        board.beats["h1"], board.beats["liar"] = beat("h1", r), beat("liar", r + 1)
+        verdicts.append(barrier.wait_for_round_mates(r))
+        assert barrier.ahead == {}
+    assert verdicts[0] is Verdict.AVERAGE and "liar" in board.ignored, (verdicts, dict(board.ignored))
+
+
+def test_a_claim_the_download_bears_out_stands_and_averaging_does_not_forgive_one_that_it_did_not():
+    barrier = averager(FakeBoard(), vouched=["mate", "liar"])
+    _settle(barrier, {"mate": 7}, reached=7)  # an honest peer ahead: its state came
+    _settle(barrier, {"mate": 8}, reached=9)
+    assert "mate" in barrier.vouching.vouched and "mate" not in barrier.board.ignored
+    for _ in range(STRIKES):
+        assert "liar" not in barrier.board.ignored
+        _settle(barrier, {"liar": 10**9}, reached=7)
+        barrier.vouching.averaged_with(["liar"])  # it goes on averaging honestly with this peer
+        assert "liar" not in barrier.vouching.vouched
+    assert "liar" in barrier.board.ignored
+    assert f"{STRIKES} times" in barrier.board.ignored["liar"]

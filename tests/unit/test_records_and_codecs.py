@@ -479,3 +479,21 @@ def test_a_state_whose_moments_or_queue_do_not_fit_its_theta_is_a_malformed_dono
     load_inner_state(optimizer, list(model.parameters()), scalar)  # refused: starts fresh
     model(torch.randn(4, 2)).sum().backward()
     optimizer.step()  # and steps
+
+
+def test_one_member_claiming_a_later_step_does_not_send_the_others_to_download():
+    """A member's outer step in the group's info is its claim: one member saying 1e9 made
+    every honest member of its groups "behind the group" and download the state every round.
+    Behind takes most of the other members past this peer; with one other member its claim is
+    followed (and a download must bear it out: claimed_ahead); an ignored liar counts for nothing."""
+    from swarm.gathered import claimed_ahead
+
+    a, b, liar = member(ID_A, 5, FP), member(ID_B, 5, list(FP)), member(ID_C, 10**9, OTHER_FP)
+    group = [a, b, liar]
+    assert diverged_from_group(a, group) is None and diverged_from_group(b, group) is None
+    assert claimed_ahead(a, group) == {ID_C: 10**9}
+    assert "behind" in (diverged_from_group(a, [a, liar]) or "")
+    assert diverged_from_group(a, [a, liar], ignored={ID_C}) is None
+    # Most of the others past this peer: it is the one behind.
+    later = [member(ID_B, 6, FP), member(ID_C, 6, FP)]
+    assert diverged_from_group(a, [a, *later]) == "behind the group (outer step 5 < 6)"

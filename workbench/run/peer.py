@@ -350,15 +350,17 @@ class Peer:
         stats.dp_bytes += int(steps * 2 * 4 * self.model.num_params() * (group - 1) / group)
         stats.last_round_seconds = time.monotonic() - round_start
         resync = f"out of step with the swarm ({report.error})" if report.stale else None
+        claims = dict(report.ahead)  # who said this peer was behind: the download must bear it out
         outvoted: set[str] = set()  # round mates holding the θ the group outvoted, like this one
         if report.group_size > 1:
-            from swarm.gathered import diverged_from_group, holding_the_same_state
+            from swarm.gathered import claimed_ahead, diverged_from_group, holding_the_same_state
 
             # (overlapped, the report is the previous round's: judge it by what went with it)
             mine = (report.info or info) | {"peer": self.peer_id}
-            resync = diverged_from_group(mine, report.group_info)
+            resync = diverged_from_group(mine, report.group_info, ignored=self.board.ignored)
             if resync:
                 outvoted = holding_the_same_state(mine, report.group_info)
+                claims = claimed_ahead(mine, report.group_info)
         # A peer known to be out of date must not serve its θ at the top priority.
         self.averager.set_state_priority(self.diloco.outer_step_count - (0.5 if resync else 0.0))
         every = cfg.peer.checkpoint_every
@@ -369,7 +371,8 @@ class Peer:
             # Adopt the group's θ before evaluating, so the round's eval loss is that of the
             # params this peer carries on with (and matches the others').
             logger.warning("%s: %s; downloading the global state", self.name, resync)
-            self.download_state(resync, avoid=outvoted)
+            if self.download_state(resync, avoid=outvoted) and claims:
+                self.averager.settle_claims(claims, self.diloco.outer_step_count)
         evaluated = self.diloco.outer_step_count % cfg.peer.eval_every == 0 or bool(
             cfg.peer.rounds and self.diloco.outer_step_count >= self.config.total_rounds
         )
