@@ -25,6 +25,14 @@ member info and every fallback, and moves only the tensor bytes over TCP with gl
    result's sketch must match their sum (:mod:`swarm.sketch`). Only members know the sketch's
    seed, so a ring an outsider got into (or a member that sent something else than it claims)
    fails the round, which falls back like any failed round; the ring is never reused.
+
+A kept ring's gloo listener stays open between rounds, and gloo keeps every connection that
+sends it a sequence number no member waits for, for the ring's life: 500 strangers' connections
+were 500 open files in the peer, and at the open-files limit gloo aborted the whole process. So
+:class:`DirectPlane` watches the process's open files while it keeps rings, and closes them all
+(their listeners and whatever strangers left there) once :data:`FLOOD` more are open than when
+the last ring was kept; the next round sets up a new ring. And the soft limit on open files is
+raised to the hard one (:func:`raise_open_files_limit`).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import hashlib
 import hmac
 import logging
 import math
+import os
 import secrets
 import socket
 import threading
@@ -63,6 +72,36 @@ RING_ID_BYTES = 16
 KEY_BYTES = 32  # each member's key for sealing its sketches on a ring
 POST_BYTES = 8 * (ROWS + 1) + 8 + 32  # a sketch, the round's tag, its seal
 DECLINED = b"declined"  # posted at a new ring's board instead of a key: this member will not come
+FLOOD = 128
+"""Open files the process may gain while it keeps rings before it closes them: a ring of 8
+members has 7 connections and a listener, and a flood of strangers' connections to a kept
+ring's listener is what it guards against (see the module's docstring)."""
+WATCH_SECONDS = 0.2
+OPEN_FILES_CAP = 65536  # the soft limit is raised to the hard one, up to this
+
+
+def open_files() -> int | None:
+    """How many files this process has open, or None where that cannot be read cheaply."""
+    for path in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(path))
+        except OSError:
+            continue
+    return None
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft limit on open files to the hard one (at most :data:`OPEN_FILES_CAP`): 1024
+    on most Linux systems and 256 on macOS, where a flood of connections reaches it in a second."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_CAP if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_CAP)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 class RingUnreachable(RuntimeError):
@@ -196,6 +235,40 @@ class DirectPlane:
         self.timeline: list[tuple[str, float]] | None = None
         """A list to append each round's phases to as they end, ``(phase, time.perf_counter())``
         (``benchmarks.allreduce --phases``); None in a peer."""
+        self._files: int | None = None  # open files when the last ring was kept
+        self._watching = False
+        self.floods = 0
+        """How many times strangers' connections made this plane close its kept rings."""
+        raise_open_files_limit()
+
+    def _keep(self, key: tuple[str, ...], ring_id: bytes, ring: Any, keys: list[bytes]) -> None:
+        """Keep ``ring`` for the group's next round, and watch the open files while rings are kept."""
+        self._rings[key] = (ring_id, ring, keys)
+        while len(self._rings) > MAX_RINGS:
+            self._rings.pop(next(iter(self._rings)))
+        self._files = open_files()
+        if not self._watching and self._files is not None:
+            self._watching = True
+            threading.Thread(target=self._watch, name="ring-flood-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Close the kept rings when the process gained :data:`FLOOD` open files since the last
+        ring was kept. (A round under way holds its ring and keeps it afterwards if it went
+        well: the next check closes it then.)"""
+        while True:
+            time.sleep(WATCH_SECONDS)
+            baseline, now = self._files, open_files()
+            if not self._rings or baseline is None or now is None or now - baseline <= FLOOD:
+                continue
+            self._rings.clear()  # their process groups close their listeners and connections
+            self._files = None
+            self.floods += 1
+            logger.warning(
+                "the direct plane's ring listener on %s got about %d connections that no round mate made "
+                "(a port scan or a flood): its kept rings were closed, and the next round sets up a new one",
+                self.host,
+                now - baseline,
+            )
 
     def mark(self, phase: str) -> None:
         if self.timeline is not None:
@@ -322,7 +395,7 @@ class DirectPlane:
                 else:
                     present.wait()
                     if bool((tags == -tag).any()):
-                        self._rings[key] = (ring_id, ring, keys)  # nothing timed out: still whole
+                        self._keep(key, ring_id, ring, keys)  # nothing timed out: still whole
                         raise _Declined
                     if not bool((tags == tag).all()):
                         raise RuntimeError("a member is in another round on this ring")
@@ -385,9 +458,7 @@ class DirectPlane:
         if why is not None:
             raise RingTampered(why)
         self.mark("check")
-        self._rings[key] = (ring_id, ring, keys)
-        while len(self._rings) > MAX_RINGS:
-            self._rings.pop(next(iter(self._rings)))
+        self._keep(key, ring_id, ring, keys)
         if single:
             return
         offset = 0

@@ -520,3 +520,50 @@ def test_an_exchange_waits_for_a_board_opened_late():
     client = BoardClient(b"g", call)
     assert client.exchange("sketch/1", b"mine", ["sketch/0"], timeout=2) == [b"lead"]
     assert calls[:3] == ["set", "set", "set"]
+
+
+def test_a_flood_of_strangers_connections_to_a_kept_ring_closes_the_ring_not_the_peer():
+    """gloo keeps, for a ring's life, every connection that sends its listener a sequence number
+    no member waits for: 500 strangers' connections were 500 open files in the peer, and at the
+    open-files limit gloo aborted the process. Past FLOOD of them the plane closes its kept
+    rings (and with them the listener and what the strangers left), and says so."""
+    import socket
+    import struct
+
+    from swarm.dataplane import FLOOD, DirectPlane, open_files
+
+    plane = DirectPlane("127.0.0.1")
+    before, listening = open_files(), _listening()
+    plane._keep(("me",), b"ring", _gloo_ring_of_one(), [])  # a ring of one: its listener is real
+    (port,) = _listening() - listening
+    strangers = []
+    for sequence in range(FLOOD + 100):
+        connection = socket.create_connection(("127.0.0.1", port), timeout=5)
+        connection.sendall(struct.pack("<Q", 10**6 + sequence))  # a sequence number nobody waits for
+        strangers.append(connection)
+    for connection in strangers:
+        connection.close()
+    deadline = time.monotonic() + 10
+    while plane._rings and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not plane._rings and plane.floods == 1
+    time.sleep(0.5)
+    assert port not in _listening()
+    assert open_files() <= before + 10  # the listener and the strangers' connections are closed
+
+
+def _gloo_ring_of_one() -> torch.distributed.ProcessGroup:
+    import datetime
+
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._timeout = datetime.timedelta(seconds=5)
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, options)
+
+
+def _listening() -> set[int]:
+    import psutil
+
+    return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
