@@ -44,7 +44,7 @@ from swarm.rendezvous import pack, unpack
 from swarm.ring_driver import messages
 from swarm.sketch import Sketch, state_sketches
 from swarm.state_fetch import DonorOffer, freshest
-from swarm.state_transfer import HASH_BYTES, HASHES, TOKEN_BYTES, Layout, Snapshot, StateServer
+from swarm.state_transfer import HASH_BYTES, HASHES, MIN_RATE, TOKEN_BYTES, Layout, Snapshot, StateServer
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,12 @@ MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadat
 OFFER_GRACE = 0.25  # s to wait for more offers once the first came in (see _first_offers)
 SNAPSHOT_SECONDS = 10.0  # joiners asking within this long (and at the same declared step) share a snapshot
 WITNESS_SECONDS = 120.0  # for the peer's process to sketch θ (it may wait for an overlapped round)
+MAX_STREAMS = 3
+"""hivemind's state streams served at once (one per peer): each holds a copy of the state while
+it runs (6 stalled streams held 3.1 GB of a 200 MB state, measured). A joiner refused gets an
+empty stream and asks the next donor."""
+STREAM_GRACE = 30.0  # s for a stream's first bytes (the state is copied out of the peer first)
+STREAM_WINDOW = 10.0  # s over which a stream must move MIN_RATE bytes a second, or is cut
 READY_BYTES = 2 << 30
 """A state up to this size is snapshotted as soon as its step is declared and kept for that
 step, so that the first joiner does not wait for the copy and the hashes (about 1 s per 400 MB
@@ -115,6 +121,7 @@ class StateSharing:
         self._witness_asked: tuple[bytes, asyncio.Future, float] | None = None  # (seed, answer, deadline)
         # The download in progress: bytes received, bytes announced, donors serving it.
         self.download = mp.Array("d", 3)
+        self._streams: set[str] = set()  # peers being served hivemind's state stream
 
     # --- the direct transport: donor side ------------------------------------------------------
 
@@ -384,20 +391,34 @@ class StateSharing:
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        # Runs in hivemind's averager process. Testing: a fault file's ``serve_delay_ms`` slows
-        # the stream down part by part (64 KiB), so that a test can kill this donor mid-download;
-        # the direct transport is slowed alike (StateServer.delay).
-        delay = fault_value(self._fault_file, "serve_delay_ms") / 1000
-        if delay:
-            logger.warning(
-                "serving the state slowly to %s (fault injection: %.0f ms per part)",
-                context.remote_id.to_base58(),
-                delay * 1000,
-            )
-        async for message in super().rpc_download_state(request, context):
-            yield message
+        # Runs in hivemind's averager process. Each stream holds a copy of the state while it
+        # runs, so: at most MAX_STREAMS at once and one per peer (a joiner refused gets an empty
+        # stream and asks the next donor), and a stream that moves less than MIN_RATE bytes a
+        # second over STREAM_WINDOW (after STREAM_GRACE for its first bytes) is cut.
+        # Testing: a fault file's ``serve_delay_ms`` slows the stream down part by part (64 KiB),
+        # so that a test can kill this donor mid-download; the direct transport is slowed alike
+        # (StateServer.delay).
+        peer = context.remote_id.to_base58()
+        if len(self._streams) >= MAX_STREAMS or peer in self._streams:
+            logger.info("not serving the state to %s: %d streams already run", peer[-8:], len(self._streams))
+            return
+        self._streams.add(peer)
+        sent = [0]
+        watch = asyncio.ensure_future(_cut_if_stalled(asyncio.current_task(), sent, peer))
+        try:
+            delay = fault_value(self._fault_file, "serve_delay_ms") / 1000
             if delay:
-                await asyncio.sleep(delay)
+                logger.warning(
+                    "serving the state slowly to %s (fault injection: %.0f ms per part)", peer, delay * 1000
+                )
+            async for message in super().rpc_download_state(request, context):
+                yield message
+                sent[0] += len(message.tensor_part.buffer) + len(message.metadata)
+                if delay:
+                    await asyncio.sleep(delay)
+        finally:
+            watch.cancel()
+            self._streams.discard(peer)
 
     # --- downloads that the joiner checks (see SwarmAverager.download_state) ------------------
 
@@ -659,3 +680,21 @@ class StateSharing:
         ]
         metadata["bytes"] = sum(t.numel() * t.element_size() for t in tensors)  # a joiner's progress
         return metadata, tensors, None
+
+
+async def _cut_if_stalled(task: asyncio.Task | None, sent: list[int], peer: str) -> None:
+    """Cancel ``task`` (a state stream being served) when ``sent[0]`` (its bytes) is still 0
+    after STREAM_GRACE, or then grows by less than MIN_RATE bytes a second over STREAM_WINDOW:
+    a reader that stops reading held the stream, and its copy of the state, for as long as it
+    stayed connected."""
+    if task is None:
+        return
+    await asyncio.sleep(STREAM_GRACE)
+    last = 0
+    while sent[0] > last:
+        last = sent[0]
+        await asyncio.sleep(STREAM_WINDOW)
+        if sent[0] - last < MIN_RATE * STREAM_WINDOW:
+            break
+    logger.warning("cut the state stream to %s: it moved under %d KiB/s", peer[-8:], MIN_RATE >> 10)
+    task.cancel()

@@ -34,6 +34,7 @@ hashes, which travel over hivemind's channel.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import functools
 import hashlib
@@ -67,8 +68,14 @@ HASH = "blake3"
 1.1 GB/s; a 400 MB state is hashed by every donor at every outer step and by every joiner."""
 TOKEN_SECONDS = 120.0  # an offer can be used this long after it was made
 MAX_TOKENS = 256  # offers remembered (oldest forgotten): joiners are few, fresh keys are free
-MAX_CONNECTIONS = 16
+MAX_CONNECTIONS = 16  # connections being served (each showed a token of a current offer)
+MAX_PENDING = 64
+"""Connections still to show their token. When one more comes, the oldest from the address with
+the most of them is cut: a flood of silent connections (each held a slot for TOKEN_WAIT
+before) cuts its own, and an honest joiner, which shows its token as soon as it connects from
+an address of its own, gets through."""
 TOKEN_WAIT = 5.0  # s for a connection to show its token, in all
+SERVED_PER_OFFER = 2  # an offer serves at most this many times its snapshot's bytes
 IDLE_SECONDS = 30.0  # a joiner asks for its next slice within this long, or is cut off
 MIN_RATE = 256 << 10  # bytes/s: a donor slower than this over a whole slice is dropped
 MAX_SNAPSHOTS = 2  # snapshots kept alive by offers (older offers expire)
@@ -255,11 +262,19 @@ class _Offer:
     snapshot: Snapshot
     joiner: str
     expires: float
+    served: int = 0  # bytes served under it (at most SERVED_PER_OFFER times the snapshot's)
 
 
 class StateServer:
     """The donor's listener (bound to one address, ``--host``): serves the slices of the
-    snapshots it offered, to whoever shows one of the offers' tokens first."""
+    snapshots it offered, to whoever shows one of the offers' tokens first.
+
+    What a token holder or an outsider can take (2026-12-05, a trust review: one token held all
+    16 slots, the offer's expiry did not end its connections, and their snapshots stayed alive):
+    a connection waits for its token without a slot (:data:`MAX_PENDING`, the oldest cut
+    first); an offer serves one connection at a time, is looked up again at every slice asked
+    for (an offer expired or replaced cuts its connection, and an idle connection holds no
+    snapshot), and serves at most :data:`SERVED_PER_OFFER` times its snapshot's bytes."""
 
     def __init__(self, host: str) -> None:
         """Testing (the fault file): ``tamper()`` > 0 flips a byte of every slice served;
@@ -270,6 +285,10 @@ class StateServer:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._open: set[socket.socket] = set()  # connections being served, cut by close()
+        # Connections still to show a token, by the address they come from (oldest first).
+        self._pending: dict[str, collections.deque[socket.socket]] = {}
+        self._serving: dict[bytes, socket.socket] = {}  # offer (by key) -> the connection it serves
+        self._slotted: set[socket.socket] = set()  # connections holding one of the slots
         self.tamper: Callable[[], float] = lambda: 0.0
         self.delay: Callable[[], float] = lambda: 0.0
         self.served = 0  # bytes served, for the logs and tests
@@ -305,8 +324,13 @@ class StateServer:
     def offered(self, token: bytes) -> Snapshot | None:
         """The snapshot offered under ``token``, while the offer lasts."""
         with self._lock:
-            offer = self._offers.get(hashlib.sha256(token).digest())
-        return offer.snapshot if offer is not None and offer.expires >= time.monotonic() else None
+            offer = self._current(hashlib.sha256(token).digest())
+        return offer.snapshot if offer is not None else None
+
+    def _current(self, key: bytes) -> _Offer | None:
+        """The offer under ``key`` (sha256 of its token) while it lasts (call under the lock)."""
+        offer = self._offers.get(key)
+        return offer if offer is not None and offer.expires >= time.monotonic() else None
 
     def close(self) -> None:
         """Stop listening and cut every connection being served (as if this process died)."""
@@ -321,54 +345,103 @@ class StateServer:
     def _accept(self) -> None:
         while True:
             try:
-                connection, _ = self._socket.accept()
+                connection, address = self._socket.accept()
             except OSError:  # closed
                 return
-            if not self._slots.acquire(blocking=False):
-                connection.close()  # a flood of connections gets nothing but a closed socket
-                continue
+            with self._lock:
+                self._open.add(connection)
+                self._pending.setdefault(address[0], collections.deque()).append(connection)
+                cut = None
+                if sum(len(q) for q in self._pending.values()) > MAX_PENDING:
+                    crowded = max(self._pending, key=lambda a: len(self._pending[a]))
+                    cut = self._pending[crowded].popleft()
+            if cut is not None:  # its thread wakes from its wait for a token and ends
+                with contextlib.suppress(OSError):
+                    cut.shutdown(socket.SHUT_RDWR)
             threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
 
     def _serve(self, connection: socket.socket) -> None:
-        with self._lock:
-            self._open.add(connection)
+        key = b""
         try:
             with connection:
-                token = _receive(connection, TOKEN_BYTES, TOKEN_WAIT)  # holding a slot idle loses it
+                token = _receive(connection, TOKEN_BYTES, TOKEN_WAIT)
                 key = hashlib.sha256(token).digest()
                 with self._lock:
-                    offer = self._offers.get(key)
-                if offer is None or offer.expires < time.monotonic():
-                    return  # not one of ours: nothing read beyond the token, nothing sent
+                    if not self._unpend(connection):
+                        return  # cut while it waited: a newer connection took its place
+                    offer = self._current(key)
+                    if offer is None:
+                        return  # not one of ours: nothing read beyond the token, nothing sent
+                    # One connection per offer: a newer one takes the older one's place and slot
+                    # (a joiner reconnects for a second pass once its first connection ended).
+                    older = self._serving.get(key)
+                    if older is not None and older in self._slotted:
+                        self._slotted.discard(older)
+                        with contextlib.suppress(OSError):
+                            older.shutdown(socket.SHUT_RDWR)
+                    elif not self._slots.acquire(blocking=False):
+                        return  # every slot taken
+                    self._slotted.add(connection)
+                    self._serving[key] = connection
+                    joiner = offer.joiner
+                    del offer  # looked up again at every slice: an idle connection holds no snapshot
                 if self.delay():
                     logger.warning(
                         "serving the state slowly to %s (fault injection: %.0f ms per part)",
-                        offer.joiner,
+                        joiner,
                         self.delay(),
                     )
-                snapshot = offer.snapshot
-                count = len(snapshot.hashes)
                 while True:
                     (index,) = INDEX.unpack(_receive(connection, INDEX.size, IDLE_SECONDS))
-                    if index >= count:
-                        return  # END, or an index out of range
-                    pieces = snapshot.pieces(index)
-                    if self.tamper():
-                        pieces = [bytes([pieces[0][0] ^ 0xFF]), pieces[0][1:], *pieces[1:]]
-                    delay = self.delay() / 1000
-                    for piece in pieces:
-                        step = SLOW_PART if delay else len(piece)  # slowed like hivemind's stream
-                        for lo in range(0, len(piece), step):
-                            if delay:
-                                time.sleep(delay)
-                            connection.sendall(piece[lo : lo + step])
-                        self.served += len(piece)
+                    if not self._send_slice(connection, key, index):
+                        return
         except (OSError, ConnectionError) as error:
             logger.debug("state connection ended: %s", error)
         finally:
             with self._lock:
                 self._open.discard(connection)
-            self._slots.release()
+                self._unpend(connection)
+                if self._serving.get(key) is connection:
+                    del self._serving[key]
+                slot = connection in self._slotted
+                self._slotted.discard(connection)
+            if slot:
+                self._slots.release()
+
+    def _unpend(self, connection: socket.socket) -> bool:
+        """Take ``connection`` off the pending ones (call under the lock); False if not there."""
+        for address, queue in self._pending.items():
+            if connection in queue:
+                queue.remove(connection)
+                if not queue:
+                    del self._pending[address]
+                return True
+        return False
+
+    def _send_slice(self, connection: socket.socket, key: bytes, index: int) -> bool:
+        """Send slice ``index`` of the offer under ``key``; False to end the connection: END or
+        an index out of range, the offer expired or replaced, or its bytes served."""
+        with self._lock:
+            offer = self._current(key)
+            if offer is None or index >= len(offer.snapshot.hashes):
+                return False
+            pieces = offer.snapshot.pieces(index)
+            size = sum(len(piece) for piece in pieces)
+            if offer.served + size > SERVED_PER_OFFER * offer.snapshot.layout.total:
+                logger.debug("an offer asked for more than %dx its state: cut", SERVED_PER_OFFER)
+                return False
+            offer.served += size
+        if self.tamper():
+            pieces = [bytes([pieces[0][0] ^ 0xFF]), pieces[0][1:], *pieces[1:]]
+        delay = self.delay() / 1000
+        for piece in pieces:
+            step = SLOW_PART if delay else len(piece)  # slowed like hivemind's stream
+            for lo in range(0, len(piece), step):
+                if delay:
+                    time.sleep(delay)
+                connection.sendall(piece[lo : lo + step])
+            self.served += len(piece)
+        return True
 
 
 def _receive(connection: socket.socket, count: int, seconds: float) -> bytes:

@@ -4,6 +4,7 @@ donors that die or lie are dropped; strangers without a token get nothing."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 import threading
@@ -14,7 +15,7 @@ import torch
 
 from swarm import state_transfer
 from swarm.state_fetch import DonorOffer, fetch
-from swarm.state_transfer import MAX_CONNECTIONS, Layout, Snapshot, StateServer, TransferFailed
+from swarm.state_transfer import MAX_CONNECTIONS, MAX_PENDING, Layout, Snapshot, StateServer, TransferFailed
 
 
 @pytest.fixture(autouse=True)
@@ -149,18 +150,95 @@ def test_a_stranger_without_a_token_gets_nothing():
 
 
 def test_a_flood_of_connections_does_not_stop_the_joiner():
+    """Silent connections used to hold a slot each for the token's wait: 24 sockets reconnecting
+    as soon as they were closed let 1 honest download in 20 through. They now wait for their
+    token without a slot, and past MAX_PENDING the oldest from the most crowded address is cut:
+    the honest joiner (another address, its token shown at once) downloads while the flood goes
+    on. (127.0.0.2 is this machine's loopback too: another address for the same server.)"""
     server, snapshot, token = serve(state(1))
-    idle = [socket.create_connection(server.address) for _ in range(MAX_CONNECTIONS + 4)]
-    deadline = time.monotonic() + 30
-    while server.connections < MAX_CONNECTIONS and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert server.connections == MAX_CONNECTIONS  # the rest were closed at once
-    for connection in idle:  # they time out on their own; here they just go away
+    stop = threading.Event()
+
+    def flood() -> None:
+        held: collections.deque[socket.socket] = collections.deque()
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                held.append(
+                    socket.create_connection(server.address, timeout=5, source_address=("127.0.0.2", 0))
+                )
+            while len(held) > 2 * MAX_PENDING:
+                held.popleft().close()
+        for connection in held:
+            connection.close()
+
+    flooding = threading.Thread(target=flood, daemon=True)
+    flooding.start()
+    try:
+        deadline = time.monotonic() + 30
+        while server.connections < MAX_PENDING and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.connections >= MAX_PENDING
+        for attempt in range(5):
+            token = server.offer(snapshot, f"joiner {attempt}")  # an offer serves one download or two
+            got = download(snapshot, [offer("d", server, snapshot, token)])
+            assert all(torch.equal(a, b) for a, b in zip(got, state(1)))
+        assert server.connections <= MAX_PENDING + MAX_CONNECTIONS
+    finally:
+        stop.set()
+        flooding.join(10)
+        server.close()
+
+
+def _ask(connection: socket.socket, index: int, size: int) -> bytes:
+    connection.sendall(state_transfer.INDEX.pack(index))
+    data = bytearray(size)
+    state_transfer.receive_into(connection, memoryview(data), 5.0)
+    return bytes(data)
+
+
+def test_an_offer_serves_one_connection_and_ends_it_once_it_expires_or_is_replaced():
+    """A token held all 16 slots (one connection each), its connections outlived the offer,
+    and each kept its snapshot alive (4 where offers keep 2). Now a newer connection with the
+    token takes the older one's place, the offer is looked up at every slice asked for, and an
+    idle connection holds no snapshot."""
+    import gc
+    import weakref
+
+    server, snapshot, token = serve(state(1))
+    size = snapshot.layout.slices()[0][1] - snapshot.layout.slices()[0][0]
+    connections = [socket.create_connection(server.address, timeout=5) for _ in range(MAX_CONNECTIONS + 2)]
+    for connection in connections:
+        connection.sendall(token)
+    first = _ask(connections[-1], 0, size)  # the newest holds the offer's one slot
+    for older in connections[:-1]:
+        with pytest.raises((ConnectionError, OSError, TimeoutError)):
+            _ask(older, 0, size)
+    assert len(server._slotted) == 1
+    # The joiner asks again (a fresh offer replaces its last): the old one's connection is cut at
+    # its next request, and nothing holds the old snapshot any more.
+    kept = weakref.ref(snapshot)
+    server.offer(Snapshot.take(10, b"meta", state(2), 4), "joiner")
+    del snapshot
+    gc.collect()
+    assert kept() is None
+    with pytest.raises((ConnectionError, OSError, TimeoutError)):
+        _ask(connections[-1], 1, size)
+    assert first and server.served == size
+    for connection in connections:
         connection.close()
-    while server.connections and time.monotonic() < deadline:
-        time.sleep(0.01)
-    got = download(snapshot, [offer("d", server, snapshot, token)])
-    assert all(torch.equal(a, b) for a, b in zip(got, state(1)))
+    server.close()
+
+
+def test_an_offer_serves_at_most_twice_its_state(monkeypatch):
+    server, snapshot, token = serve(state(1))
+    slices = snapshot.layout.slices()
+    with socket.create_connection(server.address, timeout=5) as connection:
+        connection.sendall(token)
+        for _ in range(state_transfer.SERVED_PER_OFFER):
+            for index, (lo, hi, _) in enumerate(slices):
+                _ask(connection, index, hi - lo)
+        with pytest.raises((ConnectionError, OSError, TimeoutError)):
+            _ask(connection, 0, slices[0][1] - slices[0][0])
+    assert server.served == state_transfer.SERVED_PER_OFFER * snapshot.layout.total
     server.close()
 
 
