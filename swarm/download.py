@@ -68,6 +68,7 @@ class Downloading:
         deadline = time.monotonic() + timeout
         skipped = set(self._refused_donors) | set(avoid)  # not asked to serve again in this call
         distrusted = set(skipped)  # not asked to witness either
+        skipped |= self._paused_donors()
         for _ in range(DONORS_PER_TRY):
             got = self._fetch_state(skipped, distrusted, deadline)
             if got is None:
@@ -116,15 +117,30 @@ class Downloading:
                 self._refused_donors.add(donor)
         return None
 
+    def _paused_donors(self) -> set[str]:
+        """Paused peers, while another peer that trains can serve: a paused peer's θ stands still
+        on purpose, so the state it serves is old. (A joiner bounced between a paused peer's old
+        state and the running one's, which the paused witness could not confirm, 36 times,
+        then started from the seed's init.)"""
+        others = [p for p in self.board.fetch().values() if p.peer_id != self.peer_id]
+        paused = {p.peer_id for p in others if p.stage is Stage.PAUSED}
+        running = [
+            p
+            for p in others
+            if p.stage not in (Stage.PAUSED, Stage.DOWNLOADING, Stage.JOINING, Stage.LEAVING)
+        ]
+        return paused if running else set()
+
     def _verifiers(self, distrusted: set[str]) -> dict[str, int]:
         """Peers to ask about a downloaded θ, best witnesses first (:func:`witness_order`), each
-        with the outer step its heartbeat claims."""
+        with the outer step its heartbeat claims. Not peers downloading, joining or paused: their
+        θ is not the swarm's at its step."""
         others = [
             p
             for p in self.board.fetch().values()
             if p.peer_id != self.peer_id
             and p.peer_id not in distrusted
-            and p.stage not in (Stage.DOWNLOADING, Stage.JOINING)
+            and p.stage not in (Stage.DOWNLOADING, Stage.JOINING, Stage.PAUSED)
         ]
         claims = {p.peer_id: p.outer_step for p in others}
         return {peer: claims[peer] for peer in witness_order(others, self.vouching.vouched)[:MAX_CANDIDATES]}

@@ -234,6 +234,7 @@ def test_peers_to_avoid_are_neither_donors_nor_witnesses_of_a_download() -> None
 
     class Probe(Downloading):
         _refused_donors = {"refused"}
+        peer_id, board = "me", _Board()
 
         def _fetch_state(self, skipped, distrusted, deadline):
             asked.append((set(skipped), set(distrusted)))
@@ -241,6 +242,58 @@ def test_peers_to_avoid_are_neither_donors_nor_witnesses_of_a_download() -> None
 
     assert Probe().download_state(avoid=["mate"]) is None
     assert asked == [({"refused", "mate"}, {"refused", "mate"})]
+
+
+class _Board:
+    def __init__(self, *beats) -> None:
+        self.beats = {b.peer_id: b for b in beats}
+
+    def fetch(self):
+        return dict(self.beats)
+
+    def ignore(self, peer, why) -> None:
+        pass
+
+
+def test_a_paused_peer_is_neither_donor_nor_witness_while_another_trains() -> None:
+    """A paused peer's θ stands still on purpose: a joiner took it as a witness (it could not
+    confirm the running peer's state) and as a donor (its old state refused), 36 times, then
+    started from the seed's init, while the run was hundreds of rounds in."""
+    from swarm.download import Downloading
+    from swarm.records import PeerHeartbeat, Stage
+
+    def beat(peer: str, step: int, stage: Stage) -> PeerHeartbeat:
+        return PeerHeartbeat(
+            peer_id=peer,
+            name=peer,
+            stage=stage,
+            outer_step=step,
+            inner_step=0,
+            inner_steps=5,
+            time=1.0,
+            addresses=["/ip4/127.0.0.1/tcp/1"],
+        )
+
+    asked: list[tuple[set[str], dict[str, int]]] = []
+
+    class Probe(Downloading):
+        _refused_donors: set[str] = set()
+        peer_id = "me"
+
+        def __init__(self, *beats) -> None:
+            self.board = _Board(*beats)
+            from swarm.claims import Vouching
+
+            self.vouching = Vouching()
+
+        def _fetch_state(self, skipped, distrusted, deadline):
+            asked.append((set(skipped), self._verifiers(distrusted)))
+            return None
+
+    Probe(beat("running", 616, Stage.TRAINING), beat("paused", 515, Stage.PAUSED)).download_state()
+    assert asked[-1] == ({"paused"}, {"running": 616})
+    Probe(beat("paused", 515, Stage.PAUSED)).download_state()  # nobody else: the paused peer serves
+    assert asked[-1] == (set(), {})
 
 
 def test_a_donor_its_round_mates_contradict_is_refused_not_ignored() -> None:
@@ -255,7 +308,10 @@ def test_a_donor_its_round_mates_contradict_is_refused_not_ignored() -> None:
 
     class Probe(Downloading):
         vouching, _refused_donors = Vouching(), set()
-        board = type("Board", (), {"ignore": lambda self, peer, why: ignored.append(peer)})()
+        peer_id = "me"
+        board = type(
+            "Board", (), {"ignore": lambda self, peer, why: ignored.append(peer), "fetch": lambda self: {}}
+        )()
 
         def _fetch_state(self, skipped, distrusted, deadline):
             if "other-side" in skipped:
