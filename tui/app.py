@@ -204,7 +204,16 @@ class SwarmApp(OwnerConsole):
             self.notify("nothing to export yet", severity="warning")
             return None
         target = Path(path or f"swarm-snapshot-{time.strftime('%Y%m%d-%H%M%S')}.json")
-        target.write_text(json.dumps(self.snapshot.to_json(), indent=2))
+        try:
+            target.write_text(json.dumps(self.snapshot.to_json(), indent=2))
+        except OSError as error:  # a folder that cannot be written: say so, keep watching
+            self.notify(
+                f"could not write {target.resolve()}: {error.strerror or error}; start the monitor "
+                "from a folder you can write to",
+                severity="error",
+                timeout=10,
+            )
+            return None
         self.notify(f"snapshot written to {target}")
         return target
 

@@ -170,6 +170,12 @@ async def test_help_pause_window_export(app, tmp_path) -> None:
         assert app.window == window + 1
         path = app.action_export(str(tmp_path / "snap.json"))
         assert json.loads(path.read_text())["outer_round"] == 12
+        # A folder that cannot be written: a notice, and the monitor keeps running (it crashed,
+        # and in the demo closing the monitor stops the peers).
+        assert app.action_export(str(tmp_path / "missing" / "snap.json")) is None
+        await pilot.pause()
+        assert app.is_running
+        assert any("could not write" in str(n.message) for n in app._notifications)
 
 
 async def test_maximize_a_panel(app) -> None:
