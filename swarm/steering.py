@@ -118,8 +118,8 @@ class Steering:
         if self.is_owner:
             return None
         return (
-            f"only the run owner ({self.owner}) can steer; this key is {self.key}: open the monitor "
-            "with the owner's key file (the --identity of `workbench start`)"
+            f"only the run owner ({self.owner}) can steer; this key is {self.key}: give the owner's "
+            "key file (the --identity of `workbench start`, else <run-dir>/identity.key) with --key"
         )
 
     def current(self) -> ControlState | None:
@@ -170,7 +170,18 @@ class Steering:
             for p in peers.values()
             if p.stage not in (Stage.JOINING, Stage.DOWNLOADING, Stage.PAUSED)
         )
-        ahead = steps[len(steps) // 2] if steps else 0
+        if not steps and from_step is None:
+            # Nobody whose step says where the run is: a change "two rounds ahead" of 0 was
+            # published at outer step 2 of a run at step 1127, and each peer applied it at its
+            # own next round.
+            others = (
+                f"all {len(peers)} live peers are joining, downloading or paused" if peers else "no live peer"
+            )
+            raise SwarmError(
+                f"cannot tell the run's outer step: {others}; try again once a peer trains, or give "
+                "--from-step with the step to apply the change at"
+            )
+        ahead = steps[len(steps) // 2] if steps else -1
         if from_step is None:
             from_step = ahead + 2
         elif from_step <= ahead:

@@ -155,3 +155,33 @@ def test_a_heartbeat_claiming_to_be_far_ahead_does_not_put_steering_out_of_reach
     assert steering.publish(outer_lr=0.4, from_step=45).from_step == 45
     with pytest.raises(SwarmError, match="use --from-step 43 or later"):
         steering.publish(outer_lr=0.3, from_step=41)
+
+
+def test_a_change_is_not_scheduled_at_step_2_when_no_peer_says_where_the_run_is():
+    """With every live peer joining, downloading or paused (or none left), the run's step was
+    taken as 0: a change "two rounds ahead" was published for outer step 2 of a run at step
+    1127, and each peer applied it at its own next round. Now it is refused, unless the owner
+    gives the step."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from swarm.errors import SwarmError
+    from swarm.records import PeerHeartbeat, Stage
+    from swarm.steering import Steering
+
+    stored = []
+    steering = Steering.__new__(Steering)
+    steering.owner = steering.key = "owner"
+    steering.keys = SimpleNamespace(control="control")
+    steering.store = SimpleNamespace(store=lambda key, value, **kwargs: stored.append(value) or True)
+    steering.watcher = SimpleNamespace(poll=lambda force: None, latest=None)
+    beat = PeerHeartbeat(
+        peer_id="d", name="d", stage=Stage.DOWNLOADING, outer_step=1127, inner_step=0, inner_steps=5, time=1.0
+    )
+    for peers in ({"d": beat}, {}):
+        steering.board = SimpleNamespace(fetch=lambda peers=peers: peers)
+        with pytest.raises(SwarmError, match="cannot tell the run's outer step"):
+            steering.publish(outer_lr=0.5)
+    assert not stored
+    assert steering.publish(outer_lr=0.5, from_step=1130).from_step == 1130
