@@ -85,3 +85,18 @@ def check_fingerprint(manifest: RunManifest, fingerprint: str, summary: str) -> 
             f"{manifest.fingerprint} ({manifest.summary}), this peer's is {fingerprint} ({summary}); "
             "use the --model and optimizer flags of the run's join command"
         )
+
+
+def owner_mismatch(store: SignedStore, keys: RunKeys, owner: str | None) -> str | None:
+    """Why the run has no manifest by ``owner`` although it has one by another owner (a
+    mistyped ``--owner``), or None. Call once no manifest by ``owner`` was found."""
+    if not owner:
+        return None
+    other = find_manifest(store, keys, timeout=0.0)
+    if other is None or other.owner == owner:
+        return None
+    return (
+        f"run '{keys.run_id}' has no manifest by owner {owner}, only one by {other.owner}: check --owner "
+        "against the join command the run's `workbench start` printed (or drop --owner to trust the "
+        "oldest manifest)"
+    )

@@ -431,15 +431,19 @@ def replay(path: str | Path, **options: Any) -> Iterator[SwarmSnapshot]:
 def dht_reader(board, store, keys, *, owner: str | None = None) -> Callable[[], Reading]:
     """A :class:`Reading` source over a live DHT (heartbeats, manifest, owner's control)."""
     from swarm.dht import dht_time
-    from swarm.manifest import find_manifest
+    from swarm.manifest import find_manifest, owner_mismatch
     from swarm.steering import ControlWatcher
 
-    state: dict[str, Any] = {"manifest": None, "watcher": None}
+    state: dict[str, Any] = {"manifest": None, "watcher": None, "told": False}
 
     def read() -> Reading:
         if state["manifest"] is None:
             try:
                 state["manifest"] = find_manifest(store, keys, owner=owner, timeout=0.0)
+                wrong = None if state["manifest"] or state["told"] else owner_mismatch(store, keys, owner)
+                if wrong:  # once: the run is there, under another owner than --owner says
+                    state["told"] = True
+                    logger.warning("%s", wrong)
             except SwarmError as error:
                 logger.warning("%s", error)
             if state["manifest"] is not None:

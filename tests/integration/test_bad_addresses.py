@@ -83,9 +83,19 @@ def test_joiner_with_another_model_is_refused(spawn):
     owner = peer.events("started")[0]["owner"]  # (address() waited for the "started" event)
     # Side by side (each takes seconds to start, the second waits out the manifest search):
     # another model, and the right model with an --owner that is not the run's.
-    result, wrong_owner = workbench_all(
-        [*join, "--model", "small"], [*join, "--model", "tiny", "--owner", "0" * 16]
+    # And `steer` and `status` with that --owner (by the owner itself): they said the run had no
+    # manifest, "is its first peer still running?", and status said nothing.
+    address, wrong = peer.address(), ["--run-id", "model-check", "--owner", "0" * 16]
+    key = str(peer.directory / "identity.key")
+    result, wrong_owner, steer, status = workbench_all(
+        [*join, "--model", "small"],
+        [*join, "--model", "tiny", "--owner", "0" * 16],
+        ["steer", address, *wrong, "--key", key, "--outer-lr", "0.5"],
+        ["status", address, *wrong, "--json"],
     )
+    for told in (steer, status):
+        assert f"no manifest by owner {'0' * 16}, only one by {owner}" in told.stderr, told.stderr
+    assert steer.returncode == 2 and status.returncode == 0, (steer.stderr, status.stderr)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.strip().splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "does not match run 'model-check'" in errors[0], result.stderr

@@ -57,7 +57,7 @@ def add_steer_parser(commands) -> None:
 
 def run_steer_command(args: argparse.Namespace) -> int:
     from swarm.identity import key_hash
-    from swarm.manifest import find_manifest
+    from swarm.manifest import find_manifest, owner_mismatch
     from swarm.records import RunKeys, check_owner
     from swarm.steering import Steering, aliases_of, live_peer_id
     from workbench.cli.status import open_observer
@@ -86,7 +86,8 @@ def run_steer_command(args: argparse.Namespace) -> int:
             manifest = find_manifest(session.store, session.keys)
         if manifest is None:
             raise SwarmError(
-                f"run '{args.run_id}' has no manifest in the DHT: is its first peer still running?"
+                owner_mismatch(session.store, session.keys, args.owner)
+                or f"run '{args.run_id}' has no manifest in the DHT: is its first peer still running?"
             )
         steering = Steering(session.store, session.keys, owner=manifest.owner, board=session.board)
         current = steering.current()

@@ -68,7 +68,7 @@ def settle_manifest(
     command); a joiner finds it and refuses a run with another model. None: a joiner found no
     manifest (its owner left?), so nothing is checked and steering is off."""
     from swarm.identity import key_hash
-    from swarm.manifest import check_fingerprint, find_manifest, publish_manifest
+    from swarm.manifest import check_fingerprint, find_manifest, owner_mismatch, publish_manifest
 
     fingerprint_, summary = fingerprint(config, model)
     if not config.network.initial_peers:
@@ -83,14 +83,10 @@ def settle_manifest(
         config.peer.owner = manifest.owner  # the join command names it: joiners trust only this owner
         return manifest
     manifest = find_manifest(store, keys, owner=config.peer.owner)
-    if manifest is None and config.peer.owner:
-        other = find_manifest(store, keys, timeout=0.0)
-        if other is not None:  # a run is there, owned by someone else than the join command says
-            raise SwarmError(
-                f"run '{config.peer.run_id}' has no manifest by owner {config.peer.owner}, only one by "
-                f"{other.owner}: check --owner against the join command the run's `workbench start` "
-                "printed (or drop --owner to trust the oldest manifest)"
-            )
+    if manifest is None:
+        wrong = owner_mismatch(store, keys, config.peer.owner)
+        if wrong:  # a run is there, owned by someone else than the join command says
+            raise SwarmError(wrong)
     if manifest is None:
         logger.warning(
             "%s: run '%s' has no manifest in the DHT (its owner left?): cannot check the model "
