@@ -64,3 +64,16 @@ def test_a_notebook_peer_starts_a_private_run_that_a_cli_peer_joins(spawn, tmp_p
     rounds = [r for r in joiner.events("round")]
     assert [(r["outer_step"], r["group_size"]) for r in rounds] == [(1, 2), (2, 2), (3, 2)], rounds
     assert "hivemind's encrypted path" in joiner.stderr()  # a private run's rounds
+
+
+def test_a_short_swarm_run_that_ends_before_its_view_connects_is_reported_whole(tmp_path):
+    """A run of a few rounds alone can end before the live view reaches its peer: it was
+    reported failed ("could not reach any bootstrap peer"), its history empty, although the peer
+    had finished every round. Its rows come from the peer's events, timed from its start."""
+    run = Experiment(backend="swarm", run_id="nb-short", rounds=2, run_dir=tmp_path / "nb", **NOTEBOOK_FAST)
+    run.run().wait(timeout=180)
+    assert run.error is None, run.error
+    history = run.history()
+    assert history["round"].tolist() == [0, 1, 2], history
+    seconds = history["seconds"].tolist()
+    assert seconds == sorted(seconds) and seconds[-1] > 0.1, seconds  # from the peer's start

@@ -522,14 +522,21 @@ class Experiment:
             if config.network.host in ("0.0.0.0", "127.0.0.1") and config.network.port:
                 # Its own peer through loopback first: a router may not loop the public address back.
                 own.insert(0, f"/ip4/127.0.0.1/tcp/{config.network.port}/p2p/{started['peer_id']}")
-            self._source = LiveSource.connect(
-                self.initial_peers or own,
-                run_id=config.peer.run_id,
-                secret=config.peer.secret,
-                owner=config.peer.owner,
-                key=owner_key if not self.initial_peers else None,
-                connect_timeout=config.network.connect_timeout,
-            )
+            try:
+                self._source = LiveSource.connect(
+                    self.initial_peers or own,
+                    run_id=config.peer.run_id,
+                    secret=config.peer.secret,
+                    owner=config.peer.owner,
+                    key=owner_key if not self.initial_peers else None,
+                    connect_timeout=config.network.connect_timeout,
+                )
+            except SwarmError:
+                # A short run can end before the view connects: its rows are in the peer's
+                # events all the same (this reported a finished run as failed, history empty).
+                if not _exits(peer.process, within=15.0):
+                    raise
+                logger.info("%s: the run ended before its live view connected", self.name)
             self._follow(peer, lambda: peer.process.poll() is not None)
         finally:
             swarm.stop()
@@ -537,12 +544,17 @@ class Experiment:
                 self._source.close()
 
     def _follow(self, peer, finished) -> None:
-        """Turn a real peer's round events into history rows until the run ends."""
-        started = time.monotonic()
-        sent = step = 0
+        """Turn a real peer's round events into history rows until the run ends; ``seconds``
+        from the peer's start (its events' clock), not from when this began to follow."""
+        started = (peer.last("started") or {}).get("time", time.time())
+        sent = step = seen = 0
         while True:
             over = finished()  # before the read: the events it then gets include the last ones
-            for event in peer.poll_events():
+            peer.poll_events()
+            # Every event, from the first: those read while waiting for "started" too (a lone
+            # peer's initial eval often came in the same read, and its row was lost).
+            events, seen = peer.events[seen:], len(peer.events)
+            for event in events:
                 if event["event"] == "initial_eval":
                     self._add(
                         round=event["outer_step"],
@@ -564,7 +576,7 @@ class Experiment:
                         bytes_per_peer=sent,
                         loss=event["loss"],
                         eval_loss=event["eval_loss"] if event.get("evaluated", True) else None,
-                        seconds=time.monotonic() - started,
+                        seconds=max(0.0, event["time"] - started),
                     )
                 if event["event"] == "done":
                     self.result = event
@@ -691,3 +703,14 @@ def compare(experiments: list[Experiment], *, x: str = "tokens", ax=None):
     ax.grid(alpha=0.3)
     ax.legend()
     return ax
+
+
+def _exits(process, *, within: float) -> bool:
+    """Whether ``process`` has exited, or does within ``within`` seconds."""
+    import subprocess
+
+    try:
+        process.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
