@@ -226,11 +226,16 @@ class _Events:
     """A real peer's event log as `_follow` reads it (workbench.local.launch.LocalPeer)."""
 
     def __init__(self, events: list[dict]) -> None:
-        self.pending = events
+        self.pending = [dict(e, time=100.0 + i) for i, e in enumerate(events)]  # a peer's events carry a time
+        self.events: list[dict] = []
 
     def poll_events(self) -> list[dict]:
         events, self.pending = self.pending, []
+        self.events.extend(events)
         return events
+
+    def last(self, event: str) -> dict | None:
+        return next((e for e in reversed(self.events) if e["event"] == event), None)
 
 
 def test_real_peers_rounds_count_the_steps_they_ran_and_only_the_evaluations_made():
