@@ -174,6 +174,27 @@ def test_flags_reach_the_config() -> None:
         ),
         pytest.param(["replay", "{tmp}/garbage"], "not a workbench monitor recording", id="replay-garbage"),
         pytest.param(
+            ["status", "--replay", "{tmp}/r.jsonl", "--record", "{tmp}/r2.jsonl"],
+            "--replay prints a recorded run, so --record would do nothing",
+            id="status-replay-record",
+        ),
+        pytest.param(
+            [
+                "status",
+                f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}",
+                "--replay",
+                "{tmp}/r.jsonl",
+                "--owner",
+                "0" * 16,
+            ],
+            "a MULTIADDR, --owner would do nothing: drop them",
+            id="status-replay-live-options",
+        ),
+        pytest.param(["export", "{tmp}", "--out", ""], "--out is empty", id="export-empty-out"),
+        pytest.param(
+            ["export", "{tmp}", "--tensorboard", ""], "--tensorboard is empty", id="export-empty-tb"
+        ),
+        pytest.param(
             ["status", f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}", "--record", "{tmp}/no/such/dir/r.jsonl"],
             "cannot write the recording",
             id="record-unwritable",

@@ -145,6 +145,10 @@ def _kinds(events: str) -> set[str] | None:
 
 
 def run_export_command(args: argparse.Namespace) -> int:
+    for flag in ("out", "events", "tensorboard", "wandb"):
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            # Taken as absent, it sent JSON lines to stdout where a file or a service was asked for.
+            raise ExportError(f"--{flag} is empty: give it a value, or drop it")
     if args.tensorboard or args.wandb:
         if args.csv or args.out:
             raise ExportError(

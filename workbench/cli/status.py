@@ -143,6 +143,23 @@ def run_status_command(args: argparse.Namespace) -> int:
     if args.replay:
         from swarm.monitor import replay
 
+        ignored = [
+            flag
+            for flag, given in (
+                ("a MULTIADDR", args.peers),
+                ("--record", args.record),
+                ("--watch", args.watch is not None),
+                ("--owner", args.owner),
+            )
+            if given
+        ]
+        if ignored:  # it would read no live run: these did nothing (--record made no file)
+            raise SwarmError(
+                f"--replay prints a recorded run, so {', '.join(ignored)} would do nothing: drop "
+                f"{'it' if len(ignored) == 1 else 'them'} (to record a live run: `workbench status "
+                "MULTIADDR --record FILE`)"
+            )
+
         for snapshot in replay(args.replay):
             show(snapshot.to_json())
         return 0
