@@ -100,7 +100,20 @@ def test_a_steered_peer_resumes_with_the_flags_it_started_with(spawn):
     resumed = again.wait_event("resumed_checkpoint", timeout=60)["outer_step"]
     assert resumed > applied["outer_step"]
     again.wait_event("round", lambda e: e["outer_step"] >= resumed + 2)
-    again.process.send_signal(signal.SIGINT)
-    assert again.wait() == 0, again.stderr()
+    # A joiner with the join command's flags (--inner-steps 5): the resumed owner put its steered
+    # settings back in the DHT (its key owns the run now), so the joiner trains with them too.
+    # Before, it trained with H = 5 and lr 0.7 beside H = 4 and lr 0.35, and downloaded the state
+    # every round (30 downloads in 25 s).
+    joiner = spawn("c", "join", again.address(), *common)
+    took = joiner.wait_event("control_applied", timeout=90)
+    assert took["changes"] == {"outer_lr": 0.35, "inner_steps": 4}, took
+    joiner.wait_event("round", lambda e: e["outer_step"] >= took["outer_step"] + 3)
+    for peer in (again, joiner):
+        peer.process.send_signal(signal.SIGINT)
+    for peer in (again, joiner):
+        assert peer.wait() == 0, peer.stderr()
+    assert "published the steered settings it resumed with" in again.stderr()
     assert {r["inner_steps"] for r in again.events("round")} == {4}  # the steered H, not --inner-steps 5
     assert not again.events("control_applied")  # its own run: nothing steered it again
+    later = [r for r in joiner.events("round") if r["outer_step"] > took["outer_step"] + 1]
+    assert later and not any(r["resync"] for r in later), joiner.events("round")

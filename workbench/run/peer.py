@@ -633,8 +633,46 @@ class Peer:
             checkpoints=int(payload.get("control_checkpoints", 0)),
         )
         self.averager.set_state_priority(self.diloco.outer_step_count)
+        self._put_back_steering()
         logger.info("%s: resumed from %s at outer step %d", self.name, path, self.diloco.outer_step_count)
         self.emit("resumed_checkpoint", path=str(path), outer_step=self.diloco.outer_step_count)
+
+    def _put_back_steering(self) -> None:
+        """The run's owner, resumed from a checkpoint written after steering, trains with the
+        steered settings; the DHT may hold them no longer (the record expired with the run, or
+        another key owns the run now), and the join command it prints names the flags. Joiners
+        then trained with other settings and fetched the state every round (30 downloads in
+        25 s). So it publishes them again, from its next outer step."""
+        from swarm.identity import key_hash
+        from swarm.steering import Steering as Publisher
+        from workbench.run.control import RETUNED
+
+        settings = {k: v for k, v in self.steering.settings.items() if k in (*RETUNED, "round_seconds")}
+        if not settings or self.manifest is None or self.manifest.owner != key_hash(self.store.public_key):
+            return
+        publisher = Publisher(self.store, self.keys, owner=self.manifest.owner, board=self.board)
+        try:
+            current = publisher.current()
+            if current is not None and all(getattr(current, k, None) == v for k, v in settings.items()):
+                return  # the owner's record still says so
+            control = publisher.publish(**settings, from_step=self.diloco.outer_step_count + 1)
+        except SwarmError as error:
+            logger.warning(
+                "%s: could not publish the steered settings it resumed with (%s): joiners train with "
+                "their own flags; steer them again with `workbench steer`",
+                self.name,
+                error,
+            )
+            return
+        self.steering.version = control.version
+        logger.info(
+            "%s: published the steered settings it resumed with for the peers that join (control v%d, "
+            "from outer step %d): %s",
+            self.name,
+            control.version,
+            control.from_step,
+            settings,
+        )
 
     def _load_checkpoint(self, directory: str) -> tuple[dict[str, Any], Path]:
         return checkpoint.load_for(
