@@ -36,6 +36,9 @@ class RoundReport:
     """The ``info`` every group member sent (this peer's included), for consistency checks."""
     error: str | None = None
     """Why the round fell back to a local step, when it did."""
+    failed: bool = False
+    """The all-reduce was tried with others and failed (not: this peer was alone by choice, no
+    other peer in the round): it says nothing of the group the next round finds."""
     local_norm: float = 0.0
     """L2 norm of this peer's own pseudo-gradient before averaging."""
     mean_norm: float = 0.0

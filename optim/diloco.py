@@ -225,7 +225,7 @@ class DiLoCo:
             logger.warning("averaging failed (%s); applying this peer's own update", error)
             for d, b in zip(deltas, backup or []):
                 d.copy_(b)
-            report = RoundReport(group_size=1, error=str(error), group_info=[dict(info or {})])
+            report = RoundReport(group_size=1, error=str(error), group_info=[dict(info or {})], failed=True)
         report.seconds = time.monotonic() - start
         return report
 
@@ -488,10 +488,11 @@ class DiLoCo:
 
     def _learn_share(self, report: RoundReport, weight: float) -> None:
         """Remember this peer's share of the mean that just landed, for the next stand-in. A
-        round whose averaging failed (this peer fell back on its own update) says nothing of the
+        round whose all-reduce failed (this peer fell back on its own update) says nothing of the
         group the next round will find: the share learnt before stands (else the next stand-in
-        would be the whole Δ, M times its share, as before the first mean)."""
-        if report.group_size <= 1 and report.error and self._share is not None:
+        would be the whole Δ, M times its share, as before the first mean). A peer alone by
+        the barrier's verdict (nobody else in the round) takes 1."""
+        if report.failed and self._share is not None:
             return
         self._share = own_share(report, weight)
 

@@ -88,6 +88,7 @@ class SwarmAverager(Downloading):
         plane_advertise: str | None = None,
         overlapped: bool = False,
         serving: Serving | None = None,
+        vouching: Vouching | None = None,
         masks: int = 0,
     ) -> None:
         """``masks``: the last tensors of ``tensors_like`` are kept-masks (``--topk-mean kept``),
@@ -114,8 +115,9 @@ class SwarmAverager(Downloading):
         self.config = config
         self._serves_state = serve_state and not client_mode
         self.peer_id = dht.peer_id.to_base58()
-        self.vouching = Vouching()
-        """Peers that averaged with this one in a verified round: their claims are believed."""
+        self.vouching = vouching if vouching is not None else Vouching()
+        """Peers that averaged with this one in a verified round: their claims are believed (one
+        for all of a peer's averagers: streaming's fragments share it)."""
         self._refused_donors: set[str] = set()
         self.barrier = RoundBarrier(
             board=board,
@@ -357,6 +359,7 @@ class SwarmAverager(Downloading):
         fetch. If the others did average without it, the next group's θ check catches it."""
         report = self._alone(info, reason)
         report.stale = not mates or any(mate < self.peer_id for mate in mates)
+        report.failed = True
         return report
 
     def _alone(self, info: dict[str, Any], reason: str) -> RoundReport:
@@ -370,16 +373,20 @@ class SwarmAverager(Downloading):
 
     def settle_claims(self, claims: dict[str, int], reached: int) -> None:
         """After a state download that ``claims`` (peer id -> the outer step it said it held)
-        sent this peer to, which reached outer step ``reached``: a claimant past it is not
-        believed any more (:meth:`swarm.claims.Vouching.disprove`), and ignored the third time."""
+        sent this peer to, which reached outer step ``reached``: a claimant past it is disproven
+        once (:meth:`swarm.claims.Vouching.disprove`: the third time running, it is no longer
+        believed and is ignored); one it bore out is forgiven."""
         for peer, step in claims.items():
-            if step <= reached or peer == self.peer_id:
+            if peer == self.peer_id:
+                continue
+            if step <= reached:
+                self.vouching.borne_out(peer)
                 continue
             why = f"claimed outer step {step}, and the download it sent this peer to reached only {reached}"
             if self.vouching.disprove(peer):
-                self.board.ignore(peer, f"{why}, {STRIKES} times")
+                self.board.ignore(peer, f"{why}, {STRIKES} times running")
             else:
-                logger.warning("peer %s %s: its claims are no longer believed", peer[-8:], why)
+                logger.info("peer %s %s", peer[-8:], why)
 
     def wait_for_round_mates(self, outer_step: int) -> Verdict:
         """The round barrier (:class:`swarm.barrier.RoundBarrier`)."""

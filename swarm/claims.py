@@ -17,10 +17,11 @@ a schema-valid heartbeat with any outer step, stage or loss. So:
   says it is rounds ahead of every peer that averaged with this one, in three rounds without
   averaging with this one in between, is ignored for the rest of the run and shown as such in the TUI, ``status`` and the widget;
 - **a claim to be ahead must be borne out**: when it sends this peer to download the state and
-  the download (a verified state) reaches no step that far, the claimant is no longer believed
-  (:meth:`Vouching.disprove`); averaging with it again does not forgive that, and the third
-  time it is ignored. A vouched peer that claimed one step more than it held, round after
-  round, held every peer that believed it out of every group.
+  the download (a verified state) reaches no step that far, three times running with no
+  download bearing it out in between (:meth:`Vouching.disprove`; an honest peer ahead whose
+  offer failed once under load is not caught), the claimant is no longer believed and is
+  ignored; averaging with it does not forgive that. A vouched peer that claimed one step more
+  than it held, round after round, held every peer that believed it out of every group.
 """
 
 from __future__ import annotations
@@ -89,23 +90,31 @@ class Vouching:
         self._disproven: OrderedDict[str, int] = OrderedDict()  # peer id -> claims not borne out
 
     def averaged_with(self, peer_ids: list[str]) -> None:
-        """A verified round's members: believed from now on, their strikes forgiven (not a
-        disproven claim: a member can average honestly and still lie about its step)."""
+        """A verified round's members: believed from now on, their strikes forgiven (not the
+        claims a download disproved: a member can average honestly and still lie about its
+        step, see :meth:`disprove`)."""
         for peer in peer_ids:
-            if peer not in self._disproven:
-                self.vouched.add(peer)
+            self.vouched.add(peer)
             self._strikes.pop(peer, None)
 
     def disprove(self, peer_id: str) -> bool:
         """``peer_id`` claimed an outer step that the download it sent this peer to did not
-        reach: no longer believed, for the rest of the run; True the ``STRIKES``-th time (then
-        ignore it). An honest peer ahead serves its state, or another peer at its step does."""
-        self.vouched.discard(peer_id)
+        reach. True the ``STRIKES``-th time running (no download bore a claim of it out in
+        between, :meth:`borne_out`): then it is no longer believed (ignore it). Once is not
+        enough: an honest peer ahead whose offer failed under load, while a peer at this one's
+        step served, looks the same once."""
         count = self._disproven.pop(peer_id, 0) + 1
         self._disproven[peer_id] = count
         while len(self._disproven) > MAX_IGNORED:  # fresh keys are free
             self._disproven.popitem(last=False)
-        return count >= STRIKES
+        if count >= STRIKES:
+            self.vouched.discard(peer_id)
+            return True
+        return False
+
+    def borne_out(self, peer_id: str) -> None:
+        """A download reached the step ``peer_id`` claimed: its earlier disproofs are forgiven."""
+        self._disproven.pop(peer_id, None)
 
     def strike(self, peer_id: str, outer_step: int) -> bool:
         """One strike per round; True once the peer has ``STRIKES`` rounds of them without

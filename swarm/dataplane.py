@@ -235,33 +235,41 @@ class DirectPlane:
         self.timeline: list[tuple[str, float]] | None = None
         """A list to append each round's phases to as they end, ``(phase, time.perf_counter())``
         (``benchmarks.allreduce --phases``); None in a peer."""
-        self._files: int | None = None  # open files when the last ring was kept
+        self._files: int | None = None  # the baseline of open files while rings are kept (_keep)
+        self._rings_lock = threading.Lock()  # the flood watch closes the kept rings from its thread
         self._watching = False
         self.floods = 0
         """How many times strangers' connections made this plane close its kept rings."""
         raise_open_files_limit()
 
     def _keep(self, key: tuple[str, ...], ring_id: bytes, ring: Any, keys: list[bytes]) -> None:
-        """Keep ``ring`` for the group's next round, and watch the open files while rings are kept."""
-        self._rings[key] = (ring_id, ring, keys)
-        while len(self._rings) > MAX_RINGS:
-            self._rings.pop(next(iter(self._rings)))
-        self._files = open_files()
+        """Keep ``ring`` for the group's next round, and watch the open files while rings are kept.
+        The baseline is the fewest open files seen at a keep since the rings were last all
+        closed: strangers' connections made during a round (its ring is taken out of the kept
+        ones while it runs) must not become part of it."""
+        with self._rings_lock:
+            self._rings[key] = (ring_id, ring, keys)
+            while len(self._rings) > MAX_RINGS:
+                self._rings.pop(next(iter(self._rings)))
+            now = open_files()
+            self._files = now if self._files is None or now is None else min(self._files, now)
         if not self._watching and self._files is not None:
             self._watching = True
             threading.Thread(target=self._watch, name="ring-flood-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        """Close the kept rings when the process gained :data:`FLOOD` open files since the last
-        ring was kept. (A round under way holds its ring and keeps it afterwards if it went
-        well: the next check closes it then.)"""
+        """Close the kept rings when the process has :data:`FLOOD` more open files than its
+        baseline (:meth:`_keep`). (A round under way holds its ring and keeps it afterwards if it
+        went well: the next check closes it then.)"""
         while True:
             time.sleep(WATCH_SECONDS)
-            baseline, now = self._files, open_files()
-            if not self._rings or baseline is None or now is None or now - baseline <= FLOOD:
-                continue
-            self._rings.clear()  # their process groups close their listeners and connections
-            self._files = None
+            now = open_files()
+            with self._rings_lock:
+                baseline = self._files
+                if not self._rings or baseline is None or now is None or now - baseline <= FLOOD:
+                    continue
+                self._rings.clear()  # their process groups close their listeners and connections
+                self._files = None
             self.floods += 1
             logger.warning(
                 "the direct plane's ring listener on %s got about %d connections that no round mate made "

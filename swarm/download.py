@@ -68,7 +68,7 @@ class Downloading:
         deadline = time.monotonic() + timeout
         skipped = set(self._refused_donors) | set(avoid)  # not asked to serve again in this call
         distrusted = set(skipped)  # not asked to witness either
-        skipped |= self._paused_donors()
+        skipped |= self._paused_donors(skipped)
         for _ in range(DONORS_PER_TRY):
             got = self._fetch_state(skipped, distrusted, deadline)
             if got is None:
@@ -117,17 +117,19 @@ class Downloading:
                 self._refused_donors.add(donor)
         return None
 
-    def _paused_donors(self) -> set[str]:
-        """Paused peers, while another peer that trains can serve: a paused peer's θ stands still
-        on purpose, so the state it serves is old. (A joiner bounced between a paused peer's old
-        state and the running one's, which the paused witness could not confirm, 36 times,
-        then started from the seed's init.)"""
+    def _paused_donors(self, skipped: set[str]) -> set[str]:
+        """Paused peers, while another peer that trains could serve (not ``skipped``, dialable):
+        a paused peer's θ stands still on purpose, so the state it serves is old. (A joiner
+        bounced between a paused peer's old state and the running one's, which the paused
+        witness could not confirm, 36 times, then started from the seed's init.)"""
         others = [p for p in self.board.fetch().values() if p.peer_id != self.peer_id]
         paused = {p.peer_id for p in others if p.stage is Stage.PAUSED}
         running = [
             p
             for p in others
-            if p.stage not in (Stage.PAUSED, Stage.DOWNLOADING, Stage.JOINING, Stage.LEAVING)
+            if p.stage in (Stage.TRAINING, Stage.WAITING, Stage.AVERAGING)
+            and p.peer_id not in skipped
+            and p.addresses
         ]
         return paused if running else set()
 

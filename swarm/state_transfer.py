@@ -78,7 +78,7 @@ TOKEN_WAIT = 5.0  # s for a connection to show its token, in all
 SERVED_PER_OFFER = 2  # an offer serves at most this many times its snapshot's bytes
 IDLE_SECONDS = 30.0  # a joiner asks for its next slice within this long, or is cut off
 MIN_RATE = 256 << 10  # bytes/s: a donor slower than this over a whole slice is dropped
-MAX_SNAPSHOTS = 2  # snapshots kept alive by offers (older offers expire)
+MAX_SNAPSHOTS = 2  # snapshots kept alive by offers (older offers expire; twice that with downloads under way)
 SLOW_PART = 1 << 16
 HASH_THREADS = 4
 END = 0xFFFFFFFF  # a slice index that closes the connection
@@ -314,7 +314,11 @@ class StateServer:
             for offer in reversed(self._offers.values()):
                 if id(offer.snapshot) not in kept:
                     kept.append(id(offer.snapshot))
-            kept = kept[:MAX_SNAPSHOTS]
+            # The latest MAX_SNAPSHOTS, and those a download is under way from (a third joiner's
+            # fresh snapshot cut the first one's download mid-way), 2 x MAX_SNAPSHOTS in all.
+            served = {id(self._offers[k].snapshot) for k in self._serving if k in self._offers}
+            kept = kept[:MAX_SNAPSHOTS] + [s for s in kept[MAX_SNAPSHOTS:] if s in served]
+            kept = kept[: 2 * MAX_SNAPSHOTS]
             for key in [k for k, o in self._offers.items() if id(o.snapshot) not in kept]:
                 del self._offers[key]
             while len(self._offers) > MAX_TOKENS:

@@ -135,11 +135,13 @@ class Steering:
         round_seconds: float | None = None,
         checkpoint: bool = False,
         from_step: int | None = None,
+        version: int | None = None,
     ) -> ControlState:
         """A new version with these changes on top of the current one; raises SwarmError for a
         non-owner or a bad value (nothing is published then). Peers apply it at the start of
         outer step ``from_step`` (default: two rounds after the run's, the upper median of the live
-        peers' claimed steps, so every peer has polled it by then)."""
+        peers' claimed steps, so every peer has polled it by then). ``version``: number it at
+        least this (a resumed owner's settings, past the version its checkpoint holds)."""
         from hivemind.utils import get_dht_time
         from pydantic import ValidationError
 
@@ -156,7 +158,7 @@ class Steering:
             round_seconds=round_seconds,
         )
         fields = {**base, **{k: v for k, v in updates.items() if v is not None}}
-        fields["version"] = base["version"] + 1
+        fields["version"] = max(base["version"] + 1, version or 0)  # ``version``: at least this
         fields["checkpoint"] = base.get("checkpoint", 0) + (1 if checkpoint else 0)
         fields["time"] = get_dht_time()
         peers = self.board.fetch() if self.board is not None else {}

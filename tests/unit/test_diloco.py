@@ -851,6 +851,9 @@ def test_a_failed_averaging_does_not_make_the_next_stand_in_the_whole_delta(over
     assert ThreeThenFails.calls >= 2
     assert eager._stand_in_share() == pytest.approx(1 / 3)
     eager.finish()
+    # Alone by the barrier's verdict (nobody else in the round, not a failure): its share is 1.
+    eager._learn_share(RoundReport(group_size=1, error="no other peer in this round"), 4.0)
+    assert eager._stand_in_share() == 1.0
 
 
 def test_the_naive_delay_lags_a_round_and_finish_applies_its_last_mean() -> None:

@@ -294,6 +294,11 @@ def test_a_paused_peer_is_neither_donor_nor_witness_while_another_trains() -> No
     assert asked[-1] == ({"paused"}, {"running": 616})
     Probe(beat("paused", 515, Stage.PAUSED)).download_state()  # nobody else: the paused peer serves
     assert asked[-1] == (set(), {})
+    # The running peer cannot serve in this call (avoided): the paused one may.
+    Probe(beat("running", 616, Stage.TRAINING), beat("paused", 515, Stage.PAUSED)).download_state(
+        avoid=["running"]
+    )
+    assert asked[-1][0] == {"running"}
 
 
 def test_a_donor_its_round_mates_contradict_is_refused_not_ignored() -> None:

@@ -534,8 +534,13 @@ class Experiment:
             except SwarmError:
                 # A short run can end before the view connects: its rows are in the peer's
                 # events all the same (this reported a finished run as failed, history empty).
+                # A peer that failed is still a failure, said with its log.
                 if not _exits(peer.process, within=15.0):
                     raise
+                if peer.process.returncode != 0:
+                    raise LaunchError(
+                        f"the peer exited with code {peer.process.returncode}:\n{peer.log_tail()}"
+                    ) from None
                 logger.info("%s: the run ended before its live view connected", self.name)
             self._follow(peer, lambda: peer.process.poll() is not None)
         finally:

@@ -80,8 +80,10 @@ def start_averagers(
     if config.outer_method.fragmented:
         # One hivemind averaging group per fragment (own shapes); fragment 0's serves the state.
         from swarm.barrier import Serving
+        from swarm.claims import Vouching
 
         serving = Serving()  # one peer: a state request stops every fragment's barrier waiting
+        vouching = Vouching()  # one peer: who averaged with it, and whose claims failed, for all
         fragments = split_fragments([s.numel() for s in shapes], config.fragments)
         outer.averagers = [
             SwarmAverager(
@@ -90,6 +92,7 @@ def start_averagers(
                 group=f"fragment{f}",
                 serve_state=f == 0,
                 serving=serving,
+                vouching=vouching,
                 **common,
             )
             for f, indices in enumerate(fragments)

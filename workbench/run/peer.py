@@ -651,11 +651,16 @@ class Peer:
         if not settings or self.manifest is None or self.manifest.owner != key_hash(self.store.public_key):
             return
         publisher = Publisher(self.store, self.keys, owner=self.manifest.owner, board=self.board)
+        restored = self.steering.version
         try:
             current = publisher.current()
-            if current is not None and all(getattr(current, k, None) == v for k, v in settings.items()):
-                return  # the owner's record still says so
-            control = publisher.publish(**settings, from_step=self.diloco.outer_step_count + 1)
+            if current is not None and current.version >= restored:
+                return  # the owner's record holds these, or newer changes (applied as usual)
+            # Numbered past the checkpoint's version: peers resumed from their own checkpoints
+            # take only versions above the one they hold.
+            control = publisher.publish(
+                **settings, from_step=self.diloco.outer_step_count + 1, version=restored + 1
+            )
         except SwarmError as error:
             logger.warning(
                 "%s: could not publish the steered settings it resumed with (%s): joiners train with "
