@@ -38,7 +38,7 @@ from optim.averager import RoundReport
 from optim.diloco import OuterState
 from swarm.averaging_config import CODEC_BYTES, AveragingConfig
 from swarm.barrier import RoundBarrier, Serving, Verdict
-from swarm.claims import STRIKES, Vouching
+from swarm.claims import CLAIM_LAG, STRIKES, Vouching
 from swarm.deadlines import LearnedDeadline, matchmaking_window
 from swarm.dht import quiet_children
 from swarm.download import Downloading
@@ -373,14 +373,21 @@ class SwarmAverager(Downloading):
 
     def settle_claims(self, claims: dict[str, int], reached: int) -> None:
         """After a state download that ``claims`` (peer id -> the outer step it said it held)
-        sent this peer to, which reached outer step ``reached``: a claimant past it is disproven
-        once (:meth:`swarm.claims.Vouching.disprove`: the third time running, it is no longer
-        believed and is ignored); one it bore out is forgiven."""
+        sent this peer to, which reached outer step ``reached``: a claimant more than
+        :data:`swarm.claims.CLAIM_LAG` steps past it is disproven once
+        (:meth:`swarm.claims.Vouching.disprove`: the third time running, it is no longer
+        believed and is ignored); one it bore out is forgiven.
+
+        One step was not enough: in a swarm whose rounds are faster than a download, an honest
+        donor's state lags the step its heartbeat already claims (with rounds of half a second,
+        honest peers were disproven three times running and ignored, measured). A member that
+        claims a few steps more than it holds is not caught (docs/security.md)."""
         for peer, step in claims.items():
             if peer == self.peer_id:
                 continue
-            if step <= reached:
-                self.vouching.borne_out(peer)
+            if step <= reached + CLAIM_LAG:
+                if step <= reached:
+                    self.vouching.borne_out(peer)
                 continue
             why = f"claimed outer step {step}, and the download it sent this peer to reached only {reached}"
             if self.vouching.disprove(peer):

@@ -17,11 +17,11 @@ a schema-valid heartbeat with any outer step, stage or loss. So:
   says it is rounds ahead of every peer that averaged with this one, in three rounds without
   averaging with this one in between, is ignored for the rest of the run and shown as such in the TUI, ``status`` and the widget;
 - **a claim to be ahead must be borne out**: when it sends this peer to download the state and
-  the download (a verified state) reaches no step that far, three times running with no
-  download bearing it out in between (:meth:`Vouching.disprove`; an honest peer ahead whose
-  offer failed once under load is not caught), the claimant is no longer believed and is
-  ignored; averaging with it does not forgive that. A vouched peer that claimed one step more
-  than it held, round after round, held every peer that believed it out of every group.
+  the download (a verified state) falls more than :data:`CLAIM_LAG` steps short of it,
+  three times running with no download bearing it out in between (:meth:`Vouching.disprove`;
+  an honest peer ahead whose offer failed once under load is not caught), the claimant is no
+  longer believed and is ignored; averaging with it does not forgive that. A vouched peer that
+  claimed to be ahead round after round held every peer that believed it out of every group.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ MAX_TOKENS_PER_SECOND = 1e10
 MAX_BYTES = 1e18
 FUTURE_SECONDS = CLOCK_SLACK  # clocks differ; a heartbeat minutes ahead of DHT time is made up
 STRIKES = 3
+CLAIM_LAG = 3
+"""Steps an honest peer's claimed outer step may be past the state a download then reaches: in
+rounds faster than a download, a donor's heartbeat claims the next steps before its state does
+(one step, three times running, in a test with half-second rounds; more under load)."""
 MAX_IGNORED = 1024  # fresh keys are free: remember at most this many liars (oldest forgotten)
 
 

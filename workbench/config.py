@@ -260,9 +260,10 @@ class RunConfig:
             )
         if self.averaging.aggregate == "trimmed-mean" and self.diloco.codec == "topk":
             raise ValueError(
-                "--aggregate trimmed-mean drops each coordinate's largest and smallest values, and with "
-                "--codec topk most members send 0 for most coordinates, so trimming erases the kept "
-                "values (484 nonzeros became 25 in a test): use --aggregate mean with topk"
+                "--aggregate trimmed-mean drops each coordinate's largest and smallest values, and with a "
+                "top-k update codec (--update-codec topk, or --method sparseloco) most members send 0 for "
+                "most coordinates, so trimming erases the kept values (484 nonzeros became 25 in a test): "
+                "use --aggregate mean with topk"
             )
         if not self.outer_method.fragmented and (self.sync_delay or self.alpha is not None):
             raise ValueError(f"--sync-delay and --alpha belong to --method streaming (got {self.method})")

@@ -13,6 +13,7 @@ import torch
 from swarm.averaging_config import AveragingConfig
 from swarm.barrier import DOUBT_ROUNDS, RoundBarrier, Verdict
 from swarm.claims import (
+    CLAIM_LAG,
     STRIKES,
     Ignored,
     Vouching,
@@ -524,18 +525,19 @@ def _settle(barrier: RoundBarrier, claims: dict[str, int], reached: int) -> None
     SwarmAverager.settle_claims(host, claims, reached)  # type: ignore[arg-type]
 
 
-def test_a_vouched_peer_claiming_one_step_more_than_it_holds_is_found_out():
-    """A member averaged honestly once (vouched), then said it was one step ahead, round after
-    round: every round this peer believed it, stepped alone and downloaded a state no further
-    than its own, for ever (10 of 10 rounds BEHIND, measured). Now the download has to bear
-    the claim out: three times running it did not, so the liar is ignored and this peer
+def test_a_vouched_peer_claiming_steps_it_does_not_hold_is_found_out():
+    """A member averaged honestly once (vouched), then said it was ahead, round after round:
+    every round this peer believed it, stepped alone and downloaded a state no further than its
+    own, for ever (10 of 10 rounds BEHIND, measured). Now the download has to bear the claim
+    out: three times running it fell short by more than CLAIM_LAG, so the liar is ignored and this peer
     averages again."""
-    board = FakeBoard(beat("h1", 10), beat("liar", 11))
+    ahead = CLAIM_LAG + 1  # further than an honest donor's state lags its claim
+    board = FakeBoard(beat("h1", 10), beat("liar", 10 + ahead))
     barrier = averager(board, vouched=["h1", "liar"])
     for r in range(10, 10 + STRIKES):
-        board.beats["h1"], board.beats["liar"] = beat("h1", r), beat("liar", r + 1)
+        board.beats["h1"], board.beats["liar"] = beat("h1", r), beat("liar", r + ahead)
         assert barrier.wait_for_round_mates(r) is Verdict.BEHIND
-        assert barrier.ahead == {"liar": r + 1}
+        assert barrier.ahead == {"liar": r + ahead}
         _settle(barrier, barrier.ahead, reached=r)  # the honest donor's state: this peer's step
     assert "liar" in board.ignored and "liar" not in barrier.vouching.vouched, dict(board.ignored)
     r = 10 + STRIKES
@@ -546,13 +548,20 @@ def test_a_vouched_peer_claiming_one_step_more_than_it_holds_is_found_out():
 def test_a_claim_is_disproven_only_three_times_running_and_averaging_does_not_forgive_it():
     """Once is not enough: an honest peer ahead whose offer failed under load, while a peer at
     this one's step served, looks the same once; a download that reaches its step forgives it.
-    A liar that goes on averaging honestly with this peer is not forgiven by that."""
-    barrier = averager(FakeBoard(), vouched=["honest", "liar"])
-    _settle(barrier, {"honest": 8}, reached=7)
-    _settle(barrier, {"honest": 8}, reached=7)
-    _settle(barrier, {"honest": 9}, reached=9)  # its state came this time
-    _settle(barrier, {"honest": 10}, reached=9)
-    assert "honest" in barrier.vouching.vouched and "honest" not in barrier.board.ignored
+    CLAIM_LAG steps short is never a disproof: in rounds faster than a download an honest
+    donor's heartbeat claims the next steps before its state does (honest peers were ignored so
+    in a test with half-second rounds, one step short). A liar that goes on averaging honestly with this peer is not
+    forgiven by that."""
+    barrier = averager(FakeBoard(), vouched=["honest", "lagging", "liar"])
+    far = CLAIM_LAG + 1
+    _settle(barrier, {"honest": 7 + far}, reached=7)
+    _settle(barrier, {"honest": 7 + far}, reached=7)
+    _settle(barrier, {"honest": 7 + far}, reached=7 + far)  # its state came this time
+    _settle(barrier, {"honest": 7 + 2 * far}, reached=7 + far)
+    for reached in range(7, 7 + 2 * STRIKES):
+        _settle(barrier, {"lagging": reached + CLAIM_LAG}, reached=reached)
+    for peer in ("honest", "lagging"):
+        assert peer in barrier.vouching.vouched and peer not in barrier.board.ignored
     for _ in range(STRIKES):
         assert "liar" not in barrier.board.ignored
         _settle(barrier, {"liar": 10**9}, reached=7)
