@@ -119,6 +119,7 @@ class SwarmAverager(Downloading):
         """Peers that averaged with this one in a verified round: their claims are believed (one
         for all of a peer's averagers: streaming's fragments share it)."""
         self._refused_donors: set[str] = set()
+        self._last_download: tuple[str, int] | None = None  # (donor, outer step): see download_state
         self.barrier = RoundBarrier(
             board=board,
             peer_id=self.peer_id,

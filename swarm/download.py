@@ -49,6 +49,7 @@ class Downloading:
         avoid: Iterable[str] = (),
         at_step: int | None = None,
         only: Iterable[str] | None = None,
+        since: int | None = None,
     ) -> OuterState | None:
         """The global state of the most advanced peer whose θ the others confirm, or None if
         nobody served one in time.
@@ -62,13 +63,26 @@ class Downloading:
         to hold a θ that this one must leave (its round mates that share the θ the group
         outvoted), neither donors nor witnesses in this call. ``at_step``: only a state at that
         outer step is taken (a peer ending its run takes the θ the others end on, not that of
-        peers running on); ``only``: only from these donors.
+        peers running on); ``only``: only from these donors. ``since``: this peer's outer step
+        now; if it is still the step its last download brought, that download's donor is not
+        asked in this call (its state left this peer behind again: a vouched donor serving a
+        made-up θ one step old kept a peer behind for 74 downloads running; an honest donor whose
+        state lagged the swarm is asked again on the next try, if nobody else serves).
         """
         allowed = None if only is None else set(only)
         deadline = time.monotonic() + timeout
         skipped = set(self._refused_donors) | set(avoid)  # not asked to serve again in this call
         distrusted = set(skipped)  # not asked to witness either
         skipped |= self._paused_donors(skipped)
+        last, self._last_download = getattr(self, "_last_download", None), None
+        if (
+            last is not None
+            and since is not None
+            and last[1] == since
+            and allowed is None
+            and at_step is None
+        ):
+            skipped.add(last[0])
         for _ in range(DONORS_PER_TRY):
             got = self._fetch_state(skipped, distrusted, deadline)
             if got is None:
@@ -102,6 +116,7 @@ class Downloading:
                 logger.info(
                     "the state served by %s at outer step %d: %s", donor[-8:], state.outer_step, verdict.why
                 )
+                self._last_download = (donor, state.outer_step)
                 return state
             logger.warning(
                 "refused the state served by %s: %s; trying another donor", donor[-8:], verdict.why

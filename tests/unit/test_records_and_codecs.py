@@ -558,3 +558,32 @@ def test_one_member_claiming_a_later_step_does_not_send_the_others_to_download()
     # Most of the others past this peer: it is the one behind.
     later = [member(ID_B, 6, FP), member(ID_C, 6, FP)]
     assert diverged_from_group(a, [a, *later]) == "behind the group (outer step 5 < 6)"
+
+
+def test_a_donor_whose_state_left_this_peer_behind_is_not_asked_first_again() -> None:
+    """A vouched donor serving a made-up θ one step old (no peer still holds that step to
+    contradict it) kept a peer behind for 74 downloads running: the state left it behind, the
+    next round found it behind, and the same donor went first again. While this peer is still
+    at the step its last download brought, that download's donor is skipped for one try."""
+    from optim.state import OuterState
+    from swarm.claims import Vouching
+    from swarm.download import Downloading
+
+    asked: list[set[str]] = []
+
+    class Probe(Downloading):
+        vouching, _refused_donors, peer_id, board = Vouching(), set(), "me", _Board()
+
+        def _fetch_state(self, skipped, distrusted, deadline):
+            asked.append(set(skipped))
+            if "liar" in skipped:
+                return None
+            served = OuterState(outer_step=14, params=[torch.zeros(2)], momentum=[torch.zeros(2)])
+            return served, "liar", b"seed", {}, {}
+
+    probe = Probe()
+    probe.vouching.averaged_with(["liar"])
+    assert probe.download_state(since=13).outer_step == 14
+    assert probe.download_state(since=14) is None and "liar" in asked[-1]  # still behind at 14: not first
+    assert probe.download_state(since=14) is not None and "liar" not in asked[-1]  # the next try asks it
+    assert probe.download_state(since=15) is not None and "liar" not in asked[-1]  # it moved on

@@ -128,7 +128,9 @@ def download_state(
 
             averager.on_download = show
             try:
-                state = averager.download_state(avoid=avoid, at_step=at_step, only=only)
+                state = averager.download_state(
+                    avoid=avoid, at_step=at_step, only=only, since=rounds.outer_step_count
+                )
             finally:
                 averager.on_download = None
         if state is not None:
