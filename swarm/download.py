@@ -64,8 +64,8 @@ class Downloading:
         outvoted), neither donors nor witnesses in this call. ``at_step``: only a state at that
         outer step is taken (a peer ending its run takes the θ the others end on, not that of
         peers running on); ``only``: only from these donors. ``since``: this peer's outer step
-        now; if it is still the step its last download brought, that download's donor is not
-        asked in this call (its state left this peer behind again: a vouched donor serving a
+        now; if it is still the step its last download brought (or the next: the round it
+        stepped alone once behind), that download's donor is not asked in this call (its state left this peer behind again: a vouched donor serving a
         made-up θ one step old kept a peer behind for 74 downloads running; an honest donor whose
         state lagged the swarm is asked again on the next try, if nobody else serves).
         """
@@ -75,13 +75,9 @@ class Downloading:
         distrusted = set(skipped)  # not asked to witness either
         skipped |= self._paused_donors(skipped)
         last, self._last_download = getattr(self, "_last_download", None), None
-        if (
-            last is not None
-            and since is not None
-            and last[1] == since
-            and allowed is None
-            and at_step is None
-        ):
+        # (Its step plus the round it stepped alone once it found itself behind again.)
+        behind_again = last is not None and since is not None and last[1] <= since <= last[1] + 1
+        if behind_again and allowed is None and at_step is None:
             skipped.add(last[0])
         for _ in range(DONORS_PER_TRY):
             got = self._fetch_state(skipped, distrusted, deadline)

@@ -586,4 +586,7 @@ def test_a_donor_whose_state_left_this_peer_behind_is_not_asked_first_again() ->
     assert probe.download_state(since=13).outer_step == 14
     assert probe.download_state(since=14) is None and "liar" in asked[-1]  # still behind at 14: not first
     assert probe.download_state(since=14) is not None and "liar" not in asked[-1]  # the next try asks it
-    assert probe.download_state(since=15) is not None and "liar" not in asked[-1]  # it moved on
+    # Behind again after the round it then stepped alone (its clock one past the state's): skipped.
+    assert probe.download_state(since=15) is None and "liar" in asked[-1]
+    assert probe.download_state(since=15) is not None
+    assert probe.download_state(since=20) is not None and "liar" not in asked[-1]  # it moved on
