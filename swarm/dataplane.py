@@ -268,9 +268,9 @@ class DirectPlane:
                 baseline = self._files
                 if not self._rings or baseline is None or now is None or now - baseline <= FLOOD:
                     continue
+                self.floods += 1  # counted before the rings go: whoever sees them gone sees it
                 self._rings.clear()  # their process groups close their listeners and connections
                 self._files = None
-            self.floods += 1
             logger.warning(
                 "the direct plane's ring listener on %s got about %d connections that no round mate made "
                 "(a port scan or a flood): its kept rings were closed, and the next round sets up a new one",
