@@ -202,13 +202,14 @@ def judge_state(
 
     ``answers``: the other peers asked, each with (its outer step, its θ's sketches under the
     same seed), or None if it did not answer. Peers that averaged with this one (``vouched``)
-    decide when any of them holds the step; otherwise a majority of those at the step and the
-    donor (a tie refuses); a state no
-    other peer can confirm is taken only from a vouched donor, when no other peer answered at
-    all (the donor is then the only witness there is), or when every peer asked is past it (they
-    moved on during the download: see the comment below) but most of them (and every one that
-    averaged with this one) were not before it began (``claims``: the outer steps their
-    heartbeats claimed when they were chosen as witnesses)."""
+    decide when any of them holds the step (most of them, the donor counted if it is one; a tie
+    refuses); otherwise a majority of those at the step and the donor (a tie refuses). A state
+    that every peer asked is past is refused if most of them (or one that averaged with this
+    one) were past it before the download began (``claims``: the outer steps their heartbeats
+    claimed when they were chosen as witnesses): it was old when served. Otherwise a state no
+    other peer can confirm is taken from a vouched donor, when no other peer answered at all
+    (the donor is then the only witness there is), or when every peer asked is past it (they
+    moved on during the download: see the comment below)."""
     from swarm.sketch import state_mismatch
 
     at_step = {peer: got[1] for peer, got in answers.items() if got is not None and got[0] == step}
@@ -219,9 +220,15 @@ def judge_state(
     if witnesses:
         against = witnesses & disagree
         trusted = bool(vouched & set(at_step))
-        if trusted and not against:
+        # Round mates decide, the donor one of them if it averaged with this one: a single round
+        # mate (a liar, or an honest peer that took a made-up state and has not found out yet)
+        # does not shut every honest donor out; a tie refuses.
+        support = len(agree & witnesses) + (donor in vouched)
+        if trusted and support > len(against):
             return StateVerdict(
-                True, f"confirmed by {len(agree & witnesses)} peer(s) that averaged with this one"
+                True,
+                f"confirmed by {len(agree & witnesses)} peer(s) that averaged with this one"
+                + (f" ({len(against)} disagree)" if against else ""),
             )
         # Among strangers the donor is one vote for its own θ: an honest donor outvotes one
         # liar among two others; a lying donor must bring more liars than there are honest peers.
@@ -236,6 +243,10 @@ def judge_state(
             blame=trusted,
             contradicted=True,
         )
+    if steps and min(steps) > step:
+        old = _old_when_served(step, answers, donor=donor, vouched=vouched, claims=claims)
+        if old is not None:
+            return old
     if donor in vouched:
         return StateVerdict(
             True, "served by a peer that averaged with this one; no other peer is at that step"
@@ -250,21 +261,6 @@ def judge_state(
                 False, f"{len(silent)} peer(s) that claim outer step {step} were asked and did not answer"
             )
         return StateVerdict(True, "no other peer answered: the donor is the only witness")
-    before = {
-        peer: s for peer, s in (claims or {}).items() if peer != donor and answers.get(peer) is not None
-    }
-    past = {peer for peer, s in before.items() if s > step}
-    if min(steps) > step and past and (past & vouched or 2 * len(past) > len(before)):
-        # Most peers that answered (or one that averaged with this one) were past this step
-        # before the download began (their heartbeats said so when the witnesses were chosen):
-        # it was old when served. A donor serving a made-up θ one step behind the swarm was
-        # taken this way, then found stale at the next round, then asked again: for ever. (Most,
-        # not all: one fresh key claiming the donor's step would otherwise switch this off.)
-        return StateVerdict(
-            False,
-            f"{len(past)} of {len(before)} peers asked were past outer step {step} before the download "
-            f"began (at {min(before[p] for p in past)} or later): the donor served an old state",
-        )
     if min(steps) > step:
         # Everyone asked moved on while this peer downloaded (rounds shorter than a download,
         # which overlapped peers do not wait for): nobody can confirm it any more, nobody
@@ -272,3 +268,30 @@ def judge_state(
         # made-up θ (this peer then downloads again), and the step only makes it stale.
         return StateVerdict(True, f"unconfirmed: the others moved past outer step {step} during the download")
     return StateVerdict(False, f"no peer asked holds outer step {step} (they are at {sorted(set(steps))})")
+
+
+def _old_when_served(
+    step: int,
+    answers: dict[str, tuple[int, list[Sketch]] | None],
+    *,
+    donor: str,
+    vouched: set[str],
+    claims: dict[str, int] | None,
+) -> StateVerdict | None:
+    """The refusal of a state at outer step ``step`` that every peer asked is past, if most of
+    them (or one that averaged with this one) were past it before the download began (their
+    heartbeats said so when the witnesses were chosen, ``claims``): it was old when served. A
+    donor serving a made-up θ one step behind the swarm was taken this way, then found stale at
+    the next round, then asked again: for ever; a vouched one too (stop 51's ``make faults``).
+    (Most, not all: one fresh key claiming the donor's step would otherwise switch this off.)"""
+    before = {
+        peer: s for peer, s in (claims or {}).items() if peer != donor and answers.get(peer) is not None
+    }
+    past = {peer for peer, s in before.items() if s > step}
+    if not past or not (past & vouched or 2 * len(past) > len(before)):
+        return None
+    return StateVerdict(
+        False,
+        f"{len(past)} of {len(before)} peers asked were past outer step {step} before the download "
+        f"began (at {min(before[p] for p in past)} or later): the donor served an old state",
+    )

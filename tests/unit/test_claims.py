@@ -304,6 +304,16 @@ def test_judge_state_takes_the_word_of_round_mates_then_the_majority():
     assert judge_state(7, good, sybils, donor="d", vouched={"a"}).accept
     verdict = judge_state(7, bad, sybils, donor="d", vouched={"a"})
     assert not verdict.accept and verdict.blame and "averaged with this one" in verdict.why
+    # Round mates decide by majority, the donor one of them if it averaged with this one: one
+    # round mate holding another θ (a liar, or a peer that took a made-up state and has not
+    # found out yet) does not shut every honest donor out. A tie refuses, and blames.
+    split = _answers(7, a=0.0, c=0.05)
+    verdict = judge_state(7, good, split, donor="d", vouched={"a", "c", "d"})
+    assert verdict.accept and "confirmed by 1 peer(s) that averaged with this one (1 disagree)" in verdict.why
+    verdict = judge_state(7, good, split, donor="d", vouched={"a", "c"})
+    assert not verdict.accept and verdict.blame
+    assert not judge_state(7, bad, split, donor="d", vouched={"a", "c", "d"}).accept
+    assert not judge_state(7, good, _answers(7, a=0.05), donor="d", vouched={"a", "d"}).accept
 
 
 def test_silent_strangers_claiming_to_be_ahead_do_not_take_every_witness_slot():
@@ -380,6 +390,14 @@ def test_judge_state_without_witnesses_at_the_step():
     claims = {"a": 5, "b": 3, "c": 3}
     assert judge_state(3, good, answers, donor="d", vouched=set(), claims=claims).accept
     assert not judge_state(3, good, answers, donor="d", vouched={"a"}, claims=claims).accept
+    # A donor that averaged with this one is no exception (a vouched liar serving a made-up θ one
+    # step behind kept an honest peer behind, download after download, in make faults); one
+    # past the others, or on a par with peers that moved on during the download, still is taken.
+    claims = {"a": 5, "b": 5, "c": 5}
+    verdict = judge_state(3, good, answers, donor="d", vouched={"d"}, claims=claims)
+    assert not verdict.accept and "the donor served an old state" in verdict.why
+    assert judge_state(3, good, answers, donor="d", vouched={"d"}, claims={"a": 3, "b": 3, "c": 3}).accept
+    assert judge_state(8, good, answers, donor="d", vouched={"d"}, claims=claims).accept
 
 
 def test_an_overlapped_barrier_waits_for_a_downloader_unless_this_peer_serves_it():
