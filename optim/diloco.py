@@ -616,6 +616,8 @@ class DiLoCo:
             self._pending = [[d.clone().float() for d in update] for update in state.pending]
             self._inflight = None
             self._reset_offset()  # a fresh start from the swarm's θ: no stand-ins in flight
+            if self.feedback is not None:  # what compression held back was this peer's old θ's
+                self.feedback.reset()  # (a checkpoint's residuals are loaded after this)
         self.restore_parameters()
         self._load_inner_state(state)
         self.inner_step_count = 0

@@ -567,6 +567,9 @@ class StreamingRounds:
             # A fragment in flight was computed from a stale θ; its merge is in the state (the
             # thread finishes on its own; its result is dropped).
             self._inflight, self._landed, self._unmixed = None, None, None
+            for memory in s.feedback:  # held back from this peer's old θ's fragments
+                if memory is not None:
+                    memory.reset()
             for p, g in zip(s.params, self.global_params):
                 p.copy_(g.to(p.device, p.dtype))
         load_inner_state(s.inner_optimizer, s.params, state)

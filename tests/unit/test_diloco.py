@@ -1044,3 +1044,17 @@ def test_error_feedback_keeps_what_the_group_did_not_apply(others, missed: bool,
         assert_all_close(residual, delta, atol=1e-6)  # nothing was lost: all of Δ is kept
     else:
         assert max(float(s.abs().max()) for s in sent) > 1e-4  # the top-k part went out
+
+
+def test_a_downloaded_state_drops_what_error_feedback_held_back() -> None:
+    """The residual is what compression held back of this peer's updates to its old θ; a state
+    download replaces that θ (the peer was behind, or outvoted), so the memory goes with it, as
+    ``ErrorFeedback.reset`` says. Kept, it was added to the first update on the new θ: a
+    diverged peer's held-back coordinates came back into the group's mean a round later."""
+    config = DiLoCoConfig(inner_steps=2, codec="topk", topk_density=0.25, error_feedback=True)
+    outer, opt = _lone(config)
+    train_round(outer, opt, batches(0, 2))
+    assert outer.feedback.residuals is not None
+    source, _ = _lone(config, seed=5)
+    outer.load_outer_state(source.outer_state())
+    assert outer.feedback.residuals is None

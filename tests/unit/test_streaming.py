@@ -441,6 +441,11 @@ def test_a_streaming_peer_resumed_from_its_checkpoint_goes_on_as_if_never_stoppe
     rounds.finish()
     for resumed, reference in zip(rounds.global_params, uninterrupted):
         assert torch.equal(resumed, reference)
+    # A download (unlike a resume) drops what each fragment's compression held back: it was of
+    # this peer's old θ (test_diloco.py::test_a_downloaded_state_drops_what_error_feedback_held_back).
+    assert all(memory.residuals is not None for memory in rounds.feedback)
+    rounds.load_outer_state(rounds.outer_state())
+    assert all(memory.residuals is None for memory in rounds.feedback)
 
 
 def test_a_streaming_peer_whose_update_goes_nan_sends_nothing_and_takes_the_group_s_fragments():
