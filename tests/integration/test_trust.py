@@ -10,12 +10,14 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -202,6 +204,94 @@ def test_the_readme_multi_machine_flags_get_the_direct_plane(tmp_path):
         assert peer.stderr().count("claimed 1e+09 samples, counted as") == 1, peer.stderr()[-3000:]
     assert "fault injection: claiming 1e+09 samples" in peers[1].stderr()
     assert max_abs_diff(peers[0].global_params(), peers[1].global_params()) <= 1e-5
+
+
+def _ports_in_its_namespace(pid: int, skip: str) -> set[int]:
+    """The TCP ports that a process in a network namespace of its own and its children (but
+    those named ``skip``) listen on (psutil reads this process's namespace's tables)."""
+    inodes = set()
+    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, FileNotFoundError):
+            if process.name() != skip:
+                for fd in os.listdir(f"/proc/{process.pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        link = os.readlink(f"/proc/{process.pid}/fd/{fd}")
+                        if link.startswith("socket:["):
+                            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+FLOOD_EVERY_PORT = """
+import socket, struct, sys, time
+host, count, ports = sys.argv[1], int(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+held, opened = [], {}
+for port in ports:
+    opened[port] = 0
+    for sequence in range(count):
+        try:
+            connection = socket.create_connection((host, port), timeout=3)
+            connection.sendall(struct.pack("<Q", 10**6 + sequence))  # a ring's sequence number nobody waits for
+        except OSError:  # closed under it (the ring's listener), or refused
+            break
+        held.append(connection)
+        opened[port] += 1
+time.sleep(2)  # held while the peer's watch looks (every 0.2 s)
+for connection in held:
+    connection.close()
+print("opened", opened, flush=True)
+"""
+
+
+@NETNS
+@pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+def test_a_flood_from_another_machine_at_a_peer_s_ports_costs_it_no_round(tmp_path):
+    """Two machines with the README's flags average as a pair over the direct plane; from a
+    third, an outsider opens FLOOD + 100 connections to every port the first peer listens on
+    but its p2p port (the kept ring's gloo listener, which keeps each one for the ring's life,
+    and the state listener among them), each sending a sequence number no round waits for.
+    The peer closes its kept ring and says so, and the pair goes on averaging over the direct
+    plane on one θ (before, 500 such connections were 500 open files and gloo aborted the
+    process at the open-files limit)."""
+    from swarm.dataplane import FLOOD
+
+    with netlab.NetLab(3, rate=None) as lab:
+        common = [*FAST, "--min-peers", "2", "--run-id", "flood"]
+        first = lab_peer(lab, 0, "a", ["start", *common, *readme_flags(lab, 0)], tmp_path)
+        peers = [first]
+        try:
+            address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
+            peers.append(lab_peer(lab, 1, "b", ["join", address, *common, *readme_flags(lab, 1)], tmp_path))
+            first.wait_event("round", lambda e: e["outer_step"] >= 2 and e["plane"] == "direct", timeout=120)
+            ports = sorted(_ports_in_its_namespace(first.process.pid, skip="p2pd"))
+            flooded_from = max(e["outer_step"] for e in first.events("round"))
+            flood = subprocess.run(
+                lab.command(2, [sys.executable, "-c", FLOOD_EVERY_PORT, lab.address(0), str(FLOOD + 100)])
+                + list(map(str, ports)),
+                capture_output=True, text=True, timeout=240,
+            )  # fmt: skip
+            assert "opened" in flood.stdout, flood.stderr[-2000:]
+            step = max(e["outer_step"] for e in first.events("round")) + 3
+            for peer in peers:
+                peer.wait_event("round", lambda e: e["outer_step"] >= step, timeout=120)
+            interrupt_all(peers)
+        finally:
+            for peer in peers:
+                peer.kill()
+    log = first.stderr()
+    assert "connections that no round mate made" in log, (flood.stdout, log[-3000:])
+    for peer in peers:
+        assert "frame #" not in peer.stderr() and "Traceback" not in peer.stderr()
+        rounds = [r for r in peer.events("round") if flooded_from < r["outer_step"] <= step]
+        assert [r["outer_step"] for r in rounds] == list(range(flooded_from + 1, step + 1)), rounds
+        assert all(r["group_size"] == 2 and r["plane"] == "direct" for r in rounds), rounds
+    norms = [{r["outer_step"]: r["global_norm"] for r in p.events("round")} for p in peers]
+    assert math.isclose(norms[0][step], norms[1][step], rel_tol=1e-6), (step, norms)
 
 
 @NETNS
