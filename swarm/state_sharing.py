@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import math
 import multiprocessing as mp
@@ -44,7 +45,16 @@ from swarm.rendezvous import pack, unpack
 from swarm.ring_driver import messages
 from swarm.sketch import Sketch, state_sketches
 from swarm.state_fetch import DonorOffer, freshest
-from swarm.state_transfer import HASH_BYTES, HASHES, MIN_RATE, TOKEN_BYTES, Layout, Snapshot, StateServer
+from swarm.state_transfer import (
+    HASH_BYTES,
+    HASHES,
+    MAX_PER_ADDRESS,
+    MIN_RATE,
+    TOKEN_BYTES,
+    Layout,
+    Snapshot,
+    StateServer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +146,9 @@ class StateSharing:
         try:
             snapshot = await self._current_snapshot()
             if self._server is None:
-                self._server = StateServer(self._state_host)
+                # On loopback every joiner is on this machine: no address to hold to its share.
+                local = ipaddress.ip_address(self._state_host).is_loopback
+                self._server = StateServer(self._state_host, per_address=None if local else MAX_PER_ADDRESS)
                 self._server.delay = lambda: fault_value(self._fault_file, "serve_delay_ms")
                 self._server.tamper = lambda: fault_value(self._fault_file, "serve_bad_slices")
                 host, port = self._server.address

@@ -69,6 +69,10 @@ HASH = "blake3"
 TOKEN_SECONDS = 120.0  # an offer can be used this long after it was made
 MAX_TOKENS = 256  # offers remembered (oldest forgotten): joiners are few, fresh keys are free
 MAX_CONNECTIONS = 16  # connections being served (each showed a token of a current offer)
+MAX_PER_ADDRESS = 4
+"""Connections one address may have served at once, on a listener that takes other machines'
+connections: fresh keys are free (each gets an offer), addresses less so. 16 fresh keys on
+one machine held every slot, and honest joiners fell back to hivemind's stream."""
 MAX_PENDING = 64
 """Connections still to show their token. When one more comes, the oldest from the address with
 the most of them is cut: a flood of silent connections (each held a slot for TOKEN_WAIT
@@ -76,7 +80,7 @@ before) cuts its own, and an honest joiner, which shows its token as soon as it 
 an address of its own, gets through."""
 TOKEN_WAIT = 5.0  # s for a connection to show its token, in all
 SERVED_PER_OFFER = 2  # an offer serves at most this many times its snapshot's bytes
-IDLE_SECONDS = 30.0  # a joiner asks for its next slice within this long, or is cut off
+IDLE_SECONDS = 30.0  # a connection's waits for the joiner's requests, in all, or it is cut off
 MIN_RATE = 256 << 10  # bytes/s: a donor slower than this over a whole slice is dropped
 MAX_SNAPSHOTS = 2  # snapshots kept alive by offers (older offers expire; twice that with downloads under way)
 SLOW_PART = 1 << 16
@@ -274,21 +278,26 @@ class StateServer:
     a connection waits for its token without a slot (:data:`MAX_PENDING`, the oldest cut
     first); an offer serves one connection at a time, is looked up again at every slice asked
     for (an offer expired or replaced cuts its connection, and an idle connection holds no
-    snapshot), and serves at most :data:`SERVED_PER_OFFER` times its snapshot's bytes."""
+    snapshot), and serves at most :data:`SERVED_PER_OFFER` times its snapshot's bytes. One
+    address has at most ``per_address`` connections served at once; a connection waits
+    :data:`IDLE_SECONDS` in all for the joiner's requests, and each slice must leave within
+    that plus its size at :data:`MIN_RATE` (the joiner's own rule for a donor): a token holder
+    that reads a slice now and then held a slot for the offer's two minutes."""
 
-    def __init__(self, host: str) -> None:
-        """Testing (the fault file): ``tamper()`` > 0 flips a byte of every slice served;
-        ``delay()`` sleeps that many ms per 64 KiB sent, as hivemind's stream is slowed."""
+    def __init__(self, host: str, *, per_address: int | None = MAX_PER_ADDRESS) -> None:
+        """``per_address``: None where every connection comes from this machine (a listener on
+        loopback). Testing (the fault file): ``tamper()`` > 0 flips a byte of every slice
+        served; ``delay()`` sleeps that many ms per 64 KiB sent, as hivemind's stream is slowed."""
         self._socket = socket.create_server((host, 0), backlog=MAX_CONNECTIONS)
         self.address = (host, self._socket.getsockname()[1])
         self._offers: dict[bytes, _Offer] = {}  # sha256(token) -> offer
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.per_address = per_address
         self._open: set[socket.socket] = set()  # connections being served, cut by close()
         # Connections still to show a token, by the address they come from (oldest first).
         self._pending: dict[str, collections.deque[socket.socket]] = {}
-        self._serving: dict[bytes, socket.socket] = {}  # offer (by key) -> the connection it serves
-        self._slotted: set[socket.socket] = set()  # connections holding one of the slots
+        # Offer (by key) -> the connection it serves and its address: MAX_CONNECTIONS at most.
+        self._serving: dict[bytes, tuple[socket.socket, str]] = {}
         self.tamper: Callable[[], float] = lambda: 0.0
         self.delay: Callable[[], float] = lambda: 0.0
         self.served = 0  # bytes served, for the logs and tests
@@ -362,9 +371,9 @@ class StateServer:
             if cut is not None:  # its thread wakes from its wait for a token and ends
                 with contextlib.suppress(OSError):
                     cut.shutdown(socket.SHUT_RDWR)
-            threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(connection, address[0]), daemon=True).start()
 
-    def _serve(self, connection: socket.socket) -> None:
+    def _serve(self, connection: socket.socket, address: str) -> None:
         key = b""
         try:
             with connection:
@@ -376,17 +385,18 @@ class StateServer:
                     offer = self._current(key)
                     if offer is None:
                         return  # not one of ours: nothing read beyond the token, nothing sent
-                    # One connection per offer: a newer one takes the older one's place and slot
-                    # (a joiner reconnects for a second pass once its first connection ended).
-                    older = self._serving.get(key)
-                    if older is not None and older in self._slotted:
-                        self._slotted.discard(older)
+                    # One connection per offer: a newer one takes the older one's place (a
+                    # joiner reconnects for a second pass once its first connection ended).
+                    older = self._serving.pop(key, None)
+                    if older is not None:
                         with contextlib.suppress(OSError):
-                            older.shutdown(socket.SHUT_RDWR)
-                    elif not self._slots.acquire(blocking=False):
-                        return  # every slot taken
-                    self._slotted.add(connection)
-                    self._serving[key] = connection
+                            older[0].shutdown(socket.SHUT_RDWR)
+                    addresses = [a for _, a in self._serving.values()]
+                    if len(addresses) >= MAX_CONNECTIONS or (
+                        self.per_address is not None and addresses.count(address) >= self.per_address
+                    ):
+                        return  # every slot taken, or every slot this address may hold
+                    self._serving[key] = (connection, address)
                     joiner = offer.joiner
                     del offer  # looked up again at every slice: an idle connection holds no snapshot
                 if self.delay():
@@ -395,8 +405,11 @@ class StateServer:
                         joiner,
                         self.delay(),
                     )
+                idle = IDLE_SECONDS  # the waits for the joiner's requests, in all
                 while True:
-                    (index,) = INDEX.unpack(_receive(connection, INDEX.size, IDLE_SECONDS))
+                    asked = time.monotonic()
+                    (index,) = INDEX.unpack(_receive(connection, INDEX.size, idle))
+                    idle -= time.monotonic() - asked
                     if not self._send_slice(connection, key, index):
                         return
         except (OSError, ConnectionError) as error:
@@ -405,12 +418,8 @@ class StateServer:
             with self._lock:
                 self._open.discard(connection)
                 self._unpend(connection)
-                if self._serving.get(key) is connection:
+                if self._serving.get(key, (None, ""))[0] is connection:
                     del self._serving[key]
-                slot = connection in self._slotted
-                self._slotted.discard(connection)
-            if slot:
-                self._slots.release()
 
     def _unpend(self, connection: socket.socket) -> bool:
         """Take ``connection`` off the pending ones (call under the lock); False if not there."""
@@ -437,6 +446,7 @@ class StateServer:
             offer.served += size
         if self.tamper():
             pieces = [bytes([pieces[0][0] ^ 0xFF]), pieces[0][1:], *pieces[1:]]
+        connection.settimeout(IDLE_SECONDS + size / MIN_RATE)  # a reader that stops reading is cut
         delay = self.delay() / 1000
         for piece in pieces:
             step = SLOW_PART if delay else len(piece)  # slowed like hivemind's stream

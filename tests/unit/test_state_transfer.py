@@ -213,7 +213,7 @@ def test_an_offer_serves_one_connection_and_ends_it_once_it_expires_or_is_replac
     for older in connections[:-1]:
         with pytest.raises((ConnectionError, OSError, TimeoutError)):
             _ask(older, 0, size)
-    assert len(server._slotted) == 1
+    assert len(server._serving) == 1
     # The joiner asks again (a fresh offer replaces its last): the old one's connection is cut at
     # its next request, and nothing holds the old snapshot any more.
     kept = weakref.ref(snapshot)
@@ -225,6 +225,74 @@ def test_an_offer_serves_one_connection_and_ends_it_once_it_expires_or_is_replac
         _ask(connections[-1], 1, size)
     for connection in connections:
         connection.close()
+    server.close()
+
+
+def test_one_address_holds_at_most_its_share_of_the_slots():
+    """Fresh keys are free: 16 of them on one machine each got an offer, and their connections
+    held every slot for the offers' two minutes (honest joiners fell back to hivemind's
+    stream). One address now has at most ``per_address`` connections served at once; another
+    address (127.0.0.2 is this machine's loopback too) is served beside them."""
+    server = StateServer("127.0.0.1", per_address=2)
+    snapshot = Snapshot.take(9, b"meta", state(1), 4)
+    size = snapshot.layout.slices()[0][1] - snapshot.layout.slices()[0][0]
+    tokens = [server.offer(snapshot, f"fresh key {i}") for i in range(4)]
+    held = []
+    for token in tokens[:2]:
+        held.append(socket.create_connection(server.address, timeout=5))
+        held[-1].sendall(token)
+        assert _ask(held[-1], 0, size)
+    with socket.create_connection(server.address, timeout=5) as third:
+        third.sendall(tokens[2])
+        with pytest.raises((ConnectionError, OSError, TimeoutError)):
+            _ask(third, 0, size)
+    with socket.create_connection(server.address, timeout=5, source_address=("127.0.0.2", 0)) as other:
+        other.sendall(tokens[3])
+        assert _ask(other, 0, size)
+    assert sorted(address for _, address in server._serving.values()) == [
+        "127.0.0.1",
+        "127.0.0.1",
+        "127.0.0.2",
+    ]
+    for connection in held:
+        connection.close()
+    server.close()
+    assert StateServer.__init__.__kwdefaults__["per_address"] == state_transfer.MAX_PER_ADDRESS
+
+
+def test_a_token_holder_that_asks_now_and_then_or_stops_reading_is_cut(monkeypatch):
+    """A connection with a token asked for a slice every 29 s and held its slot for the offer's
+    two minutes. Now its waits for requests count in all (IDLE_SECONDS); a slice must still
+    leave within IDLE_SECONDS plus its size at MIN_RATE (the joiner's rule for a donor),
+    whatever is left of those waits, and a reader that stops reading is cut then."""
+    monkeypatch.setattr(state_transfer, "IDLE_SECONDS", 1.0)
+    server, snapshot, token = serve(state(1))
+    size = snapshot.layout.slices()[0][1] - snapshot.layout.slices()[0][0]
+    started = time.monotonic()
+    with socket.create_connection(server.address, timeout=5) as sleepy:
+        sleepy.sendall(token)
+        with pytest.raises((ConnectionError, OSError, TimeoutError)):
+            for _ in range(10):  # 0.4 s between requests: each within the old per-request wait
+                time.sleep(0.4)
+                _ask(sleepy, 0, size)
+    assert time.monotonic() - started < 3.0
+    server.close()
+
+    # A reader that stops reading: a slice larger than the sockets' buffers stays unsent.
+    monkeypatch.setattr(state_transfer, "SLICE_BYTES", 16 << 20)
+    monkeypatch.setattr(state_transfer, "MIN_RATE", 1 << 40)  # so that the wait is IDLE_SECONDS
+    server, snapshot, token = serve([torch.randn(4 << 20), torch.randn(4)], shared=1)
+    with socket.create_connection(server.address, timeout=5) as stalled:
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.sendall(token + state_transfer.INDEX.pack(0))
+        deadline = time.monotonic() + 10
+        while server.connections == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.connections == 1
+        while server.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.connections == 0  # cut, its slot free
+        assert server.served < 16 << 20
     server.close()
 
 
