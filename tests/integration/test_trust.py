@@ -32,6 +32,7 @@ from tests.integration.conftest import (
     README_PORT,
     PeerProcess,
     interrupt_all,
+    kill_group,
     lab_peer,
     max_abs_diff,
     readme_flags,
@@ -440,6 +441,109 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
     mates = {r["outer_step"]: r for r in first.events("round") if r["group_size"] == 3}
     shared = [r for r in joiner.events("round") if r["group_size"] == 3 and r["outer_step"] in mates]
     assert shared and all(not r["resync"] for r in shared), shared
+
+
+FRESH_KEYS = """
+import asyncio, json, os, socket, sys, time
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
+from swarm.group_averager import GroupAverager
+from swarm.rendezvous import pack, unpack
+from swarm.state_transfer import INDEX
+
+address, prefix, donor, keys, here, stop = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
+
+def alive(connection):
+    try:
+        return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+async def main():
+    nodes = [await P2P.create(initial_peers=[address], host_maddrs=[f"/ip4/{here}/tcp/0"]) for _ in range(keys)]
+    held, most, served = {}, 0, 0
+    while not os.path.exists(stop):
+        for i, node in enumerate(nodes):  # each key keeps a connection served, or gets a new offer
+            if i in held and alive(held[i]):
+                continue
+            held.pop(i, None)
+            stub = GroupAverager.get_stub(node, PeerID.from_base58(donor), namespace=prefix)
+            try:
+                answer = await stub.rpc_state_offer(averaging_pb2.DownloadData(metadata=pack({})), timeout=10)
+                offer = unpack(answer.metadata)
+                host, port = offer["address"]
+                connection = socket.create_connection((host, port), timeout=5)
+                connection.sendall(offer["token"] + INDEX.pack(0))  # then reads nothing more
+                connection.settimeout(2)
+                if connection.recv(65536):
+                    held[i], served = connection, served + 1
+                else:
+                    connection.close()
+            except Exception:  # refused, reset, no offer: try again next pass
+                pass
+        most = max(most, len(held))
+        print(json.dumps({"holding": len(held)}), flush=True)
+        await asyncio.sleep(0.5)
+    print(json.dumps({"most": most, "served": served}), flush=True)
+    for node in nodes:
+        await node.shutdown()
+
+asyncio.run(main())
+"""
+"""Fresh keys on one machine, each asking a donor for an offer and keeping a connection with
+its token served (reading nothing after the first bytes; a new offer once it is cut), until
+the ``stop`` file appears."""
+
+
+@NETNS
+@pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+def test_fresh_keys_on_one_machine_leave_a_joiner_its_direct_download(tmp_path):
+    """A peer on one machine with the README's flags; on a second, MAX_CONNECTIONS + 2 fresh
+    keys each take an offer of its state and keep a connection served (a new offer whenever it
+    is cut); from a third, a joiner. The keys' machine holds at most MAX_PER_ADDRESS of the
+    donor's slots, and the joiner downloads over the direct transport beside them (before, the
+    keys held every slot, and joiners fell back to hivemind's stream)."""
+    from swarm.records import RunKeys
+    from swarm.state_transfer import MAX_PER_ADDRESS
+
+    stop = tmp_path / "stop"
+    with netlab.NetLab(3, rate=None) as lab:
+        common = [*FAST, "--run-id", "fresh-keys"]
+        first = lab_peer(lab, 0, "a", ["start", *common, *readme_flags(lab, 0)], tmp_path)
+        peers, keys = [first], None
+        try:
+            started = first.wait_event("started")
+            address = next(a for a in started["addresses"] if lab.address(0) in a)
+            first.wait_event("round", lambda e: e["outer_step"] >= 2, timeout=120)
+            argv = [address, RunKeys("fresh-keys").group("diloco"), started["peer_id"]]
+            argv += [str(MAX_CONNECTIONS + 2), lab.address(1), str(stop)]
+            keys = subprocess.Popen(
+                lab.command(1, [sys.executable, "-c", FRESH_KEYS, *argv]),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            )  # fmt: skip
+            for line in keys.stdout:  # the keys hold their slots before the joiner comes
+                if json.loads(line).get("holding", 0) >= MAX_PER_ADDRESS:
+                    break
+            joiner = lab_peer(lab, 2, "d", ["join", address, *common, *readme_flags(lab, 2)], tmp_path)
+            peers.append(joiner)
+            joiner.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+            stop.touch()
+            out, err = keys.communicate(timeout=60)
+            interrupt_all(peers)
+        finally:
+            stop.touch()
+            if keys is not None:
+                kill_group(keys)
+            for peer in peers:
+                peer.kill()
+    verdict = json.loads(out.strip().splitlines()[-1])
+    assert verdict["most"] == MAX_PER_ADDRESS, (verdict, err[-2000:])
+    log = joiner.stderr()
+    assert "downloaded the state at outer step" in log, log[-3000:]  # the direct transport
+    assert "direct state download failed" not in log, log[-3000:]
+    assert "frame #" not in first.stderr() and "Traceback" not in first.stderr()
 
 
 @pytest.mark.faults
