@@ -285,16 +285,13 @@ class StreamingDiLoCo:
     @torch.no_grad()
     def merge(self, f: int, mean_deltas: list[torch.Tensor], refused: bool = False) -> None:
         """Outer SGD on the fragment's θ, then mix it into the model's fragment. ``refused`` (by
-        the robust checks, :meth:`judge`): θ stays, and the model's fragment is still mixed
-        with it, as DiLoCo puts every peer back on θ after a refused round (an outlier's
-        fragment would otherwise go out again the next time)."""
+        the robust checks, :meth:`judge`, which refuses a NaN/Inf mean too): θ stays, and the
+        model's fragment is still mixed with it, as DiLoCo puts every peer back on θ after a
+        refused round (an outlier's fragment would otherwise go out again the next time)."""
         indices = self.fragments[f]
-        if refused:
+        if refused or not all_finite(mean_deltas):  # (not finite: judged refused before)
             self.mix(f)
             self.syncs += 1
-            return
-        if not all_finite(mean_deltas):
-            logger.error("fragment %d: the averaged update holds NaN/Inf; left unchanged", f)
             return
         self.global_intact = False  # stays so if an exception (Ctrl+C) cuts the step short
         for i, d in zip(indices, mean_deltas):
