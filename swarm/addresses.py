@@ -143,3 +143,19 @@ def reached_at(host: str, connections: Iterable[Multiaddr]) -> bool:
         except ValueError:
             continue
     return False
+
+
+def far_ip(connections: Iterable[Multiaddr]) -> str | None:
+    """The IP address another peer is connected from (``connections``: their remote multiaddrs,
+    as hivemind's daemon lists them), None when it is on this machine (loopback) or reached
+    only through a relay (whose IP says nothing of the peer's)."""
+    for address in connections:
+        names = [protocol.name for protocol in address.protocols()]
+        if "p2p-circuit" in names or not names or names[0] not in ("ip4", "ip6"):
+            continue
+        try:
+            ip = ipaddress.ip_address(address.value_for_protocol(names[0]))
+        except ValueError:
+            continue
+        return None if ip.is_loopback else str(ip)
+    return None

@@ -36,7 +36,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
 from optim.diloco import OuterState
-from swarm.addresses import reached_at
+from swarm.addresses import far_ip, reached_at
 from swarm.claims import at_the_donors_step
 from swarm.dataplane import one_line
 from swarm.errors import SwarmError
@@ -67,9 +67,10 @@ OFFER_GRACE = 0.25  # s to wait for more offers once the first came in (see _fir
 SNAPSHOT_SECONDS = 10.0  # joiners asking within this long (and at the same declared step) share a snapshot
 WITNESS_SECONDS = 120.0  # for the peer's process to sketch θ (it may wait for an overlapped round)
 MAX_STREAMS = 3
-"""hivemind's state streams served at once (one per peer): each holds a copy of the state while
-it runs (6 stalled streams held 3.1 GB of a 200 MB state, measured). A joiner refused gets an
-empty stream and asks the next donor."""
+"""hivemind's state streams served at once (one per peer, and one per address another machine
+connects from: fresh keys are free): each holds a copy of the state while it runs (6 stalled
+streams held 3.1 GB of a 200 MB state, measured). A joiner refused gets an empty stream and
+asks the next donor."""
 STREAM_GRACE = 30.0  # s for a stream's first bytes (the state is copied out of the peer first)
 STREAM_WINDOW = 10.0  # s over which a stream must move MIN_RATE bytes a second, or is cut
 READY_BYTES = 2 << 30
@@ -131,7 +132,7 @@ class StateSharing:
         self._witness_asked: tuple[bytes, asyncio.Future, float] | None = None  # (seed, answer, deadline)
         # The download in progress: bytes received, bytes announced, donors serving it.
         self.download = mp.Array("d", 3)
-        self._streams: set[str] = set()  # peers being served hivemind's state stream
+        self._streams: dict[str, str | None] = {}  # peers served hivemind's state stream: their IP
 
     # --- the direct transport: donor side ------------------------------------------------------
 
@@ -404,17 +405,25 @@ class StateSharing:
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.DownloadData]:
         # Runs in hivemind's averager process. Each stream holds a copy of the state while it
-        # runs, so: at most MAX_STREAMS at once and one per peer (a joiner refused gets an empty
-        # stream and asks the next donor), and a stream that moves less than MIN_RATE bytes a
+        # runs, so: at most MAX_STREAMS at once, one per peer and one per address another machine
+        # connects from (a joiner refused gets an empty stream and asks the next donor), and a
+        # stream that moves less than MIN_RATE bytes a
         # second over STREAM_WINDOW (after STREAM_GRACE for its first bytes) is cut.
         # Testing: a fault file's ``serve_delay_ms`` slows the stream down part by part (64 KiB),
         # so that a test can kill this donor mid-download; the direct transport is slowed alike
         # (StateServer.delay).
         peer = context.remote_id.to_base58()
-        if len(self._streams) >= MAX_STREAMS or peer in self._streams:
-            logger.info("not serving the state to %s: %d streams already run", peer[-8:], len(self._streams))
+        address = await self._far_ip(context.remote_id)
+        busy = peer in self._streams or (address is not None and address in self._streams.values())
+        if len(self._streams) >= MAX_STREAMS or busy:
+            logger.info(
+                "not serving the state to %s: %d streams already run%s",
+                peer[-8:],
+                len(self._streams),
+                " (one to its address)" if busy else "",
+            )
             return
-        self._streams.add(peer)
+        self._streams[peer] = address
         sent = [0]
         watch = asyncio.ensure_future(_cut_if_stalled(asyncio.current_task(), sent, peer))
         try:
@@ -430,7 +439,15 @@ class StateSharing:
                     await asyncio.sleep(delay)
         finally:
             watch.cancel()
-            self._streams.discard(peer)
+            self._streams.pop(peer, None)
+
+    async def _far_ip(self, peer: PeerID) -> str | None:
+        """The IP address ``peer`` is connected from (None: this machine, a relay, unknown)."""
+        try:
+            return far_ip(a for p in await self._p2p.list_peers() if p.peer_id == peer for a in p.addrs)
+        except Exception as error:  # noqa: BLE001 - the daemon did not answer: one per peer still holds
+            logger.debug("could not list the connections to %s: %s", peer, one_line(error))
+            return None
 
     # --- downloads that the joiner checks (see SwarmAverager.download_state) ------------------
 

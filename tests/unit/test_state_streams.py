@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from hivemind.proto import averaging_pb2, runtime_pb2
+from multiaddr import Multiaddr
 
 from swarm import state_sharing
 from swarm.state_sharing import MAX_STREAMS, StateSharing
@@ -31,14 +32,30 @@ class _HivemindStream:
             _HivemindStream.held -= 1
 
 
+class _Id(str):
+    def to_base58(self) -> str:
+        return str(self)
+
+
+class _P2P:
+    """hivemind's daemon as far as the donor asks it: where each peer is connected from."""
+
+    def __init__(self) -> None:
+        self.addresses: dict[str, str] = {}
+
+    async def list_peers(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(peer_id=p, addrs=[Multiaddr(a)]) for p, a in self.addresses.items()]
+
+
 class _Donor(StateSharing, _HivemindStream):
     def __init__(self) -> None:
         self._fault_file = None
-        self._streams = set()
+        self._streams = {}
+        self._p2p = _P2P()
 
 
 def _context(peer: str):
-    return SimpleNamespace(remote_id=SimpleNamespace(to_base58=lambda: peer))
+    return SimpleNamespace(remote_id=_Id(peer))
 
 
 async def _read(donor: _Donor, peer: str, *, stall_after: int | None = None) -> int:
@@ -84,3 +101,34 @@ def test_a_reader_that_stops_reading_is_cut_and_its_copy_dropped(monkeypatch):
         assert not donor._streams and _HivemindStream.held == 0
 
     asyncio.run(run())
+
+
+def test_one_address_gets_one_stream_whatever_keys_it_brings():
+    """Fresh keys are free: three of them on one machine held all MAX_STREAMS streams. Another
+    machine's address gets one stream at a time; peers on this machine (loopback) and those
+    reached through a relay (whose address is the relay's) are one per peer as before."""
+
+    async def run() -> list[int]:
+        donor = _Donor()
+        donor._p2p.addresses = {
+            "key1": "/ip4/10.0.0.9/tcp/4001",
+            "key2": "/ip4/10.0.0.9/tcp/4002",
+            "honest": "/ip4/10.0.0.7/tcp/4001",
+            "local1": "/ip4/127.0.0.1/tcp/4001",
+            "local2": "/ip4/127.0.0.1/tcp/4002",
+            "relayed": "/ip4/10.0.0.9/tcp/4003/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N/p2p-circuit",
+        }
+        held = asyncio.ensure_future(_read(donor, "key1", stall_after=1))
+        await asyncio.sleep(0.05)
+        got = [await _read(donor, "key2"), await _read(donor, "honest"), await _read(donor, "relayed")]
+        local = asyncio.ensure_future(_read(donor, "local1", stall_after=1))
+        await asyncio.sleep(0.05)
+        got.append(await _read(donor, "local2"))
+        assert donor._streams == {"key1": "10.0.0.9", "local1": None}
+        for task in (held, local):
+            task.cancel()
+        await asyncio.gather(held, local, return_exceptions=True)
+        return got
+
+    assert asyncio.run(run()) == [0, 64, 64, 64]
+    assert _HivemindStream.held == 0
