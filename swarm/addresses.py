@@ -145,10 +145,26 @@ def reached_at(host: str, connections: Iterable[Multiaddr]) -> bool:
     return False
 
 
-def far_ip(connections: Iterable[Multiaddr]) -> str | None:
-    """The IP address another peer is connected from (``connections``: their remote multiaddrs,
-    as hivemind's daemon lists them), None when it is on this machine (loopback) or reached
-    only through a relay (whose IP says nothing of the peer's)."""
+def origin(ip: str) -> str:
+    """What one party's connections have in common: an IPv4 address, or the /64 of an IPv6 one
+    (whoever holds one address of a /64 usually holds them all)."""
+    try:
+        parsed = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if parsed.version == 6 and parsed.ipv4_mapped is not None:
+        return str(parsed.ipv4_mapped)
+    if parsed.version == 6:
+        return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
+    return str(parsed)
+
+
+def far_ip(connections: Iterable[Multiaddr], mine: Iterable[str] = ()) -> str | None:
+    """The :func:`origin` of the address another peer is connected from (``connections``: their
+    remote multiaddrs, as hivemind's daemon lists them), None when it is on this machine
+    (loopback, or one of this peer's own addresses, ``mine``) or reached only through a relay
+    (whose IP says nothing of the peer's)."""
+    here = set(mine)
     for address in connections:
         names = [protocol.name for protocol in address.protocols()]
         if "p2p-circuit" in names or not names or names[0] not in ("ip4", "ip6"):
@@ -157,5 +173,5 @@ def far_ip(connections: Iterable[Multiaddr]) -> str | None:
             ip = ipaddress.ip_address(address.value_for_protocol(names[0]))
         except ValueError:
             continue
-        return None if ip.is_loopback else str(ip)
+        return None if ip.is_loopback or str(ip) in here else origin(str(ip))
     return None

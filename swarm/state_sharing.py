@@ -442,9 +442,17 @@ class StateSharing:
             self._streams.pop(peer, None)
 
     async def _far_ip(self, peer: PeerID) -> str | None:
-        """The IP address ``peer`` is connected from (None: this machine, a relay, unknown)."""
+        """Where ``peer`` is connected from (:func:`swarm.addresses.far_ip`; None: this machine,
+        a relay, unknown)."""
         try:
-            return far_ip(a for p in await self._p2p.list_peers() if p.peer_id == peer for a in p.addrs)
+            if getattr(self, "_own_ips", None) is None:
+                self._own_ips = {
+                    a.value_for_protocol(a.protocols()[0].name)
+                    for a in await self._p2p.get_visible_maddrs()
+                    if a.protocols() and a.protocols()[0].name in ("ip4", "ip6")
+                }
+            connections = [a for p in await self._p2p.list_peers() if p.peer_id == peer for a in p.addrs]
+            return far_ip(connections, self._own_ips)
         except Exception as error:  # noqa: BLE001 - the daemon did not answer: one per peer still holds
             logger.debug("could not list the connections to %s: %s", peer, one_line(error))
             return None

@@ -51,6 +51,8 @@ from typing import Any
 import blake3
 import torch
 
+from swarm.addresses import origin
+
 logger = logging.getLogger(__name__)
 
 SLICE_BYTES = 4 << 20
@@ -80,7 +82,7 @@ before) cuts its own, and an honest joiner, which shows its token as soon as it 
 an address of its own, gets through."""
 TOKEN_WAIT = 5.0  # s for a connection to show its token, in all
 SERVED_PER_OFFER = 2  # an offer serves at most this many times its snapshot's bytes
-IDLE_SECONDS = 30.0  # a connection's waits for the joiner's requests, in all, or it is cut off
+IDLE_SECONDS = 30.0  # a connection may last this long beyond its bytes at MIN_RATE, or is cut off
 MIN_RATE = 256 << 10  # bytes/s: a donor slower than this over a whole slice is dropped
 MAX_SNAPSHOTS = 2  # snapshots kept alive by offers (older offers expire; twice that with downloads under way)
 SLOW_PART = 1 << 16
@@ -279,10 +281,11 @@ class StateServer:
     first); an offer serves one connection at a time, is looked up again at every slice asked
     for (an offer expired or replaced cuts its connection, and an idle connection holds no
     snapshot), and serves at most :data:`SERVED_PER_OFFER` times its snapshot's bytes. One
-    address has at most ``per_address`` connections served at once; a connection waits
-    :data:`IDLE_SECONDS` in all for the joiner's requests, and each slice must leave within
-    that plus its size at :data:`MIN_RATE` (the joiner's own rule for a donor): a token holder
-    that reads a slice now and then held a slot for the offer's two minutes."""
+    address (:func:`swarm.addresses.origin`; not this listener's own) has at most
+    ``per_address`` connections served at once; a connection lasts at most
+    :data:`IDLE_SECONDS` beyond its bytes at :data:`MIN_RATE`, and each slice must leave within
+    :data:`IDLE_SECONDS` plus its size at :data:`MIN_RATE` (the joiner's own rule for a donor):
+    a token holder that read a slice now and then held a slot for the offer's two minutes."""
 
     def __init__(self, host: str, *, per_address: int | None = MAX_PER_ADDRESS) -> None:
         """``per_address``: None where every connection comes from this machine (a listener on
@@ -386,17 +389,21 @@ class StateServer:
                     if offer is None:
                         return  # not one of ours: nothing read beyond the token, nothing sent
                     # One connection per offer: a newer one takes the older one's place (a
-                    # joiner reconnects for a second pass once its first connection ended).
-                    older = self._serving.pop(key, None)
+                    # joiner reconnects for a second pass once its first connection ended),
+                    # if there is room for it beside the others.
+                    others = [a for k, (_, a) in self._serving.items() if k != key]
+                    party = (
+                        None if self.per_address is None or address == self.address[0] else origin(address)
+                    )
+                    if len(others) >= MAX_CONNECTIONS or (
+                        party is not None and others.count(party) >= self.per_address
+                    ):
+                        return  # every slot taken, or every slot this address may hold
+                    older = self._serving.get(key)
                     if older is not None:
                         with contextlib.suppress(OSError):
                             older[0].shutdown(socket.SHUT_RDWR)
-                    addresses = [a for _, a in self._serving.values()]
-                    if len(addresses) >= MAX_CONNECTIONS or (
-                        self.per_address is not None and addresses.count(address) >= self.per_address
-                    ):
-                        return  # every slot taken, or every slot this address may hold
-                    self._serving[key] = (connection, address)
+                    self._serving[key] = (connection, party)
                     joiner = offer.joiner
                     del offer  # looked up again at every slice: an idle connection holds no snapshot
                 if self.delay():
@@ -405,13 +412,17 @@ class StateServer:
                         joiner,
                         self.delay(),
                     )
-                idle = IDLE_SECONDS  # the waits for the joiner's requests, in all
+                # The joiner's own rule for a donor, turned round: IDLE_SECONDS beyond what its
+                # bytes take at MIN_RATE (waits for requests add up to about a round trip a
+                # slice on a long path: a budget of waits alone cut a 3 GB download at 50 ms).
+                started, served = time.monotonic(), 0
                 while True:
-                    asked = time.monotonic()
-                    (index,) = INDEX.unpack(_receive(connection, INDEX.size, idle))
-                    idle -= time.monotonic() - asked
-                    if not self._send_slice(connection, key, index):
+                    left = started + IDLE_SECONDS + served / MIN_RATE - time.monotonic()
+                    (index,) = INDEX.unpack(_receive(connection, INDEX.size, min(IDLE_SECONDS, left)))
+                    sent = self._send_slice(connection, key, index)
+                    if sent is None:
                         return
+                    served += sent
         except (OSError, ConnectionError) as error:
             logger.debug("state connection ended: %s", error)
         finally:
@@ -431,18 +442,19 @@ class StateServer:
                 return True
         return False
 
-    def _send_slice(self, connection: socket.socket, key: bytes, index: int) -> bool:
-        """Send slice ``index`` of the offer under ``key``; False to end the connection: END or
-        an index out of range, the offer expired or replaced, or its bytes served."""
+    def _send_slice(self, connection: socket.socket, key: bytes, index: int) -> int | None:
+        """Send slice ``index`` of the offer under ``key``: its bytes, or None to end the
+        connection (END or an index out of range, the offer expired or replaced, or its bytes
+        served)."""
         with self._lock:
             offer = self._current(key)
             if offer is None or index >= len(offer.snapshot.hashes):
-                return False
+                return None
             pieces = offer.snapshot.pieces(index)
             size = sum(len(piece) for piece in pieces)
             if offer.served + size > SERVED_PER_OFFER * offer.snapshot.layout.total:
                 logger.debug("an offer asked for more than %dx its state: cut", SERVED_PER_OFFER)
-                return False
+                return None
             offer.served += size
         if self.tamper():
             pieces = [bytes([pieces[0][0] ^ 0xFF]), pieces[0][1:], *pieces[1:]]
@@ -455,7 +467,7 @@ class StateServer:
                     time.sleep(delay)
                 connection.sendall(piece[lo : lo + step])
             self.served += len(piece)
-        return True
+        return size
 
 
 def _receive(connection: socket.socket, count: int, seconds: float) -> bytes:

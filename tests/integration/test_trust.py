@@ -453,9 +453,11 @@ from swarm.state_transfer import INDEX
 
 address, prefix, donor, keys, here, stop = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
 
-def alive(connection):
+def alive(connection):  # what the donor sent is read (a peek would see it after the donor closed)
     try:
-        return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        while connection.recv(1 << 16, socket.MSG_DONTWAIT):
+            pass
+        return False
     except BlockingIOError:
         return True
     except OSError:
@@ -475,7 +477,7 @@ async def main():
                 offer = unpack(answer.metadata)
                 host, port = offer["address"]
                 connection = socket.create_connection((host, port), timeout=5)
-                connection.sendall(offer["token"] + INDEX.pack(0))  # then reads nothing more
+                connection.sendall(offer["token"] + INDEX.pack(0))  # then asks for nothing more
                 connection.settimeout(2)
                 if connection.recv(65536):
                     held[i], served = connection, served + 1
@@ -493,8 +495,8 @@ async def main():
 asyncio.run(main())
 """
 """Fresh keys on one machine, each asking a donor for an offer and keeping a connection with
-its token served (reading nothing after the first bytes; a new offer once it is cut), until
-the ``stop`` file appears."""
+its token served (asking for nothing after the first slice; a new offer once it is cut),
+until the ``stop`` file appears."""
 
 
 @NETNS

@@ -43,6 +43,9 @@ class _P2P:
     def __init__(self) -> None:
         self.addresses: dict[str, str] = {}
 
+    async def get_visible_maddrs(self) -> list[Multiaddr]:
+        return [Multiaddr("/ip4/10.0.0.1/tcp/31337")]  # this peer's own address
+
     async def list_peers(self) -> list[SimpleNamespace]:
         return [SimpleNamespace(peer_id=p, addrs=[Multiaddr(a)]) for p, a in self.addresses.items()]
 
@@ -105,8 +108,9 @@ def test_a_reader_that_stops_reading_is_cut_and_its_copy_dropped(monkeypatch):
 
 def test_one_address_gets_one_stream_whatever_keys_it_brings():
     """Fresh keys are free: three of them on one machine held all MAX_STREAMS streams. Another
-    machine's address gets one stream at a time; peers on this machine (loopback) and those
-    reached through a relay (whose address is the relay's) are one per peer as before."""
+    machine's address gets one stream at a time; peers on this machine (loopback, or this
+    peer's own address) and those reached through a relay (whose address is the relay's) are
+    one per peer as before."""
 
     async def run() -> list[int]:
         donor = _Donor()
@@ -116,6 +120,7 @@ def test_one_address_gets_one_stream_whatever_keys_it_brings():
             "honest": "/ip4/10.0.0.7/tcp/4001",
             "local1": "/ip4/127.0.0.1/tcp/4001",
             "local2": "/ip4/127.0.0.1/tcp/4002",
+            "here": "/ip4/10.0.0.1/tcp/4005",
             "relayed": "/ip4/10.0.0.9/tcp/4003/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N/p2p-circuit",
         }
         held = asyncio.ensure_future(_read(donor, "key1", stall_after=1))
@@ -123,11 +128,15 @@ def test_one_address_gets_one_stream_whatever_keys_it_brings():
         got = [await _read(donor, "key2"), await _read(donor, "honest"), await _read(donor, "relayed")]
         local = asyncio.ensure_future(_read(donor, "local1", stall_after=1))
         await asyncio.sleep(0.05)
+        held.cancel()  # key1's reader gone: its stream ends
+        await asyncio.gather(held, return_exceptions=True)
+        here = asyncio.ensure_future(_read(donor, "here", stall_after=1))
+        await asyncio.sleep(0.05)
         got.append(await _read(donor, "local2"))
-        assert donor._streams == {"key1": "10.0.0.9", "local1": None}
-        for task in (held, local):
+        assert donor._streams == {"local1": None, "here": None}
+        for task in (local, here):
             task.cancel()
-        await asyncio.gather(held, local, return_exceptions=True)
+        await asyncio.gather(local, here, return_exceptions=True)
         return got
 
     assert asyncio.run(run()) == [0, 64, 64, 64]
