@@ -42,6 +42,9 @@ class Serving:
     def __init__(self) -> None:
         self._count = 0
         self._lock = threading.Lock()
+        # One republish at a time, each reading the count as it runs: a stop and a start on two
+        # threads published "not serving" last while this peer served, until its next heartbeat.
+        self._publishing = threading.Lock()
         self.on_change: Callable[[], None] = lambda: None
         """Called (from the thread that serves) when this peer starts or stops answering: the
         peer republishes its heartbeat, whose ``serving`` the others' barrier reads."""
@@ -63,7 +66,8 @@ class Serving:
             changed = (self._count > 0) != before
         if changed:
             try:
-                self.on_change()
+                with self._publishing:
+                    self.on_change()
             except Exception as error:  # noqa: BLE001 - a heartbeat not sent must not fail a download
                 logger.debug("could not republish the heartbeat: %s", error)
 

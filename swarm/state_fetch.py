@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.state_transfer import END, HASH, INDEX, MIN_RATE, Layout, TransferFailed, hash_of, receive_into
+from swarm.state_transfer import (
+    END,
+    HASH,
+    INDEX,
+    MIN_RATE,
+    Layout,
+    TransferFailed,
+    hash_of,
+    no_delay,
+    receive_into,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +123,7 @@ def fetch(
         try:
             with socket.create_connection(donor.address, timeout=timeout) as connection:
                 connection.settimeout(timeout)
+                no_delay(connection)
                 connection.sendall(donor.token)
                 order = iter(work.order(donor))
 

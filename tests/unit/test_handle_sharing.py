@@ -28,7 +28,7 @@ _RECEIVER_DIES = textwrap.dedent(
     resource_sharer.DupFd(read_end)  # a descriptor offered to another process, as torch does
     receiver = socket.socket(socket.AF_UNIX)
     receiver.connect(resource_sharer._resource_sharer._address)
-    time.sleep(0.3)  # the sharer has sent its challenge
+    receiver.recv(1, socket.MSG_PEEK)  # the sharer has sent its challenge
     receiver.close()  # ... and the receiver dies without answering
     time.sleep(0.5)
     sys.excepthook(ValueError, ValueError("any other error still shows"), None)

@@ -69,7 +69,9 @@ def test_a_claimed_step_returns_the_rings_result_and_triggers_hivemind_after_the
     claimed = []
     claimer = threading.Thread(target=lambda: claimed.append(step.claim(_ticket(), wait=5)))
     claimer.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while step._ticket is None and time.monotonic() < deadline:  # the ring has claimed the step
+        time.sleep(0.001)
     step.allow_allreduce()
     claimer.join(timeout=5)
     assert claimed == [True] and step.began_allreduce and not step.done()

@@ -71,18 +71,25 @@ async def _read(donor: _Donor, peer: str, *, stall_after: int | None = None) -> 
     return received
 
 
+async def _until(condition, seconds: float = 10.0) -> None:
+    """Let the event loop run until ``condition()`` (a stream's clean-up takes a few turns)."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while not condition() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def test_streams_are_bounded_in_number_and_per_peer(monkeypatch):
     async def run() -> list[int | BaseException]:
         donor = _Donor()
         stalled = [asyncio.ensure_future(_read(donor, f"peer{i}", stall_after=1)) for i in range(MAX_STREAMS)]
-        await asyncio.sleep(0.05)
+        await _until(lambda: _HivemindStream.held == MAX_STREAMS)
         again = await _read(donor, "peer0")  # the same peer a second time: refused
         more = await _read(donor, "another")  # one stream too many: refused
         assert _HivemindStream.held == MAX_STREAMS
         for task in stalled:
             task.cancel()
         await asyncio.gather(*stalled, return_exceptions=True)
-        await asyncio.sleep(0.05)
+        await _until(lambda: not donor._streams and not _HivemindStream.held)
         after = await _read(donor, "another")  # the stalled ones gone: served
         return [again, more, after]
 
@@ -100,7 +107,7 @@ def test_a_reader_that_stops_reading_is_cut_and_its_copy_dropped(monkeypatch):
         reader = asyncio.ensure_future(_read(donor, "slow", stall_after=2))
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(reader, timeout=5)
-        await asyncio.sleep(0.05)
+        await _until(lambda: not donor._streams and not _HivemindStream.held)
         assert not donor._streams and _HivemindStream.held == 0
 
     asyncio.run(run())
@@ -124,14 +131,15 @@ def test_one_address_gets_one_stream_whatever_keys_it_brings():
             "relayed": "/ip4/10.0.0.9/tcp/4003/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N/p2p-circuit",
         }
         held = asyncio.ensure_future(_read(donor, "key1", stall_after=1))
-        await asyncio.sleep(0.05)
+        await _until(lambda: "key1" in donor._streams)
         got = [await _read(donor, "key2"), await _read(donor, "honest"), await _read(donor, "relayed")]
         local = asyncio.ensure_future(_read(donor, "local1", stall_after=1))
-        await asyncio.sleep(0.05)
+        await _until(lambda: "local1" in donor._streams)
         held.cancel()  # key1's reader gone: its stream ends
         await asyncio.gather(held, return_exceptions=True)
+        await _until(lambda: "key1" not in donor._streams)
         here = asyncio.ensure_future(_read(donor, "here", stall_after=1))
-        await asyncio.sleep(0.05)
+        await _until(lambda: "here" in donor._streams)
         got.append(await _read(donor, "local2"))
         assert donor._streams == {"local1": None, "here": None}
         for task in (local, here):

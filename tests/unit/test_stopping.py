@@ -81,7 +81,9 @@ import hivemind  # noqa: F401  (tensors are shared by file name from here on)
 handled = []
 signal.signal(signal.SIGINT, lambda *a: handled.append(1))  # a handler in Python, as a peer's
 storm = subprocess.Popen(["bash", "-c", f"while kill -INT {os.getpid()} 2>/dev/null; do sleep 0.002; done"])
-time.sleep(0.1)
+deadline = time.monotonic() + 30
+while not handled and time.monotonic() < deadline:  # the storm is on (bash takes its time under load)
+    time.sleep(0.01)
 from swarm.dht import start_shm_manager
 
 start_shm_manager()
