@@ -133,6 +133,7 @@ class StateSharing:
         # The download in progress: bytes received, bytes announced, donors serving it.
         self.download = mp.Array("d", 3)
         self._streams: dict[str, str | None] = {}  # peers served hivemind's state stream: their IP
+        self._own_ips: set[str] | None = None  # this peer's addresses, as its daemon shows them
 
     # --- the direct transport: donor side ------------------------------------------------------
 
@@ -445,7 +446,7 @@ class StateSharing:
         """Where ``peer`` is connected from (:func:`swarm.addresses.far_ip`; None: this machine,
         a relay, unknown)."""
         try:
-            if getattr(self, "_own_ips", None) is None:
+            if self._own_ips is None:
                 self._own_ips = {
                     a.value_for_protocol(a.protocols()[0].name)
                     for a in await self._p2p.get_visible_maddrs()

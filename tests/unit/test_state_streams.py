@@ -54,6 +54,7 @@ class _Donor(StateSharing, _HivemindStream):
     def __init__(self) -> None:
         self._fault_file = None
         self._streams = {}
+        self._own_ips = None
         self._p2p = _P2P()
 
 
