@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -229,8 +230,8 @@ def _ports_in_its_namespace(pid: int, skip: str) -> set[int]:
 
 
 FLOOD_EVERY_PORT = """
-import socket, struct, sys, time
-host, count, ports = sys.argv[1], int(sys.argv[2]), [int(p) for p in sys.argv[3:]]
+import os, socket, struct, sys, time
+host, count, stop, ports = sys.argv[1], int(sys.argv[2]), sys.argv[3], [int(p) for p in sys.argv[4:]]
 held, opened = [], {}
 for port in ports:
     opened[port] = 0
@@ -242,10 +243,12 @@ for port in ports:
             break
         held.append(connection)
         opened[port] += 1
-time.sleep(2)  # held while the peer's watch looks (every 0.2 s)
+print("opened", opened, flush=True)
+deadline = time.monotonic() + 20
+while not os.path.exists(stop) and time.monotonic() < deadline:
+    time.sleep(0.05)  # held until the test has seen the peer's answer (its watch looks every 0.2 s)
 for connection in held:
     connection.close()
-print("opened", opened, flush=True)
 """
 
 
@@ -256,9 +259,9 @@ def test_a_flood_from_another_machine_at_a_peer_s_ports_costs_it_no_round(tmp_pa
     third, an outsider opens FLOOD + 100 connections to every port the first peer listens on
     but its p2p port (the kept ring's gloo listener, which keeps each one for the ring's life,
     and the state listener among them), each sending a sequence number no round waits for.
-    The peer closes its kept ring and says so, and the pair goes on averaging over the direct
-    plane on one θ (before, 500 such connections were 500 open files and gloo aborted the
-    process at the open-files limit)."""
+    The peer closes its kept ring and says so, and the pair goes on averaging in pairs over the
+    direct plane on one θ (before, 500 such connections were 500 open files and gloo aborted
+    the process at the open-files limit)."""
     from swarm.dataplane import FLOOD
 
     with netlab.NetLab(3, rate=None) as lab:
@@ -269,14 +272,23 @@ def test_a_flood_from_another_machine_at_a_peer_s_ports_costs_it_no_round(tmp_pa
             address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
             peers.append(lab_peer(lab, 1, "b", ["join", address, *common, *readme_flags(lab, 1)], tmp_path))
             first.wait_event("round", lambda e: e["outer_step"] >= 2 and e["plane"] == "direct", timeout=120)
-            ports = sorted(_ports_in_its_namespace(first.process.pid, skip="p2pd"))
             flooded_from = max(e["outer_step"] for e in first.events("round"))
-            flood = subprocess.run(
-                lab.command(2, [sys.executable, "-c", FLOOD_EVERY_PORT, lab.address(0), str(FLOOD + 100)])
-                + list(map(str, ports)),
-                capture_output=True, text=True, timeout=240,
-            )  # fmt: skip
-            assert "opened" in flood.stdout, flood.stderr[-2000:]
+            floods = []
+            for attempt in range(3):  # a ring set up again meanwhile listens on another port
+                ports = sorted(_ports_in_its_namespace(first.process.pid, skip="p2pd"))
+                stop = tmp_path / f"flood-{attempt}"
+                flood = subprocess.Popen(
+                    lab.command(2, [sys.executable, "-c", FLOOD_EVERY_PORT, lab.address(0), str(FLOOD + 100)])
+                    + [str(stop), *map(str, ports)],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                deadline = time.monotonic() + 20
+                while "no round mate made" not in first.stderr() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                stop.touch()
+                floods.append(flood.communicate(timeout=60))
+                if "no round mate made" in first.stderr():
+                    break
             step = max(e["outer_step"] for e in first.events("round")) + 3
             for peer in peers:
                 peer.wait_event("round", lambda e: e["outer_step"] >= step, timeout=120)
@@ -285,12 +297,15 @@ def test_a_flood_from_another_machine_at_a_peer_s_ports_costs_it_no_round(tmp_pa
             for peer in peers:
                 peer.kill()
     log = first.stderr()
-    assert "connections that no round mate made" in log, (flood.stdout, log[-3000:])
+    assert "connections that no round mate made" in log, (floods, log[-3000:])
     for peer in peers:
         assert "frame #" not in peer.stderr() and "Traceback" not in peer.stderr()
         rounds = [r for r in peer.events("round") if flooded_from < r["outer_step"] <= step]
         assert [r["outer_step"] for r in rounds] == list(range(flooded_from + 1, step + 1)), rounds
-        assert all(r["group_size"] == 2 and r["plane"] == "direct" for r in rounds), rounds
+        # Every round a pair round; the one the flood hit may have fallen back to hivemind's path
+        # (its ring set up again beside the strangers' connections), the rest are direct.
+        assert all(r["group_size"] == 2 for r in rounds), rounds
+        assert sum(r["plane"] != "direct" for r in rounds) <= 1 and rounds[-1]["plane"] == "direct", rounds
     norms = [{r["outer_step"]: r["global_norm"] for r in p.events("round")} for p in peers]
     assert math.isclose(norms[0][step], norms[1][step], rel_tol=1e-6), (step, norms)
 
@@ -525,8 +540,12 @@ def test_fresh_keys_on_one_machine_leave_a_joiner_its_direct_download(tmp_path):
                 lab.command(1, [sys.executable, "-c", FRESH_KEYS, *argv]),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
             )  # fmt: skip
-            for line in keys.stdout:  # the keys hold their slots before the joiner comes
-                if json.loads(line).get("holding", 0) >= MAX_PER_ADDRESS:
+            deadline = time.monotonic() + 180  # the keys hold their slots before the joiner comes
+            while time.monotonic() < deadline:
+                if not select.select([keys.stdout], [], [], 1.0)[0]:
+                    continue
+                line = keys.stdout.readline()
+                if not line or json.loads(line).get("holding", 0) >= MAX_PER_ADDRESS:
                     break
             joiner = lab_peer(lab, 2, "d", ["join", address, *common, *readme_flags(lab, 2)], tmp_path)
             peers.append(joiner)
