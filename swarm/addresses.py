@@ -133,16 +133,22 @@ def reached_at(host: str, connections: Iterable[Multiaddr]) -> bool:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return False
-    for address in connections:
+    return ip in direct_ips(connections)
+
+
+def direct_ips(addresses: Iterable[Multiaddr]) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IPs of ``addresses`` (multiaddrs, as hivemind's daemon lists connections or its own
+    listeners), in order, but relayed ones (the IP is the relay's) and those without an IP."""
+    found = []
+    for address in addresses:
         names = [protocol.name for protocol in address.protocols()]
         if "p2p-circuit" in names or not names or names[0] not in ("ip4", "ip6"):
             continue
         try:
-            if ipaddress.ip_address(address.value_for_protocol(names[0])) == ip:
-                return True
+            found.append(ipaddress.ip_address(address.value_for_protocol(names[0])))
         except ValueError:
             continue
-    return False
+    return found
 
 
 def origin(ip: str) -> str:
@@ -164,14 +170,5 @@ def far_ip(connections: Iterable[Multiaddr], mine: Iterable[str] = ()) -> str | 
     remote multiaddrs, as hivemind's daemon lists them), None when it is on this machine
     (loopback, or one of this peer's own addresses, ``mine``) or reached only through a relay
     (whose IP says nothing of the peer's)."""
-    here = set(mine)
-    for address in connections:
-        names = [protocol.name for protocol in address.protocols()]
-        if "p2p-circuit" in names or not names or names[0] not in ("ip4", "ip6"):
-            continue
-        try:
-            ip = ipaddress.ip_address(address.value_for_protocol(names[0]))
-        except ValueError:
-            continue
-        return None if ip.is_loopback or str(ip) in here else origin(str(ip))
-    return None
+    ip = next(iter(direct_ips(connections)), None)
+    return None if ip is None or ip.is_loopback or str(ip) in set(mine) else origin(str(ip))

@@ -36,7 +36,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
 from optim.diloco import OuterState
-from swarm.addresses import far_ip, reached_at
+from swarm.addresses import direct_ips, far_ip, reached_at
 from swarm.claims import at_the_donors_step
 from swarm.dataplane import one_line
 from swarm.errors import SwarmError
@@ -447,11 +447,7 @@ class StateSharing:
         a relay, unknown)."""
         try:
             if self._own_ips is None:
-                self._own_ips = {
-                    a.value_for_protocol(a.protocols()[0].name)
-                    for a in await self._p2p.get_visible_maddrs()
-                    if a.protocols() and a.protocols()[0].name in ("ip4", "ip6")
-                }
+                self._own_ips = {str(ip) for ip in direct_ips(await self._p2p.get_visible_maddrs())}
             connections = [a for p in await self._p2p.list_peers() if p.peer_id == peer for a in p.addrs]
             return far_ip(connections, self._own_ips)
         except Exception as error:  # noqa: BLE001 - the daemon did not answer: one per peer still holds

@@ -300,7 +300,7 @@ class StateServer:
         # Connections still to show a token, by the address they come from (oldest first).
         self._pending: dict[str, collections.deque[socket.socket]] = {}
         # Offer (by key) -> the connection it serves and its address: MAX_CONNECTIONS at most.
-        self._serving: dict[bytes, tuple[socket.socket, str]] = {}
+        self._serving: dict[bytes, tuple[socket.socket, str | None]] = {}  # (None: this machine's)
         self.tamper: Callable[[], float] = lambda: 0.0
         self.delay: Callable[[], float] = lambda: 0.0
         self.served = 0  # bytes served, for the logs and tests
@@ -429,7 +429,7 @@ class StateServer:
             with self._lock:
                 self._open.discard(connection)
                 self._unpend(connection)
-                if self._serving.get(key, (None, ""))[0] is connection:
+                if self._serving.get(key, (None, None))[0] is connection:
                     del self._serving[key]
 
     def _unpend(self, connection: socket.socket) -> bool:
