@@ -567,6 +567,84 @@ def test_fresh_keys_on_one_machine_leave_a_joiner_its_direct_download(tmp_path):
     assert "frame #" not in first.stderr() and "Traceback" not in first.stderr()
 
 
+STREAM_KEYS = """
+import asyncio, json, os, sys
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2
+from swarm.group_averager import GroupAverager
+
+address, prefix, donor, keys, here, stop = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
+
+async def main():
+    nodes = [await P2P.create(initial_peers=[address], host_maddrs=[f"/ip4/{here}/tcp/0"]) for _ in range(keys)]
+    held = []
+    for node in nodes:  # each key opens the state's stream and reads its first part only
+        stub = GroupAverager.get_stub(node, PeerID.from_base58(donor), namespace=prefix)
+        try:
+            stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), 10)
+            await asyncio.wait_for(stream.__anext__(), 10)
+            held.append(stream)
+        except (Exception, StopAsyncIteration):  # refused: an empty stream
+            pass
+    print(json.dumps({"held": len(held)}), flush=True)
+    while not os.path.exists(stop):
+        await asyncio.sleep(0.2)
+    for node in nodes:
+        await node.shutdown()
+
+asyncio.run(main())
+"""
+"""Fresh keys on one machine, each opening a donor's hivemind state stream and then reading no
+more of it, until the ``stop`` file appears: how many streams they got."""
+
+
+@NETNS
+@pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+def test_fresh_keys_on_one_machine_leave_a_joiner_a_state_stream(tmp_path):
+    """hivemind's state stream (``--data-plane hivemind``; the direct transport's fallback), on
+    machines started with the README's flags: MAX_STREAMS fresh keys on one machine each open
+    the donor's stream and stop reading. They get one stream between them, and a joiner on a
+    third machine downloads the state beside it (before, they held all MAX_STREAMS, and the
+    donor refused the joiner until it cut them)."""
+    from swarm.records import RunKeys
+    from swarm.state_sharing import MAX_STREAMS
+
+    stop = tmp_path / "stop"
+    with netlab.NetLab(3, rate=None) as lab:
+        common = [*FAST, "--run-id", "stream-keys", "--data-plane", "hivemind"]
+        first = lab_peer(lab, 0, "a", ["start", *common, *readme_flags(lab, 0)], tmp_path)
+        peers, keys = [first], None
+        try:
+            started = first.wait_event("started")
+            address = next(a for a in started["addresses"] if lab.address(0) in a)
+            first.wait_event("round", lambda e: e["outer_step"] >= 2, timeout=120)
+            argv = [address, RunKeys("stream-keys").group("diloco"), started["peer_id"]]
+            argv += [str(MAX_STREAMS), lab.address(1), str(stop)]
+            keys = subprocess.Popen(
+                lab.command(1, [sys.executable, "-c", STREAM_KEYS, *argv]),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            )  # fmt: skip
+            assert select.select([keys.stdout], [], [], 120)[0], "the keys never reported"
+            held = json.loads(keys.stdout.readline() or "{}")
+            joiner = lab_peer(lab, 2, "d", ["join", address, *common, *readme_flags(lab, 2)], tmp_path)
+            peers.append(joiner)
+            joiner.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+            stop.touch()
+            keys.communicate(timeout=60)
+            interrupt_all(peers)
+        finally:
+            stop.touch()
+            if keys is not None:
+                kill_group(keys)
+            for peer in peers:
+                peer.kill()
+    assert held == {"held": 1}, held
+    joined = joiner.wait_event("started")["peer_id"]
+    assert joiner.events("state_downloaded"), joiner.stderr()[-3000:]
+    assert f"not serving the state to {joined[-8:]}" not in first.stderr(), first.stderr()[-3000:]
+    assert "Traceback" not in first.stderr()
+
+
 @pytest.mark.faults
 @NETNS
 @pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
