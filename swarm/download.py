@@ -128,6 +128,12 @@ class Downloading:
                 self._refused_donors.add(donor)
         return None
 
+    @property
+    def last_download(self) -> tuple[str, int] | None:
+        """(donor, outer step) of the state the last :meth:`download_state` call took, or None
+        (none taken, or another call since)."""
+        return getattr(self, "_last_download", None)
+
     def _paused_donors(self, skipped: set[str]) -> set[str]:
         """Paused peers, while another peer that trains could serve (not ``skipped``, dialable):
         a paused peer's θ stands still on purpose, so the state it serves is old. (A joiner

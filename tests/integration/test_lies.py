@@ -185,6 +185,43 @@ def test_a_donor_serving_a_made_up_state_is_refused(spawn, tmp_path):
 
 
 @pytest.mark.faults
+def test_a_made_up_state_nobody_could_check_is_left_at_the_first_round(spawn, tmp_path):
+    """The liar c joins a first and serves b, who joins while a and c wait for ``--min-peers``
+    (a peer joining is no witness): b takes c's made-up θ on its word, as a joiner with nobody
+    to ask must. At the first round c's own fingerprint sides with a's: c served a θ it does not
+    hold, so b's next download neither takes c's state nor counts c's sketches (c answers with
+    another made-up θ and tied with the honest donor a, a round mate too: b refused a, blamed
+    it, and took c's again, round after round; ``make faults``, stop 52). b takes a's state and
+    ends on a's θ."""
+    liar = tmp_path / "liar.json"
+    FaultPlan(serve_noise=0.05, state_priority=1e6).write(liar)
+    common = [*FAST, "--rounds", "12", "--min-peers", "3", "--run-id", "unchecked-made-up-state"]
+    started = []
+    try:
+        first = spawn("a", "start", *common)
+        started.append(first)
+        address = first.address()
+        third = spawn("c", "join", address, "--fault-file", str(liar), *common)
+        started.append(third)
+        liar_id = third.wait_event("started")["peer_id"]
+        third.wait_event("state_downloaded")  # c now waits for --min-peers beside a (and declares
+        # its 10⁶ priority at once: b's first offers come from it)
+        joiner = spawn("b", "join", address, *common)
+        started.append(joiner)
+        for each in started:
+            assert each.wait() == 0, each.stderr()
+    finally:
+        for each in started:
+            each.kill()
+    log = joiner.stderr()
+    took = [line for line in log.splitlines() if "the state served by" in line and "refused" not in line]
+    assert took and liar_id[-8:] in took[0] and "the donor is the only witness" in took[0], took
+    assert "fingerprint in this round does not hold" in log, log[-3000:]
+    assert not any(liar_id[-8:] in line for line in took[1:]), took
+    assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
+
+
+@pytest.mark.faults
 @pytest.mark.parametrize(
     "machines",
     [

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from swarm.averaging import CODECS
 from swarm.averaging_config import CODEC_BYTES
-from swarm.gathered import diverged_from_group, holding_the_same_state
+from swarm.gathered import disowned_by_its_donor, diverged_from_group, holding_the_same_state
 from swarm.records import PeerHeartbeat, Stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -225,6 +225,32 @@ def test_in_a_two_to_two_split_the_outvoted_pair_avoid_each_other_as_donors() ->
     # Another step is another state; a member whose info does not parse holds nothing.
     assert holding_the_same_state(losers[0], [*group, member("later", 8, OTHER_FP), {"peer": "x"}]) == {ID_D}
     assert holding_the_same_state({"peer": ID_C}, group) == set()
+
+
+def test_a_donor_whose_own_fingerprint_disowns_the_state_it_served_is_left_out() -> None:
+    """A joiner took the liar's made-up θ at outer step 0 with nobody to check it; at the round
+    the liar's own fingerprint sides with the honest peer's: the liar served a θ it does not
+    hold, so the joiner's next download neither takes its state nor counts its sketches."""
+    joiner, honest, liar = member(ID_A, 0, OTHER_FP), member(ID_B, 0, FP), member(ID_C, 0, list(FP))
+    group = [joiner, honest, liar]
+    assert diverged_from_group(joiner, group) is not None
+    took = (ID_C, 0)  # (donor, outer step) of this peer's last download
+    assert disowned_by_its_donor(joiner, group, took) == {ID_C}
+    # The honest donor of the θ the group holds is not.
+    assert not disowned_by_its_donor(member(ID_A, 0, FP), group, took)
+    # A donor that holds what it served (both outvoted) is not: holding_the_same_state avoids it.
+    assert not disowned_by_its_donor(joiner, [joiner, honest, member(ID_C, 0, OTHER_FP)], took)
+    # Nobody else could serve the group's θ (a pair): the donor is not left out.
+    assert not disowned_by_its_donor(joiner, [joiner, liar], took)
+    # A round since the download, the donor at another step or not in the round, no download,
+    # a malformed info: no evidence.
+    assert not disowned_by_its_donor(
+        member(ID_A, 1, OTHER_FP), [member(ID_B, 1, FP), member(ID_C, 1, FP)], took
+    )
+    assert not disowned_by_its_donor(joiner, [joiner, honest, member(ID_C, 1, FP)], took)
+    assert not disowned_by_its_donor(joiner, [joiner, honest], took)
+    assert not disowned_by_its_donor(joiner, group, None)
+    assert not disowned_by_its_donor({"peer": ID_A}, group, took)
 
 
 def test_peers_to_avoid_are_neither_donors_nor_witnesses_of_a_download() -> None:
