@@ -150,19 +150,28 @@ class Downloading:
         ]
         return paused if running else set()
 
-    def _verifiers(self, distrusted: set[str]) -> dict[str, int]:
+    def _verifiers(self, distrusted: set[str]) -> tuple[dict[str, int], set[str]]:
         """Peers to ask about a downloaded θ, best witnesses first (:func:`witness_order`), each
-        with the outer step its heartbeat claims. Not peers downloading, joining or paused: their
-        θ is not the swarm's at its step."""
+        with the outer step its heartbeat claims; and those of them still "joining". Not peers
+        downloading or paused: their θ is not the swarm's at its step. A peer joining waits for
+        ``--min-peers`` (it started the run, or it downloaded already; a joiner says
+        "downloading" until then): its θ is the run's at its own step, and it witnesses a state
+        at that step only (:meth:`_fetch_state`). Left out, a joiner arriving while the others
+        waited had no witness and took a lying donor's made-up θ on its word (``make faults``,
+        stop 52)."""
         others = [
             p
             for p in self.board.fetch().values()
             if p.peer_id != self.peer_id
             and p.peer_id not in distrusted
-            and p.stage not in (Stage.DOWNLOADING, Stage.JOINING, Stage.PAUSED)
+            and p.stage not in (Stage.DOWNLOADING, Stage.PAUSED)
         ]
         claims = {p.peer_id: p.outer_step for p in others}
-        return {peer: claims[peer] for peer in witness_order(others, self.vouching.vouched)[:MAX_CANDIDATES]}
+        joining = {p.peer_id for p in others if p.stage is Stage.JOINING}
+        chosen = {
+            peer: claims[peer] for peer in witness_order(others, self.vouching.vouched)[:MAX_CANDIDATES]
+        }
+        return chosen, joining & set(chosen)
 
     def download_progress(self) -> float | None:
         """The share of the state received in the download in progress (0..1), None if the
@@ -181,7 +190,7 @@ class Downloading:
         steps the peers asked claim) from the best donors not skipped (its witnesses: peers not
         distrusted), or None. Over the direct transport when donors offer it, else (or if it
         fails) hivemind's stream."""
-        claims = self._verifiers(distrusted)
+        claims, joining = self._verifiers(distrusted)
         result = self._fetch_direct(skipped, claims, deadline)
         if result is None:
             remaining = max(1.0, deadline - time.monotonic())
@@ -198,12 +207,20 @@ class Downloading:
             return None
         metadata, tensors, donor, seed, answers = result
         try:
-            return _parse_state(metadata, tensors), donor, seed, answers, claims
+            state = _parse_state(metadata, tensors)
         except (SwarmError, KeyError, TypeError, ValueError) as error:
             logger.warning(
                 "%s served an incomplete or malformed state (%s); trying another donor", donor[-8:], error
             )
             return None, donor, seed, answers, claims
+        # A peer still joining answers for the state's step or not at all: one whose download
+        # failed holds the seed's init at outer step 0, which says nothing of a later state.
+        answers = {
+            peer: got
+            for peer, got in answers.items()
+            if peer not in joining or (got is not None and got[0] == state.outer_step)
+        }
+        return state, donor, seed, answers, claims
 
     def _fetch_direct(
         self, skipped: set[str], verifiers: dict[str, int], deadline: float

@@ -202,29 +202,28 @@ def disowned_by_its_donor(
 ) -> set[str]:
     """``{donor}`` if this peer's θ came from ``last_download`` (donor, outer step) at this
     outer step (no round since: θ is what the donor served) and the donor's own fingerprint in
-    this round says it holds another, while another member can serve the group's θ (one at this
-    step that holds neither this peer's θ nor is the donor); else an empty set.
+    this round says it holds another θ; else an empty set. This peer then downloads again,
+    whatever the round's vote, neither taking that donor's state nor counting its sketches.
 
-    A donor that served a made-up θ to a joiner nobody could check (every other peer was still
-    waiting for ``--min-peers``, and a peer joining is no witness) averages honestly, so its
+    A donor that served a made-up θ to a joiner nobody could check averages honestly, so its
     fingerprint joins the majority that outvotes the joiner; asked about the joiner's next
     download, it sketches the made-up θ again and contradicts the honest donor, a round mate
     too: a tie, refused, and the joiner took the liar's state again (``make faults``, stop 52).
-    The donor's two answers contradict each other: it is neither donor nor witness in that
-    download. (An honest donor that downloaded another θ itself between serving and the round
-    looks the same: it is left out of one download, while another member serves.)"""
+    The donor's two answers contradict each other. In a pair whose tie of fingerprints went to
+    the joiner (the lower peer id), it kept the made-up θ. An honest donor that downloaded
+    another θ itself between serving and the round looks the same: the joiner's θ is then
+    stale, and the donor is left out of one download (others may serve; if none does, the
+    next round's vote decides)."""
     me = _parse_info(mine)
     if me is None or last_download is None or last_download[1] != me["outer_step"]:
         return set()
     donor = last_download[0]
-    at_step = [
+    theirs = [
         g
         for g in map(_parse_info, group)
-        if g is not None and g["peer"] != me["peer"] and g["outer_step"] == me["outer_step"]
+        if g is not None and g["peer"] == donor and g["outer_step"] == me["outer_step"]
     ]
-    theirs = [g for g in at_step if g["peer"] == donor]
-    others = [g for g in at_step if g["peer"] != donor and not _same_fingerprint(me, g, rel_tol)]
-    disowned = len(theirs) == 1 and not _same_fingerprint(me, theirs[0], rel_tol) and bool(others)
+    disowned = len(theirs) == 1 and donor != me["peer"] and not _same_fingerprint(me, theirs[0], rel_tol)
     return {donor} if disowned else set()
 
 

@@ -240,8 +240,10 @@ def test_a_donor_whose_own_fingerprint_disowns_the_state_it_served_is_left_out()
     assert not disowned_by_its_donor(member(ID_A, 0, FP), group, took)
     # A donor that holds what it served (both outvoted) is not: holding_the_same_state avoids it.
     assert not disowned_by_its_donor(joiner, [joiner, honest, member(ID_C, 0, OTHER_FP)], took)
-    # Nobody else could serve the group's θ (a pair): the donor is not left out.
-    assert not disowned_by_its_donor(joiner, [joiner, liar], took)
+    # In a pair too, whichever way its tie of fingerprints went (here the joiner's, the lower id:
+    # it would have kept the made-up θ).
+    assert diverged_from_group(joiner, [joiner, liar]) is None
+    assert disowned_by_its_donor(joiner, [joiner, liar], took) == {ID_C}
     # A round since the download, the donor at another step or not in the round, no download,
     # a malformed info: no evidence.
     assert not disowned_by_its_donor(
@@ -313,7 +315,7 @@ def test_a_paused_peer_is_neither_donor_nor_witness_while_another_trains() -> No
             self.vouching = Vouching()
 
         def _fetch_state(self, skipped, distrusted, deadline):
-            asked.append((set(skipped), self._verifiers(distrusted)))
+            asked.append((set(skipped), self._verifiers(distrusted)[0]))
             return None
 
     Probe(beat("running", 616, Stage.TRAINING), beat("paused", 515, Stage.PAUSED)).download_state()
@@ -325,6 +327,66 @@ def test_a_paused_peer_is_neither_donor_nor_witness_while_another_trains() -> No
         avoid=["running"]
     )
     assert asked[-1][0] == {"running"}
+
+
+def test_a_peer_waiting_for_min_peers_witnesses_a_state_at_its_own_step_only() -> None:
+    """A peer "joining" waits for ``--min-peers`` (it started the run or downloaded already): a
+    joiner arriving then had no witness at all and took a lying donor's made-up θ on its word.
+    Such a peer is asked now, and counted when it answers for the state's step; at another step
+    (the seed's init after a failed download) or silent, it counts for nothing, where a peer
+    training would make the state unconfirmed or refused."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from swarm.claims import Vouching
+    from swarm.download import Downloading
+    from swarm.records import PeerHeartbeat, Stage
+    from swarm.sketch import state_sketches
+
+    def beat(peer: str, step: int, stage: Stage) -> PeerHeartbeat:
+        return PeerHeartbeat(
+            peer_id=peer, name=peer, stage=stage, outer_step=step, inner_step=0, inner_steps=5, time=1.0,
+            addresses=["/ip4/127.0.0.1/tcp/1"],
+        )  # fmt: skip
+
+    theta, made_up = [torch.ones(8)], [torch.full((8,), 2.0)]
+
+    class Probe(Downloading):
+        _refused_donors: set[str] = set()
+        peer_id = "me"
+
+        def __init__(self, answers) -> None:
+            self.board = _Board(
+                beat("waiting", 4, Stage.JOINING),
+                beat("fetching", 4, Stage.DOWNLOADING),
+                beat("liar", 4, Stage.TRAINING),
+            )
+            self.vouching, self.answers, self.asked = Vouching(), answers, []
+            nobody = Future()
+            nobody.set_result(None)
+            self.averager = SimpleNamespace(load_state_from_peers=lambda **_: nobody)
+
+        def _fetch_direct(self, skipped, verifiers, deadline):
+            self.asked.append(dict(verifiers))
+            if "liar" in skipped:
+                return None  # nobody else serves (nor over hivemind's stream, below)
+            metadata = dict(outer_step=4, num_params=1, num_pending=0, inner_keys=[])
+            answers = {peer: got(b"seed") for peer, got in self.answers.items() if peer in verifiers}
+            return metadata, [made_up[0], torch.zeros(8)], "liar", b"seed", answers
+
+    sketched = lambda step, params: lambda seed: (step, state_sketches(params, seed))  # noqa: E731
+    probe = Probe({"waiting": sketched(4, theta)})
+    assert probe.download_state(timeout=5.0) is None  # the waiting peer contradicts the liar
+    assert set(probe.asked[0]) == {"waiting", "liar"}  # the downloading peer is not asked
+    # Waiting at another step, or silent: no word either way (the donor is the only witness).
+    for answer in (sketched(0, theta), lambda seed: None):
+        probe = Probe({"waiting": answer})
+        assert probe.download_state(timeout=5.0) is not None
+    # A peer training at another step still has its say: nobody at the state's step, refused.
+    probe = Probe({"waiting": lambda seed: None})
+    probe.board.beats["waiting"] = beat("waiting", 3, Stage.TRAINING)
+    probe.answers["waiting"] = sketched(3, theta)
+    assert probe.download_state(timeout=5.0) is None
 
 
 def test_a_donor_its_round_mates_contradict_is_refused_not_ignored() -> None:

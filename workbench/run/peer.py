@@ -363,17 +363,18 @@ class Peer:
             # (overlapped, the report is the previous round's: judge it by what went with it)
             mine = (report.info or info) | {"peer": self.peer_id}
             resync = diverged_from_group(mine, report.group_info, ignored=self.board.ignored)
+            disowned = disowned_by_its_donor(mine, report.group_info, self.averager.last_download)
+            for donor in disowned:
+                logger.warning(
+                    "%s: %s served this peer a θ at outer step %d that its own fingerprint in this "
+                    "round does not hold; downloading again, neither from it nor asking it",
+                    self.name,
+                    donor[-8:],
+                    mine["outer_step"],
+                )
+                resync = resync or f"its donor {donor[-8:]} holds another θ than the one it served"
             if resync:
                 claims = claimed_ahead(mine, report.group_info)
-                disowned = disowned_by_its_donor(mine, report.group_info, self.averager.last_download)
-                for donor in disowned:
-                    logger.warning(
-                        "%s: %s served this peer a θ at outer step %d that its own fingerprint in "
-                        "this round does not hold; neither donor nor witness this time",
-                        self.name,
-                        donor[-8:],
-                        mine["outer_step"],
-                    )
                 outvoted = holding_the_same_state(mine, report.group_info) | disowned
         # A peer known to be out of date must not serve its θ at the top priority.
         self.averager.set_state_priority(self.diloco.outer_step_count - (0.5 if resync else 0.0))
