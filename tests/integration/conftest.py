@@ -111,8 +111,10 @@ class PeerProcess:
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
         if not self.metrics.exists():
             return []
-        lines = self.metrics.read_text().splitlines()
-        events = [json.loads(line) for line in lines if line.endswith("}")]
+        # Only lines the peer finished writing: one still being written has no newline yet (and
+        # may end in a nested object's "}", so "ends in }" would not tell it apart).
+        lines = self.metrics.read_text().split("\n")[:-1]
+        events = [json.loads(line) for line in lines if line]
         return [e for e in events if kind is None or e["event"] == kind]
 
     def wait_event(
