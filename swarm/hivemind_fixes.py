@@ -1,16 +1,18 @@
-"""Fixes to hivemind's step control, applied once on import (by :mod:`swarm.group_averager`),
-:func:`keep_tasks_alive` for the averager process's event loop, and :class:`ExpectedMembers`,
-a group target made of peer ids."""
+"""Fixes to hivemind's step control and to its futures' update lock (:class:`_UpdateLock`),
+applied once on import (by :mod:`swarm.group_averager`), :func:`keep_tasks_alive` for the
+averager process's event loop, and :class:`ExpectedMembers`, a group target made of peer ids."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from hivemind.averaging.control import StepControl
 from hivemind.p2p import PeerID
+from hivemind.utils.mpfuture import MPFuture
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,56 @@ def _quiet_cancelled_result(original: Callable[[Any, Any], None]) -> Callable[[A
 
 
 StepControl.set_result = _quiet_cancelled_result(StepControl.set_result)
+
+
+UPDATE_LOCK_WAIT = 2.0
+"""Seconds a process waits for hivemind's update lock before taking it as lost (held for
+microseconds by a live process: only a pipe write of a small message)."""
+
+
+class _UpdateLock:
+    """hivemind's one lock for every ``MPFuture`` update of every process of a peer (the peer,
+    its DHT and averager processes share it from the fork), waited for at most
+    ``UPDATE_LOCK_WAIT`` s. A process that ends while it holds the lock leaves it held for good:
+    SIGHUP or SIGTERM to a peer's process group ends its DHT and averager processes at once,
+    one may be writing an update then, and the peer, cancelling its averaging step as it
+    stopped, waited for the lock for ever (``make faults``, once: still running 30 s after the
+    SIGHUP). Past the wait the lock is taken as lost and this process goes on without it
+    (every update after it too, without waiting): an update to a process that ended fails at
+    once, and hivemind drops it."""
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+        self._mine = threading.local()
+        self.lost = False
+
+    def __enter__(self) -> _UpdateLock:
+        self._mine.held = self._lock.acquire(timeout=0 if self.lost else UPDATE_LOCK_WAIT)
+        if not self._mine.held and not self.lost:
+            self.lost = True
+            logger.warning(
+                "hivemind's update lock stayed held for %.0f s (a process of this peer ended while "
+                "holding it); going on without it",
+                UPDATE_LOCK_WAIT,
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if getattr(self._mine, "held", False):
+            self._mine.held = False
+            self._lock.release()
+
+    # What swarm.dht.release_interrupted_locks reads and calls on the lock it wraps.
+    @property
+    def _semlock(self) -> Any:
+        return self._lock._semlock
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+if not isinstance(MPFuture._update_lock, _UpdateLock):
+    MPFuture._update_lock = _UpdateLock(MPFuture._update_lock)
 
 
 def keep_tasks_alive(loop: asyncio.AbstractEventLoop) -> set[asyncio.Task]:

@@ -74,6 +74,57 @@ def test_an_interrupt_that_leaves_a_hivemind_lock_held_does_not_hang_the_shutdow
     assert release_interrupted_locks() == []  # nothing held: nothing released
 
 
+_A_PROCESS_DIES_HOLDING_THE_UPDATE_LOCK = """
+import multiprocessing as mp, os, sys, time
+import swarm.hivemind_fixes  # noqa: F401  (the lock's wait is bounded from here on)
+from hivemind.utils.mpfuture import MPFuture
+
+if sys.argv[1] == "unpatched":
+    MPFuture._update_lock = MPFuture._update_lock._lock
+future = MPFuture()  # this process's
+fork = mp.get_context("fork")
+held = getattr(MPFuture._update_lock, "_lock", MPFuture._update_lock)  # the lock itself
+dies = fork.Process(target=lambda: (held.acquire(), os._exit(0)))
+dies.start()  # as the DHT or averager process ending mid-update (SIGHUP to the group)
+dies.join()
+sets = fork.Process(target=future.set_result, args=(7,))
+started = time.monotonic()
+sets.start()  # as the peer cancelling its step while it stops
+try:
+    print(future.result(timeout=float(sys.argv[2])), round(time.monotonic() - started), flush=True)
+finally:
+    sets.kill()
+"""
+
+
+@pytest.mark.parametrize("lock", ["patched", "unpatched"])
+def test_a_process_that_ends_holding_hivemind_s_update_lock_does_not_hang_the_others(lock):
+    """hivemind's MPFutures share one update lock across the peer's processes; SIGHUP to the
+    peer's process group ended its averager while it held it, and the peer, cancelling its
+    averaging step as it stopped, waited for the lock for ever (``make faults``: still running
+    30 s after the signal). The wait is bounded now; hivemind's lock itself waits for ever
+    (the unpatched case, so that this test can tell)."""
+    import subprocess
+    import sys
+
+    from swarm.hivemind_fixes import UPDATE_LOCK_WAIT
+
+    wait = 30 if lock == "patched" else UPDATE_LOCK_WAIT + 4
+    done = subprocess.run(
+        [sys.executable, "-c", _A_PROCESS_DIES_HOLDING_THE_UPDATE_LOCK, lock, str(wait)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if lock == "unpatched":
+        assert done.returncode != 0 and "TimeoutError" in done.stderr, (done.stdout, done.stderr)
+        return
+    assert done.returncode == 0, done.stderr
+    result, seconds = done.stdout.split()
+    assert result == "7" and int(seconds) <= UPDATE_LOCK_WAIT + 5, done.stdout
+    assert "update lock stayed held" in done.stderr
+
+
 _SIGNALS_WHILE_THE_SHM_MANAGER_STARTS = """
 import os, signal, subprocess, sys, time
 import hivemind  # noqa: F401  (tensors are shared by file name from here on)
