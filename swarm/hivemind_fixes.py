@@ -1,4 +1,4 @@
-"""Fixes to hivemind's step control and to its futures' update lock (:class:`_UpdateLock`),
+"""Fixes to hivemind's step control and to its futures' process-shared locks (:class:`_BoundedLock`),
 applied once on import (by :mod:`swarm.group_averager`), :func:`keep_tasks_alive` for the
 averager process's event loop, and :class:`ExpectedMembers`, a group target made of peer ids."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from hivemind.averaging.control import StepControl
 from hivemind.p2p import PeerID
-from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 logger = logging.getLogger(__name__)
 
@@ -51,35 +51,39 @@ def _quiet_cancelled_result(original: Callable[[Any, Any], None]) -> Callable[[A
 StepControl.set_result = _quiet_cancelled_result(StepControl.set_result)
 
 
-UPDATE_LOCK_WAIT = 2.0
-"""Seconds a process waits for hivemind's update lock before taking it as lost (held for
-microseconds by a live process: only a pipe write of a small message)."""
+LOCK_WAIT = 2.0
+"""Seconds a process waits for one of hivemind's process-shared locks before taking it as lost
+(a live process holds them for a pipe write of a small message, or to share 16 bytes)."""
+LOST_LOCK_WAIT = 0.1
+"""The wait for a lock once taken as lost: used if it comes back, not waited for again."""
 
 
-class _UpdateLock:
-    """hivemind's one lock for every ``MPFuture`` update of every process of a peer (the peer,
-    its DHT and averager processes share it from the fork), waited for at most
-    ``UPDATE_LOCK_WAIT`` s. A process that ends while it holds the lock leaves it held for good:
-    SIGHUP or SIGTERM to a peer's process group ends its DHT and averager processes at once,
-    one may be writing an update then, and the peer, cancelling its averaging step as it
-    stopped, waited for the lock for ever (``make faults``, once: still running 30 s after the
-    SIGHUP). Past the wait the lock is taken as lost and this process goes on without it
-    (every update after it too, without waiting): an update to a process that ended fails at
-    once, and hivemind drops it."""
+class _BoundedLock:
+    """One of hivemind's locks that every process of a peer shares from the fork (the peer, its
+    DHT and averager processes): ``MPFuture._update_lock`` (held to write a future's update),
+    ``MPFuture._initialization_lock`` and ``SharedBytes._lock`` (held to make a future's shared
+    state), waited for at most ``LOCK_WAIT`` s. A process that ends while it holds one leaves it
+    held for good: SIGHUP or SIGTERM to a peer's process group ends its DHT and averager
+    processes at once, one may be writing an update then, and the peer, cancelling its
+    averaging step as it stopped, waited for the update lock for ever (``make faults``, once:
+    still running 30 s after the SIGHUP). Past the wait the lock is taken as lost and this
+    process goes on without it (an update to a process that ended fails at once, and hivemind
+    drops it), and waits only ``LOST_LOCK_WAIT`` for it from then on."""
 
-    def __init__(self, lock: Any) -> None:
-        self._lock = lock
+    def __init__(self, lock: Any, name: str) -> None:
+        self._lock, self.name = lock, name
         self._mine = threading.local()
         self.lost = False
 
-    def __enter__(self) -> _UpdateLock:
-        self._mine.held = self._lock.acquire(timeout=0 if self.lost else UPDATE_LOCK_WAIT)
+    def __enter__(self) -> _BoundedLock:
+        self._mine.held = self._lock.acquire(timeout=LOST_LOCK_WAIT if self.lost else LOCK_WAIT)
         if not self._mine.held and not self.lost:
             self.lost = True
             logger.warning(
-                "hivemind's update lock stayed held for %.0f s (a process of this peer ended while "
-                "holding it); going on without it",
-                UPDATE_LOCK_WAIT,
+                "hivemind's %s stayed held for %.0f s (a process of this peer ended while holding "
+                "it); going on without it",
+                self.name,
+                LOCK_WAIT,
             )
         return self
 
@@ -97,8 +101,15 @@ class _UpdateLock:
         self._lock.release()
 
 
-if not isinstance(MPFuture._update_lock, _UpdateLock):
-    MPFuture._update_lock = _UpdateLock(MPFuture._update_lock)
+def _bound(owner: type, attribute: str) -> None:
+    lock = getattr(owner, attribute)
+    if not isinstance(lock, _BoundedLock):
+        setattr(owner, attribute, _BoundedLock(lock, f"{owner.__name__}.{attribute}"))
+
+
+_bound(MPFuture, "_update_lock")
+_bound(MPFuture, "_initialization_lock")
+_bound(SharedBytes, "_lock")
 
 
 def keep_tasks_alive(loop: asyncio.AbstractEventLoop) -> set[asyncio.Task]:

@@ -74,44 +74,56 @@ def test_an_interrupt_that_leaves_a_hivemind_lock_held_does_not_hang_the_shutdow
     assert release_interrupted_locks() == []  # nothing held: nothing released
 
 
-_A_PROCESS_DIES_HOLDING_THE_UPDATE_LOCK = """
-import multiprocessing as mp, os, sys, time
-import swarm.hivemind_fixes  # noqa: F401  (the lock's wait is bounded from here on)
-from hivemind.utils.mpfuture import MPFuture
+_A_PROCESS_DIES_HOLDING_A_LOCK = """
+import multiprocessing as mp, os, sys, threading, time
+import swarm.hivemind_fixes  # noqa: F401  (the locks' waits are bounded from here on)
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
-if sys.argv[1] == "unpatched":
-    MPFuture._update_lock = MPFuture._update_lock._lock
+which, patched, wait = sys.argv[1], sys.argv[2] == "patched", float(sys.argv[3])
+owner, name = {"update": (MPFuture, "_update_lock"), "shared": (SharedBytes, "_lock")}[which]
+if not patched:
+    setattr(owner, name, getattr(owner, name)._lock)
 future = MPFuture()  # this process's
 fork = mp.get_context("fork")
-held = getattr(MPFuture._update_lock, "_lock", MPFuture._update_lock)  # the lock itself
+held = getattr(getattr(owner, name), "_lock", getattr(owner, name))  # the lock itself
 dies = fork.Process(target=lambda: (held.acquire(), os._exit(0)))
 dies.start()  # as the DHT or averager process ending mid-update (SIGHUP to the group)
 dies.join()
-sets = fork.Process(target=future.set_result, args=(7,))
 started = time.monotonic()
-sets.start()  # as the peer cancelling its step while it stops
-try:
-    print(future.result(timeout=float(sys.argv[2])), round(time.monotonic() - started), flush=True)
-finally:
-    sets.kill()
+if which == "update":  # as the peer cancelling its step while it stops
+    sets = fork.Process(target=future.set_result, args=(7,))
+    sets.start()
+    try:
+        print(future.result(timeout=wait), round(time.monotonic() - started), flush=True)
+    finally:
+        sets.kill()
+else:  # as the peer announcing that it leaves (a DHT store: a new future)
+    made = []
+    maker = threading.Thread(target=lambda: made.append(MPFuture()), daemon=True)
+    maker.start()
+    maker.join(wait)
+    assert made, "TimeoutError: no MPFuture made"
+    print(7, round(time.monotonic() - started), flush=True)
 """
 
 
+@pytest.mark.parametrize("which", ["update", "shared"])
 @pytest.mark.parametrize("lock", ["patched", "unpatched"])
-def test_a_process_that_ends_holding_hivemind_s_update_lock_does_not_hang_the_others(lock):
-    """hivemind's MPFutures share one update lock across the peer's processes; SIGHUP to the
-    peer's process group ended its averager while it held it, and the peer, cancelling its
-    averaging step as it stopped, waited for the lock for ever (``make faults``: still running
-    30 s after the signal). The wait is bounded now; hivemind's lock itself waits for ever
-    (the unpatched case, so that this test can tell)."""
+def test_a_process_that_ends_holding_a_hivemind_lock_does_not_hang_the_others(which, lock):
+    """hivemind's MPFutures share locks across the peer's processes; SIGHUP to the peer's
+    process group ended its averager while it held the update lock, and the peer, cancelling
+    its averaging step as it stopped, waited for it for ever (``make faults``: still running
+    30 s after the signal); the lock for a future's shared state is shared the same way (the
+    peer's leaving announcement makes a future). The waits are bounded now; hivemind's own
+    locks wait for ever (the unpatched cases, so that this test can tell)."""
     import subprocess
     import sys
 
-    from swarm.hivemind_fixes import UPDATE_LOCK_WAIT
+    from swarm.hivemind_fixes import LOCK_WAIT
 
-    wait = 30 if lock == "patched" else UPDATE_LOCK_WAIT + 4
+    wait = 30 if lock == "patched" else LOCK_WAIT + 4
     done = subprocess.run(
-        [sys.executable, "-c", _A_PROCESS_DIES_HOLDING_THE_UPDATE_LOCK, lock, str(wait)],
+        [sys.executable, "-c", _A_PROCESS_DIES_HOLDING_A_LOCK, which, lock, str(wait)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -121,8 +133,8 @@ def test_a_process_that_ends_holding_hivemind_s_update_lock_does_not_hang_the_ot
         return
     assert done.returncode == 0, done.stderr
     result, seconds = done.stdout.split()
-    assert result == "7" and int(seconds) <= UPDATE_LOCK_WAIT + 5, done.stdout
-    assert "update lock stayed held" in done.stderr
+    assert result == "7" and int(seconds) <= LOCK_WAIT + 5, done.stdout
+    assert "stayed held for" in done.stderr
 
 
 _SIGNALS_WHILE_THE_SHM_MANAGER_STARTS = """
