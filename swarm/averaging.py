@@ -43,6 +43,7 @@ from swarm.deadlines import LearnedDeadline, matchmaking_window
 from swarm.dht import quiet_children
 from swarm.download import Downloading
 from swarm.group_averager import GroupAverager, fault_value
+from swarm.hivemind_fixes import stopping
 from swarm.progress import ProgressBoard
 from swarm.records import RunKeys, Stage
 
@@ -338,6 +339,7 @@ class SwarmAverager(Downloading):
                 time.sleep(0.05)
             gathered = control.result()
         except KeyboardInterrupt:
+            stopping()  # a child ended by the same signal may hold hivemind's update lock
             control.cancel()
             raise
         except (Exception, asyncio.CancelledError) as error:  # hivemind may cancel a step it gave up on

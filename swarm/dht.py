@@ -250,6 +250,8 @@ def start_dht(
     kept across restarts is still checked (two processes started with one ``--identity``)."""
     import hivemind  # noqa: F401 - heavy (~2 s, kept out of `workbench --help`); before its log level is set
 
+    import swarm.hivemind_fixes  # noqa: F401 - its locks, in this process and the ones it forks
+
     if "HIVEMIND_LOGLEVEL" not in os.environ:
         # Used as a library (a notebook, the monitor): hivemind's INFO lines ("Checking that
         # identity ... is not used") are noise there; the CLI sets its level with -v.
@@ -465,6 +467,9 @@ def release_interrupted_locks(*averagers: object) -> list[str]:
     announcement hung until the close deadline killed it (exit 1). The names released."""
     from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
+    from swarm.hivemind_fixes import stopping
+
+    stopping()  # a child ended by the same signal may hold one of them: waits are bounded now
     locks = {
         "SharedBytes._lock": SharedBytes._lock,
         "MPFuture._initialization_lock": MPFuture._initialization_lock,

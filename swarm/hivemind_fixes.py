@@ -52,23 +52,37 @@ StepControl.set_result = _quiet_cancelled_result(StepControl.set_result)
 
 
 LOCK_WAIT = 2.0
-"""Seconds a process waits for one of hivemind's process-shared locks before taking it as lost
-(a live process holds them for a pipe write of a small message, or to share 16 bytes)."""
+"""Seconds a stopping process waits for one of hivemind's process-shared locks before taking
+it as lost (a live process holds them for a pipe write of a small message, or to share 16
+bytes). A running one waits as long as hivemind does, saying so every ``LOCK_WAIT`` s."""
 LOST_LOCK_WAIT = 0.1
 """The wait for a lock once taken as lost: used if it comes back, not waited for again."""
+
+_stopping = False
+
+
+def stopping() -> None:
+    """This process is stopping: from now on hivemind's process-shared locks are waited for at
+    most ``LOCK_WAIT`` s (:class:`_BoundedLock`)."""
+    global _stopping
+    _stopping = True
 
 
 class _BoundedLock:
     """One of hivemind's locks that every process of a peer shares from the fork (the peer, its
     DHT and averager processes): ``MPFuture._update_lock`` (held to write a future's update),
     ``MPFuture._initialization_lock`` and ``SharedBytes._lock`` (held to make a future's shared
-    state), waited for at most ``LOCK_WAIT`` s. A process that ends while it holds one leaves it
-    held for good: SIGHUP or SIGTERM to a peer's process group ends its DHT and averager
-    processes at once, one may be writing an update then, and the peer, cancelling its
-    averaging step as it stopped, waited for the update lock for ever (``make faults``, once:
-    still running 30 s after the SIGHUP). Past the wait the lock is taken as lost and this
-    process goes on without it (an update to a process that ended fails at once, and hivemind
-    drops it), and waits only ``LOST_LOCK_WAIT`` for it from then on."""
+    state). A process that ends while it holds one leaves it held for good: SIGHUP or SIGTERM
+    to a peer's process group ends its DHT and averager processes at once, one may be writing
+    an update then, and the peer, cancelling its averaging step as it stopped, waited for the
+    update lock for ever (``make faults``, once: still running 30 s after the SIGHUP).
+
+    Once the process is stopping (:func:`stopping`), a wait lasts at most ``LOCK_WAIT`` s; past
+    it the lock is taken as lost and the process goes on without it (an update to a process
+    that ended fails at once, and hivemind drops it), waiting only ``LOST_LOCK_WAIT`` from
+    then on. Not before: two processes writing to one pipe at once interleave their messages
+    and hivemind's reader never recovers, and a live holder always releases (a process frozen
+    by SIGSTOP, or a laptop asleep, times out as it wakes, whoever holds the lock)."""
 
     def __init__(self, lock: Any, name: str) -> None:
         self._lock, self.name = lock, name
@@ -76,21 +90,34 @@ class _BoundedLock:
         self.lost = False
 
     def __enter__(self) -> _BoundedLock:
-        self._mine.held = self._lock.acquire(timeout=LOST_LOCK_WAIT if self.lost else LOCK_WAIT)
-        if not self._mine.held and not self.lost:
+        waited = 0.0
+        while True:
+            got = self._lock.acquire(timeout=LOST_LOCK_WAIT if self.lost else LOCK_WAIT)
+            if got or _stopping:
+                break
+            waited += LOCK_WAIT
+            logger.warning("waited %.0f s for hivemind's %s, held by another process", waited, self.name)
+        if not got and not self.lost:
             self.lost = True
             logger.warning(
-                "hivemind's %s stayed held for %.0f s (a process of this peer ended while holding "
-                "it); going on without it",
+                "hivemind's %s stayed held for %.0f s while this process stops (a process of this "
+                "peer ended holding it); going on without it",
                 self.name,
                 LOCK_WAIT,
             )
+        self._held().append(got)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if getattr(self._mine, "held", False):
-            self._mine.held = False
+        held = self._held()
+        if held and held.pop():
             self._lock.release()
+
+    def _held(self) -> list[bool]:
+        """This thread's acquires, innermost last (a ``with`` nested in another on one thread)."""
+        if not hasattr(self._mine, "held"):
+            self._mine.held = []
+        return self._mine.held
 
     # What swarm.dht.release_interrupted_locks reads and calls on the lock it wraps.
     @property

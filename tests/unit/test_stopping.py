@@ -32,7 +32,7 @@ def test_a_signal_during_a_shutdown_waits_until_it_is_done():
     assert finished
 
 
-def test_an_interrupt_that_leaves_a_hivemind_lock_held_does_not_hang_the_shutdown():
+def test_an_interrupt_that_leaves_a_hivemind_lock_held_does_not_hang_the_shutdown(monkeypatch):
     """A stop signal that lands inside ``multiprocessing``'s ``Lock.__enter__`` right after the
     acquire leaves the lock held (the ``with`` never began). For hivemind's ``SharedBytes``
     lock that hung the next MPFuture for ever: a peer's leaving announcement, its shutdown.
@@ -40,7 +40,12 @@ def test_an_interrupt_that_leaves_a_hivemind_lock_held_does_not_hang_the_shutdow
     released the way a closing peer or session does."""
     from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
+    from swarm import hivemind_fixes
     from swarm.dht import release_interrupted_locks
+
+    # An earlier test of this process may have called the peer's "stopping": its bounded wait
+    # would let the thread below through before the release does.
+    monkeypatch.setattr(hivemind_fixes, "LOCK_WAIT", 60.0)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -76,13 +81,15 @@ def test_an_interrupt_that_leaves_a_hivemind_lock_held_does_not_hang_the_shutdow
 
 _A_PROCESS_DIES_HOLDING_A_LOCK = """
 import multiprocessing as mp, os, sys, threading, time
-import swarm.hivemind_fixes  # noqa: F401  (the locks' waits are bounded from here on)
+import swarm.hivemind_fixes
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
-which, patched, wait = sys.argv[1], sys.argv[2] == "patched", float(sys.argv[3])
+which, how, wait = sys.argv[1], sys.argv[2], float(sys.argv[3])
 owner, name = {"update": (MPFuture, "_update_lock"), "shared": (SharedBytes, "_lock")}[which]
-if not patched:
+if how == "unpatched":
     setattr(owner, name, getattr(owner, name)._lock)
+if how != "running":
+    swarm.hivemind_fixes.stopping()  # a peer stopping: SIGHUP to the group
 future = MPFuture()  # this process's
 fork = mp.get_context("fork")
 held = getattr(getattr(owner, name), "_lock", getattr(owner, name))  # the lock itself
@@ -108,28 +115,31 @@ else:  # as the peer announcing that it leaves (a DHT store: a new future)
 
 
 @pytest.mark.parametrize("which", ["update", "shared"])
-@pytest.mark.parametrize("lock", ["patched", "unpatched"])
+@pytest.mark.parametrize("lock", ["patched", "unpatched", "running"])
 def test_a_process_that_ends_holding_a_hivemind_lock_does_not_hang_the_others(which, lock):
     """hivemind's MPFutures share locks across the peer's processes; SIGHUP to the peer's
     process group ended its averager while it held the update lock, and the peer, cancelling
     its averaging step as it stopped, waited for it for ever (``make faults``: still running
     30 s after the signal); the lock for a future's shared state is shared the same way (the
-    peer's leaving announcement makes a future). The waits are bounded now; hivemind's own
-    locks wait for ever (the unpatched cases, so that this test can tell)."""
+    peer's leaving announcement makes a future). A stopping process's waits are bounded now;
+    hivemind's own locks wait for ever (unpatched, so that this test can tell), and so does a
+    process still running (going on without the lock there could interleave two processes'
+    messages in one pipe), saying so."""
     import subprocess
     import sys
 
     from swarm.hivemind_fixes import LOCK_WAIT
 
-    wait = 30 if lock == "patched" else LOCK_WAIT + 4
+    wait = 30 if lock == "patched" else 2 * LOCK_WAIT + 2
     done = subprocess.run(
         [sys.executable, "-c", _A_PROCESS_DIES_HOLDING_A_LOCK, which, lock, str(wait)],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    if lock == "unpatched":
+    if lock != "patched":
         assert done.returncode != 0 and "TimeoutError" in done.stderr, (done.stdout, done.stderr)
+        assert ("held by another process" in done.stderr) == (lock == "running"), done.stderr
         return
     assert done.returncode == 0, done.stderr
     result, seconds = done.stdout.split()
