@@ -250,7 +250,9 @@ def start_dht(
     kept across restarts is still checked (two processes started with one ``--identity``)."""
     import hivemind  # noqa: F401 - heavy (~2 s, kept out of `workbench --help`); before its log level is set
 
-    import swarm.hivemind_fixes  # noqa: F401 - its locks, in this process and the ones it forks
+    import swarm.hivemind_fixes  # its locks, in this process and the ones it forks
+
+    swarm.hivemind_fixes.stopping(False)  # a session after one that closed (a notebook's next)
 
     if "HIVEMIND_LOGLEVEL" not in os.environ:
         # Used as a library (a notebook, the monitor): hivemind's INFO lines ("Checking that

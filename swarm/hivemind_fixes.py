@@ -61,11 +61,12 @@ LOST_LOCK_WAIT = 0.1
 _stopping = False
 
 
-def stopping() -> None:
+def stopping(now: bool = True) -> None:
     """This process is stopping: from now on hivemind's process-shared locks are waited for at
-    most ``LOCK_WAIT`` s (:class:`_BoundedLock`)."""
+    most ``LOCK_WAIT`` s (:class:`_BoundedLock`). ``now=False``: it runs again (a notebook's
+    next session, after one closed)."""
     global _stopping
-    _stopping = True
+    _stopping = now
 
 
 class _BoundedLock:
