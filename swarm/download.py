@@ -153,12 +153,12 @@ class Downloading:
     def _verifiers(self, distrusted: set[str]) -> tuple[dict[str, int], set[str]]:
         """Peers to ask about a downloaded θ, best witnesses first (:func:`witness_order`), each
         with the outer step its heartbeat claims; and those of them still "joining". Not peers
-        downloading or paused: their θ is not the swarm's at its step. A peer joining waits for
-        ``--min-peers`` (it started the run, or it downloaded already; a joiner says
-        "downloading" until then): its θ is the run's at its own step, and it witnesses a state
-        at that step only (:meth:`_fetch_state`). Left out, a joiner arriving while the others
-        waited had no witness and took a lying donor's made-up θ on its word (``make faults``,
-        stop 52)."""
+        downloading or paused: their θ is not the swarm's at its step. Peers joining, only when
+        nobody else is there to ask: a peer joining waits for ``--min-peers`` (it started the
+        run, or it downloaded already), its θ is the run's at its own step, and it witnesses a
+        state at that step only (:meth:`_fetch_state`). Left out, a joiner arriving while the
+        others waited had no witness and took a lying donor's made-up θ on its word (``make
+        faults``, stop 52)."""
         others = [
             p
             for p in self.board.fetch().values()
@@ -166,8 +166,15 @@ class Downloading:
             and p.peer_id not in distrusted
             and p.stage not in (Stage.DOWNLOADING, Stage.PAUSED)
         ]
-        claims = {p.peer_id: p.outer_step for p in others}
         joining = {p.peer_id for p in others if p.stage is Stage.JOINING}
+        if any(p.peer_id not in joining for p in others):
+            # Only when nobody else can answer: a joiner before its download may say "joining"
+            # for a moment (its init θ at outer step 0), and those claiming the donor's step go
+            # first (at_the_donors_step). A peer at step 232 asked only fresh joiners about a
+            # step-0 state (the churn soak), got nothing it could count, and took it.
+            others = [p for p in others if p.peer_id not in joining]
+            joining = set()
+        claims = {p.peer_id: p.outer_step for p in others}
         chosen = {
             peer: claims[peer] for peer in witness_order(others, self.vouching.vouched)[:MAX_CANDIDATES]
         }

@@ -202,18 +202,20 @@ def disowned_by_its_donor(
 ) -> set[str]:
     """``{donor}`` if this peer's θ came from ``last_download`` (donor, outer step) at this
     outer step (no round since: θ is what the donor served) and the donor's own fingerprint in
-    this round says it holds another θ; else an empty set. This peer then downloads again,
-    whatever the round's vote, neither taking that donor's state nor counting its sketches.
+    this round says it holds another θ; else an empty set. This peer then downloads again
+    (unless most of the members at its step hold its θ, :func:`held_by_most`: a tie of two
+    goes to the lower peer id there, not here), neither taking that donor's state nor counting
+    its sketches.
 
     A donor that served a made-up θ to a joiner nobody could check averages honestly, so its
     fingerprint joins the majority that outvotes the joiner; asked about the joiner's next
     download, it sketches the made-up θ again and contradicts the honest donor, a round mate
     too: a tie, refused, and the joiner took the liar's state again (``make faults``, stop 52).
     The donor's two answers contradict each other. In a pair whose tie of fingerprints went to
-    the joiner (the lower peer id), it kept the made-up θ. An honest donor that downloaded
-    another θ itself between serving and the round looks the same: the joiner's θ is then
-    stale, and the donor is left out of one download (others may serve; if none does, the
-    next round's vote decides)."""
+    the joiner (the lower peer id), it kept the made-up θ. An honest donor that took another θ
+    itself between serving and the round looks the same (the churn soak: the donor on the
+    losing side of a split, the joiner on the winning one, where its θ stands); the donor is
+    left out of one download (others may serve; if none does, the next round's vote decides)."""
     me = _parse_info(mine)
     if me is None or last_download is None or last_download[1] != me["outer_step"]:
         return set()
@@ -225,6 +227,26 @@ def disowned_by_its_donor(
     ]
     disowned = len(theirs) == 1 and donor != me["peer"] and not _same_fingerprint(me, theirs[0], rel_tol)
     return {donor} if disowned else set()
+
+
+def held_by_most(
+    mine: dict[str, Any], group: list[dict[str, Any]], *, rel_tol: float = 1e-5, ignored: Collection[str] = ()
+) -> bool:
+    """More than half of the members at this peer's outer step (itself included; ``ignored``
+    peers not counted) hold its θ: the round's vote stands, whatever one member says (a donor
+    that disowns the θ it served, :func:`disowned_by_its_donor`, is outvoted there)."""
+    me = _parse_info(mine)
+    if me is None:
+        return False
+    same = [
+        g
+        for g in map(_parse_info, group)
+        if g is not None
+        and g["peer"] != me["peer"]
+        and g["peer"] not in ignored
+        and g["outer_step"] == me["outer_step"]
+    ]
+    return 2 * (1 + sum(_same_fingerprint(me, g, rel_tol) for g in same)) > 1 + len(same)
 
 
 def _same_fingerprint(a: dict[str, Any], b: dict[str, Any], rel_tol: float) -> bool:

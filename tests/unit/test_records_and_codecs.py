@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from swarm.averaging import CODECS
 from swarm.averaging_config import CODEC_BYTES
-from swarm.gathered import disowned_by_its_donor, diverged_from_group, holding_the_same_state
+from swarm.gathered import disowned_by_its_donor, diverged_from_group, held_by_most, holding_the_same_state
 from swarm.records import PeerHeartbeat, Stage
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -241,9 +241,16 @@ def test_a_donor_whose_own_fingerprint_disowns_the_state_it_served_is_left_out()
     # A donor that holds what it served (both outvoted) is not: holding_the_same_state avoids it.
     assert not disowned_by_its_donor(joiner, [joiner, honest, member(ID_C, 0, OTHER_FP)], took)
     # In a pair too, whichever way its tie of fingerprints went (here the joiner's, the lower id:
-    # it would have kept the made-up θ).
+    # it would have kept the made-up θ): half is not most.
     assert diverged_from_group(joiner, [joiner, liar]) is None
     assert disowned_by_its_donor(joiner, [joiner, liar], took) == {ID_C}
+    assert not held_by_most(joiner, [joiner, liar])
+    # A donor on the losing side of a split, the joiner on the winning one (the churn soak):
+    # most of the round hold the joiner's θ, and it stands.
+    split = [member(ID_A, 0, FP), member(ID_B, 0, FP), member(ID_C, 0, OTHER_FP), member(ID_D, 0, FP)]
+    assert disowned_by_its_donor(split[0], split, took) == {ID_C}
+    assert held_by_most(split[0], split) and not held_by_most(split[2], split)
+    assert not held_by_most(split[0], split, ignored=[ID_B, ID_D])  # liars count for nothing
     # A round since the download, the donor at another step or not in the round, no download,
     # a malformed info: no evidence.
     assert not disowned_by_its_donor(
@@ -332,9 +339,12 @@ def test_a_paused_peer_is_neither_donor_nor_witness_while_another_trains() -> No
 def test_a_peer_waiting_for_min_peers_witnesses_a_state_at_its_own_step_only() -> None:
     """A peer "joining" waits for ``--min-peers`` (it started the run or downloaded already): a
     joiner arriving then had no witness at all and took a lying donor's made-up θ on its word.
-    Such a peer is asked now, and counted when it answers for the state's step; at another step
-    (the seed's init after a failed download) or silent, it counts for nothing, where a peer
-    training would make the state unconfirmed or refused."""
+    Such a peer is asked now, when nobody else is there to ask, and counted when it answers for
+    the state's step; at another step (the seed's init after a failed download) or silent, it
+    counts for nothing, where a peer training would make the state unconfirmed or refused.
+    Beside peers that train it is not asked: fresh joiners say "joining" for a moment (their
+    init θ at outer step 0), those at the donor's step are asked first, and a peer at step 232
+    asked only them about a step-0 state (the churn soak) and took it."""
     from concurrent.futures import Future
     from types import SimpleNamespace
 
@@ -359,7 +369,7 @@ def test_a_peer_waiting_for_min_peers_witnesses_a_state_at_its_own_step_only() -
             self.board = _Board(
                 beat("waiting", 4, Stage.JOINING),
                 beat("fetching", 4, Stage.DOWNLOADING),
-                beat("liar", 4, Stage.TRAINING),
+                beat("liar", 4, Stage.JOINING),  # it waits for --min-peers too
             )
             self.vouching, self.answers, self.asked = Vouching(), answers, []
             nobody = Future()
@@ -387,6 +397,11 @@ def test_a_peer_waiting_for_min_peers_witnesses_a_state_at_its_own_step_only() -
     probe.board.beats["waiting"] = beat("waiting", 3, Stage.TRAINING)
     probe.answers["waiting"] = sketched(3, theta)
     assert probe.download_state(timeout=5.0) is None
+    # Beside a peer that trains, one joining is not asked (here it would have confirmed).
+    probe = Probe({"waiting": sketched(4, made_up), "trains": sketched(5, theta)})
+    probe.board.beats["trains"] = beat("trains", 5, Stage.TRAINING)
+    assert probe.download_state(timeout=5.0) is None  # "trains" was past step 4 before: old
+    assert set(probe.asked[0]) == {"trains"}, probe.asked
 
 
 def test_a_donor_its_round_mates_contradict_is_refused_not_ignored() -> None:

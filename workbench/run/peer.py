@@ -357,6 +357,7 @@ class Peer:
                 claimed_ahead,
                 disowned_by_its_donor,
                 diverged_from_group,
+                held_by_most,
                 holding_the_same_state,
             )
 
@@ -364,6 +365,8 @@ class Peer:
             mine = (report.info or info) | {"peer": self.peer_id}
             resync = diverged_from_group(mine, report.group_info, ignored=self.board.ignored)
             disowned = disowned_by_its_donor(mine, report.group_info, self.averager.last_download)
+            if not resync and held_by_most(mine, report.group_info, ignored=self.board.ignored):
+                disowned = set()  # most of the round hold this peer's θ: it stands
             for donor in disowned:
                 logger.warning(
                     "%s: %s served this peer a θ at outer step %d that its own fingerprint in this "
