@@ -187,10 +187,7 @@ def holding_the_same_state(
     me = _parse_info(mine)
     if me is None:
         return set()
-    others = [g for g in map(_parse_info, group) if g is not None and g["peer"] != me["peer"]]
-    return {
-        g["peer"] for g in others if g["outer_step"] == me["outer_step"] and _same_fingerprint(me, g, rel_tol)
-    }
+    return {g["peer"] for g in _at_my_step(me, group) if _same_fingerprint(me, g, rel_tol)}
 
 
 def disowned_by_its_donor(
@@ -220,12 +217,8 @@ def disowned_by_its_donor(
     if me is None or last_download is None or last_download[1] != me["outer_step"]:
         return set()
     donor = last_download[0]
-    theirs = [
-        g
-        for g in map(_parse_info, group)
-        if g is not None and g["peer"] == donor and g["outer_step"] == me["outer_step"]
-    ]
-    disowned = len(theirs) == 1 and donor != me["peer"] and not _same_fingerprint(me, theirs[0], rel_tol)
+    theirs = [g for g in _at_my_step(me, group) if g["peer"] == donor]
+    disowned = len(theirs) == 1 and not _same_fingerprint(me, theirs[0], rel_tol)
     return {donor} if disowned else set()
 
 
@@ -238,15 +231,17 @@ def held_by_most(
     me = _parse_info(mine)
     if me is None:
         return False
-    same = [
+    same = [g for g in _at_my_step(me, group) if g["peer"] not in ignored]
+    return 2 * (1 + sum(_same_fingerprint(me, g, rel_tol) for g in same)) > 1 + len(same)
+
+
+def _at_my_step(me: dict[str, Any], group: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The other members (parsed; those that do not parse left out) at ``me``'s outer step."""
+    return [
         g
         for g in map(_parse_info, group)
-        if g is not None
-        and g["peer"] != me["peer"]
-        and g["peer"] not in ignored
-        and g["outer_step"] == me["outer_step"]
+        if g is not None and g["peer"] != me["peer"] and g["outer_step"] == me["outer_step"]
     ]
-    return 2 * (1 + sum(_same_fingerprint(me, g, rel_tol) for g in same)) > 1 + len(same)
 
 
 def _same_fingerprint(a: dict[str, Any], b: dict[str, Any], rel_tol: float) -> bool:
