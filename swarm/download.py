@@ -50,6 +50,7 @@ class Downloading:
         at_step: int | None = None,
         only: Iterable[str] | None = None,
         since: int | None = None,
+        oldest: int | None = None,
     ) -> OuterState | None:
         """The global state of the most advanced peer whose θ the others confirm, or None if
         nobody served one in time.
@@ -67,7 +68,9 @@ class Downloading:
         now; if it is still the step its last download brought (or the next: the round it
         stepped alone once behind), that download's donor is not asked in this call (its state left this peer behind again: a vouched donor serving a
         made-up θ one step old kept a peer behind for 74 downloads running; an honest donor whose
-        state lagged the swarm is asked again on the next try, if nobody else serves).
+        state lagged the swarm is asked again on the next try, if nobody else serves). ``oldest``:
+        no state at an earlier outer step is taken, whoever confirms it (a peer far into the run
+        that must download again takes no fresh joiner's init, nor a stale donor's state).
         """
         allowed = None if only is None else set(only)
         deadline = time.monotonic() + timeout
@@ -97,6 +100,18 @@ class Downloading:
                     donor[-8:],
                     state.outer_step,
                     at_step,
+                )
+                continue
+            if oldest is not None and state.outer_step < oldest:
+                # Not the donor's fault: it may be an honest peer that has just started, or one
+                # left behind. (The churn soak: a peer at step 232 was offered only a fresh
+                # joiner's step-0 state, nobody could confirm it, and it took it on the donor's word.)
+                logger.info(
+                    "%s served outer step %d, older than this peer's own step allows (%d at the "
+                    "earliest); trying another donor",
+                    donor[-8:],
+                    state.outer_step,
+                    oldest,
                 )
                 continue
             vouched = set(self.vouching.vouched)

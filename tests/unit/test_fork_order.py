@@ -95,6 +95,9 @@ class FakeAverager:
         self.calls.append("serving")
         self.serving = True
 
+    def set_state_priority(self, outer_step):
+        self.priority = outer_step
+
 
 @pytest.mark.parametrize("flags", [(), ("--method", "sparseloco")])  # sparseloco: kept-masks too
 def test_the_averager_starts_before_diloco_copies_theta_and_serves_after(monkeypatch, flags):
@@ -178,3 +181,46 @@ def test_a_data_parallel_peer_clips_its_gradient_and_its_state_keeper_clips_noth
     build_outer(cfg, model, inner, outer)
     assert outer.dp is not None and outer.dp.clip_norm == 0.5 and outer.dp.averager is outer.averager
     assert outer.rounds.config.clip_norm == 0.0 and cfg.diloco.clip_norm == 0.5
+
+
+@pytest.mark.parametrize("joins", [False, True])
+def test_a_joiner_serves_its_state_only_once_its_download_is_done(monkeypatch, joins):
+    """Before its download a joiner holds the seed's init at outer step 0: served, a peer far
+    into the run that had to download was offered it and took it (the churn soak). The run's
+    first peer serves from the start."""
+    import dataclasses
+
+    calls: list[str] = []
+    cfg = config("--rounds", "1")
+    if joins:
+        network = dataclasses.replace(
+            cfg.network,
+            initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"],
+        )
+        cfg = dataclasses.replace(cfg, network=network)
+    peer = peer_module.Peer(cfg)
+
+    def setup():
+        averager = FakeAverager(calls, None, tensors_like=[], state_provider=None)
+        peer.outer = peer_module.OuterLoop(
+            rounds=types.SimpleNamespace(outer_step_count=0), averager=averager, averagers=[averager]
+        )
+        peer.diloco, peer.board, peer.beat = peer.outer.rounds, None, lambda stage=None: None
+        if not cfg.network.initial_peers:
+            peer.outer.start_serving()  # as build_outer(serve=True) does
+
+    def download_state(reason, **kwargs):
+        calls.append("download")
+        peer.diloco.outer_step_count = 7
+        return True
+
+    monkeypatch.setattr(peer, "setup", setup)
+    monkeypatch.setattr(peer, "download_state", download_state)
+    monkeypatch.setattr(peer_module.joining, "peer_batches", lambda *args: None)
+    monkeypatch.setattr(peer_module.joining, "wait_for_peers", lambda *a, **k: calls.append("wait"))
+    monkeypatch.setattr(peer, "evaluate", lambda: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop):
+        peer.run()
+    served = ["averager", "download", "serving", "wait"] if joins else ["averager", "serving", "wait"]
+    assert calls == served
+    assert peer.outer.averager.priority == (7 if joins else 0)  # at the step it downloaded

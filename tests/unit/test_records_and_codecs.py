@@ -663,6 +663,39 @@ def test_one_member_claiming_a_later_step_does_not_send_the_others_to_download()
     assert diverged_from_group(a, [a, *later]) == "behind the group (outer step 5 < 6)"
 
 
+def test_a_peer_far_into_the_run_takes_no_state_older_than_its_own_step() -> None:
+    """The churn soak: a peer at outer step 232 that had to download was offered only a fresh
+    joiner's init at step 0; nobody could confirm or contradict it, and it took it on the
+    donor's word (its eval loss 2.47 -> 5.36). With ``oldest`` such a state is passed over, and
+    the donor is neither blamed nor asked again in this call."""
+    from optim.state import OuterState
+    from swarm.claims import Vouching
+    from swarm.download import Downloading
+
+    asked: list[set[str]] = []
+    served = {"fresh": 0, "ahead": 233}
+
+    class Probe(Downloading):
+        vouching, _refused_donors, peer_id, board = Vouching(), set(), "me", _Board()
+
+        def _fetch_state(self, skipped, distrusted, deadline):
+            asked.append(set(skipped))
+            donor = next((d for d in served if d not in skipped), None)
+            if donor is None:
+                return None
+            state = OuterState(outer_step=served[donor], params=[torch.zeros(2)], momentum=[torch.zeros(2)])
+            return state, donor, b"seed", {}, {}  # nobody else answered: the donor's word
+
+    assert Probe().download_state(since=232).outer_step == 0  # what it did: the first offer taken
+    taken = Probe().download_state(since=232, oldest=231)
+    assert taken.outer_step == 233 and asked[-1] == {"fresh"}
+    served.pop("ahead")
+    probe = Probe()
+    assert probe.download_state(since=232, oldest=231) is None
+    assert not probe._refused_donors  # an honest peer that just started: not blamed
+    assert probe.download_state(since=232, oldest=0).outer_step == 0  # the bound is inclusive
+
+
 def test_a_donor_whose_state_left_this_peer_behind_is_not_asked_first_again() -> None:
     """A vouched donor serving a made-up θ one step old (no peer still holds that step to
     contradict it) kept a peer behind for 74 downloads running: the state left it behind, the

@@ -110,11 +110,12 @@ def download_state(
     avoid: Iterable[str] = (),
     at_step: int | None = None,
     only: Iterable[str] | None = None,
+    oldest: int | None = None,
 ) -> bool:
     """Adopt the global state of the most advanced peer whose θ the others confirm (three
     tries, a second apart); False if nobody could serve it. ``avoid``: peers not to take it from
     (nor ask about it): they hold the θ this peer is leaving. ``at_step``: only a state at that
-    outer step; ``only``: from these donors only."""
+    outer step; ``only``: from these donors only; ``oldest``: no state at an earlier outer step."""
     from workbench.run.progress_bar import progress
 
     started = time.monotonic()
@@ -129,7 +130,7 @@ def download_state(
             averager.on_download = show
             try:
                 state = averager.download_state(
-                    avoid=avoid, at_step=at_step, only=only, since=rounds.outer_step_count
+                    avoid=avoid, at_step=at_step, only=only, since=rounds.outer_step_count, oldest=oldest
                 )
             finally:
                 averager.on_download = None

@@ -28,6 +28,12 @@ class OuterLoop:
     averagers: list[Any]
     dp: DataParallel | None = None
 
+    def start_serving(self) -> None:
+        """Offer the state to joiners (and answer witnesses) from now on, at this peer's step."""
+        for averager in self.averagers:
+            averager.start_serving()
+        self.averager.set_state_priority(self.rounds.outer_step_count)
+
 
 def plane_location(config: RunConfig) -> dict[str, Any]:
     """Where a peer's direct data plane listens, and the host others dial for it (the first
@@ -106,9 +112,12 @@ def start_averagers(
     return outer
 
 
-def build_outer(config: RunConfig, model, inner_optimizer, outer: OuterLoop) -> OuterLoop:
+def build_outer(
+    config: RunConfig, model, inner_optimizer, outer: OuterLoop, *, serve: bool = True
+) -> OuterLoop:
     """The outer optimizer of ``config.method`` on ``model``, averaging with the averagers
-    :func:`start_averagers` started; they serve the state from now on."""
+    :func:`start_averagers` started; they serve the state from now on if ``serve`` (else from
+    :meth:`OuterLoop.start_serving`: a joiner, once its download is done)."""
     if config.outer_method.fragmented:
         streaming_config = StreamingConfig(
             outer=config.diloco, fragments=config.fragments, sync_delay=config.sync_delay, alpha=config.alpha
@@ -130,6 +139,6 @@ def build_outer(config: RunConfig, model, inner_optimizer, outer: OuterLoop) -> 
         outer.dp = DataParallel(model, inner_optimizer, outer.averager, clip_norm=config.diloco.clip_norm)
     else:
         outer.rounds = DiLoCo(model, inner_optimizer, averager=outer.averager, config=config.diloco)
-    for averager in outer.averagers:
-        averager.start_serving()
+    if serve:
+        outer.start_serving()
     return outer

@@ -152,7 +152,10 @@ class Peer:
         self.model, self.inner_optimizer = build_model_and_optimizer(cfg, self.device, self.corpus)
         self.fingerprint()  # of the flags it started with, before any steering
         self._check_manifest()
-        build_outer(cfg, self.model, self.inner_optimizer, self.outer)
+        # A joiner serves its state once its download is done: before, it holds the seed's init
+        # at outer step 0, which a peer far into the run that had to download was offered, and
+        # took (the churn soak).
+        build_outer(cfg, self.model, self.inner_optimizer, self.outer, serve=not cfg.network.initial_peers)
         self.diloco, self.averager, self.dp = self.outer.rounds, self.outer.averager, self.outer.dp
         for averager in self.outer.averagers:  # "serving" is in the heartbeat: say it at once
             averager.serving.on_change = self.publish
@@ -251,10 +254,11 @@ class Peer:
         at_step: int | None = None,
         only: Iterable[str] | None = None,
         stage: Stage = Stage.DOWNLOADING,
+        oldest: int | None = None,
     ) -> bool:
         """Adopt the global state of the most advanced peer (not one of ``avoid``; at
-        ``at_step`` and from ``only`` if given); False if nobody could serve it. ``stage``: the
-        heartbeat's meanwhile."""
+        ``at_step``, from ``only`` and not before outer step ``oldest`` if given); False if nobody
+        could serve it. ``stage``: the heartbeat's meanwhile."""
         self.beat(stage)
         self.in_step = False  # the state restarts the round, whose mates are part-way through it
         return joining.download_state(
@@ -267,6 +271,7 @@ class Peer:
             avoid=avoid,
             at_step=at_step,
             only=only,
+            oldest=oldest,
         )
 
     def run(self) -> dict[str, Any]:
@@ -284,7 +289,8 @@ class Peer:
                     self.diloco.outer_step_count,
                     cfg.peer.rounds,
                 )
-        if cfg.network.initial_peers and not self.download_state("joining"):
+        joined = not cfg.network.initial_peers or self.download_state("joining")
+        if not joined:
             logger.warning(
                 "%s: no peer could serve the global state; starting from the seed's init", self.name
             )
@@ -301,6 +307,8 @@ class Peer:
                 cfg.peer.rounds,
                 reached,
             )
+        if cfg.network.initial_peers:
+            self.outer.start_serving()  # the run's state now (or the seed's init, if nobody served)
         joining.wait_for_peers(
             self.board, self.beat, wanted=cfg.peer.min_peers, timeout=cfg.peer.wait_timeout, name=self.name
         )
@@ -389,7 +397,11 @@ class Peer:
             # Adopt the group's θ before evaluating, so the round's eval loss is that of the
             # params this peer carries on with (and matches the others').
             logger.warning("%s: %s; downloading the global state", self.name, resync)
-            if self.download_state(resync, avoid=outvoted) and claims:
+            # Not a state older than the step this round started from (its mates hold the step after
+            # it, or a later one), whoever confirms it: an older one is a fresh joiner's init or a
+            # donor left behind, and would leave this peer behind at its next round.
+            oldest = self.diloco.outer_step_count - 1
+            if self.download_state(resync, avoid=outvoted, oldest=oldest) and claims:
                 self.averager.settle_claims(claims, self.diloco.outer_step_count)
         evaluated = self.diloco.outer_step_count % cfg.peer.eval_every == 0 or bool(
             cfg.peer.rounds and self.diloco.outer_step_count >= self.config.total_rounds
