@@ -187,6 +187,9 @@ class StateVerdict:
     contradicted: bool = False
     """Peers at the donor's step hold another θ (with ``blame`` or not): not a witness for the
     next donor either. A state refused only because nobody else holds its step is not."""
+    confirmed: bool = False
+    """Taken because another peer at its step holds the same θ (not on the donor's word, nor
+    unconfirmed because the others moved on)."""
 
 
 def judge_state(
@@ -229,12 +232,15 @@ def judge_state(
                 True,
                 f"confirmed by {len(agree & witnesses)} peer(s) that averaged with this one"
                 + (f" ({len(against)} disagree)" if against else ""),
+                confirmed=True,
             )
         # Among strangers the donor is one vote for its own θ: an honest donor outvotes one
         # liar among two others; a lying donor must bring more liars than there are honest peers.
         if not trusted and len(agree) + 1 > len(disagree):
             return StateVerdict(
-                True, f"confirmed by {len(agree)} of {len(at_step)} peers at outer step {step}"
+                True,
+                f"confirmed by {len(agree)} of {len(at_step)} peers at outer step {step}",
+                confirmed=True,
             )
         who = "peers that averaged with this one" if trusted else "most peers"
         return StateVerdict(

@@ -50,7 +50,7 @@ class Downloading:
         at_step: int | None = None,
         only: Iterable[str] | None = None,
         since: int | None = None,
-        oldest: int | None = None,
+        oldest_unconfirmed: int | None = None,
     ) -> OuterState | None:
         """The global state of the most advanced peer whose θ the others confirm, or None if
         nobody served one in time.
@@ -68,9 +68,11 @@ class Downloading:
         now; if it is still the step its last download brought (or the next: the round it
         stepped alone once behind), that download's donor is not asked in this call (its state left this peer behind again: a vouched donor serving a
         made-up θ one step old kept a peer behind for 74 downloads running; an honest donor whose
-        state lagged the swarm is asked again on the next try, if nobody else serves). ``oldest``:
-        no state at an earlier outer step is taken, whoever confirms it (a peer far into the run
-        that must download again takes no fresh joiner's init, nor a stale donor's state).
+        state lagged the swarm is asked again on the next try, if nobody else serves).
+        ``oldest_unconfirmed``: a state at an earlier outer step is taken only if another peer at
+        its step holds the same θ, not on its donor's word (a peer far into the run that must
+        download again takes no fresh joiner's init, nor a stale donor's state; a peer that
+        stepped alone past the swarm still takes the swarm's state, which its holders confirm).
         """
         allowed = None if only is None else set(only)
         deadline = time.monotonic() + timeout
@@ -102,18 +104,6 @@ class Downloading:
                     at_step,
                 )
                 continue
-            if oldest is not None and state.outer_step < oldest:
-                # Not the donor's fault: it may be an honest peer that has just started, or one
-                # left behind. (The churn soak: a peer at step 232 was offered only a fresh
-                # joiner's step-0 state, nobody could confirm it, and it took it on the donor's word.)
-                logger.info(
-                    "%s served outer step %d, older than this peer's own step allows (%d at the "
-                    "earliest); trying another donor",
-                    donor[-8:],
-                    state.outer_step,
-                    oldest,
-                )
-                continue
             vouched = set(self.vouching.vouched)
             verdict = judge_state(
                 state.outer_step,
@@ -123,6 +113,24 @@ class Downloading:
                 vouched=vouched,
                 claims=claims,
             )
+            if (
+                verdict.accept
+                and not verdict.confirmed
+                and oldest_unconfirmed is not None
+                and state.outer_step < oldest_unconfirmed
+            ):
+                # Not the donor's fault: it may be an honest peer that has just started, or one
+                # left behind. (The churn soak: a peer at step 232 was offered only a fresh
+                # joiner's step-0 state, nobody could confirm it, and it took it on the donor's word.)
+                logger.info(
+                    "the state served by %s is at outer step %d, older than %d, and no other peer "
+                    "at its step confirms it (%s); trying another donor",
+                    donor[-8:],
+                    state.outer_step,
+                    oldest_unconfirmed,
+                    verdict.why,
+                )
+                continue
             if verdict.accept:
                 logger.info(
                     "the state served by %s at outer step %d: %s", donor[-8:], state.outer_step, verdict.why

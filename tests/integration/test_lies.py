@@ -5,6 +5,7 @@ because of it, end on the same θ, and `workbench status` shows the liar as igno
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import subprocess
@@ -185,44 +186,7 @@ def test_a_donor_serving_a_made_up_state_is_refused(spawn, tmp_path):
     assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
 
 
-@pytest.mark.faults
-def test_a_joiner_arriving_while_the_others_wait_for_min_peers_refuses_a_made_up_state(spawn, tmp_path):
-    """The liar c joins a first; b joins while a and c wait for ``--min-peers``. A peer waiting
-    was no witness: b took c's made-up θ on c's word, and at the first round c (a round mate
-    now, lying as a witness too) tied with the honest donor a, and b took c's state again,
-    round after round (``make faults``, stop 52). Now a, waiting, witnesses the state at its
-    step: b refuses c's, and ends on a's θ."""
-    liar = tmp_path / "liar.json"
-    FaultPlan(serve_noise=0.05, state_priority=1e6).write(liar)
-    common = [*FAST, "--rounds", "12", "--min-peers", "3", "--run-id", "made-up-state-at-the-start"]
-    started = []
-    try:
-        first = spawn("a", "start", *common)
-        started.append(first)
-        address = first.address()
-        third = spawn("c", "join", address, "--fault-file", str(liar), *common)
-        started.append(third)
-        liar_id = third.wait_event("started")["peer_id"][-8:]
-        third.wait_event("state_downloaded")  # c now waits for --min-peers beside a (and declares
-        # its 10⁶ priority at once: b's first offers come from it)
-        joiner = spawn("b", "join", address, *common)
-        started.append(joiner)
-        for each in started:
-            assert each.wait() == 0, each.stderr()
-    finally:
-        for each in started:
-            each.kill()
-    log = joiner.stderr()
-    assert f"refused the state served by {liar_id}: most peers hold another θ at outer step 0" in log, log[
-        -3000:
-    ]
-    took = [line for line in log.splitlines() if "the state served by" in line and "refused" not in line]
-    assert not any(liar_id in line for line in took), took
-    assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
-
-
-@pytest.mark.faults
-@pytest.mark.parametrize(
+MACHINES = pytest.mark.parametrize(
     "machines",
     [
         "loopback",
@@ -235,6 +199,79 @@ def test_a_joiner_arriving_while_the_others_wait_for_min_peers_refuses_a_made_up
         ),
     ],
 )
+"""Each peer on 127.0.0.1, or on its own machine (``workbench.local.netlab``) started with the
+README's multi-machine flags (``--host 0.0.0.0 --announce ...``)."""
+
+
+class _Peers:
+    """The peers of one test, on 127.0.0.1 or each on its own machine of ``lab`` (a
+    ``workbench.local.netlab.NetLab``) with the README's flags; each killed when the block ends."""
+
+    def __init__(self, spawn, tmp_path, lab=None) -> None:
+        self.spawn, self.tmp_path, self.lab, self.started = spawn, tmp_path, lab, []
+
+    def __enter__(self) -> _Peers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for each in self.started:
+            each.kill()
+
+    def start(self, i: int, *args: str):
+        name = "abcde"[i]
+        if self.lab is None:
+            self.started.append(self.spawn(name, *args))
+        else:
+            flags = [*args, *readme_flags(self.lab, i)]
+            self.started.append(lab_peer(self.lab, i, name, flags, self.tmp_path))
+        return self.started[-1]
+
+    def address(self, peer) -> str:
+        """The address others join ``peer`` at (on its machine's network, in a lab)."""
+        if self.lab is None:
+            return peer.address()
+        return next(a for a in peer.wait_event("started")["addresses"] if self.lab.address(0) in a)
+
+    def wait_all(self) -> None:
+        for each in self.started:
+            assert each.wait() == 0, each.stderr()
+
+
+@pytest.mark.faults
+@MACHINES
+def test_a_joiner_arriving_while_the_others_wait_for_min_peers_refuses_a_made_up_state(
+    spawn, tmp_path, machines
+):
+    """The liar c joins a first; b joins while a and c wait for ``--min-peers``. A peer waiting
+    was no witness: b took c's made-up θ on c's word, and at the first round c (a round mate
+    now, lying as a witness too) tied with the honest donor a, and b took c's state again,
+    round after round (``make faults``, stop 52). Now a, waiting, witnesses the state at its
+    step: b refuses c's, and ends on a's θ."""
+    liar = tmp_path / "liar.json"
+    FaultPlan(serve_noise=0.05, state_priority=1e6).write(liar)
+    common = [*FAST, "--rounds", "12", "--min-peers", "3", "--run-id", "made-up-state-at-the-start"]
+    with contextlib.ExitStack() as stack:
+        lab = stack.enter_context(netlab.NetLab(3, rate=None)) if machines == "netns" else None
+        peers = stack.enter_context(_Peers(spawn, tmp_path, lab))
+        first = peers.start(0, "start", *common)
+        address = peers.address(first)
+        third = peers.start(2, "join", address, "--fault-file", str(liar), *common)
+        liar_id = third.wait_event("started")["peer_id"][-8:]
+        third.wait_event("state_downloaded")  # c now waits for --min-peers beside a (and declares
+        # its 10⁶ priority at once: b's first offers come from it)
+        joiner = peers.start(1, "join", address, *common)
+        peers.wait_all()
+    log = joiner.stderr()
+    assert f"refused the state served by {liar_id}: most peers hold another θ at outer step 0" in log, log[
+        -3000:
+    ]
+    took = [line for line in log.splitlines() if "the state served by" in line and "refused" not in line]
+    assert not any(liar_id in line for line in took), took
+    assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
+
+
+@pytest.mark.faults
+@MACHINES
 def test_a_donor_serving_a_made_up_state_one_step_behind_is_refused(spawn, tmp_path, machines):
     """The same liar labels its made-up θ one outer step older than the swarm is: no honest
     peer holds that step any more, so none can contradict the sketch. The joiner's witnesses
@@ -285,34 +322,17 @@ def _a_joiner_beside_a_lying_donor(
     liar = tmp_path / "liar.json"
     plan.write(liar)
     common = [*FAST, "--rounds", str(JOIN_ROUNDS), *flags]
-    started = []
-
-    def peer(i: int, *args: str):
-        name = "abcde"[i]
-        if lab is None:
-            started.append(spawn(name, *args, *common))
-        else:
-            started.append(lab_peer(lab, i, name, [*args, *common, *readme_flags(lab, i)], tmp_path))
-        return started[-1]
-
-    try:
-        first = peer(0, "start", "--min-peers", "3")
-        if lab is None:
-            address = first.address()
-        else:
-            address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
-        peer(1, "join", address, "--min-peers", "3")
-        third = peer(2, "join", address, "--min-peers", "3", "--fault-file", str(liar))
+    with _Peers(spawn, tmp_path, lab) as peers:
+        first = peers.start(0, "start", "--min-peers", "3", *common)
+        address = peers.address(first)
+        peers.start(1, "join", address, "--min-peers", "3", *common)
+        third = peers.start(2, "join", address, "--min-peers", "3", "--fault-file", str(liar), *common)
         first.wait_event("round", lambda e: e["outer_step"] >= 3 and e["group_size"] == 3, timeout=120)
-        late = [peer(3, "join", address)]
+        late = [peers.start(3, "join", address, *common)]
         for i in range(4, 3 + joiners):
             late[-1].wait_event("state_downloaded", timeout=120)
-            late.append(peer(i, "join", address))
-        for each in started:
-            assert each.wait() == 0, each.stderr()
-    finally:
-        for each in started:
-            each.kill()
+            late.append(peers.start(i, "join", address, *common))
+        peers.wait_all()
     return first, third, late
 
 

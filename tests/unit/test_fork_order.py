@@ -184,29 +184,43 @@ def test_a_data_parallel_peer_clips_its_gradient_and_its_state_keeper_clips_noth
 
 
 @pytest.mark.parametrize("joins", [False, True])
-def test_a_joiner_serves_its_state_only_once_its_download_is_done(monkeypatch, joins):
+def test_a_joiner_serves_its_state_only_once_its_download_is_done(monkeypatch, tmp_path, joins):
     """Before its download a joiner holds the seed's init at outer step 0: served, a peer far
     into the run that had to download was offered it and took it (the churn soak). The run's
     first peer serves from the start."""
     import dataclasses
 
     calls: list[str] = []
-    cfg = config("--rounds", "1")
+    cfg = config("--rounds", "1", "--run-dir", str(tmp_path / "run"))
     if joins:
-        network = dataclasses.replace(
-            cfg.network,
-            initial_peers=["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"],
-        )
-        cfg = dataclasses.replace(cfg, network=network)
+        seed = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+        cfg = dataclasses.replace(cfg, network=dataclasses.replace(cfg.network, initial_peers=[seed]))
     peer = peer_module.Peer(cfg)
 
+    # setup(): the outer loop is built serving or not.
+    session = types.SimpleNamespace(dht=None, board=None, store=None, peer_id="QmPeer")
+    monkeypatch.setattr(peer_module, "connect", lambda network, keys: session)
+    monkeypatch.setattr(peer_module.joining, "check_run_exists", lambda *args: None)
+    monkeypatch.setattr(peer_module, "start_averagers", lambda *args, **kwargs: None)
+    monkeypatch.setattr(peer, "_check_manifest", lambda: None)
+    built: list[bool] = []
+
+    def build_outer(cfg, model, inner, outer, *, serve=True):
+        built.append(serve)
+        raise Stop
+
+    monkeypatch.setattr(peer_module, "build_outer", build_outer)
+    with pytest.raises(Stop):
+        peer.setup()
+    assert built == [not joins]
+
+    # run(): a joiner starts serving after its download, at the step it downloaded.
     def setup():
         averager = FakeAverager(calls, None, tensors_like=[], state_provider=None)
-        peer.outer = peer_module.OuterLoop(
-            rounds=types.SimpleNamespace(outer_step_count=0), averager=averager, averagers=[averager]
-        )
+        rounds = types.SimpleNamespace(outer_step_count=0)
+        peer.outer = peer_module.OuterLoop(rounds=rounds, averager=averager, averagers=[averager])
         peer.diloco, peer.board, peer.beat = peer.outer.rounds, None, lambda stage=None: None
-        if not cfg.network.initial_peers:
+        if not joins:
             peer.outer.start_serving()  # as build_outer(serve=True) does
 
     def download_state(reason, **kwargs):

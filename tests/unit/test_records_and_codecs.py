@@ -6,6 +6,7 @@ Importing swarm.averaging imports hivemind (no DHT or averager is started here).
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -663,17 +664,20 @@ def test_one_member_claiming_a_later_step_does_not_send_the_others_to_download()
     assert diverged_from_group(a, [a, *later]) == "behind the group (outer step 5 < 6)"
 
 
-def test_a_peer_far_into_the_run_takes_no_state_older_than_its_own_step() -> None:
+def test_a_peer_far_into_the_run_takes_an_older_state_only_if_another_peer_holds_it() -> None:
     """The churn soak: a peer at outer step 232 that had to download was offered only a fresh
     joiner's init at step 0; nobody could confirm or contradict it, and it took it on the
-    donor's word (its eval loss 2.47 -> 5.36). With ``oldest`` such a state is passed over, and
-    the donor is neither blamed nor asked again in this call."""
+    donor's word (its eval loss 2.47 -> 5.36). Below ``oldest_unconfirmed`` such a state is
+    passed over (the donor neither blamed nor asked again in this call); one that a peer at its
+    step confirms is taken (a peer that stepped alone past the swarm takes the swarm's state)."""
     from optim.state import OuterState
     from swarm.claims import Vouching
     from swarm.download import Downloading
+    from swarm.sketch import state_sketches
 
     asked: list[set[str]] = []
     served = {"fresh": 0, "ahead": 233}
+    witness: dict[str, int] = {}  # the step at which another peer holds the donor's θ
 
     class Probe(Downloading):
         vouching, _refused_donors, peer_id, board = Vouching(), set(), "me", _Board()
@@ -684,16 +688,52 @@ def test_a_peer_far_into_the_run_takes_no_state_older_than_its_own_step() -> Non
             if donor is None:
                 return None
             state = OuterState(outer_step=served[donor], params=[torch.zeros(2)], momentum=[torch.zeros(2)])
-            return state, donor, b"seed", {}, {}  # nobody else answered: the donor's word
+            answers = {peer: (step, state_sketches(state.params, b"seed")) for peer, step in witness.items()}
+            return state, donor, b"seed", answers, {}  # no answer: the donor's word
 
     assert Probe().download_state(since=232).outer_step == 0  # what it did: the first offer taken
-    taken = Probe().download_state(since=232, oldest=231)
+    taken = Probe().download_state(since=232, oldest_unconfirmed=231)
     assert taken.outer_step == 233 and asked[-1] == {"fresh"}
     served.pop("ahead")
     probe = Probe()
-    assert probe.download_state(since=232, oldest=231) is None
+    assert probe.download_state(since=232, oldest_unconfirmed=231) is None
     assert not probe._refused_donors  # an honest peer that just started: not blamed
-    assert probe.download_state(since=232, oldest=0).outer_step == 0  # the bound is inclusive
+    assert probe.download_state(since=232, oldest_unconfirmed=0).outer_step == 0  # the bound: inclusive
+    witness["w"] = 0  # a peer at step 0 holds it: the swarm is there, this peer ran ahead alone
+    assert Probe().download_state(since=232, oldest_unconfirmed=231).outer_step == 0
+
+
+def test_a_peer_that_resyncs_after_a_round_asks_for_confirmation_below_that_round_s_step(
+    monkeypatch,
+) -> None:
+    """The wiring of the test above: a peer that a round found out of step (its clock at 233
+    after it) downloads with ``oldest_unconfirmed`` 232, the step that round started from; a
+    joiner and a peer ending its run download without it."""
+    from types import SimpleNamespace
+
+    import workbench.run.joining as joining
+    import workbench.run.peer as peer_module
+    from workbench.cli.command import build_config, build_parser
+
+    asked: list[dict] = []
+    averager = SimpleNamespace(
+        download_state=lambda **kwargs: asked.append(kwargs),  # nobody served
+        download_donors=lambda: 1,
+        on_download=None,
+    )
+    monkeypatch.setattr(joining, "time", SimpleNamespace(monotonic=time.monotonic, sleep=lambda s: None))
+    peer = peer_module.Peer(build_config(build_parser().parse_args(["start", "--model", "tiny"])))
+    peer.averager, peer.diloco, peer.beat = (
+        averager,
+        SimpleNamespace(outer_step_count=233),
+        lambda stage: None,
+    )
+    peer.resync("behind the group", avoid={"mate"}, claims={})
+    assert [a["oldest_unconfirmed"] for a in asked] == [232] * 3  # three tries
+    assert all(a["avoid"] == {"mate"} for a in asked)
+    asked.clear()
+    peer.download_state("joining")
+    assert asked and all(a["oldest_unconfirmed"] is None for a in asked)
 
 
 def test_a_donor_whose_state_left_this_peer_behind_is_not_asked_first_again() -> None:

@@ -110,12 +110,13 @@ def download_state(
     avoid: Iterable[str] = (),
     at_step: int | None = None,
     only: Iterable[str] | None = None,
-    oldest: int | None = None,
+    oldest_unconfirmed: int | None = None,
 ) -> bool:
     """Adopt the global state of the most advanced peer whose θ the others confirm (three
     tries, a second apart); False if nobody could serve it. ``avoid``: peers not to take it from
     (nor ask about it): they hold the θ this peer is leaving. ``at_step``: only a state at that
-    outer step; ``only``: from these donors only; ``oldest``: no state at an earlier outer step."""
+    outer step; ``only``: from these donors only; ``oldest_unconfirmed``: a state at an earlier
+    outer step only if another peer at its step confirms it."""
     from workbench.run.progress_bar import progress
 
     started = time.monotonic()
@@ -130,7 +131,11 @@ def download_state(
             averager.on_download = show
             try:
                 state = averager.download_state(
-                    avoid=avoid, at_step=at_step, only=only, since=rounds.outer_step_count, oldest=oldest
+                    avoid=avoid,
+                    at_step=at_step,
+                    only=only,
+                    since=rounds.outer_step_count,
+                    oldest_unconfirmed=oldest_unconfirmed,
                 )
             finally:
                 averager.on_download = None

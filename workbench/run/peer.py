@@ -254,11 +254,12 @@ class Peer:
         at_step: int | None = None,
         only: Iterable[str] | None = None,
         stage: Stage = Stage.DOWNLOADING,
-        oldest: int | None = None,
+        oldest_unconfirmed: int | None = None,
     ) -> bool:
         """Adopt the global state of the most advanced peer (not one of ``avoid``; at
-        ``at_step``, from ``only`` and not before outer step ``oldest`` if given); False if nobody
-        could serve it. ``stage``: the heartbeat's meanwhile."""
+        ``at_step`` and from ``only`` if given; before outer step ``oldest_unconfirmed`` only if
+        another peer confirms it); False if nobody could serve it. ``stage``: the heartbeat's
+        meanwhile."""
         self.beat(stage)
         self.in_step = False  # the state restarts the round, whose mates are part-way through it
         return joining.download_state(
@@ -271,7 +272,7 @@ class Peer:
             avoid=avoid,
             at_step=at_step,
             only=only,
-            oldest=oldest,
+            oldest_unconfirmed=oldest_unconfirmed,
         )
 
     def run(self) -> dict[str, Any]:
@@ -394,15 +395,7 @@ class Peer:
             self.save_checkpoint()
         self.in_step = report.group_size > 1 and not report.pending
         if resync:
-            # Adopt the group's θ before evaluating, so the round's eval loss is that of the
-            # params this peer carries on with (and matches the others').
-            logger.warning("%s: %s; downloading the global state", self.name, resync)
-            # Not a state older than the step this round started from (its mates hold the step after
-            # it, or a later one), whoever confirms it: an older one is a fresh joiner's init or a
-            # donor left behind, and would leave this peer behind at its next round.
-            oldest = self.diloco.outer_step_count - 1
-            if self.download_state(resync, avoid=outvoted, oldest=oldest) and claims:
-                self.averager.settle_claims(claims, self.diloco.outer_step_count)
+            self.resync(resync, avoid=outvoted, claims=claims)
         evaluated = self.diloco.outer_step_count % cfg.peer.eval_every == 0 or bool(
             cfg.peer.rounds and self.diloco.outer_step_count >= self.config.total_rounds
         )
@@ -410,6 +403,19 @@ class Peer:
             eval_loss = self.evaluate()
         self._report_round(report, info, eval_loss, resync, round_start, compute, evaluated)
         return eval_loss
+
+    def resync(self, why: str, *, avoid: set[str], claims: dict[str, int]) -> None:
+        """Adopt the swarm's θ after a round that found this peer out of step (``why``): not from
+        ``avoid`` (round mates holding the θ it leaves); ``claims``, who said it was behind, the
+        download must bear out. Before the round's eval, whose loss is then that of the params
+        this peer carries on with (and matches the others')."""
+        logger.warning("%s: %s; downloading the global state", self.name, why)
+        # A state older than the step this round started from only if another peer at its step
+        # holds it: else it is a fresh joiner's init or a donor left behind (the churn soak), taken
+        # on the donor's word. (A peer that stepped alone past the swarm takes the swarm's state.)
+        oldest = self.diloco.outer_step_count - 1
+        if self.download_state(why, avoid=avoid, oldest_unconfirmed=oldest) and claims:
+            self.averager.settle_claims(claims, self.diloco.outer_step_count)
 
     def evaluate(self) -> float:
         """The held-out loss of the swarm's model, θ_global (what ``global_params.pt`` keeps and
