@@ -514,6 +514,50 @@ its token served (asking for nothing after the first slice; a new offer once it 
 until the ``stop`` file appears."""
 
 
+@contextlib.contextmanager
+def _fresh_keys_beside_a_peer(
+    tmp_path: Path, lab: Any, run_id: str, flags: list[str], script: str, count: int
+) -> Iterator[Any]:
+    """On the lab's machine 0, peer a of run ``run_id`` (FAST, ``flags`` and the README's
+    flags), two rounds in; on machine 1, ``script`` for ``count`` fresh keys (its argv: a's
+    address, its group's key prefix, its peer id, ``count``, machine 1's address, the stop
+    file). Yields ``run``: ``keys`` (their process, stdout piped), ``peers`` (a, and those
+    ``run.join(machine, name)`` started), ``stop``; when the block ends the stop file is
+    touched and every process killed."""
+    from types import SimpleNamespace
+
+    from swarm.records import RunKeys
+
+    stop = tmp_path / "stop"
+    common = [*FAST, "--run-id", run_id, *flags]
+    first = lab_peer(lab, 0, "a", ["start", *common, *readme_flags(lab, 0)], tmp_path)
+    run = SimpleNamespace(peers=[first], keys=None, stop=stop)
+    try:
+        started = first.wait_event("started")
+        address = next(a for a in started["addresses"] if lab.address(0) in a)
+        first.wait_event("round", lambda e: e["outer_step"] >= 2, timeout=120)
+        argv = [address, RunKeys(run_id).group("diloco"), started["peer_id"]]
+        argv += [str(count), lab.address(1), str(stop)]
+        run.keys = subprocess.Popen(
+            lab.command(1, [sys.executable, "-c", script, *argv]),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+
+        def join(machine: int, name: str):
+            argv = ["join", address, *common, *readme_flags(lab, machine)]
+            run.peers.append(lab_peer(lab, machine, name, argv, tmp_path))
+            return run.peers[-1]
+
+        run.join = join
+        yield run
+    finally:
+        stop.touch()
+        if run.keys is not None:
+            kill_group(run.keys)
+        for peer in run.peers:
+            peer.kill()
+
+
 @NETNS
 @pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
 def test_fresh_keys_on_one_machine_leave_a_joiner_its_direct_download(tmp_path):
@@ -522,43 +566,25 @@ def test_fresh_keys_on_one_machine_leave_a_joiner_its_direct_download(tmp_path):
     is cut); from a third, a joiner. The keys' machine holds at most MAX_PER_ADDRESS of the
     donor's slots, and the joiner downloads over the direct transport beside them (before, the
     keys held every slot, and joiners fell back to hivemind's stream)."""
-    from swarm.records import RunKeys
     from swarm.state_transfer import MAX_PER_ADDRESS
 
-    stop = tmp_path / "stop"
-    with netlab.NetLab(3, rate=None) as lab:
-        common = [*FAST, "--run-id", "fresh-keys"]
-        first = lab_peer(lab, 0, "a", ["start", *common, *readme_flags(lab, 0)], tmp_path)
-        peers, keys = [first], None
-        try:
-            started = first.wait_event("started")
-            address = next(a for a in started["addresses"] if lab.address(0) in a)
-            first.wait_event("round", lambda e: e["outer_step"] >= 2, timeout=120)
-            argv = [address, RunKeys("fresh-keys").group("diloco"), started["peer_id"]]
-            argv += [str(MAX_CONNECTIONS + 2), lab.address(1), str(stop)]
-            keys = subprocess.Popen(
-                lab.command(1, [sys.executable, "-c", FRESH_KEYS, *argv]),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            )  # fmt: skip
-            deadline = time.monotonic() + 180  # the keys hold their slots before the joiner comes
-            while time.monotonic() < deadline:
-                if not select.select([keys.stdout], [], [], 1.0)[0]:
-                    continue
-                line = keys.stdout.readline()
-                if not line or json.loads(line).get("holding", 0) >= MAX_PER_ADDRESS:
-                    break
-            joiner = lab_peer(lab, 2, "d", ["join", address, *common, *readme_flags(lab, 2)], tmp_path)
-            peers.append(joiner)
-            joiner.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
-            stop.touch()
-            out, err = keys.communicate(timeout=60)
-            interrupt_all(peers)
-        finally:
-            stop.touch()
-            if keys is not None:
-                kill_group(keys)
-            for peer in peers:
-                peer.kill()
+    with (
+        netlab.NetLab(3, rate=None) as lab,
+        _fresh_keys_beside_a_peer(tmp_path, lab, "fresh-keys", [], FRESH_KEYS, MAX_CONNECTIONS + 2) as run,
+    ):
+        deadline = time.monotonic() + 180  # the keys hold their slots before the joiner comes
+        while time.monotonic() < deadline:
+            if not select.select([run.keys.stdout], [], [], 1.0)[0]:
+                continue
+            line = run.keys.stdout.readline()
+            if not line or json.loads(line).get("holding", 0) >= MAX_PER_ADDRESS:
+                break
+        joiner = run.join(2, "d")
+        joiner.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+        run.stop.touch()
+        out, err = run.keys.communicate(timeout=60)
+        interrupt_all(run.peers)
+    first = run.peers[0]
     verdict = json.loads(out.strip().splitlines()[-1])
     assert verdict["most"] == MAX_PER_ADDRESS, (verdict, err[-2000:])
     log = joiner.stderr()
@@ -606,38 +632,21 @@ def test_fresh_keys_on_one_machine_leave_a_joiner_a_state_stream(tmp_path):
     the donor's stream and stop reading. They get one stream between them, and a joiner on a
     third machine downloads the state beside it (before, they held all MAX_STREAMS, and the
     donor refused the joiner until it cut them)."""
-    from swarm.records import RunKeys
     from swarm.state_sharing import MAX_STREAMS
 
-    stop = tmp_path / "stop"
-    with netlab.NetLab(3, rate=None) as lab:
-        common = [*FAST, "--run-id", "stream-keys", "--data-plane", "hivemind"]
-        first = lab_peer(lab, 0, "a", ["start", *common, *readme_flags(lab, 0)], tmp_path)
-        peers, keys = [first], None
-        try:
-            started = first.wait_event("started")
-            address = next(a for a in started["addresses"] if lab.address(0) in a)
-            first.wait_event("round", lambda e: e["outer_step"] >= 2, timeout=120)
-            argv = [address, RunKeys("stream-keys").group("diloco"), started["peer_id"]]
-            argv += [str(MAX_STREAMS), lab.address(1), str(stop)]
-            keys = subprocess.Popen(
-                lab.command(1, [sys.executable, "-c", STREAM_KEYS, *argv]),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            )  # fmt: skip
-            assert select.select([keys.stdout], [], [], 120)[0], "the keys never reported"
-            held = json.loads(keys.stdout.readline() or "{}")
-            joiner = lab_peer(lab, 2, "d", ["join", address, *common, *readme_flags(lab, 2)], tmp_path)
-            peers.append(joiner)
-            joiner.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
-            stop.touch()
-            keys.communicate(timeout=60)
-            interrupt_all(peers)
-        finally:
-            stop.touch()
-            if keys is not None:
-                kill_group(keys)
-            for peer in peers:
-                peer.kill()
+    flags = ["--data-plane", "hivemind"]
+    with (
+        netlab.NetLab(3, rate=None) as lab,
+        _fresh_keys_beside_a_peer(tmp_path, lab, "stream-keys", flags, STREAM_KEYS, MAX_STREAMS) as run,
+    ):
+        assert select.select([run.keys.stdout], [], [], 120)[0], "the keys never reported"
+        held = json.loads(run.keys.stdout.readline() or "{}")
+        joiner = run.join(2, "d")
+        joiner.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+        run.stop.touch()
+        run.keys.communicate(timeout=60)
+        interrupt_all(run.peers)
+    first = run.peers[0]
     assert held == {"held": 1}, held
     joined = joiner.wait_event("started")["peer_id"]
     assert joiner.events("state_downloaded"), joiner.stderr()[-3000:]
