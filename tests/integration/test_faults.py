@@ -98,7 +98,7 @@ def test_a_peer_killed_mid_run_does_not_stall_the_others(spawn, scenario, mode):
     first.wait_event("round", lambda e: e["outer_step"] >= step + 2, timeout=60)
     assert time.monotonic() - killed < 8 + 12  # one averaging timeout plus the heartbeat TTL
     for peer in (first, second):
-        assert peer.wait() == 0, peer.stderr()
+        assert peer.wait(progressing=True) == 0, peer.stderr()
         assert all(math.isfinite(r["eval_loss"]) for r in peer.events("round"))
     after = [e for peer in (first, second) for e in _after(peer.events("round"), killed_at)]
     together = sorted(e["time"] for e in after if e["group_size"] >= 2 and not e["alone_reason"])
@@ -150,7 +150,7 @@ def test_a_donor_killed_mid_download_the_joiner_takes_another(spawn, scenario, t
     joined = joiner.wait_event("state_downloaded", timeout=90)
     assert joined["reason"] == "joining"
     for peer in (other, joiner):
-        assert peer.wait() == 0, peer.stderr()
+        assert peer.wait(progressing=True) == 0, peer.stderr()
         assert all(math.isfinite(r["eval_loss"]) for r in peer.events("round"))
     together = [e for e in joiner.events("round") if e["group_size"] >= 2]
     scenario.update(
@@ -180,7 +180,7 @@ def test_donors_sending_slices_that_do_not_match_their_hashes_are_dropped(spawn,
     joiner = spawn("c", "join", first.address(), second.address(), *common)
     joined = joiner.wait_event("state_downloaded", timeout=90)
     for peer in (first, second, joiner):
-        assert peer.wait() == 0, peer.stderr()
+        assert peer.wait(progressing=True) == 0, peer.stderr()
     log = joiner.stderr()
     assert "does not match the hash it offered" in log, log[-3000:]
     assert "direct state download failed" in log and "trying hivemind's stream" in log
@@ -237,7 +237,7 @@ def test_a_trimmed_mean_shrugs_off_one_bad_peer(spawn, scenario, tmp_path):
     bad.wait_event("round", lambda e: "sending a corrupt" in bad.stderr(), timeout=60)
     FaultPlan(corrupt_next=1, oversize_next=1).write(faults)
     for peer in (first, second, bad):
-        assert peer.wait() == 0, peer.stderr()
+        assert peer.wait(progressing=True) == 0, peer.stderr()
     assert "sending a corrupt (NaN) update" in bad.stderr()
     assert "sending 1000x this round's update" in bad.stderr()
     for peer in (first, second, bad):

@@ -233,8 +233,9 @@ class _Peers:
         return next(a for a in peer.wait_event("started")["addresses"] if self.lab.address(0) in a)
 
     def wait_all(self) -> None:
+        """Until every peer ends its run (each as long as it keeps writing events)."""
         for each in self.started:
-            assert each.wait() == 0, each.stderr()
+            assert each.wait(progressing=True) == 0, each.stderr()
 
 
 @pytest.mark.faults
