@@ -95,10 +95,13 @@ def quiet_handle_sharing() -> None:
 
 
 class _CancelledStepNoise(logging.Filter):
-    """asyncio's report of hivemind's own clean-up when a step is cancelled mid-matchmaking
-    (this peer gave up on a round, or was suspended past it): an async generator closed twice
-    raises in a task nobody awaits. Nothing is lost (the round already fell back); it goes to
-    the debug log, not the user's.
+    """asyncio's reports of hivemind's own clean-up when a step is cancelled: mid-matchmaking
+    (this peer gave up on a round, or was suspended past it), an async generator closed twice
+    raises in a task nobody awaits; mid-all-reduce (hivemind's path), the all-reduce's future is
+    given the cancellation as its exception (``AllReduceRunner.finalize``) and nobody reads it
+    ("Future exception was never retrieved ... CancelledError" with a traceback, in a peer's log
+    in ``make faults``). Nothing is lost (the round already fell back); they go to the debug
+    log, not the user's.
 
     "Task was destroyed but it is pending!" from hivemind's averaging was filtered here too,
     as noise. It was not: the destroyed clean-up left matchmaking's locks held and the peer out
@@ -108,8 +111,11 @@ class _CancelledStepNoise(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
-        noise = text.startswith("Task exception was never retrieved") and (
-            "asynchronous generator is already running" in text
+        noise = (
+            text.startswith("Task exception was never retrieved")
+            and "asynchronous generator is already running" in text
+        ) or (
+            text.startswith("Future exception was never retrieved") and "exception=CancelledError()" in text
         )
         if noise:
             logger.debug("hivemind, after a cancelled step: %s", text.splitlines()[0])
