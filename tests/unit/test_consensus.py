@@ -91,3 +91,33 @@ def test_a_trimmed_mean_is_checked_for_agreement(codec):
     nan_got = Post(nan.sent, nan.own_norm, (float("nan"),) * ROWS).to_bytes()
     assert "not finite" in disagreement([posts[0], nan_norm, posts[2]], codec, linear=False)
     assert "non-finite result" in disagreement([posts[0], nan_got, posts[2]], codec, linear=False)
+
+
+def test_a_reducer_whose_stream_back_fails_dooms_the_round_and_leaves_no_error_unread(monkeypatch):
+    """swarm.butterfly: a reducer's stream back to a member ends early (it "sent 11 parts, but we
+    expected 12", seen under load in a private run across machines): the member drops it, so the
+    round fails (``doomed``), and the task ends without an error. Raised, it was read only by
+    hivemind's clean-up, which an abandoned all-reduce never runs: it reached the user's log as
+    "Task exception was never retrieved" with a traceback, in a round the peer then averaged."""
+    import asyncio
+
+    from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.averaging.partition import AllreduceException
+
+    from swarm.butterfly import MeanReplies
+
+    async def truncated(self, peer_id):
+        raise AllreduceException(f"peer {peer_id} sent 11 parts, but we expected 12")
+
+    monkeypatch.setattr(AllReduceRunner, "_communicate_with_peer", truncated)
+
+    async def member():
+        runner = object.__new__(MeanReplies)  # only what the failure path touches
+        runner.peer_id, runner.dropped, runner.doomed = "member", set(), asyncio.Event()
+        task = asyncio.create_task(runner._communicate_with_peer("reducer"))
+        await asyncio.wait({task})
+        return runner, task
+
+    runner, task = asyncio.run(member())
+    assert task.exception() is None
+    assert runner.dropped == {"reducer"} and runner.doomed.is_set()
