@@ -73,6 +73,24 @@ def paced_join(spawn, tmp_path: Path, common: list[str], *, after: int) -> tuple
     return first, second, third
 
 
+STEADY_MS = 100
+"""The pace of :func:`steady` peers: 5 inner steps of 100 ms, a round of about 0.7 s."""
+
+
+def steady(tmp_path: Path) -> list[str]:
+    """Flags that pace a peer's inner steps to :data:`STEADY_MS` (the lab's throttle, through a
+    fault file), for peers that only have to keep averaging while the test does something else
+    (a CLI, a helper process, a heartbeat's TTL). At full speed their rounds (0.1-0.4 s) took
+    the CPU that the suite's other tests run on (`make test`'s two workers share two cores):
+    the steering test's pair averaged 170 rounds, a lone peer 147, to prove what ten prove."""
+    from swarm.faults import FaultPlan
+
+    path = tmp_path / "steady.json"
+    if not path.exists():
+        FaultPlan(throttle_ms=STEADY_MS).write(path)
+    return ["--fault-file", str(path)]
+
+
 def verbose_flag() -> list[str]:
     """``-v`` / ``-vv`` for the peers of the tests named in ``WB_TEST_VERBOSE``
     (``<part of the test's name>[:<level>]``, docs/development.md), else nothing."""

@@ -26,6 +26,7 @@ from tests.integration.conftest import (
     lab_peer,
     max_abs_diff,
     readme_flags,
+    steady,
     workbench,
 )
 from workbench.local import netlab
@@ -62,13 +63,13 @@ while True:
         "absurd",
     ],
 )
-def test_a_lying_heartbeat_moves_nothing(spawn, mode):
+def test_a_lying_heartbeat_moves_nothing(spawn, tmp_path, mode):
     # No --rounds: a fixed-length run (14 rounds take ~15 s) could end on a loaded machine
     # before the liar and then `status` (two more processes importing torch and joining the
     # DHT) were up, leaving nothing to observe. The peers train until the test has seen the
     # lie ignored and them averaging past it, and are then stopped together with Ctrl+C.
     run_id = f"lies-{mode}"
-    common = [*FAST, "--run-id", run_id]
+    common = [*FAST, "--run-id", run_id, *steady(tmp_path)]
     first = spawn("a", "start", *common, "--min-peers", "2")
     second = spawn("b", "join", first.address(), *common)
     first.wait_event("round", lambda e: e["outer_step"] >= 1)

@@ -26,7 +26,7 @@ from swarm.monitor import SwarmMonitor, dht_reader, replay
 from swarm.records import ControlState, PeerHeartbeat, RunKeys, Stage
 from swarm.session import connect
 from swarm.store import SignedStore
-from tests.integration.conftest import FAST, interrupt_all, max_abs_diff, workbench, workbench_all
+from tests.integration.conftest import FAST, interrupt_all, max_abs_diff, steady, workbench, workbench_all
 
 
 def observer(address: str, keys: RunKeys, **options):
@@ -175,11 +175,11 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
     assert all(torch.equal(x, y) for x, y in zip(*params))
 
 
-def test_steering_reaches_every_peer(spawn):
+def test_steering_reaches_every_peer(spawn, tmp_path):
     # No --rounds: with a fixed length the first peer, alone during the pause, could finish the
     # run before the resume on a loaded machine (its rounds alone take ~0.1 s), and the second
     # would then end it alone on its own θ. Both are stopped with Ctrl+C once they agree again.
-    common = [*FAST, "--run-id", "steer"]
+    common = [*FAST, "--run-id", "steer", *steady(tmp_path)]
     first = spawn("a", "start", *common, "--min-peers", "2")
     address = first.address()
     second = spawn("b", "join", address, *common)
@@ -275,10 +275,10 @@ def test_steering_reaches_every_peer(spawn):
 
 
 def test_a_killed_peer_shows_as_left_within_its_ttl(spawn, tmp_path):
-    # Until Ctrl+C: alone, the survivor's rounds take about 0.2 s, and the late joiner below
+    # Until Ctrl+C: alone, the survivor's rounds take about 0.7 s (steady), and the late joiner below
     # needs the run's first peer (its bootstrap) alive for the 5-20 s it takes to start (with
     # --rounds 100 the survivor was at round 45 when the test ended: 11 s to spare).
-    common = [*FAST, "--run-id", "crash", "--rounds", "0"]
+    common = [*FAST, "--run-id", "crash", "--rounds", "0", *steady(tmp_path)]
     first = spawn("a", "start", *common, "--min-peers", "2")
     address = first.address()
     second = spawn("b", "join", address, *common)
@@ -443,7 +443,7 @@ def test_closing_the_monitors_terminal_stops_it_and_its_dht_processes(spawn, tmp
 
     import psutil
 
-    peer = spawn("a", "start", *FAST, "--run-id", "hangup", "--rounds", "300")
+    peer = spawn("a", "start", *FAST, *steady(tmp_path), "--run-id", "hangup", "--rounds", "300")
     peer.wait_event("round")
     leader, follower = pty.openpty()
     monitor = subprocess.Popen(

@@ -31,12 +31,14 @@ from tests.integration.conftest import (
     FAST,
     NETNS,
     README_PORT,
+    STEADY_MS,
     PeerProcess,
     interrupt_all,
     kill_group,
     lab_peer,
     max_abs_diff,
     readme_flags,
+    steady,
 )
 from workbench.local import netlab
 
@@ -115,7 +117,7 @@ async def _ask_boards(address: str, prefix: str, peer_ids: list[str]) -> list[di
     return answers
 
 
-def test_outsiders_reach_no_ring_and_no_board(spawn):
+def test_outsiders_reach_no_ring_and_no_board(spawn, tmp_path):
     """Two peers average over the direct plane while an outsider probes every port they listen
     on as a TCPStore client and asks their boards for ring keys: it gets nothing, nothing
     listens wider than --host, and every round is a direct pair round on the same θ."""
@@ -124,7 +126,7 @@ def test_outsiders_reach_no_ring_and_no_board(spawn):
     # No --rounds: a fixed-length run could end on a loaded machine before the probes ran
     # (then they prove nothing). The peers train until the probes are done and they have
     # averaged 3 more rounds, and are then stopped together with Ctrl+C.
-    common = [*FAST, "--min-peers", "2", "--run-id", "outsider"]
+    common = [*FAST, "--min-peers", "2", "--run-id", "outsider", *steady(tmp_path)]
     first = spawn("a", "start", *common)
     second = spawn("b", "join", first.address(), *common)
     first.wait_event("round", lambda e: e["outer_step"] >= 1)
@@ -428,12 +430,13 @@ def test_a_joiner_on_another_machine_downloads_over_the_direct_transport(tmp_pat
     listener without the token of an offer: it gets not one byte, every connection is closed
     within the token's wait, and the three go on averaging."""
     service = README_PORT + 1
-    FaultPlan(offer_loopback_port=service).write(tmp_path / "liar.json")
+    # Its own fault file (after common's, which paces the others: steady) paces it as well.
+    FaultPlan(offer_loopback_port=service, throttle_ms=STEADY_MS).write(tmp_path / "liar.json")
     with netlab.NetLab(3, rate=None) as lab, _service_on_loopback(lab, 2, service) as connections:
         peers, _, together, attacked = _a_third_machine_joins(
             lab,
             tmp_path,
-            [*FAST, "--run-id", "readme-join"],
+            [*FAST, "--run-id", "readme-join", *steady(tmp_path)],
             first_flags=["--fault-file", str(tmp_path / "liar.json")],
             after_download=lambda first: _stranger_at_the_state_listener(lab, first),
         )
@@ -570,7 +573,9 @@ def test_fresh_keys_on_one_machine_leave_a_joiner_its_direct_download(tmp_path):
 
     with (
         netlab.NetLab(3, rate=None) as lab,
-        _fresh_keys_beside_a_peer(tmp_path, lab, "fresh-keys", [], FRESH_KEYS, MAX_CONNECTIONS + 2) as run,
+        _fresh_keys_beside_a_peer(
+            tmp_path, lab, "fresh-keys", steady(tmp_path), FRESH_KEYS, MAX_CONNECTIONS + 2
+        ) as run,
     ):
         deadline = time.monotonic() + 180  # the keys hold their slots before the joiner comes
         while time.monotonic() < deadline:
@@ -634,7 +639,7 @@ def test_fresh_keys_on_one_machine_leave_a_joiner_a_state_stream(tmp_path):
     donor refused the joiner until it cut them)."""
     from swarm.state_sharing import MAX_STREAMS
 
-    flags = ["--data-plane", "hivemind"]
+    flags = ["--data-plane", "hivemind", *steady(tmp_path)]
     with (
         netlab.NetLab(3, rate=None) as lab,
         _fresh_keys_beside_a_peer(tmp_path, lab, "stream-keys", flags, STREAM_KEYS, MAX_STREAMS) as run,
@@ -695,14 +700,13 @@ def _a_third_machine_joins(
     ``after_download`` gave."""
     peers: list[PeerProcess] = []
 
-    def start(i: int, args: list[str]) -> PeerProcess:
-        peers.append(
-            lab_peer(lab, i, "abc"[i], [*args, *common, "--rounds", "0", *readme_flags(lab, i)], tmp_path)
-        )
+    def start(i: int, args: list[str], flags: Sequence[str] = ()) -> PeerProcess:
+        argv = [*args, *common, *flags, "--rounds", "0", *readme_flags(lab, i)]  # flags: after common's
+        peers.append(lab_peer(lab, i, "abc"[i], argv, tmp_path))
         return peers[-1]
 
     try:
-        first = start(0, ["start", "--min-peers", "2", *first_flags])
+        first = start(0, ["start", "--min-peers", "2"], first_flags)
         address = next(a for a in first.wait_event("started")["addresses"] if lab.address(0) in a)
         start(1, ["join", address])
         first.wait_event("round", lambda e: e["outer_step"] >= 2 and e["group_size"] == 2, timeout=120)

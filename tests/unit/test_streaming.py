@@ -253,6 +253,9 @@ def test_a_state_served_while_a_fragment_is_in_flight_is_the_state_once_it_lands
     inner = torch.optim.AdamW(model.parameters(), lr=0.05)
     gates = [_Gated(), _Gated()]
     rounds = StreamingRounds(StreamingDiLoCo(model, inner, gates, config))
+    # The trainer (this thread) takes no inner step while the asker waits: the asker copies
+    # AdamW's state itself once no step boundary came in this long (5 s by default, 20 s here).
+    rounds.inner_copies.wait = 0.1
     data = stream(0)
     for sync in range(4):  # fragments 0, 1, 0, 1: the last two merge onto existing momentum
         _train(model, inner, data, rounds.steps_per_round, rounds.note_inner_step)
