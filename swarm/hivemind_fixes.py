@@ -1,5 +1,6 @@
-"""Fixes to hivemind's step control and to its futures' process-shared locks (:class:`_BoundedLock`),
-applied once on import (by :mod:`swarm.group_averager`), :func:`keep_tasks_alive` for the
+"""Fixes to hivemind's step control, to its futures' process-shared locks (:class:`_BoundedLock`)
+and to the pace of its matchmaking's leader search (:func:`_paced_leader_search`), applied once
+on import (by :mod:`swarm.group_averager`), :func:`keep_tasks_alive` for the
 averager process's event loop, and :class:`ExpectedMembers`, a group target made of peer ids."""
 
 from __future__ import annotations
@@ -7,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from hivemind.averaging.control import StepControl
+from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
@@ -49,6 +52,38 @@ def _quiet_cancelled_result(original: Callable[[Any, Any], None]) -> Callable[[A
 
 
 StepControl.set_result = _quiet_cancelled_result(StepControl.set_result)
+
+LEADER_SEARCH_PERIOD = 0.1
+"""Seconds at least between two of an averager's searches for a group's leaders (a DHT lookup
+each, with ``latest=True``: a round trip to the nodes that hold the key, not a local read)."""
+
+
+def _paced_leader_search(original: Callable[..., Any]) -> Callable[..., Any]:
+    """hivemind's matchmaking searches the DHT for leaders again as soon as a search finds none
+    it can join (``PotentialLeaders.pop_next_leader`` asks for an update, the update answers at
+    once): a member left alone in matchmaking searched as fast as the DHT answered, for the
+    step's whole timeout. Seen when a round mate was killed after the barrier counted it in: for
+    the 30 s until the step gave up, the survivor's averager and DHT processes used about 0.4 of
+    a core each, and each search was a network lookup (at scale, every member of every group
+    whose mate died, at tens of lookups a second). Paced, a search waits for the one before it
+    plus :data:`LEADER_SEARCH_PERIOD`; a leader that declares meanwhile is found that much later
+    at most."""
+
+    async def get_averagers(self: Any, group_key: Any, only_active: bool) -> Any:
+        wait = getattr(self, "_next_leader_search", 0.0) - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        try:
+            return await original(self, group_key, only_active)
+        finally:
+            self._next_leader_search = time.monotonic() + LEADER_SEARCH_PERIOD
+
+    get_averagers.paced = True  # type: ignore[attr-defined]
+    return get_averagers
+
+
+if not getattr(GroupKeyManager.get_averagers, "paced", False):
+    GroupKeyManager.get_averagers = _paced_leader_search(GroupKeyManager.get_averagers)
 
 
 LOCK_WAIT = 2.0

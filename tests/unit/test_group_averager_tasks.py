@@ -240,3 +240,40 @@ def test_the_handler_is_served_as_hivemind_s_streamed_rpc():
         return found.request_type, found.response_type, found.stream_input, found.stream_output
 
     assert handler(GroupAverager) == handler(DecentralizedAverager)
+
+
+def test_a_member_alone_in_matchmaking_searches_the_dht_for_leaders_at_a_bounded_pace():
+    """hivemind's matchmaking, with nobody to join (a round mate killed after the barrier counted
+    it in): its leader search asked the DHT again as soon as a search found nobody, as fast as
+    the DHT answered, for the step's whole timeout (the survivor's averager and DHT processes at
+    0.4 of a core each; with ``latest=True`` every search is a network lookup). Paced
+    (swarm.hivemind_fixes: ``LEADER_SEARCH_PERIOD``): about one search per period. hivemind's
+    own search, a DHT that answers at once."""
+    import contextlib
+
+    from hivemind.averaging.key_manager import GroupKeyManager
+    from hivemind.averaging.matchmaking import PotentialLeaders
+    from hivemind.p2p import PeerID
+
+    from swarm.hivemind_fixes import LEADER_SEARCH_PERIOD
+
+    class NobodyDeclared:  # the DHT as the survivor sees it
+        peer_id = PeerID(b"survivor")
+        searches = 0
+
+        async def get(self, key, latest, return_future):
+            self.searches += 1
+            return None
+
+    dht = NobodyDeclared()
+    keys = GroupKeyManager(dht, "run", "", target_group_size=None)
+    seconds = 1.0
+
+    async def matchmaking() -> None:
+        leaders = PotentialLeaders(dht.peer_id, min_matchmaking_time=1.0, target_group_size=None)
+        async with leaders.begin_search(SimpleNamespace(deadline=None), keys, declare=False):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(leaders.pop_next_leader(), seconds)
+
+    asyncio.run(matchmaking())
+    assert 1 <= dht.searches <= seconds / LEADER_SEARCH_PERIOD + 2, dht.searches
