@@ -25,6 +25,15 @@ from swarm.records import PeerHeartbeat, Stage
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+POLL_FIRST = 0.1
+"""The barrier reads the board this often in its first second of waiting, then every
+:data:`POLL_SHARE` of the time it has waited, :data:`POLL_MOST` s apart at most (and never past
+one of its deadlines). Each read is a DHT lookup of the run's one heartbeat key (``latest``: a
+round trip to the nodes that hold it): at ten a second, every peer waiting out a straggler's
+round made that key the swarm's hot spot, and a 30 s wait cost 300 lookups (now 56)."""
+POLL_SHARE = 0.1
+POLL_MOST = 1.0
+
 
 class Verdict(enum.Enum):
     """What the round barrier decided."""
@@ -288,7 +297,7 @@ class RoundBarrier:
             if waiting != waited_for:
                 logger.debug("round %d: waiting for %s", outer_step + 1, ", ".join(waiting))
                 waited_for = waiting
-            self.sleep(0.1)
+            self.sleep(_poll_pause(now - started, [d - now for d in (grace, started + limit)]))
 
     def _done(self, peer: PeerHeartbeat, outer_step: int) -> bool:
         """Whether ``peer`` is done with its rounds, so no mate for round ``outer_step``.
@@ -320,3 +329,14 @@ class RoundBarrier:
     def strike(self, peer: PeerHeartbeat, outer_step: int, claim: str) -> None:
         if self.vouching.strike(peer.peer_id, outer_step):
             self.board.ignore(peer.peer_id, f"{peer.name} {claim}, {STRIKES} rounds running")
+
+
+def _poll_pause(waited: float, ahead: list[float]) -> float:
+    """Seconds until the barrier's next read of the board, ``waited`` s into its wait, with its
+    deadlines ``ahead`` s away (those already past ignored): a read lands just past a deadline
+    instead of up to a pause later."""
+    pause = min(POLL_MOST, max(POLL_FIRST, POLL_SHARE * waited))
+    for seconds in ahead:
+        if seconds >= 0:
+            pause = min(pause, max(POLL_FIRST, seconds + 0.01))
+    return pause

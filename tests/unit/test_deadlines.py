@@ -132,3 +132,24 @@ def test_a_group_is_complete_when_the_expected_peers_joined_whoever_else_did():
     leader.current_followers[b] = None
     assert len(leader.current_followers) + 1 >= target
     assert ExpectedMembers.parse(leader, b"") is None and ExpectedMembers.parse(leader, b"not-an-id!") is None
+
+
+def test_a_long_wait_reads_the_board_less_and_less_often_and_still_ends_on_time():
+    """Every read of the board is a DHT lookup of the run's one heartbeat key: the barrier read
+    it ten times a second for as long as it waited (300 lookups for a 30 s wait, from every
+    peer waiting out a straggler). Now ten a second in the first second (a mate that comes is
+    seen as soon as before), then every tenth of the time waited, a second apart at most; the
+    wait still ends when it must."""
+    from swarm.barrier import POLL_FIRST, POLL_MOST
+
+    board = Board(beat("slow", 7, Stage.TRAINING))  # a vouched mate that never comes
+    swarm = barrier(board)  # round_wait 30 s, all of it for a round mate until 5 rounds are seen
+    reads, fetch = [], board.fetch
+    board.fetch = lambda: (reads.append(swarm.clock()), fetch())[1]
+    started = swarm.clock()
+    assert swarm.wait_for_round_mates(7) is Verdict.ALONE
+    assert 30.0 < swarm.clock() - started < 30.2
+    gaps = [later - earlier for earlier, later in zip(reads, reads[1:])]
+    assert all(g == pytest.approx(POLL_FIRST) for g in gaps[:9]), gaps[:9]
+    assert all(POLL_FIRST - 1e-9 <= g <= POLL_MOST + 1e-9 for g in gaps), gaps
+    assert len(reads) < 60, len(reads)
