@@ -227,8 +227,8 @@ def test_steering_reaches_every_peer(spawn, tmp_path):
     version, from_step = published["control"]["version"], published["control"]["from_step"]
 
     # Pause the second peer: it idles (stage "paused") while the first trains on, then resumes
-    # and catches up by downloading the state. (In process: the first peer trains fast alone, and
-    # a CLI's start-up would let it finish the run before the resume.)
+    # and catches up by downloading the state. (In process: a CLI's start-up, seconds of it,
+    # would only add rounds the first peer trains alone before the resume.)
     from swarm.steering import Steering
 
     owner = observer(address, RunKeys("steer"), signing_key=key)
