@@ -54,9 +54,18 @@ def paced(tmp_path: Path) -> tuple[list[str], Callable[[], None]]:
     the pace's margin, and its rounds of three run at full speed."""
     from swarm.faults import FaultPlan
 
-    pace = tmp_path / "pace.json"
-    FaultPlan(throttle_ms=PACE_MS).write(pace)
+    pace = _throttle_file(tmp_path / "pace.json", PACE_MS)
     return ["--fault-file", str(pace)], lambda: FaultPlan.update(pace, throttle_ms=0)
+
+
+def _throttle_file(path: Path, milliseconds: float) -> Path:
+    """``path``, a fault file that throttles every inner step to ``milliseconds`` (written
+    once: peers that share it keep reading the same file)."""
+    from swarm.faults import FaultPlan
+
+    if not path.exists():
+        FaultPlan(throttle_ms=milliseconds).write(path)
+    return path
 
 
 def paced_join(spawn, tmp_path: Path, common: list[str], *, after: int) -> tuple[PeerProcess, ...]:
@@ -83,12 +92,7 @@ def steady(tmp_path: Path) -> list[str]:
     (a CLI, a helper process, a heartbeat's TTL). At full speed their rounds (0.1-0.4 s) took
     the CPU that the suite's other tests run on (`make test`'s two workers share two cores):
     the steering test's pair averaged 170 rounds, a lone peer 147, to prove what ten prove."""
-    from swarm.faults import FaultPlan
-
-    path = tmp_path / "steady.json"
-    if not path.exists():
-        FaultPlan(throttle_ms=STEADY_MS).write(path)
-    return ["--fault-file", str(path)]
+    return ["--fault-file", str(_throttle_file(tmp_path / "steady.json", STEADY_MS))]
 
 
 def verbose_flag() -> list[str]:
