@@ -91,9 +91,12 @@ class SwarmAverager(Downloading):
         serving: Serving | None = None,
         vouching: Vouching | None = None,
         masks: int = 0,
+        state_shapes: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """``masks``: the last tensors of ``tensors_like`` are kept-masks (``--topk-mean kept``),
         scaled in the group's all-reduce like the updates beside them (gathered.mask_scale).
+        ``state_shapes``: the shapes of the model's parameters (θ): a downloaded state in other
+        shapes is a malformed donor's (None: not checked here; the model refuses it later).
         ``tensors_like`` may be meta tensors: only their shapes are read. The state is served
         (``serve_state``) once :meth:`start_serving` says the state provider can answer."""
         self.dht = dht
@@ -120,6 +123,7 @@ class SwarmAverager(Downloading):
         """Peers that averaged with this one in a verified round: their claims are believed (one
         for all of a peer's averagers: streaming's fragments share it)."""
         self._refused_donors: set[str] = set()
+        self.state_shapes = None if state_shapes is None else [tuple(s) for s in state_shapes]
         self._last_download: tuple[str, int] | None = None  # (donor, outer step): see download_state
         self.barrier = RoundBarrier(
             board=board,

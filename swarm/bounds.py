@@ -82,6 +82,13 @@ BOUNDS: dict[str, Bound] = {
 }
 
 
+def whole(value: object) -> bool:
+    """Whether ``value`` (from another machine, after msgpack) is an int and not a bool: msgpack
+    keeps ``true`` a bool, and ``isinstance(True, int)`` holds, so a shape of ``[true, 4]``
+    passed a plain int check and broke the tensor view made from it."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check(name: str, value: float) -> float:
     """``value`` if it is within ``name``'s bounds, else ValueError with one line saying which."""
     bound = BOUNDS[name]

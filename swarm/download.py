@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
@@ -24,8 +24,9 @@ import torch
 
 from optim.contribution import global_norm
 from optim.diloco import OuterState
-from swarm.bounds import BOUNDS
+from swarm.bounds import BOUNDS, whole
 from swarm.claims import judge_state, witness_order
+from swarm.dataplane import one_line
 from swarm.errors import SwarmError
 from swarm.records import Stage
 from swarm.sketch import state_sketches
@@ -40,7 +41,7 @@ MAX_CANDIDATES = 32  # witnesses to choose from once the donor's step is known
 
 class Downloading:
     """Mixin for :class:`swarm.averaging.SwarmAverager` (its ``averager``, ``board``,
-    ``vouching``, ``beat``, ``on_download``, ``peer_id`` and ``_refused_donors``)."""
+    ``vouching``, ``beat``, ``on_download``, ``peer_id``, ``state_shapes`` and ``_refused_donors``)."""
 
     def download_state(
         self,
@@ -237,7 +238,7 @@ class Downloading:
             return None
         metadata, tensors, donor, seed, answers = result
         try:
-            state = _parse_state(metadata, tensors)
+            state = _parse_state(metadata, tensors, self.state_shapes)
         except (SwarmError, KeyError, TypeError, ValueError) as error:
             logger.warning(
                 "%s served an incomplete or malformed state (%s); trying another donor", donor[-8:], error
@@ -327,7 +328,17 @@ class Downloading:
             )
             return None
         answers = {peer: answer for peer, answer in witnesses.result().items() if peer != first.peer}
-        return self.averager.serializer.loads(metadata), layout.views(flat), first.peer, seed, answers
+        try:  # both checked when the offer came (swarm.state_transfer.Layout.from_wire)
+            tensors = layout.views(flat)
+            parsed = self.averager.serializer.loads(metadata)
+        except Exception as error:  # noqa: BLE001 - a donor's bytes: refused, never this peer's end
+            logger.warning(
+                "%s offered a malformed state (%s); trying hivemind's stream",
+                first.peer[-8:],
+                one_line(error),
+            )
+            return None
+        return parsed, tensors, first.peer, seed, answers
 
     def _wait(
         self,
@@ -363,23 +374,34 @@ def _until(future: Future) -> Callable[[float], Any]:
     return lambda seconds: wait([future], timeout=seconds)
 
 
-def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:
-    """Rebuild an OuterState from what GroupAverager.get_current_state sent."""
+def _parse_state(
+    metadata: Any, tensors: list[torch.Tensor], shapes: Sequence[tuple[int, ...]] | None = None
+) -> OuterState:
+    """Rebuild an OuterState from what GroupAverager.get_current_state sent; SwarmError if it is
+    malformed. ``shapes``: this model's parameters' (a θ of the same numbers in other shapes
+    passes the witnesses, who sketch θ flattened)."""
     if not isinstance(metadata, dict):
         raise SwarmError("the state's metadata is not a dict")
-    count = int(metadata.get("num_params", -1))
+    count, pending, step = (
+        metadata.get(k, d) for k, d in (("num_params", -1), ("num_pending", 0), ("outer_step", -1))
+    )
+    if not (whole(count) and whole(pending) and whole(step)):  # int(inf) raised OverflowError
+        raise SwarmError(f"its metadata's counts are not whole numbers ({count!r}, {pending!r}, {step!r})")
     inner_keys = metadata.get("inner_keys") or []
-    pending = int(metadata.get("num_pending", 0))
-    if count < 1 or len(tensors) != (2 + pending) * count + len(inner_keys):
+    if not isinstance(inner_keys, list):
+        raise SwarmError("its inner optimizer's keys are not a list")
+    if count < 1 or pending < 0 or len(tensors) != (2 + pending) * count + len(inner_keys):
         raise SwarmError(
             f"{len(tensors)} tensors for {count} params: the donor left mid-download (hivemind ends a "
             "broken stream as if it were complete) or runs another version of workbench"
         )
+    if shapes is not None and [tuple(t.shape) for t in tensors[:count]] != [tuple(s) for s in shapes]:
+        raise SwarmError(_misfit([tuple(t.shape) for t in tensors[:count]], [tuple(s) for s in shapes]))
     rest = tensors[2 * count :]
     queued = [[t.float() for t in rest[i * count : (i + 1) * count]] for i in range(pending)]
     _check_shapes(tensors[:count], tensors[count : 2 * count], queued, inner_keys, rest[pending * count :])
     state = OuterState(
-        outer_step=int(metadata["outer_step"]),
+        outer_step=step,
         params=[t.float() for t in tensors[:count]],
         momentum=[t.float() for t in tensors[count : 2 * count]],
         pending=queued,
@@ -388,6 +410,16 @@ def _parse_state(metadata: Any, tensors: list[torch.Tensor]) -> OuterState:
     )
     _check_values(state)
     return state
+
+
+def _misfit(got: list[tuple[int, ...]], shapes: list[tuple[int, ...]]) -> str:
+    first = next((i for i, (a, b) in enumerate(zip(got, shapes)) if a != b), min(len(got), len(shapes)))
+    where = f"tensor {first}: {got[first]} vs {shapes[first]}" if first < min(len(got), len(shapes)) else ""
+    return (
+        f"its θ does not fit this model ({len(got)} tensors vs this model's {len(shapes)}"
+        f"{'; first mismatch ' + where if where else ''}): a malformed state, or the run trains another "
+        "model (then use the --model and flags from the run's join command)"
+    )
 
 
 MOMENTUM_RATIO = 10.0

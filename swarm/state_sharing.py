@@ -37,6 +37,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from optim.diloco import OuterState
 from swarm.addresses import direct_ips, far_ip, reached_at
+from swarm.bounds import whole
 from swarm.claims import at_the_donors_step
 from swarm.dataplane import one_line
 from swarm.errors import SwarmError
@@ -287,12 +288,12 @@ class StateSharing:
             hash_name = message.get("hash", "sha256")  # a donor from before it was named
             count = len(layout.slices())
             if not (
-                isinstance(step, int)
+                whole(step)
                 and isinstance(metadata, bytes)
                 and isinstance(hashes, bytes)
                 and len(hashes) == count * HASH_BYTES
                 and isinstance(host, str)
-                and isinstance(port, int)
+                and whole(port)
                 and 0 < port < 65536
                 and isinstance(token, bytes)
                 and len(token) == TOKEN_BYTES
@@ -673,7 +674,7 @@ class StateSharing:
                 answer = await stub.rpc_theta_sketch(request, timeout=timeout)
                 message = unpack(answer.metadata) if len(answer.metadata) <= MAX_SKETCH_ANSWER else {}
                 step, raw = message.get("outer_step"), message.get("sketches")
-                if message.get("ok") is not True or not isinstance(step, int) or not isinstance(raw, list):
+                if message.get("ok") is not True or not whole(step) or not isinstance(raw, list):
                     return peer, None
                 return peer, (step, [Sketch.from_bytes(b) for b in raw])
             except Exception as error:  # noqa: BLE001 - no answer, a malformed one: not a witness

@@ -52,6 +52,7 @@ import blake3
 import torch
 
 from swarm.addresses import origin
+from swarm.bounds import whole
 
 logger = logging.getLogger(__name__)
 
@@ -183,12 +184,12 @@ class Layout:
             ):
                 raise ValueError("a tensor's spec is [dtype, shape]")
             shape = spec[1]
-            if len(shape) > 8 or not all(isinstance(n, int) and 0 <= n < 1 << 40 for n in shape):
+            if len(shape) > 8 or not all(whole(n) and 0 <= n < 1 << 40 for n in shape):
                 raise ValueError("a shape of up to 8 sizes")
             parsed.append((spec[0], tuple(shape)))
-        if not isinstance(shared, int) or not 0 <= shared <= len(parsed):
+        if not whole(shared) or not 0 <= shared <= len(parsed):
             raise ValueError("a shared region of 0 to all tensors")
-        layout = cls(tuple(parsed), shared, size if isinstance(size, int) else 0)
+        layout = cls(tuple(parsed), shared, size if whole(size) else 0)
         if layout.total > limit:
             raise ValueError(f"a state of {layout.total >> 20} MiB, more than this model's")
         if not layout.slice_bytes >= SLICE_BYTES or len(layout.slices()) > MAX_SLICES:

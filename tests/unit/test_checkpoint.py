@@ -274,6 +274,50 @@ def test_a_peers_training_state_round_trips_with_adamw_saved_once(tmp_path) -> N
     )
 
 
+def test_a_peer_resumed_after_its_codec_was_steered_keeps_what_compression_held_back(tmp_path) -> None:
+    """A peer started with --update-codec fp16 and error feedback, steered to int8, checkpointed
+    and resumed: the resumed peer put the residuals back, then applied the steered codec, whose
+    new error feedback dropped them (a resumed run drifted from an uninterrupted one). The steered
+    settings now come first and the residuals are the checkpoint's."""
+    from torch import nn
+
+    from optim.averager import LocalAverager
+    from optim.diloco import DiLoCo, DiLoCoConfig
+    from workbench.run.control import Steering
+
+    def peer():
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        inner = torch.optim.AdamW(model.parameters())
+        config = DiLoCoConfig(inner_steps=2, codec="fp16", error_feedback=True)
+        return model, inner, DiLoCo(model, inner, LocalAverager(), config)
+
+    def steering() -> Steering:
+        return Steering(
+            None, name="a", peer_id="QmA", joiner=False,
+            emit=lambda *a, **k: None, publish=lambda: None, beat=lambda stage: None, checkpoint=lambda: "",
+        )  # fmt: skip
+
+    model, inner, outer = peer()
+    outer.retune(codec="int8")  # what Steering.apply does with the owner's codec
+    held = [torch.full_like(p, 0.5) for p in outer.params]
+    outer.feedback.residuals = [h.clone() for h in held]
+    payload = {
+        **checkpoint.training_state(outer, model, inner, None),
+        "control_version": 1,
+        "steered": {"codec": "int8"},
+    }
+    checkpoint.save(tmp_path, payload)
+    payload, _ = checkpoint.load(tmp_path)
+
+    model2, inner2, outer2 = peer()
+    resumed = steering()
+    checkpoint.resume_training(payload, resumed, outer2, model2, inner2, None)
+    assert outer2.config.codec == "int8" and resumed.version == 1
+    assert outer2.feedback.residuals is not None
+    assert all(torch.equal(a, b) for a, b in zip(outer2.feedback.residuals, held))
+
+
 def test_a_run_dir_this_user_cannot_write_is_one_line_with_the_fix(tmp_path, monkeypatch) -> None:
     import builtins
 
@@ -289,6 +333,33 @@ def test_a_run_dir_this_user_cannot_write_is_one_line_with_the_fix(tmp_path, mon
         CheckpointError, match="cannot write in --run-dir .*Permission denied.*fix its permissions"
     ):
         checkpoint.hold_run_dir(tmp_path)
+
+
+def test_a_full_disk_when_a_peer_takes_its_run_dir_is_one_line_with_the_fix(tmp_path, monkeypatch) -> None:
+    """Writing the pid into the run dir's lock file on a full disk was a bare OSError traceback."""
+    import builtins
+
+    real_open = builtins.open
+
+    class Full:
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def write(self, text: str) -> int:
+            raise OSError(28, "No space left on device")
+
+    def full(path, *args, **kwargs):
+        handle = real_open(path, *args, **kwargs)
+        return Full(handle) if str(path).endswith(".lock") else handle
+
+    monkeypatch.setattr(builtins, "open", full)
+    with pytest.raises(CheckpointError, match="No space left on device; is the disk full.*another --run-dir"):
+        checkpoint.hold_run_dir(tmp_path)
+    monkeypatch.setattr(builtins, "open", real_open)
+    checkpoint.hold_run_dir(tmp_path).close()  # nothing held: the next try takes it
 
 
 def test_a_model_buffer_of_minus_infinity_is_no_corruption(tmp_path) -> None:

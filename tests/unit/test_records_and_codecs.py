@@ -5,6 +5,7 @@ Importing swarm.averaging imports hivemind (no DHT or averager is started here).
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from pathlib import Path
@@ -610,6 +611,33 @@ def test_a_state_with_numbers_no_honest_peer_holds_is_a_malformed_donor() -> Non
     for metadata, tensors, why in bad:
         with pytest.raises(SwarmError, match=re.escape(why)):
             _parse_state(metadata, tensors)
+
+
+def test_a_state_that_does_not_fit_this_model_or_counts_in_infinities_is_a_malformed_donor() -> None:
+    """A donor serving the honest θ in other shapes (a (4, 8) weight as (32,)) passes the
+    witnesses, who sketch θ flattened; the joiner then exited with "the run trains another
+    model". And metadata counting in inf raised OverflowError past the malformed-state handler:
+    the joiner died. Both are now SwarmError, the malformed donor's: the next donor is tried."""
+    from swarm.download import _parse_state
+    from swarm.errors import SwarmError
+
+    params = [torch.randn(4, 8), torch.randn(4)]
+    meta = {"outer_step": 7, "num_params": 2, "num_pending": 0}
+    shapes = [(4, 8), (4,)]
+    assert _parse_state(meta, [*params, *params], shapes).outer_step == 7
+    flat = [params[0].reshape(-1), params[1]]
+    with pytest.raises(SwarmError, match=re.escape("first mismatch tensor 0: (32,) vs (4, 8)")):
+        _parse_state(meta, [*flat, *flat], shapes)
+    with pytest.raises(SwarmError, match="2 tensors vs this model's 3"):
+        _parse_state(meta, [*params, *params], [*shapes, (2,)])
+    for bad in (
+        {"num_params": math.inf},
+        {"outer_step": math.inf},
+        {"num_pending": math.nan},
+        {"num_params": True},
+    ):
+        with pytest.raises(SwarmError, match="not whole numbers"):
+            _parse_state({**meta, **bad}, [*params, *params], shapes)
 
 
 def test_a_state_whose_moments_or_queue_do_not_fit_its_theta_is_a_malformed_donor() -> None:

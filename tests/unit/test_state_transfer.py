@@ -356,6 +356,15 @@ def test_a_layout_from_the_network_is_bounded():
     ):
         with pytest.raises(ValueError):
             Layout.from_wire(bad, limit=1 << 30)
+    # msgpack keeps true a bool, and isinstance(True, int) holds: a shape of [true, 4] was taken,
+    # its slices downloaded and checked, and the joiner then died making the view (TypeError).
+    ones = Layout.of([torch.ones(1, 4)], shared=1).to_wire()
+    assert Layout.from_wire(ones, limit=1 << 20).specs == (("float32", (1, 4)),)
+    for shape in ([True, 4], [False]):
+        with pytest.raises(ValueError, match="a shape of up to 8 sizes"):
+            Layout.from_wire({**ones, "specs": [["float32", shape]]}, limit=1 << 20)
+    with pytest.raises(ValueError, match="a shared region"):
+        Layout.from_wire({**ones, "shared": True}, limit=1 << 20)
 
 
 def test_the_joiner_assembles_from_the_freshest_offer_that_most_donors_share():
@@ -462,6 +471,23 @@ def test_a_direct_download_is_taken_only_with_its_witnesses_answers(caplog):
     silent = _joiner(_Averager(made, None))  # the witnesses never answer
     assert silent._fetch_direct(set(), [], time.monotonic() + 1.0) is None
     assert "did not answer in time; not taken" in caplog.text
+    server.close()
+
+
+def test_a_direct_download_whose_tensors_cannot_be_made_is_refused_not_fatal(caplog):
+    """Whatever a donor's offer makes of the buffer is checked before it is used: a layout that
+    got past Layout.from_wire and cannot be viewed (a shape of [true, 4] did, before it checked
+    for bools) ends the direct try with a warning, never the joiner."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    server = StateServer("127.0.0.1")
+    metadata = MSGPackSerializer.dumps({"outer_step": 9})
+    snapshot = Snapshot.take(9, metadata, [torch.ones(1, 4)], 1)
+    lying = Layout((("float32", (True, 4)),), 1, snapshot.layout.slice_bytes)  # what from_wire took
+    made = [(offer("d", server, snapshot, server.offer(snapshot, "j")), 9, metadata, lying)]
+    joiner = _joiner(_Averager(made, {"d": (9, []), "w": (9, [])}))
+    assert joiner._fetch_direct(set(), [], time.monotonic() + 30) is None
+    assert "offered a malformed state" in caplog.text
     server.close()
 
 

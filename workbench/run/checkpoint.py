@@ -73,9 +73,16 @@ def hold_run_dir(directory: Path) -> IO[str]:
             f"--run-dir {directory} is in use by another running peer (pid {holder}): give each peer "
             "its own --run-dir"
         ) from None
-    handle.truncate(0)
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
+    try:
+        handle.truncate(0)
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+    except OSError as error:  # a full disk: the bare errno was a traceback
+        handle.close()
+        raise CheckpointError(
+            f"cannot write in --run-dir {directory} ({error.strerror or error}; is the disk full?): "
+            "free some space or give another --run-dir"
+        ) from None
     return handle
 
 
@@ -260,6 +267,23 @@ def restore_training(
         feedback.residuals = payload.get("feedback")
     if payload.get("data") is not None and batches is not None:
         batches.load_state_dict(payload["data"])
+
+
+def resume_training(
+    payload: dict[str, Any], steering: Any, rounds: Any, model: Any, inner_optimizer: Any, batches: Any
+) -> None:
+    """A resumed peer's state from its checkpoint: the settings the owner had steered when it
+    was written (``steering``: :class:`workbench.run.control.Steering`), then the training state.
+    In that order: a steered codec makes a new error feedback, which must then take the
+    checkpoint's residuals (put back before it, they were dropped, and the resumed peer lost what
+    compression had held back since the steer)."""
+    steering.restore(
+        int(payload.get("control_version", 0)),
+        payload.get("steered") or {},
+        rounds,
+        checkpoints=int(payload.get("control_checkpoints", 0)),
+    )
+    restore_training(payload, rounds, model, inner_optimizer, batches)
 
 
 def load_for(

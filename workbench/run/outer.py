@@ -79,6 +79,7 @@ def start_averagers(
         client_mode=config.network.client_mode,
         fault_file=config.peer.fault_file,
         overlapped=config.overlapped,
+        state_shapes=[tuple(s.shape) for s in shapes],
         state_provider=lambda: outer.rounds.outer_state(),  # served once build_outer made it
         theta_provider=lambda: outer.rounds.outer_state(inner=False),  # a witness's: θ is enough
         **plane_location(config),

@@ -659,15 +659,11 @@ class Peer:
         """Continue from the checkpoint in ``directory`` (``--resume``): refuses another run or model."""
         payload, path = self._checkpoint or self._load_checkpoint(directory)
         self._checkpoint = None
-        checkpoint.restore_training(payload, self.diloco, self.model, self.inner_optimizer, self.batches)
+        checkpoint.resume_training(
+            payload, self.steering, self.diloco, self.model, self.inner_optimizer, self.batches
+        )
         stats = self.stats
         stats.bytes_sent, stats.bytes_received, stats.dp_bytes = payload.get("bytes", [0, 0, 0])
-        self.steering.restore(
-            int(payload.get("control_version", 0)),
-            payload.get("steered") or {},
-            self.diloco,
-            checkpoints=int(payload.get("control_checkpoints", 0)),
-        )
         self.averager.set_state_priority(self.diloco.outer_step_count)
         self._put_back_steering()
         logger.info("%s: resumed from %s at outer step %d", self.name, path, self.diloco.outer_step_count)
