@@ -43,6 +43,9 @@ class Downloading:
     """Mixin for :class:`swarm.averaging.SwarmAverager` (its ``averager``, ``board``,
     ``vouching``, ``beat``, ``on_download``, ``peer_id``, ``state_shapes`` and ``_refused_donors``)."""
 
+    state_shapes: list[tuple[int, ...]] | None = None
+    """The model's parameters' shapes: a state whose θ has others is a malformed donor's."""
+
     def download_state(
         self,
         *,
