@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from swarm.errors import SwarmError
+from swarm.errors import SwarmError, folder_problem
 
 
 def create_identity(path: str | Path) -> Path:
@@ -22,7 +22,13 @@ def create_identity(path: str | Path) -> Path:
     from hivemind.p2p import P2P
 
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a part of the path is a file: "[Errno 17] File exists" said nothing
+        raise SwarmError(
+            f"cannot make the folder of the key file {path} ({folder_problem(error, path.parent)}): "
+            "give --identity a path in a folder this user can create and write to"
+        ) from None
     P2P.generate_identity(str(path))
     return path
 

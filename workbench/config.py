@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from optim.api import Method, Sync, method, names
 from optim.diloco import DiLoCoConfig
@@ -125,6 +126,10 @@ class PeerConfig:
             )
         if self.run_dir and os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
             raise ValueError(f"--run-dir {self.run_dir} is a file: give a folder (a peer's run folder)")
+        if self.run_dir:  # before anything starts: mkdir said only "[Errno 20] Not a directory"
+            found = next((p for p in Path(self.run_dir).expanduser().parents if p.exists()), None)
+            if found is not None and not found.is_dir():
+                raise ValueError(f"--run-dir {self.run_dir}: {found} is a file, not a folder: give a folder")
         if self.tensorboard == "" and not self.run_dir:
             raise ValueError("--tensorboard without a folder writes into the run folder: add --run-dir DIR")
         if self.wandb_mode not in WANDB_MODES:

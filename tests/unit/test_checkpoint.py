@@ -335,6 +335,22 @@ def test_a_run_dir_this_user_cannot_write_is_one_line_with_the_fix(tmp_path, mon
         checkpoint.hold_run_dir(tmp_path)
 
 
+def test_a_folder_that_cannot_be_made_names_the_part_in_the_way(tmp_path) -> None:
+    """mkdir said only "[Errno 20] Not a directory" (a --run-dir under a file) or "[Errno 17]
+    File exists" (an --identity key under one)."""
+    from swarm.errors import SwarmError
+    from swarm.identity import create_identity
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(
+        CheckpointError, match=r"cannot make --run-dir .*/afile/sub \(.*/afile is a file, not a folder\)"
+    ):
+        checkpoint.make_folder(tmp_path / "afile" / "sub")
+    with pytest.raises(SwarmError, match=r"afile is a file, not a folder\): give --identity a path"):
+        create_identity(tmp_path / "afile" / "id.key")
+    assert checkpoint.make_folder(tmp_path / "a" / "b").is_dir()
+
+
 def test_a_full_disk_when_a_peer_takes_its_run_dir_is_one_line_with_the_fix(tmp_path, monkeypatch) -> None:
     """Writing the pid into the run dir's lock file on a full disk was a bare OSError traceback."""
     import builtins

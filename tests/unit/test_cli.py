@@ -212,6 +212,21 @@ def test_flags_reach_the_config() -> None:
         pytest.param(["start", "--resume", "{tmp}"], "checkpoint.pt does not exist", id="resume-empty"),
         pytest.param(["start", "--run-dir", "{tmp}/garbage"], "is a file: give a folder", id="run-dir-file"),
         pytest.param(
+            ["start", "--run-dir", "{tmp}/garbage/sub"],
+            "--run-dir {tmp}/garbage/sub: {tmp}/garbage is a file, not a folder",
+            id="run-dir-under-a-file",
+        ),
+        # An empty path was taken as none (--resume "" started a fresh run, --run-dir "" wrote
+        # nothing) or as the current folder (--data ""): refused, in a flag, a file or a variable.
+        pytest.param(["start", "--resume", ""], "argument --resume: is empty", id="resume-empty-value"),
+        pytest.param(["join", ADDRESS, "--run-dir", ""], "argument --run-dir: is empty", id="run-dir-empty"),
+        pytest.param(["demo", "--run-dir", " "], "argument --run-dir: is empty", id="demo-run-dir-empty"),
+        pytest.param(["simulate", "--data", ""], "argument --data: is empty", id="data-empty"),
+        pytest.param(["start", "--identity", ""], "argument --identity: is empty", id="identity-empty"),
+        pytest.param(
+            ["config", "show", "--config", "{tmp}/empty.toml"], "data = '': is empty", id="toml-empty"
+        ),
+        pytest.param(
             ["start", "--run-dir", "{tmp}/held"],
             "holds a checkpoint (checkpoint.pt) that this peer's saves would replace: continue from it "
             "with --resume {tmp}/held",
@@ -289,6 +304,7 @@ def test_bad_values_exit_2_with_one_error_line(
     hint = hint.replace("{tmp}", str(tmp_path))
     (tmp_path / "garbage").write_bytes(b'{"event": "round"}\n\xff\xfe')  # a metrics file, say
     (tmp_path / "held").mkdir()
+    (tmp_path / "empty.toml").write_text('data = ""\n')
     (tmp_path / "held" / "checkpoint.pt").write_bytes(b"a stopped peer's")
     try:
         status = main(argv)

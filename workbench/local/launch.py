@@ -33,6 +33,7 @@ from workbench.config import RunConfig
 from workbench.local.demo_table import DemoTable, describe
 from workbench.run.checkpoint import NAME as CHECKPOINT
 from workbench.run.checkpoint import PREVIOUS as PREVIOUS_CHECKPOINT
+from workbench.run.checkpoint import make_folder
 from workbench.run.stopping import LAUNCHER_PID, not_interrupted, stopped_by_signals
 
 
@@ -414,7 +415,7 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
         raise LaunchError("the demo gives each peer its own shard (I/N for peer I); drop --shard")
     if not 1 <= args.peers <= MAX_LOCAL_PEERS:
         raise LaunchError(f"--peers must be within 1..{MAX_LOCAL_PEERS} on one machine (got {args.peers})")
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="workbench-demo-"))
+    run_dir = make_folder(args.run_dir or tempfile.mkdtemp(prefix="workbench-demo-"))
     config = replace(
         config, peer=replace(config.peer, run_id=f"demo-{uuid.uuid4().hex[:8]}", min_peers=args.peers)
     )

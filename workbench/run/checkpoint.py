@@ -23,7 +23,7 @@ from typing import IO, Any
 import torch
 
 from swarm.dataplane import one_line
-from swarm.errors import SwarmError
+from swarm.errors import SwarmError, folder_problem
 from workbench.run.stopping import not_interrupted
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,20 @@ REQUIRED = ("model", "inner_optimizer", "outer")
 _passed_over: set[str] = set()
 """Newest checkpoints found corrupt and passed over for the previous one (their resolved paths):
 the next save in that folder replaces them instead of moving them over the good previous one."""
+
+
+def make_folder(directory: str | Path, flag: str = "--run-dir") -> Path:
+    """``directory``, made with its parents; CheckpointError naming ``flag`` and the fix if it
+    cannot be (a part of the path that is a file said only ``[Errno 20] Not a directory``)."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(
+            f"cannot make {flag} {directory} ({folder_problem(error, directory)}): give a folder this user "
+            "can create and write to"
+        ) from None
+    return directory
 
 
 def hold_run_dir(directory: Path) -> IO[str]:

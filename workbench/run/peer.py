@@ -126,7 +126,7 @@ class Peer:
                 )
             network = NetworkConfig(**{**network.__dict__, "identity_path": str(key)})
         if self.run_dir:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.make_folder(self.run_dir)
             self._run_dir_lock = checkpoint.hold_run_dir(self.run_dir)  # before its identity key is read
         # hivemind forks its DHT and averager processes. Forked after the model exists, a child
         # keeps the pages of the model's weights as they were when training rewrote them (or when

@@ -25,6 +25,14 @@ def model_name(text: str) -> str:
     )
 
 
+def given(text: str) -> str:
+    """A path or name that must not be empty: ``--resume ""`` started a fresh run without a word,
+    ``--run-dir ""`` wrote nothing, ``--data ""`` read the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a value, or leave the setting out")
+    return text
+
+
 @dataclass(kw_only=True)
 class ModelAndData:
     """model and data"""
@@ -47,6 +55,7 @@ class ModelAndData:
         "train on this Hugging Face tokenizer's ids instead of bytes (a local folder, or a hub name)",
         metavar="PATH",
         target="data.tokenizer",
+        parse=given,
     )
     dataset: str | None = setting(
         None,
@@ -54,12 +63,20 @@ class ModelAndData:
         "(.jsonl/.json/.csv/.parquet/.txt) or a hub name; with --shard each peer reads its own records",
         metavar="NAME|PATH",
         target="data.dataset",
+        parse=given,
     )
     dataset_subset: str | None = setting(
-        None, "the hub dataset's configuration name", metavar="NAME", target="data.dataset_subset"
+        None,
+        "the hub dataset's configuration name",
+        metavar="NAME",
+        target="data.dataset_subset",
+        parse=given,
     )
     dataset_split: str = setting(
-        "train", "the dataset's split to read (default: train)", target="data.dataset_split"
+        "train",
+        "the dataset's split to read (default: train)",
+        target="data.dataset_split",
+        parse=given,
     )
     streaming: bool | None = setting(
         None,
@@ -73,11 +90,13 @@ class ModelAndData:
         "stdlib's source)",
         metavar="PATH",
         target="data.path",
+        parse=given,
     )
     text_field: str = setting(
         "text",
         "in a .jsonl data file or a dataset, the field holding each record's text (default: text)",
         target="data.text_field",
+        parse=given,
     )
     batch_size: int = setting(
         16, "sequences per inner step (default: 16)", bound="batch_size", target="data.batch_size"
@@ -224,6 +243,7 @@ class Network:
         "private key file, for a peer id that survives restarts",
         metavar="FILE",
         target="network.identity_path",
+        parse=given,
     )
     connect_timeout: float = setting(
         20.0,
@@ -244,7 +264,9 @@ class Outputs:
         bound="min_peers",
         target="peer.min_peers",
     )
-    run_dir: str | None = setting(None, "write metrics.jsonl and the final global params here", metavar="DIR")
+    run_dir: str | None = setting(
+        None, "write metrics.jsonl and the final global params here", metavar="DIR", parse=given
+    )
     checkpoint_every: int = setting(
         0,
         "write <run-dir>/checkpoint.pt every ROUNDS outer rounds (default 0: on request only)",
@@ -257,6 +279,7 @@ class Outputs:
         "continue from the checkpoint in DIR (a stopped peer's --run-dir; also the default --run-dir)",
         metavar="DIR",
         target="peer.resume",
+        parse=given,
     )
     tensorboard: str | None = setting(
         None,
@@ -270,6 +293,7 @@ class Outputs:
         "also log the metrics to this W&B project (offline unless --wandb-mode)",
         metavar="PROJECT",
         target="peer.wandb_project",
+        parse=given,
     )
     wandb_mode: str = setting(
         "offline",
@@ -282,6 +306,7 @@ class Outputs:
         "testing: read injected faults (throttle, corrupt update) from FILE between steps",
         metavar="FILE",
         target="peer.fault_file",
+        parse=given,
     )
 
 
@@ -299,6 +324,7 @@ class Demo:
         None,
         "keep each peer's metrics and logs here (default: a temp dir; a reused one starts clean)",
         metavar="DIR",
+        parse=given,
     )
     timeout: float = setting(900.0, "give up after this many seconds (default: 900)", bound="timeout")
 
