@@ -242,7 +242,8 @@ class RunConfig:
         ):
             h, f = self.diloco.inner_steps, max(1, self.fragments)
             fits = [str(n) for n in range(2, 9) if h % n == 0]
-            hint = f"--inner-steps {h - h % f or f} or {h - h % f + f}" + (
+            near = sorted({h - h % f or f, h - h % f + f})  # the multiples of F around H ("4 or 4" for H=1)
+            hint = f"--inner-steps {' or '.join(map(str, near))}" + (
                 f", or --fragments {' or '.join(fits)}" if fits else ""
             )
             if h % f == 0:  # only --delay is wrong
@@ -250,6 +251,11 @@ class RunConfig:
             raise ValueError(
                 f"streaming on real peers needs --inner-steps ({h}) divisible by "
                 f"--fragments ({self.fragments}) and no --delay; e.g. {hint}"
+            )
+        if self.outer_method.every_step and self.peer.round_seconds:
+            raise ValueError(
+                f"--round-seconds boxes a round of inner steps, and --method {self.method} syncs "
+                "every step (a round is one step): drop --round-seconds"
             )
         if self.outer_method.fragmented and self.diloco.topk_mean != "group":
             raise ValueError(

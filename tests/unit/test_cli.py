@@ -218,6 +218,16 @@ def test_flags_reach_the_config() -> None:
         ),
         # An empty path was taken as none (--resume "" started a fresh run, --run-dir "" wrote
         # nothing) or as the current folder (--data ""): refused, in a flag, a file or a variable.
+        pytest.param(  # accepted, then every round was one step whatever the box
+            ["start", "--method", "dp", "--round-seconds", "5"],
+            "--method dp syncs every step (a round is one step): drop --round-seconds",
+            id="dp-round-seconds",
+        ),
+        pytest.param(  # config show refuses what start would (test_streaming checks the hint)
+            ["config", "show", "--method", "streaming", "--inner-steps", "1"],
+            "divisible by --fragments (4) and no --delay",
+            id="streaming-h-1",
+        ),
         pytest.param(["start", "--resume", ""], "argument --resume: is empty", id="resume-empty-value"),
         pytest.param(["join", ADDRESS, "--run-dir", ""], "argument --run-dir: is empty", id="run-dir-empty"),
         pytest.param(["demo", "--run-dir", " "], "argument --run-dir: is empty", id="demo-run-dir-empty"),

@@ -334,6 +334,8 @@ def test_the_default_fragment_count_divides_h_for_real_peers():
         config_of("start", "--method", "streaming", "--fragments", "4")
     with pytest.raises(ValueError, match="--inner-steps \\(11\\) divisible by --fragments \\(4\\)"):
         config_of("start", "--method", "streaming", "--inner-steps", "11")  # nothing fits: said
+    with pytest.raises(ValueError, match="e\\.g\\. --inner-steps 4$"):  # it said "4 or 4"
+        config_of("start", "--method", "streaming", "--inner-steps", "1", "--fragments", "4")
 
 
 def test_the_eval_loss_is_that_of_the_swarm_s_model_and_training_goes_on_from_the_peer_s():
