@@ -159,6 +159,30 @@ def test_config_show_output_is_a_config_file(run_toml, tmp_path, capsys):
     assert first == again
 
 
+def test_config_show_gives_the_values_of_the_method_s_preset(tmp_path, capsys):
+    """Left unset, an optimizer setting takes the method's preset: `config show --method
+    sparseloco` printed `# update_codec =` for its topk codec, and `fragments: null` for streaming's
+    5. The values are shown (and said to be the preset's), left commented out so the file keeps
+    following the method it names; knobs the run would not use (topk's without topk) stay bare."""
+    assert main(["config", "show", "--method", "sparseloco", "--sources"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    shown = {line.split("=")[0].strip("# ").strip(): line for line in lines}
+    assert shown["update_codec"].startswith('# update_codec = "topk"')
+    assert shown["update_codec"].endswith("# preset of --method sparseloco")
+    assert shown["ef_decay"].startswith("# ef_decay = 0.95") and shown["topk_mean"].startswith(
+        '# topk_mean = "kept"'
+    )
+    assert main(["config", "show", "--method", "streaming", "--json"]) == 0
+    streaming = json.loads(capsys.readouterr().out)
+    assert streaming["settings"]["fragments"] is None and streaming["preset"]["fragments"] == 5
+    assert streaming["sources"]["fragments"] == "preset of --method streaming"
+    assert "topk_density" not in streaming["preset"]  # the update codec is none: nothing to shape
+    assert main(["config", "show", "--method", "sparseloco"]) == 0
+    saved = tmp_path / "resolved.toml"
+    saved.write_text(capsys.readouterr().out)
+    assert resolve(["start", "--config", str(saved)])[0] == resolve(["start", "--method", "sparseloco"])[0]
+
+
 def test_config_keys_lists_every_setting(capsys):
     assert main(["config", "keys", "--json"]) == 0
     keys = json.loads(capsys.readouterr().out)

@@ -62,21 +62,43 @@ def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     sources = layer(args, show, rest, known_elsewhere=known)
     args.command = "start"
     try:
-        build_config(args)  # the same checks a run makes: a bad value fails here, not at start time
+        config = build_config(args)  # the same checks a run makes: a bad value fails here, not at start time
     except (ValueError, SwarmError) as error:  # named like `start` names it (--host is a SwarmError)
         raise ValueError(f"{error}{_where_from(str(error), sources)}") from None
     settings = {key: getattr(args, key) for key in settings_of(show)}
+    preset = _preset(settings, config, args.method)
+    for key in preset:
+        sources[key] = f"preset of --method {args.method}"
     if args.json:
-        json.dump({"settings": settings, "sources": sources}, sys.stdout, indent=2)
+        json.dump({"settings": settings, "sources": sources, "preset": preset}, sys.stdout, indent=2)
         print()
         return 0
     if not args.sources:
-        sys.stdout.write(to_toml(settings))
+        sys.stdout.write(to_toml(settings, preset))
         return 0
-    width = max(len(line) for line in to_toml(settings).splitlines())
-    for key, line in zip(settings, to_toml(settings).splitlines()):
+    width = max(len(line) for line in to_toml(settings, preset).splitlines())
+    for key, line in zip(settings, to_toml(settings, preset).splitlines()):
         print(f"{line:<{width}}  # {sources[key]}")
     return 0
+
+
+def _preset(settings: dict, config, method_name: str) -> dict:
+    """The values ``--method``'s preset gives the optimizer settings left unset (``config show``
+    printed ``# update_codec =`` for sparseloco's topk): shown, and left unset in the file, so that
+    the file keeps following the method it names."""
+    from optim.api import method
+    from workbench.cli.optimizer_flags import unused_knobs
+    from workbench.settings.commands import command_settings
+
+    knobs = set(method(method_name).knobs) - set(unused_knobs(config.diloco))  # not topk's without topk
+    declared = command_settings("start")
+    preset = {}
+    for key, value in settings.items():
+        if value is None and key in knobs and declared[key].target is not None:
+            resolved = declared[key].read(config)
+            if resolved is not None:
+                preset[key] = resolved
+    return preset
 
 
 def _print_keys(parser: argparse.ArgumentParser, as_json: bool) -> int:

@@ -171,12 +171,14 @@ def layer(
     return sources
 
 
-def to_toml(values: Mapping[str, Any]) -> str:
-    """``key = value`` lines a config file can hold (None values are left out as comments)."""
+def to_toml(values: Mapping[str, Any], preset: Mapping[str, Any] | None = None) -> str:
+    """``key = value`` lines a config file can hold (None values are left out as comments, with
+    the value ``preset`` gives them, if any: ``# update_codec = "topk"``)."""
     lines = []
     for key, value in values.items():
         if value is None:
-            lines.append(f"# {key} =")
+            given = (preset or {}).get(key)
+            lines.append(f"# {key} =" if given is None else f"# {key} = {_toml_value(given)}")
         else:
             lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
