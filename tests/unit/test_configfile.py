@@ -183,6 +183,27 @@ def test_config_show_gives_the_values_of_the_method_s_preset(tmp_path, capsys):
     assert resolve(["start", "--config", str(saved)])[0] == resolve(["start", "--method", "sparseloco"])[0]
 
 
+def test_another_command_s_keys_are_checked_though_this_one_skips_them(tmp_path, monkeypatch, capsys):
+    """One file and one environment serve start, join, demo and simulate, and each command skips
+    the others' keys: `config show` and `start` passed `peers = "eight"` (demo's), simulate passed
+    `rounds = -1`, `WORKBENCH_ROUNDS=-1` and the peers' `codec = "zip"`. Each is refused now, by
+    every command, naming where it came from; a good value is still skipped."""
+    path = tmp_path / "run.toml"
+    path.write_text('peers = "eight"\n')
+    with pytest.raises(ConfigError, match=f"{path}: peers must be an integer"):
+        resolve(["start", "--config", str(path)], monkeypatch)
+    path.write_text('codec = "zip"\n')
+    assert main(["simulate", "--config", str(path)]) == 2
+    assert f"{path}: codec = 'zip' is not one of fp16, int8, none" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="WORKBENCH_ROUNDS='-1': must be in"):
+        resolve(["config", "show"], monkeypatch, WORKBENCH_ROUNDS="-1")  # also checked for simulate below
+    monkeypatch.setenv("WORKBENCH_ROUNDS", "-1")
+    assert main(["simulate", "--steps", "4"]) == 2
+    assert "WORKBENCH_ROUNDS='-1': must be in" in capsys.readouterr().err
+    path.write_text("peers = 3\nsteps = 4\n")  # demo's and simulate's: start skips them
+    assert resolve(["start", "--config", str(path)], monkeypatch)[0].peer.rounds == 0
+
+
 def test_config_keys_lists_every_setting(capsys):
     assert main(["config", "keys", "--json"]) == 0
     keys = json.loads(capsys.readouterr().out)

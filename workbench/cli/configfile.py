@@ -139,11 +139,15 @@ def layer(
     # Lowest first, so that a higher layer overwrites.
     # A bad value is refused even where a flag overrides it: the file or variable is wrong,
     # and the next command without that flag would take it.
-    for key in actions:
+    # Another command's keys are checked too, and skipped (one file and one environment serve
+    # start, join, demo and simulate): `config show` passed `peers = "eight"`, which demo refused.
+    for key in sorted({*actions, *known_elsewhere}):
         variable = ENV_PREFIX + key.upper()
         if variable in environ:
-            value = _from_env(key, environ[variable], variable, command)
-            if key not in given:
+            value = _from_env(key, environ[variable], variable, command if key in actions else None)
+            if key not in actions:
+                _skipped(key, value, variable, command)
+            elif key not in given:
                 setattr(args, key, value)
                 sources[key] = f"env {variable}"
     path = getattr(args, "config", None)
@@ -153,13 +157,7 @@ def layer(
         for key, value in read_file(path).items():
             if key not in actions:
                 if key in known_elsewhere:
-                    if command == "simulate" and key == "codec":  # simulate's --codec is another setting
-                        logging.getLogger(__name__).warning(
-                            "%s: simulate skips codec = %r, the real peers' wire codec; the simulator's "
-                            "is update_codec (its --codec flag)",
-                            path,
-                            value,
-                        )
+                    _skipped(key, _check(key, value, str(path)), str(path), command)
                     continue  # another command's setting (one file serves start, join, demo, simulate)
                 close = difflib.get_close_matches(key, [*actions, *known_elsewhere], n=1)
                 hint = f" (did you mean {close[0]}?)" if close else " (see `workbench config keys`)"
@@ -169,6 +167,18 @@ def layer(
                 setattr(args, key, value)
                 sources[key] = f"file {path}"
     return sources
+
+
+def _skipped(key: str, value: Any, origin: str, command: str | None) -> None:
+    """Another command's setting, checked and left to it; simulate's --codec is its update codec,
+    so a wire codec given for the peers is said to be skipped."""
+    if command == "simulate" and key == "codec":
+        logging.getLogger(__name__).warning(
+            "%s: simulate skips codec = %r, the real peers' wire codec; the simulator's is "
+            "update_codec (its --codec flag)",
+            origin,
+            value,
+        )
 
 
 def to_toml(values: Mapping[str, Any], preset: Mapping[str, Any] | None = None) -> str:
