@@ -228,6 +228,11 @@ def test_flags_reach_the_config() -> None:
             "divisible by --fragments (4) and no --delay",
             id="streaming-h-1",
         ),
+        pytest.param(  # the demo started 4 peers, and each failed on it
+            ["demo", "--device", "tpu"],
+            "unknown device 'tpu': use auto, cpu, cuda or cuda:N",
+            id="demo-device",
+        ),
         pytest.param(["start", "--resume", ""], "argument --resume: is empty", id="resume-empty-value"),
         pytest.param(["join", ADDRESS, "--run-dir", ""], "argument --run-dir: is empty", id="run-dir-empty"),
         pytest.param(["demo", "--run-dir", " "], "argument --run-dir: is empty", id="demo-run-dir-empty"),
@@ -772,3 +777,24 @@ def test_two_models_that_differ_only_in_block_size_are_told_apart_in_words() -> 
         config = config_of("start", "--model", "tiny", "--block-size", block)
         summaries.append(fingerprint(config, build_model(config.model, seed=0))[1])
     assert summaries[0] != summaries[1] and "block size 96" in summaries[1], summaries
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")
+def test_the_demo_says_a_missing_gpu_once_before_starting_peers(capsys, monkeypatch) -> None:
+    started = []
+    monkeypatch.setattr(workbench.local.launch, "run_demo", lambda *a, **k: started.append(a))
+    assert main(["demo", "--headless", "--device", "cuda"]) == EXIT_USER_ERROR
+    assert "no CUDA device found; use --device cpu" in one_error_line(capsys) and not started
+
+
+def test_a_demo_peer_that_failed_is_said_in_one_line_with_its_log(tmp_path) -> None:
+    """A LaunchError is one line (SwarmError): the peer's log tail after a newline came out as a
+    literal backslash-n. Now: where the log is, and its last lines joined."""
+    from workbench.local.launch import LaunchError, LocalPeer
+
+    peer = LocalPeer("peer-0", tmp_path, process=None)
+    assert peer.log_end() == f"the end of its log ({tmp_path / 'peer.log'}): (empty)"
+    (tmp_path / "peer.log").write_text("started\nloading\n\nerror: unknown device 'tpu'\n")
+    message = str(LaunchError(f"peer-0 exited with status 2 before finishing; {peer.log_end()}"))
+    assert "\\n" not in message and "\n" not in message
+    assert message.endswith("): loading | error: unknown device 'tpu'")

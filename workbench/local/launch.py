@@ -97,9 +97,17 @@ class LocalPeer:
         FaultPlan.update(self.fault_file, **faults)
 
     def log_tail(self, lines: int = 8) -> str:
+        return "\n".join(f"    {line}" for line in self._log_lines()[-lines:])
+
+    def log_end(self, lines: int = 3) -> str:
+        """Where its log is and its last lines, on one line (a LaunchError is one line: the
+        newlines of a multi-line one were printed as ``\\n``)."""
+        end = " | ".join(line.strip() for line in self._log_lines()[-lines:] if line.strip())
+        return f"the end of its log ({self.directory / 'peer.log'}): {end or '(empty)'}"
+
+    def _log_lines(self) -> list[str]:
         log = self.directory / "peer.log"
-        text = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-        return "\n".join(f"    {line}" for line in text[-lines:])
+        return log.read_text(errors="replace").strip().splitlines() if log.exists() else []
 
 
 PEER_SETTINGS = (
@@ -260,7 +268,7 @@ class LocalSwarm:
             first.poll_events()
             self.check_alive()
             if time.monotonic() > deadline:
-                raise LaunchError(f"peer-0 did not start within {timeout:.0f} s:\n{first.log_tail()}")
+                raise LaunchError(f"peer-0 did not start within {timeout:.0f} s; {first.log_end()}")
             time.sleep(0.2)
         address = started["addresses"][0]
         for index in range(1, self.count):
@@ -273,9 +281,7 @@ class LocalSwarm:
                 peer.poll_events()
                 if code == 0 and peer.last("done"):
                     continue
-                raise LaunchError(
-                    f"{peer.name} exited with status {code} before finishing:\n{peer.log_tail()}"
-                )
+                raise LaunchError(f"{peer.name} exited with status {code} before finishing; {peer.log_end()}")
 
     def poll(self) -> list[dict[str, Any]]:
         return list(itertools.chain.from_iterable(peer.poll_events() for peer in self.peers))
@@ -415,6 +421,9 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
         raise LaunchError("the demo gives each peer its own shard (I/N for peer I); drop --shard")
     if not 1 <= args.peers <= MAX_LOCAL_PEERS:
         raise LaunchError(f"--peers must be within 1..{MAX_LOCAL_PEERS} on one machine (got {args.peers})")
+    from workbench.run.model import pick_device
+
+    pick_device(config.peer.device)  # --device cuda without a GPU: said once, before 4 peers say it
     run_dir = make_folder(args.run_dir or tempfile.mkdtemp(prefix="workbench-demo-"))
     config = replace(
         config, peer=replace(config.peer, run_id=f"demo-{uuid.uuid4().hex[:8]}", min_peers=args.peers)

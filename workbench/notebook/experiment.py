@@ -513,9 +513,9 @@ class Experiment:
                 if self._stop.is_set():
                     raise Stopped(f"{self.name} was stopped before its peer started")
                 if peer.process.poll() is not None:
-                    raise LaunchError(f"the peer exited before starting:\n{peer.log_tail()}")
+                    raise LaunchError(f"the peer exited before starting; {peer.log_end()}")
                 if time.monotonic() > deadline:
-                    raise LaunchError(f"the peer did not start within 120 s:\n{peer.log_tail()}")
+                    raise LaunchError(f"the peer did not start within 120 s; {peer.log_end()}")
                 time.sleep(0.2)
             owner_key = config.network.identity_path or self.run_dir / "peer" / "identity.key"
             own = list(started["addresses"])  # only the announced ones, with --announce
@@ -539,7 +539,7 @@ class Experiment:
                     raise
                 if peer.process.returncode != 0:
                     raise LaunchError(
-                        f"the peer exited with code {peer.process.returncode}:\n{peer.log_tail()}"
+                        f"the peer exited with code {peer.process.returncode}; {peer.log_end()}"
                     ) from None
                 logger.info("%s: the run ended before its live view connected", self.name)
             self._follow(peer, lambda: peer.process.poll() is not None)

@@ -25,6 +25,15 @@ def model_name(text: str) -> str:
     )
 
 
+def device_name(text: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N, checked before anything starts (whether CUDA is
+    there is the peer's to find: :func:`workbench.run.model.pick_device`). The demo started its
+    peers with ``--device tpu`` and each of them failed."""
+    if text in ("auto", "cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}: use auto, cpu, cuda or cuda:N")
+
+
 def given(text: str) -> str:
     """A path or name that must not be empty: ``--resume ""`` started a fresh run without a word,
     ``--run-dir ""`` wrote nothing, ``--data ""`` read the current folder."""
@@ -108,7 +117,10 @@ class Machine:
     """where a peer trains (beside its model and data; ``simulate`` has its own seed and threads)"""
 
     device: str = setting(
-        "auto", "auto, cpu or cuda[:N] (default: auto = CUDA when present)", target="peer.device"
+        "auto",
+        "auto, cpu or cuda[:N] (default: auto = CUDA when present)",
+        target="peer.device",
+        parse=device_name,
     )
     seed: int = setting(0, "model init and data order seed (default: 0)", bound="seed", target="peer.seed")
     shard: str | None = setting(None, "read only shard I of N slices of the data (e.g. 0/4)", metavar="I/N")
