@@ -233,6 +233,17 @@ def test_flags_reach_the_config() -> None:
             "unknown device 'tpu': use auto, cpu, cuda or cuda:N",
             id="demo-device",
         ),
+        pytest.param(  # flags that shape what the run would not do were accepted and did nothing
+            ["start", "--wandb-mode", "online"], "add --wandb PROJECT", id="wandb-mode-alone"
+        ),
+        pytest.param(
+            ["start", "--streaming"], "--streaming shapes how a --dataset is read", id="streaming-alone"
+        ),
+        pytest.param(
+            ["simulate", "--dataset-subset", "en"],
+            "--dataset-subset shapes how a --dataset",
+            id="subset-alone",
+        ),
         pytest.param(["start", "--resume", ""], "argument --resume: is empty", id="resume-empty-value"),
         pytest.param(["join", ADDRESS, "--run-dir", ""], "argument --run-dir: is empty", id="run-dir-empty"),
         pytest.param(["demo", "--run-dir", " "], "argument --run-dir: is empty", id="demo-run-dir-empty"),
@@ -662,6 +673,9 @@ def test_doctor_tells_a_refused_port_from_a_bad_name_and_a_silent_firewall(monke
     monkeypatch.setattr(socket, "create_connection", refuse)
     remote = probe_port("203.0.113.7", 31337, timeout=5)
     assert "--host 0.0.0.0 --port 31337 --announce /ip4/203.0.113.7/tcp/31337" in remote.fix
+    named = probe_port("peer.example.org", 31337, timeout=5)  # /ip4/peer.example.org is no address
+    assert "--announce /dns4/peer.example.org/tcp/31337" in named.fix
+    assert "is the peer running on this machine" in probe_port("localhost", 31337, timeout=5).fix
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,14 @@ def test_data_parallel_method_round_trips(tmp_path: Path) -> None:
             dict(outer_lr=0.5, codec="topk", topk_density=0.03),
         ),
         (["--outer-momentum", "0"], dict(outer_momentum=0.0, nesterov=False)),
+        (  # its unused topk knobs made the joiners' fingerprint differ: refused as another model
+            ["--method", "sparseloco", "--update-codec", "int8"],
+            dict(codec="int8", error_feedback=True, error_decay=0.95, topk_density=0.01, topk_chunk=0),
+        ),
+        (  # its error feedback kept a residual of zeros with a lossless codec
+            ["--method", "sparseloco", "--update-codec", "none"],
+            dict(codec="none", error_feedback=False, topk_mean="group"),
+        ),
         (["--delay", "1", "--update-codec", "int8"], dict(delay=1, codec="int8")),
         (["--overlap"], dict(delay=1, overlap=True, eager=None, outer_lr=0.8, outer_momentum=0.3)),
         (

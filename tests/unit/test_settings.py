@@ -59,6 +59,10 @@ def test_every_setting_with_a_target_lands_there_in_the_config() -> None:
         args = values_of("start", {key: value})
         if key in ("tensorboard", "checkpoint_every"):  # each needs a run folder to write in
             args.run_dir = "runs/a"
+        if key == "wandb_mode":  # online logs to a project
+            args.wandb = "proj"
+        if key in ("streaming", "dataset_subset"):  # each shapes how a dataset is read
+            args.dataset = "some/dataset"
         if key == "client_mode":  # a joiner's: the first peer of a run must be reachable
             args.command, args.peers = (
                 "join",

@@ -83,13 +83,16 @@ def probe_port(host: str, port: int, *, timeout: float) -> Check:
             "check the name's spelling, or use the IP address the peer printed (/ip4/A.B.C.D/...)",
         )
     except ConnectionRefusedError:
-        if _kind(host) == "loopback":
+        if _kind(host) == "loopback" or host == "localhost":
             fix = f"is the peer running on this machine? check the port it printed ({port})"
         else:
+            kind = {"name": "dns4"}.get(
+                _kind(host), "ip6" if ":" in host else "ip4"
+            )  # /ip4/NAME is no address
             fix = (
                 f"is the peer running, with --port {port}? A peer started with the default "
                 "--host 127.0.0.1 listens on its own machine only: restart it with --host 0.0.0.0 "
-                f"--port {port} --announce /ip4/{host}/tcp/{port}"
+                f"--port {port} --announce /{kind}/{host}/tcp/{port}"
             )
         return Check(name, "fail", "connection refused: nothing listens there", fix)
     except TimeoutError:

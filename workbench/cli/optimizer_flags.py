@@ -69,6 +69,8 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
         overrides["error_decay"] = overrides.pop("ef_decay")
     if overrides.get("codec", "topk") != "topk" and "topk_mean" not in overrides:
         overrides["topk_mean"] = "group"  # sparseloco's kept mean needs its top-k codec
+    if overrides.get("codec") == "none" and "error_feedback" not in overrides:
+        overrides["error_feedback"] = False  # sparseloco's, with nothing dropped: a residual of zeros
     if overrides.get("overlap") and overrides.get("delay") is None:
         overrides["delay"] = 1
     if "eager" in overrides and overrides.get("delay", base.delay) != 1:
@@ -86,7 +88,18 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
     nesterov = momentum > 0 and (base.nesterov or "outer_momentum" in overrides)
     config = replace(base, **overrides, nesterov=nesterov)
     check_codec_flags(given(args), config)
-    return config
+    return canonical(config)
+
+
+def canonical(config: DiLoCoConfig) -> DiLoCoConfig:
+    """``config`` with the knobs it does not use at their defaults: the run's fingerprint covers
+    the whole config, and the join command leaves unused knobs out, so `start --method sparseloco
+    --update-codec int8` (sparseloco's topk knobs, unused) printed a join command whose joiners
+    were refused as training another model."""
+    fields = {"ef_decay": "error_decay"}
+    default = type(config)()
+    unused = [fields.get(key, key) for key in unused_knobs(config)]
+    return replace(config, **{name: getattr(default, name) for name in unused})
 
 
 def unused_knobs(config: DiLoCoConfig) -> tuple[str, ...]:

@@ -84,6 +84,11 @@ class DataConfig:
             )
         if self.path is not None and self.dataset is not None:
             raise ValueError("pass either --data (files) or --dataset (the datasets library), not both")
+        if self.dataset is None and (self.streaming or self.dataset_subset is not None):
+            flag = "--streaming" if self.streaming else "--dataset-subset"
+            raise ValueError(
+                f"{flag} shapes how a --dataset is read, and none is given: add --dataset NAME|PATH"
+            )
         if not self.extensions or not all(isinstance(e, str) and e.startswith(".") for e in self.extensions):
             raise ValueError(
                 f"DataConfig.extensions={self.extensions!r} must be a non-empty tuple of suffixes "

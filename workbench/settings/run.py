@@ -309,7 +309,8 @@ class Outputs:
     )
     wandb_mode: str = setting(
         "offline",
-        "offline (default: written under <run-dir>/wandb; upload later with `wandb sync`), online",
+        "offline (default: written under <run-dir>/wandb, or ./wandb without --run-dir; upload later with "
+        "`wandb sync`), online",
         choices=WANDB_MODES,
         target="peer.wandb_mode",
     )
