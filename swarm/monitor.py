@@ -24,7 +24,7 @@ from typing import IO, Any
 from swarm.claims import Ignored
 from swarm.errors import SwarmError
 from swarm.narration import DEPARTED_SECONDS, Departed, RoundSeen, left_how, round_sentence
-from swarm.records import ControlState, PeerHeartbeat, RunManifest, Stage, parse_record
+from swarm.records import ControlState, PeerHeartbeat, RunManifest, Stage, applied, parse_record
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +118,10 @@ class SwarmSnapshot:
         return sum(losses) / len(losses) if losses else None
 
     def applied(self, version: int | None = None) -> tuple[int, int]:
-        """(live peers that applied the control ``version`` (default: the current one), live peers)."""
+        """(live peers that applied the control ``version`` (default: the current one), live peers
+        not paused: a paused peer applies nothing until it is resumed)."""
         version = version if version is not None else (self.control.version if self.control else 0)
-        return sum(p.control_version >= version for p in self.peers.values()), len(self.peers)
+        return applied(self.peers.values(), version)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON shape of `workbench status --json`."""

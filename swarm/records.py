@@ -21,6 +21,7 @@ import enum
 import hashlib
 import hmac
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -219,6 +220,14 @@ class RunManifest(BaseModel):
     @classmethod
     def _printable(cls, value: str) -> str:
         return printable(value)
+
+
+def applied(peers: Iterable[PeerHeartbeat], version: int) -> tuple[int, int]:
+    """(peers that applied the control ``version`` or later, peers that can): a paused peer
+    applies nothing until it is resumed, so it is not counted (the monitor's "3/4 applied" stayed
+    short for as long as a peer was paused)."""
+    active = [p for p in peers if p.stage is not Stage.PAUSED]
+    return sum(p.control_version >= version for p in active), len(active)
 
 
 class ControlState(BaseModel):

@@ -24,7 +24,7 @@ from typing import Any
 
 from swarm.claims import Ignored
 from swarm.errors import SwarmError
-from swarm.records import LONG_TTL, ControlState, PeerHeartbeat, RunKeys, Stage
+from swarm.records import LONG_TTL, ControlState, PeerHeartbeat, RunKeys, Stage, applied
 from swarm.store import SignedStore
 
 logger = logging.getLogger(__name__)
@@ -225,10 +225,7 @@ class Steering:
     def propagation(peers: Mapping[str, PeerHeartbeat], version: int) -> tuple[int, int]:
         """(peers that applied ``version`` or later, live peers); a paused peer applies nothing
         until it is resumed, so it is not counted."""
-        from swarm.records import Stage
-
-        active = [p for p in peers.values() if p.stage is not Stage.PAUSED]
-        return sum(p.control_version >= version for p in active), len(active)
+        return applied(peers.values(), version)
 
 
 def aliases_of(peer: str, live: Mapping[str, Any]) -> set[str]:

@@ -98,7 +98,11 @@ def summary_text(s: SwarmSnapshot, *, published: Any = None, updates_paused: boo
     if version:
         applied, total = s.applied(version)
         color = "green" if applied == total else "yellow"
-        parts.append(f"[dim]control[/] [{color}]{applied}/{total} peers applied v{version}[/]")
+        paused = len(s.peers) - total  # they apply it when resumed
+        parts.append(
+            f"[dim]control[/] [{color}]{applied}/{total} peers applied v{version}[/]"
+            + (f" [dim]({paused} paused)[/]" if paused else "")
+        )
     waits = sorted(p.round_wait_seconds for p in s.peers.values() if p.round_wait_seconds)
     if waits:  # the deadlines the peers learned from the last rounds (swarm.deadlines)
         parts.append(f"[dim]waits[/] [b]{waits[len(waits) // 2]:.0f} s[/]")

@@ -8,9 +8,12 @@ exposes to the page, i.e. the same set_state path Jupyter's comm messages take.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,50 +43,31 @@ const model = {
     }
   },
 };
+// A reading, as the widget's poll thread makes it: every synced trait that changed is sent.
+window.reading = async () => {
+  const fresh = JSON.parse(await window.pyGetState());
+  for (const [key, value] of Object.entries(fresh)) {
+    if (JSON.stringify(state[key]) === JSON.stringify(value)) continue;
+    state[key] = value;
+    (handlers["change:" + key] || []).forEach((callback) => callback());
+  }
+};
 widget.render({ model, el: document.getElementById("root") });
 window.rendered = true;
 </script></body></html>"""
 
 
 def _page(source: FakeSource):
-    """(the widget over ``source``'s last snapshot, a function that opens it in a browser page)."""
+    """The widget over ``source``'s last snapshot."""
     source.position = len(source.snapshots) - 1
     return SwarmWidget(source, autostart=False)
 
 
-def test_the_widget_shows_downloads_and_the_peers_that_left() -> None:
+@contextlib.contextmanager
+def _opened(widget: SwarmWidget) -> Iterator[tuple[Any, list[str]]]:
+    """(a browser page showing ``widget`` through the packaged widget.js, the page's errors)."""
     from playwright.sync_api import sync_playwright
 
-    widget = _page(FakeSource(peers=6, leavers=3))
-    script = Path(__file__).parents[2] / "workbench" / "notebook" / "widget.js"
-    state = json.dumps({k: v for k, v in widget.get_state().items() if k in SYNCED})
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            page = browser.new_page()
-            page.expose_function("pyGetState", lambda: state)
-            page.route(
-                "http://widget.test/widget.js",
-                lambda route: route.fulfill(body=script.read_text(), content_type="text/javascript"),
-            )
-            page.route(
-                "http://widget.test/", lambda route: route.fulfill(body=PAGE, content_type="text/html")
-            )
-            page.goto("http://widget.test/")
-            page.wait_for_function("window.rendered === true", timeout=10_000)
-            stages = page.locator("table.swb-peers tr[data-peer] td.stage").all_inner_texts()
-            assert "download 37%" in stages, stages
-            gone = page.locator("table.swb-peers tr.swb-departed td.stage").all_inner_texts()
-            assert len(gone) == 3 and sum("(killed from the monitor)" in g for g in gone) == 1, gone
-        finally:
-            browser.close()
-
-
-def test_the_widget_renders_peers_and_a_click_reaches_python() -> None:
-    from playwright.sync_api import sync_playwright
-
-    source = FakeSource()
-    widget = _page(source)
     script = Path(__file__).parents[2] / "workbench" / "notebook" / "widget.js"
 
     def state() -> str:
@@ -110,22 +94,70 @@ def test_the_widget_renders_peers_and_a_click_reaches_python() -> None:
             page.on("pageerror", lambda error: errors.append(str(error)))
             page.goto("http://widget.test/")
             page.wait_for_function("window.rendered === true", timeout=10_000)
-            names = page.locator("table.swb-peers tr[data-peer] td:first-child").all_inner_texts()
-            assert names == ["alpha", "bravo", "charlie", "delta"], errors
-            assert page.locator("svg.swb-chart polyline").count() == 4
-
-            page.locator("tr[data-peer] >> nth=1").locator("button.swb-pause").click()
-            page.wait_for_function(
-                "document.querySelector('.swb-message').textContent.startsWith('published')", timeout=10_000
-            )
-            assert source.published == [{"paused": [peer_id(1)]}]
-
-            page.fill("input.swb-lr", "0.45")
-            page.click("button.swb-steer")
-            page.wait_for_function(
-                "document.querySelector('.swb-message').textContent.includes('v2')", timeout=10_000
-            )
-            assert source.published[-1] == {"outer_lr": 0.45}
-            assert not errors, errors
+            yield page, errors
         finally:
             browser.close()
+
+
+def test_the_widget_shows_downloads_and_the_peers_that_left() -> None:
+    with _opened(_page(FakeSource(peers=6, leavers=3))) as (page, _):
+        stages = page.locator("table.swb-peers tr[data-peer] td.stage").all_inner_texts()
+        assert "download 37%" in stages, stages
+        gone = page.locator("table.swb-peers tr.swb-departed td.stage").all_inner_texts()
+        assert len(gone) == 3 and sum("(killed from the monitor)" in g for g in gone) == 1, gone
+
+
+def test_the_widget_renders_peers_and_a_click_reaches_python() -> None:
+    source = FakeSource()
+    with _opened(_page(source)) as (page, errors):
+        names = page.locator("table.swb-peers tr[data-peer] td:first-child").all_inner_texts()
+        assert names == ["alpha", "bravo", "charlie", "delta"], errors
+        assert page.locator("svg.swb-chart polyline").count() == 4
+
+        page.locator("tr[data-peer] >> nth=1").locator("button.swb-pause").click()
+        page.wait_for_function(
+            "document.querySelector('.swb-message').textContent.startsWith('published')", timeout=10_000
+        )
+        assert source.published == [{"paused": [peer_id(1)]}]
+
+        page.fill("input.swb-lr", "0.45")
+        page.click("button.swb-steer")
+        page.wait_for_function(
+            "document.querySelector('.swb-message').textContent.includes('v2')", timeout=10_000
+        )
+        assert source.published[-1] == {"outer_lr": 0.45}
+        assert not errors, errors
+
+
+def test_what_the_user_types_survives_the_readings_and_a_bad_h_is_not_sent() -> None:
+    """The widget drew itself anew at every reading (once a second on a live run), steering form
+    included: what the user typed was gone before Steer was clicked. And parseInt sent H=2 for
+    "2.5". A diverged run's NaN loss (sent as "nan") left the widget blank (toFixed threw)."""
+    source = FakeSource()
+    source.position = 2  # a reading from the middle of the run: the next ones differ
+    widget = SwarmWidget(source, autostart=False)
+    with _opened(widget) as (page, errors):
+        page.fill("input.swb-lr", "0.45")
+        page.fill("input.swb-h", "2.5")
+        page.focus("input.swb-h")
+        for _ in range(3):
+            widget.refresh()
+            page.evaluate("window.reading()")
+        assert page.locator("table.swb-peers tr[data-peer]").count() == 4  # the view did move on
+        assert page.input_value("input.swb-lr") == "0.45" and page.input_value("input.swb-h") == "2.5"
+        assert page.evaluate("document.activeElement.className") == "swb-h"
+        page.click("button.swb-steer")
+        assert page.inner_text(".swb-message") == "H must be a whole number, not 2.5"
+        assert source.published == []
+        page.fill("input.swb-h", "1e3")  # what a number box takes: H = 1000, not 1
+        page.click("button.swb-steer")
+        page.wait_for_function(
+            "document.querySelector('.swb-message').textContent.includes('v1')", timeout=10_000
+        )
+        assert source.published == [{"outer_lr": 0.45, "inner_steps": 1000}]
+        snapshot = dict(widget.snapshot, mean_loss="nan")
+        snapshot["peers"] = [dict(p, loss="nan") for p in widget.snapshot["peers"]]
+        widget.snapshot = snapshot
+        page.evaluate("window.reading()")
+        assert page.inner_text(".swb-summary").count("nan") == 1
+        assert not errors, errors

@@ -293,6 +293,9 @@ def test_propagation_counts_active_peers() -> None:
         "C": hb("C", "c", 1.0, 3, stage="paused"),
     }
     assert Steering.propagation(peers, 2) == (1, 2)
+    # The monitor (the TUI's and the widget's "1/2 applied v2") counts the same: a paused peer
+    # applies nothing until it is resumed (it said 1/3 for as long as c was paused).
+    assert SwarmMonitor().ingest(Reading(1.0, "r", peers)).applied(2) == (1, 2)
 
 
 # --- retune (what steering calls) ---------------------------------------------------------------------

@@ -84,6 +84,13 @@ function chart(series, width = 360, height = 160) {
   return svg;
 }
 
+// A number as text: "-" for none, and whatever else came (a diverged run's NaN arrives as
+// "nan") as it is, never a TypeError that leaves the widget blank.
+function fixed(x, digits) {
+  if (x == null) return "-";
+  return typeof x === "number" && Number.isFinite(x) ? x.toFixed(digits) : String(x);
+}
+
 function render({ model, el: root }) {
   const style = el("style", { text: CSS });
   const box = el("div", { class: "swb" });
@@ -95,41 +102,71 @@ function render({ model, el: root }) {
     model.save_changes();
   }
 
-  function draw() {
+  // The view is drawn again at every reading (about once a second on a live run); the steering
+  // form is made once, so what the user is typing (and the focus) survives the readings.
+  const view = el("div");
+  const controls = el("div", { class: "swb-controls" });
+  const lr = el("input", { type: "number", step: "0.05", min: "0", placeholder: "outer lr", class: "swb-lr" });
+  const h = el("input", { type: "number", step: "1", min: "1", placeholder: "H", class: "swb-h" });
+  const seconds = el("input", { type: "number", step: "1", min: "0", placeholder: "round s", class: "swb-round-seconds" });
+  const steer = el("button", { class: "swb-steer", text: "steer" });
+  const reasonLine = el("div", { class: "swb-reason" });
+  const message = el("div", { class: "swb-message" });
+  steer.addEventListener("click", () => {
+    const command = { action: "steer" };
+    for (const [node, key, what, whole] of [[lr, "outer_lr", "outer lr", false], [h, "inner_steps", "H", true],
+      [seconds, "round_seconds", "round s", false]]) {
+      if (node.value.trim() === "") continue;
+      const value = Number(node.value);  // parseInt("2.5") sent H=2, and "1e3" H=1
+      if (!Number.isFinite(value) || (whole && !Number.isInteger(value))) {
+        message.textContent = `${what} must be ${whole ? "a whole number" : "a number"}, not ${node.value}`;
+        return;
+      }
+      command[key] = value;
+    }
+    send(command);
+  });
+  controls.appendChild(el("span", { text: "steer:" }));
+  controls.append(lr, h, seconds, steer);
+  box.append(view, controls, reasonLine, message);
+
+  function drawView() {
     const snap = model.get("snapshot") || {};
     const reason = model.get("steer_reason");
-    box.replaceChildren();
-    box.appendChild(el("div", { class: "swb-title", text: model.get("title") || "swarm" }));
+    const parts = [el("div", { class: "swb-title", text: model.get("title") || "swarm" })];
     const peers = snap.peers || [];
     const summary = el("div", { class: "swb-summary" });
     const facts = [
       ["round", snap.outer_round ?? 0],
       ["peers", peers.length],
-      ["samples/s", (snap.samples_per_second || 0).toFixed(0)],
-      ["mean loss", snap.mean_loss == null ? "-" : snap.mean_loss.toFixed(3)],
+      ["samples/s", fixed(snap.samples_per_second || 0, 0)],
+      ["mean loss", fixed(snap.mean_loss, 3)],
       ["sent", bytes(peers.reduce((a, p) => a + (p.bytes_sent || 0), 0))],
     ];
     if (snap.control) {
-      const applied = peers.filter((p) => (p.control_version || 0) >= snap.control.version).length;
-      facts.push(["control", `${applied}/${peers.length} applied v${snap.control.version}`]);
+      // A paused peer applies nothing until it is resumed: not counted (swarm.records.applied).
+      const active = peers.filter((p) => p.stage !== "paused");
+      const applied = active.filter((p) => (p.control_version || 0) >= snap.control.version).length;
+      const paused = peers.length - active.length;
+      facts.push(["control", `${applied}/${active.length} applied v${snap.control.version}` + (paused ? ` (${paused} paused)` : "")]);
     }
     for (const [k, v] of facts) summary.appendChild(el("span", {}, [document.createTextNode(`${k} `), el("b", { text: String(v) })]));
-    box.appendChild(summary);
+    parts.push(summary);
     // Peers caught lying (swarm.claims): left out of the table, said here with the reason.
     for (const liar of snap.ignored || []) {
-      box.appendChild(el("div", { class: "swb-ignored", text: `ignored ${liar.peer_id.slice(-8)}: ${liar.reason}` }));
+      parts.push(el("div", { class: "swb-ignored", text: `ignored ${liar.peer_id.slice(-8)}: ${liar.reason}` }));
     }
 
     const row = el("div", { class: "swb-row" });
     const table = el("table", { class: "swb-peers" });
     const head = el("tr");
-    for (const h of ["name", "stage", "outer", "inner", "last H", "loss", "samples/s", "sent", "group", "ctl", ""]) head.appendChild(el("th", { text: h }));
+    for (const t of ["name", "stage", "outer", "inner", "last H", "loss", "samples/s", "sent", "group", "ctl", ""]) head.appendChild(el("th", { text: t }));
     table.appendChild(head);
     const paused = (snap.control && snap.control.paused) || [];
     for (const p of peers) {
       const tr = el("tr", { "data-peer": p.peer_id });
       const cells = [p.name, p.stage, p.outer_step, `${p.inner_step}/${p.inner_steps}`, p.last_round_steps || "-",
-        p.loss == null ? "-" : p.loss.toFixed(3), (p.samples_per_second || 0).toFixed(1),
+        fixed(p.loss, 3), fixed(p.samples_per_second || 0, 1),
         bytes(p.bytes_sent || 0), p.group_size || "-", p.control_version ? `v${p.control_version}` : "-"];
       if (p.stage === "downloading" && p.download_progress > 0) {
         cells[1] = `download ${Math.round(100 * p.download_progress)}%` + (p.download_donors > 1 ? ` from ${p.download_donors} donors` : "");
@@ -154,30 +191,27 @@ function render({ model, el: root }) {
     }
     row.appendChild(table);
     row.appendChild(chart(model.get("loss_series") || {}));
-    box.appendChild(row);
-
-    const controls = el("div", { class: "swb-controls" });
-    const lr = el("input", { type: "number", step: "0.05", min: "0", placeholder: "outer lr", class: "swb-lr" });
-    const h = el("input", { type: "number", step: "1", min: "1", placeholder: "H", class: "swb-h" });
-    const seconds = el("input", { type: "number", step: "1", min: "0", placeholder: "round s", class: "swb-round-seconds" });
-    const steer = el("button", { class: "swb-steer", text: "steer" });
-    for (const node of [lr, h, seconds, steer]) if (reason) { node.disabled = true; node.title = reason; }
-    steer.addEventListener("click", () => {
-      const command = { action: "steer" };
-      if (lr.value) command.outer_lr = parseFloat(lr.value);
-      if (h.value) command.inner_steps = parseInt(h.value, 10);
-      if (seconds.value) command.round_seconds = parseFloat(seconds.value);
-      send(command);
-    });
-    controls.appendChild(el("span", { text: "steer:" }));
-    controls.append(lr, h, seconds, steer);
-    box.appendChild(controls);
-    if (reason) box.appendChild(el("div", { class: "swb-reason", text: `steering disabled: ${reason}` }));
-    box.appendChild(el("div", { class: "swb-message", text: model.get("message") || "" }));
+    parts.push(row);
+    view.replaceChildren(...parts);
   }
 
-  draw();
-  for (const name of ["snapshot", "loss_series", "steer_reason", "message", "title"]) model.on(`change:${name}`, draw);
+  function drawControls() {
+    const reason = model.get("steer_reason");
+    for (const node of [lr, h, seconds, steer]) { node.disabled = Boolean(reason); node.title = reason || ""; }
+    reasonLine.textContent = reason ? `steering disabled: ${reason}` : "";
+    reasonLine.hidden = !reason;
+  }
+
+  function drawMessage() {
+    message.textContent = model.get("message") || "";
+  }
+
+  drawView();
+  drawControls();
+  drawMessage();
+  for (const name of ["snapshot", "loss_series", "title"]) model.on(`change:${name}`, drawView);
+  model.on("change:steer_reason", () => { drawView(); drawControls(); });
+  model.on("change:message", drawMessage);
 }
 
 export default { render };

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import logging
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,8 @@ class SwarmWidget(anywidget.AnyWidget):
             if points:
                 series[peer_id] = {
                     "label": f"{peer.name} ({peer_id[-6:]})",
-                    "points": [[round(t - snapshot.time, 2), v] for t, v in points],
+                    # A diverged run's NaN would make the whole chart's scale NaN.
+                    "points": [[round(t - snapshot.time, 2), v] for t, v in points if math.isfinite(v)],
                 }
         self.loss_series = series
         self.snapshot = snapshot.to_json()
