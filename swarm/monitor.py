@@ -399,34 +399,50 @@ def open_recording(path: str | Path) -> IO[str]:
         raise SwarmError(
             f"{path} exists and is not a workbench monitor recording: give --record a new file (or a recording to extend)"
         )
-    handle.seek(0, os.SEEK_END)
-    if handle.tell() == 0:
+    end = handle.seek(0, os.SEEK_END)
+    if end == 0:
         handle.write(json.dumps({"format": RECORD_FORMAT}) + "\n")
+    else:
+        with open(path, "rb") as raw:  # a recording cut short (a crash, a full disk) ends mid-line
+            raw.seek(-1, os.SEEK_END)
+            if raw.read(1) != b"\n":
+                handle.write("\n")  # the cut line stays one bad line, not glued to the next reading
     return handle
 
 
 def replay(path: str | Path, **options: Any) -> Iterator[SwarmSnapshot]:
-    """The snapshots of a recorded run, as the live monitor derived them."""
+    """The snapshots of a recorded run, as the live monitor derived them, read as they are
+    replayed (a whole 8-hour recording's snapshots, each with its history, took gigabytes).
+    A last line cut short (the recorder stopped mid-write) ends the replay with a warning; a bad
+    line before it is a SwarmError."""
     monitor = SwarmMonitor(**options)
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        handle = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed below; not text: no recording
     except OSError as error:
         raise SwarmError(f"cannot read the recording {path}: {error.strerror or error}") from None
-    except UnicodeDecodeError:
-        lines = []  # not text: not a recording
-    if not lines or not _is_recording(lines[0]):
-        raise SwarmError(
-            f"{path} is not a workbench monitor recording (record one with `workbench status --record`)"
-        )
-    for number, line in enumerate(lines[1:], start=2):
-        if not line.strip():
-            continue
+    with handle:
         try:
-            reading = Reading.from_json(json.loads(line))
-        except (ValueError, KeyError, TypeError) as error:
-            raise SwarmError(f"{path}:{number}: not a monitor reading ({error})") from None
-        yield monitor.ingest(reading)
+            first = handle.readline()
+        except OSError:  # a folder, say
+            first = ""
+        if not _is_recording(first):
+            raise SwarmError(
+                f"{path} is not a workbench monitor recording (record one with `workbench status --record`)"
+            )
+        for number, line in enumerate(handle, start=2):
+            if not line.strip():
+                continue
+            try:
+                reading = Reading.from_json(json.loads(line))
+            except (ValueError, KeyError, TypeError) as error:
+                if not line.endswith("\n") and handle.read(1) == "":
+                    logger.warning(
+                        "%s:%d: the recording ends mid-line (cut short); replayed up to it", path, number
+                    )
+                    return
+                raise SwarmError(f"{path}:{number}: not a monitor reading ({error})") from None
+            yield monitor.ingest(reading)
 
 
 def dht_reader(board, store, keys, *, owner: str | None = None) -> Callable[[], Reading]:

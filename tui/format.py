@@ -71,22 +71,50 @@ def stage_text(p: PeerHeartbeat) -> str:
     return p.stage.value
 
 
-def peer_row(p: PeerHeartbeat, top: int) -> dict[str, str]:
-    """The peers table's cells for one heartbeat (column key -> text)."""
+def number(value: float, width: int, decimals: int) -> str:
+    """``value`` in at most ``width`` characters: fewer decimals first, then k/M (the table's
+    columns have fixed widths, and a cell longer than its column is cut: a loss of 10.825 read
+    10.82, 12345.6 samples/s read 12345.)."""
+    for places in range(decimals, -1, -1):
+        text = f"{value:.{places}f}"
+        if len(text) <= width:
+            return text
+    return human_rate(value)
+
+
+def count(value: int, width: int) -> str:
+    """A whole number in at most ``width`` characters (thousands as k: 100000 -> 100k)."""
+    text = str(value)
+    return text if len(text) <= width else f"{value // 1000}k"
+
+
+def _seconds(seconds: float, width: int) -> str:
+    text = f"{seconds:.1f}s"
+    return text if len(text) <= width else human_duration(seconds)  # a 20-minute round: 20m34s
+
+
+def peer_row(p: PeerHeartbeat, top: int, widths: dict[str, int] | None = None) -> dict[str, str]:
+    """The peers table's cells for one heartbeat (column key -> text), each within its column's
+    ``widths`` where given (H=1000 showed inner 999/100)."""
+    w = widths or {}
+    inner = f"{p.inner_step}/{p.inner_steps}"
+    if len(inner) > w.get("inner", len(inner)):
+        inner = f"{count(p.inner_step, 4)}/{count(p.inner_steps, 4)}"
     return {
         "name": p.name,
         "stage": stage_text(p),
-        "inner": f"{p.inner_step}/{p.inner_steps}",
-        "h": str(p.last_round_steps or "-"),  # inner steps its last round took (time boxes: its own)
-        "outer": str(p.outer_step),
-        "lag": str(max(0, top - p.outer_step)),
-        "loss": "-" if p.loss is None else f"{p.loss:.3f}",
-        "speed": f"{p.samples_per_second:.1f}",
+        "inner": inner,
+        # the inner steps its last round took (time boxes: its own)
+        "h": count(p.last_round_steps, w.get("h", 9)) if p.last_round_steps else "-",
+        "outer": count(p.outer_step, w.get("outer", 9)),
+        "lag": count(max(0, top - p.outer_step), w.get("lag", 9)),
+        "loss": "-" if p.loss is None else number(p.loss, w.get("loss", 9), 3),
+        "speed": number(p.samples_per_second, w.get("speed", 9), 1),
         "sent": human_bytes(p.bytes_sent),
         "received": human_bytes(p.bytes_received),
-        "round": "-" if p.last_round_seconds is None else f"{p.last_round_seconds:.1f}s",
+        "round": "-" if p.last_round_seconds is None else _seconds(p.last_round_seconds, w.get("round", 9)),
         "group": str(p.group_size or "-"),
-        "control": f"v{p.control_version}" if p.control_version else "-",
+        "control": f"v{count(p.control_version, w.get('control', 9) - 1)}" if p.control_version else "-",
     }
 
 

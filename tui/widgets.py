@@ -49,7 +49,7 @@ COLUMNS = [
 # column sizes itself when a row is added.
 WIDTHS = {
     "stage": 13,
-    "inner": 7,
+    "inner": 8,  # 999/1000; longer in thousands (99k/100k)
     "h": 4,
     "outer": 5,
     "lag": 3,
@@ -59,7 +59,7 @@ WIDTHS = {
     "received": 8,
     "round": 6,
     "group": 3,
-    "control": 4,
+    "control": 5,
 }
 WINDOWS = [30.0, 60.0, 120.0, 300.0, 900.0, 3600.0, float("inf")]
 EVENT_STYLE = {
@@ -212,7 +212,7 @@ class PeersTable(DataTable):
             del self._rows[gone]
         self._dimmed = set(departed)
         for p in peers:
-            cells = peer_row(p, s.outer_round)
+            cells = peer_row(p, s.outer_round, WIDTHS)
             left = departed.get(p.peer_id)
             if left is not None:
                 how = LEFT_AS.get(left.how, "lying")

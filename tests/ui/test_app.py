@@ -44,6 +44,29 @@ async def test_the_table_shows_every_live_peer_keyed_by_id(app) -> None:
         assert "20x more" in summary  # bytes sent vs what data-parallel would have sent
 
 
+def test_every_cell_fits_its_column() -> None:
+    """The table's columns have fixed widths and cut what is longer: H=1000 showed inner
+    999/100, a loss of 10.826 read 10.82, 12345.6 samples/s read 12345., control v1000 v100."""
+    from tests.ui.fake import heartbeat
+    from tui.format import peer_row
+    from tui.widgets import WIDTHS
+
+    p = heartbeat(0, 1000.0, 3, inner_step=999, inner_steps=1000, loss=10.826, samples_per_second=12345.6)
+    p = p.model_copy(update=dict(control_version=1000, last_round_steps=1000))
+    row = peer_row(p, 3, WIDTHS)
+    assert (row["inner"], row["loss"], row["speed"], row["control"], row["h"]) == (
+        "999/1000", "10.83", "12346", "v1000", "1000",
+    )  # fmt: skip
+    huge = p.model_copy(
+        update=dict(
+            inner_step=99_999, inner_steps=100_000, samples_per_second=2.5e6, last_round_seconds=1234.5
+        )
+    )
+    row = peer_row(huge, 5000, WIDTHS)
+    assert (row["inner"], row["speed"], row["round"], row["lag"]) == ("99k/100k", "2.5M", "20m34s", "4k")
+    assert all(len(row[key]) <= width for key, width in WIDTHS.items() if key != "stage"), row
+
+
 async def test_sort_by_any_column_and_reverse(app) -> None:
     async with app.run_test(size=(160, 50)) as pilot:
         await started(app, pilot)

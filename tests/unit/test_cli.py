@@ -16,6 +16,7 @@ import swarm.dht
 import workbench.local.launch
 import workbench.run.peer
 from swarm.errors import SwarmError
+from swarm.monitor import RECORD_FORMAT
 from workbench.cli.argv import join_command
 from workbench.cli.command import EXIT_USER_ERROR, build_config, build_parser, main
 from workbench.config import PeerConfig, RunConfig
@@ -244,6 +245,9 @@ def test_flags_reach_the_config() -> None:
             "--dataset-subset shapes how a --dataset",
             id="subset-alone",
         ),
+        pytest.param(  # printed nothing and exited 0
+            ["status", "--replay", "{tmp}/header.jsonl"], "header.jsonl holds no readings", id="replay-empty"
+        ),
         pytest.param(["start", "--resume", ""], "argument --resume: is empty", id="resume-empty-value"),
         pytest.param(["join", ADDRESS, "--run-dir", ""], "argument --run-dir: is empty", id="run-dir-empty"),
         pytest.param(["demo", "--run-dir", " "], "argument --run-dir: is empty", id="demo-run-dir-empty"),
@@ -331,6 +335,7 @@ def test_bad_values_exit_2_with_one_error_line(
     (tmp_path / "garbage").write_bytes(b'{"event": "round"}\n\xff\xfe')  # a metrics file, say
     (tmp_path / "held").mkdir()
     (tmp_path / "empty.toml").write_text('data = ""\n')
+    (tmp_path / "header.jsonl").write_text(json.dumps({"format": RECORD_FORMAT}) + "\n")  # no reading
     (tmp_path / "held" / "checkpoint.pt").write_bytes(b"a stopped peer's")
     try:
         status = main(argv)

@@ -277,6 +277,45 @@ def test_record_and_replay_round_trip(tmp_path) -> None:
     assert [json.dumps(s.to_json()) for s in replay(path)] == expected
 
 
+def test_a_recording_cut_short_replays_up_to_the_cut_and_records_on_after_it(tmp_path, caplog) -> None:
+    """A recorder stopped mid-write (a crash, a full disk) leaves half a line: the whole file was
+    refused, and recording more into it glued the next reading to the half line."""
+    path = tmp_path / "run.jsonl"
+    live = SwarmMonitor(record_to=path)
+    for reading in readings()[:3]:
+        live.ingest(reading)
+    live.close()
+    whole = path.read_text()
+    path.write_text(whole[: whole.rindex("\n", 0, len(whole) - 1) + 30])  # the last reading cut
+    assert len(list(replay(path))) == 2 and "ends mid-line (cut short)" in caplog.text
+    again = SwarmMonitor(record_to=path)
+    for reading in readings()[3:]:
+        again.ingest(reading)
+    again.close()
+    with pytest.raises(SwarmError, match=":4: not a monitor reading"):  # the cut line, alone on its line
+        list(replay(path))
+    lines = path.read_text().splitlines()
+    assert len(lines) == 6 and all(json.loads(line) for line in lines[4:])
+
+
+def test_a_replay_source_tells_each_event_once_and_reads_as_it_goes(tmp_path) -> None:
+    """A finished replay showed its last reading's events again at every poll."""
+    from workbench.sources import ReplaySource
+
+    path = tmp_path / "run.jsonl"
+    live = SwarmMonitor(record_to=path)
+    for reading in readings():
+        live.ingest(reading)
+    live.close()
+    source = ReplaySource(path)
+    events = [e.kind for _ in range(8) for e in source.poll().new_events]
+    assert events == [e.kind for s in replay(path) for e in s.new_events] and "left" in events
+    assert source.poll().time == 5.0 and source.position == 9
+    (tmp_path / "empty.jsonl").write_text(path.read_text().splitlines()[0] + "\n")
+    with pytest.raises(SwarmError, match="holds no readings"):
+        ReplaySource(tmp_path / "empty.jsonl")
+
+
 def test_replay_of_a_bad_file_says_what_it_is(tmp_path) -> None:
     path = tmp_path / "notes.txt"
     path.write_text("hello\n")

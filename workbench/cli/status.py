@@ -160,8 +160,11 @@ def run_status_command(args: argparse.Namespace) -> int:
                 "MULTIADDR --record FILE`)"
             )
 
-        for snapshot in replay(args.replay):
+        shown = 0
+        for shown, snapshot in enumerate(replay(args.replay), start=1):  # noqa: B007 - counted
             show(snapshot.to_json())
+        if not shown:  # as the monitor says it
+            raise SwarmError(f"{args.replay} holds no readings")
         return 0
     from swarm.monitor import SwarmMonitor
 
