@@ -2,7 +2,7 @@
 
 :class:`SwarmMonitor` turns raw readings of the DHT (every peer's heartbeat, the manifest
 and the owner's control state) into a :class:`SwarmSnapshot`: live peers, per-metric history
-in ring buffers, and derived events (joined, left, round done, control applied, lagging).
+bounded (older points thinned), and derived events (joined, left, round done, control applied, lagging).
 The TUI, the notebook widgets, ``workbench status`` and the tests all read snapshots.
 
 Readings can be recorded to a JSONL file and replayed: a replay feeds the recorded readings
@@ -92,7 +92,7 @@ class SwarmSnapshot:
     peers: dict[str, PeerHeartbeat]
     """Live peers by peer id (a leaving peer is gone)."""
     history: dict[str, dict[str, list[tuple[float, float]]]]
-    """peer id -> metric -> [(time, value)], oldest first (ring buffers, see ``history``)."""
+    """peer id -> metric -> [(time, value)], oldest first (bounded: older points thinned, see :class:`Trail`)."""
     events: list[MonitorEvent]
     """Recent events, oldest first."""
     new_events: list[MonitorEvent]
@@ -179,7 +179,7 @@ class SwarmMonitor:
     ) -> None:
         self.read = read
         self.history_length = history
-        self._history: dict[str, dict[str, deque[tuple[float, float]]]] = {}
+        self._history: dict[str, dict[str, Trail]] = {}
         self._events: deque[MonitorEvent] = deque(maxlen=events)
         self._known: dict[str, PeerHeartbeat] = {}  # peers seen alive in the last reading
         self._readings = 0
@@ -296,7 +296,7 @@ class SwarmMonitor:
             run_id=reading.run_id,
             peers=alive,
             history={
-                pid: {metric: list(buffer) for metric, buffer in metrics.items()}
+                pid: {metric: trail.points() for metric, trail in metrics.items()}
                 for pid, metrics in self._history.items()
             },
             events=list(self._events),
@@ -353,9 +353,36 @@ class SwarmMonitor:
             value = getattr(p, metric)
             if value is None:
                 continue
-            buffer = metrics.setdefault(metric, deque(maxlen=self.history_length))
-            if not buffer or buffer[-1][0] != p.time:  # one point per heartbeat, not per poll
-                buffer.append((p.time, float(value)))
+            metrics.setdefault(metric, Trail(self.history_length)).add((p.time, float(value)))
+
+
+class Trail:
+    """One metric's history, bounded by ``limit`` points: the newest half at full resolution
+    (one point per heartbeat), and before them the whole run at a stride that doubles whenever
+    that half is full (a plain ring of 512 heartbeats a second apart held 8.5 minutes, and the
+    loss chart's 15 m, 1 h and "all" windows all showed those)."""
+
+    def __init__(self, limit: int) -> None:
+        self.recent: deque[tuple[float, float]] = deque(maxlen=max(1, limit // 2))
+        self.archive: list[tuple[float, float]] = []
+        self.archive_limit = max(1, limit - self.recent.maxlen)
+        self.stride = 0.0  # seconds between two archived points, at least
+
+    def add(self, point: tuple[float, float]) -> None:
+        if self.recent and self.recent[-1][0] == point[0]:
+            return  # one point per heartbeat, not per poll
+        if len(self.recent) == self.recent.maxlen:
+            leaving = self.recent[0]
+            if not self.archive or leaving[0] - self.archive[-1][0] >= self.stride:
+                self.archive.append(leaving)
+                if len(self.archive) > self.archive_limit:
+                    self.archive = self.archive[::2]
+                    span = self.archive[-1][0] - self.archive[0][0]
+                    self.stride = span / max(1, len(self.archive) - 1)
+        self.recent.append(point)
+
+    def points(self) -> list[tuple[float, float]]:
+        return [*self.archive, *self.recent]
 
 
 def _ignored(reading: Reading) -> dict[str, str]:

@@ -294,6 +294,11 @@ class LossChart(PlotextPlot):
         self.refresh()
 
 
+BANDWIDTH_WINDOW = 30.0
+"""Seconds the bandwidth is averaged over: a peer reports the bytes it sent once per round, so a
+rate from one reading to the next read 0 B/s, then a round's bytes in one spike."""
+
+
 class Rates(Vertical):
     """The swarm's tokens/s and bytes sent/s over the last 120 readings, as sparklines."""
 
@@ -301,7 +306,12 @@ class Rates(Vertical):
         super().__init__(**kwargs)
         self._throughput: deque[float] = deque(maxlen=120)
         self._bandwidth: deque[float] = deque(maxlen=120)
-        self._last_sent: tuple[float, int] | None = None
+        self._sent: dict[str, int] = {}  # each live peer's bytes sent at the last reading
+        self._sends: deque[tuple[float, int]] = (
+            deque()
+        )  # (time, bytes the swarm sent since the reading before)
+        self._last_time: float | None = None
+        self._first_time = 0.0
 
     def compose(self) -> ComposeResult:
         yield Label("tokens/s", classes="spark-label", id="throughput-label")
@@ -312,11 +322,21 @@ class Rates(Vertical):
     def record(self, snapshot: SwarmSnapshot) -> None:
         """Take a reading (every snapshot, even while the screen is frozen)."""
         self._throughput.append(sum(p.tokens_per_second for p in snapshot.peers.values()))
-        sent = sum(p.bytes_sent for p in snapshot.peers.values())
-        if self._last_sent is not None and snapshot.time > self._last_sent[0]:
-            rate = max(0, sent - self._last_sent[1]) / (snapshot.time - self._last_sent[0])
-            self._bandwidth.append(rate)
-        self._last_sent = (snapshot.time, sent)
+        # What each peer sent since the last reading: a peer that left takes nothing away, and
+        # one seen again (after a freeze, or a new one) adds nothing the first time (its whole
+        # count read as 504 MB/s).
+        sent = {pid: p.bytes_sent for pid, p in snapshot.peers.items()}
+        fresh = sum(max(0, now - self._sent[pid]) for pid, now in sent.items() if pid in self._sent)
+        self._sent = sent
+        if self._last_time is not None and snapshot.time > self._last_time:
+            self._sends.append((snapshot.time, fresh))
+            while self._sends and self._sends[0][0] <= snapshot.time - BANDWIDTH_WINDOW:
+                self._sends.popleft()
+            seconds = min(BANDWIDTH_WINDOW, snapshot.time - self._first_time)
+            self._bandwidth.append(sum(b for _, b in self._sends) / max(seconds, 1e-9))
+        if self._last_time is None:
+            self._first_time = snapshot.time
+        self._last_time = snapshot.time
 
     def show(self) -> None:
         self.query_one("#throughput", Sparkline).data = list(self._throughput) or [0.0]
@@ -325,7 +345,7 @@ class Rates(Vertical):
         self.query_one("#throughput-label", Label).update(f"tokens/s  [b]{human_rate(rate)}[/b]")
         bandwidth = self._bandwidth[-1] if self._bandwidth else 0
         self.query_one("#bandwidth-label", Label).update(
-            f"bandwidth, all peers  [b]{human_bytes(bandwidth)}/s[/b]"
+            f"bandwidth, all peers  [b]{human_bytes(bandwidth)}/s[/b] [dim](last {BANDWIDTH_WINDOW:.0f} s)[/]"
         )
 
 

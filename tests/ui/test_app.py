@@ -67,6 +67,31 @@ def test_every_cell_fits_its_column() -> None:
     assert all(len(row[key]) <= width for key, width in WIDTHS.items() if key != "stage"), row
 
 
+def test_the_bandwidth_is_what_the_peers_sent_averaged_over_a_window() -> None:
+    """Peers say the bytes they sent once per round: a rate from one reading to the next read
+    0 B/s then a spike; a peer seen again after a freeze added its whole count at once (504 MB/s
+    for about 1 MB/s), and one that left made the sum fall."""
+    from swarm.monitor import Reading, SwarmMonitor
+    from tests.ui.fake import heartbeat
+    from tui.widgets import Rates
+
+    monitor, rates = SwarmMonitor(), Rates()
+    sent = {0: 0, 1: 0}
+    for t in range(0, 121):  # a reading a second; each peer sends 10 MB at the end of a 10 s round
+        if t % 10 == 0 and t:
+            sent = {i: b + 10_000_000 for i, b in sent.items()}
+        peers = {
+            heartbeat(i, float(t), 1).peer_id: heartbeat(i, float(t), 1, bytes_sent=b)
+            for i, b in sent.items()
+        }
+        if 60 <= t < 90:  # peer 1 frozen: gone from the readings, then back with all it sent
+            peers.pop(heartbeat(1, 0.0, 1).peer_id)
+        rates.record(monitor.ingest(Reading(float(t), "r", peers)))
+    steady = list(rates._bandwidth)[40:60]  # both peers: 2 MB/s
+    assert all(1.5e6 <= b <= 2.5e6 for b in steady), steady
+    assert max(rates._bandwidth) < 3e6  # no spike when peer 1 came back with 120 MB
+
+
 async def test_sort_by_any_column_and_reverse(app) -> None:
     async with app.run_test(size=(160, 50)) as pilot:
         await started(app, pilot)

@@ -18,7 +18,7 @@ from optim.diloco import DiLoCo, DiLoCoConfig
 from swarm.errors import SwarmError
 from swarm.identity import create_identity, key_hash, load_private_key, peer_id_of, public_key_text
 from swarm.manifest import check_fingerprint, model_fingerprint
-from swarm.monitor import Reading, SwarmMonitor, replay
+from swarm.monitor import Reading, SwarmMonitor, Trail, replay
 from swarm.records import ControlState, PeerHeartbeat, RunKeys, RunManifest
 from swarm.steering import Steering
 from swarm.validators import RunSecretValidator, record_validators
@@ -261,12 +261,21 @@ def test_the_monitor_derives_events() -> None:
     }
 
 
-def test_the_monitor_keeps_bounded_history() -> None:
-    monitor = SwarmMonitor(history=3)
-    for t in range(10):
+def test_the_monitor_keeps_bounded_history_that_reaches_back_to_the_start() -> None:
+    """Bounded, newest half at full resolution, the rest of the run coarser: a ring of 512
+    heartbeats a second apart held 8.5 minutes, and the loss chart's 1 h window showed those."""
+    monitor = SwarmMonitor(history=8)
+    for t in range(100):
         snapshot = monitor.ingest(Reading(float(t), "r", {"A": hb("A", "a", float(t), t)}))
-    assert [v for _, v in snapshot.history["A"]["outer_step"]] == [7.0, 8.0, 9.0]
-    assert snapshot.applied() == (1, 1)
+    steps = [v for _, v in snapshot.history["A"]["outer_step"]]
+    assert len(steps) <= 8 and steps[-4:] == [96.0, 97.0, 98.0, 99.0] and steps[0] < 20
+    assert steps == sorted(steps) and snapshot.applied() == (1, 1)
+    trail, end = Trail(512), 8 * 3600  # the monitor's default, over an 8-hour run, a heartbeat a second
+    for t in range(end):
+        trail.add((float(t), 3.0))
+    points = [t for t, _ in trail.points()]
+    assert len(points) <= 512 and points[0] == 0 and points[-1] == end - 1
+    assert sum(t >= end - 3600 for t in points) > 100  # the 1 h window has a curve to draw
 
 
 def test_record_and_replay_round_trip(tmp_path) -> None:
