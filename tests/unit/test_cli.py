@@ -245,6 +245,11 @@ def test_flags_reach_the_config() -> None:
             "--dataset-subset shapes how a --dataset",
             id="subset-alone",
         ),
+        pytest.param(
+            ["steer", f"/ip4/127.0.0.1/tcp/4000/p2p/{PEER_ID}", "--key", "k", "--pause", ""],
+            "--pause is empty: name a peer",
+            id="steer-pause-empty",
+        ),
         pytest.param(  # printed nothing and exited 0
             ["status", "--replay", "{tmp}/header.jsonl"], "header.jsonl holds no readings", id="replay-empty"
         ),

@@ -74,6 +74,15 @@ def run_steer_command(args: argparse.Namespace) -> int:
             "nothing to change: give --outer-lr, --inner-steps, --round-seconds, --update-codec, --pause, "
             "--resume or --checkpoint"
         )
+    empty = [
+        flag
+        for flag, peers in (("--pause", args.pause), ("--resume", args.resume))
+        if any(not p.strip() for p in peers)
+    ]
+    if empty:  # checked before connecting (it failed after, as "no live peer is named")
+        raise SwarmError(
+            f"{empty[0]} is empty: name a peer by its id or name (`workbench status` lists them)"
+        )
     both = sorted(set(args.pause) & set(args.resume))
     if both:
         raise SwarmError(f"--pause and --resume both name {', '.join(both)}: give one of them")

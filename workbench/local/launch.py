@@ -431,7 +431,8 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     headless = args.headless or not (sys.stdout.isatty() and sys.stderr.isatty())
     console.print(
-        f"[bold]workbench demo[/]: {args.peers} peers on 127.0.0.1, {config.peer.rounds} rounds of "
+        f"[bold]workbench demo[/]: {args.peers} peer{'s' if args.peers != 1 else ''} on 127.0.0.1, "
+        f"{config.peer.rounds} round{'s' if config.peer.rounds != 1 else ''} of "
         f"H={config.diloco.inner_steps} inner steps, model {args.model}; logs in {run_dir}",
         soft_wrap=True,
     )
