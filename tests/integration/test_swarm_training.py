@@ -149,7 +149,7 @@ def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_i
     common = [
         *FAST[:2], "--inner-steps", "6", *FAST[4:],
         "--method", "streaming", "--fragments", "2", "--sync-delay", "2",
-        "--rounds", str(PACED_ROUNDS), "--run-id", "streaming-tau",
+        "--rounds", str(PACED_ROUNDS), "--run-id", "streaming-tau", "--checkpoint-every", "1",
     ]  # fmt: skip
     first, second, third = paced_join(spawn, tmp_path, common, after=3)
     for peer in (first, second, third):
@@ -157,6 +157,10 @@ def test_streaming_with_a_sync_delay_agrees_and_a_joiner_lands_on_the_fragment_i
         assert "Traceback" not in peer.stderr(), peer.stderr()
     syncs = first.events("round")
     assert [r["outer_step"] for r in syncs] == list(range(1, 2 * PACED_ROUNDS + 1))  # 2 fragments a round
+    # --eval-every (1) and --checkpoint-every 1 count rounds, not syncs (they did: 2 per round).
+    rounds_ended = list(range(2, 2 * PACED_ROUNDS + 1, 2))
+    assert [r["outer_step"] for r in syncs if r["evaluated"]] == rounds_ended
+    assert [c["outer_step"] for c in first.events("checkpoint")] == rounds_ended
     # The first sync only starts fragment 0's all-reduce; every later one reports the one before.
     assert syncs[0]["pending"]
     assert_grouped(syncs, context=first.stderr()[-6000:])

@@ -384,3 +384,38 @@ def test_a_model_buffer_of_minus_infinity_is_no_corruption(tmp_path) -> None:
     payload = {"model": {"mask": mask}, "inner_optimizer": {}, "outer": {"params": [torch.ones(2)]}}
     checkpoint.save(tmp_path, payload)
     assert torch.equal(checkpoint.load(tmp_path, required=checkpoint.REQUIRED)[0]["model"]["mask"], mask)
+
+
+@pytest.mark.parametrize("theta", ["finite", "nan"])
+def test_a_peer_stopped_by_an_error_keeps_the_swarm_s_model(tmp_path, monkeypatch, theta) -> None:
+    """Only Ctrl+C wrote global_params.pt: an inner loss of NaN, or a heartbeat that could no
+    longer be published, hours into a run without --rounds, left nothing, though θ_global (the
+    swarm's model) was intact. Now θ is written whatever stopped the peer, if it is finite."""
+    from torch import nn
+
+    import workbench.run.peer as peer_module
+    from optim.averager import LocalAverager
+    from optim.diloco import DiLoCo, DiLoCoConfig
+    from workbench.config import PeerConfig, RunConfig
+
+    model = nn.Linear(3, 2)
+    outer = DiLoCo(model, torch.optim.AdamW(model.parameters()), LocalAverager(), DiLoCoConfig(inner_steps=2))
+    if theta == "nan":
+        outer.global_params[0].fill_(float("nan"))
+
+    def run(self) -> dict:
+        self.diloco, self.rounds_done = outer, 5
+        raise FloatingPointError("the inner loss became nan at step 412: lower --inner-lr")
+
+    closed: list[str] = []
+    monkeypatch.setattr(peer_module.Peer, "run", run)
+    monkeypatch.setattr(peer_module.Peer, "close", lambda self, reason: closed.append(reason))
+    with pytest.raises(FloatingPointError):
+        peer_module.run_peer(RunConfig(peer=PeerConfig(run_dir=str(tmp_path))))
+    assert closed == ["error"]
+    saved = tmp_path / "global_params.pt"
+    if theta == "nan":
+        assert not saved.exists()
+    else:
+        kept = torch.load(saved, weights_only=True)
+        assert all(torch.equal(a, b) for a, b in zip(kept, outer.global_params))

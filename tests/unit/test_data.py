@@ -256,3 +256,27 @@ def test_jsonl_errors_name_the_line_and_the_fix(tmp_path):
     path.write_text('{"text": "fine"}\nnot json\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2 is not a JSON line"):
         ByteCorpus.load(DataConfig(path=str(path)))
+
+
+def test_a_torchrun_follower_reads_its_node_s_shard_in_a_stream_of_its_own(tmp_path: Path) -> None:
+    """Ranks other than 0 read the whole training split whatever --shard said, and rank 1 of
+    every node with the same --seed drew the same batches."""
+    from workbench.config import PeerConfig, RunConfig
+    from workbench.run.joining import follower_batches
+
+    path = tmp_path / "ramp.txt"
+    path.write_bytes(bytes(range(1, 201)))  # a byte's value tells where it came from
+    c = ByteCorpus.load(DataConfig(path=str(path), eval_fraction=0.02, max_bytes=1024))
+    n = len(c.train)
+
+    def values(shard: str | None, rank: int, node: str) -> set[int]:
+        config = RunConfig(peer=PeerConfig(shard=None if shard is None else int(shard[0]), num_shards=4))
+        config.model.block_size, config.data.batch_size = 8, 8
+        it = follower_batches(config, c, rank, node)
+        return {v for _ in range(10) for v in next(it)[0].flatten().tolist()}
+
+    for shard in range(4):
+        lo, hi = n * shard // 4, n * (shard + 1) // 4
+        assert values(f"{shard}", 1, "host-a/10.0.0.1:29500") <= set(c.train[lo:hi].tolist())
+    assert values(None, 1, "host-a/10.0.0.1:29500") != values(None, 1, "host-b/10.0.0.2:29500")
+    assert values(None, 1, "host-a/10.0.0.1:29500") != values(None, 2, "host-a/10.0.0.1:29500")

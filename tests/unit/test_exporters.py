@@ -149,3 +149,26 @@ def test_a_missing_exporter_package_is_a_clear_error(tmp_path: Path, monkeypatch
         from workbench.run.exporters import TensorBoardExporter
 
         TensorBoardExporter(tmp_path / "tb2")
+
+
+def test_a_failing_exporter_is_dropped_and_the_others_still_get_every_event() -> None:
+    """The loop stopped at the failing exporter: the ones after it missed that event (TensorBoard
+    on a full disk cost W&B that round's scalars)."""
+    from workbench.run.telemetry import Events
+
+    class Failing:
+        def write(self, record: dict) -> None:
+            raise OSError(28, "No space left on device")
+
+    class Kept:
+        def __init__(self) -> None:
+            self.records: list[dict] = []
+
+        def write(self, record: dict) -> None:
+            self.records.append(record)
+
+    kept, events = Kept(), Events()
+    events.open(None, name="p", exporters=[Failing(), kept])
+    events.emit("round", outer_step=1)
+    events.emit("round", outer_step=2)
+    assert [r["outer_step"] for r in kept.records] == [1, 2] and events.exporters == [kept]

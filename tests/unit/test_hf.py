@@ -117,6 +117,38 @@ def test_a_local_jsonl_dataset_shards_records_and_holds_out_the_same_eval_set(tm
     assert not torch.equal(shards[0].train[:500], shards[1].train[:500])
 
 
+def test_shards_of_a_dataset_train_on_disjoint_records_and_evaluate_on_the_same_ones() -> None:
+    """Counted by record index, 20 shards left shard 19 with eval records only (it then trained on
+    them), and 4 shards got 5000, 5000, 5000 and 4000 records; capped by each peer's own bytes,
+    the shards stopped at different records and held different eval sets."""
+    from workbench.run.hf import dataset_documents
+
+    records = [{"text": f"record {i:05d} " + "x" * (i % 37)} for i in range(4000)]
+
+    def read(shard: int, shards: int, max_bytes: int = 10**9) -> tuple[list[bytes], list[bytes]]:
+        out: dict[bool, list[bytes]] = {True: [], False: []}
+        for is_eval, data in dataset_documents(
+            records,
+            text_field="text",
+            shard=shard,
+            num_shards=shards,
+            eval_fraction=0.05,
+            max_bytes=max_bytes,
+        ):
+            out[is_eval].append(data)
+        return out[False], out[True]
+
+    for shards in (4, 20):
+        parts = [read(i, shards) for i in range(shards)]
+        trains = [set(train) for train, _ in parts]
+        evals = {tuple(val) for _, val in parts}
+        assert len(evals) == 1 and not set().union(*trains) & set(parts[0][1])  # no eval record trained on
+        assert max(map(len, trains)) - min(map(len, trains)) <= 1 and sum(map(len, trains)) == 3800
+    capped = [read(i, 4, max_bytes=20_000) for i in range(4)]
+    assert len({tuple(val) for _, val in capped}) == 1  # the same eval bytes on every shard
+    assert all(sum(map(len, train)) <= 19_000 for train, _ in capped)
+
+
 def test_streaming_reads_the_same_records_as_a_prepared_dataset(tmp_path: Path) -> None:
     directory = make_jsonl_dataset(tmp_path / "ds")
     prepared = ByteCorpus.load(DataConfig(dataset=str(directory)), shard=1, num_shards=3)

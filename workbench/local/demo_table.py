@@ -10,8 +10,9 @@ from typing import Any
 class DemoTable:
     """A live per-peer table for `workbench demo --no-tui` in a terminal."""
 
-    def __init__(self, *, peers: int, rounds: int) -> None:
+    def __init__(self, *, peers: int, rounds: int, syncs_per_round: int = 1) -> None:
         self.rounds = rounds
+        self.syncs = syncs_per_round  # streaming's events count fragment syncs: F per round
         self.rows: dict[str, dict[str, Any]] = {f"peer-{i}": {"stage": "starting"} for i in range(peers)}
         self.started = time.monotonic()
 
@@ -27,7 +28,7 @@ class DemoTable:
         elif kind == "round":
             row.update(
                 stage="training",
-                round=event["outer_step"],
+                round=event["outer_step"] // self.syncs,
                 loss=event["loss"],
                 eval=event["eval_loss"],
                 group=event["group_size"],

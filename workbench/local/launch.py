@@ -447,7 +447,11 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
     elif args.no_tui or args.json:
         from rich.live import Live
 
-        table = DemoTable(peers=args.peers, rounds=config.peer.rounds)
+        table = DemoTable(
+            peers=args.peers,
+            rounds=config.peer.rounds,
+            syncs_per_round=config.outer_method.syncs_per_round(config.fragments),
+        )
         with Live(table.render(), console=console, refresh_per_second=4) as live:
 
             def show(event: dict[str, Any]) -> None:

@@ -210,18 +210,26 @@ def dataset_documents(
     """(is_eval, text) per record, in order, until ``max_bytes`` of text have been read.
 
     Records are held out for evaluation by their index (every ``1/eval_fraction``-th), the
-    same on every peer; of the others, this peer takes those whose index falls in its shard
-    (index mod ``num_shards``), so peers train on disjoint records and read no more of a
-    streamed dataset than they need."""
+    same on every peer, up to ``eval_fraction`` of ``max_bytes`` (a cap that does not depend on
+    the shard, so every peer holds the same eval set: capped by this peer's own bytes, shards
+    stopped at different records and evaluated on different sets). Of the other records, this
+    peer takes every ``num_shards``-th, from its ``shard`` (counted among the training records:
+    counted by index, N = 20 left shard 19 with eval records only, and it then trained on them),
+    so peers train on disjoint records and read no more of a streamed dataset than they need."""
     every = max(2, round(1 / eval_fraction))
-    total = 0
-    index = -1
-    for record in dataset:
-        index += 1
-        if total >= max_bytes:
+    caps = {True: max(1, int(max_bytes * eval_fraction))}
+    caps[False] = max(1, max_bytes - caps[True])
+    totals = {True: 0, False: 0}
+    trained = -1  # the index among training records
+    for index, record in enumerate(dataset):
+        if all(totals[kind] >= caps[kind] for kind in caps):
             return
         is_eval = index % every == every - 1
-        if not is_eval and index % num_shards != shard:
+        if not is_eval:
+            trained += 1
+            if trained % num_shards != shard:
+                continue
+        if totals[is_eval] >= caps[is_eval]:
             continue
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
@@ -230,6 +238,6 @@ def dataset_documents(
                 f"record {index} has no text field '{text_field}' (it has: {fields}); name it with --text-field"
             )
         if text:
-            data = text.encode("utf-8")[: max_bytes - total]
-            total += len(data)
+            data = text.encode("utf-8")[: caps[is_eval] - totals[is_eval]]
+            totals[is_eval] += len(data)
             yield is_eval, data

@@ -244,3 +244,20 @@ def peer_batches(config: RunConfig, corpus: Any, peer_id: str):
     # Each peer draws from its own stream: seed mixed with the peer id.
     seed = (config.peer.seed * 1_000_003 + int.from_bytes(peer_id.encode()[-8:], "little")) % 2**62
     return corpus.batches(block_size=block, batch_size=batch, seed=seed)
+
+
+def follower_batches(config: RunConfig, corpus: Any, rank: int, node: str):
+    """The batches of rank ``rank`` of a torchrun node (``node``: what tells this node from the
+    others, see :func:`workbench.run.node.follow`): from the node's shard of the data, as its
+    rank 0 (the peer) reads it, in a stream of its own. Followers read the whole training split
+    whatever --shard said, and rank 1 of every node with the same --seed drew the same batches."""
+    import zlib
+
+    block, batch = config.model.block_size, config.data.batch_size
+    seed = (config.peer.seed * 1_000_003 + 7919 * rank + zlib.crc32(node.encode())) % 2**62
+    shard = config.peer.shard
+    if shard is not None and not corpus.presharded:
+        return corpus.batches(
+            block_size=block, batch_size=batch, seed=seed, shard=shard, num_shards=config.peer.num_shards
+        )
+    return corpus.batches(block_size=block, batch_size=batch, seed=seed)  # a dataset: sharded by record

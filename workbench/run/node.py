@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -115,6 +116,7 @@ class NodeGroup:
 
 def follow(config) -> int:
     """A follower rank: train when rank 0 says so, until it says stop. Returns an exit code."""
+    from workbench.run.joining import follower_batches
     from workbench.run.training import build_training, train_step
 
     node = NodeGroup()
@@ -123,12 +125,10 @@ def follow(config) -> int:
         torch.set_num_threads(cfg.train.threads)
     training = build_training(cfg)
     model, optimizer = training.model, training.inner_optimizer
-    # Each rank reads its own stream: the node's seed mixed with the rank.
-    batches = training.corpus.batches(
-        block_size=cfg.model.block_size,
-        batch_size=cfg.data.batch_size,
-        seed=(cfg.peer.seed * 1_000_003 + 7919 * node.rank) % 2**62,
-    )
+    # Each rank reads its own stream of the node's shard: the seed mixed with the rank and the
+    # node (its machine and torchrun's rendezvous address).
+    where = f"{socket.gethostname()}/{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    batches = follower_batches(cfg, training.corpus, node.rank, where)
     logger.info("node rank %d of %d: following rank 0", node.rank, node.world_size)
     try:
         while True:

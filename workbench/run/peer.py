@@ -390,13 +390,16 @@ class Peer:
                 outvoted = holding_the_same_state(mine, report.group_info) | disowned
         # A peer known to be out of date must not serve its θ at the top priority.
         self.averager.set_state_priority(self.diloco.outer_step_count - (0.5 if resync else 0.0))
-        every = cfg.peer.checkpoint_every
+        # --checkpoint-every and --eval-every count rounds; streaming syncs F fragments per round
+        # (counted in syncs, F=5 --rounds 2 --checkpoint-every 1 wrote 10 checkpoints).
+        syncs = cfg.outer_method.syncs_per_round(cfg.fragments)
+        every = cfg.peer.checkpoint_every * syncs
         if every and self.diloco.outer_step_count % every == 0:
             self.save_checkpoint()
         self.in_step = report.group_size > 1 and not report.pending
         if resync:
             self.resync(resync, avoid=outvoted, claims=claims)
-        evaluated = self.diloco.outer_step_count % cfg.peer.eval_every == 0 or bool(
+        evaluated = self.diloco.outer_step_count % (cfg.peer.eval_every * syncs) == 0 or bool(
             cfg.peer.rounds and self.diloco.outer_step_count >= self.config.total_rounds
         )
         if evaluated:
@@ -543,12 +546,13 @@ class Peer:
         self.emit("done", **summary)
         return summary
 
-    def save_global_params(self, *, stopped: bool = False) -> None:
+    def save_global_params(self, *, stopped: bool = False, after: BaseException | None = None) -> None:
         """θ_global, the swarm's model (what the eval losses report), to ``<run-dir>/global_params.pt``
         (a temp file renamed over it): at the end of the run, and when the peer is ``stopped``, which
         is how a run without ``--rounds`` ends. Stopped mid-round, it is θ of the last round done;
         stopped before this session finished a round, or in the middle of changing θ, nothing is
-        written (the file of an earlier session stays)."""
+        written (the file of an earlier session stays). ``after``: the error that stopped it (θ is
+        then written only if every value is finite)."""
         if not self.run_dir or self.diloco is None:
             return
         if stopped and not self.rounds_done:
@@ -562,6 +566,11 @@ class Peer:
             )
             return
         params = self.diloco.read_global(lambda params: [p.clone() for p in params])
+        if after is not None and not all(bool(torch.isfinite(p).all()) for p in params):
+            logger.warning(
+                "%s: stopped by an error with θ not finite: global_params.pt not written", self.name
+            )
+            return
         step = self.diloco.outer_step_count
         path = self.run_dir / "global_params.pt"
         temporary = path.with_name(path.name + ".tmp")
@@ -787,6 +796,16 @@ def run_peer(
             except Exception as error:  # noqa: BLE001 - a full disk: still leave the swarm cleanly
                 logger.error("could not write the global params: %s", error)
             close_within(peer.close, "interrupted")
+            raise
+        except Exception as failure:
+            # θ_global is the swarm's model, whatever stopped this peer (an inner loss of NaN
+            # never touches it; a heartbeat that cannot be published neither): kept as a Ctrl+C
+            # keeps it (it was lost, hours into a run without --rounds).
+            try:
+                peer.save_global_params(stopped=True, after=failure)
+            except BaseException as error:  # noqa: BLE001 - the first failure is the one to report
+                logger.error("could not write the global params: %s", error)
+            close_within(peer.close, "error")
             raise
         except BaseException:
             close_within(peer.close, "error")

@@ -88,13 +88,12 @@ class Events:
         record = {"event": event, "time": time.time(), "peer": self.name, **fields}
         if self._file:
             self._file.write(json.dumps(record) + "\n")
-        for exporter in self.exporters:
+        for exporter in list(self.exporters):  # a copy: a failing one is dropped, the rest still get it
             try:
                 exporter.write(record)
             except Exception as error:  # noqa: BLE001 - a dashboard must never stop training
                 logger.warning("%s: dropping the %s exporter: %s", self.name, type(exporter).__name__, error)
                 self.exporters.remove(exporter)
-                break
 
     def close(self) -> None:
         if self._file:
