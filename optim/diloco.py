@@ -106,7 +106,9 @@ class DiLoCo:
         # Held while θ or the momentum change, so a state download served from another thread
         # (hivemind calls get_current_state in a background thread) never sees half a step.
         self.lock = threading.RLock()
-        self.inner_copies = InnerStateCopies(inner_optimizer)  # AdamW's state, copied when asked
+        self.inner_copies = InnerStateCopies(
+            inner_optimizer, params=self.params
+        )  # AdamW's state, copied when asked
         self.codec = config.make_codec()
         self._pending: list[list[torch.Tensor]] = []  # averaged Δ waiting to be applied (delay > 0)
         self._inflight: InFlight | None = None  # with overlap: the round being averaged

@@ -35,17 +35,35 @@ class OuterState:
     """With ``delay``: averaged updates not applied yet, oldest first (one list per round)."""
 
 
-def inner_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[list[list[Any]], list[torch.Tensor]]:
-    """The optimizer's per-parameter tensors as ([param index, key] list, CPU copies). Pageable
+def positions(optimizer: torch.optim.Optimizer, params: list[torch.Tensor] | None) -> dict[int, int]:
+    """Each of the optimizer's own parameter indices (its state dict's) -> that parameter's
+    position in ``params`` (θ: the trained parameters), for those in it. They differ when the
+    optimizer also holds frozen parameters (``AdamW(model.parameters())`` with a frozen layer):
+    the donor's indices were then checked against θ, and its whole state was refused."""
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if params is None:
+        return {index: index for index in range(len(held))}
+    where = {id(p): position for position, p in enumerate(params)}
+    return {index: where[id(p)] for index, p in enumerate(held) if id(p) in where}
+
+
+def inner_state_tensors(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor] | None = None
+) -> tuple[list[list[Any]], list[torch.Tensor]]:
+    """The optimizer's per-parameter tensors as ([param index, key] list, CPU copies), each
+    index the parameter's position in ``params`` (None: the optimizer's own index). Pageable
     copies, on purpose: pinned ones came to the host faster (small model on an H200: 7.2 -> 4.2
     ms a round), but page-locked memory cannot be swapped, torch caches it without giving it
     back, and a snapshot is still served while the next one is taken: several times AdamW's
     state locked in RAM, for a big model more than a volunteer's machine has."""
+    position = positions(optimizer, params)
     keys, tensors = [], []
     for index, state in sorted(optimizer.state_dict()["state"].items()):
+        if int(index) not in position:
+            continue  # not trained: no part of the state
         for key, value in sorted(state.items()):
             if isinstance(value, torch.Tensor):
-                keys.append([int(index), str(key)])
+                keys.append([position[int(index)], str(key)])
                 tensors.append(value.detach().to("cpu", copy=True))
     return keys, tensors
 
@@ -72,8 +90,12 @@ class InnerStateCopies:
     ``state.clear()``, a downloaded state's ``load_state_dict``) swap or shrink the state dict,
     which the copy survives by taking it again."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, wait: float = 5.0) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, *, wait: float = 5.0, params: list[torch.Tensor] | None = None
+    ) -> None:
+        """``params``: θ, whose positions the copies' indices are (:func:`inner_state_tensors`)."""
         self.optimizer = optimizer
+        self.params = params
         self.wait = wait
         self._lock = threading.Lock()
         self._asked: list[concurrent.futures.Future] = []
@@ -152,10 +174,10 @@ class InnerStateCopies:
     def _copy(self) -> InnerTensors:
         for _ in range(COPY_TRIES - 1):
             try:
-                return _finite_or_none(*inner_state_tensors(self.optimizer))
+                return _finite_or_none(*inner_state_tensors(self.optimizer, self.params))
             except RuntimeError as error:  # "dictionary changed size during iteration"
                 logger.debug("copying AdamW's state again: %s", error)
-        return _finite_or_none(*inner_state_tensors(self.optimizer))
+        return _finite_or_none(*inner_state_tensors(self.optimizer, self.params))
 
 
 def _finite_or_none(keys: list[list[Any]], tensors: list[torch.Tensor]) -> InnerTensors:
@@ -186,8 +208,15 @@ def load_inner_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor
     if problem:
         logger.warning("the donor's inner optimizer state %s; starting it fresh", problem)
         return
+    index_of = {position: index for index, position in positions(optimizer, params).items()}
+    if not all(position in index_of for position in per_param):
+        logger.warning(
+            "the donor's inner optimizer state is for parameters this optimizer does not hold; starting it fresh"
+        )
+        return
     groups = optimizer.state_dict()["param_groups"]
-    optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+    per_index = {index_of[position]: entry for position, entry in per_param.items()}
+    optimizer.load_state_dict({"state": per_index, "param_groups": groups})
 
 
 def inner_state_problem(
@@ -224,7 +253,10 @@ def inner_state_problem(
             return f"has entries with different keys ({sorted(keys)} and {sorted(entry)})"
     if not adam:
         return ""
-    groups = {i: g for g in optimizer.state_dict()["param_groups"] for i in g["params"]}
+    position = positions(optimizer, params)  # per_param is by position in params
+    groups = {
+        position[i]: g for g in optimizer.state_dict()["param_groups"] for i in g["params"] if i in position
+    }
     for index, entry in per_param.items():
         group = groups.get(index, optimizer.param_groups[0])
         wanted = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())

@@ -338,7 +338,9 @@ class StreamingRounds:
         self.inner_step_count = 0
         self.lock = threading.Lock()
         self.global_params = streaming.global_params
-        self.inner_copies = InnerStateCopies(streaming.inner_optimizer)  # AdamW's state, copied when asked
+        self.inner_copies = InnerStateCopies(
+            streaming.inner_optimizer, params=streaming.params
+        )  # copied when asked
         self._clock = streaming.syncs
         self._inflight: _FragmentInFlight | None = None
         self._landed: RoundReport | None = None  # the merged fragment's report, for the next sync

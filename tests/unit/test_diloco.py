@@ -1058,3 +1058,56 @@ def test_a_downloaded_state_drops_what_error_feedback_held_back() -> None:
     source, _ = _lone(config, seed=5)
     outer.load_outer_state(source.outer_state())
     assert outer.feedback.residuals is None
+
+
+def test_a_state_read_while_a_round_is_still_averaging_is_refused_not_short_of_its_mean() -> None:
+    """With --overlap the step count moves on when a round's all-reduce starts. Once the wait
+    for it ran out (60 s; an all-reduce can take minutes), the state was read anyway: its outer
+    step counted the round and its queued means lacked it, so a checkpoint resumed (or a joiner)
+    ended 0.06 away from the uninterrupted run, with nothing said. Now it is refused."""
+    from optim.background import RoundInFlight
+
+    release = threading.Event()
+
+    class Slow:
+        def all_reduce(self, tensors, *, weight: float, info: dict[str, Any] | None = None) -> RoundReport:
+            release.wait(timeout=30)
+            return RoundReport(group_size=1)
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outer = DiLoCo(model, opt, Slow(), DiLoCoConfig(inner_steps=2, delay=1, overlap=True))
+    train_round(outer, opt, batches(0, 2))  # its all-reduce now waits in the background
+    with pytest.raises(RoundInFlight, match="has not finished after 0.2 s"):
+        outer.outer_state(inflight_timeout=0.2)
+    release.set()
+    state = outer.outer_state(inflight_timeout=30)
+    assert state.outer_step == 1 and len(state.pending) == 1  # its mean, queued for the joiner
+    outer.finish()
+
+
+def test_a_joiner_takes_adamw_s_state_from_a_donor_whose_model_has_a_frozen_layer() -> None:
+    """DiLoCo averages the trained parameters (θ); AdamW(model.parameters()) also holds the frozen
+    ones, and its state is indexed by its own list: the donor's indices were checked against θ
+    ("has an entry for parameter 2 of 2") and the joiner started AdamW from zero."""
+    from swarm.download import _parse_state
+
+    def peer(seed: int) -> tuple[DiLoCo, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+        model[0].requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return DiLoCo(model, opt, LocalAverager(), DiLoCoConfig(inner_steps=2)), opt
+
+    donor, donor_opt = peer(0)
+    train_round(donor, donor_opt, batches(0, 2))
+    state = donor.outer_state()
+    assert sorted({index for index, _ in state.inner_keys}) == [0, 1]  # positions in θ: the second layer's
+    wire = [*state.params, *state.momentum, *state.inner]
+    metadata = {"outer_step": 1, "num_params": 2, "num_pending": 0, "inner_keys": state.inner_keys}
+    parsed = _parse_state(metadata, wire, [tuple(p.shape) for p in donor.params])  # what a joiner checks
+    joiner, joiner_opt = peer(1)
+    joiner.load_outer_state(parsed)
+    mine, theirs = donor_opt.state_dict()["state"], joiner_opt.state_dict()["state"]
+    assert sorted(theirs) == sorted(mine) == [2, 3]  # AdamW's own indices: the frozen layer holds none
+    assert all(torch.equal(mine[i][k], theirs[i][k]) for i in mine for k in mine[i])

@@ -29,6 +29,7 @@ import torch
 
 import workbench.run.checkpoint as checkpoint
 from optim.api import Sync
+from optim.background import RoundInFlight
 from optim.data_parallel import DataParallel
 from swarm.dht import NetworkConfig, release_interrupted_locks, visible_addresses
 from swarm.errors import SwarmError
@@ -640,7 +641,16 @@ class Peer:
         if self.run_dir is None:
             logger.warning("%s: a checkpoint was requested but this peer has no --run-dir", self.name)
             return None
-        payload = checkpoint.training_state(self.diloco, self.model, self.inner_optimizer, self.batches)
+        try:
+            payload = checkpoint.training_state(self.diloco, self.model, self.inner_optimizer, self.batches)
+        except RoundInFlight as why:  # the next one is tried at its time
+            logger.warning(
+                "%s: no checkpoint at outer step %d: %s (the earlier checkpoint stays)",
+                self.name,
+                self.diloco.outer_step_count,
+                why,
+            )
+            return None
         # Ctrl+C during the save takes effect after its line and event (it came after the file
         # was written, and the peer stopped without saying it had written one).
         with not_interrupted():
