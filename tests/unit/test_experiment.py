@@ -104,7 +104,11 @@ def test_ctrl_c_in_wait_leaves_the_run_going_and_says_how_to_end_it(monkeypatch)
         run.wait(timeout=60)
 
 
-def test_a_simulation_takes_eval_every_and_threads_and_writes_no_folder():
+def test_a_simulation_takes_eval_every_and_threads_and_writes_no_folder(monkeypatch):
+    """The run's threads (default 1, as documented) for the run only: the default was never
+    applied (the run used all of torch's threads), and a value given once stayed for every later
+    cell, so the same cell's numbers depended on the cells before it and on the machine."""
+
     def threads_of_a_new_thread() -> int:  # torch's count is read lazily by each new thread
         seen: list[int] = []
         thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
@@ -112,13 +116,20 @@ def test_a_simulation_takes_eval_every_and_threads_and_writes_no_folder():
         thread.join()
         return seen[0]
 
+    used: list[int] = []
+    simulate = Experiment._simulate
+
+    def recording(self, *args, **kwargs):
+        used.append(threads_of_a_new_thread())  # what the virtual peers' threads get
+        return simulate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Experiment, "_simulate", recording)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         _bigram(steps=4).run().wait(timeout=120)
-        assert threads_of_a_new_thread() == 2  # not given: left as it was
-        run = _bigram(steps=16, eval_every="2", threads=1).run().wait(timeout=120)
-        assert threads_of_a_new_thread() == 1
+        run = _bigram(steps=16, eval_every="2", threads=3).run().wait(timeout=120)
+        assert used == [1, 3] and threads_of_a_new_thread() == 2  # each run's own; then as it was
     finally:
         torch.set_num_threads(threads)
     evaluated = run.history().dropna(subset=["eval_loss"])
@@ -198,6 +209,7 @@ def test_text_numbers_and_a_stop_before_run_are_taken_as_the_cli_takes_them():
         (dict(model=_Bigram), "_Bigram.forward takes only x: give loss_fn="),
         (dict(speeds=["1", "1"]), "speeds is a list of numbers"),
         (dict(speeds=5), "speeds is a list of numbers"),
+        (dict(method="streaming", round_seconds=2), "round_seconds= boxes a round's inner steps"),
         (dict(backend="local", peers=65), "backend='local' starts at most 64 peers"),
         (dict(backend="local", headless=True, json=True), "headless=, json=: `workbench demo`'s display"),
         (dict(timeout=60), "timeout=: `workbench demo`'s display settings"),
@@ -260,3 +272,22 @@ def test_real_peers_rounds_count_the_steps_they_ran_and_only_the_evaluations_mad
     assert history["step"].tolist() == [0, 5, 10, 20, 30]
     assert history["eval_loss"].tolist()[::2] == [5.0, 3.5, 3.0] and history["eval_loss"][1::2].isna().all()
     assert history["bytes_per_peer"].tolist() == [0, 100, 200, 300, 400]
+
+
+def test_time_boxed_rounds_count_the_steps_that_were_run():
+    """With time boxes the `step` column read the schedule's (5, 15, 25, 35) while the peers ran
+    20 and 8 steps; it is now the most any peer ran (tokens count every peer's)."""
+    run = Experiment(
+        model=_Bigram,
+        loss_fn=_loss,
+        peers=2,
+        inner_steps=4,
+        batch_size=4,
+        steps=16,
+        round_seconds=2,
+        speeds=[1.0, 0.5],
+    )
+    run.run().wait(timeout=120)
+    history = run.history()
+    assert history["step"].iloc[-1] == max(run.result.steps_per_peer) < 16
+    assert history["tokens"].iloc[-1] == sum(run.result.steps_per_peer) * 4 * run.config.model.block_size

@@ -260,6 +260,11 @@ class Experiment:
         self.config, self.args = config_from_flags(
             command, initial_peers=initial_peers, simulated=backend == "sim", **flags
         )
+        if backend == "sim" and self.config.peer.round_seconds and self.config.outer_method.fragmented:
+            raise ValueError(  # as `workbench simulate` says it: it was accepted and did nothing
+                f"round_seconds= boxes a round's inner steps, and the simulator syncs {self.method}'s "
+                "fragments one inner step at a time: drop it (real peers, backend='local', take it)"
+            )
         H = self.config.diloco.inner_steps
         if steps is None and rounds is None:
             rounds = 0 if backend == "swarm" else 8  # a swarm peer: until stop(), as the CLI's
@@ -425,8 +430,11 @@ class Experiment:
             else max(1, self.rounds // min(self.rounds, 24))  # ~24 evaluations whatever H is
         )
         rows = _SimRows(self, H, per_row, time.monotonic())
-        if self.flags.get("threads"):  # given: process-wide, as `workbench simulate --threads`
-            torch.set_num_threads(self.config.train.threads)
+        # The run's threads (the demo's default: 1), for this run only: applied only when given,
+        # the default ran on all of torch's threads, and a value given once stayed for every
+        # later cell, so the same cell's numbers depended on the cells before and the machine.
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.config.train.threads or previous)
 
         def on_round(info: dict[str, float]) -> None:
             source.update(info)
@@ -438,6 +446,7 @@ class Experiment:
             result = self._simulate(spec, every, on_round, rows.evaluated)
         finally:
             source.finish()
+            torch.set_num_threads(previous)
         self.result = result
         rows.finish(result)
 
@@ -620,14 +629,14 @@ class _SimRows:
             if len(at) < experiment.peers:
                 return
             del self.reports[sim_round]
-            step = max(int(i["step"]) for i in at.values())
+            step = max(int(i["step"]) for i in at.values())  # the schedule's (H steps a round)
             if sim_round % self.per_row and step < experiment.steps:
                 return  # inside an outer round (streaming)
             outer = self.outer_round(sim_round)
             config = experiment.config
             row = dict(
                 round=outer,
-                step=step,
+                step=max(self.trained),  # what was run: time boxes cut rounds short (read 35 for 20)
                 tokens=sum(self.trained) * config.data.batch_size * config.model.block_size,
                 bytes_per_peer=int(at[0]["bytes"]),
                 loss=sum(i["loss"] for i in at.values()) / len(at),
