@@ -286,7 +286,10 @@ class RoundBarrier:
                     "" if limit >= self.config.round_wait else " (learned from the last rounds' arrivals)",
                 )
                 for p in busy_peers:
-                    if p.peer_id not in vouched:  # "downloading" for a whole round wait
+                    # "Downloading" for a whole round wait. A stranger only training, cut off at
+                    # the learned wait within its grace, is neither: it was struck for "downloading"
+                    # and made every joiner's download doubted for 10 rounds.
+                    if p.peer_id not in vouched and p.stage is Stage.DOWNLOADING:
                         self.doubted = (frozenset(vouched), outer_step)
                         self.strike(
                             p,

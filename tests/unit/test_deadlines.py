@@ -80,6 +80,21 @@ def test_a_downloading_peer_still_gets_the_whole_round_wait():
     assert 12.0 <= swarm.clock() - started < 12.5  # not the learned 10 s
 
 
+def test_a_stranger_still_training_at_the_learned_wait_casts_no_doubt_on_downloads():
+    """A stranger within its grace (about one of this peer's rounds) when the learned wait ran
+    out was struck as if it "said it was downloading", and every joiner's download was doubted
+    (not waited for) for the next 10 rounds."""
+    board = Board(beat("newcomer", 7, Stage.TRAINING), beat("slow", 7, Stage.WAITING))
+    swarm = barrier(board)
+    swarm.gap = 20.0  # its grace: 30 s, past the learned 10 s
+    for _ in range(5):
+        swarm.wait.observe(0.0)
+    started = swarm.clock()
+    assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE
+    assert 10.0 <= swarm.clock() - started < 10.5
+    assert swarm.doubted is None and "newcomer" not in swarm.vouching._strikes
+
+
 def test_the_barrier_learns_from_how_long_it_waited():
     board = Board(beat("slow", 7, Stage.WAITING))
     swarm = barrier(board)
