@@ -39,7 +39,7 @@ def _broken_factory() -> nn.Module:
     [
         (dict(peers=0), r"peers must be at least 1 \(got 0\)"),
         (dict(peers=True), r"peers must be a whole number \(got True\)"),
-        (dict(peers="4"), r"peers must be a whole number \(got '4'\)"),
+        (dict(peers="four"), r"peers must be a whole number \(got 'four'\)"),
         (dict(peers=5000), "--peers must be"),
         (dict(steps=10, rounds=2), "give steps= or rounds=, not both"),
         (dict(steps=0), "steps must be at least 1"),
@@ -291,3 +291,17 @@ def test_time_boxed_rounds_count_the_steps_that_were_run():
     history = run.history()
     assert history["step"].iloc[-1] == max(run.result.steps_per_peer) < 16
     assert history["tokens"].iloc[-1] == sum(run.result.steps_per_peer) * 4 * run.config.model.block_size
+
+
+def test_dp_s_default_budget_is_the_others_in_steps_and_counts_may_be_text():
+    """dp's round is one step: its default 8 rounds were 8 steps against DiLoCo's 160, so every
+    default comparison was 20x unfair. And peers="4" was refused though numbers may be text."""
+    dp, diloco = Experiment(method="dp", model="tiny", peers="2"), Experiment(model="tiny", peers=2)
+    assert dp.steps == diloco.steps == 160 and dp.peers == 2
+    assert Experiment(method="dp", model="tiny", rounds=3).steps == 3  # given: as given
+
+
+def test_compare_says_what_it_takes():
+    pytest.importorskip("matplotlib")
+    with pytest.raises(ValueError, match="compare takes Experiments, got str 'foo'"):
+        compare([_bigram(steps=4), "foo"])

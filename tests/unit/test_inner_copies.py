@@ -64,9 +64,9 @@ def counting_copies(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = optim.state.inner_state_tensors
 
-    def counted(optimizer):
+    def counted(optimizer, params=None):
         calls.append(1)
-        return real(optimizer)
+        return real(optimizer, params)
 
     monkeypatch.setattr(optim.state, "inner_state_tensors", counted)
     return calls
@@ -249,12 +249,12 @@ def test_an_asker_whose_wait_runs_out_while_the_trainer_copies_takes_that_copy(m
     copies.wait = 0.3
     real, live, peak = optim.state.inner_state_tensors, [0], [0]
 
-    def slow(optimizer):
+    def slow(optimizer, params=None):
         live[0] += 1
         peak[0] = max(peak[0], live[0])
         time.sleep(0.5)
         try:
-            return real(optimizer)
+            return real(optimizer, params)
         finally:
             live[0] -= 1
 

@@ -155,21 +155,25 @@ SWARM_REFUSES = ("checkpoint_every", "fault_file", "resume")
 on a command line)."""
 
 
-def _check_counts(**counts: Any) -> None:
-    """peers, steps and rounds: whole numbers in their flags' bounds; steps or rounds, not both."""
+def _check_counts(**counts: Any) -> dict[str, Any]:
+    """peers, steps and rounds: whole numbers in their flags' bounds (text too: "4"); steps or
+    rounds, not both. Returns them as numbers."""
     from swarm import bounds
 
     if counts["steps"] is not None and counts["rounds"] is not None:
         raise ValueError("give steps= or rounds=, not both (steps = rounds x inner_steps)")
-    for key, value in counts.items():
+    for key, value in list(counts.items()):
         if value is None:
             continue
+        if isinstance(value, str) and value.strip().isdigit():  # numbers may be given as text
+            value = counts[key] = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{key} must be a whole number (got {value!r})")
         low = 1 if key == "rounds" else bounds.BOUNDS[key].low  # 0 rounds (until stopped) is the CLI's
         if value < low:
             raise ValueError(f"{key} must be at least {low:g} (got {value})")
         bounds.check(key, value)
+    return counts
 
 
 class Experiment:
@@ -205,7 +209,8 @@ class Experiment:
                 f"{', '.join(f'{key}=' for key in dropped)}: not passed to a notebook's swarm peer; run "
                 "`workbench start` or `join` in a terminal for checkpoints, a resume or a fault file"
             )
-        _check_counts(peers=peers, steps=steps, rounds=rounds)
+        counted = _check_counts(peers=peers, steps=steps, rounds=rounds)
+        peers, steps, rounds = counted["peers"], counted["steps"], counted["rounds"]
         if backend == "local":
             from workbench.local.launch import MAX_LOCAL_PEERS
 
@@ -266,6 +271,12 @@ class Experiment:
                 "fragments one inner step at a time: drop it (real peers, backend='local', take it)"
             )
         H = self.config.diloco.inner_steps
+        if steps is None and rounds is None and backend != "swarm" and self.config.outer_method.every_step:
+            # dp averages every step (its round is one step): the others' budget in steps, not
+            # 8 steps against their 160, which made every default comparison 20x unfair.
+            from workbench.settings.run import DEMO_DEFAULTS
+
+            steps = 8 * DEMO_DEFAULTS["inner_steps"]
         if steps is None and rounds is None:
             rounds = 0 if backend == "swarm" else 8  # a swarm peer: until stop(), as the CLI's
         self.rounds = rounds if rounds is not None else max(1, -(-steps // H))  # type: ignore[operator]
@@ -331,7 +342,10 @@ class Experiment:
                 target()
             except BaseException as error:  # shown by wait() and repr, never lost in the thread
                 self.error = error
-                logger.error("%s failed: %s", self.name, error)
+                if isinstance(error, Stopped):  # asked for (stop()): no failure
+                    logger.info("%s: %s", self.name, error)
+                else:
+                    logger.error("%s failed: %s", self.name, error)
             finally:
                 self._done.set()
 
@@ -685,6 +699,9 @@ def compare(experiments: list[Experiment], *, x: str = "tokens", ax=None):
         experiments = [experiments]
     if not experiments:
         raise ValueError("compare takes a list of experiments (got none)")
+    strangers = [e for e in experiments if not isinstance(e, Experiment)]
+    if strangers:  # an AttributeError on .history() said nothing of what to pass
+        raise ValueError(f"compare takes Experiments, got {type(strangers[0]).__name__} {strangers[0]!r}")
     column = "tokens" if x == "tokens" else "bytes_per_peer"
     frames = []
     for experiment in experiments:
