@@ -305,3 +305,43 @@ def test_compare_says_what_it_takes():
     pytest.importorskip("matplotlib")
     with pytest.raises(ValueError, match="compare takes Experiments, got str 'foo'"):
         compare([_bigram(steps=4), "foo"])
+
+
+class _Logits(nn.Module):  # forward(x, y) that forgets the loss
+    def __init__(self, vocab: int = 256) -> None:
+        super().__init__()
+        self.table = nn.Embedding(vocab, 256)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return self.table(x)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(model=_Logits),
+            r"model\(x, y\) on token ids x, y of shape \(2, 128\).* must return \(output, loss\), got Tensor",
+        ),
+        (dict(model=lambda: _Logits(vocab=100)), r"failed: IndexError: index out of range in self"),
+        (
+            dict(
+                model=_Bigram,
+                loss_fn=lambda out, y: nn.functional.cross_entropy(
+                    out.flatten(0, 1), y.flatten(), reduction="none"
+                ),
+            ),
+            r"must return a loss of one number \(a 0-d float tensor\), got \(256,\)",
+        ),
+        (dict(model=_Bigram, loss_fn=lambda out, y: 1.0), "got float"),
+        (dict(model=_Bigram, loss_fn=lambda out, y: torch.tensor(1.0)), "a loss with no gradient"),
+        (
+            dict(model=_Bigram, loss_fn=nn.functional.cross_entropy),
+            r"failed: (RuntimeError|ValueError): Expected target size",
+        ),
+    ],
+)
+def test_a_custom_model_that_cannot_train_is_said_when_the_experiment_is_made(kwargs, message):
+    """Each of these passed construction and failed after run() with torch's own error."""
+    with pytest.raises(ValueError, match=message):
+        Experiment(peers=2, batch_size=2, **kwargs)

@@ -119,6 +119,35 @@ def _custom_model(flags: dict[str, Any], backend: str) -> Callable[[], torch.nn.
     return (lambda: WithLoss(make(), loss_fn)) if loss_fn is not None else make
 
 
+def _try_on_a_batch(make: Callable[[], torch.nn.Module], config: RunConfig) -> None:
+    """Call a custom model once as the run will, ``model(x, y)`` on token ids of the run's block
+    size, and say what is wrong with what comes back: logits alone, a loss that is not one
+    number, a vocabulary under the 256 byte ids, arguments that do not fit each other all failed
+    after ``run()``, deep in torch ("too many values to unpack", "index out of range in self")."""
+    block = config.model.block_size
+    vocab = 256 if config.data.tokenizer is None else 2  # a tokenizer's size is known when it is loaded
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        x = torch.randint(0, vocab, (2, block))
+        y = torch.randint(0, vocab, (2, block))
+        model = make()
+        what = f"model(x, y) on token ids x, y of shape (2, {block})" + (
+            " (ids 0..255: the data is bytes unless tokenizer= is given)" if vocab == 256 else ""
+        )
+        try:
+            out = model(x, y)
+        except Exception as error:  # noqa: BLE001 - said with what it was called on
+            raise ValueError(f"{what} failed: {type(error).__name__}: {str(error).splitlines()[0]}") from None
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise ValueError(f"{what} must return (output, loss), got {type(out).__name__}")
+    loss = out[1]
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"{what} must return a loss of one number (a 0-d float tensor), got {shape}")
+    if not loss.requires_grad:
+        raise ValueError(f"{what} returned a loss with no gradient: compute it from the model's output")
+
+
 def _takes_two(module: torch.nn.Module) -> bool:
     """Whether ``module(x, y)`` can be called (its forward takes a second positional argument)."""
     import inspect
@@ -265,6 +294,8 @@ class Experiment:
         self.config, self.args = config_from_flags(
             command, initial_peers=initial_peers, simulated=backend == "sim", **flags
         )
+        if self.make_model is not None:  # one step's forward now, not a torch error after run()
+            _try_on_a_batch(self.make_model, self.config)
         if backend == "sim" and self.config.peer.round_seconds and self.config.outer_method.fragmented:
             raise ValueError(  # as `workbench simulate` says it: it was accepted and did nothing
                 f"round_seconds= boxes a round's inner steps, and the simulator syncs {self.method}'s "
