@@ -213,9 +213,17 @@ class RoundBarrier:
         self.expected, self.ahead = (), {}
         # What an honest newcomer costs: about one round of inner steps (measured between this
         # peer's rounds), and at least a couple of matchmaking windows.
-        grace = started + min(
+        grace_seconds = min(
             self.config.round_wait, max(5.0, 2 * self.config.matchmaking_time, 1.5 * self.gap)
         )
+        grace = started + grace_seconds
+        # A downloader that lands during this wait then trains the round it landed on (a whole H:
+        # nobody else is training it): its grace, and its wait, count from its landing. Counted
+        # from the wait's start, a download used them up: the peer was not waited for the moment
+        # it landed, struck (a stranger), found itself behind, downloaded again, and after three
+        # rounds of that was ignored for the rest of the run.
+        seen_downloading: set[str] = set()
+        landed: dict[str, float] = {}  # peer id -> when it was first seen done downloading
         waited_for: list[str] = []
         while True:
             self.beat(Stage.WAITING)
@@ -244,6 +252,17 @@ class RoundBarrier:
                 )
             others = [p for p in others if p not in ahead]
             now = self.clock()
+            for p in others:
+                if p.stage is Stage.DOWNLOADING:
+                    seen_downloading.add(p.peer_id)
+                elif p.peer_id in seen_downloading:
+                    landed.setdefault(p.peer_id, now)
+
+            def grace_of(p: PeerHeartbeat) -> float:  # never past the round wait (a liar's landing)
+                if p.peer_id not in landed:
+                    return grace
+                return min(landed[p.peer_id] + grace_seconds, started + self.config.round_wait)
+
             # A joiner downloading the state is waited for like a vouched peer (a download of a
             # large state legitimately takes long); one that never shows up is struck all the same,
             # and the next strangers' downloads are doubted (:attr:`doubted`).
@@ -256,13 +275,12 @@ class RoundBarrier:
                 for p in others
                 if p.peer_id in vouched or (p.stage is Stage.DOWNLOADING and self.doubted is None)
             ]
-            busy_peers = [p for p in others if busy(p, others) and (now < grace or p in trusted)]
-            if now >= grace:
-                for p in others:
-                    if busy(p, others) and p not in trusted:
-                        self.strike(
-                            p, outer_step, f"said it was still training round {outer_step} and never averaged"
-                        )
+            busy_peers = [p for p in others if busy(p, others) and (now < grace_of(p) or p in trusted)]
+            for p in others:
+                if now >= grace_of(p) and busy(p, others) and p not in trusted:
+                    self.strike(
+                        p, outer_step, f"said it was still training round {outer_step} and never averaged"
+                    )
             waiting = [p.name for p in busy_peers]
             if not waiting:
                 self.wait.observe(now - started)  # how far behind this peer its last mate came
@@ -277,6 +295,14 @@ class RoundBarrier:
             # still training, what the last rounds' arrivals say (never more).
             downloading = any(p.stage is Stage.DOWNLOADING for p in busy_peers)
             limit = self.config.round_wait if downloading else learned
+            # A peer that landed meanwhile: the learned wait (or its grace) from its landing,
+            # within the round wait.
+            since_landing = [
+                landed[p.peer_id] - started + max(learned, grace_seconds)
+                for p in busy_peers
+                if p.peer_id in landed
+            ]
+            limit = min(self.config.round_wait, max([limit, *since_landing]))
             if now > started + limit:
                 logger.warning(
                     "round %d: not waiting longer than %.1f s for %s%s",

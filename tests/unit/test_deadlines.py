@@ -95,6 +95,46 @@ def test_a_stranger_still_training_at_the_learned_wait_casts_no_doubt_on_downloa
     assert swarm.doubted is None and "newcomer" not in swarm.vouching._strikes
 
 
+def test_a_joiner_that_lands_during_the_wait_is_waited_for_from_its_landing():
+    """A downloader is waited for; once it lands it trains the round it landed on (a whole H).
+    Its grace and wait counted from the wait's start, so a 15 s download had used them up: it
+    was not waited for the moment it landed, struck, found itself behind, downloaded again, and
+    after three rounds of that was ignored for good. Still, never past the round wait."""
+
+    class Joining(Board):
+        def __init__(self, swarm_clock, lands: float, trains: float) -> None:
+            super().__init__()
+            self.clock, self.lands, self.trains = swarm_clock, lands, trains
+            self.start = swarm_clock()
+
+        def fetch(self) -> dict[str, PeerHeartbeat]:
+            t = self.clock() - self.start
+            stage = (
+                Stage.DOWNLOADING
+                if t < self.lands
+                else Stage.TRAINING
+                if t < self.lands + self.trains
+                else Stage.WAITING
+            )
+            return {"joiner": beat("joiner", 7, stage)}
+
+    for lands, trains, verdict, after in (
+        (15.0, 20.0, Verdict.AVERAGE, 35.0),
+        (50.0, 20.0, Verdict.AVERAGE, 60.0),
+    ):
+        swarm = barrier(Board())
+        swarm.config.round_wait = 60.0
+        swarm.gap = 20.0  # this peer's own round of inner steps took as long as the joiner's will
+        swarm.board = Joining(swarm.clock, lands, trains)
+        started = swarm.clock()
+        assert swarm.wait_for_round_mates(7) is verdict
+        waited = swarm.clock() - started
+        if lands + trains <= swarm.config.round_wait:
+            assert lands + trains <= waited < lands + trains + 1.5 and swarm.expected == ("joiner",)
+        else:  # the round wait bounds it all the same
+            assert after <= waited < after + 1.5 and swarm.expected == ()
+
+
 def test_the_barrier_learns_from_how_long_it_waited():
     board = Board(beat("slow", 7, Stage.WAITING))
     swarm = barrier(board)
