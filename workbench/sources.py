@@ -253,9 +253,12 @@ class SimSource:
     interval = 0.5
     faults = None
 
-    def __init__(self, title: str, peers: int, *, inner_steps: int) -> None:
+    def __init__(self, title: str, peers: int, *, inner_steps: int, per_round: int = 1) -> None:
+        """``per_round``: simulator rounds per outer round (streaming's are single inner steps:
+        its view said round 137 where the history said round 7)."""
         from swarm.records import PeerHeartbeat, Stage
 
+        self.per_round = max(1, per_round)
         self.title = f"simulation: {title}"
         self.monitor = SwarmMonitor()
         self._lock = threading.Lock()
@@ -284,7 +287,7 @@ class SimSource:
             self._beats[rank] = beat.model_copy(
                 update=dict(
                     stage=Stage.TRAINING,
-                    outer_step=int(info["round"]),
+                    outer_step=-(-int(info["round"]) // self.per_round),
                     loss=float(info["loss"]),
                     bytes_sent=int(info["bytes"]),
                     bytes_received=int(info["bytes"]),

@@ -146,6 +146,16 @@ def test_the_widget_stops_polling_once_the_run_is_over() -> None:
     assert {p["stage"] for p in w.snapshot["peers"]} == {"finishing"}  # its last state, read
 
 
+def test_a_streaming_simulation_shows_outer_rounds_as_its_history_does() -> None:
+    """The simulator's streaming rounds are single inner steps: its view said round 137 where the
+    history said round 7 (H=20)."""
+    from workbench.sources import SimSource
+
+    source = SimSource("streaming", 1, inner_steps=20, per_round=20)
+    source.update({"rank": 0, "round": 137, "loss": 3.0, "bytes": 10})
+    assert source.poll().outer_round == 7
+
+
 def test_a_closed_live_source_answers_with_its_last_reading(monkeypatch) -> None:
     """After its run ended (Experiment closes it), a live source gives its last reading, or says
     it has none, instead of polling a DHT that is shut down."""

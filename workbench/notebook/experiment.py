@@ -467,7 +467,9 @@ class Experiment:
         )
         H = spec.loop_steps()  # inner steps per simulator round: 1 for streaming's fragments
         per_row = max(1, self.config.diloco.inner_steps // H)  # simulator rounds per outer round
-        source = SimSource(self.name, self.peers, inner_steps=H)
+        source = SimSource(
+            self.name, self.peers, inner_steps=self.config.diloco.inner_steps, per_round=per_row
+        )
         self._source = source
         every = per_row * (
             self.args.eval_every  # checked as the flag is
