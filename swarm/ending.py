@@ -91,12 +91,27 @@ def verdict(
             still.append(b.name)  # in its last rounds, or its heartbeat not yet "finishing"
     still.sort()
 
+    # Peers ending at this step that this one never averaged with do not vote (fresh keys are
+    # free), but they break a tie between the θs the voters hold: peers that trust different
+    # others each saw their own θ win a tie (P1 trusts P2; P2 trusts P1 and P3, who holds P2's
+    # θ), each waited for the other to download, and they left on different θ.
+    outside = [
+        parse(b.final_theta)
+        for b in beats
+        if b.peer_id != peer_id
+        and b.peer_id not in vouched
+        and b.rounds == step
+        and b.stage in (Stage.FINISHING, Stage.LEAVING)
+        and b.outer_step == step
+    ]
+    outside = [theta for theta in outside if theta is not None]
+
     def agreeing(theta: list[float]) -> set[str]:
         return {peer for peer, other in votes.items() if same_theta(theta, other)}
 
-    def rank(peer: str) -> tuple[int, str]:
+    def rank(peer: str) -> tuple[int, int, str]:
         held = agreeing(votes[peer])
-        return -len(held), min(held)
+        return -len(held), -sum(same_theta(votes[peer], other) for other in outside), min(held)
 
     best = min(votes, key=rank)
     mates = agreeing(votes[peer_id]) - {peer_id}

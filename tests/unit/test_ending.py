@@ -81,6 +81,24 @@ def test_a_tie_goes_to_the_theta_the_lowest_peer_id_holds():
     assert verdict("a", B, STEP, [beat("b", A)], {"b"}).action == "wait"  # until b holds its θ
 
 
+def test_peers_that_trust_different_others_do_not_each_wait_for_the_other():
+    """p1 averaged only with p2; p2 with p1 and p3, who holds p2's θ. p1 saw a 1-1 tie go to its
+    own θ (the lowest id), p2 a 2-1 win: each waited for the other to download, for the whole
+    round wait, and they left on different θ. Peers a voter never averaged with do not vote,
+    but they break its ties: p1 takes the θ p3 holds too."""
+    beats = {"p1": beat("p1", B), "p2": beat("p2", A), "p3": beat("p3", A)}
+    trust = {"p1": {"p2"}, "p2": {"p1", "p3"}, "p3": {"p2"}}
+    mine = {"p1": B, "p2": A, "p3": A}
+    actions = {
+        peer: verdict(peer, mine[peer], STEP, [b for p, b in beats.items() if p != peer], trust[peer]).action
+        for peer in beats
+    }
+    assert actions == {"p1": "download", "p2": "wait", "p3": "leave"}
+    # A stranger's θ alone is no candidate: it breaks ties between voters' θs only.
+    lone = verdict("a", A, STEP, [beat("b", B), beat("s1", final_sketch(theta(2), STEP))], {"b"})
+    assert lone.action == "wait"  # the tie goes to a's θ, as without the stranger
+
+
 def test_it_leaves_once_everyone_ending_with_it_holds_its_theta():
     ending = verdict("me", A, STEP, [beat("x", A), beat("y", A)], {"x", "y"})
     assert ending.action == "leave" and ending.agreeing == 2
