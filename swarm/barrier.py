@@ -283,7 +283,8 @@ class RoundBarrier:
                     )
             waiting = [p.name for p in busy_peers]
             if not waiting:
-                self.wait.observe(now - started)  # how far behind this peer its last mate came
+                if not landed:  # how far behind this peer its last mate came (not a download's length)
+                    self.wait.observe(now - started)
                 if need_ready and not any(map(ready, others)):
                     return Verdict.ALONE
                 # Only when every other live peer is ready: one that looks neither busy nor
