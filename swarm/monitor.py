@@ -429,11 +429,15 @@ def open_recording(path: str | Path) -> IO[str]:
     end = handle.seek(0, os.SEEK_END)
     if end == 0:
         handle.write(json.dumps({"format": RECORD_FORMAT}) + "\n")
-    else:
-        with open(path, "rb") as raw:  # a recording cut short (a crash, a full disk) ends mid-line
-            raw.seek(-1, os.SEEK_END)
-            if raw.read(1) != b"\n":
-                handle.write("\n")  # the cut line stays one bad line, not glued to the next reading
+        return handle
+    with open(path, "rb") as raw:  # a recording cut short (a crash, a full disk) ends mid-line
+        raw.seek(max(0, end - (1 << 20)))
+        tail = raw.read()
+    if not tail.endswith(b"\n") and b"\n" in tail:
+        # The cut reading is dropped (it was lost already): glued to the next one, or left as a
+        # bad line before it, the readings recorded after it could not be replayed.
+        handle.truncate(end - len(tail) + tail.rindex(b"\n") + 1)
+        handle.seek(0, os.SEEK_END)
     return handle
 
 

@@ -49,7 +49,7 @@ COLUMNS = [
 # column sizes itself when a row is added.
 WIDTHS = {
     "stage": 13,
-    "inner": 8,  # 999/1000; longer in thousands (99k/100k)
+    "inner": 9,  # 9999/9999; longer in thousands (99k/100k)
     "h": 4,
     "outer": 5,
     "lag": 3,

@@ -134,7 +134,7 @@ class PeerConfig:
             raise ValueError("--tensorboard without a folder writes into the run folder: add --run-dir DIR")
         if self.wandb_mode not in WANDB_MODES:
             raise ValueError(f"unknown --wandb-mode {self.wandb_mode!r}: choose {', '.join(WANDB_MODES)}")
-        if self.wandb_mode != "offline" and not self.wandb_project:
+        if self.wandb_mode == "online" and not self.wandb_project:
             raise ValueError(
                 f"--wandb-mode {self.wandb_mode} logs to a W&B project, and none is given: add --wandb PROJECT"
             )

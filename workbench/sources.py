@@ -126,23 +126,23 @@ class ReplaySource:
         if self._last is None:
             raise SwarmError(f"{self.path} holds no readings")
         self._first = True
+        self._lock = threading.Lock()
         self.title = f"replay of {self._last.run_id} ({self.path.name})"
         self.interval = interval
         self.position = 0
 
     def poll(self) -> SwarmSnapshot:
         """The next reading; once the recording is over, the last one again with no new events
-        (its events were logged again at every poll, pushing the replay's history out of the log)."""
-        self.position += 1
-        if self._first:
-            self._first = False
+        (its events were logged again at every poll, pushing the replay's history out of the log).
+        Safe from two threads (a widget's poll and a refresh() by hand)."""
+        with self._lock:
+            self.position += 1
+            if self._first:
+                self._first = False
+                return self._last
+            following = next(self._readings, None)
+            self._last = dataclasses.replace(self._last, new_events=[]) if following is None else following
             return self._last
-        following = next(self._readings, None)
-        if following is None:
-            self._last = dataclasses.replace(self._last, new_events=[])
-        else:
-            self._last = following
-        return self._last
 
     def steering_reason(self) -> str | None:
         return "a recording cannot be steered"

@@ -46,16 +46,16 @@ async def test_the_table_shows_every_live_peer_keyed_by_id(app) -> None:
 
 def test_every_cell_fits_its_column() -> None:
     """The table's columns have fixed widths and cut what is longer: H=1000 showed inner
-    999/100, a loss of 10.826 read 10.82, 12345.6 samples/s read 12345., control v1000 v100."""
+    999/100 (and H=2000 1500/200), a loss of 10.826 read 10.82, 12345.6 samples/s read 12345., control v1000 v100."""
     from tests.ui.fake import heartbeat
     from tui.format import peer_row
     from tui.widgets import WIDTHS
 
-    p = heartbeat(0, 1000.0, 3, inner_step=999, inner_steps=1000, loss=10.826, samples_per_second=12345.6)
+    p = heartbeat(0, 1000.0, 3, inner_step=1500, inner_steps=2000, loss=10.826, samples_per_second=12345.6)
     p = p.model_copy(update=dict(control_version=1000, last_round_steps=1000))
     row = peer_row(p, 3, WIDTHS)
     assert (row["inner"], row["loss"], row["speed"], row["control"], row["h"]) == (
-        "999/1000", "10.83", "12346", "v1000", "1000",
+        "1500/2000", "10.83", "12346", "v1000", "1000",
     )  # fmt: skip
     huge = p.model_copy(
         update=dict(

@@ -345,3 +345,21 @@ def test_a_custom_model_that_cannot_train_is_said_when_the_experiment_is_made(kw
     """Each of these passed construction and failed after run() with torch's own error."""
     with pytest.raises(ValueError, match=message):
         Experiment(peers=2, batch_size=2, **kwargs)
+
+
+def test_simulations_running_at_once_put_torch_s_threads_back_after_the_last():
+    """Each run put back the count it found: A found 16 and set 1, B found 1; A ended and set 16
+    under B, B ended and left the notebook at 1."""
+    from workbench.notebook.experiment import _threads_in, _threads_out
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _threads_in(1)
+        _threads_in(3)
+        _threads_out()
+        assert torch.get_num_threads() == 3  # B still runs on its own
+        _threads_out()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -69,8 +69,6 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
         overrides["error_decay"] = overrides.pop("ef_decay")
     if overrides.get("codec", "topk") != "topk" and "topk_mean" not in overrides:
         overrides["topk_mean"] = "group"  # sparseloco's kept mean needs its top-k codec
-    if overrides.get("codec") == "none" and "error_feedback" not in overrides:
-        overrides["error_feedback"] = False  # sparseloco's, with nothing dropped: a residual of zeros
     if overrides.get("overlap") and overrides.get("delay") is None:
         overrides["delay"] = 1
     if "eager" in overrides and overrides.get("delay", base.delay) != 1:
@@ -88,14 +86,15 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
     nesterov = momentum > 0 and (base.nesterov or "outer_momentum" in overrides)
     config = replace(base, **overrides, nesterov=nesterov)
     check_codec_flags(given(args), config)
-    return canonical(config)
+    return config
 
 
 def canonical(config: DiLoCoConfig) -> DiLoCoConfig:
-    """``config`` with the knobs it does not use at their defaults: the run's fingerprint covers
-    the whole config, and the join command leaves unused knobs out, so `start --method sparseloco
-    --update-codec int8` (sparseloco's topk knobs, unused) printed a join command whose joiners
-    were refused as training another model."""
+    """``config`` with the knobs it does not use at their defaults, for the run's fingerprint:
+    the join command leaves unused knobs out, so `start --method sparseloco --update-codec int8`
+    (sparseloco's topk knobs, unused) printed a join command whose joiners were refused as
+    training another model. The config itself keeps them: a codec steered to topk later uses
+    them (the method's, not DiLoCoConfig's defaults)."""
     fields = {"ef_decay": "error_decay"}
     default = type(config)()
     unused = [fields.get(key, key) for key in unused_knobs(config)]
@@ -104,9 +103,12 @@ def canonical(config: DiLoCoConfig) -> DiLoCoConfig:
 
 def unused_knobs(config: DiLoCoConfig) -> tuple[str, ...]:
     """The codec knobs ``config`` would not use: the topk codec's without that codec, the
-    error-feedback decay without error feedback."""
+    error-feedback decay without error feedback, and error feedback itself with the lossless
+    codec (its residual stays zero: sparseloco's, with --update-codec none)."""
     topk = TOPK_KNOBS if config.codec != "topk" else ()
-    return (*topk, *(() if config.error_feedback else ("ef_decay",)))
+    feedback = ("error_feedback", "ef_decay") if config.codec == "none" else ()
+    decay = () if config.error_feedback or feedback else ("ef_decay",)
+    return (*topk, *feedback, *decay)
 
 
 def check_codec_flags(flags: dict[str, Any], config: DiLoCoConfig) -> None:

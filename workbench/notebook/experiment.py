@@ -148,6 +148,29 @@ def _try_on_a_batch(make: Callable[[], torch.nn.Module], config: RunConfig) -> N
         raise ValueError(f"{what} returned a loss with no gradient: compute it from the model's output")
 
 
+_THREADS_LOCK = threading.Lock()
+_THREADS: dict[str, int] = {"runs": 0, "before": 0}
+
+
+def _threads_in(threads: int) -> None:
+    """A simulation starts: torch's thread count (process-wide) is ``threads`` while it runs;
+    the count from before the first of the simulations running at once is put back after the
+    last (each putting back its own, two runs at once left the notebook at the other's)."""
+    with _THREADS_LOCK:
+        if _THREADS["runs"] == 0:
+            _THREADS["before"] = torch.get_num_threads()
+        _THREADS["runs"] += 1
+        if threads:
+            torch.set_num_threads(threads)
+
+
+def _threads_out() -> None:
+    with _THREADS_LOCK:
+        _THREADS["runs"] -= 1
+        if _THREADS["runs"] == 0:
+            torch.set_num_threads(_THREADS["before"])
+
+
 def _takes_two(module: torch.nn.Module) -> bool:
     """Whether ``module(x, y)`` can be called (its forward takes a second positional argument)."""
     import inspect
@@ -480,8 +503,7 @@ class Experiment:
         # The run's threads (the demo's default: 1), for this run only: applied only when given,
         # the default ran on all of torch's threads, and a value given once stayed for every
         # later cell, so the same cell's numbers depended on the cells before and the machine.
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.config.train.threads or previous)
+        _threads_in(self.config.train.threads)
 
         def on_round(info: dict[str, float]) -> None:
             source.update(info)
@@ -493,7 +515,7 @@ class Experiment:
             result = self._simulate(spec, every, on_round, rows.evaluated)
         finally:
             source.finish()
-            torch.set_num_threads(previous)
+            _threads_out()
         self.result = result
         rows.finish(result)
 

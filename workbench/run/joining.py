@@ -47,10 +47,12 @@ def check_run_exists(
 
 def fingerprint(config: RunConfig, model: Any) -> tuple[str, str]:
     """(fingerprint, summary) of a peer's model and the optimizer settings all peers share."""
+    from workbench.cli.optimizer_flags import canonical
+
     optimizer = dict(
         method=config.method,
         fragments=config.fragments if config.outer_method.fragmented else None,
-        outer=dataclasses.asdict(config.diloco),
+        outer=dataclasses.asdict(canonical(config.diloco)),  # the knobs it uses: as its join command says
         compression=config.averaging.compression,
     )
     summary = (
