@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from optim import robust
+from swarm.bounds import whole
 from swarm.butterfly import MEAN
 from swarm.dataplane import MAX_RINGS, PROTOCOL, RING_ID_BYTES
 
@@ -52,7 +53,7 @@ def reported(member: Any) -> dict[str, Any]:
 
 def takes_direct_rings(member: Any) -> bool:
     plane = member.get(PLANE) if isinstance(member, dict) and USER in member else None
-    return isinstance(plane, int) and not isinstance(plane, bool) and plane == PROTOCOL
+    return whole(plane) and plane == PROTOCOL
 
 
 def all_take_the_mean(members: list[Any]) -> bool:
@@ -109,7 +110,7 @@ def mask_scale(members: list[Any], codec: str, *, limit: int) -> float:
         if not isinstance(info, dict):
             continue
         norm, kept = info.get("norm"), info.get("kept")
-        numbers = isinstance(norm, (int, float)) and isinstance(kept, int) and not isinstance(kept, bool)
+        numbers = isinstance(norm, (int, float)) and whole(kept)
         if numbers and math.isfinite(norm) and norm > 0 and 0 < kept <= limit:
             rms.append(norm / math.sqrt(kept))
     if not rms:
@@ -256,7 +257,7 @@ def _parse_info(info: Any) -> dict[str, Any] | None:
     if not isinstance(info, dict):
         return None
     step, fingerprint = info.get("outer_step"), info.get("fingerprint") or []
-    if not isinstance(step, int) or isinstance(step, bool) or not isinstance(fingerprint, list):
+    if not whole(step) or not isinstance(fingerprint, list):
         return None
     if not all(
         isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in fingerprint
