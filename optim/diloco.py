@@ -55,6 +55,7 @@ from optim.state import (
     holding,
     inner_state_tensors,
     load_inner_state,
+    shape_mismatch,
     warn_unsynced_buffers,
 )
 
@@ -596,14 +597,12 @@ class DiLoCo:
     def load_outer_state(self, state: OuterState) -> None:
         """Adopt a downloaded global state and restart the current round from it."""
         shapes = [tuple(g.shape) for g in self.global_params]
-        got = [tuple(t.shape) for t in state.params]
-        if got != shapes or [tuple(t.shape) for t in state.momentum] != shapes:
-            mismatch = next(
-                (f"tensor {i}: {a} vs {b}" for i, (a, b) in enumerate(zip(got, shapes)) if a != b), ""
-            )
+        why = shape_mismatch([t.shape for t in state.params], shapes) or shape_mismatch(
+            [t.shape for t in state.momentum], shapes
+        )
+        if why:
             raise ValueError(
-                f"the downloaded state does not fit this model ({len(got)} tensors vs this model's {len(shapes)}"
-                f"{'; first mismatch ' + mismatch if mismatch else ''}); every peer of a run must use the same model"
+                f"the downloaded state does not fit this model ({why}); every peer of a run must use the same model"
             )
         with self.lock:
             self.global_intact = False

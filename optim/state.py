@@ -35,6 +35,18 @@ class OuterState:
     """With ``delay``: averaged updates not applied yet, oldest first (one list per round)."""
 
 
+def shape_mismatch(got: Sequence[tuple[int, ...]], wanted: Sequence[tuple[int, ...]]) -> str | None:
+    """How a state's tensor shapes differ from this model's, or None: ``N tensors vs this
+    model's M; first mismatch tensor i: (a) vs (b)``."""
+    got, wanted = [tuple(s) for s in got], [tuple(s) for s in wanted]
+    if got == wanted:
+        return None
+    first = next((f"tensor {i}: {a} vs {b}" for i, (a, b) in enumerate(zip(got, wanted)) if a != b), "")
+    return f"{len(got)} tensors vs this model's {len(wanted)}" + (
+        f"; first mismatch {first}" if first else ""
+    )
+
+
 def positions(optimizer: torch.optim.Optimizer, params: list[torch.Tensor] | None) -> dict[int, int]:
     """Each of the optimizer's own parameter indices (its state dict's) -> that parameter's
     position in ``params`` (θ: the trained parameters), for those in it. They differ when the

@@ -24,6 +24,7 @@ import torch
 
 from optim.contribution import global_norm
 from optim.diloco import OuterState
+from optim.state import shape_mismatch
 from swarm.bounds import BOUNDS, whole
 from swarm.claims import judge_state, witness_order
 from swarm.dataplane import one_line
@@ -398,8 +399,12 @@ def _parse_state(
             f"{len(tensors)} tensors for {count} params: the donor left mid-download (hivemind ends a "
             "broken stream as if it were complete) or runs another version of workbench"
         )
-    if shapes is not None and [tuple(t.shape) for t in tensors[:count]] != [tuple(s) for s in shapes]:
-        raise SwarmError(_misfit([tuple(t.shape) for t in tensors[:count]], [tuple(s) for s in shapes]))
+    why = None if shapes is None else shape_mismatch([t.shape for t in tensors[:count]], shapes)
+    if why:
+        raise SwarmError(
+            f"its θ does not fit this model ({why}): a malformed state, or the run trains another model "
+            "(then use the --model and flags from the run's join command)"
+        )
     rest = tensors[2 * count :]
     queued = [[t.float() for t in rest[i * count : (i + 1) * count]] for i in range(pending)]
     _check_shapes(tensors[:count], tensors[count : 2 * count], queued, inner_keys, rest[pending * count :])
@@ -413,16 +418,6 @@ def _parse_state(
     )
     _check_values(state)
     return state
-
-
-def _misfit(got: list[tuple[int, ...]], shapes: list[tuple[int, ...]]) -> str:
-    first = next((i for i, (a, b) in enumerate(zip(got, shapes)) if a != b), min(len(got), len(shapes)))
-    where = f"tensor {first}: {got[first]} vs {shapes[first]}" if first < min(len(got), len(shapes)) else ""
-    return (
-        f"its θ does not fit this model ({len(got)} tensors vs this model's {len(shapes)}"
-        f"{'; first mismatch ' + where if where else ''}): a malformed state, or the run trains another "
-        "model (then use the --model and flags from the run's join command)"
-    )
 
 
 MOMENTUM_RATIO = 10.0
