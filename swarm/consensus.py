@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.sketch import CHUNK, ROWS, SIGMAS, WIRE_EPSILON, Sketch, Sketcher, mismatch
+from swarm.sketch import CHUNK, ROWS, SIGMAS, WIRE_EPSILON, Sketch, Sketcher, floor, mismatch
 
 CHECKED_CODECS = ("none", "fp16")
 FAILED = b"failed"
@@ -50,6 +50,8 @@ class TensorSketcher:
 
     def __init__(self, seed: bytes, numels: Sequence[int]) -> None:
         self.offsets: list[int] = []
+        self.count = sum(numels)
+        """Elements in the tensors (the gaps between them are exact zeros)."""
         end = 0
         for count in numels:
             self.offsets.append(end)
@@ -95,9 +97,10 @@ class Post:
         return cls(Sketch.from_bytes(data[:size]), own_norm, tuple(got))
 
 
-def disagreement(posts: Sequence[bytes], codec: str, *, linear: bool = True) -> str | None:
+def disagreement(posts: Sequence[bytes], codec: str, *, count: int, linear: bool = True) -> str | None:
     """Why the members (posts in rank order) did not all end with the group's mean, or None
-    (``linear=False``, a trimmed mean: why they did not all end with the same result).
+    (``count``: the elements averaged, the same for every member; ``linear=False``, a trimmed
+    mean: why they did not all end with the same result).
 
     Non-finite values are let through, as on the direct plane: the mean is then not finite and
     the outer step's own check refuses it, naming the NaN (optim.robust)."""
@@ -112,25 +115,26 @@ def disagreement(posts: Sequence[bytes], codec: str, *, linear: bool = True) -> 
     sent = [p.sent for p in parsed]
     wire = WIRE_EPSILON.get(codec, WIRE_EPSILON["fp16"])
     if not linear:
-        return _unequal(parsed, wire)
+        return _unequal(parsed, wire, floor(codec, 2 * (len(parsed) + 2), count))
     for rank, post in enumerate(parsed):
         if not math.isfinite(post.own_norm) or post.own_norm < 0:
             if math.isfinite(post.own_norm):
                 return f"member {rank} posted a negative norm"
             continue
         # This member's own rounding (its x_j and the delta it got back, about |x_j| + |mean|).
-        allowance = 3 * SIGMAS * wire * post.own_norm
-        why = mismatch(Sketch(post.got, 0.0), sent, codec, allowance=allowance)
+        allowance = 3 * SIGMAS * wire * post.own_norm + floor(codec, 2, count)
+        why = mismatch(Sketch(post.got, 0.0), sent, codec, count=count, allowance=allowance)
         if why is not None:
             return f"member {rank} did not get the group's mean: {why}"
     return None
 
 
-def _unequal(parsed: list[Post], wire: float) -> str | None:
+def _unequal(parsed: list[Post], wire: float, absolute: float) -> str | None:
     """Why some member's result differs from the first member's by more than their own roundings
     (each member adds the result it got for another reducer's part to its own ``x_j``, rounded
     by the wire codec, about ``|x_j|`` and the result's size, which is at most ``sqrt(Σ |x_i|²)``
-    for a trimmed mean), or None."""
+    for a trimmed mean; ``absolute``: the roundings of tiny values, :func:`swarm.sketch.floor`),
+    or None."""
     finite = [all(math.isfinite(v) for v in p.got) for p in parsed]
     if not any(finite):
         return None  # NaN for everyone: the outer step's own check refuses it on every member
@@ -142,7 +146,7 @@ def _unequal(parsed: list[Post], wire: float) -> str | None:
     result = math.sqrt(sum(n * n for n in norms))
     first = parsed[0]
     for rank, post in enumerate(parsed[1:], start=1):
-        bound = SIGMAS * wire * (3 * (post.own_norm + first.own_norm) + 2 * result) + 1e-30
+        bound = SIGMAS * wire * (3 * (post.own_norm + first.own_norm) + 2 * result) + absolute + 1e-30
         worst = max(abs(a - b) for a, b in zip(post.got, first.got))
         if worst > bound:
             return (

@@ -462,7 +462,7 @@ class DirectPlane:
                     work.wait()
             if isinstance(present, Future):
                 wait([present])
-        why = mismatch(result, parts, codec)
+        why = mismatch(result, parts, codec, count=sketcher.count)
         if why is not None:
             raise RingTampered(why)
         self.mark("check")

@@ -422,7 +422,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                 f"hivemind's all-reduce: the members' check did not complete ({answers})"
             )
         posts = [*answers[:rank], post, *answers[rank:]]
-        why = disagreement(posts, self._codec, linear=self._aggregate == "mean")
+        why = disagreement(posts, self._codec, count=sketcher.count, linear=self._aggregate == "mean")
         if why is not None:
             raise AllreduceException(f"hivemind's all-reduce gave the members different results: {why}")
         return results

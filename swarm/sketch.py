@@ -18,6 +18,11 @@ sketch's own float32 sums make ``R (Σ x_i) - Σ s_i`` a small random vector; pe
 about the size of the rounding error's norm, bounded here by ``slack · Σ |x_i|``. A change
 smaller than that (about 1e-4 of the update with fp32 on the wire, 1e-2 with fp16) passes, as
 rounding would; anything an attacker gains from must be larger. See docs/security.md.
+
+fp16's rounding is relative only down to 2^-14: below, its values are 2^-24 apart whatever their
+size, so tiny updates (elements around 1e-6, as at the end of a cosine schedule) round by 3 % of
+themselves and failed the relative bound in every round (20 of 20, 3 members). :func:`floor`
+adds what that absolute rounding can sum to, which needs the vector's length.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ ROWS = 8
 BLOCK = 32  # chunks per product in Sketcher.rows
 # Relative precision of one value on the wire (fp16 keeps 11 significant bits, fp32 24).
 WIRE_EPSILON = {"fp16": 2.0**-11, "none": 2.0**-24}
+# The largest rounding error of one value however small it is (fp16's subnormal spacing 2^-24;
+# fp32's is negligible).
+WIRE_FLOOR = {"fp16": 2.0**-25, "none": 2.0**-150}
 SIGMAS = 8.0  # a rounding error's projection stays below 8 standard deviations
 
 
@@ -120,16 +128,27 @@ def slack(codec: str, members: int) -> float:
     return SIGMAS * ((members + 1) * wire + 2.0**-24 * 4096)
 
 
-def mismatch(result: Sketch, parts: list[Sketch], codec: str, *, allowance: float = 0.0) -> str | None:
+def floor(codec: str, roundings: int, count: int) -> float:
+    """The absolute rounding allowed per row for ``count`` values rounded ``roundings`` times
+    each: an error uniform in ±WIRE_FLOOR (standard deviation WIRE_FLOOR/√3) per value and
+    rounding, projected on a row of R (entries of variance 1), has a standard deviation of
+    WIRE_FLOOR · sqrt(roundings · count / 3); SIGMAS of those."""
+    return SIGMAS * WIRE_FLOOR.get(codec, WIRE_FLOOR["fp16"]) * math.sqrt(roundings * max(count, 0) / 3)
+
+
+def mismatch(
+    result: Sketch, parts: list[Sketch], codec: str, *, count: int, allowance: float = 0.0
+) -> str | None:
     """Why the ring's result does not match the sum of the members' sketches, or None
-    (``allowance``: rounding allowed on top of the ring's, per row).
+    (``count``: the vector's length; ``allowance``: rounding allowed on top of the ring's, per row).
 
     A non-finite value (a member sent NaN, or says it did) cannot be checked here: the mean is
     then NaN too, and the outer step's own check refuses it, naming the NaN (optim.robust)."""
     values = [*result.rows, *(v for p in parts for v in (*p.rows, p.norm))]
     if not all(math.isfinite(v) for v in values) or any(p.norm < 0 for p in parts):
         return None if not all(math.isfinite(v) for v in result.rows) else "a member's sketch is not finite"
-    bound = slack(codec, len(parts)) * sum(p.norm for p in parts) + allowance + 1e-30
+    bound = slack(codec, len(parts)) * sum(p.norm for p in parts) + allowance
+    bound += floor(codec, len(parts) + 1, count) + 1e-30
     worst = max(abs(r - sum(p.rows[i] for p in parts)) for i, r in enumerate(result.rows))
     if worst > bound:
         return f"the sum is off by {worst:.3g} (rounding allows {bound:.3g})"

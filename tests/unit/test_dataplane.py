@@ -475,22 +475,43 @@ def test_a_sketch_is_r_times_the_vector_in_blocks_and_in_segments():
     assert (sketcher.rows(moved) - exact).abs().max() > 100 * slack
 
 
+N = 10_000
+
+
 def test_sketches_pass_rounding_and_catch_substitutions():
     torch.manual_seed(0)
-    parts = [torch.randn(10_000) * 0.01 for _ in range(3)]
+    parts = [torch.randn(N) * 0.01 for _ in range(3)]
     total = parts[0] + parts[1] + parts[2]
     claims = [sketch(p, b"seed") for p in parts]
-    assert mismatch(sketch(total, b"seed"), claims, "none") is None
+    assert mismatch(sketch(total, b"seed"), claims, "none", count=N) is None
     half = [p.half() for p in parts]  # the members sketch what they meant; the codec rounds it
-    assert mismatch(sketch((half[0] + half[1] + half[2]).float(), b"seed"), claims, "fp16") is None
-    assert mismatch(sketch(parts[0] + parts[1], b"seed"), claims, "none") is not None  # one missing
-    assert mismatch(sketch(total + parts[0], b"seed"), claims, "none") is not None  # one extra
-    assert mismatch(sketch(total - 0.5 * parts[2], b"seed"), claims, "fp16") is not None  # scaled
+    assert mismatch(sketch((half[0] + half[1] + half[2]).float(), b"seed"), claims, "fp16", count=N) is None
+    assert mismatch(sketch(parts[0] + parts[1], b"seed"), claims, "none", count=N) is not None  # one missing
+    assert mismatch(sketch(total + parts[0], b"seed"), claims, "none", count=N) is not None  # one extra
+    assert mismatch(sketch(total - 0.5 * parts[2], b"seed"), claims, "fp16", count=N) is not None  # scaled
     poked = total.clone()
     poked[1234] += 0.05  # one coordinate moved by a few times its size
-    assert mismatch(sketch(poked, b"seed"), claims, "none") is not None
+    assert mismatch(sketch(poked, b"seed"), claims, "none", count=N) is not None
     # Another seed (which an outsider would have to guess) gives unrelated rows.
     assert sketch(total, b"other").rows != sketch(total, b"seed").rows
+
+
+@pytest.mark.parametrize("members", [2, 3, 4])
+def test_tiny_fp16_contributions_pass_and_a_substituted_one_is_still_caught(members):
+    """Shares around 1e-6 / members are fp16 subnormals (2^-24 apart): each rounding errs by a
+    few % of them. Every honest round of this size failed the relative bound alone (20 of 20)."""
+    for seed in range(5):
+        torch.manual_seed(seed)
+        parts = [torch.randn(N) * 1e-6 / members for _ in range(members)]
+        claims = [sketch(p, b"seed") for p in parts]
+        ring = parts[0].half()
+        for part in parts[1:]:  # each contribution rounded once, each partial sum once per hop
+            ring = (ring.float() + part.half().float()).half()
+        assert mismatch(sketch(ring.float(), b"seed"), claims, "fp16", count=N) is None
+        # An impostor sending -3 times a share (zeros, a change of one share, is within 8 standard
+        # deviations of fp16's own rounding here with 4 members: docs/security.md)
+        missing = ring.float() - parts[1] * 4
+        assert mismatch(sketch(missing, b"seed"), claims, "fp16", count=N) is not None
 
 
 def test_a_sketch_from_the_network_is_checked():
@@ -501,8 +522,8 @@ def test_a_sketch_from_the_network_is_checked():
     nan = Sketch.from_bytes(torch.full((ROWS + 1,), float("nan"), dtype=torch.float64).numpy().tobytes())
     # A NaN claim against a finite sum is a mismatch; a NaN sum is left to the outer step's NaN
     # check, which names it (optim.robust).
-    assert mismatch(good, [good, nan], "none") is not None
-    assert mismatch(sketch(torch.full((10,), float("nan")), b"s"), [good, nan], "none") is None
+    assert mismatch(good, [good, nan], "none", count=10) is not None
+    assert mismatch(sketch(torch.full((10,), float("nan")), b"s"), [good, nan], "none", count=10) is None
 
 
 def test_an_exchange_waits_for_a_board_opened_late():
