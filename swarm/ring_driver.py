@@ -20,6 +20,8 @@ runs where the peer's tensors are:
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -209,19 +211,31 @@ class DirectStep:
 
 class ForwardedBoard:
     """A group's board (:class:`swarm.rendezvous.Rendezvous`) reached through the averager
-    process, which holds it or talks to its holder over hivemind's channel."""
+    process, which holds it or talks to its holder over hivemind's channel.
+
+    Each request carries a number and its answer the same: a request this side gave up on is
+    still answered later, and that late answer must not be read as the next request's (it was,
+    for good: every ring after a board request that took too long got the answer before its
+    own, stale keys or addresses, and failed, until the plane turned itself off)."""
 
     def __init__(self, connection: Connection, lock: threading.Lock, group_id: bytes) -> None:
         self._connection, self._lock, self._group_id = connection, lock, group_id
 
     def _call(self, op: str, wait: float, *args: Any) -> Any:
+        limit = wait + BOARD_SLACK
         with self._lock:
-            self._connection.send((self._group_id, op, args))
-            if not self._connection.poll(wait + 10.0):
-                raise RendezvousError(
-                    f"the averager process did not answer a board {op} in {wait + 10:.0f} s"
-                )
-            ok, value = self._connection.recv()
+            number = next(_REQUESTS)
+            self._connection.send((number, self._group_id, op, args))
+            deadline = time.monotonic() + limit
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._connection.poll(left):
+                    raise RendezvousError(
+                        f"the averager process did not answer a board {op} in {limit:.0f} s"
+                    )
+                answered, ok, value = self._connection.recv()
+                if answered == number:
+                    break  # an older number: the answer to a request given up on, dropped
         if not ok:
             raise RendezvousError(value)
         return value
@@ -239,6 +253,12 @@ class ForwardedBoard:
         return self._call("exchange", timeout, key, bytes(value), list(want), timeout)
 
 
+_REQUESTS = itertools.count(1)
+BOARD_SLACK = 10.0
+"""Seconds a board request may take beyond its own wait (a set to a board its holder has not
+opened yet is retried for 10 s, then refused: given up on here, and answered late)."""
+
+
 def messages(connection: Connection) -> Iterator[Any]:
     """What comes through ``connection`` until its other end is closed."""
     while True:
@@ -250,19 +270,23 @@ def messages(connection: Connection) -> Iterator[Any]:
 
 def serve_board(connection: Connection, boards: Callable[[bytes], Any]) -> None:
     """In the averager process: answer the ring's board requests until the pipe closes
-    (``boards``: a group's board by its id, or None)."""
-    for group_id, op, args in messages(connection):
+    (``boards``: a group's board by its id, or None). Each in its own thread, so that one
+    request held up by a slow board's holder does not hold up the next rounds' behind it."""
+    sending = threading.Lock()
+
+    def answer(number: int, group_id: bytes, op: str, args: tuple) -> None:
         board = boards(group_id)
         try:
             if board is None or op not in ("set", "get", "exchange"):
                 raise RendezvousError("no such group's board here (the round already ended?)")
-            answer = (True, getattr(board, op)(*args))
+            reply = (number, True, getattr(board, op)(*args))
         except Exception as error:  # noqa: BLE001 - the ring's error, told to the ring
-            answer = (False, one_line(error))
-        try:
-            connection.send(answer)
-        except (EOFError, OSError):
-            return
+            reply = (number, False, one_line(error))
+        with sending, contextlib.suppress(EOFError, OSError):
+            connection.send(reply)
+
+    for number, group_id, op, args in messages(connection):
+        threading.Thread(target=answer, args=(number, group_id, op, args), daemon=True).start()
 
 
 class RingDriver:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from swarm import gathered
+from swarm import gathered, ring_driver
 from swarm.dataplane import PROTOCOL, RingUnreachable
 from swarm.rendezvous import RendezvousError
 from swarm.ring_driver import (
@@ -181,6 +181,38 @@ def test_board_requests_cross_to_the_averager_process_and_errors_come_back_as_on
     here.close()  # the peer's side goes: the server ends
     server.join(timeout=5)
     assert not server.is_alive()
+
+
+class SlowBoard(Board):
+    """A board whose holder answers a set only after ``delay`` s (a leader that has not opened
+    the board yet: its member retries for 10 s, then is refused)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def set(self, key, value):
+        time.sleep(self.delay)
+        raise RendezvousError("the group's board refused 'here/1': unknown group")
+
+
+def test_a_board_request_given_up_on_does_not_answer_the_next_one(monkeypatch):
+    """Stop 57, a review: a request that took longer than its wait was answered later, and that
+    answer was read as the next request's, and so on for good: every later ring got the keys
+    of the round before and failed, until the plane turned itself off."""
+    monkeypatch.setattr(ring_driver, "BOARD_SLACK", 0.3)
+    here, there = mp.Pipe()
+    boards = {b"slow": SlowBoard(1.0), b"g": Board()}
+    threading.Thread(target=serve_board, args=(there, boards.get), daemon=True).start()
+    lock = threading.Lock()
+    with pytest.raises(RendezvousError, match="did not answer a board set"):
+        ForwardedBoard(here, lock, b"slow").set("here/1", b"declined")  # given up on after 0.3 s
+    board = ForwardedBoard(here, lock, b"g")
+    board.set("ring/0", b"address")  # answered while the slow one still runs: not held up by it
+    time.sleep(1.0)  # the slow request's answer arrives now, unread
+    assert board.get("ring/0", 1.0) == b"address"
+    assert board.exchange("here/1", b"", ["ring/0"], 1.0) == [b"address"]
+    here.close()
 
 
 def test_only_members_that_speak_this_planes_version_take_direct_rings():
