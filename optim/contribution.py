@@ -79,7 +79,7 @@ def judge(outgoing: Outgoing, report: RoundReport, outlier_ratio: float) -> str 
         report.mean_norm,
         report.group_info,
         ratio=outlier_ratio,
-        misreport=not report.robust_mean,
+        trimmed=report.robust_mean,
     )
     if refused and report.group_size > 1:
         why = f"round {outgoing.outer_step}: {refused}; the global params were left unchanged"

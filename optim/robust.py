@@ -101,11 +101,12 @@ def _unchecked(members: list[tuple[str, float | None, float]]) -> str | None:
 
 
 def check_round(
-    mean_norm: float, group_info: list[Any], *, ratio: float, misreport: bool = True
+    mean_norm: float, group_info: list[Any], *, ratio: float, misreport: bool = True, trimmed: bool = False
 ) -> str | None:
     """Why the group's mean must be refused this round, or None to apply it (``misreport``:
-    also check the mean against the declared norms; off for a trimmed mean, which they do not
-    bound)."""
+    also check the mean against the declared norms; ``trimmed``: the mean is a trimmed mean,
+    or another rule whose every coordinate lies between the members' values, bounded by the
+    root of their squared norms instead of their weighted mean)."""
     members = _members(group_info)
     if ratio <= 0 or len(members) < 2:
         return None
@@ -120,7 +121,7 @@ def check_round(
         why = _too_large(norm, weight, [(n, w) for _, n, w in others], ratio)
         if why:
             return f"peer {peer[-12:]} sent an update of norm {norm:.3g}, {why}: the round's mean was refused"
-    return misreported(mean_norm, group_info) if misreport else None
+    return misreported(mean_norm, group_info, trimmed=trimmed) if misreport else None
 
 
 def _too_large(norm: float, weight: float, others: list[tuple[float, float]], ratio: float) -> str | None:
@@ -147,11 +148,16 @@ def is_outlier(norm: float, group_info: list[Any], *, ratio: float) -> bool:
     return _too_large(norm, counted[mine][1], counted[:mine] + counted[mine + 1 :], ratio) is not None
 
 
-def misreported(mean_norm: float, group_info: list[Any]) -> str | None:
+def misreported(mean_norm: float, group_info: list[Any], *, trimmed: bool = False) -> str | None:
     """Why the weighted mean's norm is more than the members' declared (norm, weight) allow, or
     None (a peer alone, or no member with a weight: nothing to check). Run with one counted
     member too: the others, declaring a weight of 0, must have sent nothing, and a member that
-    declared 0 (or a weight that does not parse) but sent an update is caught here."""
+    declared 0 (or a weight that does not parse) but sent an update is caught here.
+
+    ``trimmed``: a coordinate-wise trimmed mean lies, per coordinate, between the values it
+    kept, so its norm is at most ``sqrt(Σ |Δ_i|²)`` over the counted members. A trimmed mean
+    trims nothing in a pair (it needs 3 votes to drop one value from each end): without this
+    bound a pair mate that declared an ordinary norm and sent 1e30 had it averaged in."""
     members = _members(group_info)
     if len(members) < 2:
         return None
@@ -162,7 +168,10 @@ def misreported(mean_norm: float, group_info: list[Any]) -> str | None:
     total = sum(w for _, w in counted)
     if not total > 0:
         return None  # every member declared 0: nothing was to be averaged (NaN is caught apart)
-    bound = sum(w * n for n, w in counted) / total
+    if trimmed:
+        bound = math.sqrt(sum(n * n for n, _ in counted))
+    else:
+        bound = sum(w * n for n, w in counted) / total
     # 5% slack: a lossy wire codec (hivemind's int8) may grow the mean's norm a little.
     if mean_norm > bound * 1.05 + 1e-6:
         return (

@@ -44,8 +44,10 @@ def trimmed_mean(parts: list[torch.Tensor], trim: int = 1) -> torch.Tensor:
     stacked = torch.stack(parts)
     count = len(parts)
     k = max(0, min(trim, (count - 1) // 2))
-    # NaN sorts last, so it is among the values dropped at the top whenever k >= 1.
-    ordered = torch.sort(torch.nan_to_num(stacked, nan=float("inf")), dim=0).values
+    # NaN sorts last, so it is among the values dropped at the top whenever k >= 1 (and stays
+    # NaN or inf when k = 0, for the NaN check; nan_to_num's default made +inf float32's max).
+    inf = float("inf")
+    ordered = torch.sort(torch.nan_to_num(stacked, nan=inf, posinf=inf, neginf=-inf), dim=0).values
     kept = ordered[k : count - k]
     return kept.mean(dim=0)
 

@@ -80,3 +80,25 @@ def test_a_trimmed_mean_of_sparse_updates_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match="use --aggregate mean with topk"):
         RunConfig(diloco=DiLoCoConfig(codec="topk"), averaging=AveragingConfig(aggregate="trimmed-mean"))
     RunConfig(diloco=DiLoCoConfig(codec="int8"), averaging=AveragingConfig(aggregate="trimmed-mean"))
+
+
+def test_a_trimmed_mean_of_a_pair_still_refuses_a_mate_sending_far_more_than_it_declared():
+    """Stop 57, a review: a trimmed mean trims nothing in a pair (k = 0), and the misreport
+    check was off for it, so a mate that declared an ordinary norm and sent 1e30 had it applied;
+    +inf came out of the reducer as float32's max (nan_to_num's default), past the NaN check."""
+    from optim.averager import RoundReport
+    from optim.contribution import Outgoing, judge
+
+    honest = torch.tensor([0.3, -0.4])
+    assert torch.isinf(trimmed_mean([honest, torch.tensor([float("inf"), 0.0])], trim=1)[0])
+    info = [{"name": "me", "norm": 0.5, "weight": 8}, {"name": "mate", "norm": 0.5, "weight": 8}]
+    for sent in (torch.tensor([1e30, 0.0]), torch.tensor([float("inf"), 0.0])):
+        mean = [trimmed_mean([honest, sent], trim=1)]
+        outgoing = Outgoing(mean, info[0], 8.0, 0.5, 8, False, 5)
+        report = RoundReport(group_size=2, group_info=info, robust_mean=True)
+        why = judge(outgoing, report, outlier_ratio=10.0)
+        assert why is not None and not report.applied, sent
+    # An honest pair's trimmed mean (its plain mean) passes: within the root of the squared norms.
+    mean = [trimmed_mean([honest, torch.tensor([0.4, 0.3])], trim=1)]
+    report = RoundReport(group_size=2, group_info=info, robust_mean=True)
+    assert judge(Outgoing(mean, info[0], 8.0, 0.5, 8, False, 5), report, outlier_ratio=10.0) is None
