@@ -245,8 +245,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
     def _offer(self, group_info, step) -> None:
         """Send a group whose members all take direct rings to the peer's ring (in this process,
         once the group is found, before hivemind waits for the step's trigger)."""
-        members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
-        if not (self._plane_enabled.value and all(map(gathered.takes_direct_rings, members))):
+        members = self._gathered(group_info)
+        if not (members and self._plane_enabled.value and all(map(gathered.takes_direct_rings, members))):
             return
         board, peer_ids, seed = self._group_board(group_info, members)
         own = members[list(group_info.peer_ids).index(self.peer_id)]
@@ -281,6 +281,22 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         while len(self._posted) > TICKETS_KEPT:
             self._posted.popitem(last=False)
         self._tickets_out.send(ticket)
+
+    def _gathered(self, group_info) -> list[Any] | None:
+        """Each member's gathered info (``gathered.own``), or None when any member's bytes are
+        malformed: the group is then left to hivemind's own path, which refuses them as a
+        failed matchmaking (a member's b"\xc1" raised here, past every handler, and failed the
+        step of every member without a retry)."""
+        members = []
+        for data in group_info.gathered:
+            try:
+                outer = self.serializer.loads(data)
+                members.append(self.serializer.loads(outer[2]))
+                outer[1]  # noqa: B018 - the mode, read by _group_board
+            except Exception as error:  # noqa: BLE001 - anything a member can send
+                logger.debug("a member's gathered info is malformed (%s): not a direct ring", one_line(error))
+                return None
+        return members
 
     def _group_board(self, group_info, members: list[Any]) -> tuple[BoardClient, list[PeerID], bytes]:
         """The group's board, its members in rank order (by peer id, not hivemind's random

@@ -359,3 +359,25 @@ def test_the_drivers_thread_ends_with_the_averager_process():
     tickets_out.close()
     driver._thread.join(timeout=5)
     assert not driver._thread.is_alive()
+
+
+def test_a_members_malformed_gathered_bytes_leave_the_group_to_hivemind_not_an_error():
+    """Stop 57, a review: hivemind passes each member's gathered bytes through unchecked, and
+    parsing them for the direct ring raised (b"\\xc1": a FormatError; dumps(5): TypeError;
+    dumps([1.0, 0]): IndexError) past every handler: every member's step failed, unretried."""
+    from types import SimpleNamespace
+
+    from hivemind.utils import MSGPackSerializer
+
+    from swarm.group_averager import GroupAverager
+
+    averager = SimpleNamespace(serializer=MSGPackSerializer)
+    good = MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps(gathered.own(True, 1.0, b"", {"x": 1}))])
+    assert GroupAverager._gathered(averager, SimpleNamespace(gathered=[good, good]))
+    for bad in (
+        b"\xc1",
+        MSGPackSerializer.dumps(5),
+        MSGPackSerializer.dumps([1.0, 0]),
+        MSGPackSerializer.dumps([1, 2, 3]),
+    ):
+        assert GroupAverager._gathered(averager, SimpleNamespace(gathered=[good, bad])) is None
