@@ -46,6 +46,9 @@ class ProgressBoard:
         self._peer_ids: OrderedDict[str, str | None] = OrderedDict()  # public key -> peer id (cached, LRU)
         self.ignored = Ignored()
         self._forgers = Ignored()  # keys caught signing another peer's heartbeat (bounded)
+        self.writers: dict[str, str] = {}
+        """The last fetch's peers by id -> the hash of the key that signed their heartbeat (the
+        run owner's own peers: :class:`swarm.steering.Steering`)."""
         """Peers caught lying (absurd heartbeats here, behaviour in swarm.averaging): dropped
         from every fetch for the rest of the run."""
 
@@ -80,8 +83,9 @@ class ProgressBoard:
             logger.warning("%s; using the last known peers", error)
             return dict(self._last_fetch)
         from swarm.dht import dht_time
+        from swarm.identity import key_hash
 
-        peers, now = {}, dht_time()
+        peers, writers, now = {}, {}, dht_time()
         for public_key, heartbeat in records.items():
             if self.peer_id_of(public_key) != heartbeat.peer_id:
                 if self._forgers.add(public_key, "forged"):  # said once per forging key, not per read
@@ -104,6 +108,8 @@ class ProgressBoard:
                 # counted for --min-peers, listed in every UI and picked as a witness.
                 continue
             peers[heartbeat.peer_id] = heartbeat
+            writers[heartbeat.peer_id] = key_hash(public_key)
+        self.writers = writers
         self._last_fetch = {k: v for k, v in peers.items() if v.stage is not Stage.LEAVING}
         self._keep_in_touch(peers)
         return peers

@@ -230,8 +230,8 @@ def applied(peers: Iterable[PeerHeartbeat], version: int) -> tuple[int, int]:
     return sum(p.control_version >= version for p in active), len(active)
 
 
-class ControlState(BaseModel):
-    """The run owner's steering, versioned; every field left None keeps the peers' setting."""
+class ControlStep(BaseModel):
+    """One version of the owner's settings and the outer step its peers apply it at."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -247,21 +247,8 @@ class ControlState(BaseModel):
     """Time-boxed rounds of this many seconds (0: back to H steps each)."""
     codec: str | None = Field(default=None, max_length=16)
     """Codec of the pseudo-gradients (optim.codecs name: none, fp16, bf16, int8, int4, topk)."""
-    paused: list[str] = Field(default_factory=list, max_length=256)
-    """Peer ids (or names) the owner paused; they idle until a later version drops them."""
     checkpoint: int = Field(default=0, ge=0)
     """Bumped to ask every peer to write a checkpoint now."""
-    time: float = 0.0
-    """DHT time when the owner published it."""
-
-    @field_validator("paused")
-    @classmethod
-    def _short_names(cls, value: list[str]) -> list[str]:
-        if any(
-            not (re.fullmatch(PEER_ID_PATTERN, name) or re.fullmatch(NAME_PATTERN, name)) for name in value
-        ):
-            raise ValueError("paused: peer ids or peer names (see NAME_PATTERN), up to 128 characters")
-        return value
 
     @field_validator("codec")
     @classmethod
@@ -272,18 +259,62 @@ class ControlState(BaseModel):
             raise ValueError(f"unknown codec '{value}' (choose from {', '.join(UPDATE_CODECS)})")
         return value
 
-    def pauses(self, peer_id: str, name: str) -> bool:
-        return peer_id in self.paused or name in self.paused
-
     def changes(self) -> dict[str, Any]:
         """The settings this version sets (for logs and UIs)."""
         return {
             k: v
             for k, v in self.model_dump().items()
-            if k not in ("version", "time", "from_step")
+            if k not in ("version", "time", "from_step", "earlier")
             and v not in (None, [])
             and (v != 0 or k == "round_seconds")  # round_seconds 0 turns time boxes off
         }
+
+
+EARLIER_KEPT = 8
+"""Versions before the newest that a control record keeps, with their steps (ControlState.earlier)."""
+
+
+class ControlState(ControlStep):
+    """The run owner's steering, versioned; every field left None keeps the peers' setting.
+
+    Each version holds every setting (the ones it changes on top of the one before), and the
+    versions before it that peers may not have applied yet (``earlier``): a peer that first
+    sees version 3 while its step is version 2's applies 2 first. With the newest alone, a
+    peer that read the record after the owner's next change applied version 2's outer lr at
+    version 3's step, rounds after the others, and their θ drifted apart meanwhile."""
+
+    paused: list[str] = Field(default_factory=list, max_length=256)
+    """Peer ids (or names) the owner paused; they idle until a later version drops them."""
+    time: float = 0.0
+    """DHT time when the owner published it."""
+    earlier: list[ControlStep] = Field(default_factory=list, max_length=EARLIER_KEPT)
+    """The versions before this one, newest first (their own settings and steps)."""
+
+    @field_validator("paused")
+    @classmethod
+    def _short_names(cls, value: list[str]) -> list[str]:
+        if any(
+            not (re.fullmatch(PEER_ID_PATTERN, name) or re.fullmatch(NAME_PATTERN, name)) for name in value
+        ):
+            raise ValueError("paused: peer ids or peer names (see NAME_PATTERN), up to 128 characters")
+        return value
+
+    def step(self) -> ControlStep:
+        """This version's settings and step, as the next version keeps them in ``earlier``."""
+        return ControlStep(**{k: getattr(self, k) for k in ControlStep.model_fields})
+
+    def due(self, outer_step: int, after: int) -> ControlStep | None:
+        """The newest version past ``after`` (the one a peer applied) whose step has come at
+        ``outer_step``, or None: each holds every setting, so it stands for the ones between."""
+        for version in (self.step(), *self.earlier):
+            if version.version <= after:
+                return None
+            if version.from_step <= outer_step:
+                return version
+        return None
+
+    def pauses(self, peer_id: str, name: str) -> bool:
+        return peer_id in self.paused or name in self.paused
 
 
 # --- where records live ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 
 from swarm.claims import Ignored
 from swarm.errors import SwarmError
-from swarm.records import LONG_TTL, ControlState, PeerHeartbeat, RunKeys, Stage, applied
+from swarm.records import EARLIER_KEPT, LONG_TTL, ControlState, PeerHeartbeat, RunKeys, Stage, applied
 from swarm.store import SignedStore
 
 logger = logging.getLogger(__name__)
@@ -47,9 +47,10 @@ class ControlWatcher:
         self._said = -math.inf  # when the last refusal was logged
         self._unsaid = 0  # keys refused since then, not logged
 
-    def poll(self, *, force: bool = False) -> ControlState | None:
+    def poll(self, *, force: bool = False, strict: bool = False) -> ControlState | None:
         """The owner's newest ControlState (None before the first); reads the DHT at most once
-        per ``period`` seconds unless ``force``."""
+        per ``period`` seconds unless ``force``. A read the DHT does not answer keeps the last
+        one seen (``strict``: raises its SwarmError instead)."""
         from swarm.identity import key_hash
 
         now = time.monotonic()
@@ -59,6 +60,8 @@ class ControlWatcher:
         try:
             records = self.store.read(self.keys.control, ControlState)
         except SwarmError as error:
+            if strict:
+                raise
             logger.debug("control poll: %s", error)
             return self.latest
         for public_key, control in records.items():
@@ -125,6 +128,17 @@ class Steering:
     def current(self) -> ControlState | None:
         return self.watcher.poll(force=True)
 
+    def _read(self) -> ControlState | None:
+        """The current record, to build the next version on; SwarmError when the DHT does not
+        answer (a version built on nothing restarted at 1: peers past it ignored every change
+        up to their own version, and the pause list was dropped)."""
+        try:
+            return self.watcher.poll(force=True, strict=True)
+        except SwarmError as error:
+            raise SwarmError(
+                f"could not read the run's steering record ({error}): nothing was changed; try again"
+            ) from None
+
     def publish(
         self,
         *,
@@ -148,7 +162,7 @@ class Steering:
         reason = self.why_not()
         if reason:
             raise SwarmError(reason)
-        current = self.current()
+        current = self._read()
         base = current.model_dump() if current else {"version": 0}
         updates = dict(
             outer_lr=outer_lr,
@@ -158,20 +172,30 @@ class Steering:
             round_seconds=round_seconds,
         )
         fields = {**base, **{k: v for k, v in updates.items() if v is not None}}
-        fields["version"] = max(base["version"] + 1, version or 0)  # ``version``: at least this
-        fields["checkpoint"] = base.get("checkpoint", 0) + (1 if checkpoint else 0)
-        fields["time"] = get_dht_time()
         peers = self.board.fetch() if self.board is not None else {}
-        # The run's step: the upper median of the live peers' claims. A heartbeat is anyone's to
-        # sign, and its step a claim: with the most advanced claim, one key claiming 10^9 put
-        # every change out of reach (and refused every --from-step the owner could give).
+        counted = {
+            i: p for i, p in peers.items() if p.stage not in (Stage.JOINING, Stage.DOWNLOADING, Stage.PAUSED)
+        }
+        # The owner's own peers' heartbeats (signed with its key) are the only claims it need not
+        # take on trust: where one trains, it says where the run is. Otherwise the upper median of
+        # the live peers' claims (keys are free: more fresh keys than honest peers move it, so
+        # with no peer of the owner's live, --from-step is the way to be sure).
         # (Not counted: peers still joining, at step 0 until their download lands, and paused
         # ones, whose step stands still while the others train on.)
-        steps = sorted(
-            p.outer_step
-            for p in peers.values()
-            if p.stage not in (Stage.JOINING, Stage.DOWNLOADING, Stage.PAUSED)
-        )
+        writers = getattr(self.board, "writers", {})
+        own = [p for i, p in counted.items() if writers.get(i) == self.owner]
+        if current is None and peers:
+            # No record found: peers may still hold versions of one the DHT lost; a version at or
+            # below theirs would be ignored.
+            held = sorted(p.control_version for p in (own or peers.values()))
+            fields["version"] = max(fields["version"], held[len(held) // 2])
+        fields["version"] = max(fields["version"] + 1, version or 0)  # ``version``: at least this
+        fields["checkpoint"] = base.get("checkpoint", 0) + (1 if checkpoint else 0)
+        fields["time"] = get_dht_time()
+        fields["earlier"] = [current.step(), *current.earlier][:EARLIER_KEPT] if current else []
+        # A heartbeat is anyone's to sign, and its step a claim: with the most advanced claim, one
+        # key claiming 10^9 put every change out of reach (and refused every --from-step).
+        steps = sorted(p.outer_step for p in (own or counted.values()))
         if not steps and from_step is None:
             # Nobody whose step says where the run is: a change "two rounds ahead" of 0 was
             # published at outer step 2 of a run at step 1127, and each peer applied it at its
@@ -183,15 +207,23 @@ class Steering:
                 f"cannot tell the run's outer step: {others}; try again once a peer trains, or give "
                 "--from-step with the step to apply the change at"
             )
-        ahead = steps[len(steps) // 2] if steps else -1
+        ahead = max(steps) if own else (steps[len(steps) // 2] if steps else -1)
+        # Versions apply in order: one due before the version it follows would carry that
+        # version's settings to peers before its step.
+        floor = current.from_step if current else 0
         if from_step is None:
-            from_step = ahead + 2
+            from_step = max(ahead + 2, floor)
         elif from_step <= ahead:
             # Each peer would apply it at its next round's start, wherever that is: not together.
             raise SwarmError(
                 f"--from-step {from_step}: the run is at outer step {ahead} already, and each peer "
                 f"would apply the change at its own next round; use --from-step {ahead + 2} or later "
                 "(or leave it out: two rounds ahead)"
+            )
+        elif from_step < floor:
+            raise SwarmError(
+                f"--from-step {from_step}: the owner's last change (v{current.version}) applies from outer "
+                f"step {floor}, and changes apply in order; use --from-step {floor} or later"
             )
         fields["from_step"] = from_step
         try:
@@ -207,7 +239,7 @@ class Steering:
 
     def pause(self, peer: str) -> ControlState:
         """Pause ``peer`` (its id, or a name only one live peer has: the record names the id)."""
-        current = self.current()
+        current = self._read()
         paused = list(current.paused) if current else []
         if self.board is not None:
             peer = live_peer_id(peer, self.board.fetch())
@@ -216,7 +248,7 @@ class Steering:
     def resume(self, peer: str) -> ControlState:
         """Resume ``peer`` (its id or name: the live peers it names are resumed, however they
         were paused)."""
-        current = self.current()
+        current = self._read()
         names = aliases_of(peer, self.board.fetch()) if self.board is not None else {peer}
         paused = [p for p in (current.paused if current else []) if p not in names]
         return self.publish(paused=paused)

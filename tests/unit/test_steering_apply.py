@@ -175,7 +175,7 @@ def test_a_change_is_not_scheduled_at_step_2_when_no_peer_says_where_the_run_is(
     steering.owner = steering.key = "owner"
     steering.keys = SimpleNamespace(control="control")
     steering.store = SimpleNamespace(store=lambda key, value, **kwargs: stored.append(value) or True)
-    steering.watcher = SimpleNamespace(poll=lambda force: None, latest=None)
+    steering.watcher = SimpleNamespace(poll=lambda force, strict=False: None, latest=None)
     beat = PeerHeartbeat(
         peer_id="d", name="d", stage=Stage.DOWNLOADING, outer_step=1127, inner_step=0, inner_steps=5, time=1.0
     )
@@ -185,3 +185,96 @@ def test_a_change_is_not_scheduled_at_step_2_when_no_peer_says_where_the_run_is(
             steering.publish(outer_lr=0.5)
     assert not stored
     assert steering.publish(outer_lr=0.5, from_step=1130).from_step == 1130
+
+
+def test_a_peer_that_first_reads_the_next_version_applies_the_one_before_at_its_own_step() -> None:
+    """Stop 57, a review: the record held the newest version only. The owner set outer lr 0.5
+    from step 10 (v2), then asked for a checkpoint from step 12 (v3); a peer that read the
+    record only after v3 applied v2's lr at step 12, and for rounds 10 and 11 it stepped θ with
+    another outer lr than the others. Now v3 keeps v2 in ``earlier``."""
+    from swarm.steering import Steering as Publisher
+
+    stored: list[ControlState] = []
+    publisher = _publisher(stored, {"a": _beat("a", 9)})
+    publisher.publish(outer_lr=0.5, from_step=10)
+    publisher.publish(checkpoint=True, from_step=12)
+    assert isinstance(publisher, Publisher) and [v.version for v in stored[-1].earlier] == [1]
+    watcher, written = Watcher(), []
+    peer = steering(watcher, written)
+    watcher.control = stored[-1]
+    outer = Outer()
+    lrs = []
+    for step in (9, 10, 11, 12):
+        outer.outer_step_count = step
+        peer.apply(outer, data_parallel=False)
+        lrs.append(peer.settings.get("outer_lr"))
+    assert lrs == [None, 0.5, 0.5, 0.5] and peer.version == 2 and len(written) == 1
+
+
+def _beat(peer_id: str, step: int, *, version: int = 0):
+    from swarm.records import PeerHeartbeat, Stage
+
+    return PeerHeartbeat(
+        peer_id=peer_id, name=peer_id, stage=Stage.TRAINING, outer_step=step, inner_step=0,
+        inner_steps=5, time=1.0, control_version=version,
+    )  # fmt: skip
+
+
+def _publisher(stored: list, peers: dict, *, writers: dict | None = None, read=None):
+    """The owner's side on a fake store: what it stores goes to ``stored`` and is read back."""
+    from types import SimpleNamespace
+
+    from swarm.steering import Steering as Publisher
+
+    publisher = Publisher.__new__(Publisher)
+    publisher.owner = publisher.key = "owner"
+    publisher.keys = SimpleNamespace(control="control")
+    publisher.store = SimpleNamespace(store=lambda key, value, **kwargs: stored.append(value) or True)
+
+    def poll(force=False, strict=False):
+        if read is not None:
+            return read(strict)
+        return stored[-1] if stored else None
+
+    publisher.watcher = SimpleNamespace(poll=poll, latest=None)
+    publisher.board = SimpleNamespace(fetch=lambda: peers, writers=writers or {})
+    return publisher
+
+
+def test_fresh_keys_cannot_move_a_change_out_of_reach_or_to_each_peers_next_round() -> None:
+    """Stop 57, a review: the step a change applies at was the upper median of every live claim,
+    strangers' included: 4 fresh keys claiming step 10^9 against 3 honest peers at 1127 put
+    every change out of reach (and refused every --from-step); claiming 0, they had it published
+    for step 2, which each peer applied at its own next round. The owner's own peer (its
+    heartbeat signed with the owner's key) now says where the run is."""
+    honest = {p: _beat(p, 1127) for p in ("owner-peer", "b", "c")}
+    for claim in (10**9, 0):
+        sybils = {f"s{i}": _beat(f"s{i}", claim) for i in range(4)}
+        stored: list = []
+        publisher = _publisher(stored, {**honest, **sybils}, writers={"owner-peer": "owner"})
+        assert publisher.publish(outer_lr=0.5).from_step == 1129
+        assert publisher.publish(inner_steps=20, from_step=1130).from_step == 1130
+    # Without a peer of the owner's live, the median of the claims (docs/security.md).
+    assert _publisher([], {**honest, "s": _beat("s", 10**9)}).publish(outer_lr=0.5).from_step == 1129
+
+
+def test_a_steering_record_the_dht_does_not_answer_for_is_not_overwritten_by_version_1() -> None:
+    """Stop 57, a review: a read that timed out was taken as "no record": the owner stored
+    version 1, which every peer past it ignored (and its pause list was dropped)."""
+    import pytest
+
+    from swarm.errors import SwarmError
+
+    def timed_out(strict):
+        assert strict
+        raise SwarmError("the DHT did not answer a read of control within 10 s")
+
+    stored: list = []
+    peers = {p: _beat(p, 50, version=7) for p in ("a", "b", "c")}
+    with pytest.raises(SwarmError, match="could not read the run's steering record .* nothing was changed"):
+        _publisher(stored, peers, read=timed_out).publish(outer_lr=0.5)
+    with pytest.raises(SwarmError, match="could not read"):
+        _publisher(stored, peers, read=timed_out).pause("a")
+    assert not stored
+    # A record the DHT lost for good (read, and nothing there): numbered past the peers' versions.
+    assert _publisher(stored, peers).publish(outer_lr=0.5).version == 8

@@ -58,12 +58,15 @@ class Steering:
         """
         if self.watcher is None:
             return
-        control = self.watcher.poll(force=True)
-        if control is None or control.version <= self.version:
+        latest = self.watcher.poll(force=True)
+        if latest is None or latest.version <= self.version:
             return
         if self.version == 0 and self.joiner:
-            self.checkpoints = control.checkpoint  # a joiner does not replay old checkpoint requests
-        if outer.outer_step_count < control.from_step:
+            self.checkpoints = latest.checkpoint  # a joiner does not replay old checkpoint requests
+        # The newest version whose step has come (one the owner changed again before this peer
+        # read it is in ``earlier``, and applied at its own step, as on the others).
+        control = latest.due(outer.outer_step_count, after=self.version)
+        if control is None:
             return
         changes: dict[str, Any] = {}
         if not data_parallel:

@@ -113,12 +113,16 @@ def download_state(
     at_step: int | None = None,
     only: Iterable[str] | None = None,
     oldest_unconfirmed: int | None = None,
+    keep_own: bool = False,
 ) -> bool:
     """Adopt the global state of the most advanced peer whose θ the others confirm (three
     tries, a second apart); False if nobody could serve it. ``avoid``: peers not to take it from
     (nor ask about it): they hold the θ this peer is leaving. ``at_step``: only a state at that
     outer step; ``only``: from these donors only; ``oldest_unconfirmed``: a state at an earlier
-    outer step only if another peer at its step confirms it."""
+    outer step only if another peer at its step confirms it. ``keep_own``: a state that is this
+    peer's own θ at its own step (a peer resumed from a checkpoint, its swarm resumed where
+    it was too) is not loaded: loading it dropped what only the checkpoint holds (error
+    feedback's residuals, the eager stand-in, streaming's fragments not synced yet, its AdamW)."""
     from workbench.run.progress_bar import progress
 
     started = time.monotonic()
@@ -141,6 +145,14 @@ def download_state(
                 )
             finally:
                 averager.on_download = None
+        if state is not None and keep_own and holds(rounds, state):
+            logger.info(
+                "%s: the swarm holds this peer's own θ at outer step %d: it goes on from its checkpoint",
+                name,
+                state.outer_step,
+            )
+            emit("state_confirmed", outer_step=state.outer_step, reason=reason)
+            return True
         if state is not None:
             try:
                 rounds.load_outer_state(state)
@@ -168,6 +180,22 @@ def download_state(
         logger.info("%s: no peer served the state yet (attempt %d of 3)", name, attempt + 1)
         time.sleep(1.0)
     return False
+
+
+def holds(rounds: Any, state: Any) -> bool:
+    """Whether ``rounds`` holds ``state``'s θ at its outer step (up to the rounding by which
+    peers' θ differ on hivemind's path, about 1e-6 of a tensor's scale)."""
+    import torch
+
+    if state.outer_step != rounds.outer_step_count or len(state.params) != len(rounds.global_params):
+        return False
+    for mine, theirs in zip(rounds.global_params, state.params):
+        if mine.shape != theirs.shape:
+            return False
+        scale = float(mine.abs().max()) if mine.numel() else 0.0
+        if not bool(torch.allclose(mine, theirs.to(mine.dtype), rtol=0.0, atol=1e-5 * scale + 1e-12)):
+            return False
+    return True
 
 
 def wait_for_peers(

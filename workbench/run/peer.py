@@ -256,6 +256,7 @@ class Peer:
         only: Iterable[str] | None = None,
         stage: Stage = Stage.DOWNLOADING,
         oldest_unconfirmed: int | None = None,
+        keep_own: bool = False,
     ) -> bool:
         """Adopt the global state of the most advanced peer (not one of ``avoid``; at
         ``at_step`` and from ``only`` if given; before outer step ``oldest_unconfirmed`` only if
@@ -274,6 +275,7 @@ class Peer:
             at_step=at_step,
             only=only,
             oldest_unconfirmed=oldest_unconfirmed,
+            keep_own=keep_own,
         )
 
     def run(self) -> dict[str, Any]:
@@ -291,7 +293,12 @@ class Peer:
                     self.diloco.outer_step_count,
                     cfg.peer.rounds,
                 )
-        joined = not cfg.network.initial_peers or self.download_state("joining")
+        # A resumed joiner keeps its checkpoint's state where the swarm holds the same θ, and takes
+        # no older state on one donor's word (a fresh joiner's init, a stale donor's).
+        resumed = self.diloco.outer_step_count if cfg.peer.resume else None
+        joined = not cfg.network.initial_peers or self.download_state(
+            "joining", oldest_unconfirmed=resumed, keep_own=resumed is not None
+        )
         if not joined:
             logger.warning(
                 "%s: no peer could serve the global state; starting from the seed's init", self.name

@@ -1,0 +1,73 @@
+"""A peer resumed from its checkpoint that joins a swarm (``join --resume``): what it keeps.
+
+Stop 57, a review: every joiner downloaded the state after its resume and loaded it, which
+dropped what only the checkpoint holds (error feedback's residuals, the eager stand-in,
+streaming's fragments not synced yet, its own AdamW), even when the swarm was where the
+checkpoint was (every peer of a run stopped and resumed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from optim.averager import LocalAverager
+from optim.config import DiLoCoConfig
+from optim.diloco import DiLoCo
+from optim.eager import AdamW
+from workbench.run import joining
+from workbench.run.checkpoint import restore_training, training_state
+
+
+def _peer():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    inner = AdamW(model.parameters(), lr=1e-2)
+    config = DiLoCoConfig(inner_steps=2, codec="int8", error_feedback=True)
+    return model, inner, DiLoCo(model, inner, averager=LocalAverager(), config=config)
+
+
+def _round(model, inner, rounds) -> None:
+    for _ in range(2):
+        model(torch.randn(4, 8)).pow(2).sum().backward()
+        inner.step()
+        inner.zero_grad()
+        rounds.note_inner_step(samples=4)
+    rounds.sync()
+
+
+def _join(rounds, state, events) -> bool:
+    averager = SimpleNamespace(
+        download_state=lambda **kwargs: state, download_donors=lambda: 1, set_state_priority=lambda step: None
+    )
+    return joining.download_state(
+        averager, rounds, emit=lambda event, **f: events.append(event), name="p", run_id="r",
+        reason="joining", oldest_unconfirmed=rounds.outer_step_count, keep_own=True,
+    )  # fmt: skip
+
+
+def test_a_resumed_joiner_keeps_its_checkpoints_state_where_the_swarm_holds_its_theta():
+    model, inner, rounds = _peer()
+    _round(model, inner, rounds)
+    saved = training_state(rounds, model, inner, None)
+    swarm = rounds.outer_state()  # the others, resumed too: the same θ at the same step
+    model2, inner2, resumed = _peer()
+    restore_training(saved, resumed, model2, inner2, None)
+    events: list[str] = []
+    assert _join(resumed, swarm, events) and events == ["state_confirmed"]
+    assert resumed.feedback.residuals is not None
+    assert all(torch.equal(a, b) for a, b in zip(resumed.feedback.residuals, saved["feedback"]))
+
+
+def test_a_resumed_joiner_takes_the_swarms_state_where_it_moved_on():
+    model, inner, rounds = _peer()
+    _round(model, inner, rounds)
+    saved = training_state(rounds, model, inner, None)
+    _round(model, inner, rounds)  # the swarm trained on without this peer
+    ahead = rounds.outer_state()
+    model2, inner2, resumed = _peer()
+    restore_training(saved, resumed, model2, inner2, None)
+    events: list[str] = []
+    assert _join(resumed, ahead, events) and events == ["state_downloaded"]
+    assert resumed.outer_step_count == ahead.outer_step
+    assert all(torch.equal(a, b) for a, b in zip(resumed.global_params, ahead.params))
