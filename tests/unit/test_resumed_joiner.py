@@ -71,3 +71,34 @@ def test_a_resumed_joiner_takes_the_swarms_state_where_it_moved_on():
     assert _join(resumed, ahead, events) and events == ["state_downloaded"]
     assert resumed.outer_step_count == ahead.outer_step
     assert all(torch.equal(a, b) for a, b in zip(resumed.global_params, ahead.params))
+
+
+def test_a_resumed_peer_trains_with_the_inner_settings_of_its_flags_and_the_moments_of_its_checkpoint():
+    """Stop 57, a review: torch's load_state_dict put the checkpoint's weight decay and betas
+    back over the flags the peer was resumed with."""
+    model, inner, rounds = _peer()
+    _round(model, inner, rounds)
+    saved = training_state(rounds, model, inner, None)
+    model2, _, resumed = _peer()
+    other = AdamW(model2.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.8, 0.99))
+    resumed.inner_optimizer = other
+    restore_training(saved, resumed, model2, other, None)
+    group = other.param_groups[0]
+    assert group["weight_decay"] == 0.0 and group["betas"] == (0.8, 0.99)
+    moments = [s["exp_avg"] for s in other.state.values()]
+    assert moments and all(m.abs().sum() > 0 for m in moments)  # the checkpoint's
+
+
+def test_streaming_peers_with_another_sync_delay_or_alpha_train_another_run():
+    from workbench.config import RunConfig
+    from workbench.run.joining import fingerprint
+    from workbench.run.model import GPT, tiny
+
+    model = GPT(tiny())
+    base = RunConfig(method="streaming", fragments=2)
+    prints = {
+        fingerprint(base, model)[0],
+        fingerprint(RunConfig(method="streaming", fragments=2, sync_delay=1), model)[0],
+        fingerprint(RunConfig(method="streaming", fragments=2, alpha=0.5), model)[0],
+    }
+    assert len(prints) == 3

@@ -263,9 +263,9 @@ def restore_training(
     from optim.diloco import OuterState
 
     model.load_state_dict(payload["model"])
-    inner_optimizer.load_state_dict(payload["inner_optimizer"])
+    load_moments(inner_optimizer, payload["inner_optimizer"])
     rounds.load_outer_state(OuterState(**payload["outer"]))
-    inner_optimizer.load_state_dict(payload["inner_optimizer"])  # load_outer_state may reset it
+    load_moments(inner_optimizer, payload["inner_optimizer"], say=False)  # load_outer_state may reset it
     if hasattr(rounds, "load_local_state"):
         # Streaming: load_outer_state starts the model from θ, as a joiner must; a resumed peer's
         # fragments not synced yet carry its own inner steps since their last sync (lost before:
@@ -281,6 +281,23 @@ def restore_training(
         feedback.residuals = payload.get("feedback")
     if payload.get("data") is not None and batches is not None:
         batches.load_state_dict(payload["data"])
+
+
+def load_moments(optimizer: Any, saved: dict[str, Any], *, say: bool = True) -> None:
+    """The inner optimizer's state from a checkpoint, under the settings it has now: torch's
+    ``load_state_dict`` also puts back the saved weight decay, betas and eps, so a peer resumed
+    with ``--weight-decay 0 --beta2 0.99`` trained with the checkpoint's 0.1 and 0.95, silently."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, kept in zip(optimizer.param_groups, settings, strict=True):
+        changed = sorted(k for k, v in kept.items() if k != "lr" and group.get(k) != v)
+        if changed and say:
+            logger.info(
+                "resumed with the inner optimizer's %s of its flags (the checkpoint's: %s)",
+                ", ".join(f"{k} {kept[k]}" for k in changed),
+                ", ".join(f"{k} {group.get(k)}" for k in changed),
+            )
+        group.update(kept)
 
 
 def resume_training(

@@ -55,6 +55,8 @@ def fingerprint(config: RunConfig, model: Any) -> tuple[str, str]:
         outer=dataclasses.asdict(canonical(config.diloco)),  # the knobs it uses: as its join command says
         compression=config.averaging.compression,
     )
+    if config.outer_method.fragmented:  # τ and α: whose clock leads, and how fragments merge
+        optimizer["schedule"] = dict(sync_delay=config.sync_delay, alpha=config.alpha)
     summary = (
         f"{type(model).__name__} {model.num_params() / 1e6:.2f}M params, block size {config.model.block_size}, "
         f"{config.method} "
