@@ -48,12 +48,16 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     bigger = spawn(
         "f", "start", *common, "--model", "small", "--rounds", "2", "--resume", str(first.directory)
     )
+    wide = spawn(
+        "w", "start", *common, "--batch-size", "3", "--rounds", "2", "--resume", str(first.directory)
+    )
     assert fallback.wait() == 0, fallback.stderr()
     assert "resuming from the previous checkpoint" in fallback.stderr()
     assert fallback.events("resumed_checkpoint")[0]["outer_step"] == saved - 2
     assert other.wait() == 2 and "belongs to run 'resume'" in other.stderr(), other.stderr()
     assert bigger.wait() == 2 and "written for model fingerprint" in bigger.stderr(), bigger.stderr()
-    for refused in (other, bigger):  # checked before the peer announced itself
+    assert wide.wait() == 2 and "resume with the same --batch-size" in wide.stderr(), wide.stderr()
+    for refused in (other, bigger, wide):  # checked before the peer announced itself
         assert "Others join with" not in refused.stdout() and not refused.events("started"), refused.stdout()
 
     # Nothing usable: one clear line, exit status 2.

@@ -61,6 +61,27 @@ def test_the_data_position_resumes_the_same_stream() -> None:
         other.load_state_dict(state)
 
 
+def test_a_position_in_another_stream_starts_this_one_from_its_beginning() -> None:
+    """Stop 57, a review: a checkpoint resumed into two folders side by side (each gets a new
+    key, so its own stream's seed) made both draw the checkpoint's batches, the same ones; a
+    resume with another --shard went on with the old shard's generator in the new range."""
+    corpus = ByteCorpus.load(DataConfig(max_bytes=200_000))
+    stream = corpus.batches(block_size=16, batch_size=2, seed=3)
+    next(stream)
+    state = stream.state_dict()
+    for other in (
+        corpus.batches(block_size=16, batch_size=2, seed=4),  # another peer id's seed
+        corpus.batches(block_size=16, batch_size=2, seed=3, shard=1, num_shards=2),
+    ):
+        fresh = [next(other)[0] for _ in range(2)]
+        again = type(other)(
+            other.data, other.lo, other.hi, block_size=16, batch_size=2,
+            generator=torch.Generator().manual_seed(other.seed),
+        )  # fmt: skip
+        again.load_state_dict(state)
+        assert again.drawn == 0 and all(torch.equal(a, next(again)[0]) for a in fresh)
+
+
 def test_a_run_dir_held_by_a_live_peer_is_refused(tmp_path) -> None:
     import subprocess
     import sys

@@ -253,6 +253,9 @@ def training_state(rounds: Any, model: Any, inner_optimizer: Any, batches: Any) 
         "feedback": residuals,
         "data": batches.state_dict() if batches is not None else None,
         "local": rounds.local_state() if hasattr(rounds, "local_state") else None,
+        # Dropout's masks (a Hugging Face model's, 0.1 by default) come from torch's generator:
+        # without it a resumed run was not the uninterrupted one.
+        "torch_rng": torch.get_rng_state(),
     }
 
 
@@ -281,6 +284,9 @@ def restore_training(
         feedback.residuals = payload.get("feedback")
     if payload.get("data") is not None and batches is not None:
         batches.load_state_dict(payload["data"])
+    rng = payload.get("torch_rng")
+    if isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8:
+        torch.set_rng_state(rng)
 
 
 def load_moments(optimizer: Any, saved: dict[str, Any], *, say: bool = True) -> None:

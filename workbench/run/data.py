@@ -382,6 +382,7 @@ class BatchStream:
         self.data, self.lo, self.hi = data, lo, hi
         self.block_size, self.batch_size = block_size, batch_size
         self.generator = generator
+        self.seed = generator.initial_seed()
         self.offsets = torch.arange(block_size + 1)  # (T+1,)
         self.drawn = 0
 
@@ -396,16 +397,37 @@ class BatchStream:
         return _windows(self.data, starts, self.offsets)
 
     def state_dict(self) -> dict:
-        return {"rng": self.generator.get_state(), "drawn": self.drawn, "batch_size": self.batch_size}
+        return {
+            "rng": self.generator.get_state(),
+            "drawn": self.drawn,
+            "batch_size": self.batch_size,
+            "stream": [self.seed, self.lo, self.hi],
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("batch_size") != self.batch_size:
-            raise DataError(
-                f"the checkpoint's data position is for batch size {state.get('batch_size')}, "
-                f"this peer uses {self.batch_size}: resume with the same --batch-size"
+        """Continue where ``state`` left off, if it is a position in this stream; a position in
+        another one (another peer id: a checkpoint resumed into a second folder, side by side
+        with the first; another --shard or data) is left, and this stream starts from its own
+        beginning: taken, two peers resumed from one checkpoint drew the same batches."""
+        check_batch_size(state, self.batch_size)
+        stream = state.get("stream")
+        if stream is not None and list(stream) != [self.seed, self.lo, self.hi]:
+            logger.info(
+                "the checkpoint's data position is in another stream of batches (another peer id, "
+                "--shard or data): this peer draws its own from the start"
             )
+            return
         self.generator.set_state(state["rng"])
         self.drawn = int(state["drawn"])
+
+
+def check_batch_size(state: dict, batch_size: int) -> None:
+    """DataError unless a checkpoint's data position (``state``) is for ``batch_size``."""
+    if state.get("batch_size") != batch_size:
+        raise DataError(
+            f"the checkpoint's data position is for batch size {state.get('batch_size')}, "
+            f"this peer uses {batch_size}: resume with the same --batch-size"
+        )
 
 
 def _windows(data: Tensor, starts: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:

@@ -38,7 +38,7 @@ from swarm.session import connect
 from workbench.config import RunConfig
 from workbench.run import joining
 from workbench.run.control import Steering
-from workbench.run.data import evaluate
+from workbench.run.data import check_batch_size, evaluate
 from workbench.run.exporters import peer_exporters
 from workbench.run.faults import InjectedFaults
 from workbench.run.node import CHECK, STEP, SYNC, NodeGroup
@@ -164,6 +164,9 @@ class Peer:
             # Read and checked before the peer announces itself (the join command, "started"): a
             # corrupt checkpoint or one of another model is one line and nothing announced.
             self._checkpoint = self._load_checkpoint(cfg.peer.resume)
+            position = self._checkpoint[0].get("data")
+            if position is not None:
+                check_batch_size(position, cfg.data.batch_size)
         self._announce()
 
     def _steering(self, watcher: Any) -> Steering:
