@@ -278,3 +278,43 @@ def test_a_steering_record_the_dht_does_not_answer_for_is_not_overwritten_by_ver
     assert not stored
     # A record the DHT lost for good (read, and nothing there): numbered past the peers' versions.
     assert _publisher(stored, peers).publish(outer_lr=0.5).version == 8
+
+
+def test_the_owners_peer_stores_the_manifest_and_the_steering_record_again(monkeypatch) -> None:
+    """Stop 57, a review: both were stored once (the manifest at the start, the steering record
+    at each steer): after their 7 days, or once the DHT nodes holding them left, the owner could
+    not steer and joiners went unchecked. The steering record keeps its publisher's expiration
+    (a later one would hide a newer version stored meanwhile) until half of it is gone."""
+    from types import SimpleNamespace
+
+    import hivemind.utils
+
+    from swarm.identity import key_hash
+    from swarm.records import RunManifest
+    from swarm.steering import CONTROL_TTL
+    from workbench.run import peer as peer_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(hivemind.utils, "get_dht_time", lambda: clock[0])
+    monkeypatch.setattr(peer_module, "RECORDS_REFRESH", 0.0)
+    stored = []
+    owner_key = b"owner's public key"
+    manifest = RunManifest(run_id="r", owner=key_hash(owner_key), fingerprint="ab" * 8, created=1.0)
+    control = ControlState(version=3, outer_lr=0.5, time=900.0)
+    peer = SimpleNamespace(
+        manifest=manifest, name="p", _records_kept=0.0, _control_kept=(0, 0.0),
+        keys=SimpleNamespace(manifest="m", control="c"),
+        store=SimpleNamespace(public_key=owner_key, store=lambda key, record, ttl: stored.append((key, record, ttl))),
+        steering=SimpleNamespace(watcher=SimpleNamespace(latest=control)),
+    )  # fmt: skip
+    peer_module.Peer._keep_records(peer)
+    assert [(k, r) for k, r, _ in stored] == [("m", manifest), ("c", control)]
+    assert stored[1][2] == 900.0 + CONTROL_TTL - 1000.0  # its publisher's expiration
+    clock[0] = 900.0 + CONTROL_TTL * 0.6
+    stored.clear()
+    peer_module.Peer._keep_records(peer)
+    assert stored[1][2] == CONTROL_TTL  # past half of it: a new one
+    stored.clear()
+    peer.store.public_key = b"somebody else"  # not the owner: stores nothing
+    peer_module.Peer._keep_records(peer)
+    assert stored == []

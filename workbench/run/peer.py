@@ -50,6 +50,8 @@ from workbench.run.training import build_model_and_optimizer, load_data, train_s
 logger = logging.getLogger(__name__)
 
 PUBLISH_FAILURES = 20  # heartbeats (one a second or so) that failed in a row before a peer stops
+RECORDS_REFRESH = 600.0
+"""Seconds between the run owner's peer's stores of the manifest and the steering record."""
 FINAL_DOWNLOADS = 2  # downloads of the others' final θ a finishing peer tries before it leaves as is
 
 
@@ -98,6 +100,8 @@ class Peer:
         self.node_max_diff = 0.0  # the largest θ_local difference between the node's ranks seen
         self.final_theta: list[float] = []  # finishing: θ's sketch the others compare (swarm.ending)
         self._checkpoint: tuple[dict[str, Any], Path] | None = None  # --resume's, read in setup()
+        self._records_kept = time.monotonic()  # when the owner's peer last stored its records
+        self._control_kept = (0, 0.0)  # the steering record it stores again: version, expiration
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -342,6 +346,7 @@ class Peer:
         # θ_global only changes at a sync, so one fingerprint serves the whole round (for dp a
         # round is one step); computing it per inner step would norm every tensor H times.
         self.steering.apply(self.diloco, data_parallel=self.dp is not None)
+        self._keep_records()
         if self.node is not None:  # the node's ranks start the round from rank 0's θ and AdamW
             self.node.command(SYNC)
             self.node.sync_state(self.model, self.inner_optimizer)
@@ -739,6 +744,40 @@ class Peer:
             control.from_step,
             settings,
         )
+
+    def _keep_records(self) -> None:
+        """The run owner's peer stores the manifest and the steering record again every
+        ``RECORDS_REFRESH`` seconds: stored once, they were gone after their 7 days, or sooner
+        when the DHT nodes holding them left. The owner could then not steer (`workbench steer`:
+        no manifest), and joiners went unchecked with steering off (or took a squatter's
+        manifest for the run's). The steering record keeps the expiration its publisher gave
+        it (a copy stored later with a later one would hide a newer version stored meanwhile),
+        until half of it is gone."""
+        from hivemind.utils import get_dht_time
+
+        from swarm.identity import key_hash
+        from swarm.manifest import MANIFEST_TTL
+        from swarm.steering import CONTROL_TTL
+
+        now = time.monotonic()
+        if now - self._records_kept < RECORDS_REFRESH or self.manifest is None:
+            return
+        self._records_kept = now
+        if self.manifest.owner != key_hash(self.store.public_key):
+            return
+        try:
+            self.store.store(self.keys.manifest, self.manifest, ttl=MANIFEST_TTL)
+            control = self.steering.watcher.latest if self.steering.watcher is not None else None
+            if control is not None:
+                version, expires = self._control_kept
+                if version != control.version:  # as its publisher stored it
+                    expires = control.time + CONTROL_TTL
+                if expires - get_dht_time() < CONTROL_TTL / 2:
+                    expires = get_dht_time() + CONTROL_TTL
+                self._control_kept = (control.version, expires)
+                self.store.store(self.keys.control, control, ttl=expires - get_dht_time())
+        except SwarmError as error:  # fire and forget; the next refresh tries again
+            logger.debug("%s: could not store the run's records again: %s", self.name, error)
 
     def _load_checkpoint(self, directory: str) -> tuple[dict[str, Any], Path]:
         return checkpoint.load_for(
