@@ -93,17 +93,22 @@ def run_swarm(
     def metrics(i: int) -> Path:
         return directory / f"p{i}" / "metrics.jsonl"
 
-    processes.append(start(0, ["start", "--min-peers", str(peers)]))
-    deadline = time.monotonic() + 120
-    while not _events(metrics(0), "started"):
-        if time.monotonic() > deadline or processes[0].poll() is not None:
-            raise RuntimeError(f"the first peer did not start:\n{(directory / 'p0.log').read_text()[-2000:]}")
-        time.sleep(0.2)
-    address = _events(metrics(0), "started")[0]["addresses"][0]
-    processes += [start(i, ["join", address, "--min-peers", str(peers)]) for i in range(1, peers)]
-    try:
+    try:  # every peer started is killed, whatever stops this (Ctrl+C, a peer that fails to start)
+        processes.append(start(0, ["start", "--min-peers", str(peers)]))
+        deadline = time.monotonic() + 120
+        while not _events(metrics(0), "started"):
+            if time.monotonic() > deadline or processes[0].poll() is not None:
+                raise RuntimeError(
+                    f"the first peer did not start:\n{(directory / 'p0.log').read_text()[-2000:]}"
+                )
+            time.sleep(0.2)
+        address = _events(metrics(0), "started")[0]["addresses"][0]
+        processes += [start(i, ["join", address, "--min-peers", str(peers)]) for i in range(1, peers)]
         if budget is not None:
+            deadline = time.monotonic() + 300
             while not _events(metrics(0), "round"):  # the budget counts from the first round
+                if time.monotonic() > deadline or processes[0].poll() is not None:
+                    raise RuntimeError(f"no first round:\n{(directory / 'p0.log').read_text()[-2000:]}")
                 time.sleep(0.2)
             first = _events(metrics(0), "round")[0]
             begun = time.monotonic() - (time.time() - (first["time"] - first["round_seconds"]))

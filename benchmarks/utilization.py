@@ -65,15 +65,17 @@ def run_swarm(lab: netlab.NetLab, peers: int, flags: list[str], directory: Path,
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
 
-    processes.append(start(0, ["start", "--min-peers", str(peers)]))
-    deadline = time.monotonic() + 120
-    while not _events(directory / "p0" / "metrics.jsonl", "started"):
-        if time.monotonic() > deadline or processes[0].poll() is not None:
-            raise RuntimeError(f"the first peer did not start:\n{(directory / 'p0.log').read_text()[-2000:]}")
-        time.sleep(0.2)
-    address = _events(directory / "p0" / "metrics.jsonl", "started")[0]["addresses"][0]
-    processes += [start(i, ["join", address, "--min-peers", str(peers)]) for i in range(1, peers)]
-    try:
+    try:  # every peer started is killed, whatever stops this (Ctrl+C, a peer that fails to start)
+        processes.append(start(0, ["start", "--min-peers", str(peers)]))
+        deadline = time.monotonic() + 120
+        while not _events(directory / "p0" / "metrics.jsonl", "started"):
+            if time.monotonic() > deadline or processes[0].poll() is not None:
+                raise RuntimeError(
+                    f"the first peer did not start:\n{(directory / 'p0.log').read_text()[-2000:]}"
+                )
+            time.sleep(0.2)
+        address = _events(directory / "p0" / "metrics.jsonl", "started")[0]["addresses"][0]
+        processes += [start(i, ["join", address, "--min-peers", str(peers)]) for i in range(1, peers)]
         for i, process in enumerate(processes):
             if process.wait(timeout=timeout) != 0:
                 raise RuntimeError(f"peer {i} failed:\n{(directory / f'p{i}.log').read_text()[-2000:]}")
@@ -133,6 +135,10 @@ def main() -> None:
     methods = args.method or (["dp", "diloco"] if args.quick else ["dp", "diloco", "diloco-overlap"])
     result: dict = dict(benchmark="utilization", rate=args.rate, peers=peers, model="small")
     reason = netlab.unavailable()
+    if reason and _has_rows(args.out):
+        # A machine that cannot run it (not root) keeps the rows measured where it could.
+        print(f"skipped: {reason}; {args.out} keeps its earlier rows")
+        return
     if reason:
         print(f"skipped: {reason}")
         result["skipped"] = reason
@@ -157,6 +163,13 @@ def main() -> None:
             _write(args.out, result)  # after each method: a long run interrupted keeps what it measured
     _write(args.out, result)
     print(f"wrote {args.out}")
+
+
+def _has_rows(path: Path) -> bool:
+    try:
+        return bool(json.loads(path.read_text()).get("rows"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _write(path: Path, result: dict) -> None:

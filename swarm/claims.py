@@ -70,6 +70,11 @@ def implausible(beat: PeerHeartbeat, now: float) -> str | None:
         return f"a heartbeat from {beat.time - now:.0f} s in the future"
     if beat.last_round_seconds is not None and not beat.last_round_seconds <= 30 * 86_400:
         return f"a round of {beat.last_round_seconds:g} s"
+    for name in ("round_wait_seconds", "averaging_deadline_seconds", "matchmaking_window_seconds"):
+        if not getattr(beat, name) <= 30 * 86_400:  # inf made `status --json` write Infinity
+            return f"a {name.replace('_seconds', '').replace('_', ' ')} of {getattr(beat, name):g} s"
+    if beat.control_version > 2**53:
+        return f"steering version {beat.control_version}"
     return None
 
 

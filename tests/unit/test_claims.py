@@ -45,6 +45,10 @@ def beat(peer: str, step: int, stage: Stage = Stage.WAITING, **fields) -> PeerHe
         {"inner_step": 9},
         {"time": NOW + 3600},
         {"last_round_seconds": 1e12},
+        {"round_wait_seconds": float("inf")},  # stop 57: `status --json` wrote Infinity
+        {"averaging_deadline_seconds": 1e308},
+        {"matchmaking_window_seconds": float("inf")},
+        {"control_version": 2**60},
     ],
 )
 def test_absurd_heartbeats_are_named(fields):

@@ -735,6 +735,52 @@ def test_doctor_probes_with_the_connect_timeout_and_a_malformed_address_is_exit_
     assert any(long in line for line in out.splitlines()), out  # never wrapped mid-address
 
 
+def test_doctor_prints_brackets_it_was_given_as_they_are(capsys):
+    """Stop 57, a review: the address the user typed went into rich's markup: `[/ip4/...]`
+    raised rich's MarkupError (a traceback), and `[b]` vanished."""
+    assert main(["doctor", "[/ip4/1.2.3.4/tcp/1]"]) == EXIT_USER_ERROR
+    out = capsys.readouterr().out
+    assert "[/ip4/1.2.3.4/tcp/1]" in out, out
+
+
+def test_doctor_tells_the_address_this_machine_reaches_the_swarm_from(monkeypatch):
+    """Stop 57, a review: it read the observer's own addresses, which are on 127.0.0.1 on every
+    machine, so it always said "loopback only"."""
+    import workbench.cli.doctor as doctor
+
+    assert "on this machine" in doctor._reachability([("127.0.0.1", 31337)])[0].detail  # a real socket
+    source = {}
+
+    class Routed:
+        """A UDP socket whose connect picks ``source[host]`` as this machine's address."""
+
+        def __init__(self, family, kind):
+            self.peer = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def connect(self, target):
+            if target[0] not in source:
+                raise OSError("Network is unreachable")
+            self.peer = target[0]
+
+        def getsockname(self):
+            return (source[self.peer], 40000)
+
+    monkeypatch.setattr(doctor.socket, "socket", Routed)
+    source.update({"203.0.113.9": "93.184.216.34", "10.1.2.3": "10.1.2.4"})
+    public = doctor._reachability([("203.0.113.9", 31337)])[0]
+    assert public.status == "ok" and "93.184.216.34" in public.detail
+    assert "--announce /ip4/93.184.216.34/tcp/PORT" in public.fix
+    private = doctor._reachability([("10.1.2.3", 31337)])[0]
+    assert private.status == "warn" and "private (LAN) address, 10.1.2.4" in private.detail
+    assert doctor._reachability([("192.0.2.99", 1)])[0].status == "info"  # no route
+
+
 def test_config_show_names_the_file_of_a_bad_host_as_start_does(capsys, tmp_path) -> None:
     (tmp_path / "run.toml").write_text('host = "localhost"\n')
     for argv in (["config", "show"], ["start"]):

@@ -110,6 +110,47 @@ def test_describe_round_mentions_a_lone_round() -> None:
     assert describe({"peer": "p", "event": "left", "reason": "finished"}) is None
 
 
+def test_describe_round_counts_a_streaming_runs_rounds_not_its_syncs() -> None:
+    """Stop 57, a review: `demo --headless --method streaming --rounds 2` (F=4) said round 8."""
+    event = {"peer": "p", "event": "round", "outer_step": 8, "loss": 2.0, "eval_loss": 2.1,
+             "group_size": 2, "samples_per_second": 1.0}  # fmt: skip
+    assert "round   2 (sync 4/4)" in describe(event, 4)
+    assert "round   2 (sync 1/4)" in describe({**event, "outer_step": 5}, 4)
+
+
+def test_a_reused_run_dir_forgets_a_bigger_demos_peers_and_commands_are_shell_words(tmp_path, monkeypatch):
+    """Stop 57, a review: after a demo of 4 peers, one of 2 in the same --run-dir left peer-2's
+    and peer-3's events there, and `export` mixed them in; commands.txt was not quoted (a run
+    dir with a space could not be pasted back)."""
+    import shlex
+    import subprocess
+
+    from workbench.local import launch
+
+    run_dir = tmp_path / "my demo"
+    for index in range(4):
+        (run_dir / f"peer-{index}").mkdir(parents=True)
+        (run_dir / f"peer-{index}" / "metrics.jsonl").write_text("{}\n")
+
+    class Started(Exception):
+        pass
+
+    def popen(argv, **kwargs):
+        raise Started(argv)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    config = build_config(build_parser().parse_args(["demo", "--model", "tiny"]))
+    swarm = launch.LocalSwarm(config, peers=2, run_dir=run_dir)
+    with pytest.raises(Started):
+        swarm.start()
+    assert (
+        not (run_dir / "peer-2" / "metrics.jsonl").exists()
+        and not (run_dir / "peer-3" / "metrics.jsonl").exists()
+    )
+    command = (run_dir / "commands.txt").read_text().strip()
+    assert shlex.split(command)[shlex.split(command).index("--run-dir") + 1] == str(run_dir / "peer-0")
+
+
 def test_data_parallel_method_round_trips(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--method dp cannot use --inner-steps"):  # H is 1
         build_config(build_parser().parse_args(["start", "--method", "dp", "--inner-steps", "30"]))

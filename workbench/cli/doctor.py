@@ -167,7 +167,7 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
         return checks
     try:
         checks.append(Check("bootstrap", "ok", "joined the DHT through the given peers"))
-        checks.extend(_reachability(session.dht))
+        checks.extend(_reachability([t for t in map(_tcp_target, addresses) if t is not None]))
         checks.extend(_run_checks(args, session, read))
     finally:
         session.close()
@@ -222,25 +222,41 @@ def _observer(args: argparse.Namespace):
     return open_observer(args)
 
 
-def _reachability(dht) -> list[Check]:
-    from swarm.dht import visible_addresses
-
-    addresses = visible_addresses(dht)
-    kinds = set()
-    for text in addresses:
-        parts = text.split("/")
-        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
-            kinds.add(_kind(parts[2]))
+def _reachability(targets: list[tuple[str, int]]) -> list[Check]:
+    """What others would dial: the address this machine reaches the bootstrap peers from (the
+    one the OS routes through; a UDP socket's connect sends nothing). The observer's own DHT
+    listens on 127.0.0.1 whatever this machine has, so its addresses said "loopback only" on
+    every machine (before stop 57)."""
+    mine = []
+    for host, port in targets:
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, port))
+                mine.append(probe.getsockname()[0])
+        except OSError:
+            continue
+    kinds = {_kind(ip): ip for ip in mine}
+    if not kinds:
+        return [Check("reachability", "info", "no route from this machine to the bootstrap peers' addresses")]
     if "public" in kinds:
+        ip = kinds["public"]
         return [
-            Check("reachability", "ok", "this machine has a public address others can dial: " + addresses[0])
+            Check(
+                "reachability",
+                "ok",
+                f"this machine reaches the swarm from a public address, {ip}: others can dial it if no "
+                "firewall is in the way",
+                f"start or join with --host 0.0.0.0 --port PORT --announce /ip{6 if ':' in ip else 4}/{ip}/tcp/PORT",
+            )
         ]
     if "private" in kinds:
         return [
             Check(
                 "reachability",
                 "warn",
-                "only private (LAN) addresses: peers outside your network cannot dial you",
+                f"this machine reaches the swarm from a private (LAN) address, {kinds['private']}: peers "
+                "outside your network cannot dial you",
                 "forward a port and pass --host 0.0.0.0 --port PORT --announce /ip4/PUBLIC_IP/tcp/PORT, "
                 "or join with --client-mode (you can average, but not serve state to newcomers); "
                 "hivemind relays connections through public peers when they allow it",
@@ -250,7 +266,7 @@ def _reachability(dht) -> list[Check]:
         Check(
             "reachability",
             "warn",
-            "listening on loopback only: only peers on this machine can dial you",
+            "the bootstrap peers are on this machine (loopback): only peers on it can dial you so",
             "for other machines pass --host 0.0.0.0 and --announce /ip4/PUBLIC_IP/tcp/PORT, or join with --client-mode",
         )
     ]
@@ -313,12 +329,13 @@ def run_doctor_command(args: argparse.Namespace) -> int:
             "info": "info",
         }
         from rich.console import Console
+        from rich.markup import escape
 
         console = Console(highlight=False, soft_wrap=True)  # a multiaddr is never split over lines
-        for c in checks:
-            console.print(f"{marks[c.status]}  {c.name}: {c.detail}")
+        for c in checks:  # details name what the user typed: brackets in it are not markup
+            console.print(f"{marks[c.status]}  {escape(c.name)}: {escape(c.detail)}")
             if c.fix:
-                console.print(f"      fix: {c.fix}")
+                console.print(f"      fix: {escape(c.fix)}")
     if any(c.name == "addresses" and c.status == "fail" for c in checks):
         return 2  # a malformed address: the user's input, as with every other command
     return 1 if any(c.status == "fail" for c in checks) else 0

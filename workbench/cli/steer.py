@@ -58,7 +58,7 @@ def add_steer_parser(commands) -> None:
 def run_steer_command(args: argparse.Namespace) -> int:
     from swarm.identity import key_hash
     from swarm.manifest import find_manifest, owner_mismatch
-    from swarm.records import RunKeys, check_owner
+    from swarm.records import RunKeys, Stage, check_owner
     from swarm.steering import Steering, aliases_of, live_peer_id
     from workbench.cli.status import open_observer
 
@@ -129,7 +129,7 @@ def run_steer_command(args: argparse.Namespace) -> int:
                 f"published control v{control.version} (from outer step {control.from_step}): {control.changes()}"
             )
         deadline = time.monotonic() + args.wait
-        applied, total = 0, 0
+        applied, total, peers = 0, 0, {}
         while True:
             peers = session.board.fetch()
             applied, total = steering.propagation(peers, control.version)
@@ -138,12 +138,32 @@ def run_steer_command(args: argparse.Namespace) -> int:
             if (total and applied == total) or time.monotonic() >= deadline:
                 break
             time.sleep(1.0)
+        # Heartbeats are anyone's to publish: name the peers that did not apply it, so that one
+        # that never will (not the run's) is told from one still training its round.
+        missing = {
+            i: p.name
+            for i, p in peers.items()
+            if p.stage is not Stage.PAUSED and p.control_version < control.version
+        }
         if args.json:
             print(
-                json.dumps({"control": control.model_dump(mode="json"), "applied": applied, "peers": total})
+                json.dumps(
+                    {
+                        "control": control.model_dump(mode="json"),
+                        "applied": applied,
+                        "peers": total,
+                        "not_applied": sorted(missing),
+                    }
+                )
             )
         if args.wait and total and applied < total:
-            print(f"not every peer applied v{control.version} within {args.wait:.0f} s", file=sys.stderr)
+            names = ", ".join(f"{name} ({i[-8:]})" for i, name in list(missing.items())[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            print(
+                f"not every peer applied v{control.version} within {args.wait:.0f} s: {names}{more} did not "
+                "(a peer applies it at the start of its round; see `workbench status`)",
+                file=sys.stderr,
+            )
             return 1
         return 0
     finally:

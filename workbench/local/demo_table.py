@@ -60,12 +60,17 @@ class DemoTable:
         return table
 
 
-def describe(event: dict[str, Any]) -> str | None:
-    """One line for a peer event in `workbench demo --headless`'s log, or None to skip it."""
+def describe(event: dict[str, Any], syncs: int = 1) -> str | None:
+    """One line for a peer event in `workbench demo --headless`'s log, or None to skip it
+    (``syncs``: per round: streaming's events count fragment syncs, F per round)."""
     if event["event"] == "round":
         alone = f"  alone: {event['alone_reason']}" if event.get("alone_reason") else ""
+        step = event["outer_step"]
+        where = (
+            f"{-(-step // syncs):>3} (sync {(step - 1) % syncs + 1}/{syncs})" if syncs > 1 else f"{step:>3}"
+        )
         return (
-            f"{event['peer']:>8}  round {event['outer_step']:>3}  loss {event['loss']:.3f}  "
+            f"{event['peer']:>8}  round {where}  loss {event['loss']:.3f}  "
             f"eval {event['eval_loss']:.3f}  group {event['group_size']}  "
             f"{event['samples_per_second']:.0f} samples/s{alone}"
         )

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -139,6 +140,9 @@ PEER_SETTINGS = (
 per-peer folders are written below)."""
 
 
+STALE = ("metrics.jsonl", "global_params.pt", "faults.json", CHECKPOINT, PREVIOUS_CHECKPOINT)
+"""What a peer of an earlier demo in the same --run-dir left that this one must not take for its own."""
+
 MAX_LOCAL_PEERS = 64
 """Peers one machine's launcher starts (each is a process with its DHT and p2p daemon)."""
 
@@ -204,8 +208,7 @@ class LocalSwarm:
         directory.mkdir(parents=True, exist_ok=True)
         # A reused --run-dir starts clean (its checkpoints too: a peer refuses a --run-dir holding
         # one without --resume); a restarted peer keeps its events and loses its faults.
-        stale = ("metrics.jsonl", "global_params.pt", "faults.json", CHECKPOINT, PREVIOUS_CHECKPOINT)
-        for leftover in ("faults.json",) if again else stale:
+        for leftover in ("faults.json",) if again else STALE:
             (directory / leftover).unlink(missing_ok=True)
         argv = [
             sys.executable,
@@ -215,8 +218,8 @@ class LocalSwarm:
             *extra,
             *peer_arguments(self.config, name=name, run_dir=self.run_dir),
         ]
-        with open(self.run_dir / "commands.txt", "a") as file:
-            file.write(" ".join(["workbench", *argv[3:]]) + "\n")
+        with open(self.run_dir / "commands.txt", "a") as file:  # pasted into a shell: quoted
+            file.write(shlex.join(["workbench", *argv[3:]]) + "\n")
         log = open(directory / "peer.log", "ab" if again else "wb")  # noqa: SIM115 - the child owns it
         # A new session: Ctrl+C in the demo's terminal reaches the launcher only, which then
         # stops each peer itself (in order, with a deadline).
@@ -261,6 +264,13 @@ class LocalSwarm:
     def start(self, timeout: float = 120.0) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "commands.txt").write_text("")
+        # A reused --run-dir of a bigger demo: its other peers' events would be exported (and
+        # replayed) with this run's.
+        for folder in self.run_dir.glob("peer-*"):
+            index = folder.name.removeprefix("peer-")
+            if folder.is_dir() and index.isdigit() and int(index) >= self.count:
+                for leftover in STALE:
+                    (folder / leftover).unlink(missing_ok=True)
         # Each peer reads its own slice of the data, as the simulator's virtual peers do.
         first = self._spawn("start", "peer-0", ["--shard", f"0/{self.count}"])
         deadline = time.monotonic() + timeout
@@ -396,6 +406,9 @@ def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> in
             stop.set()
             if source is not None:
                 source.close()
+        # Peers that failed on their own (an error's exit status; a fault's kill is a signal),
+        # before quitting stopped the others.
+        failed = [p for p in swarm.peers if (p.process.poll() or 0) > 0 and not p.last("done")]
     swarm.poll()
     finals = [peer.last("done") for peer in swarm.peers if peer.last("done")]
     if finals:
@@ -406,6 +419,15 @@ def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> in
         )
     else:
         console.print(f"stopped; logs in {run_dir}", soft_wrap=True)
+    if failed and not finals:
+        from rich.markup import escape
+
+        console.print(
+            f"[red]{len(failed)} of {peers} peers failed[/]: {failed[0].name}: {escape(failed[0].log_end())}",
+            soft_wrap=True,
+            highlight=False,
+        )
+        return 1
     return 0
 
 
@@ -437,9 +459,10 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
         soft_wrap=True,
     )
     if headless:
+        syncs = config.outer_method.syncs_per_round(config.fragments)
 
         def show(event: dict[str, Any]) -> None:
-            line = describe(event)
+            line = describe(event, syncs)
             if line:
                 console.print(line, highlight=False, soft_wrap=True)
 
