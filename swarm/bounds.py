@@ -59,6 +59,7 @@ BOUNDS: dict[str, Bound] = {
     "dropout": Bound(0, 1, open_high=True),
     "outlier_ratio": Bound(0, 1e6),
     "clip_norm": Bound(0, 1e12),
+    "grad_clip": Bound(0, 1e12),
     "rounds": Bound(0, 10**9, integer=True),
     "round_seconds": Bound(0, _DAY),
     "step_seconds": Bound(0, _DAY, open_low=True),

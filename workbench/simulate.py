@@ -218,7 +218,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             model=config.model,
             hf_model=config.hf_model,
             data=config.data,
-            train=TrainConfig(inner_lr=args.inner_lr),
+            train=TrainConfig(inner_lr=args.inner_lr, grad_clip=args.grad_clip),
             sim=dataclasses.replace(sim, on_round=on_round),
         )
     summary = {

@@ -868,3 +868,23 @@ def test_a_demo_peer_that_failed_is_said_in_one_line_with_its_log(tmp_path) -> N
     message = str(LaunchError(f"peer-0 exited with status 2 before finishing; {peer.log_end()}"))
     assert "\\n" not in message and "\n" not in message
     assert message.endswith("): loading | error: unknown device 'tpu'")
+
+
+def test_grad_clip_is_a_flag_every_command_passes_on(monkeypatch):
+    """Stop 57, a review: docs/optimizers.md told dp users about `--grad-clip`, which no command
+    had; every inner step clipped at 1.0 and nothing said so."""
+    import workbench.simulate
+
+    assert config_of("start").train.grad_clip == 1.0
+    assert config_of("start", "--grad-clip", "0").train.grad_clip == 0.0
+    assert config_of("join", ADDRESS, "--grad-clip", "0.5").train.grad_clip == 0.5
+    taken = []
+
+    def run_simulation(spec, **kwargs):
+        taken.append(kwargs["train"].grad_clip)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workbench.simulate, "run_simulation", run_simulation)
+    main(["simulate", "--grad-clip", "0.25", "--steps", "2"])
+    assert taken == [0.25]
+    assert main(["start", "--grad-clip", "-1"]) == EXIT_USER_ERROR

@@ -305,3 +305,16 @@ def test_simulate_reads_the_same_file_as_the_peers(tmp_path, capsys, monkeypatch
     path.write_text("inner_stepz = 4\n")
     assert main(["simulate", "--config", str(path)]) == 2
     assert "unknown key 'inner_stepz' (did you mean inner_steps?)" in capsys.readouterr().err
+
+
+def test_simulates_speeds_as_a_toml_list(tmp_path):
+    """Stop 57, a review: docs/configuration.md says values keep TOML's types, and `Experiment`
+    takes speeds as a list; the file's `speeds = [1, 1]` was refused (only "1,1" passed)."""
+    from workbench.settings import settings
+    from workbench.settings.simulate import Bench
+
+    speeds = next(s for s in settings(Bench) if s.key == "speeds")
+    assert speeds.check([1, 1, 0.5], "run.toml: speeds") == "1,1,0.5"
+    assert speeds.check("1,1", "run.toml: speeds") == "1,1"
+    with pytest.raises(ValueError, match="a list of numbers"):
+        speeds.check([1, True], "run.toml: speeds")

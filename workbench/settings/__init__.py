@@ -59,6 +59,9 @@ class Setting:
     """The value of the flag given without one (``--tensorboard`` alone), for an optional value."""
     default_env: str | None = None
     """An environment variable whose value is the default (read when a parser is built)."""
+    joined: str | None = None
+    """A text of items (``--speeds 1,1,0.5``): a list given as data (TOML, a keyword) is joined
+    with this separator into the flag's text."""
 
     def initial(self) -> Any:
         """The default, read now (``default_env``; a fresh list for a list)."""
@@ -117,6 +120,10 @@ class Setting:
         if self.kind == "list":
             items = value if isinstance(value, (list, tuple)) else [value]
             return [self._scalar(item, origin) for item in items]
+        if self.joined is not None and isinstance(value, (list, tuple)):
+            if not all(isinstance(v, (int, float, str)) and not isinstance(v, bool) for v in value):
+                raise ValueError(f"{origin} must be a list of numbers (like {self.flag}), got {value!r}")
+            value = self.joined.join(map(str, value))
         return self._scalar(value, origin)
 
     def _scalar(self, value: Any, origin: str) -> Any:

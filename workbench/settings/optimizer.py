@@ -27,6 +27,13 @@ class Optimizer:
     inner_lr: float = setting(
         1e-3, "inner AdamW learning rate (default: 1e-3)", bound="inner_lr", target="train.inner_lr"
     )
+    grad_clip: float = setting(
+        1.0,
+        "clip each inner step's gradient to this norm, for every method (dp: the averaged "
+        "gradient's; default: 1.0; 0 turns it off)",
+        bound="grad_clip",
+        target="train.grad_clip",
+    )
     method: str = setting(
         "diloco",
         "outer method: diloco, local_sgd (FedAvg), sparseloco (chunked top-k, 2-bit values, error "

@@ -69,7 +69,7 @@ class ModelAndData:
     dataset: str | None = setting(
         None,
         "read documents with the datasets library: a save_to_disk folder, data files "
-        "(.jsonl/.json/.csv/.parquet/.txt) or a hub name; with --shard each peer reads its own records",
+        "(.jsonl/.json/.csv/.parquet/.txt) or a hub name; its records are dealt among the peers' shards",
         metavar="NAME|PATH",
         target="data.dataset",
         parse=given,

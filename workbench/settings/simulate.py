@@ -32,6 +32,7 @@ class Bench:
         "each peer's speed on a virtual clock, e.g. 1,1,0.5,0.5: a speed-1 peer's inner step "
         "takes --step-seconds; the JSON reports virtual_seconds and each peer's utilization",
         metavar="S1,S2,...",
+        joined=",",
     )
     round_seconds: float = setting(0.0, VIRTUAL_ROUND_SECONDS, bound="round_seconds", metavar="T")
     step_seconds: float = setting(
