@@ -463,6 +463,10 @@ class DirectPlane:
             if isinstance(present, Future):
                 wait([present])
         why = mismatch(result, parts, codec, count=sketcher.count)
+        if why is None and not all(map(math.isfinite, result.rows)) and bool(torch.isfinite(flat).all()):
+            # mismatch() lets a non-finite sum through for the outer step's NaN check; a finite
+            # sum whose sketch overflows float32 (values near 3e38) is not one it would catch.
+            why = "the sum holds values beyond float32's range: its check overflows"
         if why is not None:
             raise RingTampered(why)
         self.mark("check")

@@ -126,6 +126,14 @@ def test_a_substituted_contribution_fails_the_round_on_every_member():
         assert rings == 0  # a ring that carried a wrong sum is never used again
 
 
+def test_a_finite_sum_whose_check_overflows_fails_the_round():
+    """Stop 57, a review: values near 3e38 overflow the float32 sketch to inf, and a non-finite
+    sketch was let through for the outer step's NaN check, which a finite sum never meets (with
+    --outlier-ratio 0 nothing else looked)."""
+    results = dict(_members(_long_member, 2, lambda r: ("none", "huge" if r == 1 else False)))
+    assert all(isinstance(r, str) and "beyond float32's range" in r for r in results.values()), results
+
+
 def _member_in_someone_elses_place(rank: int, values, impostor: bool, out) -> None:
     """Two rounds of two members; in the second, member 1 sends zeros, with a sketch of zeros
     (R 0 = 0 whatever R is). With ``impostor`` that is someone in member 1's place in the ring
@@ -161,10 +169,19 @@ def test_someone_in_a_members_place_cannot_pass_off_a_sketch_of_zeros(impostor):
         assert results[0][1] == results[1][1] == 0.5
 
 
-def _long_member(rank: int, values, codec: str, tamper: bool, out) -> None:
-    """One round of two members on a vector long enough to go round in segments."""
+def _long_member(rank: int, values, codec: str, tamper: bool | str, out) -> None:
+    """One round of two members on a vector long enough to go round in segments (``tamper``:
+    True, the second segment zeroed; "huge", the first filled with 3e38: a finite sum)."""
     plane = DirectPlane("127.0.0.1")
-    if tamper:  # an impostor that changes only the ring's second segment
+    if tamper == "huge":
+        calls = []
+
+        def send(ring, segment):
+            calls.append(segment.numel())
+            return ring.allreduce([segment.fill_(3e38) if len(calls) == 1 else segment])
+
+        plane._send = send
+    elif tamper:  # an impostor that changes only the ring's second segment
         calls = []
 
         def send(ring, segment):
