@@ -195,6 +195,11 @@ class RunConfig:
     alpha: float | None = None
     """streaming: the local fragment's weight at the merge (None: StreamingConfig's default,
     0.5 with τ > 0, else 0)."""
+    preset: str | None = None
+    """The ``--method`` whose preset built ``diloco`` when it is not diloco's own (sparseloco,
+    local_sgd: real peers run them as diloco). The join command names it, so that a joiner
+    holds the knobs the run does not use yet as the run does (a codec steered to topk later
+    uses them: with DiLoCoConfig's instead, joiners compressed otherwise than the owner)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The preset's shape; with ``hf_model``, only its ``block_size`` (the context) applies."""
     hf_model: str | None = None

@@ -472,11 +472,23 @@ def test_join_command_round_trips_through_the_parser(flags: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "flags", [["--outer-lr", "0.5"], ["--outer-momentum", "0"], ["--outer-momentum", "0.5"]], ids=" ".join
+    "flags",
+    [
+        ["--outer-lr", "0.5"],
+        ["--outer-momentum", "0"],
+        ["--outer-momentum", "0.5"],
+        # The knobs a run does not use yet are the preset's on the joiner too (stop 57: with
+        # DiLoCoConfig's, a codec steered to topk compressed the joiners otherwise).
+        ["--method", "sparseloco", "--update-codec", "int8"],
+        ["--method", "sparseloco", "--update-codec", "none"],
+        ["--method", "sparseloco", "--overlap", "--topk-density", "0.1"],
+        ["--method", "local_sgd", "--update-codec", "topk"],
+    ],
+    ids=" ".join,
 )
 def test_join_command_carries_the_outer_optimizer(flags: list[str]) -> None:
     starter, joiner = _round_trip(flags)
-    assert joiner.diloco == starter.diloco
+    assert joiner.diloco == starter.diloco and joiner.preset == starter.preset
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,13 @@ if TYPE_CHECKING:
 
 
 def method_arguments(config: RunConfig) -> list[str]:
-    """``--method`` and the schedule flags of a dp or streaming run (a diloco run: none)."""
+    """``--method`` and the schedule flags of a dp or streaming run, the preset of a sparseloco
+    or local_sgd run (a diloco run: none)."""
     chosen = config.outer_method
     if chosen.every_step:
         return ["--method", chosen.name]
+    if config.preset is not None:
+        return ["--method", config.preset]
     if not chosen.fragmented:
         return []
     args = ["--method", "streaming", "--fragments", str(config.fragments)]
@@ -31,15 +34,18 @@ def method_arguments(config: RunConfig) -> list[str]:
 
 
 def optimizer_arguments(config: RunConfig, *, changed_only: bool = False) -> list[str]:
-    """The optimizer flags that rebuild ``config.diloco``, those its method takes (a sparseloco
-    or local_sgd run is a diloco run with the preset's settings spelled out); ``changed_only``:
-    only those that differ from DiLoCoConfig's defaults (for a join command people read)."""
+    """The optimizer flags that rebuild ``config.diloco`` on top of its method's preset (with
+    :func:`method_arguments`), those its method takes; ``changed_only``: only those that differ
+    from the preset's (for a join command people read)."""
+    from optim.api import method
     from workbench.config import RunConfig
 
-    knobs = config.outer_method.knobs
+    preset = method(config.preset) if config.preset is not None else None
+    knobs = preset.knobs if preset is not None else config.outer_method.knobs
     values = _optimizer_values(config, knobs)
     if changed_only:
-        defaults = _optimizer_values(RunConfig(), knobs)
+        base = RunConfig() if preset is None else RunConfig(diloco=preset.config(config.diloco.inner_steps))
+        defaults = _optimizer_values(base, knobs)
         # A delayed run's outer defaults are not DiLoCoConfig's (optim.api.DELAYED_OUTER): spell them out.
         kept = ("outer_lr", "outer_momentum") if config.diloco.delay == 1 else ()
         values = {k: v for k, v in values.items() if v != defaults[k] or k in kept}

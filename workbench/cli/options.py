@@ -127,6 +127,9 @@ def build_config(args: argparse.Namespace, *, simulated: bool = False) -> RunCon
     return RunConfig(
         simulated=simulated,
         method=method(args.method).real_peers,
+        preset=args.method
+        if method(args.method).real_peers == "diloco" and args.method != "diloco"
+        else None,
         fragments=args.fragments or default_fragments(diloco.inner_steps),
         sync_delay=getattr(args, "sync_delay", None) or 0,
         alpha=getattr(args, "alpha", None),
