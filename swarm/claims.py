@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from swarm.bounds import BOUNDS
-from swarm.records import CLOCK_SLACK, PeerHeartbeat
+from swarm.records import CLOCK_SLACK, MAX_VERSION, PeerHeartbeat
 
 if TYPE_CHECKING:  # swarm.sketch imports torch: 1,557 modules against 636, for the monitor and status
     from swarm.sketch import Sketch
@@ -73,7 +73,7 @@ def implausible(beat: PeerHeartbeat, now: float) -> str | None:
     for name in ("round_wait_seconds", "averaging_deadline_seconds", "matchmaking_window_seconds"):
         if not getattr(beat, name) <= 30 * 86_400:  # inf made `status --json` write Infinity
             return f"a {name.replace('_seconds', '').replace('_', ' ')} of {getattr(beat, name):g} s"
-    if beat.control_version > 2**53:
+    if beat.control_version > MAX_VERSION + 1:
         return f"steering version {beat.control_version}"
     return None
 

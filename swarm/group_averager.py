@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind finds streamed R
 
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -332,7 +333,9 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                 running.set_result(None)  # no hivemind runner for this group: nothing to wait for
             return posted[2]
         self.assembled.value = time.time()
-        members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
+        members = self._gathered(group_info)
+        if members is None:  # a failed matchmaking, which hivemind retries (not a step failed for good)
+            raise MatchmakingException("a member of the group sent malformed gathered info")
         if not self._masks:
             return await self._reduce(group_info, members, min_vector_size, **kwargs)
         # Kept-masks go round scaled like the updates beside them (gathered.mask_scale says why);

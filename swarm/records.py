@@ -230,12 +230,16 @@ def applied(peers: Iterable[PeerHeartbeat], version: int) -> tuple[int, int]:
     return sum(p.control_version >= version for p in active), len(active)
 
 
+MAX_VERSION = 2**52
+"""The largest steering version: one a record or a heartbeat says above it is absurd."""
+
+
 class ControlStep(BaseModel):
     """One version of the owner's settings and the outer step its peers apply it at."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, le=MAX_VERSION + 1)
     from_step: int = Field(default=0, ge=0)
     """Peers apply the settings at the start of this outer step, all at the same step (the outer
     lr changes θ: peers applying it at different rounds would drift apart)."""

@@ -24,7 +24,16 @@ from typing import Any
 
 from swarm.claims import Ignored
 from swarm.errors import SwarmError
-from swarm.records import EARLIER_KEPT, LONG_TTL, ControlState, PeerHeartbeat, RunKeys, Stage, applied
+from swarm.records import (
+    EARLIER_KEPT,
+    LONG_TTL,
+    MAX_VERSION,
+    ControlState,
+    PeerHeartbeat,
+    RunKeys,
+    Stage,
+    applied,
+)
 from swarm.store import SignedStore
 
 logger = logging.getLogger(__name__)
@@ -186,9 +195,17 @@ class Steering:
         own = [p for i, p in counted.items() if writers.get(i) == self.owner]
         if current is None and peers:
             # No record found: peers may still hold versions of one the DHT lost; a version at or
-            # below theirs would be ignored.
-            held = sorted(p.control_version for p in (own or peers.values()))
-            fields["version"] = max(fields["version"], held[len(held) // 2])
+            # below theirs would be ignored. The owner's own peers' (it may have restarted without
+            # its checkpoint: not below the others' median), within MAX_VERSION (a forged claim
+            # above it would number the change past what heartbeats may say, and every honest
+            # peer applying it would be taken for a liar).
+            held = sorted(min(p.control_version, MAX_VERSION) for p in peers.values())
+            mine = [
+                min(p.control_version, MAX_VERSION)
+                for p in peers.values()
+                if writers.get(p.peer_id) == self.owner
+            ]
+            fields["version"] = max(fields["version"], held[len(held) // 2], *mine)
         fields["version"] = max(fields["version"] + 1, version or 0)  # ``version``: at least this
         fields["checkpoint"] = base.get("checkpoint", 0) + (1 if checkpoint else 0)
         fields["time"] = get_dht_time()

@@ -890,6 +890,12 @@ def test_grad_clip_is_a_flag_every_command_passes_on(monkeypatch):
     assert config_of("start").train.grad_clip == 1.0
     assert config_of("start", "--grad-clip", "0").train.grad_clip == 0.0
     assert config_of("join", ADDRESS, "--grad-clip", "0.5").train.grad_clip == 0.5
+    from pathlib import Path
+
+    from workbench.local.launch import peer_arguments
+
+    demo = config_of("demo", "--grad-clip", "0.5")  # the demo's and Experiment's local peers
+    assert config_of("start", *peer_arguments(demo, name="p", run_dir=Path("/tmp/x"))).train.grad_clip == 0.5
     taken = []
 
     def run_simulation(spec, **kwargs):

@@ -318,3 +318,20 @@ def test_the_owners_peer_stores_the_manifest_and_the_steering_record_again(monke
     peer.store.public_key = b"somebody else"  # not the owner: stores nothing
     peer_module.Peer._keep_records(peer)
     assert stored == []
+
+
+def test_a_forged_steering_version_cannot_number_the_owners_change_past_what_heartbeats_may_say() -> None:
+    """Stop 57, a review of the diff: with no record found, the version followed the peers'
+    median (two peers: the larger), and one key claiming 2**53 had the owner publish a version
+    that every honest peer applying it then carried in a heartbeat taken for a lie."""
+    from swarm.claims import implausible
+
+    forged = _beat("forged", 42, version=2**53)
+    honest = _beat("honest", 42, version=0)
+    control = _publisher([], {"forged": forged, "honest": honest}).publish(outer_lr=0.5)
+    applied = honest.model_copy(update={"control_version": control.version})
+    assert implausible(applied, now=applied.time) is None
+    # The owner's own peer restarted without its checkpoint (at version 0) does not pull the
+    # version below the others'.
+    peers = {p: _beat(p, 50, version=7) for p in ("b", "c")} | {"o": _beat("o", 50, version=0)}
+    assert _publisher([], peers, writers={"o": "owner"}).publish(outer_lr=0.5).version == 8

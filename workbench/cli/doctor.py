@@ -19,8 +19,10 @@ from dataclasses import asdict, dataclass
 
 from swarm.errors import SwarmError
 
-PROTOCOL = "workbench-records/1"
-"""Version of the DHT record layout (swarm.records); peers with another one cannot see each other."""
+PROTOCOL = "workbench-records/2"
+"""Version of the DHT record layout (swarm.records); peers with another one cannot see each other.
+2 (stop 57): a steering record holds the versions before it (``earlier``), which peers of layout
+1 refuse as malformed: they apply no steering of a run whose owner runs layout 2."""
 
 
 @dataclass

@@ -118,6 +118,7 @@ PEER_SETTINGS = (
     "threads",
     "inner_steps",
     "inner_lr",
+    "grad_clip",
     "rounds",
     "round_seconds",
     "eval_every",
