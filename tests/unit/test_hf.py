@@ -58,6 +58,30 @@ def test_saved_weights_are_loaded_not_reinitialized(tmp_path: Path) -> None:
         assert torch.equal(pa, pb)
 
 
+def test_weights_the_folder_lacks_are_seeded_and_weights_of_other_shapes_are_one_line(
+    tmp_path: Path, caplog
+) -> None:
+    """Stop 57, a review: a missing weight (an untied head, a layer the config adds) was
+    initialised unseeded, so peers (and the virtual peers of one process) started from
+    different θ; weights of other shapes than config.json's raised transformers' RuntimeError
+    as a traceback."""
+    import json
+
+    directory = make_llama(tmp_path / "llama", weights=True)
+    config = json.loads((directory / "config.json").read_text())
+    config["num_hidden_layers"] = 3  # a layer the weights do not hold
+    (directory / "config.json").write_text(json.dumps(config))
+    a = hf.load_model(str(directory), seed=0, block_size=64, vocab_size=256)
+    torch.manual_seed(999)  # another process's generator
+    b = hf.load_model(str(directory), seed=0, block_size=64, vocab_size=256)
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters()))
+    assert "are not in the folder" in caplog.text
+    config["num_hidden_layers"], config["vocab_size"] = 2, 300  # weights of 256 rows
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="its weights do not load into the model its config.json describes"):
+        hf.load_model(str(directory), seed=0, block_size=64, vocab_size=256)
+
+
 @pytest.mark.parametrize(
     ("make", "kwargs", "message"),
     [
@@ -217,3 +241,25 @@ def test_the_simulator_trains_the_folder_s_model_on_the_tokenizer_s_ids(
         inner_steps=2, batch_size=4, block_size=16,
     ).run().wait(120)  # fmt: skip
     assert run.error is None and built == [(str(llama), 16, 12)] * 2
+
+
+def test_a_dataset_folders_test_file_is_its_own_split_not_training_data(tmp_path: Path) -> None:
+    """Stop 57, a review: every data file of a --dataset folder became the train split: its
+    test.jsonl was trained on, `--dataset-split test` was refused, and a notebook's
+    .ipynb_checkpoints copy was read twice."""
+    import json
+
+    write = lambda path, word: path.write_text(  # noqa: E731
+        "".join(json.dumps({"text": f"{word} {i}"}) + "\n" for i in range(20))
+    )
+    write(tmp_path / "train.jsonl", "train")
+    write(tmp_path / "test.jsonl", "TEST")
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    write(tmp_path / ".ipynb_checkpoints" / "train-checkpoint.jsonl", "copy")
+    train = hf.open_dataset(str(tmp_path), subset=None, split="train", streaming=False)
+    assert sorted({r["text"].split()[0] for r in train}) == ["train"] and len(train) == 20
+    assert len(hf.open_dataset(str(tmp_path), subset=None, split="test", streaming=False)) == 20
+    with pytest.raises(ValueError, match="has no split 'validation' \\(it has: test, train"):
+        hf.open_dataset(str(tmp_path), subset=None, split="validation", streaming=False)
+    alone = hf.open_dataset(str(tmp_path / "test.jsonl"), subset=None, split="train", streaming=False)
+    assert len(alone) == 20  # one file named: whatever its name, the split asked for

@@ -190,6 +190,24 @@ def test_pick_device_cuda_missing(name: str) -> None:
         pick_device(name)
 
 
+def test_each_rank_of_a_torchrun_node_takes_its_own_gpu(monkeypatch) -> None:
+    """Stop 57, a review: every rank resolved `auto`/`cuda` to plain `cuda`, GPU 0: an 8-GPU
+    node put 8 models on one GPU and left 7 idle."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert pick_device("auto") == pick_device("cuda") == torch.device("cuda:3") and chosen == [3, 3]
+    assert pick_device("cuda:5") == torch.device("cuda:5")  # given explicitly: as given
+    monkeypatch.setenv("LOCAL_RANK", "10")
+    assert pick_device("auto") == torch.device("cuda:2")  # more ranks than GPUs: shared in turn
+    monkeypatch.delenv("LOCAL_RANK")
+    assert pick_device("auto") == torch.device("cuda")  # a peer of its own
+    assert pick_device("cpu") == torch.device("cpu")
+
+
 def test_autocast_context_cpu_is_noop() -> None:
     with autocast_context(torch.device("cpu")):
         y = torch.ones(2, 2) @ torch.ones(2, 2)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ class CausalLM(nn.Module):
         self.hf = model
         self.source = source
         config = model.config
+        # A composite config (Gemma 3, multimodal families) keeps the text model's under text_config.
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.vocab_size = int(config.vocab_size)
         self.max_positions = int(
             getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 0
@@ -95,17 +98,30 @@ def load_model(
     except Exception as error:  # noqa: BLE001 - transformers raises many kinds for a bad config
         raise ValueError(f"{path}/config.json is not a Hugging Face model config ({error})") from None
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
+    missing: list[str] = []
     try:
-        if has_weights and not shapes_only:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
+        # Seeded either way: weights the folder lacks (an untied head, a layer added to the
+        # config) are initialised, and must be the same on every peer (and every virtual peer of
+        # one process), or the peers start from different θ.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if has_weights and not shapes_only:
+                model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, local_files_only=True, output_loading_info=True
+                )
+                missing = list(info.get("missing_keys") or [])
+            else:
                 model = transformers.AutoModelForCausalLM.from_config(config)
     except ValueError as error:
         raise ValueError(
             f"{path} does not describe a causal language model ({error}); use a *ForCausalLM config "
             "such as Llama, GPT-2 or Qwen"
+        ) from None
+    except (RuntimeError, OSError) as error:  # weights of other shapes than config.json's, a bad file
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"{path}: its weights do not load into the model its config.json describes ({first}); "
+            "use the config.json the weights were saved with"
         ) from None
     model = model.float()
     wrapped = CausalLM(model, str(path))
@@ -128,6 +144,16 @@ def load_model(
         wrapped.num_params() / 1e6,
         "its weights" if has_weights else f"fresh init, seed {seed}",
     )
+    if missing:
+        logger.warning(
+            "model %s: %d weight(s) are not in the folder (%s%s): initialised with seed %d, the same on "
+            "every peer",
+            path.name,
+            len(missing),
+            ", ".join(missing[:3]),
+            ", ..." if len(missing) > 3 else "",
+            seed,
+        )
     return wrapped
 
 
@@ -179,23 +205,65 @@ def open_dataset(name: str, *, subset: str | None, split: str, streaming: bool):
                 loaded = loaded[split]
             return loaded.to_iterable_dataset() if streaming else loaded
         if path.is_file() or path.is_dir():
-            files = (
-                [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES)
-            )
+            files = [path] if path.is_file() else _data_files(path)
             kinds = {DATA_SUFFIXES.get(p.suffix) for p in files}
             if not files or None in kinds or len(kinds) > 1:
                 raise ValueError(
                     f"{path}: expected data files of one kind ({', '.join(DATA_SUFFIXES)}), found "
                     f"{sorted({p.suffix for p in files}) or 'none'}"
                 )
+            splits = {split: files} if path.is_file() else _splits(files, path)  # one file: the split asked
+            if split not in splits:
+                raise ValueError(
+                    f"{path} has no split '{split}' (it has: {', '.join(splits)}; files are told apart by "
+                    "train/test/validation in their names); pass --dataset-split"
+                )
             return datasets.load_dataset(
-                kinds.pop(), data_files=[str(p) for p in files], split=split, streaming=streaming
+                kinds.pop(),
+                data_files={split: [str(p) for p in splits[split]]},
+                split=split,
+                streaming=streaming,
             )
         return datasets.load_dataset(name, subset, split=split, streaming=streaming)
     except ValueError:
         raise
     except Exception as error:  # noqa: BLE001 - network, missing dataset, bad files: say which
         raise ValueError(f"cannot open dataset {name!r} ({type(error).__name__}: {error})") from None
+
+
+SPLIT_NAMES = {
+    "train": "train", "training": "train",
+    "test": "test", "testing": "test",
+    "validation": "validation", "valid": "validation", "val": "validation", "dev": "validation",
+    "eval": "validation",
+}  # fmt: skip
+"""Words in a data file's path that name its split (as ``datasets`` reads a folder)."""
+
+
+def _data_files(folder: Path) -> list[Path]:
+    """The data files under ``folder``, but those in hidden folders (``.ipynb_checkpoints``)."""
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.suffix in DATA_SUFFIXES and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+
+
+def _splits(files: list[Path], root: Path) -> dict[str, list[Path]]:
+    """``files`` by the split their path names (a folder's ``train.jsonl`` and ``test.jsonl``;
+    ``test/part-0.parquet``), all ``train`` when none names one. Before stop 57 every file of a
+    folder was the train split: its test file was trained on, and --dataset-split test refused."""
+    named: dict[str, list[Path]] = {}
+    for file in files:
+        parts = file.relative_to(root).with_suffix("").parts
+        words = [w for part in parts for w in re.split(r"[-_.\s]+", part.lower())]
+        which = next((SPLIT_NAMES[w] for w in words if w in SPLIT_NAMES), None)
+        named.setdefault(which or "", []).append(file)
+    if set(named) == {""}:
+        return {"train": named[""]}
+    unnamed = named.pop("", [])
+    named.setdefault("train", []).extend(unnamed)  # files that name no split train
+    return named
 
 
 def dataset_documents(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -244,11 +245,19 @@ def build_model(config: ModelConfig, *, seed: int) -> GPT:
 
 
 def pick_device(requested: str = "auto") -> torch.device:
-    """Resolve ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` to a usable device."""
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """Resolve ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` to a usable device. In a
+    torchrun node (``LOCAL_RANK`` set, several processes) ``auto`` and ``cuda`` are the local
+    rank's GPU: plain ``cuda`` is GPU 0, where every rank of an 8-GPU node put its model."""
+    if requested == "auto" and not torch.cuda.is_available():
+        return torch.device("cpu")
     if requested == "cpu":
         return torch.device("cpu")
+    if requested in ("auto", "cuda") and torch.cuda.is_available() and (local := _local_rank()) is not None:
+        index = local % torch.cuda.device_count()  # more ranks than GPUs: they share, in turn
+        torch.cuda.set_device(index)
+        return torch.device(f"cuda:{index}")
+    if requested == "auto":
+        return torch.device("cuda")
     if requested == "cuda" or (requested.startswith("cuda:") and requested[5:].isdigit()):
         if not torch.cuda.is_available():
             raise ValueError(f"device {requested!r} requested but no CUDA device found; use --device cpu.")
@@ -259,6 +268,13 @@ def pick_device(requested: str = "auto") -> torch.device:
             )
         return torch.device(requested)
     raise ValueError(f"unknown device {requested!r}; use one of: auto, cpu, cuda, cuda:N.")
+
+
+def _local_rank() -> int | None:
+    """torchrun's ``LOCAL_RANK`` where a node runs several processes, else None."""
+    local = os.environ.get("LOCAL_RANK", "")
+    processes = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1"
+    return int(local) if local.isdigit() and processes.isdigit() and int(processes) > 1 else None
 
 
 def autocast_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
