@@ -159,12 +159,16 @@ class Steering:
         checkpoint: bool = False,
         from_step: int | None = None,
         version: int | None = None,
+        pause: list[str] | None = None,
+        resume: list[str] | None = None,
     ) -> ControlState:
         """A new version with these changes on top of the current one; raises SwarmError for a
         non-owner or a bad value (nothing is published then). Peers apply it at the start of
         outer step ``from_step`` (default: two rounds after the run's, the upper median of the live
         peers' claimed steps, so every peer has polled it by then). ``version``: number it at
-        least this (a resumed owner's settings, past the version its checkpoint holds)."""
+        least this (a resumed owner's settings, past the version its checkpoint holds). ``pause``
+        and ``resume``: ids (or names) added to and dropped from the paused list as the record
+        holds it now (a UI's list, read seconds earlier, dropped a pause made meanwhile)."""
         from hivemind.utils import get_dht_time
         from pydantic import ValidationError
 
@@ -173,6 +177,10 @@ class Steering:
             raise SwarmError(reason)
         current = self._read()
         base = current.model_dump() if current else {"version": 0}
+        if pause or resume:
+            held = list(paused if paused is not None else base.get("paused", []))
+            paused = [p for p in held if p not in set(resume or ())]
+            paused += [p for p in dict.fromkeys(pause or ()) if p not in paused]
         updates = dict(
             outer_lr=outer_lr,
             inner_steps=inner_steps,

@@ -31,9 +31,11 @@ class OwnerConsole(PolledApp):
         control = self.snapshot.control if self.snapshot else None
         current = control.model_dump() if control else {}
         paused = list(control.paused) if control else []
-        screen = SteerScreen(
-            reason=self.source.steering_reason(), current=current, peer=self.selected_peer(), paused=paused
-        )
+        peer = self.selected_peer()
+        left = peer is not None and self.snapshot is not None and peer[0] not in self.snapshot.peers
+        if left and not (peer[0] in paused or peer[1] in paused):
+            peer = None  # a peer that left: nothing to pause (`workbench steer` refuses it too)
+        screen = SteerScreen(reason=self.source.steering_reason(), current=current, peer=peer, paused=paused)
         self.push_screen(screen, self._steer_chosen)
 
     def _steer_chosen(self, changes: dict[str, Any] | None) -> None:

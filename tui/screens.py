@@ -216,10 +216,12 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
         toggles = self.query("#toggle-pause")
         if toggles and toggles.first(Checkbox).value and self.peer is not None:
             peer_id, name = self.peer
+            # As changes to the record as it is when published (the list shown was read a poll
+            # ago: another pause made meanwhile would be dropped).
             if peer_id in self.paused or name in self.paused:
-                changes["paused"] = [p for p in self.paused if p not in (peer_id, name)]
+                changes["resume"] = [peer_id, name]
             else:
-                changes["paused"] = [*self.paused, peer_id]  # names are anyone's to take: the id
+                changes["pause"] = [peer_id]  # names are anyone's to take: the id
         if self.query_one("#checkpoint", Checkbox).value:
             changes["checkpoint"] = True
         return changes
@@ -240,6 +242,16 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
         confirm.update(f"Publish a new control version with {listed}?")
         self.query_one("#publish", Button).disabled = False
         self.query_one("#publish", Button).focus()
+
+    @on(Input.Changed)
+    @on(Select.Changed)
+    @on(Checkbox.Changed)
+    def _edited(self) -> None:
+        """An edit after Review: Publish would send what was reviewed, not what the form says."""
+        publish = self.query_one("#publish", Button)
+        if not publish.disabled:
+            publish.disabled = True
+            self.query_one("#confirm", Label).update("Changed since the review: press Review again.")
 
     @on(Button.Pressed, "#publish")
     def publish(self) -> None:

@@ -113,7 +113,11 @@ class FakeSource:
             raise SwarmError(self.steering_reason())
         self.published.append(changes)
         version = len(self.published)
-        fields = {k: v for k, v in changes.items() if k != "checkpoint"}
+        fields = {k: v for k, v in changes.items() if k not in ("checkpoint", "pause", "resume")}
+        held = list(self.control.paused) if self.control is not None else []
+        if "pause" in changes or "resume" in changes:  # as swarm.steering.Steering.publish does
+            held = [p for p in held if p not in changes.get("resume", [])] + list(changes.get("pause", []))
+            fields["paused"] = held
         self.control = ControlState(version=version, from_step=14, **fields)
         return self.control
 

@@ -155,11 +155,29 @@ async def test_steering_form_confirms_then_publishes(app) -> None:
                 "inner_steps": 25,
                 "round_seconds": 12.0,
                 "codec": "int8",
-                "paused": [peer_id(0)],
+                "pause": [peer_id(0)],
             }
         ]
         summary = str(app.query_one("#summary", Static).render())
         assert "0/4 peers applied v1" in summary
+
+
+async def test_an_edit_after_review_must_be_reviewed_again(app) -> None:
+    """Stop 57, a review: Publish stayed enabled after an edit and sent what was reviewed."""
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("e")
+        app.screen.query_one("#outer-lr", Input).value = "0.5"
+        await pilot.click("#review")
+        assert not app.screen.query_one("#publish").disabled
+        app.screen.query_one("#outer-lr", Input).value = "0.1"
+        await pilot.pause()
+        assert app.screen.query_one("#publish").disabled
+        assert "Review again" in str(app.screen.query_one("#confirm").render())
+        await pilot.click("#review")
+        await pilot.click("#publish")
+        await app.workers.wait_for_complete()
+        assert app.source.published == [{"outer_lr": 0.1}]
 
 
 async def test_a_bad_steering_value_is_refused_in_the_form(app) -> None:

@@ -50,10 +50,10 @@ def test_peers_of_one_name_each_get_their_own_loss_line() -> None:
 def test_a_pause_click_from_the_front_end_reaches_steering() -> None:
     w = widget()
     w.set_state({"command": {"action": "pause", "peer": peer_id(1), "nonce": 1}})
-    assert w.source.published == [{"paused": [peer_id(1)]}]  # by id: a name can be shared
+    assert w.source.published == [{"pause": [peer_id(1)]}]  # by id: a name can be shared
     assert w.message.startswith("published control v1")
     w.handle({"action": "pause", "peer": "charlie"})  # from Python, by a name only one peer has
-    assert w.source.published[-1] == {"paused": [peer_id(2)]}
+    assert w.source.published[-1] == {"pause": [peer_id(2)]}
 
 
 def test_pause_and_resume_name_one_live_peer_or_are_refused() -> None:
@@ -70,7 +70,7 @@ def test_pause_and_resume_name_one_live_peer_or_are_refused() -> None:
         assert w.message.startswith(f"refused: {why}"), w.message
     assert w.source.published == []
     w.handle({"action": "resume", "peer": peer_id(1)})  # paused by name (an older CLI): dropped too
-    assert w.source.published[-1] == {"paused": [peer_id(0)]}
+    assert w.source.published[-1] == {"resume": sorted([peer_id(1), "bravo"])}
     # Two peers under one name (anyone can take a name): pause by id only.
     monitor = SwarmMonitor()
     beats = {peer_id(i): heartbeat(i, 1010.0, 1, name="alpha") for i in range(2)}
@@ -78,7 +78,7 @@ def test_pause_and_resume_name_one_live_peer_or_are_refused() -> None:
     with pytest.raises(SwarmError, match="2 live peers are named alpha .*pause one by its peer id"):
         w.handle({"action": "pause", "peer": "alpha"})
     w.handle({"action": "pause", "peer": peer_id(1)})
-    assert w.source.published[-1] == {"paused": [peer_id(1)]}
+    assert w.source.published[-1] == {"pause": [peer_id(1)]}
 
 
 def test_steer_from_the_front_end_and_from_python() -> None:

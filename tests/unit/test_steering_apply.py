@@ -335,3 +335,14 @@ def test_a_forged_steering_version_cannot_number_the_owners_change_past_what_hea
     # version below the others'.
     peers = {p: _beat(p, 50, version=7) for p in ("b", "c")} | {"o": _beat("o", 50, version=0)}
     assert _publisher([], peers, writers={"o": "owner"}).publish(outer_lr=0.5).version == 8
+
+
+def test_a_pause_from_a_ui_changes_the_record_as_it_is_when_published() -> None:
+    """Stop 57, a review: the TUI's form (and the widget) sent the whole paused list as the last
+    poll showed it: a pause made meanwhile (from the CLI) was dropped."""
+    stored: list = []
+    publisher = _publisher(stored, {"a": _beat("a", 9)})
+    publisher.publish(paused=["QmOther"], from_step=10)  # the CLI's, after the UI's last poll
+    control = publisher.publish(pause=["QmMine"])
+    assert control.paused == ["QmOther", "QmMine"]
+    assert publisher.publish(resume=["QmOther", "other-name"]).paused == ["QmMine"]

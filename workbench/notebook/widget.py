@@ -126,12 +126,12 @@ class SwarmWidget(anywidget.AnyWidget):
                 target = live_peer_id(peer, live)  # by id: a name can be shared
                 if target in paused:
                     raise ValueError(f"{peer} is already paused")
-                result = self.source.steer(paused=[*paused, target])
+                result = self.source.steer(pause=[target])  # on the record as it is now
             else:
                 aliases = aliases_of(peer, live)
                 if not aliases & set(paused):
                     raise ValueError(f"{peer} is not paused (paused: {', '.join(paused) or 'nobody'})")
-                result = self.source.steer(paused=[p for p in paused if p not in aliases])
+                result = self.source.steer(resume=sorted(aliases))
         elif action == "steer":
             unknown = sorted(set(command) - {"action", "nonce", *STEERABLE})
             if unknown:
