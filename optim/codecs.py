@@ -186,7 +186,13 @@ class BFloat16Codec(Codec):
     name: ClassVar[str] = "bf16"
 
     def _encode_flat(self, x: Tensor) -> dict[str, Tensor]:
-        return {"values": x.to(torch.bfloat16)}  # (n,) bf16
+        values = x.to(torch.bfloat16)  # (n,) bf16
+        # Its largest value (3.3895e38) is a little below fp32's: values between round to Inf.
+        if values.numel() and not bool(torch.isfinite(values).all()):  # (non-finite x is refused before)
+            raise ValueError(
+                "values exceed the bfloat16 range (|x| > 3.3895e38) and would arrive as Inf: use fp32 values"
+            )
+        return {"values": values}
 
     def _decode_flat(self, payload: dict[str, Tensor], numel: int) -> Tensor:
         return payload["values"].to(torch.float32)

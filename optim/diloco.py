@@ -261,6 +261,17 @@ class DiLoCo:
             with self.lock:
                 self.outer_step_count += 1
 
+    def _skip_delayed(self) -> None:
+        """A refused round with ``delay``: nothing joins the queue, and the mean queued a round
+        ago is applied as it would have been (as the overlapped path does, whose refused round
+        applies nothing a round later). Before stop 57 it stayed queued: applied a round late,
+        and with eager updates the next round started from a point holding none of it."""
+        if self._pending:
+            self.apply_outer_step(self._pending.pop(0), checked=True)  # finite when queued
+        else:
+            with self.lock:
+                self.outer_step_count += 1
+
     @torch.no_grad()
     def restore_parameters(self) -> None:
         """Copy θ (plus the eager offset, if any) into the model: where the next round starts."""
@@ -332,6 +343,8 @@ class DiLoCo:
         take_back_unapplied(self.feedback, outgoing, report, self.config.outlier_ratio)
         if refused:
             logger.error("%s", refused)
+            if self.config.delay:  # the queue moves on: the mean accepted a round ago is due now
+                self._skip_delayed()
         elif self.config.delay:
             self.apply_delayed(outgoing.deltas)
         else:

@@ -239,6 +239,13 @@ def test_fp16_overflow_is_refused(codec: Codec) -> None:
         codec.encode(torch.tensor([1.0, 1e5]))
 
 
+def test_bf16_overflow_is_refused() -> None:
+    """Stop 57, a review: bf16's largest value (3.3895e38) is below fp32's: finite values
+    between came out Inf, and the group's NaN check refused the round for everyone."""
+    with pytest.raises(ValueError, match="exceed the bfloat16 range"):
+        BFloat16Codec().encode(torch.tensor([1.0, 3.399e38]))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_low_precision_inputs_come_back_fp32(name: str) -> None:
     x = randn((65,)).to(torch.bfloat16)

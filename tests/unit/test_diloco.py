@@ -758,6 +758,40 @@ def test_overlapped_finish_ends_on_the_theta_of_the_blocking_delay_plus_its_last
     assert_all_close(a.global_params, b.global_params, atol=0)
 
 
+class _RefusingAverager(LocalAverager):
+    """A swarm of one whose round ``refuse`` (0-based) is refused by the group's robust check."""
+
+    def __init__(self, refuse: int) -> None:
+        self.refuse, self.calls = refuse, 0
+
+    def all_reduce(self, tensors, *, weight, info=None) -> RoundReport:
+        report = super().all_reduce(tensors, weight=weight, info=info)
+        self.calls += 1
+        if self.calls - 1 == self.refuse:
+            report.group_size, report.refused = 2, "a member sent an outlier (test)"
+        return report
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["naive", "eager"])
+def test_a_refused_round_moves_the_blocking_delay_on_as_the_overlapped_one(eager: bool) -> None:
+    """Stop 57, a review: with --delay 1 and no background thread, a refused round kept the
+    mean accepted a round before queued (applied a round late; with eager updates the next
+    round started from a point holding none of it, 0.24 away from the overlapped run's)."""
+    config = DiLoCoConfig(
+        inner_steps=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False, delay=1, overlap=True, eager=eager
+    )
+    model_a, model_b = make_model(), make_model()
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model_a, model_b))
+    a = DiLoCo(model_a, opt_a, _RefusingAverager(refuse=2), config)
+    b = DiLoCo(model_b, opt_b, _RefusingAverager(refuse=2), dataclasses.replace(config, overlap=False))
+    for r in range(5):
+        train_round(a, opt_a, batches(r, 1))
+        train_round(b, opt_b, batches(r, 1))
+        if r != 2:  # (an overlapped round is judged a round later)
+            assert_all_close(a.working_params(), b.working_params(), atol=1e-6)
+    assert a.outer_step_count == b.outer_step_count == 5
+
+
 def test_a_joiner_gets_the_mean_in_flight_with_the_state() -> None:
     """Served mid-flight, the state waits for the all-reduce and queues its mean: the joiner
     applies it at the end of its first round, as the donor does."""
