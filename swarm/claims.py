@@ -73,6 +73,8 @@ def implausible(beat: PeerHeartbeat, now: float) -> str | None:
     for name in ("round_wait_seconds", "averaging_deadline_seconds", "matchmaking_window_seconds"):
         if not getattr(beat, name) <= 30 * 86_400:  # inf made `status --json` write Infinity
             return f"a {name.replace('_seconds', '').replace('_', ' ')} of {getattr(beat, name):g} s"
+    if not all(math.isfinite(v) for v in beat.final_theta):  # a diverged θ's sketch, or a liar's
+        return "a final θ sketch that is not finite"
     if beat.control_version > MAX_VERSION + 1:
         return f"steering version {beat.control_version}"
     return None

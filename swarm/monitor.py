@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -59,15 +60,38 @@ class Reading:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Reading:
-        peers = [parse_record(PeerHeartbeat, p) for p in data.get("peers") or []]
+        """A recorded reading; ValueError for anything but the shape :meth:`to_json` writes.
+        A heartbeat no live read would take (:func:`swarm.claims.implausible`: a NaN loss,
+        which crashed the TUI's charts) is left out, as a live read leaves it out."""
+        from swarm.claims import implausible
+
+        if not isinstance(data, dict):
+            raise ValueError(f"a reading is a JSON object, not {type(data).__name__}")
+        listed, ignored = data.get("peers") or [], data.get("ignored") or {}
+        if not isinstance(listed, list) or not isinstance(ignored, dict):
+            raise ValueError("a reading's peers are a list and its ignored peers an object")
+        when = float(data["time"])
+        peers = [parse_record(PeerHeartbeat, p) for p in listed]
         return cls(
-            time=float(data["time"]),
+            time=when,
             run_id=str(data["run_id"]),
-            peers={p.peer_id: p for p in peers if p is not None},
+            peers={p.peer_id: p for p in peers if p is not None and implausible(p, when) is None},
             manifest=parse_record(RunManifest, data["manifest"]) if data.get("manifest") else None,
             control=parse_record(ControlState, data["control"]) if data.get("control") else None,
-            ignored={str(k): str(v) for k, v in (data.get("ignored") or {}).items()},
+            ignored={str(k): str(v) for k, v in ignored.items()},
         )
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with NaN and ±inf as None: JSON has no such numbers (jq, JavaScript and
+    strict parsers refuse Python's ``NaN``), for `status --json` and the TUI's export."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -111,6 +135,11 @@ class SwarmSnapshot:
     @property
     def samples_per_second(self) -> float:
         return sum(p.samples_per_second for p in self.peers.values() if p.stage is not Stage.PAUSED)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """The swarm's training speed: a paused peer's heartbeat keeps its last round's rate."""
+        return sum(p.tokens_per_second for p in self.peers.values() if p.stage is not Stage.PAUSED)
 
     @property
     def mean_loss(self) -> float | None:

@@ -81,7 +81,12 @@ class ProgressBoard:
             records = self.store.read(self.key, PeerHeartbeat)
         except SwarmError as error:
             logger.warning("%s; using the last known peers", error)
-            return dict(self._last_fetch)
+            from swarm.dht import dht_time
+
+            # Not for ever: a peer whose last heartbeat has expired by now is gone as far as this
+            # peer can tell (a monitor whose DHT stopped answering showed them live for good).
+            now = dht_time()
+            return {i: p for i, p in self._last_fetch.items() if now - p.time <= self.ttl + CLOCK_SLACK}
         from swarm.dht import dht_time
         from swarm.identity import key_hash
 

@@ -23,7 +23,7 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input
 
-from swarm.monitor import SwarmSnapshot
+from swarm.monitor import SwarmSnapshot, strict_json
 from tui.console import OwnerConsole
 from tui.screens import HelpScreen, PeerScreen
 from tui.widgets import EventLog, LossChart, PeersTable, Rates, RunSummary
@@ -205,7 +205,7 @@ class SwarmApp(OwnerConsole):
             return None
         target = Path(path or f"swarm-snapshot-{time.strftime('%Y%m%d-%H%M%S')}.json")
         try:
-            target.write_text(json.dumps(self.snapshot.to_json(), indent=2))
+            target.write_text(json.dumps(strict_json(self.snapshot.to_json()), indent=2, allow_nan=False))
         except OSError as error:  # a folder that cannot be written: say so, keep watching
             self.notify(
                 f"could not write {target.resolve()}: {error.strerror or error}; start the monitor "

@@ -88,7 +88,7 @@ def summary_text(s: SwarmSnapshot, *, published: Any = None, updates_paused: boo
     parts = [
         f"[dim]round[/] [b]{s.outer_round}[/]",
         f"[dim]peers[/] [b]{len(s.peers)}[/]" + (f" [dim]({clients} clients)[/]" if clients else ""),
-        f"[dim]tokens/s[/] [b]{human_rate(sum(p.tokens_per_second for p in s.peers.values()))}[/]",
+        f"[dim]tokens/s[/] [b]{human_rate(s.tokens_per_second)}[/]",
         f"[dim]sent[/] [b]{human_bytes(sent)}[/]"
         + (f" [dim](data-parallel {human_bytes(dp)}: {dp / sent:.0f}x more)[/]" if sent and dp else ""),
         f"[dim]ETA[/] [b]{human_duration(eta_seconds(s))}[/]",
@@ -321,7 +321,7 @@ class Rates(Vertical):
 
     def record(self, snapshot: SwarmSnapshot) -> None:
         """Take a reading (every snapshot, even while the screen is frozen)."""
-        self._throughput.append(sum(p.tokens_per_second for p in snapshot.peers.values()))
+        self._throughput.append(snapshot.tokens_per_second)
         # What each peer sent since the last reading: a peer that left takes nothing away, and
         # one seen again (after a freeze, or a new one) adds nothing the first time (its whole
         # count read as 504 MB/s).

@@ -33,6 +33,38 @@ def test_replay_of_a_missing_or_bad_file_is_one_line(tmp_path) -> None:
     assert result.returncode == 2 and "not a workbench monitor recording" in result.stderr
 
 
+def test_odd_recorded_lines_are_one_line_and_a_nan_loss_is_left_out_as_live(tmp_path) -> None:
+    """Stop 57, a review: `[]`, `null` or a list of ignored peers in a recording raised an
+    AttributeError traceback; a recorded NaN loss went into `status --json` as NaN (not JSON)
+    and crashed the TUI's charts. A live read leaves such a heartbeat out: so does a replay."""
+    import json
+
+    from swarm.monitor import RECORD_FORMAT
+    from tests.ui.fake import heartbeat
+
+    header = json.dumps({"format": RECORD_FORMAT}) + "\n"
+    good = heartbeat(0, 1000.0, 3).model_dump(mode="json")
+    nan = {**heartbeat(1, 1000.0, 3).model_dump(mode="json"), "loss": float("nan")}
+    reading = {"time": 1000.0, "run_id": "r", "peers": [good, nan], "ignored": {}}
+    for line, message in (
+        ("[]", "not list"),
+        ("null", "not NoneType"),
+        (json.dumps({**reading, "ignored": ["QmX"]}), "ignored"),
+    ):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(header + line + "\n")
+        result = workbench("status", "--replay", str(bad), "--json")
+        assert result.returncode == 2 and "Traceback" not in result.stderr and message in result.stderr, (
+            result.stderr
+        )
+    recording = tmp_path / "nan.jsonl"
+    recording.write_text(header + json.dumps(reading) + "\n")
+    result = workbench("status", "--replay", str(recording), "--json")
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout.strip().splitlines()[-1], parse_constant=lambda c: 1 / 0)  # no NaN
+    assert [p["peer_id"] for p in shown["peers"]] == [good["peer_id"]]
+
+
 def test_monitor_needs_a_valid_address() -> None:
     result = workbench("monitor", "/ip4/127.0.0.1/tcp/1", "--connect-timeout", "2")
     assert result.returncode == 2 and "lacks the peer id" in result.stderr

@@ -118,7 +118,7 @@ def test_the_widget_renders_peers_and_a_click_reaches_python() -> None:
         page.wait_for_function(
             "document.querySelector('.swb-message').textContent.startsWith('published')", timeout=10_000
         )
-        assert source.published == [{"paused": [peer_id(1)]}]
+        assert source.published == [{"pause": [peer_id(1)]}]
 
         page.fill("input.swb-lr", "0.45")
         page.click("button.swb-steer")

@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
+
+from swarm.monitor import strict_json
 
 
 class ExportError(ValueError):
@@ -119,18 +120,6 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
     return events, dropped
 
 
-def _finite(value: Any) -> Any:
-    """``value`` with NaN and ±inf as None: JSON has no such numbers (jq, JavaScript and
-    strict parsers refuse Python's ``NaN``)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
 def _open_out(path: str):
     if Path(path).is_dir():
         raise ExportError(f"--out {path} is a folder: give a file name, e.g. {Path(path) / 'rounds.csv'}")
@@ -171,7 +160,7 @@ def run_export_command(args: argparse.Namespace) -> int:
                 )
         else:
             for row in rows:
-                out.write(json.dumps(_finite(row), allow_nan=False) + "\n")
+                out.write(json.dumps(strict_json(row), allow_nan=False) + "\n")
     finally:
         if out is not sys.stdout:
             out.close()

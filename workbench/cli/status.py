@@ -18,6 +18,7 @@ from typing import Any
 from swarm.bounds import parser as bounded
 from swarm.dht import NetworkConfig
 from swarm.errors import SwarmError
+from swarm.monitor import strict_json
 from swarm.records import RunKeys, check_owner
 
 STATUS_WIDTH = 240
@@ -139,7 +140,11 @@ def render(data: dict[str, Any]) -> None:
 def run_status_command(args: argparse.Namespace) -> int:
     if args.watch is not None and not 0.5 <= args.watch <= 3600:
         raise SwarmError(f"--watch must be within 0.5..3600 s (got {args.watch})")
-    show = (lambda data: print(json.dumps(data), flush=True)) if args.json else render
+    show = (
+        (lambda data: print(json.dumps(strict_json(data), allow_nan=False), flush=True))
+        if args.json
+        else render
+    )
     if args.replay:
         from swarm.monitor import replay
 

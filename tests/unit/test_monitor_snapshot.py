@@ -1,0 +1,48 @@
+"""What the monitor shows when peers pause or its DHT stops answering (no real DHT)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import swarm.dht
+from swarm.errors import SwarmError
+from swarm.monitor import Reading, SwarmMonitor
+from swarm.progress import ProgressBoard
+from swarm.records import HEARTBEAT_TTL, RunKeys, Stage
+from tests.ui.fake import heartbeat, peer_id
+
+
+def test_a_paused_peer_adds_nothing_to_the_swarms_speed() -> None:
+    """Stop 57, a review: a paused peer's heartbeat keeps its last round's rate, and the TUI's
+    tokens/s (and its sparkline) added it in, where samples/s did not."""
+    beats = {
+        peer_id(0): heartbeat(0, 1000.0, 3, stage=Stage.TRAINING),
+        peer_id(1): heartbeat(1, 1000.0, 3, stage=Stage.PAUSED),
+    }
+    snapshot = SwarmMonitor().ingest(Reading(1000.0, "r", beats))
+    assert snapshot.tokens_per_second == beats[peer_id(0)].tokens_per_second
+    assert snapshot.samples_per_second == beats[peer_id(0)].samples_per_second
+
+
+def test_a_board_whose_dht_stops_answering_lets_its_peers_expire() -> None:
+    """Stop 57, a review: the last peers seen were returned for good: a monitor whose DHT had
+    stopped answering showed them live 300 s later."""
+    clock = [1000.0]
+
+    class Store:
+        reads = 0
+
+        def read(self, key, model):
+            Store.reads += 1
+            if Store.reads > 1:
+                raise SwarmError("the DHT did not answer")
+            return {"KEY": heartbeat(0, clock[0], 5)}
+
+    board = ProgressBoard(Store(), RunKeys("r"))
+    board.peer_id_of = lambda key: peer_id(0)
+    with mock.patch.object(swarm.dht, "dht_time", lambda: clock[0]):
+        assert list(board.fetch()) == [peer_id(0)]
+        clock[0] += 30
+        assert list(board.fetch()) == [peer_id(0)]  # within its lifetime (and the clocks' slack)
+        clock[0] += 300 + HEARTBEAT_TTL
+        assert board.fetch() == {}
