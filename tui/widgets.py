@@ -370,17 +370,29 @@ class _NameCell(Text):
         self.peer_id = peer_id
 
 
+MEAN_POINTS = 400
+"""Points of the mean loss drawn at most (a terminal chart is a few hundred columns wide)."""
+
+
 def _mean_series(series: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
-    """The mean loss over peers at each time one of them reported (last value carried forward)."""
-    times = sorted({t for points in series for t, _ in points})
-    mean, latest = [], [None] * len(series)
-    cursors = [0] * len(series)
-    for t in times:
-        for i, points in enumerate(series):
-            while cursors[i] < len(points) and points[cursors[i]][0] <= t:
-                latest[i] = points[cursors[i]][1]
-                cursors[i] += 1
-        known = [v for v in latest if v is not None]
-        if len(known) == len(series):
-            mean.append((t, sum(known) / len(known)))
+    """The mean loss over peers at each time one of them reported (last value carried forward),
+    once every peer has reported; thinned to MEAN_POINTS. One pass over the points in time order
+    with a running sum: per peer and time it took 0.7-1.8 s a refresh with 200 peers whose
+    heartbeats come at different times (stop 57, a review)."""
+    events = sorted((t, i, v) for i, points in enumerate(series) for t, v in points)
+    latest: list[float | None] = [None] * len(series)
+    total, known, mean = 0.0, 0, []
+    for index, (t, i, v) in enumerate(events):
+        if latest[i] is None:
+            known += 1
+        else:
+            total -= latest[i]
+        latest[i] = v
+        total += v
+        last_at_t = index + 1 == len(events) or events[index + 1][0] != t
+        if known == len(series) and last_at_t:
+            mean.append((t, total / known))
+    if len(mean) > MEAN_POINTS:
+        stride = -(-len(mean) // MEAN_POINTS)
+        mean = mean[::stride] + ([mean[-1]] if (len(mean) - 1) % stride else [])
     return mean
