@@ -280,3 +280,48 @@ def test_a_torchrun_follower_reads_its_node_s_shard_in_a_stream_of_its_own(tmp_p
         assert values(f"{shard}", 1, "host-a/10.0.0.1:29500") <= set(c.train[lo:hi].tolist())
     assert values(None, 1, "host-a/10.0.0.1:29500") != values(None, 1, "host-b/10.0.0.2:29500")
     assert values(None, 1, "host-a/10.0.0.1:29500") != values(None, 2, "host-a/10.0.0.1:29500")
+
+
+def test_null_or_empty_records_hold_no_document_and_a_wrong_type_says_so(tmp_path: Path) -> None:
+    """Stop 57, a review: a null text ended the load with "has no text field 'text' (it has:
+    text)"; a lone surrogate (valid JSON) raised a bare UnicodeEncodeError naming no file."""
+    import json
+
+    rows = [{"text": "x" * 3000}, {"text": None}, {"text": ""}, {"text": "ok \ud800 bad " + "y" * 3000}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = ByteCorpus.load(DataConfig(path=str(tmp_path / "a.jsonl")))
+    assert corpus.num_files == 2  # the two records with text
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": 7}) + "\n")
+    with pytest.raises(DataError, match="b.jsonl:1: field 'text' holds int '7', not text"):
+        ByteCorpus.load(DataConfig(path=str(tmp_path / "b.jsonl")))
+
+
+def test_a_file_is_read_up_to_max_bytes_only(tmp_path: Path, monkeypatch) -> None:
+    """Stop 57, a review: `--data big.txt` read the whole file (1 GB for 4 KB of it)."""
+    import builtins
+
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"abcdefgh\n" * 200_000)  # 1.8 MB
+    asked = []
+    real_open = builtins.open
+
+    def spying_open(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        if str(file) == str(big):
+            read = handle.read
+            handle_read = lambda size=-1: asked.append(size) or read(size)  # noqa: E731
+            return type(
+                "Spy",
+                (),
+                {
+                    "read": staticmethod(handle_read),
+                    "__enter__": lambda s: s,
+                    "__exit__": lambda s, *e: handle.close(),
+                    "__iter__": lambda s: iter(handle),
+                },
+            )()
+        return handle
+
+    monkeypatch.setattr(builtins, "open", spying_open)
+    corpus = ByteCorpus.load(DataConfig(path=str(big), max_bytes=4096))
+    assert asked == [4096] and len(corpus.train) + len(corpus.val) <= 4096

@@ -263,3 +263,17 @@ def test_a_dataset_folders_test_file_is_its_own_split_not_training_data(tmp_path
         hf.open_dataset(str(tmp_path), subset=None, split="validation", streaming=False)
     alone = hf.open_dataset(str(tmp_path / "test.jsonl"), subset=None, split="train", streaming=False)
     assert len(alone) == 20  # one file named: whatever its name, the split asked for
+
+
+def test_each_document_of_a_tokenized_corpus_ends_with_end_of_text(tmp_path: Path) -> None:
+    """Stop 57, a review: the documents were joined into one text before tokenizing: 200
+    records held one end-of-text token between them all."""
+    import json
+
+    tokenizer = make_tokenizer(tmp_path / "tok")
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(200)))
+    corpus = ByteCorpus.load(DataConfig(path=str(data), tokenizer=str(tokenizer)))
+    eos = 1  # make_tokenizer's <eos>
+    ends = int((corpus.train == eos).sum()) + int((corpus.val == eos).sum())
+    assert ends >= 199, ends  # one per record (the split may cut one off)

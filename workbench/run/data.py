@@ -96,16 +96,19 @@ class DataConfig:
             )
 
 
-def _documents(path: Path, root: Path, config: DataConfig) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of each document in ``path``: the file itself, or one per JSONL record."""
+def _documents(path: Path, root: Path, config: DataConfig, budget: int) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each document in ``path``: the file itself, or one per JSONL record;
+    ``budget`` bytes at most are wanted (a 1 GB file was read whole for 4 KB of it, and a file
+    larger than memory ended the peer)."""
     relative = path.relative_to(root).as_posix()
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as handle:
+            if path.suffix.lower() == ".jsonl":
+                yield from _jsonl_documents(path, relative, handle, config.text_field, budget)
+                return
+            data = handle.read(budget)
     except OSError as exc:
         logger.debug("skipping unreadable file %s: %s", path, exc)
-        return
-    if path.suffix.lower() == ".jsonl":
-        yield from _jsonl_documents(path, relative, data, config.text_field)
         return
     if not data:
         return
@@ -115,8 +118,16 @@ def _documents(path: Path, root: Path, config: DataConfig) -> Iterator[tuple[str
     yield relative, data
 
 
-def _jsonl_documents(path: Path, relative: str, data: bytes, field: str) -> Iterator[tuple[str, bytes]]:
-    for number, line in enumerate(data.splitlines(), 1):
+def _jsonl_documents(
+    path: Path, relative: str, lines, field: str, budget: int
+) -> Iterator[tuple[str, bytes]]:
+    """The records' texts, line by line until ``budget`` bytes of text; a record whose field is
+    null or empty holds no document (skipped: before, "has no text field 'text' (it has: text)"
+    ended the load)."""
+    taken = 0
+    for number, line in enumerate(lines, 1):
+        if taken >= budget:
+            return
         if not line.strip():
             continue
         try:
@@ -125,15 +136,24 @@ def _jsonl_documents(path: Path, relative: str, data: bytes, field: str) -> Iter
             raise DataError(
                 f"{path}:{number} is not a JSON line ({exc.__class__.__name__}); fix or drop it"
             ) from None
-        text = record.get(field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
+        if not isinstance(record, dict) or field not in record:
             fields = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else type(record).__name__
             raise DataError(
                 f"{path}:{number} has no text field '{field}' (it has: {fields}); name the right one "
                 f"with --text-field"
             )
-        if text:
-            yield f"{relative}#{number}", text.encode("utf-8")
+        text = record[field]
+        if text is None or text == "":
+            continue
+        if not isinstance(text, str):
+            raise DataError(
+                f"{path}:{number}: field '{field}' holds {type(text).__name__} {str(text)[:40]!r}, not text; "
+                "name the text field with --text-field"
+            )
+        # A lone surrogate (valid JSON, "\ud800") is no UTF-8: replaced, not a bare UnicodeEncodeError.
+        data = text.encode("utf-8", errors="replace")
+        taken += len(data)
+        yield f"{relative}#{number}", data
 
 
 def stdlib_sources() -> list[Path]:
@@ -234,8 +254,15 @@ class ByteCorpus:
             import workbench.run.hf as hf
 
             tokenizer = hf.load_tokenizer(config.tokenizer)
+            # Document by document, so that each ends with the end-of-text token (joined first,
+            # 200 records held one between them all).
             with progress(f"tokenizing with {config.tokenizer}"):
-                train, val = hf.tokenize(tokenizer, [train_bytes]), hf.tokenize(tokenizer, [val_bytes])
+                if train_parts and val_parts:
+                    train, val = hf.tokenize(tokenizer, train_parts), hf.tokenize(tokenizer, val_parts)
+                else:
+                    ids = hf.tokenize(tokenizer, train_parts + val_parts)
+                    cut = len(ids) - max(1, int(len(ids) * config.eval_fraction))
+                    train, val = ids[:cut], ids[cut:]
             vocab = len(tokenizer)
             source += f", {len(train) + len(val)} tokens of {config.tokenizer}"
         logger.info("loaded corpus %s: train=%d, val=%d", source, len(train), len(val))
@@ -306,7 +333,7 @@ class ByteCorpus:
                         "max_bytes=%d reached; not reading %d more files", config.max_bytes, len(files) - i
                     )
                     break
-                for relative, data in _documents(path, root, config):
+                for relative, data in _documents(path, root, config, config.max_bytes - total):
                     if total >= config.max_bytes:
                         break
                     data = data[: config.max_bytes - total]

@@ -299,13 +299,18 @@ def dataset_documents(
                 continue
         if totals[is_eval] >= caps[is_eval]:
             continue
-        text = record.get(text_field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
+        if not isinstance(record, dict) or text_field not in record:
             fields = ", ".join(sorted(record)[:8]) if isinstance(record, dict) else type(record).__name__
             raise ValueError(
                 f"record {index} has no text field '{text_field}' (it has: {fields}); name it with --text-field"
             )
-        if text:
-            data = text.encode("utf-8")[: caps[is_eval] - totals[is_eval]]
+        text = record[text_field]
+        if text is not None and not isinstance(text, str):
+            raise ValueError(
+                f"record {index}: field '{text_field}' holds {type(text).__name__} {str(text)[:40]!r}, not "
+                "text; name the text field with --text-field"
+            )
+        if text:  # a null or empty cell holds no document (an empty CSV cell ended the load)
+            data = text.encode("utf-8", errors="replace")[: caps[is_eval] - totals[is_eval]]
             totals[is_eval] += len(data)
             yield is_eval, data
