@@ -308,6 +308,22 @@ async def test_peers_that_left_stay_below_the_live_ones_until_cleared() -> None:
         assert len(names(app)) == 4
 
 
+async def test_the_steering_form_offers_no_pause_for_a_peer_that_left() -> None:
+    """Stop 57, a review: the form offered to pause a departed peer, which `workbench steer`
+    refuses ("no live peer is named ...")."""
+    app = SwarmApp(FakeSource(leavers=3), poll=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        table = app.query_one("#peers", DataTable)
+        table.move_cursor(row=table.get_row_index(peer_id(5)))
+        await pilot.press("e")
+        assert isinstance(app.screen, SteerScreen) and not app.screen.query("#toggle-pause")
+        await pilot.press("escape")
+        table.move_cursor(row=table.get_row_index(peer_id(0)))  # a live one: offered
+        await pilot.press("e")
+        assert app.screen.query("#toggle-pause")
+
+
 async def test_f_on_a_stopped_demo_peer_offers_a_restart() -> None:
     app = SwarmApp(FakeSource(leavers=3), poll=False)
     async with app.run_test(size=(160, 50)) as pilot:
