@@ -116,12 +116,24 @@ def parse_announce_addresses(texts: Sequence[str]) -> list[str]:
             raise AddressError(
                 f"--announce '{text}' needs a host and a port, e.g. /ip4/203.0.113.7/tcp/31337"
             )
+        if names[1:] != ["tcp"]:  # /udp/5, /tcp/1/p2p-circuit, /tcp/5/http: nobody could dial them
+            raise AddressError(
+                f"--announce '{text}' must be a host and a TCP port, nothing more (this peer listens on "
+                "TCP): e.g. /ip4/203.0.113.7/tcp/31337 or /dns4/peer.example.org/tcp/31337"
+            )
+        host = address.value_for_protocol(names[0])
+        if names[0] in ("ip4", "ip6") and ipaddress.ip_address(host).is_unspecified:
+            raise AddressError(
+                f"--announce '{text}': {host} is no address others can dial (it means every interface "
+                "here): give this machine's public IP, as others reach it"
+            )
         if _port_zero(address, names):
             raise AddressError(
                 f"--announce '{text}' has port 0: others cannot dial it; give the port this peer "
                 "listens on (--port) or the one your router forwards to it"
             )
-        result.append(str(address))
+        if str(address) not in result:
+            result.append(str(address))
     return result
 
 

@@ -41,7 +41,9 @@ class NetworkConfig:
     announce: list[str] = field(default_factory=list)
     """Public multiaddrs others should dial (e.g. behind NAT with a forwarded port)."""
     client_mode: bool = False
-    """Accept no inbound connections (for peers behind NAT); such a peer cannot serve state."""
+    """A DHT client (for peers behind NAT): it stores no records for others and holds no
+    averaging group, and cannot serve state. Its p2p daemon still listens on --host:--port
+    (hivemind's client mode is the DHT's and the averager's, not the daemon's)."""
     identity_path: str | None = None
     """File holding this peer's private key, so its peer id survives restarts."""
     connect_timeout: float = 20.0
@@ -286,7 +288,9 @@ def start_dht(
     )
     if config.identity_path:
         kwargs["identity_path"] = config.identity_path
-    if config.port and not config.client_mode:
+    if (
+        config.port
+    ):  # a client's p2p daemon listens on --host:--port too (hivemind's client mode is the DHT's)
         _check_port_free(config.host, config.port)
     deadline = time.monotonic() + config.connect_timeout
     while True:

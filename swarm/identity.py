@@ -18,7 +18,20 @@ from swarm.errors import SwarmError, folder_problem
 
 
 def create_identity(path: str | Path) -> Path:
-    """Write a new key to ``path`` (mode 0400), creating parent folders."""
+    """Write a new key to ``path`` (mode 0400), creating parent folders (see :func:`make_identity`)."""
+    make_identity(path)
+    return Path(path).expanduser()
+
+
+def make_identity(path: str | Path) -> bool:
+    """Write a new key to ``path`` (mode 0400), creating parent folders; False when another
+    process created it first (its key is then this peer's: not a fresh one).
+
+    hivemind writes the file under the user's umask and chmods it afterwards: another user
+    could open it in between (5 of 6 tries in /tmp) and read the key. So the key is written
+    into a file made 0600 first, under a temporary name beside ``path``, then linked to it: all or nothing,
+    and only if nobody made ``path`` meanwhile (two peers given one --identity both took their
+    key for fresh, and one signed with another key than its daemon loaded)."""
     from hivemind.p2p import P2P
 
     path = Path(path).expanduser()
@@ -29,8 +42,33 @@ def create_identity(path: str | Path) -> Path:
             f"cannot make the folder of the key file {path} ({folder_problem(error, path.parent)}): "
             "give --identity a path in a folder this user can create and write to"
         ) from None
-    P2P.generate_identity(str(path))
-    return path
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:  # made 0600 first: hivemind's open(..., "wb") then keeps that mode
+        os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        P2P.generate_identity(str(temporary))
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise SwarmError(f"cannot write the key file {path}: {error.strerror or error}") from None
+    try:
+        os.link(temporary, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # a file system without hard links: an exclusive create
+        return _create_exclusively(path, temporary.read_bytes())
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _create_exclusively(path: Path, key: bytes) -> bool:
+    try:
+        handle = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(handle, "wb") as file:
+        file.write(key)
+    os.chmod(path, 0o400)
+    return True
 
 
 def ephemeral_identity() -> Path:
@@ -38,7 +76,8 @@ def ephemeral_identity() -> Path:
     handle, name = tempfile.mkstemp(prefix="workbench-identity-", suffix=".key")
     os.close(handle)
     os.unlink(name)
-    return create_identity(name)
+    create_identity(name)
+    return Path(name)
 
 
 def load_private_key(path: str | Path):  # -> hivemind.utils.crypto.RSAPrivateKey

@@ -52,7 +52,7 @@ def connect(
     """Start a DHT node for run ``keys``. Its identity is ``network.identity_path`` (created if
     missing) or a throwaway one; records are signed with ``signing_key`` if given (an
     observer steering with the owner's key), else with the identity's key."""
-    from swarm.identity import create_identity, ephemeral_identity, load_private_key
+    from swarm.identity import ephemeral_identity, load_private_key, make_identity
     from swarm.progress import ProgressBoard
     from swarm.store import SignedStore
     from swarm.validators import record_validators
@@ -61,15 +61,18 @@ def connect(
     fresh = True  # a key made just now: nobody else can be using it
     if network.identity_path:
         identity = Path(network.identity_path).expanduser()
-        if identity.exists():
-            fresh = False
-        else:
-            create_identity(identity)
+        fresh = not identity.exists() and make_identity(identity)
+        if fresh:
             logger.info("created a new key in %s (this peer's id is kept across restarts)", identity)
     else:
         identity = ephemeral_identity()
         cleanup.append(identity)
-    private_key = load_private_key(signing_key if signing_key else identity)
+    try:
+        private_key = load_private_key(signing_key if signing_key else identity)
+    except BaseException:  # a bad --key: no throwaway private key left behind in /tmp
+        for path in cleanup:
+            path.unlink(missing_ok=True)
+        raise
     network = NetworkConfig(**{**network.__dict__, "identity_path": str(identity)})
     try:
         dht = (dht_factory or swarm.dht.start_dht)(

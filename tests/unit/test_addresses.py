@@ -162,6 +162,7 @@ def test_announce_addresses_parse() -> None:
     texts = ["/ip4/203.0.113.7/tcp/31337", "/ip6/2001:db8::7/tcp/31337", "/dns4/example.com/tcp/31337"]
     assert parse_announce_addresses(texts) == texts
     assert parse_announce_addresses([]) == []
+    assert parse_announce_addresses([texts[0], texts[0]]) == [texts[0]]  # given twice: once
 
 
 @pytest.mark.parametrize(
@@ -174,6 +175,12 @@ def test_announce_addresses_parse() -> None:
         pytest.param("/ip4/203.0.113.7/tcp/x", ["malformed", "/ip4/203.0.113.7/tcp/x"], id="bad-port"),
         pytest.param("/ip4/999.0.0.1/tcp/1", ["999.0.0.1"], id="bad-ipv4"),
         pytest.param("/ip4/203.0.113.7/tcp/0", ["port 0", "--port"], id="port-0"),
+        # Stop 57, a review: taken, then printed in a join command that `join` refuses, or that
+        # names no relay, or an address that is every interface of the announcing machine.
+        pytest.param("/ip4/203.0.113.7/udp/5", ["a host and a TCP port"], id="udp"),
+        pytest.param("/ip4/203.0.113.7/tcp/1/p2p-circuit", ["a host and a TCP port"], id="circuit"),
+        pytest.param("/ip4/203.0.113.7/tcp/5/http", ["a host and a TCP port"], id="http"),
+        pytest.param("/ip4/0.0.0.0/tcp/5", ["no address others can dial", "public IP"], id="unspecified"),
     ],
 )
 def test_bad_announce_addresses_get_a_one_line_hint(text: str, hints: list[str]) -> None:

@@ -906,3 +906,15 @@ def test_grad_clip_is_a_flag_every_command_passes_on(monkeypatch):
     main(["simulate", "--grad-clip", "0.25", "--steps", "2"])
     assert taken == [0.25]
     assert main(["start", "--grad-clip", "-1"]) == EXIT_USER_ERROR
+
+
+def test_config_show_never_prints_the_run_secret(capsys, monkeypatch):
+    """Stop 57, a review: `config show --json --secret X` printed X (and `--sources` the
+    variable's), though the join command and the logs never do."""
+    assert main(["config", "show", "--json", "--secret", "mysecret123"]) == 0
+    out = capsys.readouterr().out
+    assert "mysecret123" not in out and json.loads(out)["settings"]["secret"] is None
+    monkeypatch.setenv("WORKBENCH_RUN_SECRET", "envsecret99")
+    assert main(["config", "show", "--sources"]) == 0
+    out = capsys.readouterr().out
+    assert "envsecret99" not in out and "set, never printed" in out

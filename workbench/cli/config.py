@@ -66,6 +66,9 @@ def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     except (ValueError, SwarmError) as error:  # named like `start` names it (--host is a SwarmError)
         raise ValueError(f"{error}{_where_from(str(error), sources)}") from None
     settings = {key: getattr(args, key) for key in settings_of(show)}
+    if settings.get("secret"):  # never printed (the join command's --secret SECRET, the logs)
+        settings["secret"] = None
+        sources["secret"] += " (set, never printed: keep it in WORKBENCH_RUN_SECRET or pass --secret)"
     preset = _preset(settings, config, args.method)
     for key in preset:
         sources[key] = f"preset of --method {args.method}"
