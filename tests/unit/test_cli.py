@@ -747,6 +747,15 @@ def test_doctor_probes_with_the_connect_timeout_and_a_malformed_address_is_exit_
     assert any(long in line for line in out.splitlines()), out  # never wrapped mid-address
 
 
+def test_doctor_refuses_a_short_secret_before_probing_anything(capsys, monkeypatch):
+    """Stop 57, a review: it probed the ports, then blamed the network for a short --secret."""
+    import workbench.cli.doctor as doctor
+
+    monkeypatch.setattr(doctor, "probe_port", lambda *a, **k: pytest.fail("probed a port"))
+    assert main(["doctor", ADDRESS, "--secret", "short"]) == EXIT_USER_ERROR
+    assert "at least 8 characters" in one_error_line(capsys)
+
+
 def test_doctor_prints_brackets_it_was_given_as_they_are(capsys):
     """Stop 57, a review: the address the user typed went into rich's markup: `[/ip4/...]`
     raised rich's MarkupError (a traceback), and `[b]` vanished."""

@@ -120,9 +120,12 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     import importlib.metadata
 
     from swarm.addresses import parse_peer_addresses
-    from swarm.records import check_owner
+    from swarm.records import RunKeys, check_owner
 
     check_owner(args.owner)  # a malformed --owner is the user's to fix: one line, exit 2
+    # So is a --secret too short or a bad --run-id: said now, not as a failed bootstrap after the
+    # port probes ("check the address and that the peer's firewall lets TCP in").
+    RunKeys(args.run_id, args.secret)
     checks: list[Check] = []
     try:
         version = importlib.metadata.version("swarm-workbench")
