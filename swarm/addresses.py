@@ -95,6 +95,11 @@ def listen_address(host: str, port: int) -> str:
         raise AddressError(
             f"--host must be an IP address to listen on (got '{host}'); use 0.0.0.0 for all interfaces"
         ) from None
+    if getattr(ip, "scope_id", None):  # fe80::1%eth0: multiaddrs have no zone (hivemind failed later)
+        raise AddressError(
+            f"--host {host}: a link-local IPv6 address with a zone cannot be listened on; give a "
+            "global IPv6 address, an IPv4 one, or 0.0.0.0"
+        )
     return f"/ip{ip.version}/{ip}/tcp/{port}"
 
 

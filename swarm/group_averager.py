@@ -120,6 +120,12 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                     if bind
                     else "--host 0.0.0.0 without --announce names no address to bind",
                 )
+            else:  # an IPv6 --host (the direct plane binds IPv4 addresses), said rather than silent
+                logger.info(
+                    "direct data plane off: it binds IPv4 addresses, and --host is %s; rounds use "
+                    "hivemind's all-reduce",
+                    plane_host,
+                )
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:

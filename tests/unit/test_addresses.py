@@ -147,6 +147,8 @@ def test_listen_address(host: str, port: int, expected: str) -> None:
         pytest.param("0.0.0.0", 70000, ["70000", "--port"], id="port-too-big"),
         pytest.param("0.0.0.0", 65536, ["65536"], id="port-65536"),
         pytest.param("0.0.0.0", -1, ["-1", "--port"], id="negative-port"),
+        # Stop 57: passed here, then hivemind failed ("is not IPv6") with a traceback.
+        pytest.param("fe80::1%eth0", 31337, ["fe80::1%eth0", "link-local"], id="zoned-ipv6"),
     ],
 )
 def test_listen_address_rejects_bad_values(host: str, port: int, hints: list[str]) -> None:
