@@ -265,7 +265,9 @@ class DiLoCo:
         """A refused round with ``delay``: nothing joins the queue, and the mean queued a round
         ago is applied as it would have been (as the overlapped path does, whose refused round
         applies nothing a round later). Before stop 57 it stayed queued: applied a round late,
-        and with eager updates the next round started from a point holding none of it."""
+        and with eager updates the next round started from a point holding none of it. (For
+        ``delay`` 1, the flags' only one: a longer queue would need a place held for the refused
+        round.)"""
         if self._pending:
             self.apply_outer_step(self._pending.pop(0), checked=True)  # finite when queued
         else:
@@ -343,7 +345,7 @@ class DiLoCo:
         take_back_unapplied(self.feedback, outgoing, report, self.config.outlier_ratio)
         if refused:
             logger.error("%s", refused)
-            if self.config.delay:  # the queue moves on: the mean accepted a round ago is due now
+            if self.config.delay == 1:  # the queue moves on: the mean accepted a round ago is due now
                 self._skip_delayed()
         elif self.config.delay:
             self.apply_delayed(outgoing.deltas)

@@ -9,6 +9,7 @@ heartbeat that claims another id (see :func:`peer_id_of`). The run owner's key f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -72,12 +73,22 @@ def _create_exclusively(path: Path, key: bytes) -> bool:
 
 
 def ephemeral_identity() -> Path:
-    """A fresh key in a temp file, for a peer that keeps no identity across restarts."""
-    handle, name = tempfile.mkstemp(prefix="workbench-identity-", suffix=".key")
-    os.close(handle)
-    os.unlink(name)
-    create_identity(name)
-    return Path(name)
+    """A fresh key in a folder of its own (0700) under the temp dir, for a peer that keeps no
+    identity across restarts: a name freed in /tmp itself could be taken by another user while
+    the key was made, and the peer would have run on that user's key."""
+    folder = Path(tempfile.mkdtemp(prefix="workbench-identity-"))
+    path = folder / "identity.key"
+    if not make_identity(path):  # nobody else can write in a 0700 folder of this user's
+        raise SwarmError(f"{path} appeared while this peer made its key; start it again")
+    return path
+
+
+def remove_ephemeral(path: Path) -> None:
+    """Remove a key :func:`ephemeral_identity` made, and its folder."""
+    path.unlink(missing_ok=True)
+    if path.parent.name.startswith("workbench-identity-"):
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
 
 
 def load_private_key(path: str | Path):  # -> hivemind.utils.crypto.RSAPrivateKey

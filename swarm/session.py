@@ -7,13 +7,13 @@ signs with the owner's key file instead.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import swarm.dht
 from swarm.dht import NetworkConfig, shutdown_quietly
+from swarm.identity import remove_ephemeral
 from swarm.records import RunKeys
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,7 @@ class RunSession:
         """Shut down ``nodes`` (averagers) first, then the DHT; remove throwaway keys."""
         shutdown_quietly(*nodes, self.dht)
         for path in self._cleanup:
-            with contextlib.suppress(OSError):
-                path.unlink()
+            remove_ephemeral(path)
 
 
 def connect(
@@ -71,7 +70,7 @@ def connect(
         private_key = load_private_key(signing_key if signing_key else identity)
     except BaseException:  # a bad --key: no throwaway private key left behind in /tmp
         for path in cleanup:
-            path.unlink(missing_ok=True)
+            remove_ephemeral(path)
         raise
     network = NetworkConfig(**{**network.__dict__, "identity_path": str(identity)})
     try:
@@ -80,7 +79,7 @@ def connect(
         )
     except BaseException:
         for path in cleanup:
-            path.unlink(missing_ok=True)
+            remove_ephemeral(path)
         raise
     store = SignedStore(dht, private_key)
     return RunSession(

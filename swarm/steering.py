@@ -203,17 +203,13 @@ class Steering:
         own = [p for i, p in counted.items() if writers.get(i) == self.owner]
         if current is None and peers:
             # No record found: peers may still hold versions of one the DHT lost; a version at or
-            # below theirs would be ignored. The owner's own peers' (it may have restarted without
-            # its checkpoint: not below the others' median), within MAX_VERSION (a forged claim
-            # above it would number the change past what heartbeats may say, and every honest
-            # peer applying it would be taken for a liar).
-            held = sorted(min(p.control_version, MAX_VERSION) for p in peers.values())
-            mine = [
-                min(p.control_version, MAX_VERSION)
-                for p in peers.values()
-                if writers.get(p.peer_id) == self.owner
-            ]
-            fields["version"] = max(fields["version"], held[len(held) // 2], *mine)
+            # below theirs would be ignored. The owner's own peers' say (unless restarted without
+            # their checkpoint, at 0), else the live peers' median; never past half of MAX_VERSION
+            # (strangers' claims must not number the owner's changes out of the versions left).
+            mine = [p.control_version for p in own]
+            held = sorted(p.control_version for p in peers.values())
+            floor = max(mine) if mine and max(mine) > 0 else held[len(held) // 2]
+            fields["version"] = max(fields["version"], min(floor, MAX_VERSION // 2))
         fields["version"] = max(fields["version"] + 1, version or 0)  # ``version``: at least this
         fields["checkpoint"] = base.get("checkpoint", 0) + (1 if checkpoint else 0)
         fields["time"] = get_dht_time()

@@ -291,6 +291,8 @@ def test_null_or_empty_records_hold_no_document_and_a_wrong_type_says_so(tmp_pat
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     corpus = ByteCorpus.load(DataConfig(path=str(tmp_path / "a.jsonl")))
     assert corpus.num_files == 2  # the two records with text
+    (tmp_path / "mac.jsonl").write_bytes(b'{"text": "one"}\r{"text": "two"}\r')  # bare CR line ends
+    assert ByteCorpus.load(DataConfig(path=str(tmp_path / "mac.jsonl"))).num_files == 2
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": 7}) + "\n")
     with pytest.raises(DataError, match="b.jsonl:1: field 'text' holds int '7', not text"):
         ByteCorpus.load(DataConfig(path=str(tmp_path / "b.jsonl")))

@@ -263,6 +263,16 @@ def test_a_dataset_folders_test_file_is_its_own_split_not_training_data(tmp_path
         hf.open_dataset(str(tmp_path), subset=None, split="validation", streaming=False)
     alone = hf.open_dataset(str(tmp_path / "test.jsonl"), subset=None, split="train", streaming=False)
     assert len(alone) == 20  # one file named: whatever its name, the split asked for
+    # Slices and sums of splits, as datasets takes them, on a folder and on one file.
+    assert len(hf.open_dataset(str(tmp_path), subset=None, split="train[:50%]", streaming=False)) == 10
+    assert len(hf.open_dataset(str(tmp_path), subset=None, split="train+test", streaming=False)) == 40
+    one = hf.open_dataset(str(tmp_path / "test.jsonl"), subset=None, split="train[:25%]", streaming=False)
+    assert len(one) == 5
+    only = tmp_path / "only"
+    only.mkdir()
+    write(only / "val_data.jsonl", "v")  # a folder of one named split: no empty train split
+    with pytest.raises(ValueError, match="has no split 'train' \\(it has: validation"):
+        hf.open_dataset(str(only), subset=None, split="train", streaming=False)
 
 
 def test_each_document_of_a_tokenized_corpus_ends_with_end_of_text(tmp_path: Path) -> None:

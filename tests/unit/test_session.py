@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from swarm.dht import NetworkConfig
-from swarm.identity import create_identity
+from swarm.identity import create_identity, remove_ephemeral
 from swarm.records import RunKeys
 from swarm.session import connect
 
@@ -24,7 +24,7 @@ def _connect(network: NetworkConfig) -> dict:
         dht_factory=lambda net, validators, *, fresh_identity: _FakeDHT(calls, net, fresh_identity),
     )
     for path in session._cleanup:
-        path.unlink(missing_ok=True)
+        remove_ephemeral(path)
     return calls[0]
 
 
@@ -81,3 +81,18 @@ def test_a_key_file_is_never_readable_by_others_and_two_creators_share_one_key(t
     assert seen_modes and all(mode & 0o077 == 0 for mode in seen_modes), [oct(m) for m in seen_modes]
     assert stat.S_IMODE(key.stat().st_mode) == 0o400 and [p.name for p in tmp_path.iterdir()] == ["id.key"]
     load_private_key(key)
+
+
+def test_a_throwaway_key_lives_in_a_folder_only_this_user_can_write() -> None:
+    """Stop 57, a review of the diff: its name, freed in /tmp while the key was made, could be
+    taken by another user, and the peer would have run on that user's key."""
+    import stat
+
+    from swarm.identity import ephemeral_identity
+
+    key = ephemeral_identity()
+    try:
+        assert stat.S_IMODE(key.parent.stat().st_mode) == 0o700 and stat.S_IMODE(key.stat().st_mode) == 0o400
+    finally:
+        remove_ephemeral(key)
+    assert not key.parent.exists()

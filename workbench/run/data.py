@@ -104,7 +104,9 @@ def _documents(path: Path, root: Path, config: DataConfig, budget: int) -> Itera
     try:
         with open(path, "rb") as handle:
             if path.suffix.lower() == ".jsonl":
-                yield from _jsonl_documents(path, relative, handle, config.text_field, budget)
+                # bytes.splitlines() of each line read: a file whose lines end in a bare \r too
+                lines = (piece for line in handle for piece in line.splitlines())
+                yield from _jsonl_documents(path, relative, lines, config.text_field, budget)
                 return
             data = handle.read(budget)
     except OSError as exc:

@@ -212,15 +212,20 @@ def open_dataset(name: str, *, subset: str | None, split: str, streaming: bool):
                     f"{path}: expected data files of one kind ({', '.join(DATA_SUFFIXES)}), found "
                     f"{sorted({p.suffix for p in files}) or 'none'}"
                 )
-            splits = {split: files} if path.is_file() else _splits(files, path)  # one file: the split asked
-            if split not in splits:
+            # The split's names, without a slice ("train[:50%]") or the others it adds ("+test").
+            wanted = [part.split("[", 1)[0].strip() for part in split.split("+")]
+            splits = (
+                {wanted[0]: files} if path.is_file() else _splits(files, path)
+            )  # one file: the split asked
+            missing = [name for name in wanted if name not in splits]
+            if missing:
                 raise ValueError(
-                    f"{path} has no split '{split}' (it has: {', '.join(splits)}; files are told apart by "
-                    "train/test/validation in their names); pass --dataset-split"
+                    f"{path} has no split '{missing[0]}' (it has: {', '.join(splits)}; files are told apart "
+                    "by train/test/validation in their names); pass --dataset-split"
                 )
             return datasets.load_dataset(
                 kinds.pop(),
-                data_files={split: [str(p) for p in splits[split]]},
+                data_files={name: [str(p) for p in splits[name]] for name in wanted},
                 split=split,
                 streaming=streaming,
             )
@@ -262,7 +267,8 @@ def _splits(files: list[Path], root: Path) -> dict[str, list[Path]]:
     if set(named) == {""}:
         return {"train": named[""]}
     unnamed = named.pop("", [])
-    named.setdefault("train", []).extend(unnamed)  # files that name no split train
+    if unnamed:  # files that name no split train
+        named.setdefault("train", []).extend(unnamed)
     return named
 
 
