@@ -386,19 +386,48 @@ def quantize_2bit(values: Tensor) -> tuple[Tensor, Tensor]:
     """(codes 0..3 as uint8, table) for a tensor's kept values, as SparseLoCo quantizes them:
     centre on the mean, bins of 1.5 standard deviations (6σ over 4 bins), code
     ``clamp(round(u + 2), 0, 3)``; each code decodes to the mean of the values it holds, so
-    the quantizer is unbiased per bin. ``table`` is fp32 [mean, level 0, ..., level 3] (20 B)."""
-    shift = values.mean() if values.numel() else values.new_zeros(())
-    centred = values - shift
-    std = centred.std() if values.numel() > 1 else centred.abs().sum()
-    scale = QUANT_RANGE * std / QUANT_LEVELS
-    if not float(scale) > 0:  # all kept values equal (or one value): every code is level 2
-        codes = torch.full_like(values, 2, dtype=torch.uint8)
-    else:
-        codes = (centred / scale + QUANT_LEVELS // 2).round().clamp(0, QUANT_LEVELS - 1).to(torch.uint8)
+    the quantizer is unbiased per bin. ``table`` is fp32 [mean, level 0, ..., level 3] (20 B).
+
+    Exact zeros (a chunk with fewer than k nonzero entries keeps some zeros) decode to exactly 0:
+    they take no part in the mean and spread, and get a code of their own whose level is minus
+    the mean (``-m + m`` is 0 in floating point): a bin the nonzero values left empty, else the
+    nonzero values share 3 bins (6σ over 3) and zeros take the fourth. Otherwise a kept zero
+    came back as its bin's value, counted as kept by :func:`optim.contribution.keepers` and
+    pushed back and forth by error feedback on a coordinate that never moved. The decoder is
+    the same either way."""
+    live = values != 0
+    nonzero = values[live]
+    shift = nonzero.mean() if nonzero.numel() else values.new_zeros(())
+    centred = nonzero - shift
+    codes = _bin_codes(centred, QUANT_LEVELS)
+    zero_code = None
+    if nonzero.numel() < values.numel():
+        used = torch.zeros(QUANT_LEVELS, dtype=torch.bool)
+        used[codes.long()] = True
+        empty = (~used).nonzero()
+        if empty.numel():
+            zero_code = int(empty[0])
+        else:
+            codes, zero_code = _bin_codes(centred, QUANT_LEVELS - 1), QUANT_LEVELS - 1
     sums = torch.zeros(QUANT_LEVELS).index_add_(0, codes.long(), centred)
     counts = torch.zeros(QUANT_LEVELS).index_add_(0, codes.long(), torch.ones_like(centred))
     levels = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros(QUANT_LEVELS))
-    return codes, torch.cat([shift.reshape(1), levels]).float()
+    out = torch.empty(values.shape, dtype=torch.uint8)
+    out[live] = codes
+    if zero_code is not None:
+        levels[zero_code] = -shift
+        out[~live] = zero_code
+    return out, torch.cat([shift.reshape(1), levels]).float()
+
+
+def _bin_codes(centred: Tensor, bins: int) -> Tensor:
+    """Codes 0..bins-1 of centred values: ``bins`` bins over 6 standard deviations, the middle
+    code (``bins // 2``) at the mean; all one code when the values do not spread."""
+    std = centred.std() if centred.numel() > 1 else centred.abs().sum()
+    scale = QUANT_RANGE * std / bins
+    if not float(scale) > 0:  # all values equal (or one value, or none)
+        return torch.full_like(centred, bins // 2, dtype=torch.uint8)
+    return (centred / scale + bins // 2).round().clamp(0, bins - 1).to(torch.uint8)
 
 
 def dequantize_2bit(codes: Tensor, table: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from optim.codecs import (
     encoded_nbytes,
     make_codec,
 )
+from optim.contribution import keepers
 
 SHAPES = [(), (1,), (63,), (64,), (65,), (17, 33), (10_000,)]
 SHAPE_IDS = ["0dim", "1", "63", "64", "65", "17x33", "10000"]
@@ -443,3 +444,69 @@ def test_error_feedback_with_an_exact_codec_has_zero_residual() -> None:
     _, decoded = feedback.compress(inputs)
     assert all(torch.equal(x, d) for x, d in zip(inputs, decoded))
     assert all((r == 0).all() for r in feedback.state_dict()["residuals"])
+
+
+# --- SparseLoCo's 2-bit values ----------------------------------------------------------------------
+
+
+def sparseloco_codec(chunk: int = 4096) -> TopKCodec:
+    return TopKCodec(density=128 / 4096, chunk=chunk, value_bits=2)
+
+
+def test_two_bit_bytes_by_hand() -> None:
+    # 2 chunks of 4096 keep 128 each: 256 codes in 64 B, 256 12-bit indices in 384 B, 20 B of table
+    encoded = sparseloco_codec().encode(randn((8192,)))
+    assert encoded.nbytes == 64 + 384 + 20
+    assert encoded.nbytes / 256 == pytest.approx(1.75 + 20 / 256)
+
+
+def test_two_bit_each_level_is_the_mean_of_the_values_it_holds() -> None:
+    x = randn((8192,), seed=3)
+    codec = sparseloco_codec()
+    decoded = codec.decode(codec.encode(x))
+    kept = decoded != 0
+    assert int(kept.sum()) == 256
+    values, levels = x[kept], decoded[kept]
+    assert 2 <= len(set(levels.tolist())) <= 4
+    for level in set(levels.tolist()):
+        held = values[levels == level]
+        assert held.mean().item() == pytest.approx(level, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("spread", ["bimodal", "gaussian"], ids=["a bin left empty", "every bin used"])
+def test_two_bit_kept_zeros_decode_to_exactly_zero(spread: str) -> None:
+    """A chunk with fewer than k nonzeros keeps zeros; they came back as their bin's value
+    (nonzero), counted as kept and pushed back and forth by error feedback."""
+    x = torch.zeros(8192)
+    g = torch.Generator().manual_seed(5)
+    live = torch.randn(4096 + 40, generator=g)
+    if spread == "bimodal":  # what top-k keeps: large values of both signs, no middle bin
+        live = live.sign() * (live.abs() + 3)
+    x[:40] = live[:40]  # the first chunk has 40 nonzeros, keeps 128
+    x[4096:] = live[40:]
+    codec = sparseloco_codec()
+    decoded = codec.decode(codec.encode(x))
+    assert int((decoded[40:4096] != 0).sum()) == 0
+    assert int((decoded[:40] != 0).sum()) == 40
+    assert int((decoded[4096:] != 0).sum()) == 128
+    assert keepers([decoded])[0].sum().item() == 40 + 128
+
+
+def test_two_bit_error_feedback_leaves_untouched_coordinates_at_zero() -> None:
+    """Coordinates that never move (an unused embedding row, no weight decay) stay at exactly 0
+    in the accumulator round after round."""
+    feedback = ErrorFeedback(sparseloco_codec(chunk=256), decay=0.95)
+    still = torch.zeros(1024, dtype=torch.bool)
+    still[5:256] = True  # the first chunk has 5 moving entries and keeps 8: 3 of them still
+    for step in range(10):
+        delta = randn((1024,), seed=step).masked_fill(still, 0.0)
+        _, (decoded,) = feedback.compress([delta])
+        assert int((decoded[still] != 0).sum()) == 0
+    assert int((feedback.state_dict()["residuals"][0][still] != 0).sum()) == 0
+
+
+def test_two_bit_all_zero_and_single_values() -> None:
+    codec = sparseloco_codec(chunk=8)
+    assert codec.decode(codec.encode(torch.zeros(16))).abs().sum().item() == 0
+    x = torch.tensor([0.0, 0, 0, 5, 0, 0, 0, 0] + [0.0] * 8)  # k = 1 a chunk: 5 and a kept 0
+    assert codec.decode(codec.encode(x)).tolist() == x.tolist()
