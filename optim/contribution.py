@@ -44,11 +44,13 @@ class InFlight:
 
 
 def own_share(report: RoundReport, weight: float) -> float:
-    """This peer's share of a round's weighted mean: its counted weight over the group's (1 alone)."""
+    """This peer's share of a round's weighted mean: its counted weight over the group's (1 alone).
+    In a round it missed (the simulator's dropout) the group's info holds only the others: its
+    share is what it would have been among them."""
     if report.group_size <= 1:
         return 1.0
     claims = [claim(i.get("weight")) for i in report.group_info if isinstance(i, dict)]
-    if weight in claims:  # this peer's own entry: the others are the rest
+    if weight in claims and not report.missed:  # this peer's own entry: the others are the rest
         claims.remove(weight)
     counted = counted_weights([*claims, weight])  # what the group counted (optim.robust)
     total = sum(counted)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from optim.averager import LocalAverager, RoundReport
+from optim.contribution import own_share
 from optim.diloco import DiLoCo, DiLoCoConfig, OuterState
 
 ATOL = 1e-6
@@ -888,6 +889,16 @@ def test_a_failed_averaging_does_not_make_the_next_stand_in_the_whole_delta(over
     # Alone by the barrier's verdict (nobody else in the round, not a failure): its share is 1.
     eager._learn_share(RoundReport(group_size=1, error="no other peer in this round"), 4.0)
     assert eager._stand_in_share() == 1.0
+
+
+def test_a_missed_round_does_not_take_another_members_weight_for_this_peers() -> None:
+    """In a round this peer missed (the simulator's dropout) the group's info holds only the
+    others; one of them with this peer's weight was taken for its own entry and removed: 1/2
+    instead of 1/3 among two others of equal weight."""
+    others = [{"weight": 2.0}, {"weight": 2.0}]
+    assert own_share(RoundReport(group_size=2, group_info=others, missed=True), 2.0) == pytest.approx(1 / 3)
+    present = [*others, {"weight": 2.0}]
+    assert own_share(RoundReport(group_size=3, group_info=present), 2.0) == pytest.approx(1 / 3)
 
 
 def test_the_naive_delay_lags_a_round_and_finish_applies_its_last_mean() -> None:
