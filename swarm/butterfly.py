@@ -21,7 +21,8 @@ once in 150 rounds of a private run: a member whose matchmaking gave up after th
 counted it in.
 
 A group answers this way only if every member says it takes the mean (``MEAN``, gathered with the
-others: :func:`swarm.gathered.own`); a group with an older peer runs hivemind's own exchange.
+others: :func:`swarm.gathered.own`); a group with an older peer runs hivemind's own exchange, with
+the senders' weights as the group counts them (:class:`CountedWeights`).
 """
 
 from __future__ import annotations
@@ -126,3 +127,27 @@ class MeanReplies(AllReduceRunner):
         finally:
             if parts != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+class CountedWeights(AllReduceRunner):
+    """hivemind's own exchange (replies with differences), for a group with a member that does
+    not take the mean (an older release): its reducers weigh a sender's parts by the weight the
+    group counts it by (``weights``), not by the weight the sender's messages carry. Read from the
+    messages, a member that left the mean's flag out of what it gathered (so the group ran this
+    exchange) and wrote 1e9 in its messages, under an honest-looking gathered weight that the
+    robust checks then read, took the whole of every honest reducer's part."""
+
+    def __init__(self, *, weights: dict[Any, float], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.weights = weights
+
+    async def _accumulate_parts_streaming(self, stream: Any, sender_index: int):
+        weight = self.weights.get(self.sender_peer_ids[sender_index], 0.0)
+
+        async def counted() -> Any:
+            async for message in stream:
+                message.weight = weight
+                yield message
+
+        async for reply in super()._accumulate_parts_streaming(counted(), sender_index):
+            yield reply

@@ -30,7 +30,7 @@ from hivemind.utils.asyncio import achain, as_aiter, azip, enter_asynchronously
 
 from optim.diloco import OuterState
 from swarm import gathered
-from swarm.butterfly import MeanReplies
+from swarm.butterfly import CountedWeights, MeanReplies
 from swarm.consensus import CHECKED_CODECS, FAILED, Post, TensorSketcher, disagreement, scaled
 from swarm.dataplane import DIRECT_CODECS, DirectPlane, bindable, one_line, or_error
 from swarm.faults import fault_value
@@ -376,13 +376,16 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         """hivemind's all-reduce into ``tensors``; if every member takes the mean, with replies
         that leave every member on the same bits (:mod:`swarm.butterfly`)."""
         members = [self.serializer.loads(self.serializer.loads(g)[2]) for g in group_info.gathered]
-        if group_id is not None or not gathered.all_take_the_mean(members):
+        if group_id is not None:
             await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
             return
         # Every member weighs the others' parts by what the group counts, not by what their
         # messages claim, and its own by the same rule (optim.robust.counted_weights).
         weights = gathered.counted_weights(group_info.peer_ids, members)
         kwargs["weight"] = weights[self.peer_id]
+        if not gathered.all_take_the_mean(members):
+            await self._run_differences(tensors, group_info, weights, **kwargs)
+            return
         runner = MeanReplies(
             codec=kwargs["compression"].compression_type,
             weights=weights,
@@ -413,6 +416,29 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             gone = ", ".join(str(p)[-6:] for p in runner.dropped)
             raise AllreduceException(f"members dropped out of hivemind's all-reduce ({gone})")
         copying.result()  # its error, if it failed
+
+    async def _run_differences(self, tensors, group_info, weights: dict[Any, float], **kwargs: Any) -> None:
+        """hivemind's own exchange (each member adds the differences its reducers reply), as
+        hivemind runs it, with the senders' weights the group counts (:class:`CountedWeights`)."""
+        runner = CountedWeights(
+            weights=weights,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_info.group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_info.group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+            return
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
 
     async def _checked_butterfly(self, group_info, members: list[Any], min_vector_size: int, **kwargs: Any):
         """hivemind's all-reduce, then the check that every member got the group's mean (a
