@@ -178,6 +178,7 @@ class SwarmAverager(Downloading):
             plane_advertise=plane_advertise,
             codec=config.compression,
             ready_snapshots=not overlapped,  # see StateSharing._init_state_sharing
+            donor_subkey=getattr(getattr(board, "store", None), "subkey", None),  # this peer's signed key
             # The shortest window; each step asks for the learned one (scheduled_time).
             min_matchmaking_time=self.matchmaking_window.floor,
             request_timeout=max(3.0, config.matchmaking_time),

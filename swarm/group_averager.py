@@ -63,6 +63,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         codec: str = "none",
         masks: int = 0,
         ready_snapshots: bool = True,
+        donor_subkey: bytes | None = None,
         **kwargs: Any,
     ) -> None:
         self._state_provider = state_provider
@@ -97,6 +98,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             limit=8 * 4 * sum(t.numel() for t in params) + (64 << 20),
             ready=ready_snapshots,
             theta_provider=theta_provider,
+            subkey=donor_subkey,
         )
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):

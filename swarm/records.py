@@ -334,6 +334,15 @@ RECORD_BYTES = {"manifest": 4096, "peers": 16384, "control": 49152}
 (an honest heartbeat at its fields' limits is about 9 KB, a steering record pausing 256 peers
 about 34 KB, a manifest about 1 KB)."""
 
+DONOR_TTL = 60.0
+"""Seconds a donor's declaration (:attr:`RunKeys.donors`) may live; a peer renews its own every
+10 s (``declare_state_period``)."""
+DONOR_BYTES = 2048
+"""The most bytes a donor's declaration may take (a number, its signature and HMAC: about 500)."""
+STATE_GROUPS = ("diloco", "fragment0")
+"""The averaging groups whose peers serve the state (:class:`swarm.averaging.SwarmAverager`'s
+default group; streaming's fragment 0)."""
+
 
 @dataclass(frozen=True)
 class RunKeys:
@@ -370,6 +379,13 @@ class RunKeys:
     def group(self, name: str) -> str:
         """The prefix of an averaging group (hivemind matchmaking and state sharing keys)."""
         return f"{self.namespace}_{name}"
+
+    @property
+    def donors(self) -> tuple[str, ...]:
+        """The keys where the peers that serve the state declare it (hivemind's
+        ``<prefix>.all_averagers``), one per group in :data:`STATE_GROUPS`: each subkey is a
+        writer's ``[owner:...]`` key, so only that peer can write or withdraw its own entry."""
+        return tuple(f"{self.group(name)}.all_averagers" for name in STATE_GROUPS)
 
 
 def parse_record(model: type[BaseModel], value: Any) -> BaseModel | None:

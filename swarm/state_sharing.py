@@ -42,6 +42,7 @@ from swarm.claims import at_the_donors_step
 from swarm.dataplane import one_line
 from swarm.errors import SwarmError
 from swarm.faults import fault_value
+from swarm.identity import peer_id_of
 from swarm.rendezvous import pack, unpack
 from swarm.ring_driver import messages
 from swarm.sketch import Sketch, state_sketches
@@ -56,6 +57,7 @@ from swarm.state_transfer import (
     Snapshot,
     StateServer,
 )
+from swarm.store import subkey_public_key
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,7 @@ class StateSharing:
         limit: int,
         ready: bool = True,
         theta_provider: Callable[[], OuterState] | None = None,
+        subkey: bytes | None = None,
     ) -> None:
         """``direct``: download over the direct transport when donors offer it (else hivemind's
         path only: a private run, ``--data-plane hivemind``). ``state_host``: the address its
@@ -111,7 +114,11 @@ class StateSharing:
         (which the overlapped barrier reads) and make a joiner queue behind it.
         ``theta_provider``: the state without the inner optimizer's (``inner=False``), for a
         witness's sketches, which are then taken in the peer's process (see
-        :meth:`_answer_witnesses`); None: a witness fetches the whole state from it."""
+        :meth:`_answer_witnesses`); None: a witness fetches the whole state from it.
+        ``subkey``: this peer's ``[owner:...]`` key, under which it declares its state (a run's
+        validators refuse any other subkey: :class:`swarm.validators.RecordBoundsValidator`);
+        None: hivemind's bare peer id (averagers outside a run, in tests)."""
+        self._donor_subkey = subkey
         self._fault_file = fault_file
         self._state_direct = direct
         self._state_host = state_host
@@ -210,7 +217,7 @@ class StateSharing:
             if self.allow_state_sharing or was_shared:
                 store = self.dht.store(
                     key,
-                    subkey=self.peer_id.to_bytes(),
+                    subkey=self._donor_subkey or self.peer_id.to_bytes(),
                     value=self.state_sharing_priority if self.allow_state_sharing else None,
                     expiration_time=expires,
                     return_future=True,
@@ -510,13 +517,24 @@ class StateSharing:
             priority = getattr(entry, "value", None)
             if not isinstance(priority, (int, float)) or not math.isfinite(priority):
                 continue
-            try:
-                peer = PeerID(subkey)
-            except Exception:  # noqa: BLE001 - a made-up subkey is just skipped
+            peer = self._donor_of(subkey)
+            if peer is None:
                 continue
             if peer != self.peer_id and peer.to_base58() not in exclude:
                 donors.append((float(priority), random.random(), peer))
         return [peer for _, _, peer in sorted(donors, key=lambda d: d[:2], reverse=True)]
+
+    def _donor_of(self, subkey: Any) -> PeerID | None:
+        """The peer a declaration's subkey names: the peer id of its ``[owner:...]`` key (the
+        signature proves that peer wrote it), or, for averagers outside a run that declare under
+        bare peer ids, that id; None if malformed."""
+        try:
+            if self._donor_subkey is None:
+                return PeerID(subkey)
+            public_key = subkey_public_key(subkey)
+            return PeerID.from_base58(peer_id_of(public_key)) if public_key else None
+        except Exception:  # noqa: BLE001 - a made-up subkey is just skipped
+            return None
 
     async def _download_from(self, peer: PeerID) -> tuple[Any, list[torch.Tensor]] | None:
         """One donor's state stream, at most ``self._state_limit`` bytes; None if it failed."""

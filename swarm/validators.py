@@ -22,6 +22,8 @@ from pydantic import BaseModel
 
 from swarm.records import (
     CLOCK_SLACK,
+    DONOR_BYTES,
+    DONOR_TTL,
     HEARTBEAT_TTL,
     LONG_TTL,
     RECORD_BYTES,
@@ -31,6 +33,19 @@ from swarm.records import (
     RunManifest,
     parse_record,
 )
+
+_OWNER_SUBKEY = re.compile(rb"\[owner:[^\]]+\]")
+
+
+def _owner_subkey(serialized: bytes) -> bool:
+    """Whether a record's subkey (as stored: msgpack) is one ``[owner:...]`` key and nothing else."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    try:
+        subkey = MSGPackSerializer.loads(serialized)
+    except Exception:  # noqa: BLE001 - not msgpack: not ours
+        return False
+    return isinstance(subkey, bytes) and _OWNER_SUBKEY.fullmatch(subkey) is not None
 
 
 def record_validators(keys: RunKeys, private_key) -> list[RecordValidatorBase]:
@@ -82,7 +97,8 @@ class RunSecretValidator(RecordValidatorBase):
         self.namespace = keys.namespace
         self._secret = (keys.secret or "").encode()
         self._protected = {
-            DHTID.generate(source=key).to_bytes() for key in (keys.manifest, keys.peers, keys.control)
+            DHTID.generate(source=key).to_bytes()
+            for key in (keys.manifest, keys.peers, keys.control, *keys.donors)
         }
 
     def _mac(self, record: DHTRecord) -> bytes:
@@ -125,7 +141,13 @@ class RecordBoundsValidator(RecordValidatorBase):
     (plus :data:`~swarm.records.CLOCK_SLACK`) from now. Checked first, on the raw value, on every
     store and every read. Without it, the run's nodes stored whatever signed record an outsider
     sent (unknown fields are allowed, for newer peers): 1 MB heartbeats, each held for the year
-    its writer chose, with no process left running, and a well-formed one stayed a ghost peer."""
+    its writer chose, with no process left running, and a well-formed one stayed a ghost peer.
+
+    The donors' declarations (:attr:`~swarm.records.RunKeys.donors`, hivemind's
+    ``all_averagers``) are bounded too, and each subkey must be a writer's ``[owner:...]`` key
+    (which the signature validator then checks): hivemind's own subkey, the bare peer id, was
+    anybody's to write, and an outsider wrote None under every donor's id for a year, so that
+    their renewals were refused and every joiner found no donor."""
 
     def __init__(self, keys: RunKeys) -> None:
         self.namespace = keys.namespace
@@ -137,11 +159,16 @@ class RecordBoundsValidator(RecordValidatorBase):
             )
             for kind in ("manifest", "peers", "control")
         }
+        self._donors = {DHTID.generate(source=key).to_bytes() for key in keys.donors}
+        for key in self._donors:
+            self._limits[key] = (DONOR_BYTES, DONOR_TTL + CLOCK_SLACK)
 
     def validate(self, record: DHTRecord) -> bool:
         limits = self._limits.get(record.key)
         if limits is None:
             return True
+        if record.key in self._donors and not _owner_subkey(record.subkey):
+            return False
         most_bytes, most_seconds = limits
         from hivemind.utils.timed_storage import get_dht_time
 

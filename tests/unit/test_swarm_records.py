@@ -502,3 +502,39 @@ def test_a_name_is_judged_as_the_heartbeat_schema_judges_it() -> None:
         PeerHeartbeat(
             peer_id="p", name=name, stage="training", outer_step=0, inner_step=0, inner_steps=1, time=0.0
         )
+
+
+@pytest.mark.parametrize("secret", [None, "a long run secret"])
+def test_a_donors_declaration_is_its_writers_alone(key_file, private_key, tmp_path, secret) -> None:
+    """hivemind declares the peers that serve the state under their bare peer ids, which anybody
+    could write: an outsider stored None under every donor's id for a year, their renewals were
+    refused, and every joiner found no donor. A run's declarations are signed, short-lived and
+    small; only the writer's own ``[owner:...]`` subkey passes (so a peer withdraws only its own)."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.records import STATE_GROUPS
+
+    keys = RunKeys("run", secret)
+    validator = composite(keys, private_key)
+    own = b"[owner:" + public_key_text(private_key).encode() + b"]"
+    stranger = load_private_key(create_identity(tmp_path / "stranger.key"))
+    theirs = composite(keys, stranger)  # the stranger's node signs with its own key
+    peer_id = PeerID.from_identity(key_file.read_bytes())
+
+    def declared(key: str, subkey: bytes, value: Any, seconds: float, by=validator) -> bool:
+        plain = record(key, subkey, value, get_dht_time() + seconds)
+        return validator.validate(dataclasses.replace(plain, value=by.sign_value(plain)))
+
+    assert len(keys.donors) == len(STATE_GROUPS) and all(k.endswith(".all_averagers") for k in keys.donors)
+    assert f"{keys.group('diloco')}.all_averagers" in keys.donors  # SwarmAverager's default group
+    for key in keys.donors:
+        assert declared(key, own, 7, 10)
+        assert declared(key, own, None, 10)  # a withdrawal, by the peer itself
+        assert not declared(key, peer_id.to_bytes(), None, 365 * 86400, by=theirs)  # hivemind's bare id
+        assert not declared(key, peer_id.to_bytes(), 7, 10)
+        assert not declared(key, own, None, 10, by=theirs)  # the donor's subkey, not its signature
+        assert not declared(key, own, 7, 365 * 86400)  # for a year
+        assert not declared(key, own, "x" * 4096, 10)
+    assert validator.validate(
+        record(f"{keys.group('fragment1')}.all_averagers", b"x", None, 1e10)
+    )  # nobody reads it
