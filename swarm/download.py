@@ -67,7 +67,11 @@ class Downloading:
         decides). A refused donor is skipped for the rest of this call; one contradicted by
         peers this one averaged with, until it averages with this one. ``avoid``: peers known
         to hold a θ that this one must leave (its round mates that share the θ the group
-        outvoted), neither donors nor witnesses in this call. ``at_step``: only a state at that
+        outvoted), neither donors nor witnesses in this call. A donor that did not finish
+        serving in a call that took no state (it stalled, trickled or was dropped) is not asked
+        in the next call, and is again in the one after (an honest slow donor, alone, is still
+        had; a liar claiming the freshest step, so always chosen first, that stalled every call
+        until its deadline kept a joiner from the honest donors for all its tries). ``at_step``: only a state at that
         outer step is taken (a peer ending its run takes the θ the others end on, not that of
         peers running on); ``only``: only from these donors. ``since``: this peer's outer step
         now; if it is still the step its last download brought (or the next: the round it
@@ -83,6 +87,8 @@ class Downloading:
         deadline = time.monotonic() + timeout
         skipped = set(self._refused_donors) | set(avoid)  # not asked to serve again in this call
         distrusted = set(skipped)  # not asked to witness either
+        skipped |= getattr(self, "_stalled", set())  # serve-only: they may still witness
+        self._stalled, self._unfinished = set(), set()
         skipped |= self._paused_donors(skipped)
         last, self._last_download = getattr(self, "_last_download", None), None
         # (Its step plus the round it stepped alone once it found itself behind again.)
@@ -92,6 +98,12 @@ class Downloading:
         for _ in range(DONORS_PER_TRY):
             got = self._fetch_state(skipped, distrusted, deadline)
             if got is None:
+                self._stalled = self._unfinished
+                if self._stalled:
+                    logger.info(
+                        "%s did not finish serving the state; not asked in the next try",
+                        ", ".join(sorted(d[-8:] for d in self._stalled)),
+                    )
                 return None
             state, donor, seed, answers, claims = got
             skipped.add(donor)
@@ -238,6 +250,8 @@ class Downloading:
             result = (
                 self._wait(future.done, deadline, future.cancel, pause=_until(future)) and future.result()
             )
+            if not result:
+                self._unfinished.update(self.averager.streamed_from())
         if not result:
             return None
         metadata, tensors, donor, seed, answers = result
@@ -302,6 +316,7 @@ class Downloading:
         # its bytes may have been changed on the way (this transport is not encrypted), and what
         # the stream brings is checked by the witnesses like any state.
         if not finished or "error" in outcome:
+            self._unfinished.update(d.peer for d in chosen if d.why or not finished)
             logger.warning(
                 "direct state download failed (%s); trying hivemind's stream",
                 outcome.get("error", "too slow"),

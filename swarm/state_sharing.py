@@ -119,6 +119,7 @@ class StateSharing:
         validators refuse any other subkey: :class:`swarm.validators.RecordBoundsValidator`);
         None: hivemind's bare peer id (averagers outside a run, in tests)."""
         self._donor_subkey = subkey
+        self._streamed = mp.Array("c", 1024)  # the donors the last stream download tried, by id
         self._fault_file = fault_file
         self._state_direct = direct
         self._state_host = state_host
@@ -490,9 +491,13 @@ class StateSharing:
     ) -> None:
         # In the averager process. Donors in order of the priority they declare (their outer
         # step; anyone can declare any, which is why the joiner checks what it gets).
+        self._streamed.value = b""
         try:
             for peer in await self._donors(exclude):
                 donor = peer.to_base58()
+                tried = self._streamed.value + (b"," if self._streamed.value else b"") + donor.encode()
+                if len(tried) < len(self._streamed):
+                    self._streamed.value = tried
                 seed = secrets.token_bytes(SEED_BYTES)
                 asked = [v for v in verifiers if v != donor][:VERIFIERS]
                 # Asked while the state streams (not after): a round can end during a download,
@@ -500,6 +505,7 @@ class StateSharing:
                 witnesses = asyncio.ensure_future(self._sketches_from(asked, seed, timeout=10.0))
                 got = await self._download_from(peer)
                 if got is not None:
+                    self._streamed.value = b""  # it finished
                     future.set_result((*got, donor, seed, await witnesses))
                     return
                 witnesses.cancel()
@@ -523,6 +529,11 @@ class StateSharing:
             if peer != self.peer_id and peer.to_base58() not in exclude:
                 donors.append((float(priority), random.random(), peer))
         return [peer for _, _, peer in sorted(donors, key=lambda d: d[:2], reverse=True)]
+
+    def streamed_from(self) -> list[str]:
+        """(Either process.) The donors (base58) the last :meth:`load_state_from_peers` asked,
+        in order, up to the one it was downloading from when it ended or was cut off."""
+        return [peer for peer in self._streamed.value.decode(errors="replace").split(",") if peer]
 
     def _donor_of(self, subkey: Any) -> PeerID | None:
         """The peer a declaration's subkey names: the peer id of its ``[owner:...]`` key (the

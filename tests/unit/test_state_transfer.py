@@ -681,3 +681,71 @@ def test_an_offer_pointing_the_joiner_at_another_host_is_refused(monkeypatch, ca
     assert offer_from() is None  # a relay's IP vouches for nothing
     donor._server.address = real
     donor._server.close()
+
+
+def test_a_donor_that_stalls_is_not_asked_in_the_next_try_and_is_in_the_one_after() -> None:
+    """A liar claiming the freshest step is chosen first every time; taking the token and then
+    sending nothing (or a trickle), it held each of a joiner's tries until its deadline, and the
+    honest donors were never asked. A donor that did not finish serving in a try is skipped in
+    the next (on both transports), and asked again in the one after (an honest slow donor alone
+    is still had). The same for a donor that stalls hivemind's stream."""
+    from concurrent.futures import Future
+
+    from swarm.download import Downloading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list = []
+    threading.Thread(
+        target=lambda: [held.append(listener.accept()) for _ in iter(int, 1)], daemon=True
+    ).start()
+    snapshot = Snapshot.take(5, b"", [torch.zeros(4)], 1)
+
+    def done(value: object) -> Future:
+        future: Future = Future()
+        future.set_result(value)
+        return future
+
+    class Averager:
+        download = [0.0, 0.0, 0.0]
+
+        def __init__(self) -> None:
+            self.offers_excluded: list[list[str]] = []
+            self.stream_excluded: list[list[str]] = []
+
+        def state_offers(self, exclude, verifiers):  # type: ignore[no-untyped-def]
+            self.offers_excluded.append(list(exclude))
+            if "liar" in exclude:
+                return done(([], b"s" * 16))
+            liar = DonorOffer("liar", listener.getsockname(), b"t" * 32, snapshot.hashes, snapshot.hash_name)
+            return done(([(liar, 6, b"meta", snapshot.layout)], b"s" * 16))
+
+        def theta_sketches(self, seed):  # type: ignore[no-untyped-def]
+            return done({})
+
+        def load_state_from_peers(self, wait, timeout, exclude, verifiers):  # type: ignore[no-untyped-def]
+            self.stream_excluded.append(list(exclude))
+            return Future()  # the stream's donor stalls too, past the deadline
+
+        def streamed_from(self) -> list[str]:  # the donors the stream tried: one, unless excluded
+            return [] if "slow stream" in self.stream_excluded[-1] else ["slow stream"]
+
+    class Joiner(Downloading):
+        peer_id, _refused_donors, on_download = "me", set(), None
+
+        def __init__(self) -> None:
+            self.averager = Averager()
+            self.board = type("Board", (), {"fetch": lambda self: {}})()
+            self.vouching = type("Vouching", (), {"vouched": set()})()
+
+        def beat(self, stage) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+    joiner = Joiner()
+    try:
+        for _ in range(3):
+            assert joiner.download_state(timeout=1.5) is None
+    finally:
+        listener.close()
+    offers, stream = joiner.averager.offers_excluded, joiner.averager.stream_excluded
+    assert offers[0] == [] and sorted(offers[1]) == ["liar", "slow stream"] and offers[2] == []
+    assert stream[0] == [] and sorted(stream[1]) == ["liar", "slow stream"] and stream[2] == []
