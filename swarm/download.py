@@ -421,8 +421,10 @@ def _parse_state(
             "(then use the --model and flags from the run's join command)"
         )
     rest = tensors[2 * count :]
-    queued = [[t.float() for t in rest[i * count : (i + 1) * count]] for i in range(pending)]
-    _check_shapes(tensors[:count], tensors[count : 2 * count], queued, inner_keys, rest[pending * count :])
+    served = [rest[i * count : (i + 1) * count] for i in range(pending)]
+    # Shapes first: a float copy of a donor's 1-byte tensors is 4x what it sent.
+    _check_shapes(tensors[:count], tensors[count : 2 * count], served, inner_keys, rest[pending * count :])
+    queued = [[t.float() for t in q] for q in served]
     state = OuterState(
         outer_step=step,
         params=[t.float() for t in tensors[:count]],

@@ -150,3 +150,43 @@ def test_one_address_gets_one_stream_whatever_keys_it_brings():
 
     assert asyncio.run(run()) == [0, 64, 64, 64]
     assert _HivemindStream.held == 0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch deprecates quantize_per_tensor, used by 8-bit
+def test_a_joiner_bounds_what_a_streamed_state_decodes_to_not_only_its_bytes():
+    """The stream's limit counted the bytes on the wire: a donor naming 8-bit compression sent
+    64 MiB that decoded to 256 MiB of fp32 (4x the limit, before any check of the state). Each
+    tensor's decoded size (its first part says it) now counts, before it is decoded."""
+    import torch
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.utils.streaming import split_for_streaming
+
+    class Joiner(StateSharing):
+        def __init__(self, limit: int, tensors) -> None:
+            self._state_limit, self.download = limit, [0.0, 0.0, 0.0]
+            self.next_chunk_timeout, self.request_timeout = 5.0, 5.0
+            self._p2p, self.prefix = None, "run"
+            self.serializer = SimpleNamespace(loads=lambda raw: {"bytes": 1})
+            self.tensors = tensors
+
+        def get_stub(self, *args, **kwargs):
+            tensors = self.tensors
+
+            async def rpc_download_state(request):
+                async def stream():  # as hivemind's: the metadata with the first part
+                    parts = [p for tensor in tensors for p in split_for_streaming(tensor, 1 << 20)]
+                    yield averaging_pb2.DownloadData(tensor_part=parts[0], metadata=b"m")
+                    for part in parts[1:]:
+                        yield averaging_pb2.DownloadData(tensor_part=part)
+
+                return stream()
+
+            return SimpleNamespace(rpc_download_state=rpc_download_state)
+
+    eight_bit = runtime_pb2.CompressionType.UNIFORM_8BIT
+    big = serialize_torch_tensor(torch.randn(4 << 20), eight_bit)  # 4 MiB on the wire, 16 MiB decoded
+    got = asyncio.run(Joiner(8 << 20, [big])._download_from(_Id("donor")))
+    assert got is None  # refused before decoding, though its bytes were within the limit
+    small = serialize_torch_tensor(torch.randn(1 << 20), eight_bit)  # 4 MiB decoded
+    metadata, tensors = asyncio.run(Joiner(8 << 20, [small])._download_from(_Id("donor")))
+    assert [t.numel() for t in tensors] == [1 << 20]
