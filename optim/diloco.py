@@ -647,6 +647,32 @@ class DiLoCo:
         with self.lock:
             return [float(g.double().norm()) for g in self.global_params]
 
+    @torch.no_grad()
+    def settled_global(self) -> list[torch.Tensor]:
+        """A copy of θ_global as :meth:`finish` would leave it, without waiting or changing
+        anything: the means still queued (``delay``), and the round in flight's if it has landed
+        and passes the checks, applied to copies of θ and the outer momentum. What a peer stopped
+        mid-run (Ctrl+C, how a run without ``--rounds`` ends) writes as the swarm's model: θ alone
+        lacked the last mean the group had averaged."""
+        with self.lock:
+            state = self._state_with(self._inflight, ([], []))
+            settings = [
+                {k: v for k, v in g.items() if k != "params"} for g in self.outer_optimizer.param_groups
+            ]
+        if not state.pending:
+            return state.params
+        shadow = [torch.nn.Parameter(p, requires_grad=False) for p in state.params]
+        sgd = self._outer_sgd(shadow)
+        for group, setting in zip(sgd.param_groups, settings):  # steered values included
+            group.update(setting)
+        for p, m in zip(shadow, state.momentum):
+            sgd.state[p]["momentum_buffer"] = m
+        for update in state.pending:
+            for p, d in zip(shadow, update):
+                p.grad = d
+            sgd.step()
+        return [p.detach() for p in shadow]
+
     def read_global(self, read: Callable[[list[torch.Tensor]], Any]) -> Any:
         """``read(θ_global)`` under the lock, without a copy (``read`` must not keep or change it)."""
         with self.lock:

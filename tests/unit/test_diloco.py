@@ -891,6 +891,34 @@ def test_a_failed_averaging_does_not_make_the_next_stand_in_the_whole_delta(over
     assert eager._stand_in_share() == 1.0
 
 
+@pytest.mark.parametrize(
+    ("delay", "overlap", "eager"),
+    [(1, False, False), (1, True, False), (1, True, True)],
+    ids=["blocking-delay", "overlap", "overlap-eager"],
+)
+def test_the_settled_global_is_what_finish_leaves_and_changes_nothing(
+    delay: int, overlap: bool, eager: bool
+) -> None:
+    """A peer stopped mid-run (Ctrl+C: how a run without --rounds ends) wrote θ alone as the
+    swarm's model, without the mean its last round had averaged (queued with --delay, or in
+    flight with --overlap): max |Δθ| 0.064 after 3 rounds against what finish() leaves."""
+    config = DiLoCoConfig(
+        inner_steps=2, outer_lr=0.7, outer_momentum=0.9, delay=delay, overlap=overlap, eager=eager
+    )
+    outer, opt = _lone(config)
+    outer.outer_optimizer.param_groups[0]["lr"] = 0.5  # a steered outer lr counts too
+    for r in range(3):
+        train_round(outer, opt, batches(r, 2))
+    if overlap:
+        outer._inflight.future.result(timeout=10)  # landed: its mean is part of the settled θ
+    before = outer.read_global(lambda params: [p.clone() for p in params])
+    settled = outer.settled_global()
+    assert_all_close(outer.read_global(lambda params: [p.clone() for p in params]), before, atol=0)
+    assert max(float((s - b).abs().max()) for s, b in zip(settled, before)) > 1e-3
+    outer.finish()
+    assert_all_close(settled, outer.read_global(lambda params: [p.clone() for p in params]), atol=1e-6)
+
+
 def test_a_missed_round_does_not_take_another_members_weight_for_this_peers() -> None:
     """In a round this peer missed (the simulator's dropout) the group's info holds only the
     others; one of them with this peer's weight was taken for its own entry and removed: 1/2

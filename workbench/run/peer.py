@@ -581,7 +581,9 @@ class Peer:
                 self.name,
             )
             return
-        params = self.diloco.read_global(lambda params: [p.clone() for p in params])
+        settled = getattr(self.diloco, "settled_global", None) if stopped else None
+        # Stopped: with the means a delayed or overlapped round still holds (finish() applies them).
+        params = settled() if settled else self.diloco.read_global(lambda params: [p.clone() for p in params])
         if after is not None and not all(bool(torch.isfinite(p).all()) for p in params):
             logger.warning(
                 "%s: stopped by an error with θ not finite: global_params.pt not written", self.name
