@@ -43,6 +43,7 @@ from optim.contribution import (
     global_norm,
     judge,
     keepers,
+    not_applied,
     own_share,
     spread_over_keepers,
     take_back_unapplied,
@@ -113,6 +114,7 @@ class DiLoCo:
         self.codec = config.make_codec()
         self._pending: list[list[torch.Tensor]] = []  # averaged Δ waiting to be applied (delay > 0)
         self._inflight: InFlight | None = None  # with overlap: the round being averaged
+        self._take_back_later: list[torch.Tensor] | None = None  # see take_back_later
         self._last_future: concurrent.futures.Future | None = None  # the next round starts after it
         # What compression dropped, per peer, added back next round (never lost; see codecs).
         self.feedback = config.make_feedback(self.codec)
@@ -203,6 +205,9 @@ class DiLoCo:
         """Encode Δ as the group will receive it; returns the decoded Δ and the payload bytes."""
         if self.feedback is not None:
             encoded, decoded = self.feedback.compress(deltas)
+            later, self._take_back_later = self._take_back_later, None
+            if later is not None:  # a resumed checkpoint's refused round in flight (checkpoint_state)
+                self.feedback.take_back(later)
             return decoded, encoded_nbytes(encoded)
         return self.codec.round_trip(deltas)
 
@@ -590,15 +595,76 @@ class DiLoCo:
         copies = self.inner_copies.take() if inner and self.outer_step_count else ([], [])
         return read_settled(self, inflight_timeout, lambda inflight: self._state_with(inflight, copies))
 
-    def _state_with(self, inflight: InFlight | None, copies: InnerTensors) -> OuterState:
+    def checkpoint_state(
+        self, *, inflight_timeout: float = 60.0
+    ) -> tuple[OuterState, dict[str, Any], Any, list[torch.Tensor] | None]:
+        """What a checkpoint keeps, read at once and as it will be when the round in flight
+        (``overlap``) is collected: the outer state with its mean queued (:meth:`outer_state`,
+        without the inner optimizer's), :meth:`local_state` with the share that round teaches,
+        the error-feedback residuals (None without error feedback), and what that round sent if
+        the group did not apply it: error feedback takes it back after the next round's encode,
+        as the running peer does when it collects the round (:meth:`take_back_later`). Read
+        apart, a checkpoint taken while a round was averaging resumed on the share of the round
+        before (0.6 for 0.5) and lost a refused round's update (0.09 of the residuals, 0.22 of θ
+        after three rounds)."""
+
+        def read(
+            inflight: InFlight | None,
+        ) -> tuple[OuterState, dict[str, Any], Any, list[torch.Tensor] | None]:
+            report = self._landed_report(inflight)
+            state = self._state_with(inflight, ([], []), report=report)
+            local = self.local_state()
+            feedback = self.feedback
+            residuals = None if feedback is None or feedback.residuals is None else feedback.residuals
+            later = None
+            if report is not None:
+                outgoing = inflight.outgoing
+                if local and not (report.failed and self._share is not None):
+                    local["share"] = own_share(report, outgoing.weight)  # as _learn_share will
+                sent = outgoing.sent
+                if (
+                    residuals is not None
+                    and sent is not None
+                    and not_applied(outgoing, report, self.config.outlier_ratio)
+                ):
+                    later = [s.clone() for s in sent]
+            return state, local, residuals, later
+
+        return read_settled(self, inflight_timeout, read)
+
+    def take_back_later(self, sent: list[torch.Tensor] | None) -> None:
+        """(A resumed checkpoint's.) Error feedback takes ``sent`` back after the next encode;
+        one that does not fit the residuals (another model) is dropped with a warning."""
+        residuals = self.feedback.residuals if self.feedback is not None else None
+        if sent and (
+            residuals is None
+            or len(sent) != len(residuals)
+            or any(not isinstance(s, torch.Tensor) or s.shape != r.shape for s, r in zip(sent, residuals))
+        ):
+            logger.warning(
+                "the checkpoint's update to take back does not fit this model's residuals; dropped"
+            )
+            sent = None
+        self._take_back_later = [s.float() for s in sent] if sent else None
+
+    def _landed_report(self, inflight: InFlight | None) -> RoundReport | None:
+        """A judged copy of a landed round's report (the round itself is judged when collected)."""
+        if not landed(inflight):
+            return None
+        report = dataclasses.replace(inflight.future.result())
+        judge(inflight.outgoing, report, self.config.outlier_ratio)
+        return report
+
+    def _state_with(
+        self, inflight: InFlight | None, copies: InnerTensors, *, report: RoundReport | None = None
+    ) -> OuterState:
         """The state, its queued means and ``inflight``'s mean if it arrived (under the lock),
-        with the inner optimizer's ``copies``."""
+        with the inner optimizer's ``copies``; ``report``: its judged report, if already made."""
         keys, tensors = copies
         pending = [[d.clone() for d in update] for update in self._pending]
-        if landed(inflight):
-            report = dataclasses.replace(inflight.future.result())
-            if not judge(inflight.outgoing, report, self.config.outlier_ratio):
-                pending.append([d.clone() for d in inflight.outgoing.deltas])
+        report = report if report is not None else self._landed_report(inflight)
+        if report is not None and report.applied:  # judge() left it so: not refused
+            pending.append([d.clone() for d in inflight.outgoing.deltas])
         return OuterState(
             outer_step=self.outer_step_count,
             params=[g.clone() for g in self.global_params],
@@ -634,6 +700,7 @@ class DiLoCo:
             self._reset_offset()  # a fresh start from the swarm's θ: no stand-ins in flight
             if self.feedback is not None:  # what compression held back was this peer's old θ's
                 self.feedback.reset()  # (a checkpoint's residuals are loaded after this)
+                self._take_back_later = None
         self.restore_parameters()
         self._load_inner_state(state)
         self.inner_step_count = 0

@@ -440,3 +440,81 @@ def test_a_peer_stopped_by_an_error_keeps_the_swarm_s_model(tmp_path, monkeypatc
     else:
         kept = torch.load(saved, weights_only=True)
         assert all(torch.equal(a, b) for a, b in zip(kept, outer.global_params))
+
+
+class _Group:
+    """A pair whose mean is this peer's own update; the other member's weight grows each call
+    (so this peer's share of each mean differs), and call ``refuse`` is refused."""
+
+    def __init__(self, refuse: int = -1) -> None:
+        self.calls, self.refuse = 0, refuse
+
+    def expected_group(self) -> int:
+        return 2
+
+    def all_reduce(self, tensors, *, weight, info=None):  # type: ignore[no-untyped-def]
+        from optim.averager import RoundReport
+
+        self.calls += 1
+        group = [dict(info or {}), dict(info or {}, peer="other", weight=float(4 * self.calls))]
+        refused = "a test refusal" if self.calls == self.refuse else None
+        return RoundReport(group_size=2, group_info=group, refused=refused)
+
+
+@pytest.mark.parametrize(
+    ("eager", "topk", "refuse"),
+    [(True, False, -1), (False, True, 3)],
+    ids=["eager-share", "error-feedback-refused"],
+)
+def test_a_checkpoint_taken_while_a_round_averages_resumes_into_the_run_that_went_on(
+    tmp_path, eager: bool, topk: bool, refuse: int
+) -> None:
+    """With --overlap a checkpoint holds the round in flight as a queued mean, but the rest of
+    what collecting that round does was lost: the eager stand-in's share it teaches (the resumed
+    run used the round before's, 0.6 for 0.5) and, when the group refused it, what error
+    feedback sent (taken back by the running peer after its next encode): the resumed run ended
+    0.16 of θ away. It now resumes into the same θ, residuals and share, bit for bit."""
+    from torch import nn
+
+    from optim.diloco import DiLoCo, DiLoCoConfig
+
+    config = DiLoCoConfig(
+        inner_steps=3, delay=1, overlap=True, eager=eager, outlier_ratio=0,
+        **(dict(codec="topk", topk_density=0.2, error_feedback=True) if topk else {}),
+    )  # fmt: skip
+
+    def peer(seed: int, group: _Group):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, inner, DiLoCo(model, inner, group, config)
+
+    def rounds(model, inner, outer, g, count: int) -> None:
+        for _ in range(count * config.inner_steps):
+            x = torch.randn(4, 8, generator=g)
+            (model(x) - x.sum(1, keepdim=True)).square().mean().backward()
+            inner.step()
+            inner.zero_grad(set_to_none=True)
+            outer.after_inner_step(samples=4)
+
+    model, inner, outer = peer(0, _Group(refuse))
+    g = torch.Generator().manual_seed(1)
+    rounds(model, inner, outer, g, 3)  # round 3's all-reduce (call 3) in flight
+    checkpoint.save(tmp_path, checkpoint.training_state(outer, model, inner, None))
+    rng = g.get_state()
+    rounds(model, inner, outer, g, 2)
+    share = outer._share
+    outer.finish()
+
+    payload, _ = checkpoint.load(tmp_path)
+    group = _Group(refuse)
+    group.calls = 3
+    model2, inner2, outer2 = peer(5, group)
+    checkpoint.restore_training(payload, outer2, model2, inner2, None)
+    g.set_state(rng)
+    rounds(model2, inner2, outer2, g, 2)
+    assert outer2._share == share
+    outer2.finish()
+    assert all(torch.equal(a, b) for a, b in zip(outer2.global_params, outer.global_params))
+    if topk:
+        assert all(torch.equal(a, b) for a, b in zip(outer2.feedback.residuals, outer.feedback.residuals))

@@ -242,17 +242,24 @@ def training_state(rounds: Any, model: Any, inner_optimizer: Any, batches: Any) 
     import dataclasses
 
     feedback = getattr(rounds, "feedback", None)
-    if isinstance(feedback, list):  # streaming: one residual memory per fragment
-        residuals = [f.residuals if f is not None else None for f in feedback]
+    later = None
+    if hasattr(rounds, "checkpoint_state"):  # DiLoCo: as the round in flight will leave them
+        outer, local, residuals, later = rounds.checkpoint_state()
     else:
-        residuals = feedback.residuals if feedback is not None else None
+        outer = rounds.outer_state(inner=False)
+        local = rounds.local_state() if hasattr(rounds, "local_state") else None
+        if isinstance(feedback, list):  # streaming: one residual memory per fragment
+            residuals = [f.residuals if f is not None else None for f in feedback]
+        else:
+            residuals = feedback.residuals if feedback is not None else None
     return {
-        "outer": dataclasses.asdict(rounds.outer_state(inner=False)),  # AdamW: saved below
+        "outer": dataclasses.asdict(outer),  # AdamW: saved below
         "model": model.state_dict(),
         "inner_optimizer": inner_optimizer.state_dict(),
         "feedback": residuals,
         "data": batches.state_dict() if batches is not None else None,
-        "local": rounds.local_state() if hasattr(rounds, "local_state") else None,
+        "local": local,
+        "take_back": later,  # error feedback's, after the next encode (DiLoCo.checkpoint_state)
         # Dropout's masks (a Hugging Face model's, 0.1 by default) come from torch's generator:
         # without it a resumed run was not the uninterrupted one.
         "torch_rng": torch.get_rng_state(),
@@ -282,6 +289,8 @@ def restore_training(
                 memory.residuals = residuals
     elif feedback is not None:
         feedback.residuals = payload.get("feedback")
+        if hasattr(rounds, "take_back_later"):
+            rounds.take_back_later(payload.get("take_back"))
     if payload.get("data") is not None and batches is not None:
         batches.load_state_dict(payload["data"])
     rng = payload.get("torch_rng")
