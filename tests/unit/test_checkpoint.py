@@ -518,3 +518,57 @@ def test_a_checkpoint_taken_while_a_round_averages_resumes_into_the_run_that_wen
     assert all(torch.equal(a, b) for a, b in zip(outer2.global_params, outer.global_params))
     if topk:
         assert all(torch.equal(a, b) for a, b in zip(outer2.feedback.residuals, outer.feedback.residuals))
+
+
+def test_a_checkpoint_keeps_the_cuda_generators_on_a_gpu_machine(tmp_path, monkeypatch) -> None:
+    """Dropout on CUDA tensors draws from the CUDA generators, which the checkpoint did not keep:
+    a resumed GPU peer drew other masks than the run that went on. (No GPU here: torch.cuda's
+    generator calls stand in.)"""
+    from torch import nn
+
+    from optim.averager import LocalAverager
+    from optim.diloco import DiLoCo, DiLoCoConfig
+
+    states = [torch.arange(8, dtype=torch.uint8), torch.arange(8, 16, dtype=torch.uint8)]
+    restored: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [s.clone() for s in states])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    model = nn.Linear(2, 2)
+    inner = torch.optim.AdamW(model.parameters())
+    outer = DiLoCo(model, inner, LocalAverager(), DiLoCoConfig(inner_steps=2))
+    checkpoint.save(tmp_path, checkpoint.training_state(outer, model, inner, None))
+    payload, _ = checkpoint.load(tmp_path)
+    checkpoint.restore_training(payload, outer, model, inner, None)
+    assert [s.tolist() for s in restored] == [s.tolist() for s in states]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # resumed on a machine with one GPU
+    restored.clear()
+    checkpoint.restore_training(payload, outer, model, inner, None)
+    assert restored == []
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_nothing(tmp_path, monkeypatch) -> None:
+    """A full disk at a periodic checkpoint raised out of the round loop and stopped the peer
+    (the swarm lost it; the earlier checkpoint was intact). Now an error line and a
+    ``checkpoint_failed`` event, and training goes on; the next checkpoint is tried at its time."""
+    from pathlib import Path
+
+    from workbench.run.peer import Peer
+
+    def full(self, payload):  # type: ignore[no-untyped-def]
+        raise CheckpointError(
+            "cannot write the checkpoint: No space left on device; the earlier checkpoints are kept"
+        )
+
+    monkeypatch.setattr(checkpoint, "training_state", lambda *args: {})
+    monkeypatch.setattr(Peer, "_write_checkpoint", full)
+    events: list[tuple[str, dict]] = []
+    peer = Peer.__new__(Peer)
+    peer.run_dir, peer.name = Path(tmp_path), "a"
+    peer.diloco = type("Rounds", (), {"outer_step_count": 12})()
+    peer.model = peer.inner_optimizer = peer.batches = None
+    peer.emit = lambda event, **fields: events.append((event, fields))
+    assert peer.save_checkpoint() is None
+    assert events == [("checkpoint_failed", {"error": events[0][1]["error"], "outer_step": 12})]
+    assert "No space left" in events[0][1]["error"]

@@ -172,3 +172,36 @@ def test_a_failing_exporter_is_dropped_and_the_others_still_get_every_event() ->
     events.emit("round", outer_step=1)
     events.emit("round", outer_step=2)
     assert [r["outer_step"] for r in kept.records] == [1, 2] and events.exporters == [kept]
+
+
+def test_a_full_disk_under_metrics_jsonl_loses_events_not_the_run(caplog) -> None:
+    """metrics.jsonl was written unguarded: a full disk raised out of the round's report and
+    stopped the peer, and then out of close(), before the averager and the DHT were shut down."""
+    from unittest import mock
+
+    from workbench.run.peer import Peer
+    from workbench.run.telemetry import Events
+
+    class Full:
+        def __init__(self) -> None:
+            self.space = False
+
+        def write(self, line: str) -> None:
+            if not self.space:
+                raise OSError(28, "No space left on device")
+
+        def close(self) -> None:
+            raise OSError(28, "No space left on device")
+
+    events = Events()
+    events._file = Full()
+    with caplog.at_level("ERROR"):
+        events.emit("round", outer_step=1)
+        events.emit("round", outer_step=2)
+    assert caplog.text.count("cannot write metrics.jsonl") == 1  # said once, not every event
+    peer = Peer.__new__(Peer)
+    peer.outer = peer.dht = peer.board = peer.node = None
+    session = mock.MagicMock()
+    peer.peer_id, peer.session, peer.events = "", session, events
+    peer.close("finished")
+    assert session.close.called

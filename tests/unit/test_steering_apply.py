@@ -65,6 +65,34 @@ def test_a_peer_resumed_from_a_steered_checkpoint_does_not_write_it_again() -> N
     assert written == [dict(version=4, checkpoints=2, settings={"outer_lr": 0.5, "inner_steps": 4})]
 
 
+def test_a_checkpoint_refused_while_a_round_averages_is_written_at_a_later_round() -> None:
+    """The peer's checkpoint is refused while an overlapped round still averages (it returns
+    None): the request was used up unwritten. It is now tried again at each round boundary."""
+    watcher, written, refusals = Watcher(), [], [2]
+    peer: Steering
+
+    def checkpoint() -> str | None:
+        if refusals[0]:
+            refusals[0] -= 1
+            return None
+        written.append(dict(version=peer.version, checkpoints=peer.checkpoints))
+        return "checkpoint.pt"
+
+    peer = Steering(
+        watcher, name="a", peer_id="QmA", joiner=False,
+        emit=lambda *a, **k: None, publish=lambda: None, beat=lambda stage: None, checkpoint=checkpoint,
+    )  # fmt: skip
+    watcher.control = ControlState(version=1, checkpoint=1)
+    peer.apply(Outer(), data_parallel=False)
+    assert written == [] and peer.checkpoints == 0 and peer.owed == 1 and peer.version == 1
+    peer.apply(Outer(), data_parallel=False)  # still refused
+    assert written == [] and peer.owed == 1
+    peer.apply(Outer(), data_parallel=False)
+    assert written == [dict(version=1, checkpoints=1)] and peer.owed == 0
+    peer.apply(Outer(), data_parallel=False)
+    assert len(written) == 1  # once
+
+
 def test_a_joiner_does_not_serve_requests_made_before_it_came() -> None:
     watcher, written = Watcher(), []
     watcher.control = ControlState(version=5, checkpoint=3)

@@ -263,6 +263,8 @@ def training_state(rounds: Any, model: Any, inner_optimizer: Any, batches: Any) 
         # Dropout's masks (a Hugging Face model's, 0.1 by default) come from torch's generator:
         # without it a resumed run was not the uninterrupted one.
         "torch_rng": torch.get_rng_state(),
+        # ...and, on a GPU, from the CUDA generators (dropout on CUDA tensors draws there).
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
 
 
@@ -296,6 +298,16 @@ def restore_training(
     rng = payload.get("torch_rng")
     if isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8:
         torch.set_rng_state(rng)
+    cuda = payload.get("cuda_rng")
+    if (
+        isinstance(cuda, list)
+        and cuda
+        and all(isinstance(r, torch.Tensor) and r.dtype == torch.uint8 for r in cuda)
+    ):
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+            torch.cuda.set_rng_state_all(cuda)
+        else:  # another machine: dropout's masks differ from the run that went on, nothing else
+            logger.info("the checkpoint's CUDA generators are for %d GPU(s); not restored here", len(cuda))
 
 
 def load_moments(optimizer: Any, saved: dict[str, Any], *, say: bool = True) -> None:

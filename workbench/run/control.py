@@ -49,6 +49,10 @@ class Steering:
         """The owner's time box for rounds (None: the peer's own ``--round-seconds``)."""
         self.settings: dict[str, Any] = {}
         """Every setting steering changed on this peer, newest value (a checkpoint keeps them)."""
+        self.owed = 0
+        """A checkpoint request not written yet (its counter; 0: none): the peer's checkpoint
+        was refused at the time (an overlapped round still averaging), and it is tried again at
+        each round boundary until one is written. Once, it was used up unwritten."""
 
     def apply(self, outer: Any, *, data_parallel: bool) -> None:
         """At a round boundary: adopt the owner's newest settings once their step has come.
@@ -58,6 +62,8 @@ class Steering:
         """
         if self.watcher is None:
             return
+        if self.owed:
+            self._write_checkpoint(self.owed, outer)
         latest = self.watcher.poll(force=True)
         if latest is None or latest.version <= self.version:
             return
@@ -84,14 +90,30 @@ class Steering:
             changes["round_seconds"] = control.round_seconds
         self.settings.update((k, v) for k, v in changes.items() if k in (*RETUNED, "round_seconds"))
         self.version = control.version
-        if control.checkpoint > self.checkpoints:  # written with this version's settings and count,
-            self.checkpoints = control.checkpoint  # so a peer resumed from it does not write it again
-            changes["checkpoint"] = str(self.checkpoint())
+        if control.checkpoint > self.checkpoints:
+            changes["checkpoint"] = str(self._write_checkpoint(control.checkpoint, outer))
         self.emit(
             "control_applied", version=control.version, outer_step=outer.outer_step_count, changes=changes
         )
         logger.info("%s: applied control v%d: %s", self.name, control.version, changes or "no change")
         self.publish()
+
+    def _write_checkpoint(self, request: int, outer: Any) -> Any:
+        """Write the checkpoint of request number ``request``; its path, or None (owed then)."""
+        before, self.checkpoints = self.checkpoints, request  # written with this count, so that a
+        path = self.checkpoint()  # peer resumed from it does not write it again
+        if path is None:
+            self.checkpoints, self.owed = before, request
+            logger.info("%s: the checkpoint the owner asked for is tried again at the next round", self.name)
+            return None
+        if self.owed:
+            logger.info(
+                "%s: wrote the checkpoint the owner asked for, at outer step %d",
+                self.name,
+                outer.outer_step_count,
+            )
+        self.owed = 0
+        return path
 
     def restore(self, version: int, settings: dict[str, Any], outer: Any, *, checkpoints: int = 0) -> None:
         """After a resume: the steered settings the checkpoint was written with, their version

@@ -671,25 +671,39 @@ class Peer:
         # Ctrl+C during the save takes effect after its line and event (it came after the file
         # was written, and the peer stopped without saying it had written one).
         with not_interrupted():
-            path = checkpoint.save(
-                self.run_dir,
-                {
-                    "run_id": self.config.peer.run_id,
-                    "fingerprint": self.fingerprint()[0],
-                    "summary": self.fingerprint()[1],
-                    "name": self.name,
-                    **payload,
-                    "bytes": [self.stats.bytes_sent, self.stats.bytes_received, self.stats.dp_bytes],
-                    "control_version": self.steering.version,
-                    "control_checkpoints": self.steering.checkpoints,
-                    "steered": dict(self.steering.settings),
-                },
-            )
+            try:
+                path = self._write_checkpoint(payload)
+            except checkpoint.CheckpointError as error:  # a full disk: the run goes on
+                logger.error(
+                    "%s: no checkpoint at outer step %d: %s; training goes on, and the next checkpoint "
+                    "is tried at its time",
+                    self.name,
+                    self.diloco.outer_step_count,
+                    error,
+                )
+                self.emit("checkpoint_failed", error=str(error), outer_step=self.diloco.outer_step_count)
+                return None
             logger.info(
                 "%s: wrote checkpoint %s at outer step %d", self.name, path, self.diloco.outer_step_count
             )
             self.emit("checkpoint", path=str(path), outer_step=self.diloco.outer_step_count)
         return path
+
+    def _write_checkpoint(self, payload: dict[str, Any]) -> Path:
+        return checkpoint.save(
+            self.run_dir,
+            {
+                "run_id": self.config.peer.run_id,
+                "fingerprint": self.fingerprint()[0],
+                "summary": self.fingerprint()[1],
+                "name": self.name,
+                **payload,
+                "bytes": [self.stats.bytes_sent, self.stats.bytes_received, self.stats.dp_bytes],
+                "control_version": self.steering.version,
+                "control_checkpoints": self.steering.checkpoints,
+                "steered": dict(self.steering.settings),
+            },
+        )
 
     def resume(self, directory: str) -> None:
         """Continue from the checkpoint in ``directory`` (``--resume``): refuses another run or model."""

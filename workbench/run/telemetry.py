@@ -76,6 +76,7 @@ class Events:
     def __init__(self) -> None:
         self.name = "peer"
         self._file = None
+        self._failed = False  # the last write to the file failed (said once until one succeeds)
         self.exporters: list[Any] = []
 
     def open(self, run_dir: Path | None, *, name: str, exporters: list[Any]) -> None:
@@ -87,7 +88,17 @@ class Events:
     def emit(self, event: str, **fields: Any) -> None:
         record = {"event": event, "time": time.time(), "peer": self.name, **fields}
         if self._file:
-            self._file.write(json.dumps(record) + "\n")
+            try:
+                self._file.write(json.dumps(record) + "\n")
+                self._failed = False
+            except OSError as error:  # a full disk: the events are lost, training goes on
+                if not self._failed:
+                    logger.error(
+                        "%s: cannot write metrics.jsonl (%s); its events are lost until it can",
+                        self.name,
+                        error,
+                    )
+                self._failed = True
         for exporter in list(self.exporters):  # a copy: a failing one is dropped, the rest still get it
             try:
                 exporter.write(record)
@@ -97,7 +108,10 @@ class Events:
 
     def close(self) -> None:
         if self._file:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as error:  # its last lines could not be flushed (a full disk)
+                logger.error("%s: closing metrics.jsonl: %s", self.name, error)
             self._file = None
         for exporter in self.exporters:
             try:
