@@ -242,16 +242,17 @@ class SwarmAverager(Downloading):
             # success. Each attempt starts from this peer's own Δ; retry only while the others
             # of this round are still averaging, and while time is left.
             outer_step = int(info.get("outer_step", 0))
+            others = [p for p in self.board.fetch().values() if p.peer_id != self.peer_id]
+            moved_on = any(p.outer_step > outer_step + self.lag and not p.done for p in others)
             mates = [
                 p
-                for p in self.board.fetch().values()
-                if p.peer_id != self.peer_id
-                and p.outer_step == outer_step + self.lag
+                for p in others
+                if p.outer_step == outer_step + self.lag
                 and not p.done  # (overlapped: one that finished its run is at outer_step + 1 too)
                 and (self.overlapped or p.stage in (Stage.WAITING, Stage.AVERAGING))
             ]
             if not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
-                return self._failed(info, error, mates=[p.peer_id for p in mates])
+                return self._failed(info, error, mates=[p.peer_id for p in mates], moved_on=moved_on)
             logger.debug("round %d: attempt %d failed (%s); retrying", outer_step + 1, attempt, error)
         self.averaging_deadline.observe(time.monotonic() - started)
         # Success: the buffers now hold the group's weighted mean. Its members (hivemind's
@@ -357,9 +358,17 @@ class SwarmAverager(Downloading):
             self.matchmaking_window.observe(self.formed_after)
         return (gathered, "") if gathered else (None, "could not find a group")
 
-    def _failed(self, info: dict[str, Any], reason: str, *, mates: list[str]) -> RoundReport:
+    def _failed(
+        self, info: dict[str, Any], reason: str, *, mates: list[str], moved_on: bool = True
+    ) -> RoundReport:
         """The others of this round were ready but the round failed for this peer: they may
         have averaged without it, so after its local step its θ is presumed stale.
+
+        With no mate left at this round, only if a peer is past it (``moved_on``): the others
+        averaged without it. Peers behind it (a straggler still training the round before, a
+        joiner that has just landed at this step and trains) averaged nothing: presumed stale
+        all the same, a peer downloaded three times for a state older than its own (refused),
+        or took the joiner's and lost its own round.
 
         Unless the round failed for them too: then every one of them would download the
         others' θ at once (each from the other, with two peers), land on different clocks and
@@ -368,7 +377,7 @@ class SwarmAverager(Downloading):
         before it (peer ids) fetches the state: the first one keeps its θ for the others to
         fetch. If the others did average without it, the next group's θ check catches it."""
         report = self._alone(info, reason)
-        report.stale = not mates or any(mate < self.peer_id for mate in mates)
+        report.stale = (not mates and moved_on) or any(mate < self.peer_id for mate in mates)
         report.failed = True
         return report
 

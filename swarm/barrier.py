@@ -283,7 +283,9 @@ class RoundBarrier:
                     )
             waiting = [p.name for p in busy_peers]
             if not waiting:
-                if not landed:  # how far behind this peer its last mate came (not a download's length)
+                # How far behind this peer its last mate came (not a download's length); nothing
+                # when no mate came (only stragglers left: a 0 s wait pulled the learned one down).
+                if not landed and any(map(ready, others)):
                     self.wait.observe(now - started)
                 if need_ready and not any(map(ready, others)):
                     return Verdict.ALONE

@@ -538,6 +538,29 @@ def test_after_a_round_that_failed_for_all_only_the_later_ids_fetch_the_state():
     assert stale([])  # nobody left in this round: the others moved on without it
 
 
+def test_a_failed_round_with_only_peers_behind_leaves_this_peer_its_theta():
+    """No mate left in the round and nobody past it (a straggler still training the round
+    before, a joiner training at this step): nobody averaged without this peer. It was presumed
+    stale all the same, and downloaded a state older than its own (refused three times), or the
+    joiner's, losing its round. And a round with only stragglers left taught the learned wait
+    a 0 s arrival."""
+    from swarm.averaging import SwarmAverager
+
+    class Member:
+        peer_id = "QmB"
+        _alone = SwarmAverager._alone
+
+    report = SwarmAverager._failed(
+        Member(), {"outer_step": 3}, "could not find a group", mates=[], moved_on=False
+    )
+    assert report.failed and not report.stale
+    board = FakeBoard(beat("me", 4), beat("slow", 3, Stage.TRAINING))
+    barrier = averager(board, vouched=["slow"])
+    seen = list(barrier.wait._seen)
+    barrier.wait_for_round_mates(4)
+    assert list(barrier.wait._seen) == seen  # no mate came: nothing learnt
+
+
 def _settle(barrier: RoundBarrier, claims: dict[str, int], reached: int) -> None:
     """SwarmAverager.settle_claims on the barrier's vouching and board (no hivemind)."""
     from types import SimpleNamespace
