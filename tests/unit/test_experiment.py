@@ -363,3 +363,38 @@ def test_simulations_running_at_once_put_torch_s_threads_back_after_the_last():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_simulated_history_row_counts_what_each_peer_had_run_by_its_round() -> None:
+    """Streaming and overlapped virtual peers do not wait for each other every simulator round:
+    a fast peer's later rounds came in before a slow peer's report of this one, and its running
+    step count went into this round's row (step 17 for 16, tokens 16512 for 16384)."""
+    import threading
+    from types import SimpleNamespace
+
+    from workbench.notebook.experiment import _SimRows
+
+    config = SimpleNamespace(data=SimpleNamespace(batch_size=2), model=SimpleNamespace(block_size=8))
+    experiment = SimpleNamespace(peers=2, steps=12, config=config, _lock=threading.Lock(), _rows=[])
+    rows = _SimRows(experiment, loop_steps=4, per_row=1, started=0.0)
+
+    def report(rank: int, sim_round: int) -> None:
+        rows.reported(dict(round=sim_round, rank=rank, step=4 * sim_round, bytes=10, loss=1.0))
+
+    report(1, 1)
+    report(1, 2)  # the fast peer is a round ahead
+    report(0, 1)
+    report(0, 2)
+    assert [(r["round"], r["step"], r["tokens"]) for r in experiment._rows] == [
+        (1, 4, 8 * 16),
+        (2, 8, 16 * 16),
+    ]
+
+
+def test_real_peers_take_a_step_budget_of_whole_rounds_only() -> None:
+    """Real peers run whole rounds: steps=30 with inner_steps=20 ran 40 steps a peer while the
+    Experiment said 30 (the simulator ran 30: a comparison of unequal budgets)."""
+    with pytest.raises(ValueError, match=r"steps=30 is not a multiple of it; give steps=40 \(or rounds=2\)"):
+        Experiment(backend="local", steps=30, inner_steps=20, peers=2, model="tiny")
+    assert Experiment(backend="local", steps=40, inner_steps=20, peers=2, model="tiny").rounds == 2
+    assert Experiment(backend="sim", steps=30, inner_steps=20, peers=2, model="tiny").steps == 30

@@ -333,6 +333,14 @@ class Experiment:
             steps = 8 * DEMO_DEFAULTS["inner_steps"]
         if steps is None and rounds is None:
             rounds = 0 if backend == "swarm" else 8  # a swarm peer: until stop(), as the CLI's
+        if steps is not None and backend != "sim" and steps % H:
+            # Real peers run whole rounds (they have no step budget): steps=30 with H=20 ran 40
+            # steps a peer while the Experiment said 30, against a simulator that ran 30.
+            whole = max(1, -(-steps // H))
+            raise ValueError(
+                f"backend={backend!r} runs whole rounds of inner_steps={H}: steps={steps} is not a multiple "
+                f"of it; give steps={whole * H} (or rounds={whole})"
+            )
         self.rounds = rounds if rounds is not None else max(1, -(-steps // H))  # type: ignore[operator]
         self.steps = steps if steps is not None else self.rounds * H
         if backend == "sim":  # its settings, checked now rather than in the run's thread
@@ -694,7 +702,9 @@ class _SimRows:
         with self.lock:
             self.trained[rank] += int(info["step"]) - (sim_round - 1) * self.loop_steps  # this round's
             at = self.reports.setdefault(sim_round, {})
-            at[rank] = dict(info)
+            # What this peer had run by this round: a fast peer (streaming, overlap) reports later
+            # rounds before a slow one reports this, and its running count then went in this row.
+            at[rank] = dict(info, trained=self.trained[rank])
             if len(at) < experiment.peers:
                 return
             del self.reports[sim_round]
@@ -705,8 +715,10 @@ class _SimRows:
             config = experiment.config
             row = dict(
                 round=outer,
-                step=max(self.trained),  # what was run: time boxes cut rounds short (read 35 for 20)
-                tokens=sum(self.trained) * config.data.batch_size * config.model.block_size,
+                step=max(i["trained"] for i in at.values()),  # what was run: time boxes cut rounds short
+                tokens=sum(i["trained"] for i in at.values())
+                * config.data.batch_size
+                * config.model.block_size,
                 bytes_per_peer=int(at[0]["bytes"]),
                 loss=sum(i["loss"] for i in at.values()) / len(at),
                 eval_loss=self.evals.pop(outer, None),
