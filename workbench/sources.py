@@ -107,6 +107,14 @@ class LiveSource:
 
     def close(self) -> None:
         with self._lock:  # not in the middle of a poll
+            if self._last is None and not self.ended:
+                # Read once before closing: a view nothing had polled yet (a run that ended
+                # with no widget open) refused a widget made afterwards ("ended before it was
+                # read"); it shows the run's last reading instead.
+                try:
+                    self._last = self.monitor.poll()
+                except Exception as error:  # noqa: BLE001 - a DHT gone: the view stays unread
+                    logger.debug("%s: no last reading: %s", self.title, error)
             self.ended = True
         self.monitor.close()
         self.session.close()

@@ -9,6 +9,7 @@ import time
 import psutil
 import pytest
 
+from swarm.errors import SwarmError
 from tests.integration.conftest import FAST
 from workbench import Experiment
 
@@ -77,3 +78,11 @@ def test_a_short_swarm_run_that_ends_before_its_view_connects_is_reported_whole(
     assert history["round"].tolist() == [0, 1, 2], history
     seconds = history["seconds"].tolist()
     assert seconds == sorted(seconds) and seconds[-1] > 0.1, seconds  # from the peer's start
+    # Its view: the last reading if it connected; if not, said at once (it waited 120 s for a
+    # view that could no longer come, then raised TimeoutError).
+    asked = time.monotonic()
+    try:
+        run.widget()
+    except SwarmError as error:
+        assert "ended before its live view connected" in str(error), error
+    assert time.monotonic() - asked < 60

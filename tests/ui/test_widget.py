@@ -185,7 +185,13 @@ def test_a_closed_live_source_answers_with_its_last_reading(monkeypatch) -> None
     assert source.poll() == "reading 0"
     source.close()
     assert source.poll() == "reading 0" and readings == [0]  # no poll of the closed session
+    # Never read before it closed (a run that ended with no widget open): it reads once as it
+    # closes, so a widget made afterwards shows the run's last reading (it raised).
     never_read = sources.LiveSource(session)
     never_read.close()
+    assert never_read.poll() == "reading 1" and readings == [0, 1]
+    gone = sources.LiveSource(session)
+    gone.monitor.poll = lambda: (_ for _ in ()).throw(TimeoutError("the DHT is gone"))
+    gone.close()  # that last read failed: the view stays unread, said when asked
     with pytest.raises(SwarmError, match="it ended before it was read"):
-        never_read.poll()
+        gone.poll()

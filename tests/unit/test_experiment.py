@@ -398,3 +398,34 @@ def test_real_peers_take_a_step_budget_of_whole_rounds_only() -> None:
         Experiment(backend="local", steps=30, inner_steps=20, peers=2, model="tiny")
     assert Experiment(backend="local", steps=40, inner_steps=20, peers=2, model="tiny").rounds == 2
     assert Experiment(backend="sim", steps=30, inner_steps=20, peers=2, model="tiny").steps == 30
+
+
+def test_a_real_streaming_peer_gives_one_history_row_per_outer_round_and_its_end() -> None:
+    """A streaming peer sends an event per fragment sync: rounds=2 with 4 fragments made 8 rows
+    numbered 1..8; and the run's end (the last mean a delayed run had in flight, the final θ's
+    eval loss) never reached the history, which the simulator's rows hold."""
+    experiment = Experiment(backend="local", method="streaming", inner_steps=4, fragments=2, rounds=2, peers=2,
+                            model="tiny", sync_delay=1)  # fmt: skip
+
+    def sync(outer_step: int, loss: float) -> dict:
+        return dict(event="round", outer_step=outer_step, bytes_sent=10, inner_steps=2, loss=loss,
+                    eval_loss=3.0 - outer_step / 10, evaluated=outer_step % 2 == 0, time=100.0 + outer_step)  # fmt: skip
+
+    class Peer:
+        events = [
+            dict(event="started", time=100.0),
+            dict(event="initial_eval", outer_step=0, eval_loss=3.5),
+            *(sync(s, loss) for s, loss in zip(range(1, 5), (4.0, 3.0, 2.0, 1.0))),
+            dict(event="final_sync", outer_step=4, bytes_sent=7),
+            dict(event="done", final_eval_loss=2.5),
+        ]
+
+        def last(self, kind: str) -> dict | None:
+            return next((e for e in self.events if e["event"] == kind), None)
+
+        def poll_events(self) -> None:
+            pass
+
+    experiment._follow(Peer(), finished=lambda: True)
+    rows = [(r["round"], r["step"], r["bytes_per_peer"], r["loss"], r["eval_loss"]) for r in experiment._rows]
+    assert rows == [(0, 0, 0, None, 3.5), (1, 4, 20, 3.5, 2.8), (2, 8, 47, 1.5, 2.5)]

@@ -469,6 +469,10 @@ class Experiment:
                 raise self.error
             if self._thread is None:
                 raise RuntimeError("call run() first")
+            if self._done.is_set() and self._source is None:  # it waited 120 s for nothing
+                raise SwarmError(
+                    f"{self.name} ended before its live view connected (a short run): history() has its rows"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} has no live view yet")
             time.sleep(0.1)
@@ -636,9 +640,15 @@ class Experiment:
 
     def _follow(self, peer, finished) -> None:
         """Turn a real peer's round events into history rows until the run ends; ``seconds``
-        from the peer's start (its events' clock), not from when this began to follow."""
+        from the peer's start (its events' clock), not from when this began to follow. One row
+        per outer round: streaming's peers send an event per fragment sync (F a round), which
+        made F rows a round, numbered by syncs. The run's end (``final_sync``, ``done``) goes
+        into the last row: the bytes of the mean a delayed or overlapped run still had in
+        flight, and the final θ's eval loss (as the simulator's rows have them)."""
         started = (peer.last("started") or {}).get("time", time.time())
+        per = self.config.outer_method.syncs_per_round(self.config.fragments)
         sent = step = seen = 0
+        losses: list[float] = []
         while True:
             over = finished()  # before the read: the events it then gets include the last ones
             peer.poll_events()
@@ -648,7 +658,7 @@ class Experiment:
             for event in events:
                 if event["event"] == "initial_eval":
                     self._add(
-                        round=event["outer_step"],
+                        round=event["outer_step"] // per,
                         step=0,
                         tokens=0,
                         bytes_per_peer=0,
@@ -659,23 +669,38 @@ class Experiment:
                 if event["event"] == "round":
                     sent += event["bytes_sent"]
                     # Its own H this round: steered or time-boxed rounds change it.
-                    step += event.get("inner_steps") or self.config.diloco.inner_steps
+                    step += event.get("inner_steps") or self.config.diloco.inner_steps // per
+                    losses.append(event["loss"])
+                    if event["outer_step"] % per:
+                        continue  # a fragment's sync inside an outer round
                     self._add(
-                        round=event["outer_step"],
+                        round=event["outer_step"] // per,
                         step=step,
                         tokens=self._tokens(step),
                         bytes_per_peer=sent,
-                        loss=event["loss"],
+                        loss=sum(losses) / len(losses),
                         eval_loss=event["eval_loss"] if event.get("evaluated", True) else None,
                         seconds=max(0.0, event["time"] - started),
                     )
+                    losses = []
+                if event["event"] == "final_sync":
+                    sent += event.get("bytes_sent") or 0
+                    self._end(bytes_per_peer=sent)
                 if event["event"] == "done":
                     self.result = event
+                    if event.get("final_eval_loss") is not None:
+                        self._end(eval_loss=event["final_eval_loss"])
             if over:
                 return
             if self._stop.is_set():
                 raise Stopped(f"{self.name} was stopped")
             time.sleep(0.3)
+
+    def _end(self, **fields: Any) -> None:
+        """The run's end, into its last round's row (not the start's)."""
+        with self._lock:
+            if self._rows and self._rows[-1]["round"] > 0:
+                self._rows[-1].update(fields)
 
 
 class _SimRows:
