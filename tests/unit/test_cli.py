@@ -625,6 +625,35 @@ def test_export_refuses_an_empty_run_dir_and_an_out_folder(tmp_path, monkeypatch
     assert "cannot write --out" in one_error_line(capsys)
 
 
+def test_export_never_writes_over_what_it_reads_and_names_what_it_cannot_take(tmp_path, capsys):
+    """`--out RUN_DIR/metrics.jsonl` overwrote the peer's events with the rows exported (6 lines
+    became 1); a line whose time is not a number ended in a traceback; a typo beside a real kind
+    in --events was passed over, and `--events ,` exported nothing; `--wandb-mode online`
+    without --wandb did nothing, where `start` refuses it."""
+    events = tmp_path / "metrics.jsonl"
+    lines = [
+        {"event": "started", "time": 0.5, "peer": "a"},
+        {"event": "round", "time": 1.0, "peer": "a", "outer_step": 1},
+    ]
+    events.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    before = events.read_text()
+    assert main(["export", str(tmp_path), "--out", str(events)]) == EXIT_USER_ERROR
+    assert "is a metrics.jsonl under RUN_DIR" in one_error_line(capsys) and events.read_text() == before
+    assert main(["export", str(tmp_path), "--events", "round,state_donwloaded"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 and "no state_donwloaded events under" in err
+    assert main(["export", str(tmp_path), "--events", ","]) == EXIT_USER_ERROR
+    assert "names no event kind" in one_error_line(capsys)
+    assert (
+        main(["export", str(tmp_path), "--wandb-mode", "online", "--out", str(tmp_path / "x.jsonl")])
+        == EXIT_USER_ERROR
+    )
+    assert "add --wandb PROJECT" in one_error_line(capsys)
+    events.write_text(before + json.dumps({"event": "round", "time": "x", "peer": 5}) + "\n{}\n")
+    assert main(["export", str(tmp_path), "--csv"]) == EXIT_USER_ERROR
+    assert f"{events}:3 has a time that is not a number" in one_error_line(capsys)
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -49,7 +49,6 @@ def add_export_parser(commands) -> None:
     )
     parser.add_argument(
         "--wandb-mode",
-        default="offline",
         choices=("offline", "online"),
         help="offline (default: written under RUN_DIR/wandb, upload with `wandb sync`) or online",
     )
@@ -78,6 +77,12 @@ def read_events(run_dir: str | Path, kinds: set[str] | None) -> list[dict[str, A
         raise ExportError(
             f"no {', '.join(sorted(kinds))} events under {root} (it has: {', '.join(sorted(seen)) or 'none'}); "
             "see --events"
+        )
+    missing = sorted(kinds - seen) if kinds else []
+    if missing:  # a typo beside a kind that is there: said, not passed over
+        print(
+            f"no {', '.join(missing)} events under {root} (it has: {', '.join(sorted(seen))}); exported the rest",
+            file=sys.stderr,
         )
     if dropped:
         print(
@@ -109,6 +114,11 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
             raise ExportError(f"{path}:{number} is not a JSON line") from None
         if not isinstance(event, dict):
             continue
+        when = event.get("time", 0)
+        if not isinstance(when, (int, float)) or isinstance(when, bool) or when != when:
+            raise ExportError(
+                f"{path}:{number} has a time that is not a number ({when!r}): not a peer's event line"
+            )
         step = event.get("outer_step")
         if event.get("event") == "resumed_checkpoint" and isinstance(step, int):
             kept = [
@@ -120,7 +130,14 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
     return events, dropped
 
 
-def _open_out(path: str):
+def _open_out(path: str, run_dir: str):
+    target, root = Path(path).resolve(), Path(run_dir).resolve()
+    if target.name == "metrics.jsonl" and target.is_relative_to(root):
+        # It overwrote the peer's own events with the rows exported (the rest were lost).
+        raise ExportError(
+            f"--out {path} is a metrics.jsonl under RUN_DIR, where the peers' events are read from: "
+            "give another name, e.g. rounds.jsonl"
+        )
     if Path(path).is_dir():
         raise ExportError(f"--out {path} is a folder: give a file name, e.g. {Path(path) / 'rounds.csv'}")
     try:
@@ -130,7 +147,14 @@ def _open_out(path: str):
 
 
 def _kinds(events: str) -> set[str] | None:
-    return None if events == "all" else {k.strip() for k in events.split(",") if k.strip()}
+    if events.strip() == "all":
+        return None
+    kinds = {k.strip() for k in events.split(",") if k.strip()}
+    if not kinds:
+        raise ExportError(
+            f"--events {events!r} names no event kind: e.g. --events round,state_downloaded, or all"
+        )
+    return kinds
 
 
 def run_export_command(args: argparse.Namespace) -> int:
@@ -138,6 +162,10 @@ def run_export_command(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None and not getattr(args, flag).strip():
             # Taken as absent, it sent JSON lines to stdout where a file or a service was asked for.
             raise ExportError(f"--{flag} is empty: give it a value, or drop it")
+    if args.wandb_mode is not None and not args.wandb:
+        raise ExportError(  # as `workbench start` says it: it was taken and did nothing
+            f"--wandb-mode {args.wandb_mode} logs to a W&B project, and none is given: add --wandb PROJECT"
+        )
     if args.tensorboard or args.wandb:
         if args.csv or args.out:
             raise ExportError(
@@ -146,7 +174,7 @@ def run_export_command(args: argparse.Namespace) -> int:
             )
         return _replay(args)
     rows = read_events(args.run_dir, _kinds(args.events or "round"))
-    out = _open_out(args.out) if args.out else sys.stdout
+    out = _open_out(args.out, args.run_dir) if args.out else sys.stdout
     try:
         if args.csv:
             columns: dict[str, None] = {}
@@ -181,7 +209,7 @@ def _replay(args: argparse.Namespace) -> int:
         exporters = make_exporters(
             tensorboard=str(Path(args.tensorboard) / name) if args.tensorboard else None,
             wandb_project=args.wandb,
-            wandb_mode=args.wandb_mode,
+            wandb_mode=args.wandb_mode or "offline",
             wandb_dir=Path(args.run_dir),  # wandb writes its runs under <dir>/wandb
             name=name,
         )
