@@ -957,3 +957,23 @@ def test_config_show_never_prints_the_run_secret(capsys, monkeypatch):
     assert main(["config", "show", "--sources"]) == 0
     out = capsys.readouterr().out
     assert "envsecret99" not in out and "set, never printed" in out
+
+
+def test_a_status_that_cannot_reach_the_run_leaves_no_empty_recording(tmp_path, monkeypatch, capsys):
+    """`status MULTIADDR --record new.jsonl` against a run it could not reach left new.jsonl with
+    its header only, which `status --replay` then refused ("holds no readings")."""
+    import workbench.cli.status as status
+    from swarm.errors import SwarmError
+
+    def unreachable(args):  # type: ignore[no-untyped-def]
+        raise SwarmError("could not reach any bootstrap peer")
+
+    monkeypatch.setattr(status, "open_observer", unreachable)
+    new, kept = tmp_path / "new.jsonl", tmp_path / "kept.jsonl"
+    kept.write_text('{"format": "workbench-monitor/1"}\n')
+    for path in (new, kept):
+        assert (
+            main(["status", f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}", "--record", str(path)]) == EXIT_USER_ERROR
+        )
+        assert "could not reach" in one_error_line(capsys)
+    assert not new.exists() and kept.exists()  # one it did not make is left alone

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from swarm.bounds import parser as bounded
@@ -175,11 +176,17 @@ def run_status_command(args: argparse.Namespace) -> int:
 
     RunKeys(args.run_id, args.secret)  # a bad run id, secret or owner fails before connecting
     check_owner(args.owner)
+    new_record = bool(args.record) and not Path(args.record).exists()
     if args.record:  # so does a --record file that cannot be written, or is not a recording
         from swarm.monitor import open_recording
 
         open_recording(args.record).close()
-    session, read = open_observer(args)
+    try:
+        session, read = open_observer(args)
+    except BaseException:
+        if new_record:  # a refused run leaves no recording of nothing behind ("holds no readings")
+            _remove_if_empty(Path(args.record))
+        raise
     monitor = SwarmMonitor(read, record_to=args.record)
     try:
         while True:
@@ -196,3 +203,12 @@ def run_status_command(args: argparse.Namespace) -> int:
     finally:
         monitor.close()
         session.close()
+
+
+def _remove_if_empty(path: Path) -> None:
+    """Remove a recording this command made that holds its header only."""
+    try:
+        if len(path.read_text(errors="replace").splitlines()) <= 1:
+            path.unlink()
+    except OSError:
+        pass
