@@ -205,3 +205,22 @@ def test_a_full_disk_under_metrics_jsonl_loses_events_not_the_run(caplog) -> Non
     peer.peer_id, peer.session, peer.events = "", session, events
     peer.close("finished")
     assert session.close.called
+
+
+def test_a_peer_refused_before_it_started_says_nothing_of_leaving() -> None:
+    """A refused --resume (a checkpoint of another model) appended a "left" event to the
+    checkpoint folder's metrics.jsonl, which `export` then listed; only a peer that said
+    "started" says "left"."""
+    from unittest import mock
+
+    from workbench.run.peer import Peer
+
+    for announced in (False, True):
+        said: list[str] = []
+        peer = Peer.__new__(Peer)
+        peer.outer = peer.dht = peer.board = peer.node = None
+        peer.peer_id, peer.session, peer.events = "", mock.MagicMock(), mock.MagicMock()
+        peer.emit = lambda event, said=said, **fields: said.append(event)
+        peer.announced = announced
+        peer.close("error")
+        assert said == (["left"] if announced else [])

@@ -64,6 +64,9 @@ class Peer:
     checkpoints (:mod:`workbench.run.checkpoint`) and, in the local lab, injected faults
     (:mod:`workbench.run.faults`). This class runs the rounds and publishes the heartbeat."""
 
+    announced = False
+    """Whether it said "started" (its join command is out): only then does it say "left"."""
+
     def __init__(
         self, config: RunConfig, *, on_started: Callable[[list[str], Path, bool], None] | None = None
     ) -> None:
@@ -204,6 +207,7 @@ class Peer:
             params=self.model.num_params(),
             data=self.corpus.source,
         )
+        self.announced = True
 
     def fingerprint(self) -> tuple[str, str]:
         """(fingerprint, summary) of this peer's model and the optimizer settings all peers share,
@@ -838,7 +842,8 @@ class Peer:
                 self.board.publish_now(self.heartbeat(), timeout=2.0)
             except Exception as error:
                 logger.debug("could not announce leaving: %s", error)
-        self.emit("left", reason=reason)
+        if self.announced:  # a peer refused before it started (a bad --resume) left nothing to say
+            self.emit("left", reason=reason)
         if self.node is not None:
             try:
                 self.node.stop()  # the followers return; their processes exit with ours
