@@ -691,6 +691,27 @@ def test_the_web_monitor_on_a_taken_port_is_one_line(capsys, tmp_path: Path) -> 
     assert f"cannot serve the monitor on 127.0.0.1:{port}" in one_error_line(capsys)
 
 
+def test_the_web_monitor_checks_its_inputs_before_it_serves(capsys, tmp_path: Path, monkeypatch) -> None:
+    """`replay missing.jsonl --web` and `monitor ... --key missing --web` served on, the error
+    said only in the browser: checked first now, as without --web."""
+    import workbench.cli.monitor as monitor
+
+    served: list = []
+    monkeypatch.setattr(monitor, "_serve", lambda argv, port: served.append(argv) or 0)
+    assert main(["replay", str(tmp_path / "missing.jsonl"), "--web"]) == EXIT_USER_ERROR
+    assert "cannot read the recording" in one_error_line(capsys)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["replay", str(empty), "--web"]) == EXIT_USER_ERROR
+    assert "is not a workbench monitor recording" in one_error_line(capsys)
+    address = f"/ip4/127.0.0.1/tcp/9/p2p/{PEER_ID}"
+    assert main(["monitor", address, "--key", str(tmp_path / "missing.key"), "--web"]) == EXIT_USER_ERROR
+    assert "cannot read" in one_error_line(capsys)
+    assert main(["monitor", address, "--record", str(tmp_path), "--web"]) == EXIT_USER_ERROR
+    assert "cannot write the recording" in one_error_line(capsys)
+    assert served == []
+
+
 # --- doctor ----------------------------------------------------------------------------------------
 
 

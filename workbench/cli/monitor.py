@@ -57,21 +57,20 @@ def _add_web_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run_monitor_command(args: argparse.Namespace, argv: list[str]) -> int:
-    if args.web:
-        return _serve(argv, args.web_port)
-    from tui.app import run_app
     from workbench.sources import LiveSource, ReplaySource
 
+    if args.web:
+        _check_port(args.web_port)
     if args.command == "replay":
         source = ReplaySource(args.file, interval=args.interval)
-        _need_a_terminal("replay", source.close)
     else:
         from swarm.addresses import parse_peer_addresses
         from swarm.records import check_owner
 
         parse_peer_addresses(args.peers)  # a bad address first: it needs no terminal to be said
         check_owner(args.owner)
-        _need_a_terminal("monitor")
+        if not args.web:
+            _need_a_terminal("monitor")
         if args.record:  # a --record file that cannot be written, or is not a recording: before connecting
             from swarm.monitor import open_recording
 
@@ -83,8 +82,16 @@ def run_monitor_command(args: argparse.Namespace, argv: list[str]) -> int:
             owner=args.owner,
             key=args.key,
             connect_timeout=args.connect_timeout,
-            record_to=args.record,
+            record_to=None if args.web else args.record,
         )
+    if args.web:
+        # Checked here, as without --web: served as they were, a missing recording, a bad key or
+        # an unreachable peer were said only in the browser, with the server running on.
+        source.close()
+        return _serve(argv, args.web_port)
+    if args.command == "replay":
+        _need_a_terminal("replay", source.close)
+    from tui.app import run_app
     from workbench.run.stopping import stopped_by_signals
 
     with stopped_by_signals():  # a closed terminal (SIGHUP) closes the source's DHT process too
@@ -114,6 +121,18 @@ def _serve(argv: list[str], port: int) -> int:
     """The same command without --web, served to a browser by textual-serve."""
     from textual_serve.server import Server
 
+    _check_port(port)
+    command = [arg for arg in argv if arg != "--web"]
+    if "--web-port" in command:
+        at = command.index("--web-port")
+        del command[at : at + 2]
+    shell = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "workbench", *command])
+    print(f"serving the monitor on http://127.0.0.1:{port} (Ctrl+C stops)", file=sys.stderr)
+    Server(shell, host="127.0.0.1", port=port, title="swarm workbench").serve()
+    return 0
+
+
+def _check_port(port: int) -> None:
     if not 1 <= port <= 65535:
         raise SwarmError(f"--web-port must be within 1..65535 (got {port})")
     with socket.socket() as probe:  # textual-serve would say so only in a traceback, after "serving"
@@ -123,11 +142,3 @@ def _serve(argv: list[str], port: int) -> int:
             raise SwarmError(
                 f"cannot serve the monitor on 127.0.0.1:{port} ({error.strerror}): pick another --web-port"
             ) from None
-    command = [arg for arg in argv if arg != "--web"]
-    if "--web-port" in command:
-        at = command.index("--web-port")
-        del command[at : at + 2]
-    shell = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "workbench", *command])
-    print(f"serving the monitor on http://127.0.0.1:{port} (Ctrl+C stops)", file=sys.stderr)
-    Server(shell, host="127.0.0.1", port=port, title="swarm workbench").serve()
-    return 0
