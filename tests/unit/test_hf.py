@@ -204,6 +204,11 @@ def test_dataset_mistakes_are_clear(tmp_path: Path) -> None:
         DataConfig(path="x", dataset="y")
     with pytest.raises((ValueError, DataError), match="cannot open dataset"):
         ByteCorpus.load(DataConfig(dataset=str(tmp_path / "no-such-dataset-here")))
+    # A bare name that ends like a data file is a local typo, not a hub name tried for a minute.
+    with pytest.raises(
+        (ValueError, DataError), match="cannot open dataset 'nope.jsonl': no such file or folder"
+    ):
+        ByteCorpus.load(DataConfig(dataset="nope.jsonl"))
 
 
 def test_the_simulator_trains_the_folder_s_model_on_the_tokenizer_s_ids(

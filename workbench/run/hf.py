@@ -192,7 +192,10 @@ def open_dataset(name: str, *, subset: str | None, split: str, streaming: bool):
     of them (json/jsonl, csv, parquet, txt), or a hub name."""
     datasets = _require("datasets")
     path = Path(name).expanduser()
-    if name.startswith(("/", "./", "../", "~")) and not path.exists():
+    # A path, or a bare name ending like a data file ("data.jsonl": hub names have no such
+    # end): a missing one is a typo here, not a hub name to try for a minute.
+    local = name.startswith(("/", "./", "../", "~")) or path.suffix in DATA_SUFFIXES
+    if local and not path.exists():
         raise ValueError(f"cannot open dataset {name!r}: no such file or folder")
     try:
         if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
