@@ -19,10 +19,12 @@ from dataclasses import asdict, dataclass
 
 from swarm.errors import SwarmError
 
-PROTOCOL = "workbench-records/2"
+PROTOCOL = "workbench-records/3"
 """Version of the DHT record layout (swarm.records); peers with another one cannot see each other.
 2 (stop 57): a steering record holds the versions before it (``earlier``), which peers of layout
-1 refuse as malformed: they apply no steering of a run whose owner runs layout 2."""
+1 refuse as malformed: they apply no steering of a run whose owner runs layout 2.
+3 (stop 58): donors declare their state under their signed ``[owner:...]`` key (``RunKeys.donors``),
+which the run's nodes require: joiners of layout 2 find no donor of layout 3, and the reverse."""
 
 
 @dataclass
