@@ -503,6 +503,13 @@ class StreamingRounds:
         with self.lock:
             return read(self.global_params)
 
+    def settled_global(self) -> list[torch.Tensor]:
+        """A copy of θ_global with the merge of the fragment in flight (τ > 0) if its mean has
+        landed and passes the checks, changing nothing: what a peer stopped mid-run writes (as
+        :meth:`optim.diloco.DiLoCo.settled_global`)."""
+        with self.lock:
+            return self._state_with(self._inflight, ([], [])).params
+
     def with_global(self, run: Callable[[], T]) -> T:
         """As :meth:`StreamingDiLoCo.with_global`, under the lock (no merge meanwhile)."""
         with self.lock:

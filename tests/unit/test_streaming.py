@@ -217,7 +217,14 @@ def test_streaming_rounds_with_a_sync_delay_train_as_the_simulator_does():
         _train(model, inner, data, rounds.steps_per_round, rounds.note_inner_step)
         reports.append(rounds.sync(info={"fingerprint": []}))
     assert rounds.outer_step_count == 7  # the clock moves when an all-reduce starts
+    rounds._inflight.future.result(timeout=10)
+    before = [g.clone() for g in rounds.global_params]
+    settled = rounds.settled_global()  # what a peer stopped now writes: with the landed merge
+    assert all(torch.equal(a, b) for a, b in zip(rounds.global_params, before))  # nothing changed
+    assert any(not torch.equal(a, b) for a, b in zip(settled, before))
     assert rounds.finish() is not None and rounds.finish() is None
+    for ours, theirs in zip(settled, rounds.global_params):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
     assert reports[0].pending and not any(r.pending for r in reports[1:])
     assert rounds.streaming.syncs == reference.syncs == 7
     for ours, theirs in zip(model.parameters(), reference_model.parameters()):
