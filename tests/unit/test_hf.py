@@ -292,3 +292,24 @@ def test_each_document_of_a_tokenized_corpus_ends_with_end_of_text(tmp_path: Pat
     eos = 1  # make_tokenizer's <eos>
     ends = int((corpus.train == eos).sum()) + int((corpus.val == eos).sum())
     assert ends >= 199, ends  # one per record (the split may cut one off)
+
+
+def test_hugging_face_libraries_log_once_through_the_peers_log(monkeypatch) -> None:
+    """huggingface_hub has a handler of its own and propagates too: each of its retry warnings
+    (a tokenizer name the hub cannot be reached for) came out twice, raw and formatted."""
+    import logging
+
+    from workbench.run import hf
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    monkeypatch.setattr(root, "handlers", [handler])
+    hub = logging.getLogger("huggingface_hub")
+    monkeypatch.setattr(hub, "handlers", [logging.StreamHandler()])
+    monkeypatch.setattr(hub, "propagate", True)
+    library = logging.getLogger("transformers")  # (put back as found after the test)
+    monkeypatch.setattr(library, "handlers", list(library.handlers))
+    monkeypatch.setattr(library, "propagate", library.propagate)
+    hf._require("transformers")
+    assert hub.handlers == [] and hub.propagate
+    assert logging.getLogger("transformers").handlers == [] and logging.getLogger("transformers").propagate

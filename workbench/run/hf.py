@@ -36,11 +36,24 @@ class MissingExtra(ValueError):
 
 def _require(module: str) -> Any:
     try:
-        return __import__(module)
+        imported = __import__(module)
     except ImportError:
         raise MissingExtra(
             f"this needs the '{module}' package: pip install 'swarm-workbench[hf]' (or pip install {module})"
         ) from None
+    _one_log()
+    return imported
+
+
+def _one_log() -> None:
+    """Hugging Face's libraries log through the peer's log, once: huggingface_hub adds a handler
+    of its own and propagates as well (each of its retry warnings came out twice, raw and
+    formatted), transformers logs raw lines beside the peer's."""
+    for name in ("huggingface_hub", "transformers"):
+        library = logging.getLogger(name)
+        if logging.getLogger().handlers:  # a log is set up (the CLI's): theirs go through it
+            library.handlers.clear()
+            library.propagate = True
 
 
 def is_model_dir(name: str) -> bool:
