@@ -47,7 +47,7 @@ def own_share(report: RoundReport, weight: float) -> float:
     """This peer's share of a round's weighted mean: its counted weight over the group's (1 alone).
     In a round it missed (the simulator's dropout) the group's info holds only the others: its
     share is what it would have been among them."""
-    if report.group_size <= 1:
+    if report.group_size <= 1 and not report.missed:
         return 1.0
     claims = [claim(i.get("weight")) for i in report.group_info if isinstance(i, dict)]
     if weight in claims and not report.missed:  # this peer's own entry: the others are the rest

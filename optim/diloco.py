@@ -205,9 +205,6 @@ class DiLoCo:
         """Encode Δ as the group will receive it; returns the decoded Δ and the payload bytes."""
         if self.feedback is not None:
             encoded, decoded = self.feedback.compress(deltas)
-            later, self._take_back_later = self._take_back_later, None
-            if later is not None:  # a resumed checkpoint's refused round in flight (checkpoint_state)
-                self.feedback.take_back(later)
             return decoded, encoded_nbytes(encoded)
         return self.codec.round_trip(deltas)
 
@@ -342,6 +339,11 @@ class DiLoCo:
         all-reduce starts in the background and the report is that of the previous round."""
         self.inner_copies.leave()
         outgoing = self._outgoing(info)
+        later, self._take_back_later = self._take_back_later, None
+        if later is not None and self.feedback is not None:
+            # A resumed checkpoint's round in flight that the group refused: taken back where
+            # the run that went on collected it, after this round's encode (checkpoint_state).
+            self.feedback.take_back(later)
         if self.config.overlap:
             return self._sync_overlapped(outgoing)
         sent = [d.clone() for d in outgoing.deltas] if self.offset else []
@@ -633,7 +635,8 @@ class DiLoCo:
         return read_settled(self, inflight_timeout, read)
 
     def take_back_later(self, sent: list[torch.Tensor] | None) -> None:
-        """(A resumed checkpoint's.) Error feedback takes ``sent`` back after the next encode;
+        """(A resumed checkpoint's.) Error feedback takes ``sent`` back at the next round, after
+        its encode (whether this peer's update was finite or not);
         one that does not fit the residuals (another model) is dropped with a warning."""
         residuals = self.feedback.residuals if self.feedback is not None else None
         if sent and (

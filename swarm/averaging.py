@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -181,6 +182,7 @@ class SwarmAverager(Downloading):
             codec=config.compression,
             ready_snapshots=not overlapped,  # see StateSharing._init_state_sharing
             donor_subkey=getattr(getattr(board, "store", None), "subkey", None),  # this peer's signed key
+            state_numel=None if state_shapes is None else sum(math.prod(s) for s in state_shapes),
             # The shortest window; each step asks for the learned one (scheduled_time).
             min_matchmaking_time=self.matchmaking_window.floor,
             request_timeout=max(3.0, config.matchmaking_time),

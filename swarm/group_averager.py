@@ -64,6 +64,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         masks: int = 0,
         ready_snapshots: bool = True,
         donor_subkey: bytes | None = None,
+        state_numel: int | None = None,
         **kwargs: Any,
     ) -> None:
         self._state_provider = state_provider
@@ -89,13 +90,17 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
         bindable_ = bool(bind) and bindable(bind)
         # A donor may send at most this much: 8 copies of the parameters and 64 MiB of slack
-        # (θ, momentum, a queued update and AdamW's two moments are 5).
+        # (θ, momentum, a queued update and AdamW's two moments are 5). ``state_numel``: the
+        # model's parameters, where the state served is more than this group's tensors (streaming's
+        # fragment 0 serves the whole model's: with 4 fragments, every download of a model past
+        # 8.4 M parameters was refused as too large).
         params = args[0][: len(args[0]) - masks]  # a state holds no masks
+        numel = state_numel if state_numel is not None else sum(t.numel() for t in params)
         self._init_state_sharing(
             fault_file=fault_file,
             direct=data_plane == "direct",
             state_host=bind if data_plane == "direct" and bindable_ else None,
-            limit=8 * 4 * sum(t.numel() for t in params) + (64 << 20),
+            limit=8 * 4 * numel + (64 << 20),
             ready=ready_snapshots,
             theta_provider=theta_provider,
             subkey=donor_subkey,

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's n
 import torch
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
@@ -558,7 +558,7 @@ class StateSharing:
                 stub.rpc_download_state(averaging_pb2.DownloadRequest()),
                 timeout=self.next_chunk_timeout or self.request_timeout,
             )
-            metadata, tensors, parts, received, decoded = None, [], [], 0, 0
+            metadata, tensors, parts, received = None, [], [], 0
             self.download[:] = [0.0, 0.0, 1.0]
             async for message in aiter_with_timeout(
                 stream, timeout=self.next_chunk_timeout or self.request_timeout
@@ -574,16 +574,14 @@ class StateSharing:
                     if isinstance(announced, int) and 0 < announced <= self._state_limit:  # for display only
                         self.download[1] = float(announced)
                 self.download[0] = float(received)
-                if message.tensor_part.dtype:  # the first part of a tensor: its size and dtype
-                    if parts:
-                        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                        parts = []
-                    decoded += _decoded_bytes(message.tensor_part)
-                    if decoded > self._state_limit:  # a compressed part may decode to 4x (8-bit) or more
-                        raise SwarmError(
-                            f"its tensors decode to over {self._state_limit >> 20} MiB, more than this "
-                            "model's state"
-                        )
+                if message.tensor_part.compression != runtime_pb2.CompressionType.NONE:
+                    # Donors send their state as it is (state_compression): hivemind decodes a
+                    # compressed part whole before it checks its size, 8 bytes for every byte sent
+                    # (8-bit codes as int64), which the byte limit above did not bound.
+                    raise SwarmError("it sent its state compressed, which no donor does")
+                if message.tensor_part.dtype and parts:  # the first part of the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
                 parts.append(message.tensor_part)
             if parts:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
@@ -769,14 +767,3 @@ async def _cut_if_stalled(task: asyncio.Task | None, sent: list[int], peer: str)
             break
     logger.warning("cut the state stream to %s: it moved under %d KiB/s", peer[-8:], MIN_RATE >> 10)
     task.cancel()
-
-
-def _decoded_bytes(part: Any) -> int:
-    """What a streamed tensor (its first part: ``size`` and ``dtype``) takes once decoded; a
-    dtype torch does not know counts as 8 bytes an element (hivemind's decoding then refuses it)."""
-    numel = math.prod(int(n) for n in part.size)
-    try:
-        itemsize = torch.empty((), dtype=getattr(torch, str(part.dtype))).element_size()
-    except (AttributeError, TypeError, RuntimeError):
-        itemsize = 8
-    return numel * max(itemsize, 4)  # the state is taken as fp32 (swarm.download._parse_state)

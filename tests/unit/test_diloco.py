@@ -927,6 +927,9 @@ def test_a_missed_round_does_not_take_another_members_weight_for_this_peers() ->
     assert own_share(RoundReport(group_size=2, group_info=others, missed=True), 2.0) == pytest.approx(1 / 3)
     present = [*others, {"weight": 2.0}]
     assert own_share(RoundReport(group_size=3, group_info=present), 2.0) == pytest.approx(1 / 3)
+    # Of three peers, this one missed and one more dropped: the other's group of one. 1/2, not 1.
+    alone = RoundReport(group_size=1, group_info=others[:1], missed=True)
+    assert own_share(alone, 2.0) == pytest.approx(1 / 2)
 
 
 def test_the_naive_delay_lags_a_round_and_finish_applies_its_last_mean() -> None:

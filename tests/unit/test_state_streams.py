@@ -153,10 +153,11 @@ def test_one_address_gets_one_stream_whatever_keys_it_brings():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # torch deprecates quantize_per_tensor, used by 8-bit
-def test_a_joiner_bounds_what_a_streamed_state_decodes_to_not_only_its_bytes():
+def test_a_joiner_refuses_a_streamed_state_that_comes_compressed(monkeypatch):
     """The stream's limit counted the bytes on the wire: a donor naming 8-bit compression sent
-    64 MiB that decoded to 256 MiB of fp32 (4x the limit, before any check of the state). Each
-    tensor's decoded size (its first part says it) now counts, before it is decoded."""
+    64 MiB that hivemind decoded whole (8 bytes for every byte sent: the codes as int64) before
+    any check; its declared size is the donor's word. Donors send their state uncompressed: a
+    compressed part is refused before anything is decoded."""
     import torch
     from hivemind.compression import serialize_torch_tensor
     from hivemind.utils.streaming import split_for_streaming
@@ -184,9 +185,44 @@ def test_a_joiner_bounds_what_a_streamed_state_decodes_to_not_only_its_bytes():
             return SimpleNamespace(rpc_download_state=rpc_download_state)
 
     eight_bit = runtime_pb2.CompressionType.UNIFORM_8BIT
-    big = serialize_torch_tensor(torch.randn(4 << 20), eight_bit)  # 4 MiB on the wire, 16 MiB decoded
-    got = asyncio.run(Joiner(8 << 20, [big])._download_from(_Id("donor")))
-    assert got is None  # refused before decoding, though its bytes were within the limit
-    small = serialize_torch_tensor(torch.randn(1 << 20), eight_bit)  # 4 MiB decoded
-    metadata, tensors = asyncio.run(Joiner(8 << 20, [small])._download_from(_Id("donor")))
+    packed = serialize_torch_tensor(torch.randn(1 << 20), eight_bit)  # 1 MiB on the wire
+    decoded: list = []
+    monkeypatch.setattr(state_sharing, "deserialize_torch_tensor", lambda part: decoded.append(part))
+    assert asyncio.run(Joiner(8 << 20, [packed])._download_from(_Id("donor"))) is None
+    assert decoded == []  # refused before decoding, though its bytes were within the limit
+    monkeypatch.undo()
+    plain = serialize_torch_tensor(
+        torch.randn(1 << 20), runtime_pb2.CompressionType.NONE
+    )  # as donors send it
+    metadata, tensors = asyncio.run(Joiner(8 << 20, [plain])._download_from(_Id("donor")))
     assert [t.numel() for t in tensors] == [1 << 20]
+
+
+def test_streamings_state_limit_counts_the_whole_model_not_fragment_0(monkeypatch):
+    """Fragment 0's averager serves the whole model's state (θ, momentum and AdamW of every
+    parameter), but its limit was 8 copies of its own fragment: with 4 fragments, every download
+    of a model past 8.4 M parameters was refused as too large."""
+    import torch
+
+    from swarm import averaging
+    from swarm.records import RunKeys
+    from workbench.config import AveragingConfig
+
+    made: dict = {}
+
+    class Made(Exception):
+        pass
+
+    def capture(*args, **kwargs):
+        made.update(kwargs)
+        raise Made
+
+    monkeypatch.setattr(averaging, "GroupAverager", capture)
+    dht = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "QmMe"))
+    with pytest.raises(Made):
+        averaging.SwarmAverager(
+            dht, keys=RunKeys("limit"), tensors_like=[torch.empty(1000, device="meta")], board=None,
+            beat=lambda stage: None, state_provider=lambda: None, config=AveragingConfig(), group="fragment0",
+            state_shapes=[(1000,), (3000,)],
+        )  # fmt: skip
+    assert made["state_numel"] == 4000

@@ -37,10 +37,13 @@ class Steering:
         publish: Callable[[], None],
         beat: Callable[[Stage], None],
         checkpoint: Callable[[], Any],
+        can_checkpoint: bool = True,
     ) -> None:
         self.watcher = watcher
         self.name, self.peer_id, self.joiner = name, peer_id, joiner
         self.emit, self.publish, self.beat, self.checkpoint = emit, publish, beat, checkpoint
+        self.can_checkpoint = can_checkpoint
+        """False for a peer without a --run-dir: a request it cannot write is not retried."""
         self.version = 0
         """The owner's ControlState version whose settings this peer applied."""
         self.checkpoints = 0
@@ -102,7 +105,7 @@ class Steering:
         """Write the checkpoint of request number ``request``; its path, or None (owed then)."""
         before, self.checkpoints = self.checkpoints, request  # written with this count, so that a
         path = self.checkpoint()  # peer resumed from it does not write it again
-        if path is None:
+        if path is None and self.can_checkpoint:
             self.checkpoints, self.owed = before, request
             logger.info("%s: the checkpoint the owner asked for is tried again at the next round", self.name)
             return None

@@ -186,6 +186,7 @@ class Peer:
             publish=self.publish,
             beat=self.beat,
             checkpoint=self.save_checkpoint,
+            can_checkpoint=self.run_dir is not None,
         )
 
     def _announce(self) -> None:
