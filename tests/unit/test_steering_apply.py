@@ -91,6 +91,16 @@ def test_a_checkpoint_refused_while_a_round_averages_is_written_at_a_later_round
     assert written == [dict(version=1, checkpoints=1)] and peer.owed == 0
     peer.apply(Outer(), data_parallel=False)
     assert len(written) == 1  # once
+    # A peer without a --run-dir can never write one: the request is not retried every round.
+    calls: list[int] = []
+    nowhere = Steering(
+        watcher, name="b", peer_id="QmB", joiner=False, can_checkpoint=False,
+        emit=lambda *a, **k: None, publish=lambda: None, beat=lambda stage: None,
+        checkpoint=lambda: calls.append(1),
+    )  # fmt: skip
+    for _ in range(3):
+        nowhere.apply(Outer(), data_parallel=False)
+    assert calls == [1] and nowhere.owed == 0
 
 
 def test_a_joiner_does_not_serve_requests_made_before_it_came() -> None:
