@@ -46,6 +46,8 @@ class Downloading:
 
     state_shapes: list[tuple[int, ...]] | None = None
     """The model's parameters' shapes: a state whose θ has others is a malformed donor's."""
+    _download_tag = 0
+    """Names each stream download (:meth:`swarm.state_sharing.StateSharing.streamed_from`)."""
 
     def download_state(
         self,
@@ -241,17 +243,19 @@ class Downloading:
         result = self._fetch_direct(skipped, claims, deadline)
         if result is None:
             remaining = max(1.0, deadline - time.monotonic())
+            self._download_tag = tag = self._download_tag + 1
             future = self.averager.load_state_from_peers(
                 wait=False,
                 timeout=remaining,
                 exclude=sorted(skipped),
                 verifiers=list(claims)[: VERIFIERS + 1],  # one more: the donor is never asked
+                tag=tag,
             )
             result = (
                 self._wait(future.done, deadline, future.cancel, pause=_until(future)) and future.result()
             )
             if not result:
-                self._unfinished.update(self.averager.streamed_from())
+                self._unfinished.update(self.averager.streamed_from(tag))
         if not result:
             return None
         metadata, tensors, donor, seed, answers = result
@@ -316,7 +320,13 @@ class Downloading:
         # its bytes may have been changed on the way (this transport is not encrypted), and what
         # the stream brings is checked by the witnesses like any state.
         if not finished or "error" in outcome:
-            self._unfinished.update(d.peer for d in chosen if d.why or not finished)
+            # Those dropped (too slow, bad slices), and when time ran out those that sent less
+            # than half the others' mean: not the honest donors beside a liar that trickled.
+            delivered = [d.delivered for d in chosen]
+            laggard = (sum(delivered) / len(delivered)) / 2
+            self._unfinished.update(
+                d.peer for d in chosen if d.why or (not finished and d.delivered <= laggard)
+            )
             logger.warning(
                 "direct state download failed (%s); trying hivemind's stream",
                 outcome.get("error", "too slow"),

@@ -119,7 +119,8 @@ class StateSharing:
         validators refuse any other subkey: :class:`swarm.validators.RecordBoundsValidator`);
         None: hivemind's bare peer id (averagers outside a run, in tests)."""
         self._donor_subkey = subkey
-        self._streamed = mp.Array("c", 1024)  # the donors the last stream download tried, by id
+        self._streamed = mp.Array("c", 1024)  # "tag|donor,..." (see streamed_from), by id
+        self._stream_tag = 0  # (averager process) the latest stream download asked for
         self._fault_file = fault_file
         self._state_direct = direct
         self._state_host = state_host
@@ -471,14 +472,17 @@ class StateSharing:
         timeout: float | None = None,
         exclude: Sequence[str] = (),
         verifiers: Sequence[str] = (),
+        tag: int = 0,
     ):
         """hivemind's download, skipping the donors in ``exclude`` (base58 peer ids). While the
         state streams, up to ``VERIFIERS`` of ``verifiers`` (never the donor) are asked for their
         θ's sketches under a seed drawn for this donor, which the donor never sees. A result is
         (metadata, tensors, the donor's peer id, the seed, {verifier: (outer step, sketches) or
-        None})."""
+        None}). ``tag``: names this download for :meth:`streamed_from`."""
         future = MPFuture()
-        request = dict(timeout=timeout, future=future, exclude=tuple(exclude), verifiers=tuple(verifiers))
+        request = dict(
+            timeout=timeout, future=future, exclude=tuple(exclude), verifiers=tuple(verifiers), tag=tag
+        )
         self._outer_pipe.send(("_load_state_from_peers", [], request))
         return future.result(timeout=timeout) if wait else future
 
@@ -488,16 +492,17 @@ class StateSharing:
         timeout: float | None = None,
         exclude: Sequence[str] = (),
         verifiers: Sequence[str] = (),
+        tag: int = 0,
     ) -> None:
         # In the averager process. Donors in order of the priority they declare (their outer
         # step; anyone can declare any, which is why the joiner checks what it gets).
-        self._streamed.value = b""
+        self._stream_tag = tag
+        stalled: list[str] = []
+        self._note_streamed(tag, stalled)
         try:
             for peer in await self._donors(exclude):
                 donor = peer.to_base58()
-                tried = self._streamed.value + (b"," if self._streamed.value else b"") + donor.encode()
-                if len(tried) < len(self._streamed):
-                    self._streamed.value = tried
+                self._note_streamed(tag, [*stalled, donor])  # being streamed from
                 seed = secrets.token_bytes(SEED_BYTES)
                 asked = [v for v in verifiers if v != donor][:VERIFIERS]
                 # Asked while the state streams (not after): a round can end during a download,
@@ -505,10 +510,13 @@ class StateSharing:
                 witnesses = asyncio.ensure_future(self._sketches_from(asked, seed, timeout=10.0))
                 got = await self._download_from(peer)
                 if got is not None:
-                    self._streamed.value = b""  # it finished
+                    self._note_streamed(tag, [])
                     future.set_result((*got, donor, seed, await witnesses))
                     return
                 witnesses.cancel()
+                if self._stream_stalled:  # not one that refused at once or could not be dialed
+                    stalled.append(donor)
+                self._note_streamed(tag, stalled)
         finally:
             if not future.done():
                 future.set_result(None)
@@ -530,10 +538,19 @@ class StateSharing:
                 donors.append((float(priority), random.random(), peer))
         return [peer for _, _, peer in sorted(donors, key=lambda d: d[:2], reverse=True)]
 
-    def streamed_from(self) -> list[str]:
-        """(Either process.) The donors (base58) the last :meth:`load_state_from_peers` asked,
-        in order, up to the one it was downloading from when it ended or was cut off."""
-        return [peer for peer in self._streamed.value.decode(errors="replace").split(",") if peer]
+    def _note_streamed(self, tag: int, donors: list[str]) -> None:
+        """(Averager process.) Record the download ``tag``'s stalled donors and the one it streams
+        from, unless a later download was asked for meanwhile (an abandoned one runs on)."""
+        note = f"{tag}|{','.join(donors)}".encode()
+        if tag == self._stream_tag and len(note) < len(self._streamed):
+            self._streamed.value = note
+
+    def streamed_from(self, tag: int) -> list[str]:
+        """(Either process.) The donors the stream download ``tag`` (:meth:`load_state_from_peers`)
+        gave up on because they stalled (a chunk or the start of their stream did not come in
+        time), and the one it was streaming from when it was cut off; [] for another download."""
+        found, _, donors = self._streamed.value.decode(errors="replace").partition("|")
+        return [peer for peer in donors.split(",") if peer] if found == str(tag) else []
 
     def _donor_of(self, subkey: Any) -> PeerID | None:
         """The peer a declaration's subkey names: the peer id of its ``[owner:...]`` key (the
@@ -550,6 +567,7 @@ class StateSharing:
     async def _download_from(self, peer: PeerID) -> tuple[Any, list[torch.Tensor]] | None:
         """One donor's state stream, at most ``self._state_limit`` bytes; None if it failed."""
         logger.info("downloading the state from %s", peer)
+        self._stream_stalled = False
         try:
             stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
             # Bounded: dialing a frozen donor (SIGSTOP, a laptop asleep) stalls in libp2p's
@@ -587,6 +605,7 @@ class StateSharing:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         except Exception as error:  # noqa: BLE001 - a donor gone or misbehaving: try the next
             logger.warning("state download from %s failed: %s", peer, one_line(error))
+            self._stream_stalled = isinstance(error, TimeoutError)  # (asyncio's, since 3.11)
             return None
         return (metadata, tensors) if metadata else None
 

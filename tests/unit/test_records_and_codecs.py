@@ -376,7 +376,9 @@ def test_a_peer_waiting_for_min_peers_witnesses_a_state_at_its_own_step_only() -
             self.vouching, self.answers, self.asked = Vouching(), answers, []
             nobody = Future()
             nobody.set_result(None)
-            self.averager = SimpleNamespace(load_state_from_peers=lambda **_: nobody, streamed_from=list)
+            self.averager = SimpleNamespace(
+                load_state_from_peers=lambda **_: nobody, streamed_from=lambda tag: []
+            )
 
         def _fetch_direct(self, skipped, verifiers, deadline):
             self.asked.append(dict(verifiers))

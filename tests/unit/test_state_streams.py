@@ -226,3 +226,17 @@ def test_streamings_state_limit_counts_the_whole_model_not_fragment_0(monkeypatc
             state_shapes=[(1000,), (3000,)],
         )  # fmt: skip
     assert made["state_numel"] == 4000
+
+
+def test_the_stream_downloads_record_names_stallers_of_this_download_only():
+    """The record of a stream download named every donor it asked (one that refused at once, or
+    could not be dialed, too), and an abandoned download running on wrote into the next one's."""
+    import multiprocessing as mp
+
+    donor = StateSharing.__new__(StateSharing)
+    donor._streamed, donor._stream_tag = mp.Array("c", 1024), 3
+    donor._note_streamed(3, ["QmSlow", "QmNow"])
+    donor._note_streamed(2, ["QmOld"])  # an abandoned download: a later one was asked for
+    assert donor.streamed_from(3) == ["QmSlow", "QmNow"] and donor.streamed_from(2) == []
+    donor._note_streamed(3, [])
+    assert donor.streamed_from(3) == []

@@ -722,11 +722,11 @@ def test_a_donor_that_stalls_is_not_asked_in_the_next_try_and_is_in_the_one_afte
         def theta_sketches(self, seed):  # type: ignore[no-untyped-def]
             return done({})
 
-        def load_state_from_peers(self, wait, timeout, exclude, verifiers):  # type: ignore[no-untyped-def]
+        def load_state_from_peers(self, wait, timeout, exclude, verifiers, tag):  # type: ignore[no-untyped-def]
             self.stream_excluded.append(list(exclude))
             return Future()  # the stream's donor stalls too, past the deadline
 
-        def streamed_from(self) -> list[str]:  # the donors the stream tried: one, unless excluded
+        def streamed_from(self, tag: int) -> list[str]:  # the one it streamed from, unless excluded
             return [] if "slow stream" in self.stream_excluded[-1] else ["slow stream"]
 
     class Joiner(Downloading):
