@@ -244,6 +244,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._expected.value = wanted if len(wanted) < EXPECTED_BYTES else b""
         weight = kwargs.get("weight")
         weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
+        if self._driver is not None:
+            self._driver.retry()
         direct = self._driver is not None and bool(self._plane_enabled.value)
         kept = b"".join(self._driver.plane.ring_ids()) if direct else b""
         mine = gathered.own(direct, weight, kept, gather)

@@ -289,6 +289,12 @@ def serve_board(connection: Connection, boards: Callable[[bytes], Any]) -> None:
         threading.Thread(target=answer, args=(number, group_id, op, args), daemon=True).start()
 
 
+PLANE_RETRY = 300.0
+"""Seconds on hivemind's path after the direct plane could not set up three rings in a row,
+before it tries again (twice as long each time)."""
+PLANE_RETRY_MAX = 3600.0
+
+
 class RingDriver:
     """In the peer's process: the direct plane and the thread that runs its rounds."""
 
@@ -316,8 +322,36 @@ class RingDriver:
         self._steps: OrderedDict[bytes, DirectStep] = OrderedDict()
         self._steps_lock = threading.Lock()
         self._unreachable = 0  # consecutive rings this peer could not set up
+        self._switched_off = 0  # times the plane was switched off (each retry waits twice as long)
+        self._retry_at: float | None = None  # (time.monotonic()) when it is tried again
+        self.clock = time.monotonic
         self._used = False
         self._thread: threading.Thread | None = None
+
+    def _switch_off(self, error: Exception) -> None:
+        """Rings on hivemind's path for a while: :data:`PLANE_RETRY` s, twice as long each time
+        (at most :data:`PLANE_RETRY_MAX`). For good, as it was, one ring mate that posted no
+        address three times running (its own to post) sent this peer to the 10x slower path
+        for the rest of its run, and its log blamed this peer's firewall."""
+        wait = min(PLANE_RETRY * 2**self._switched_off, PLANE_RETRY_MAX)
+        self._switched_off += 1
+        self._unreachable = 0
+        self._retry_at = self.clock() + wait
+        self._enabled.value = 0
+        logger.warning(
+            "direct data plane: no ring could be set up 3 times in a row (%s); this peer uses "
+            "hivemind's all-reduce for the next %.0f min, then tries rings again (a firewall in front "
+            "of its gloo ports? --data-plane hivemind avoids the try)",
+            error,
+            wait / 60,
+        )
+
+    def retry(self) -> None:
+        """(Before each step.) Switched off a while ago: turn the plane on again."""
+        if self._retry_at is not None and self.clock() >= self._retry_at:
+            self._retry_at = None
+            self._enabled.value = 1
+            logger.info("direct data plane: trying rings again")
 
     def expect(self, nonce: bytes) -> DirectStep:
         """A step about to be sent to the averager process under ``nonce``."""
@@ -407,13 +441,7 @@ class RingDriver:
         except RingUnreachable as error:
             self._unreachable += 1
             if self._unreachable >= 3:  # not one member that left: this peer's plane is blocked
-                self._enabled.value = 0
-                logger.warning(
-                    "direct data plane: no ring could be set up 3 times in a row (%s); this peer "
-                    "uses hivemind's all-reduce from now on (a firewall in front of its gloo "
-                    "ports? --data-plane hivemind avoids the try)",
-                    error,
-                )
+                self._switch_off(error)
             raise RuntimeError(f"could not set up the ring: {error}") from None
         except Exception as error:  # a member left mid-ring, a tampered sum: a failed round
             raise RuntimeError(one_line(error)) from None
