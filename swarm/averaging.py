@@ -298,7 +298,17 @@ class SwarmAverager(Downloading):
         self.beat(Stage.AVERAGING)
         # A retry waits out the whole window: whoever the barrier expected did not all come.
         window = self.matchmaking_window.seconds if attempt == 1 else self.config.matchmaking_time
-        with self.averager.get_tensors() as buffers:
+        # Bounded: a ring of an earlier round may still hold the buffers (a ring mate that sends
+        # its part just fast enough for gloo's per-segment timeout keeps it going for many times
+        # the round's); this step then fails at its deadline, heartbeats going on, rather than
+        # waiting on the lock for as long as that mate likes.
+        lock = self.averager.lock_averaged_tensors
+        while not lock.acquire(timeout=1.0):
+            self.beat(Stage.AVERAGING)
+            if time.monotonic() > deadline:
+                return None, "the ring of an earlier round still holds this peer's buffers"
+        try:
+            buffers = self.averager._averaged_tensors  # noqa: SLF001 - what get_tensors() yields, under its lock
             for buffer, tensor in zip(buffers, tensors):
                 buffer.copy_(tensor)
             self.averager.generation.value += 1  # an abandoned step must not rescale these
@@ -312,6 +322,8 @@ class SwarmAverager(Downloading):
                 for buffer in buffers:
                     buffer.mul_(factor)
                 logger.warning("fault injection: sending %gx this round's update", factor)
+        finally:
+            lock.release()
         asked = time.time()  # the averager process stamps the group's forming with time.time()
         control = self.averager.step(
             allow_retries=False,  # see all_reduce

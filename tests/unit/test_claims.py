@@ -614,3 +614,30 @@ def test_a_claim_is_disproven_only_three_times_running_and_averaging_does_not_fo
         barrier.vouching.averaged_with(["liar"])  # it goes on averaging honestly with this peer
     assert "liar" in barrier.board.ignored
     assert f"{STRIKES} times running" in barrier.board.ignored["liar"]
+
+
+def test_a_step_does_not_wait_on_buffers_an_earlier_ring_still_holds():
+    """A ring mate that sends its part just fast enough for gloo's per-segment timeout kept an
+    earlier round's ring (and the averager's buffers) for many times the round's timeout; the
+    next step waited on the buffers' lock with no bound and no heartbeat. It fails at its
+    deadline now, heartbeats going on."""
+    import multiprocessing as mp
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from swarm.averaging import SwarmAverager
+
+    lock = mp.Lock()
+    lock.acquire()  # the earlier ring's
+    beats: list = []
+    member = SimpleNamespace(
+        averager=SimpleNamespace(lock_averaged_tensors=lock, _averaged_tensors=[torch.zeros(2)]),
+        beat=beats.append,
+        matchmaking_window=SimpleNamespace(seconds=1.0),
+        config=SimpleNamespace(matchmaking_time=1.0),
+    )
+    gathered, why = SwarmAverager._attempt(member, [torch.ones(2)], 1.0, {}, deadline=time.monotonic() + 2.5)
+    assert gathered is None and "still holds this peer's buffers" in why
+    assert len(beats) >= 3  # one a second while it waited
