@@ -290,7 +290,10 @@ class SwarmMonitor:
             if pid in alive:
                 continue
             if pid in ignored:
-                continue  # told above
+                if pid not in self._departed:  # flagged again after it came back: it vanished unsaid
+                    event("ignored", f"ignoring {before.name}: {ignored[pid]}", pid)
+                    self._departed[pid] = Departed(before, f"ignored for lying: {ignored[pid]}", now)
+                continue  # (told above when first flagged)
             how = left_how(reading.peers.get(pid), killed=pid in self._killed)
             self._killed.discard(pid)
             self._departed[pid] = Departed(before, how, now)

@@ -35,19 +35,32 @@ class OwnerConsole(PolledApp):
         left = peer is not None and self.snapshot is not None and peer[0] not in self.snapshot.peers
         if left and not (peer[0] in paused or peer[1] in paused):
             peer = None  # a peer that left: nothing to pause (`workbench steer` refuses it too)
-        screen = SteerScreen(reason=self.source.steering_reason(), current=current, peer=peer, paused=paused)
+        draft, self.unpublished = self.unpublished, None
+        screen = SteerScreen(
+            reason=self.source.steering_reason(), current=current, peer=peer, paused=paused, draft=draft
+        )
         self.push_screen(screen, self._steer_chosen)
+
+    unpublished: dict[str, Any] | None = None
+    """What a publish that failed sent: the next steering form starts with it (it was lost)."""
 
     def _steer_chosen(self, changes: dict[str, Any] | None) -> None:
         if changes:
+            self.notify("publishing...", timeout=3)
             self.publish(changes)
 
     @work(thread=True, exclusive=True, group="steer")
     def publish(self, changes: dict[str, Any]) -> None:
         try:
             control = self.source.steer(**changes)
-        except (SwarmError, ValueError) as error:
-            self.notify(str(error), severity="error", timeout=8)
+        except Exception as error:  # noqa: BLE001 - a DHT gone (BrokenPipeError...) ended the app
+            self.unpublished = changes
+            why = (
+                str(error)
+                if isinstance(error, (SwarmError, ValueError))
+                else f"{type(error).__name__}: {error}"
+            )
+            self.notify(f"{why} (press e: the form keeps what you entered)", severity="error", timeout=10)
             return
         self.post_message(self.Published(control))
 

@@ -75,7 +75,7 @@ class PeerScreen(ModalScreen[None]):
             if p is None and gone is not None:
                 when = time.strftime("%H:%M:%S", time.localtime(gone.time))
                 yield Label(
-                    f"{escape(gone.heartbeat.name)} left the run at {when} ({gone.how}), at outer step "
+                    f"{escape(gone.heartbeat.name)} left the run at {when} ({escape(gone.how)}), at outer step "
                     f"{gone.heartbeat.outer_step}."
                 )
             elif p is None:
@@ -137,14 +137,25 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(
-        self, *, reason: str | None, current: dict[str, Any], peer: tuple[str, str] | None, paused: list[str]
+        self,
+        *,
+        reason: str | None,
+        current: dict[str, Any],
+        peer: tuple[str, str] | None,
+        paused: list[str],
+        draft: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.reason = reason
         self.current = current
         self.peer = peer  # (peer id, name) of the highlighted row
         self.paused = paused
+        self.draft = draft or {}  # what a publish that failed sent: the form starts with it
         self.changes: dict[str, Any] = {}
+
+    def _drafted(self, key: str) -> str:
+        value = self.draft.get(key)
+        return "" if value is None else str(value)
 
     def compose(self) -> ComposeResult:
         disabled = self.reason is not None
@@ -155,6 +166,7 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
             with Grid(id="form"):
                 yield Label("outer lr")
                 yield Input(
+                    self._drafted("outer_lr"),
                     placeholder=str(self.current.get("outer_lr") or "unchanged"),
                     id="outer-lr",
                     type="number",
@@ -162,6 +174,7 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                 )
                 yield Label("inner steps H")
                 yield Input(
+                    self._drafted("inner_steps"),
                     placeholder=str(self.current.get("inner_steps") or "unchanged"),
                     id="inner-steps",
                     type="integer",
@@ -169,6 +182,7 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                 )
                 yield Label("round seconds")
                 yield Input(
+                    self._drafted("round_seconds"),
                     placeholder=str(self.current.get("round_seconds") or "unchanged (0: H steps)"),
                     id="round-seconds",
                     type="number",
@@ -178,6 +192,7 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                 yield Select(
                     [(name, name) for name in bounds.UPDATE_CODECS],
                     prompt=str(self.current.get("codec") or "unchanged"),
+                    value=self.draft.get("codec") or Select.NULL,
                     id="codec",
                     disabled=disabled,
                 )
@@ -185,13 +200,20 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                     peer_id, name = self.peer
                     is_paused = peer_id in self.paused or name in self.paused
                     yield Label("peer")
+                    drafted = peer_id in (self.draft.get("resume") or self.draft.get("pause") or [])
                     yield Checkbox(
                         f"{'resume' if is_paused else 'pause'} {escape(name)}",
+                        drafted,
                         id="toggle-pause",
                         disabled=disabled,
                     )
                 yield Label("checkpoint")
-                yield Checkbox("every peer writes one now", id="checkpoint", disabled=disabled)
+                yield Checkbox(
+                    "every peer writes one now",
+                    bool(self.draft.get("checkpoint")),
+                    id="checkpoint",
+                    disabled=disabled,
+                )
             yield Label("", id="error")
             yield Label("", id="confirm")
             with Horizontal(id="buttons"):

@@ -225,17 +225,22 @@ class PeersTable(DataTable):
                     "name": _NameCell(cells["name"], p.peer_id),
                     "stage": Text(cells["stage"], style=STAGE_STYLE.get(p.stage, ""), justify="left", end=""),
                 }
-            if p.peer_id in s.lagging and left is None:
+            lagging = p.peer_id in s.lagging and left is None
+            if lagging:
                 styled["lag"] = Text(cells["lag"], style="bold yellow", justify="left", end="")
             old = self._rows.get(p.peer_id)
             if old is None:
                 self.add_row(*(styled[key] for key, _ in COLUMNS), key=p.peer_id)
             else:
                 for key, _ in COLUMNS:
-                    if old[key] != cells[key]:
+                    # The lag cell's style too: a peer that began (or stopped) lagging with the
+                    # same lag kept its old look.
+                    if old[key] != cells[key] or (key == "lag" and old.get(LAGGING) != lagging):
                         self.update_cell(p.peer_id, key, styled[key])
-            self._rows[p.peer_id] = cells
-        order = [str(key.value) for key in self.rows]
+            self._rows[p.peer_id] = {**cells, LAGGING: lagging}
+        # As shown: DataTable.sort reorders what is shown, not ``rows`` (the order rows were
+        # added in), so a sort back to that order was taken as done and skipped.
+        order = [str(row.key.value) for row in self.ordered_rows]
         if order != wanted:
             # DataTable sorts by cell values; the name cell carries its peer id (see _NameCell),
             # so the order computed above (numbers as numbers, missing last, ties by name) applies.
@@ -244,6 +249,9 @@ class PeersTable(DataTable):
             self.sort("name", key=lambda cell: position.get(getattr(cell, "peer_id", ""), 0))
             if selected is not None and selected[0] in position:
                 self.move_cursor(row=self.get_row_index(selected[0]))
+
+
+LAGGING = "lagging?"  # (not a column) whether a row's lag cell was drawn as lagging
 
 
 class LossChart(PlotextPlot):

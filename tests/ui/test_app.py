@@ -109,6 +109,43 @@ async def test_sort_by_any_column_and_reverse(app) -> None:
         assert names(app)[0] == "delta"
 
 
+async def test_a_sort_back_to_the_order_rows_came_in_is_shown(app) -> None:
+    """DataTable.sort reorders what is shown, not ``rows``: a sort back to the order the rows
+    came in was taken as done, and the table stayed reversed."""
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        app.sort_by("lag")
+        app.sort_by("lag")  # descending
+        await pilot.pause()
+        assert names(app)[0] == "delta"
+        app.sort_by("name")
+        await pilot.pause()
+        assert names(app) == ["alpha", "bravo", "charlie", "delta"]
+
+
+async def test_a_publish_that_fails_keeps_the_app_and_the_form(app) -> None:
+    """A steer that raised anything but SwarmError/ValueError (a DHT process gone: BrokenPipeError)
+    ended the app; and any refusal threw the form away, to be typed again."""
+
+    def broken(**changes):  # type: ignore[no-untyped-def]
+        raise BrokenPipeError(32, "Broken pipe")
+
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        app.source.steer = broken
+        await pilot.press("e")
+        app.screen.query_one("#outer-lr", Input).value = "0.5"
+        app.screen.query_one("#checkpoint", Checkbox).value = True
+        await pilot.click("#review")
+        await pilot.click("#publish")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.is_running and app.unpublished == {"outer_lr": 0.5, "checkpoint": True}
+        await pilot.press("e")
+        assert app.screen.query_one("#outer-lr", Input).value == "0.5"
+        assert app.screen.query_one("#checkpoint", Checkbox).value
+
+
 async def test_filter_with_slash_and_clear_with_escape(app) -> None:
     async with app.run_test(size=(160, 50)) as pilot:
         await started(app, pilot)
@@ -335,3 +372,37 @@ async def test_f_on_a_stopped_demo_peer_offers_a_restart() -> None:
         await pilot.click("#restart")
         await pilot.pause()
         assert app.source.faults.calls == [("restart", peer_id(6), None)]
+
+
+async def test_a_lying_peers_detail_shows_the_flag_as_text(app) -> None:
+    """The departed peer's line put its reason into markup unescaped: a reason from peers'
+    heartbeats ("lied [/b]", flagged by most of them) crashed the detail screen."""
+    from swarm.monitor import Reading, SwarmMonitor
+    from tests.ui.fake import heartbeat
+
+    monitor, liar = SwarmMonitor(), peer_id(3)
+    for t, flag in ((1000.0, {}), (1001.0, {liar: "lied [/b]"})):
+        beats = {peer_id(i): heartbeat(i, t, 5, ignored=flag if i < 3 else {}) for i in range(4)}
+        snapshot = monitor.ingest(Reading(t, "r", beats))
+    async with app.run_test(size=(160, 50)) as pilot:
+        app.push_screen(PeerScreen(snapshot, liar))
+        await pilot.pause()
+        text = " ".join(str(w.render()) for w in app.screen.query("Label"))
+        assert "lied [/b]" in text
+
+
+async def test_the_lag_cell_shows_lagging_even_when_its_number_stays() -> None:
+    """A cell was redrawn only when its text changed: a peer that began lagging with the same
+    lag kept its plain look while the summary said "1 lagging" (and a paused one stayed yellow)."""
+    import dataclasses
+
+    app = SwarmApp(FakeSource(), poll=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        snapshot = app.source.snapshots[-1]
+        app.show(dataclasses.replace(snapshot, lagging=[]))
+        await pilot.pause()
+        table = app.query_one("#peers", DataTable)
+        assert getattr(table.get_cell(peer_id(3), "lag"), "style", None) != "bold yellow"
+        app.show(dataclasses.replace(snapshot, lagging=[peer_id(3)]))
+        await pilot.pause()
+        assert getattr(table.get_cell(peer_id(3), "lag"), "style", None) == "bold yellow"

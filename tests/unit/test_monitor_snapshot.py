@@ -59,3 +59,25 @@ def test_the_charts_mean_loss_carries_each_peers_last_value_and_stays_a_few_hund
     mean = _mean_series(many)
     assert len(mean) <= MEAN_POINTS + 1 and mean[-1][0] == max(t for s in many for t, _ in s)
     assert all(v == 3.0 for _, v in mean)
+
+
+def test_a_peer_flagged_again_after_it_came_back_is_shown_as_ignored_not_dropped() -> None:
+    """Most peers flag a liar (ignored, shown as departed), a flagger restarts (no majority: the
+    liar is back, "joined again"), then it flags it again: the liar vanished with no row and no
+    event, since it had been told once already."""
+    monitor, liar = SwarmMonitor(), peer_id(3)
+
+    def read(t: float, flaggers: set[int]):
+        beats = {
+            peer_id(i): heartbeat(i, t, 5, ignored=({liar: "claimed outer step 99"} if i in flaggers else {}))
+            for i in range(4)
+        }
+        return monitor.ingest(Reading(t, "r", beats))
+
+    read(1000, set())
+    assert liar in read(1001, {0, 1, 2}).departed
+    assert liar in read(1002, {0, 1}).peers
+    again = read(1003, {0, 1, 2})
+    assert liar in again.departed and "ignored for lying" in again.departed[liar].how
+    assert [e.kind for e in again.new_events if e.peer_id == liar] == ["ignored"]
+    assert [e.kind for e in read(1004, {0, 1, 2}).new_events if e.peer_id == liar] == []  # once
