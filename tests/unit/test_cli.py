@@ -483,12 +483,31 @@ def test_join_command_round_trips_through_the_parser(flags: list[str]) -> None:
         ["--method", "sparseloco", "--update-codec", "none"],
         ["--method", "sparseloco", "--overlap", "--topk-density", "0.1"],
         ["--method", "local_sgd", "--update-codec", "topk"],
+        # A preset's error feedback turned off (`error_feedback = false` in a file) had no flag
+        # to travel in: joiners kept it on, and a different fingerprint refused every one.
+        ["--method", "sparseloco", "--no-error-feedback"],
     ],
     ids=" ".join,
 )
 def test_join_command_carries_the_outer_optimizer(flags: list[str]) -> None:
     starter, joiner = _round_trip(flags)
     assert joiner.diloco == starter.diloco and joiner.preset == starter.preset
+
+
+@pytest.mark.parametrize("method", ["diloco", "dp"])
+def test_join_command_carries_the_gradient_clip(method: str) -> None:
+    """With dp each peer clips and steps the averaged gradient itself: a joiner at the default
+    clip drifted away from a run started with --grad-clip 0.25, unrefused."""
+    starter, joiner = _round_trip(["--method", method, "--grad-clip", "0.25"])
+    assert joiner.train.grad_clip == starter.train.grad_clip == 0.25
+
+
+def test_join_command_quotes_a_folder_with_a_space(tmp_path) -> None:
+    folder = tmp_path / "my tokenizer"
+    config = RunConfig(model=tiny(), peer=PeerConfig(run_id="exp-2"))
+    config.data.tokenizer = str(folder)
+    words = shlex.split(join_command(config, [ADDRESS]))
+    assert words[words.index("--tokenizer") + 1] == str(folder)
 
 
 @pytest.mark.parametrize(

@@ -209,6 +209,9 @@ def test_config_keys_lists_every_setting(capsys):
     keys = json.loads(capsys.readouterr().out)
     assert keys["inner_steps"]["flag"] == "--inner-steps"
     assert keys["peers"]["commands"] == ["demo", "simulate"]
+    # A switch's own flag, help and default, not its --no- form's (eager read as its opposite).
+    assert keys["eager"]["flag"] == "--eager" and keys["eager"]["default"] is None
+    assert "naive" not in keys["eager"]["help"]
 
 
 _values = st.one_of(

@@ -312,3 +312,39 @@ def test_a_demo_peer_starts_in_its_own_folder_which_a_reuse_cleans(tmp_path: Pat
     (old / "checkpoint.pt").write_text("this run's")
     swarm._spawn("join", "peer-1", [], again=True)
     assert started[-1][started[-1].index("--name") + 1] == "peer-1" and (old / "checkpoint.pt").exists()
+
+
+def test_demo_peers_get_their_settings_as_flags_not_from_the_demos_environment(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A WORKBENCH_* variable the demo leaves out reached every peer it started: WORKBENCH_PORT put
+    them all on one port, WORKBENCH_IDENTITY gave them one key (one peer id), WORKBENCH_BLOCK_SIZE
+    beat the demo's own --block-size. A secret the notebook passes on purpose still goes."""
+    import subprocess
+
+    from workbench.local import launch
+
+    environments: list[dict] = []
+
+    class Process:
+        pid = 1
+
+        def __init__(self, argv, **kwargs) -> None:
+            environments.append(kwargs["env"])
+
+    monkeypatch.setattr(subprocess, "Popen", Process)
+    monkeypatch.setenv("WORKBENCH_PORT", "31337")
+    monkeypatch.setenv("WORKBENCH_IDENTITY", str(tmp_path / "one.key"))
+    monkeypatch.setenv("SOMETHING_ELSE", "kept")
+    config = build_config(build_parser().parse_args(["demo", "--model", "tiny", "--run-dir", str(tmp_path)]))
+    swarm = launch.LocalSwarm(config, peers=2, run_dir=tmp_path)
+    swarm._spawn("start", "peer-0", [])
+    swarm._spawn("start", "peer-1", [], env={"WORKBENCH_RUN_SECRET": "a long secret"})
+    for env in environments:
+        assert (
+            "WORKBENCH_PORT" not in env
+            and "WORKBENCH_IDENTITY" not in env
+            and env["SOMETHING_ELSE"] == "kept"
+        )
+        assert env[launch.LAUNCHER_PID]
+    assert environments[1]["WORKBENCH_RUN_SECRET"] == "a long secret"

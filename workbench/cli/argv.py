@@ -4,6 +4,7 @@ The inverse of :func:`workbench.cli.options.build_config`: both must round-trip.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -109,12 +110,14 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     model = model_flags(config)  # a model folder must exist on the joiner's machine too
     if model != model_flags(RunConfig()):
         parts += model
-    # Settings every peer must share, or their global params drift apart round after round.
-    parts += setting_arguments(config, ("inner_steps", "inner_lr", "codec", "aggregate"), changed_only=True)
+    # Settings every peer must share, or their global params drift apart round after round (the
+    # clip too: with dp, each peer clips and steps the averaged gradient itself).
+    shared = ("inner_steps", "inner_lr", "grad_clip", "codec", "aggregate")
+    parts += setting_arguments(config, shared, changed_only=True)
     parts += optimizer_arguments(config, changed_only=True)
     # Token ids shape the model, the inner lr's cosine follows the run's length, rounds of the
     # same length for every peer, the run's owner.
     parts += setting_arguments(config, ("tokenizer", "rounds", "round_seconds", "owner"), changed_only=True)
     if config.peer.secret:  # never print the secret itself: it is shared privately
         parts += ["--secret", "SECRET"]
-    return " ".join(parts + list(addresses))
+    return shlex.join(parts + list(addresses))  # a folder's name with a space stays one argument

@@ -40,12 +40,14 @@ class ConfigError(ValueError):
 
 
 def settings_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """The parser's settable options by key (dest), positional arguments excluded."""
-    return {
-        action.dest: action
-        for action in parser._actions
-        if action.option_strings and action.dest not in NOT_SETTINGS and action.dest != argparse.SUPPRESS
-    }
+    """The parser's settable options by key (dest), positional arguments excluded; a switch's own
+    flag, not its ``--no-`` form (``config keys`` listed ``eager`` as ``--no-eager``, its help and
+    its default: the opposite of the key)."""
+    found: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if action.option_strings and action.dest not in NOT_SETTINGS and action.dest != argparse.SUPPRESS:
+            found.setdefault(action.dest, action)
+    return found
 
 
 def read_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -232,7 +232,7 @@ class LocalSwarm:
             start_new_session=True,
             # It stops by itself if this process is gone without stopping it (killed, a notebook
             # kernel restarted): workbench.run.stopping.stop_with_launcher.
-            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid())},
+            env={**_inherited(), **(env or {}), "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid())},
         )
         log.close()
         peer = LocalPeer(name=name, directory=directory, process=process)
@@ -494,3 +494,12 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result), flush=True)
     return 0
+
+
+def _inherited() -> dict[str, str]:
+    """This process's environment less the ``WORKBENCH_*`` settings: a peer gets its settings as
+    flags (:func:`peer_arguments`), and a variable the demo itself leaves out reached every peer
+    (``WORKBENCH_PORT``: all on one port; ``WORKBENCH_IDENTITY``: one key, one peer id;
+    ``WORKBENCH_BLOCK_SIZE`` over the demo's ``--block-size``; a run secret the demo's view did not
+    hold)."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("WORKBENCH_")}

@@ -86,6 +86,8 @@ class Optimizer:
         "keep what the update codec drops for the next round",
         kind="switch",
         target="diloco.error_feedback",
+        negation="drop what the update codec drops (sparseloco keeps it by default): the way a "
+        "run's `error_feedback = false` reaches its joiners and its demo peers",
     )
     ef_decay: float | None = setting(
         None,
