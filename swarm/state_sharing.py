@@ -67,6 +67,7 @@ MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
 MAX_DONORS = 4  # donors asked for an offer in one direct download
 MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadata
 OFFER_GRACE = 0.25  # s to wait for more offers once the first came in (see _first_offers)
+TOP_WAIT = 2.0  # s the first-ranked donor's offer is waited for, from the request (see _first_offers)
 SNAPSHOT_SECONDS = 10.0  # joiners asking within this long (and at the same declared step) share a snapshot
 WITNESS_SECONDS = 120.0  # for the peer's process to sketch θ (it may wait for an overlapped round)
 MAX_STREAMS = 3
@@ -379,10 +380,15 @@ class StateSharing:
         least ``OFFER_GRACE`` s): a donor still preparing its snapshot (with ``--overlap``, after
         its round in flight) does not hold the joiner up."""
         started = time.monotonic()
-        pending = {asyncio.ensure_future(self._offer_from(d)) for d in donors}
+        tasks = [asyncio.ensure_future(self._offer_from(d)) for d in donors]
+        pending, top = set(tasks), tasks[0] if tasks else None
         offers, deadline = [], None
         while pending:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            # The first-ranked donor (the freshest step declared) is waited for up to TOP_WAIT s:
+            # on a busy machine its offer came in past the others' grace, the joiner took an
+            # older state and the order of its donors (and witnesses) was the machine's load's.
+            until = deadline if top not in pending or deadline is None else max(deadline, started + TOP_WAIT)
+            timeout = None if until is None else max(0.0, until - time.monotonic())
             done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 break

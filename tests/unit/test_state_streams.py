@@ -240,3 +240,23 @@ def test_the_stream_downloads_record_names_stallers_of_this_download_only():
     assert donor.streamed_from(3) == ["QmSlow", "QmNow"] and donor.streamed_from(2) == []
     donor._note_streamed(3, [])
     assert donor.streamed_from(3) == []
+
+
+def test_the_first_ranked_donors_offer_is_waited_for_past_the_others_grace():
+    """On a busy machine the freshest donor's offer came in past the others' grace (0.25 s after
+    the first): the joiner took an older state, and which donor came first (and so who witnessed
+    whom) was the machine's load's (`make faults`, stop 58). It is waited for up to TOP_WAIT s."""
+
+    class Donors(StateSharing):
+        def __init__(self, delays: dict[str, float]) -> None:
+            self.delays = delays
+
+        async def _offer_from(self, donor):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(self.delays[donor])
+            return (SimpleNamespace(peer=str(donor)), 0, b"", None)
+
+    fresh, stale = _Id("fresh"), _Id("stale")
+    got = asyncio.run(Donors({"fresh": 0.8, "stale": 0.01})._first_offers([fresh, stale]))
+    assert [o[0].peer for o in got] == ["fresh", "stale"]
+    silent = asyncio.run(Donors({"fresh": 30.0, "stale": 0.01})._first_offers([fresh, stale]))
+    assert [o[0].peer for o in silent] == ["stale"]  # a silent first-ranked donor costs TOP_WAIT only
