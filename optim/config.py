@@ -54,7 +54,10 @@ class DiLoCoConfig:
     overlap: bool = False
     """Run each round's all-reduce in a background thread while the next round's inner steps
     run, and apply its mean at the end of that round. Needs ``delay=1``: the same math as the
-    blocking one-step delay, without the wait (the network time hides behind compute)."""
+    blocking one-step delay, without the wait (the network time hides behind compute); except
+    that with error feedback, the update of a round the group did not apply (refused, or
+    missed) goes back into the residual once the round is collected, after the next round's
+    encode: sent one round later than with the blocking delay, which knows at once."""
     eager: bool | None = None
     """Eager updates for ``delay=1`` (Kale et al. 2025, https://arxiv.org/abs/2502.12996): each
     round's outer step uses this peer's fresh Δ in place of its own share of the mean still in

@@ -519,6 +519,8 @@ class DiLoCo:
         the barrier's verdict (nobody else in the round) takes 1."""
         if report.failed and self._share is not None:
             return
+        if weight <= 0:  # this peer diverged and sent nothing: its share (0) says nothing of the next
+            return
         self._share = own_share(report, weight)
 
     def _stand_in_share(self) -> float:

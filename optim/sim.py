@@ -109,6 +109,7 @@ class InProcessSwarm:
         self._barrier = threading.Barrier(peers, timeout=timeout)
         self._slots: list[tuple[list[torch.Tensor], float, dict[str, Any]] | None] = [None] * peers
         self._rounds = [0] * peers
+        self._result: tuple[list[torch.Tensor], list[dict[str, Any]]] = ([], [])  # a round's means and infos
 
     def averager(self, rank: int) -> _PeerAverager:
         assert 0 <= rank < self.peers, f"{rank=}"
@@ -137,22 +138,29 @@ class InProcessSwarm:
             0.0 if rank in dropped else weight,
             dict(info or {}, peer=f"sim-{rank}"),
         )
-        self._barrier.wait()  # every peer has written its slot
-        slots = list(self._slots)
-        self._barrier.wait()  # every peer has read the slots: the next round may overwrite them
-        weights = counted_weights([w for _, w, _ in slots])  # type: ignore[misc]  # as a real group counts
-        total = sum(weights)
-        for index, tensor in enumerate(tensors):
-            mean = torch.zeros_like(tensor, dtype=torch.float32)
-            for (contribution, _, _), w in zip(slots, weights):  # type: ignore[misc]
-                if w:
-                    mean.add_(contribution[index].float(), alpha=w / total)
+        if self._barrier.wait() == 0:  # every peer has written its slot; one sums them for all
+            # (each peer summing every slot itself cost N^2: 5 s a round for 128 peers)
+            slots = list(self._slots)
+            weights = counted_weights([w for _, w, _ in slots])  # type: ignore[misc]  # as a real group counts
+            total = sum(weights)
+            means = []
+            for index in range(len(tensors)):
+                mean = torch.zeros_like(tensors[index], dtype=torch.float32)
+                for (contribution, _, _), w in zip(slots, weights):  # type: ignore[misc]
+                    if w:
+                        mean.add_(contribution[index].float(), alpha=w / total)
+                means.append(mean)
+            self._result = (means, [slot_info for _, w, slot_info in slots if w])  # type: ignore[misc]
+        self._barrier.wait()  # the sum is there
+        means, group_info = self._result
+        for tensor, mean in zip(tensors, means):
             tensor.copy_(mean)
+        self._barrier.wait()  # every peer has read it: the next round may overwrite the slots and it
         group = self.peers - len(dropped)
         return RoundReport(
             group_size=group,
             # Like hivemind's gather: what every member of the group declared this round.
-            group_info=[slot_info for _, w, slot_info in slots if w],  # type: ignore[misc]
+            group_info=list(group_info),
             error="dropped out of this round" if rank in dropped else None,
             missed=rank in dropped,
         )

@@ -932,6 +932,17 @@ def test_a_missed_round_does_not_take_another_members_weight_for_this_peers() ->
     assert own_share(alone, 2.0) == pytest.approx(1 / 2)
 
 
+def test_a_round_this_peer_diverged_in_teaches_no_share() -> None:
+    """A diverged peer sends zeros at weight 0: its share of that mean is 0, which the next eager
+    stand-in took (a round of the naive delay). The share learnt before stands."""
+    outer, _ = _lone(DiLoCoConfig(inner_steps=2, delay=1, overlap=True))
+    three = RoundReport(group_size=3, group_info=[{"weight": 4.0}] * 3)
+    outer._learn_share(three, 4.0)
+    assert outer._stand_in_share() == pytest.approx(1 / 3)
+    outer._learn_share(RoundReport(group_size=3, group_info=[{"weight": 4.0}] * 2 + [{"weight": 0.0}]), 0.0)
+    assert outer._stand_in_share() == pytest.approx(1 / 3)
+
+
 def test_the_naive_delay_lags_a_round_and_finish_applies_its_last_mean() -> None:
     base = DiLoCoConfig(inner_steps=2, outer_lr=1.0, outer_momentum=0.0, nesterov=False)
     blocking, opt_b = _lone(base)

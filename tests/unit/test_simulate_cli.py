@@ -188,3 +188,19 @@ def test_a_diverged_simulation_says_so() -> None:
     assert "diverged; lower --outer-lr or --inner-lr" in diverged(5.369, 24712.78)
     assert "5.369 -> nan" in diverged(5.369, float("nan"))
     assert diverged(5.369, 2.6) is None and diverged(5.369, 5.4) is None  # learned, or about flat
+
+
+def test_a_model_with_dropout_is_said_to_make_the_simulation_unrepeatable(caplog) -> None:
+    """The virtual peers are threads sharing torch's generator: with dropout layers (a Hugging
+    Face config's 0.1) the masks follow the threads' timing, and one seed gave three losses."""
+    import torch
+
+    from workbench.simulate import _warn_of_dropout
+
+    with caplog.at_level("WARNING"):
+        _warn_of_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1)))
+        _warn_of_dropout(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0)))
+    assert [r.getMessage() for r in caplog.records] == [
+        "the model has dropout (p=0.1): the virtual peers share torch's generator, so a run is not "
+        "repeatable for its seed; set the dropout to 0 for one that is"
+    ]
