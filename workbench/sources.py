@@ -105,16 +105,20 @@ class LiveSource:
         with self._lock:
             return steering.publish(**changes)
 
-    def close(self) -> None:
+    def read_once(self) -> None:
+        """Read the run once if nothing has yet (a run that ends with no widget open: a widget
+        made afterwards said "ended before it was read"). The notebook calls it when its peer
+        says it is done, while the run is still there to read; closing calls it too."""
         with self._lock:  # not in the middle of a poll
             if self._last is None and not self.ended:
-                # Read once before closing: a view nothing had polled yet (a run that ended
-                # with no widget open) refused a widget made afterwards ("ended before it was
-                # read"); it shows the run's last reading instead.
                 try:
                     self._last = self.monitor.poll()
                 except Exception as error:  # noqa: BLE001 - a DHT gone: the view stays unread
                     logger.debug("%s: no last reading: %s", self.title, error)
+
+    def close(self) -> None:
+        self.read_once()
+        with self._lock:
             self.ended = True
         self.monitor.close()
         self.session.close()

@@ -688,6 +688,9 @@ class Experiment:
                     self._end(bytes_per_peer=sent)
                 if event["event"] == "done":
                     self.result = event
+                    # Its view's last reading, while the run is still there to read (after, a
+                    # lone peer's view found nobody left and showed an empty run).
+                    getattr(self._source, "read_once", lambda: None)()
                     if event.get("final_eval_loss") is not None:
                         self._end(eval_loss=event["final_eval_loss"])
             if over:
