@@ -313,3 +313,23 @@ def test_hugging_face_libraries_log_once_through_the_peers_log(monkeypatch) -> N
     hf._require("transformers")
     assert hub.handlers == [] and hub.propagate
     assert logging.getLogger("transformers").handlers == [] and logging.getLogger("transformers").propagate
+
+
+def test_a_config_that_makes_no_model_is_one_line_about_the_config(tmp_path: Path) -> None:
+    """A config.json with a bad size and no weights said "its weights do not load", and one of an
+    unknown model type printed transformers' message over several lines."""
+    from workbench.run.hf import load_model
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": -5, "num_hidden_layers": 1, "num_attention_heads": 1, '
+        '"intermediate_size": 8, "vocab_size": 256}'
+    )
+    with pytest.raises(ValueError, match="its config.json does not make a model") as refused:
+        load_model(str(bad), seed=0, block_size=8, vocab_size=256)
+    assert "\n" not in str(refused.value) and "weights" not in str(refused.value)
+    (bad / "config.json").write_text('{"model_type": "bogus"}')
+    with pytest.raises(ValueError, match="is not a Hugging Face model config") as refused:
+        load_model(str(bad), seed=0, block_size=8, vocab_size=256)
+    assert "\n" not in str(refused.value)

@@ -45,6 +45,12 @@ def _require(module: str) -> Any:
     return imported
 
 
+def _first_line(error: BaseException) -> str:
+    """transformers' errors run over many lines (hints, tables): the first, for a one-line error."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _one_log() -> None:
     """Hugging Face's libraries log through the peer's log, once: huggingface_hub adds a handler
     of its own and propagates as well (each of its retry warnings came out twice, raw and
@@ -109,7 +115,9 @@ def load_model(
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as error:  # noqa: BLE001 - transformers raises many kinds for a bad config
-        raise ValueError(f"{path}/config.json is not a Hugging Face model config ({error})") from None
+        raise ValueError(
+            f"{path}/config.json is not a Hugging Face model config ({_first_line(error)})"
+        ) from None
     has_weights = any((path / name).exists() for name in WEIGHT_FILES)
     missing: list[str] = []
     try:
@@ -127,13 +135,16 @@ def load_model(
                 model = transformers.AutoModelForCausalLM.from_config(config)
     except ValueError as error:
         raise ValueError(
-            f"{path} does not describe a causal language model ({error}); use a *ForCausalLM config "
-            "such as Llama, GPT-2 or Qwen"
+            f"{path} does not describe a causal language model ({_first_line(error)}); use a "
+            "*ForCausalLM config such as Llama, GPT-2 or Qwen"
         ) from None
     except (RuntimeError, OSError) as error:  # weights of other shapes than config.json's, a bad file
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if not has_weights or shapes_only:  # nothing was loaded: the config itself is bad
+            raise ValueError(
+                f"{path}: its config.json does not make a model ({_first_line(error)}); check its sizes"
+            ) from None
         raise ValueError(
-            f"{path}: its weights do not load into the model its config.json describes ({first}); "
+            f"{path}: its weights do not load into the model its config.json describes ({_first_line(error)}); "
             "use the config.json the weights were saved with"
         ) from None
     model = model.float()
