@@ -37,6 +37,9 @@ class SwarmApp(OwnerConsole):
     TITLE = "swarm workbench"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        Binding(
+            "ctrl+c", "quit", show=False
+        ),  # Textual 8 only hints at ctrl+q; a terminal user presses ctrl+c
         Binding("question_mark,f1", "help", "Help"),
         Binding("slash", "filter", "Filter"),
         Binding("s", "sort_next", "Sort"),

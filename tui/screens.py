@@ -37,7 +37,7 @@ HELP = """\
 | `c` | clear the peers that left from the table (they go by themselves after 5 minutes) |
 | `ctrl+p` | command palette: steer, export, screenshot, themes (ANSI fallback) |
 | `?` / `f1` | this help |
-| `q` | quit |
+| `q` / `ctrl+c` | quit |
 
 The summary line: run, outer round, live peers (clients: peers that accept no inbound
 connections), tokens per second, bytes sent against what data-parallel training would have

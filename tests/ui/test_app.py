@@ -406,3 +406,12 @@ async def test_the_lag_cell_shows_lagging_even_when_its_number_stays() -> None:
         app.show(dataclasses.replace(snapshot, lagging=[peer_id(3)]))
         await pilot.pause()
         assert getattr(table.get_cell(peer_id(3), "lag"), "style", None) == "bold yellow"
+
+
+async def test_ctrl_c_quits_as_q_does(app) -> None:
+    """Textual 8 answers Ctrl+C with a hint to press Ctrl+Q; a terminal's user presses Ctrl+C."""
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert not app.is_running
