@@ -320,10 +320,11 @@ class Downloading:
         # its bytes may have been changed on the way (this transport is not encrypted), and what
         # the stream brings is checked by the witnesses like any state.
         if not finished or "error" in outcome:
-            # Those dropped (too slow, bad slices), and when time ran out those that sent less
-            # than half the others' mean: not the honest donors beside a liar that trickled.
+            # Those dropped (too slow, bad slices), and when time ran out a donor alone (a liar
+            # claiming the freshest step is alone at it) or those that sent less than half the
+            # others' mean: not the honest donors beside a liar that trickled.
             delivered = [d.delivered for d in chosen]
-            laggard = (sum(delivered) / len(delivered)) / 2
+            laggard = (sum(delivered) / len(delivered)) / 2 if len(chosen) > 1 else math.inf
             self._unfinished.update(
                 d.peer for d in chosen if d.why or (not finished and d.delivered <= laggard)
             )

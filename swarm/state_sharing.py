@@ -514,13 +514,13 @@ class StateSharing:
                 # Asked while the state streams (not after): a round can end during a download,
                 # and the witnesses' θ should be of the step the donor serves.
                 witnesses = asyncio.ensure_future(self._sketches_from(asked, seed, timeout=10.0))
-                got = await self._download_from(peer)
+                got, stalled_here = await self._download_from(peer)
                 if got is not None:
                     self._note_streamed(tag, [])
                     future.set_result((*got, donor, seed, await witnesses))
                     return
                 witnesses.cancel()
-                if self._stream_stalled:  # not one that refused at once or could not be dialed
+                if stalled_here:  # not one that refused at once or could not be dialed
                     stalled.append(donor)
                 self._note_streamed(tag, stalled)
         finally:
@@ -570,10 +570,10 @@ class StateSharing:
         except Exception:  # noqa: BLE001 - a made-up subkey is just skipped
             return None
 
-    async def _download_from(self, peer: PeerID) -> tuple[Any, list[torch.Tensor]] | None:
-        """One donor's state stream, at most ``self._state_limit`` bytes; None if it failed."""
+    async def _download_from(self, peer: PeerID) -> tuple[tuple[Any, list[torch.Tensor]] | None, bool]:
+        """One donor's state stream, at most ``self._state_limit`` bytes, or None if it failed; and
+        whether it failed by stalling (the start of its stream, or a chunk, did not come in time)."""
         logger.info("downloading the state from %s", peer)
-        self._stream_stalled = False
         try:
             stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
             # Bounded: dialing a frozen donor (SIGSTOP, a laptop asleep) stalls in libp2p's
@@ -611,9 +611,8 @@ class StateSharing:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         except Exception as error:  # noqa: BLE001 - a donor gone or misbehaving: try the next
             logger.warning("state download from %s failed: %s", peer, one_line(error))
-            self._stream_stalled = isinstance(error, TimeoutError)  # (asyncio's, since 3.11)
-            return None
-        return (metadata, tensors) if metadata else None
+            return None, isinstance(error, (asyncio.TimeoutError, TimeoutError))  # one class since 3.11
+        return ((metadata, tensors) if metadata else None), False
 
     async def rpc_theta_sketch(
         self, request: averaging_pb2.DownloadData, context: P2PContext

@@ -188,13 +188,13 @@ def test_a_joiner_refuses_a_streamed_state_that_comes_compressed(monkeypatch):
     packed = serialize_torch_tensor(torch.randn(1 << 20), eight_bit)  # 1 MiB on the wire
     decoded: list = []
     monkeypatch.setattr(state_sharing, "deserialize_torch_tensor", lambda part: decoded.append(part))
-    assert asyncio.run(Joiner(8 << 20, [packed])._download_from(_Id("donor"))) is None
+    assert asyncio.run(Joiner(8 << 20, [packed])._download_from(_Id("donor"))) == (None, False)
     assert decoded == []  # refused before decoding, though its bytes were within the limit
     monkeypatch.undo()
     plain = serialize_torch_tensor(
         torch.randn(1 << 20), runtime_pb2.CompressionType.NONE
     )  # as donors send it
-    metadata, tensors = asyncio.run(Joiner(8 << 20, [plain])._download_from(_Id("donor")))
+    (metadata, tensors), stalled = asyncio.run(Joiner(8 << 20, [plain])._download_from(_Id("donor")))
     assert [t.numel() for t in tensors] == [1 << 20]
 
 

@@ -683,7 +683,8 @@ def test_an_offer_pointing_the_joiner_at_another_host_is_refused(monkeypatch, ca
     donor._server.close()
 
 
-def test_a_donor_that_stalls_is_not_asked_in_the_next_try_and_is_in_the_one_after() -> None:
+@pytest.mark.parametrize("first_slice", [False, True], ids=["silent", "one slice then nothing"])
+def test_a_donor_that_stalls_is_not_asked_in_the_next_try_and_is_in_the_one_after(first_slice: bool) -> None:
     """A liar claiming the freshest step is chosen first every time; taking the token and then
     sending nothing (or a trickle), it held each of a joiner's tries until its deadline, and the
     honest donors were never asked. A donor that did not finish serving in a try is skipped in
@@ -695,10 +696,28 @@ def test_a_donor_that_stalls_is_not_asked_in_the_next_try_and_is_in_the_one_afte
 
     listener = socket.create_server(("127.0.0.1", 0))
     held: list = []
-    threading.Thread(
-        target=lambda: [held.append(listener.accept()) for _ in iter(int, 1)], daemon=True
-    ).start()
-    snapshot = Snapshot.take(5, b"", [torch.zeros(4)], 1)
+    # 12 MiB: 3 slices. A liar alone at its claimed step, silent or serving one true slice then
+    # nothing (it sent "more than half the mean" of the donors chosen: itself).
+    snapshot = Snapshot.take(5, b"", [torch.zeros(3 << 20)], 1)
+
+    def serve() -> None:
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            held.append(connection)
+            if first_slice:
+                threading.Thread(target=one_slice, args=(connection,), daemon=True).start()
+
+    def one_slice(connection) -> None:  # type: ignore[no-untyped-def]
+        with contextlib.suppress(OSError):
+            connection.recv(32, socket.MSG_WAITALL)  # the token
+            (index,) = state_transfer.INDEX.unpack(connection.recv(4, socket.MSG_WAITALL))
+            for piece in snapshot.pieces(index):
+                connection.sendall(piece)
+
+    threading.Thread(target=serve, daemon=True).start()
 
     def done(value: object) -> Future:
         future: Future = Future()

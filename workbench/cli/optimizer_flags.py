@@ -39,6 +39,11 @@ def _default_inner_steps(args: argparse.Namespace) -> int:
     return defaults(command if command in (*PEER_COMMANDS, "simulate") else "start")["inner_steps"]
 
 
+def _as_given(args: argparse.Namespace, name: str) -> str:
+    """A knob's flag as the user gave it: a switch set false is its ``--no-`` form."""
+    return "--no-" + flag(name)[2:] if getattr(args, name, None) is False else flag(name)
+
+
 def check_method_flags(args: argparse.Namespace) -> None:
     """Raise ValueError (one line) for a flag ``args.method`` cannot use."""
     chosen = method(args.method)
@@ -48,7 +53,7 @@ def check_method_flags(args: argparse.Namespace) -> None:
     if wrong:
         usable = ", ".join(flag(n) for n in chosen.knobs) or "no outer flags"
         raise ValueError(
-            f"--method {chosen.name} cannot use {', '.join(flag(n) for n in wrong)}: {chosen.why_not}; "
+            f"--method {chosen.name} cannot use {', '.join(_as_given(args, n) for n in wrong)}: {chosen.why_not}; "
             f"it takes {usable}"
         )
 
