@@ -135,3 +135,42 @@ def test_a_reducer_whose_stream_back_fails_dooms_the_round_and_leaves_no_error_u
     runner, task = asyncio.run(member())
     assert task.exception() is None
     assert runner.dropped == {"reducer"} and runner.doomed.is_set()
+
+
+def test_hiveminds_own_exchange_weighs_a_sender_by_its_counted_weight_not_its_messages():
+    """A group with a member that does not take the mean (an older release, or a liar that left
+    the flag out of what it gathered) runs hivemind's own exchange, whose reducers weighed each
+    sender's parts by the weight its messages carry: 1e9 there, under a gathered weight of 1,
+    took every honest reducer's part. swarm.butterfly.CountedWeights weighs it by the counted 1."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.proto import averaging_pb2, runtime_pb2
+
+    from swarm.butterfly import CountedWeights
+
+    weighed: list[float] = []
+
+    class Reducer:
+        num_parts = 2
+
+        async def accumulate_part(self, sender_index, part_index, part, weight):  # type: ignore[no-untyped-def]
+            weighed.append(weight)
+            return part
+
+    async def liar():  # its parts, each message claiming 1e9
+        for _ in range(2):
+            part = serialize_torch_tensor(torch.full((4,), -2.0), runtime_pb2.CompressionType.NONE)
+            yield averaging_pb2.AveragingData(tensor_part=part, weight=1e9)
+
+    async def exchange() -> list:
+        runner = object.__new__(CountedWeights)  # what the reducing path touches
+        runner.weights, runner.sender_peer_ids = {"liar": 1.0}, ["liar"]
+        runner.tensor_part_reducer = Reducer()
+        runner.tensor_part_container = SimpleNamespace(prefetch=1)
+        return [reply async for reply in runner._accumulate_parts_streaming(liar(), 0)]
+
+    replies = asyncio.run(exchange())
+    assert len(replies) == 2 and weighed == [1.0, 1.0]
