@@ -395,18 +395,14 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         if not gathered.all_take_the_mean(members):
             await self._run_differences(tensors, group_info, weights, **kwargs)
             return
-        runner = MeanReplies(
+        runner = self._runner(
+            MeanReplies,
+            tensors,
+            group_info,
             codec=kwargs["compression"].compression_type,
             weights=weights,
-            p2p=self._p2p,
-            servicer_type=type(self),
-            prefix=self.prefix,
-            tensors=tensors,
-            group_id=group_info.group_id,
-            ordered_peer_ids=group_info.peer_ids,
             **kwargs,
         )
-        self._running_groups[group_info.group_id].set_result(runner)
 
         async def copy_means() -> None:
             async for tensor, mean in azip(as_aiter(*tensors), runner):
@@ -426,11 +422,9 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             raise AllreduceException(f"members dropped out of hivemind's all-reduce ({gone})")
         copying.result()  # its error, if it failed
 
-    async def _run_differences(self, tensors, group_info, weights: dict[Any, float], **kwargs: Any) -> None:
-        """hivemind's own exchange (each member adds the differences its reducers reply), as
-        hivemind runs it, with the senders' weights the group counts (:class:`CountedWeights`)."""
-        runner = CountedWeights(
-            weights=weights,
+    def _runner(self, kind: type, tensors, group_info, **kwargs: Any) -> Any:
+        """An all-reduce runner of ``kind`` for this group, registered for its members' calls."""
+        runner = kind(
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -440,6 +434,12 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_info.group_id].set_result(runner)
+        return runner
+
+    async def _run_differences(self, tensors, group_info, weights: dict[Any, float], **kwargs: Any) -> None:
+        """hivemind's own exchange (each member adds the differences its reducers reply), as
+        hivemind runs it, with the senders' weights the group counts (:class:`CountedWeights`)."""
+        runner = self._runner(CountedWeights, tensors, group_info, weights=weights, **kwargs)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
