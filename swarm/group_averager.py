@@ -233,7 +233,14 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                 return group_info
 
             self._matchmaking.look_for_group = look_and_offer
-        return await super()._step(**kwargs)
+        try:
+            return await super()._step(**kwargs)
+        except OSError as error:
+            # A leader killed while this peer's join request read its answer (BrokenPipeError):
+            # not among the errors hivemind retries, so it set the step's exception (the peer's
+            # round fails as for any other) and raised it again into a task nobody awaits, and
+            # asyncio printed "Task exception was never retrieved" with a traceback (churn soak).
+            logger.debug("averaging step failed: %s", one_line(error))
 
     def step(self, gather: Any = None, expected: Sequence[str] = (), **kwargs: Any):
         """hivemind's step; this member's data-plane address travels with its gathered info.

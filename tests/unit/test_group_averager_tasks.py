@@ -277,3 +277,34 @@ def test_a_member_alone_in_matchmaking_searches_the_dht_for_leaders_at_a_bounded
 
     asyncio.run(matchmaking())
     assert 1 <= dht.searches <= seconds / LEADER_SEARCH_PERIOD + 2, dht.searches
+
+
+def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(monkeypatch):
+    """A leader killed while this peer's join request read its answer raised BrokenPipeError,
+    which hivemind does not retry: it set the step's exception, then raised it again into a task
+    nobody awaits, and asyncio printed "Task exception was never retrieved" with a traceback into
+    the peer's log (the churn soak, stop 58). The step carries the error; the task ends quietly."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.averaging import DecentralizedAverager
+
+    from swarm.group_averager import GroupAverager
+
+    async def broken(self, **kwargs):  # type: ignore[no-untyped-def]
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(DecentralizedAverager, "_step", broken)
+
+    class Bare(GroupAverager):
+        def __del__(self) -> None:  # no process was started
+            pass
+
+    averager = object.__new__(Bare)
+    averager._matchmaking = SimpleNamespace(target_group_size=None)
+    averager._expected, averager._plane_enabled, averager._ticket_loop = (
+        SimpleNamespace(value=b""),
+        SimpleNamespace(value=0),
+        None,
+    )
+    assert asyncio.run(averager._step(step=None)) is None
