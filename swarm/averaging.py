@@ -124,8 +124,6 @@ class SwarmAverager(Downloading):
         """Peers that averaged with this one in a verified round: their claims are believed (one
         for all of a peer's averagers: streaming's fragments share it)."""
         self._refused_donors: set[str] = set()
-        self._stalled: set[str] = set()  # donors that did not finish serving: see download_state
-        self._unfinished: set[str] = set()
         self.state_shapes = None if state_shapes is None else [tuple(s) for s in state_shapes]
         self._last_download: tuple[str, int] | None = None  # (donor, outer step): see download_state
         self.barrier = RoundBarrier(

@@ -48,6 +48,8 @@ class Downloading:
     """The model's parameters' shapes: a state whose θ has others is a malformed donor's."""
     _download_tag = 0
     """Names each stream download (:meth:`swarm.state_sharing.StateSharing.streamed_from`)."""
+    _stalled: set[str] = frozenset()  # type: ignore[assignment]
+    """Donors that did not finish serving in the last call: not asked in this one."""
 
     def download_state(
         self,
@@ -89,7 +91,7 @@ class Downloading:
         deadline = time.monotonic() + timeout
         skipped = set(self._refused_donors) | set(avoid)  # not asked to serve again in this call
         distrusted = set(skipped)  # not asked to witness either
-        skipped |= getattr(self, "_stalled", set())  # serve-only: they may still witness
+        skipped |= self._stalled  # serve-only: they may still witness
         self._stalled, self._unfinished = set(), set()
         skipped |= self._paused_donors(skipped)
         last, self._last_download = getattr(self, "_last_download", None), None

@@ -34,18 +34,18 @@ from swarm.records import (
     parse_record,
 )
 
-_OWNER_SUBKEY = re.compile(rb"\[owner:[^\]]+\]")
-
 
 def _owner_subkey(serialized: bytes) -> bool:
     """Whether a record's subkey (as stored: msgpack) is one ``[owner:...]`` key and nothing else."""
     from hivemind.utils.serializer import MSGPackSerializer
 
+    from swarm.store import subkey_public_key
+
     try:
         subkey = MSGPackSerializer.loads(serialized)
     except Exception:  # noqa: BLE001 - not msgpack: not ours
         return False
-    return isinstance(subkey, bytes) and _OWNER_SUBKEY.fullmatch(subkey) is not None
+    return subkey_public_key(subkey) is not None
 
 
 def record_validators(keys: RunKeys, private_key) -> list[RecordValidatorBase]:
