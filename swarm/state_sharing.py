@@ -6,7 +6,8 @@ A donor answers ``rpc_state_offer`` with an offer for the direct transport
 (:mod:`swarm.state_transfer`): a snapshot of its state (one per outer step, taken when the
 step is declared and shared by all its joiners; for a state over ``READY_BYTES`` or an
 overlapped run, taken when a joiner asks and shared by those that ask within
-``SNAPSHOT_SECONDS``), a hash per slice, its listener's address and a token. For a joiner, :meth:`StateSharing.state_offers` collects up to ``MAX_DONORS`` offers and
+``SNAPSHOT_SECONDS``), a hash per slice, its listener's address and a token. For a joiner, :meth:`StateSharing.state_offers` collects up to ``MAX_DONORS`` offers (asking the next donor
+when one makes none) and
 asks witnesses for their θ's sketches meanwhile; :meth:`StateSharing.load_state_from_peers` is
 hivemind's stream from one donor at a time, the fallback (a private run, a donor in client mode,
 slices that could not all be had).
@@ -64,7 +65,8 @@ logger = logging.getLogger(__name__)
 SEED_BYTES = 16  # a joiner's seed for sketching the θ it downloaded
 VERIFIERS = 4  # peers asked to confirm a downloaded state
 MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
-MAX_DONORS = 4  # donors asked for an offer in one direct download
+MAX_DONORS = 4  # donors asked for an offer at once in one direct download (and offers taken)
+MAX_ASKED = 64  # donors asked in all, in turn as those before make no offer
 MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadata
 OFFER_GRACE = 0.25  # s to wait for more offers once the first came in (see _first_offers)
 TOP_WAIT = 2.0  # s the first-ranked donor's offer is waited for, from the request (see _first_offers)
@@ -353,7 +355,7 @@ class StateSharing:
         self, future: MPFuture, exclude: Sequence[str], verifiers: dict[str, int]
     ) -> None:
         try:
-            donors = (await self._donors(exclude))[:MAX_DONORS] if self._state_direct else []
+            donors = (await self._donors(exclude))[:MAX_ASKED] if self._state_direct else []
             offers = await self._first_offers(donors)
             seed = secrets.token_bytes(SEED_BYTES)
             if offers:
@@ -376,12 +378,30 @@ class StateSharing:
                 future.set_exception(error)
 
     async def _first_offers(self, donors: list[PeerID]) -> list[tuple[DonorOffer, int, bytes, Layout]]:
-        """The offers that come in by the time the first one did plus half as long again (at
-        least ``OFFER_GRACE`` s): a donor still preparing its snapshot (with ``--overlap``, after
-        its round in flight) does not hold the joiner up."""
+        """Up to ``MAX_DONORS`` offers from ``donors`` (best first), asked ``MAX_DONORS`` at a time:
+        a donor that makes none (it cannot be dialed, refuses, or its offer is malformed) gives
+        its place to the next. Those that come in by the time the first one did plus half as
+        long again (at least ``OFFER_GRACE`` s): a donor still preparing its snapshot (with
+        ``--overlap``, after its round in flight) does not hold the joiner up.
+
+        (Fresh keys are free: six of them declaring the freshest step, with no process behind
+        them, took all four places, and every joiner fell back to hivemind's stream, ten times
+        slower; stop 59.)"""
         started = time.monotonic()
-        tasks = [asyncio.ensure_future(self._offer_from(d)) for d in donors]
-        pending, top = set(tasks), tasks[0] if tasks else None
+        queue = iter(donors)
+        pending: set[asyncio.Future] = set()
+
+        def ask_next() -> asyncio.Future | None:
+            donor = next(queue, None)
+            if donor is None:
+                return None
+            task = asyncio.ensure_future(self._offer_from(donor))
+            pending.add(task)
+            return task
+
+        top = ask_next()
+        for _ in range(MAX_DONORS - 1):
+            ask_next()
         offers, deadline = [], None
         while pending:
             # The first-ranked donor (the freshest step declared) is waited for up to TOP_WAIT s:
@@ -389,16 +409,21 @@ class StateSharing:
             # older state and the order of its donors (and witnesses) was the machine's load's.
             until = deadline if top not in pending or deadline is None else max(deadline, started + TOP_WAIT)
             timeout = None if until is None else max(0.0, until - time.monotonic())
-            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 break
-            offers += [task.result() for task in done if task.result() is not None]
+            pending -= done
+            for task in done:
+                if task.result() is not None:
+                    offers.append(task.result())
+                elif deadline is None or time.monotonic() < deadline:
+                    ask_next()
             if offers and deadline is None:
                 deadline = time.monotonic() + max(OFFER_GRACE, 0.5 * (time.monotonic() - started))
         for task in pending:
             task.cancel()
         order = {d.to_base58(): i for i, d in enumerate(donors)}
-        return sorted(offers, key=lambda o: order[o[0].peer])  # by declared priority
+        return sorted(offers, key=lambda o: order[o[0].peer])  # by rank
 
     def theta_sketches(self, seed: bytes) -> MPFuture:
         """(From the peer's process.) A future of ``{peer: (outer step, θ sketches under seed)
@@ -500,8 +525,9 @@ class StateSharing:
         verifiers: Sequence[str] = (),
         tag: int = 0,
     ) -> None:
-        # In the averager process. Donors in order of the priority they declare (their outer
-        # step; anyone can declare any, which is why the joiner checks what it gets).
+        # In the averager process. Donors this peer is connected to first, each part in order of
+        # the priority they declare (their outer step; anyone can declare any, which is why the
+        # joiner checks what it gets).
         self._stream_tag = tag
         stalled: list[str] = []
         self._note_streamed(tag, stalled)
@@ -528,10 +554,13 @@ class StateSharing:
                 future.set_result(None)
 
     async def _donors(self, exclude: Sequence[str]) -> list[PeerID]:
-        """The peers that declare a state, highest declared priority first (ties at random)."""
+        """The peers that declare a state: those this peer is connected to first (a peer met
+        through the DHT runs a process; a fresh key's declaration costs nothing), then the
+        others; in each, highest declared priority first (ties at random)."""
         key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
         found = await self.dht.get(key, latest=True, return_future=True)
         declared = found.value if found is not None and isinstance(found.value, dict) else {}
+        connected = {info.peer_id for info in await self._p2p.list_peers()}
         donors = []
         for subkey, entry in declared.items():
             priority = getattr(entry, "value", None)
@@ -541,8 +570,8 @@ class StateSharing:
             if peer is None:
                 continue
             if peer != self.peer_id and peer.to_base58() not in exclude:
-                donors.append((float(priority), random.random(), peer))
-        return [peer for _, _, peer in sorted(donors, key=lambda d: d[:2], reverse=True)]
+                donors.append((peer in connected, float(priority), random.random(), peer))
+        return [peer for *_, peer in sorted(donors, key=lambda d: d[:3], reverse=True)]
 
     def _note_streamed(self, tag: int, donors: list[str]) -> None:
         """(Averager process.) Record the download ``tag``'s stalled donors and the one it streams

@@ -219,11 +219,12 @@ def interrupt_all(peers: list[PeerProcess] | tuple[PeerProcess, ...], timeout: f
         assert peer.wait(timeout=timeout) == 0, peer.stderr()[-3000:]
 
 
-def helper(script: str, *args: str) -> subprocess.Popen:
+def helper(script: str, *args: str, wrap: Callable[[list[str]], list[str]] = list) -> subprocess.Popen:
     """``python -c script args...`` in its own process group, stdout piped (an attacker, a
-    squatter): stop it with :func:`kill_group`, which takes its hivemind children along."""
+    squatter): stop it with :func:`kill_group`, which takes its hivemind children along.
+    ``wrap``: where it runs (``lambda argv: lab.command(i, argv)``: on a lab's machine ``i``)."""
     return subprocess.Popen(
-        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, text=True, start_new_session=True
+        wrap([sys.executable, "-c", script, *args]), stdout=subprocess.PIPE, text=True, start_new_session=True
     )
 
 

@@ -338,6 +338,86 @@ def _a_joiner_beside_a_lying_donor(
     return first, third, late
 
 
+SYBIL_DONORS = """
+import sys, time
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from swarm.records import RunKeys
+
+address, run_id, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(count)]  # fresh keys: free
+
+class EachKeySignsItsOwn(RecordValidatorBase):
+    def validate(self, record):
+        return True
+    def sign_value(self, record):
+        for signer in signers:
+            signed = signer.sign_value(record)
+            if signed != record.value:
+                return signed
+        return record.value
+    def strip_value(self, record):
+        return signers[0].strip_value(record)
+
+# One stock node in client mode: no process, no address behind any of the keys.
+dht = hivemind.DHT(initial_peers=[address], client_mode=True, record_validators=[EachKeySignsItsOwn()], start=True)
+while True:  # valid declarations (signed, small, 50 s), the freshest step there could be
+    stored = sum(
+        bool(dht.store(key, 1e9, get_dht_time() + 50, subkey=signer.local_public_key))
+        for signer in signers
+        for key in RunKeys(run_id).donors
+    )
+    print("stored", stored, flush=True)
+    time.sleep(20)
+"""
+
+
+@pytest.mark.parametrize(
+    "machines",
+    [
+        "loopback",
+        pytest.param(
+            "netns",
+            marks=[
+                NETNS,
+                pytest.mark.faults,
+                pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}"),
+            ],
+        ),
+    ],
+)
+def test_fresh_keys_declaring_the_freshest_state_leave_a_joiner_its_direct_download(
+    spawn, tmp_path, machines
+):
+    """Six fresh keys, with no process behind them, declare that they serve the state at step
+    10⁹ (signed, small, short-lived: valid declarations). A joiner asked the four it ranked
+    first for a direct offer, got none, and fell back to hivemind's stream (ten times slower),
+    where it dialed each of them before an honest donor (stop 59). Donors this peer is
+    connected to come first now, and a donor that makes no offer gives its place to the next:
+    the joiner downloads over the direct transport."""
+    common = [*FAST, "--rounds", "1000", "--run-id", "sybil-donors"]
+    with contextlib.ExitStack() as stack:
+        lab = stack.enter_context(netlab.NetLab(4, rate=None)) if machines == "netns" else None
+        peers = stack.enter_context(_Peers(spawn, tmp_path, lab))
+        first = peers.start(0, "start", *common)
+        address = peers.address(first)
+        peers.start(1, "join", address, *common)
+        first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+        wrap = list if lab is None else (lambda argv: lab.command(2, argv))
+        attacker = helper(SYBIL_DONORS, address, "sybil-donors", "6", wrap=wrap)
+        stack.callback(kill_group, attacker)
+        assert attacker.stdout.readline().split() == ["stored", "12"]  # the run's nodes took them all
+        joiner = peers.start(3, "join", address, *common)
+        joiner.wait_event("round", lambda e: e["group_size"] == 3, timeout=120)
+        interrupt_all(peers.started)
+    log = joiner.stderr()
+    assert "downloaded the state at outer step" in log, log[-3000:]  # the direct transport's line
+    assert "downloading the state from" not in log, log[-3000:]  # hivemind's stream's
+
+
 FLOODER = """
 import sys
 from functools import partial

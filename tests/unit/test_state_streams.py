@@ -260,3 +260,55 @@ def test_the_first_ranked_donors_offer_is_waited_for_past_the_others_grace():
     assert [o[0].peer for o in got] == ["fresh", "stale"]
     silent = asyncio.run(Donors({"fresh": 30.0, "stale": 0.01})._first_offers([fresh, stale]))
     assert [o[0].peer for o in silent] == ["stale"]  # a silent first-ranked donor costs TOP_WAIT only
+
+
+def test_a_donor_that_makes_no_offer_gives_its_place_to_the_next():
+    """Six fresh keys declaring the freshest step, with no process behind them, took the four
+    places a joiner asked for offers: it got none and fell back to hivemind's stream (stop 59).
+    A donor that makes no offer gives its place to the next; at most MAX_DONORS are taken."""
+
+    class Donors(StateSharing):
+        def __init__(self, honest: set[str]) -> None:
+            self.honest, self.asked = honest, []
+
+        async def _offer_from(self, donor):  # type: ignore[no-untyped-def]
+            self.asked.append(str(donor))
+            await asyncio.sleep(0.01)
+            return (SimpleNamespace(peer=str(donor)), 0, b"", None) if donor in self.honest else None
+
+    ranked = [_Id(f"fake{i}") for i in range(6)] + [_Id("a"), _Id("b")]
+    got = asyncio.run(Donors({"a", "b"})._first_offers(ranked))
+    assert [o[0].peer for o in got] == ["a", "b"]
+    every = Donors({f"h{i}" for i in range(6)})
+    got = asyncio.run(every._first_offers([_Id(f"h{i}") for i in range(6)]))
+    assert len(got) == state_sharing.MAX_DONORS and every.asked == [f"h{i}" for i in range(4)]
+
+
+def test_donors_this_peer_is_connected_to_come_before_fresh_keys_declaring_more():
+    """A declaration costs a fresh key nothing; a donor this peer met through the DHT runs a
+    process. Connected donors come first, each part by the priority it declares."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils import ValueWithExpiration
+
+    honest, slow, fake, me = (PeerID(name.encode()) for name in ("honest", "slow", "fresh-key", "me"))
+    declared = {
+        p.to_bytes(): ValueWithExpiration(v, 0.0)
+        for p, v in ((honest, 80), (slow, 79), (fake, 1e9), (me, 80))
+    }
+
+    class Joiner(StateSharing):
+        def __init__(self) -> None:
+            self._matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(prefix="run_diloco"))
+            self._donor_subkey, self.peer_id = None, me  # bare peer ids, as outside a run
+
+            async def get(key, latest, return_future):  # type: ignore[no-untyped-def]
+                assert key == "run_diloco.all_averagers"
+                return ValueWithExpiration(declared, 0.0)
+
+            async def list_peers():  # type: ignore[no-untyped-def]
+                return [SimpleNamespace(peer_id=p) for p in (slow, honest)]
+
+            self.dht, self._p2p = SimpleNamespace(get=get), SimpleNamespace(list_peers=list_peers)
+
+    assert asyncio.run(Joiner()._donors([])) == [honest, slow, fake]
+    assert asyncio.run(Joiner()._donors([honest.to_base58()])) == [slow, fake]
