@@ -118,6 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_parser(commands)
     add_export_parser(commands)
     add_completion_parser(commands)
+    for command in commands.choices.values():
+        # "run with -v for details" is read after a command: `workbench start ... -v` was refused
+        # as an unrecognized argument. (SUPPRESS: one not given here leaves `workbench -v start`'s.)
+        command.add_argument(
+            "-v",
+            "--verbose",
+            action="count",
+            default=argparse.SUPPRESS,
+            help="more logs (-vv for hivemind's)",
+        )
     return parser
 
 
