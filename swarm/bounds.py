@@ -43,6 +43,7 @@ BOUNDS: dict[str, Bound] = {
     # training
     "inner_steps": Bound(1, 100_000, integer=True),
     "batch_size": Bound(1, 65_536, integer=True),
+    "max_bytes": Bound(1024, 10**13, integer=True),
     "block_size": Bound(1, 1_048_576, integer=True),
     "seed": Bound(0, 2**31 - 1, integer=True),
     "threads": Bound(0, 1024, integer=True),
@@ -60,6 +61,10 @@ BOUNDS: dict[str, Bound] = {
     "outlier_ratio": Bound(0, 1e6),
     "clip_norm": Bound(0, 1e12),
     "grad_clip": Bound(0, 1e12),
+    "weight_decay": Bound(0, 1, open_high=True),
+    "beta1": Bound(0, 1, open_high=True),
+    "beta2": Bound(0, 1, open_high=True),
+    "warmup_steps": Bound(0, 10**9, integer=True),
     "rounds": Bound(0, 10**9, integer=True),
     "round_seconds": Bound(0, _DAY),
     "step_seconds": Bound(0, _DAY, open_low=True),

@@ -223,7 +223,7 @@ def run_simulate_command(args: argparse.Namespace) -> int:
             model=config.model,
             hf_model=config.hf_model,
             data=config.data,
-            train=TrainConfig(inner_lr=args.inner_lr, grad_clip=args.grad_clip),
+            train=config.train,
             sim=dataclasses.replace(sim, on_round=on_round),
         )
     summary = {

@@ -82,7 +82,8 @@ def test_a_simulation_stops_at_the_end_of_a_round_and_keeps_the_rounds_done():
     done = history[history["round"] > 0]  # the rounds every peer finished, with what they measured
     # (the last may have been stopped before rank 0 evaluated it)
     assert done["loss"].notna().all() and done["eval_loss"].iloc[:-1].notna().all(), history
-    assert done["seconds"].is_monotonic_increasing and done["seconds"].nunique() == len(done), history
+    # (Not strictly: rounds of this tiny model can fall within one tick of a coarse clock.)
+    assert done["seconds"].is_monotonic_increasing, history
     # The view keeps the peers that ran, done with their rounds.
     snapshot = run.source().poll()
     assert len(snapshot.peers) == 2 and {p.stage.value for p in snapshot.peers.values()} == {"finishing"}

@@ -257,14 +257,14 @@ def test_model_and_data_flags_reach_every_demo_peer(tmp_path: Path) -> None:
     flags = [
         "--model", str(model), "--block-size", "64", "--dataset", "./corpus", "--dataset-split", "train[:90%]",
         "--streaming", "--text-field", "body", "--tokenizer", "./tok", "--tensorboard", str(tmp_path / "tb"),
-        "--wandb", "proj", "--run-dir", str(tmp_path / "run"),
+        "--wandb", "proj", "--run-dir", str(tmp_path / "run"), "--max-bytes", "5000000",
     ]  # fmt: skip
     config = build_config(build_parser().parse_args(["start", *flags]))
     rebuilt = build_config(
         build_parser().parse_args(["start", *peer_arguments(config, name="p1", run_dir=tmp_path / "run")])
     )
     assert rebuilt.hf_model == str(model) and rebuilt.model.block_size == 64
-    assert rebuilt.data == config.data
+    assert rebuilt.data == config.data and config.data.max_bytes == 5_000_000
     assert rebuilt.peer.tensorboard == str(tmp_path / "tb" / "p1")  # a folder per peer
     assert (rebuilt.peer.wandb_project, rebuilt.peer.wandb_mode) == ("proj", "offline")
     small = build_config(build_parser().parse_args(["start", "--model", "tiny", "--block-size", "32"]))
@@ -275,6 +275,18 @@ def test_model_and_data_flags_reach_every_demo_peer(tmp_path: Path) -> None:
     # A preset with its own context: the printed join command carries it (it used to fail).
     assert "--model tiny --block-size 32" in join_command(small, ["ADDR"])
     assert f"--model {model} --block-size 64" in join_command(config, ["ADDR"])
+
+
+def test_every_inner_training_setting_reaches_every_demo_peer(tmp_path: Path) -> None:
+    """The inner AdamW's settings (stop 59: weight decay, betas and warmup got flags) travel
+    from the demo's flags to each peer's, as the learning rate and the clip did."""
+    flags = ["--inner-lr", "0.002", "--grad-clip", "0.5", "--weight-decay", "0", "--beta1", "0.8"]
+    flags += ["--beta2", "0.99", "--warmup-steps", "3", "--threads", "1"]
+    config = build_config(build_parser().parse_args(["start", *flags]))
+    rebuilt = build_config(
+        build_parser().parse_args(["start", *peer_arguments(config, name="p1", run_dir=tmp_path / "run")])
+    )
+    assert rebuilt.train == config.train and config.train.beta1 == 0.8
 
 
 def test_a_demo_peer_starts_in_its_own_folder_which_a_reuse_cleans(tmp_path: Path, monkeypatch) -> None:

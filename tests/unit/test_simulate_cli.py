@@ -204,3 +204,39 @@ def test_a_model_with_dropout_is_said_to_make_the_simulation_unrepeatable(caplog
         "the model has dropout (p=0.1): the virtual peers share torch's generator, so a run is not "
         "repeatable for its seed; set the dropout to 0 for one that is"
     ]
+
+
+def test_the_inner_optimizer_flags_reach_the_simulated_peers(capsys, corpus: Path, monkeypatch) -> None:
+    """Weight decay, betas and warmup had no flags: a researcher could not compare them, and
+    `simulate` built its inner AdamW from the defaults whatever a config file said."""
+    import workbench.simulate
+
+    used = {}
+    real = workbench.simulate.run_simulation
+
+    def recording(spec, **kwargs):  # type: ignore[no-untyped-def]
+        used["train"] = kwargs["train"]
+        return real(spec, **kwargs)
+
+    monkeypatch.setattr(workbench.simulate, "run_simulation", recording)
+    flags = [
+        "--weight-decay",
+        "0",
+        "--beta1",
+        "0.8",
+        "--beta2",
+        "0.99",
+        "--warmup-steps",
+        "0",
+        "--grad-clip",
+        "0.5",
+    ]
+    run(capsys, "--data", str(corpus), "--peers", "2", "--steps", "4", "--inner-steps", "2", *flags)
+    train = used["train"]
+    assert (train.weight_decay, train.beta1, train.beta2, train.warmup_steps, train.grad_clip) == (
+        0,
+        0.8,
+        0.99,
+        0,
+        0.5,
+    )

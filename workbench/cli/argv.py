@@ -112,7 +112,8 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
         parts += model
     # Settings every peer must share, or their global params drift apart round after round (the
     # clip too: with dp, each peer clips and steps the averaged gradient itself).
-    shared = ("inner_steps", "inner_lr", "grad_clip", "codec", "aggregate")
+    shared = ("inner_steps", "inner_lr", "grad_clip", "weight_decay", "beta1", "beta2", "warmup_steps")
+    shared += ("codec", "aggregate")
     parts += setting_arguments(config, shared, changed_only=True)
     parts += optimizer_arguments(config, changed_only=True)
     # Token ids shape the model, the inner lr's cosine follows the run's length, rounds of the

@@ -119,6 +119,10 @@ PEER_SETTINGS = (
     "inner_steps",
     "inner_lr",
     "grad_clip",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "warmup_steps",
     "rounds",
     "round_seconds",
     "eval_every",
@@ -135,6 +139,7 @@ PEER_SETTINGS = (
     "dataset_subset",
     "streaming",
     "text_field",
+    "max_bytes",
     "tokenizer",
 )
 """The settings a demo peer gets as they are (the model, the optimizer's, the shard and the

@@ -34,6 +34,18 @@ class Optimizer:
         bound="grad_clip",
         target="train.grad_clip",
     )
+    weight_decay: float = setting(
+        0.1, "inner AdamW weight decay (default: 0.1)", bound="weight_decay", target="train.weight_decay"
+    )
+    beta1: float = setting(0.9, "inner AdamW beta1 (default: 0.9)", bound="beta1", target="train.beta1")
+    beta2: float = setting(0.95, "inner AdamW beta2 (default: 0.95)", bound="beta2", target="train.beta2")
+    warmup_steps: int = setting(
+        20,
+        "linear warmup of the inner lr over this many inner steps, then cosine decay to a tenth "
+        "when the run's length is known (--rounds; simulate: --steps) (default: 20)",
+        bound="warmup_steps",
+        target="train.warmup_steps",
+    )
     method: str = setting(
         "diloco",
         "outer method: diloco, local_sgd (FedAvg), sparseloco (chunked top-k, 2-bit values, error "

@@ -107,6 +107,14 @@ class ModelAndData:
         target="data.text_field",
         parse=given,
     )
+    max_bytes: int = setting(
+        16_000_000,
+        "read at most this many bytes of text from --data or --dataset (default: 16000000; a "
+        "larger corpus is read only up to it)",
+        bound="max_bytes",
+        metavar="N",
+        target="data.max_bytes",
+    )
     batch_size: int = setting(
         16, "sequences per inner step (default: 16)", bound="batch_size", target="data.batch_size"
     )
