@@ -343,11 +343,12 @@ import sys, time
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import RecordValidatorBase
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from swarm.records import RunKeys
 
-address, run_id, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+address, run_id, count, victims = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 signers = [RSASignatureValidator(RSAPrivateKey()) for _ in range(count)]  # fresh keys: free
 
 class EachKeySignsItsOwn(RecordValidatorBase):
@@ -364,6 +365,17 @@ class EachKeySignsItsOwn(RecordValidatorBase):
 
 # One stock node in client mode: no process, no address behind any of the keys.
 dht = hivemind.DHT(initial_peers=[address], client_mode=True, record_validators=[EachKeySignsItsOwn()], start=True)
+# Stop 58's attack first: None, for a year, under each honest donor's entry (its [owner:...]
+# subkey as read here, and hivemind's bare peer id), to withdraw it for good.
+ours = {signer.local_public_key for signer in signers}
+wiped = tried = 0
+for key in RunKeys(run_id).donors:
+    found = dht.get(key, latest=True)
+    entries = [k for k in (found.value if found is not None else {}) if k not in ours]
+    entries += [PeerID.from_base58(victim).to_bytes() for victim in victims]
+    wiped += sum(bool(dht.store(key, None, get_dht_time() + 365 * 86400, subkey=k)) for k in entries)
+    tried += len(entries)
+print("wiped", wiped, "of", tried, flush=True)
 while True:  # valid declarations (signed, small, 50 s), the freshest step there could be
     stored = sum(
         bool(dht.store(key, 1e9, get_dht_time() + 50, subkey=signer.local_public_key))
@@ -392,8 +404,10 @@ while True:  # valid declarations (signed, small, 50 s), the freshest step there
 def test_fresh_keys_declaring_the_freshest_state_leave_a_joiner_its_direct_download(
     spawn, tmp_path, machines
 ):
-    """Six fresh keys, with no process behind them, declare that they serve the state at step
-    10⁹ (signed, small, short-lived: valid declarations). A joiner asked the four it ranked
+    """An outsider's stock hivemind node first tries stop 58's attack: None for a year under
+    every honest donor's entry (refused: each is its writer's alone). Then six fresh keys, with
+    no process behind them, declare that they serve the state at step 10⁹ (signed, small,
+    short-lived: valid declarations). A joiner asked the four it ranked
     first for a direct offer, got none, and fell back to hivemind's stream (ten times slower),
     where it dialed each of them before an honest donor (stop 59). Donors this peer is
     connected to come first now, and a donor that makes no offer gives its place to the next:
@@ -404,12 +418,15 @@ def test_fresh_keys_declaring_the_freshest_state_leave_a_joiner_its_direct_downl
         peers = stack.enter_context(_Peers(spawn, tmp_path, lab))
         first = peers.start(0, "start", *common)
         address = peers.address(first)
-        peers.start(1, "join", address, *common)
+        second = peers.start(1, "join", address, *common)
         first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+        honest = [peer.wait_event("started")["peer_id"] for peer in (first, second)]
         wrap = list if lab is None else (lambda argv: lab.command(2, argv))
-        attacker = helper(SYBIL_DONORS, address, "sybil-donors", "6", wrap=wrap)
+        attacker = helper(SYBIL_DONORS, address, "sybil-donors", "6", *honest, wrap=wrap)
         stack.callback(kill_group, attacker)
-        assert attacker.stdout.readline().split() == ["stored", "12"]  # the run's nodes took them all
+        wiped, _, tried = attacker.stdout.readline().split()[1:]
+        assert wiped == "0" and int(tried) >= 6, (wiped, tried)  # 2 owner keys, 2 bare ids x 2 keys
+        assert attacker.stdout.readline().split() == ["stored", "12"]  # valid: the run's nodes took them
         joiner = peers.start(3, "join", address, *common)
         joiner.wait_event("round", lambda e: e["group_size"] == 3, timeout=120)
         interrupt_all(peers.started)
