@@ -138,7 +138,9 @@ def sort_key(p: PeerHeartbeat, column: str, top: int):
     return (str(getattr(p, column, p.name) if column != "stage" else p.stage.value), p.name)
 
 
-def matches(p: PeerHeartbeat, text: str) -> bool:
-    """The filter: a case-insensitive substring of the name, stage, device or peer id."""
+def matches(p: PeerHeartbeat, text: str, stage: str | None = None) -> bool:
+    """The filter: a case-insensitive substring of the name, stage, device or peer id.
+    ``stage``: the stage cell as shown, where it is not the heartbeat's (a peer that left)."""
     text = text.strip().lower()
-    return not text or any(text in field.lower() for field in (p.name, p.stage.value, p.device, p.peer_id))
+    shown = p.stage.value if stage is None else stage
+    return not text or any(text in field.lower() for field in (p.name, shown, p.device, p.peer_id))

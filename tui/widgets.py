@@ -174,9 +174,9 @@ class PeersTable(DataTable):
         s = self.snapshot
         assert s is not None
         gone = [d for pid, d in s.departed.items() if d.time > self.cleared_before and pid not in s.peers]
-        return sorted(
-            (d for d in gone if matches(d.heartbeat, self.filter_text)), key=lambda d: d.time, reverse=True
-        )
+        # As shown: how it left, not the stage its last heartbeat said ("exit", not "training").
+        shown = [d for d in gone if matches(d.heartbeat, self.filter_text, stage=LEFT_AS.get(d.how, "lying"))]
+        return sorted(shown, key=lambda d: d.time, reverse=True)
 
     def clear_departed(self) -> int:
         """Hide the peers that left so far (key ``c``); how many were hidden."""

@@ -355,6 +355,21 @@ async def test_peers_that_left_stay_below_the_live_ones_until_cleared() -> None:
         assert len(names(app)) == 4
 
 
+async def test_the_filter_matches_a_departed_peers_stage_as_shown() -> None:
+    """A peer that left shows how it left ("expired 10:32"), but the filter matched the stage
+    of its last heartbeat: "expired" found nothing, "train" found a peer long gone."""
+    app = SwarmApp(FakeSource(leavers=3), poll=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        every = names(app)
+        await pilot.press("slash", *"expired")
+        assert names(app) == [every[5]]  # the second leaver's heartbeat expired
+        await pilot.press("escape", "slash", *"train")
+        assert names(app) and every[5] not in names(app)
+        await pilot.press("escape", "slash", *"exit")
+        assert names(app) == [every[4]]
+
+
 async def test_the_steering_form_offers_no_pause_for_a_peer_that_left() -> None:
     """Stop 57, a review: the form offered to pause a departed peer, which `workbench steer`
     refuses ("no live peer is named ...")."""
