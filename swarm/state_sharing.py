@@ -67,6 +67,7 @@ VERIFIERS = 4  # peers asked to confirm a downloaded state
 MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
 MAX_DONORS = 4  # donors asked for an offer at once in one direct download (and offers taken)
 MAX_ASKED = 64  # donors asked in all, in turn as those before make no offer
+OFFER_SECONDS = 15.0  # s for the offers in all (see _first_offers)
 MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadata
 OFFER_GRACE = 0.25  # s to wait for more offers once the first came in (see _first_offers)
 TOP_WAIT = 2.0  # s the first-ranked donor's offer is waited for, from the request (see _first_offers)
@@ -84,6 +85,22 @@ READY_BYTES = 2 << 30
 step, so that the first joiner does not wait for the copy and the hashes (about 1 s per 400 MB
 here; measured in benchmarks.overheads' join). A larger one is snapshotted when a joiner asks
 and freed ``SNAPSHOT_SECONDS`` later, to keep its copy out of memory between joins."""
+
+
+def half_connected(donors: list[PeerID], connected: set[PeerID]) -> list[PeerID]:
+    """``donors`` (highest declared priority first) in the order they are asked for offers: in
+    turn the best not asked yet, and the best this peer is connected to. A declaration costs a
+    fresh key nothing, while a peer met through the DHT runs a process: fresh keys claiming the
+    freshest step take half the places at most, and a fresher donor not connected to is still
+    asked first (its offer, if it makes one, wins: :func:`swarm.state_fetch.freshest`)."""
+    ordered, near = [], iter([d for d in donors if d in connected])
+    taken: set[PeerID] = set()
+    for donor in donors:
+        for pick in (donor, next(near, None)):
+            if pick is not None and pick not in taken:
+                taken.add(pick)
+                ordered.append(pick)
+    return ordered
 
 
 def _declared(task: asyncio.Task) -> None:
@@ -355,8 +372,11 @@ class StateSharing:
         self, future: MPFuture, exclude: Sequence[str], verifiers: dict[str, int]
     ) -> None:
         try:
-            donors = (await self._donors(exclude))[:MAX_ASKED] if self._state_direct else []
-            offers = await self._first_offers(donors)
+            donors = await self._donors(exclude) if self._state_direct else []
+            connected = {info.peer_id for info in await self._p2p.list_peers()} if donors else set()
+            offers = await self._first_offers(half_connected(donors, connected)[:MAX_ASKED])
+            if future.done():  # the joiner gave up meanwhile: no witness to ask
+                return
             seed = secrets.token_bytes(SEED_BYTES)
             if offers:
                 chosen, step = freshest(offers)[:2]
@@ -386,13 +406,15 @@ class StateSharing:
 
         (Fresh keys are free: six of them declaring the freshest step, with no process behind
         them, took all four places, and every joiner fell back to hivemind's stream, ten times
-        slower; stop 59.)"""
+        slower; stop 59.) Nothing is asked, and nothing waited for, past ``OFFER_SECONDS``:
+        donors whose dials hang, four at a time, would otherwise hold the joiner 10 s a wave."""
         started = time.monotonic()
+        hard = started + OFFER_SECONDS
         queue = iter(donors)
         pending: set[asyncio.Future] = set()
 
         def ask_next() -> asyncio.Future | None:
-            donor = next(queue, None)
+            donor = next(queue, None) if time.monotonic() < hard else None
             if donor is None:
                 return None
             task = asyncio.ensure_future(self._offer_from(donor))
@@ -408,7 +430,7 @@ class StateSharing:
             # on a busy machine its offer came in past the others' grace, the joiner took an
             # older state and the order of its donors (and witnesses) was the machine's load's.
             until = deadline if top not in pending or deadline is None else max(deadline, started + TOP_WAIT)
-            timeout = None if until is None else max(0.0, until - time.monotonic())
+            timeout = max(0.0, min(hard if until is None else until, hard) - time.monotonic())
             done, _ = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 break
@@ -525,9 +547,9 @@ class StateSharing:
         verifiers: Sequence[str] = (),
         tag: int = 0,
     ) -> None:
-        # In the averager process. Donors this peer is connected to first, each part in order of
-        # the priority they declare (their outer step; anyone can declare any, which is why the
-        # joiner checks what it gets).
+        # In the averager process. Donors in order of the priority they declare (their outer
+        # step; anyone can declare any, which is why the joiner checks what it gets). A fresh
+        # key's declaration with no process behind it fails its dial at once.
         self._stream_tag = tag
         stalled: list[str] = []
         self._note_streamed(tag, stalled)
@@ -554,13 +576,10 @@ class StateSharing:
                 future.set_result(None)
 
     async def _donors(self, exclude: Sequence[str]) -> list[PeerID]:
-        """The peers that declare a state: those this peer is connected to first (a peer met
-        through the DHT runs a process; a fresh key's declaration costs nothing), then the
-        others; in each, highest declared priority first (ties at random)."""
+        """The peers that declare a state, highest declared priority first (ties at random)."""
         key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
         found = await self.dht.get(key, latest=True, return_future=True)
         declared = found.value if found is not None and isinstance(found.value, dict) else {}
-        connected = {info.peer_id for info in await self._p2p.list_peers()}
         donors = []
         for subkey, entry in declared.items():
             priority = getattr(entry, "value", None)
@@ -570,8 +589,8 @@ class StateSharing:
             if peer is None:
                 continue
             if peer != self.peer_id and peer.to_base58() not in exclude:
-                donors.append((peer in connected, float(priority), random.random(), peer))
-        return [peer for *_, peer in sorted(donors, key=lambda d: d[:3], reverse=True)]
+                donors.append((float(priority), random.random(), peer))
+        return [peer for *_, peer in sorted(donors, key=lambda d: d[:2], reverse=True)]
 
     def _note_streamed(self, tag: int, donors: list[str]) -> None:
         """(Averager process.) Record the download ``tag``'s stalled donors and the one it streams

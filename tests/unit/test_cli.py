@@ -1052,10 +1052,13 @@ def test_a_status_that_cannot_reach_the_run_leaves_no_empty_recording(tmp_path, 
         (["start", "--rounds", "3", "-v"], 1),  # where "run with -v for details" leads a user
         (["join", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "-vv"], 2),
         (["status", "/ip4/127.0.0.1/tcp/1/p2p/QmX", "--verbose"], 1),
+        (["-v", "start", "-v"], 2),  # hivemind's logs too, as -vv
+        (["config", "show", "-v"], 1),
+        (["config", "keys", "--verbose"], 1),
     ],
 )
 def test_verbose_is_taken_before_or_after_the_command(argv, verbose) -> None:
     """`workbench start ... -v` was "unrecognized arguments: -v", while every error says "run
     with -v for details" (a review, stop 59)."""
     args, extra = build_parser().parse_known_args(argv)
-    assert (args.verbose, extra) == (verbose, [])
+    assert (args.verbose + getattr(args, "verbose_after", 0), extra) == (verbose, [])

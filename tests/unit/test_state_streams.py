@@ -284,31 +284,44 @@ def test_a_donor_that_makes_no_offer_gives_its_place_to_the_next():
     assert len(got) == state_sharing.MAX_DONORS and every.asked == [f"h{i}" for i in range(4)]
 
 
-def test_donors_this_peer_is_connected_to_come_before_fresh_keys_declaring_more():
+def test_fresh_keys_take_half_the_places_a_joiner_asks_for_offers_at_most():
     """A declaration costs a fresh key nothing; a donor this peer met through the DHT runs a
-    process. Connected donors come first, each part by the priority it declares."""
-    from hivemind.p2p import PeerID
-    from hivemind.utils import ValueWithExpiration
+    process. The donors asked for offers alternate: the best declared not asked yet, and the best
+    connected one. A fresher donor not connected to is still asked first (a review: connected
+    donors first made a joiner take a stale state while a fresher one was on offer)."""
+    from swarm.state_sharing import half_connected
 
-    honest, slow, fake, me = (PeerID(name.encode()) for name in ("honest", "slow", "fresh-key", "me"))
-    declared = {
-        p.to_bytes(): ValueWithExpiration(v, 0.0)
-        for p, v in ((honest, 80), (slow, 79), (fake, 1e9), (me, 80))
-    }
+    fakes = [_Id(f"fake{i}") for i in range(6)]
+    honest, stale = _Id("honest"), _Id("stale")
+    assert half_connected([*fakes, honest, stale], {honest, stale})[:4] == [fakes[0], honest, fakes[1], stale]
+    fresh = _Id("fresh")  # declares the freshest step, not connected (yet)
+    assert half_connected([fresh, honest, stale], {honest, stale}) == [fresh, honest, stale]
+    assert half_connected([honest, *fakes], {honest}) == [honest, *fakes]
+    assert half_connected([], set()) == []
 
-    class Joiner(StateSharing):
+
+def test_the_offers_take_at_most_offer_seconds(monkeypatch):
+    """Donors whose dials hang (10 s each), four at a time, would hold a joiner's offers for 16
+    waves: nothing is asked or waited for past OFFER_SECONDS (a review, stop 59)."""
+    monkeypatch.setattr(state_sharing, "OFFER_SECONDS", 0.3)
+
+    class Hanging(StateSharing):
         def __init__(self) -> None:
-            self._matchmaking = SimpleNamespace(group_key_manager=SimpleNamespace(prefix="run_diloco"))
-            self._donor_subkey, self.peer_id = None, me  # bare peer ids, as outside a run
+            self.asked = 0
 
-            async def get(key, latest, return_future):  # type: ignore[no-untyped-def]
-                assert key == "run_diloco.all_averagers"
-                return ValueWithExpiration(declared, 0.0)
+        async def _offer_from(self, donor):  # type: ignore[no-untyped-def]
+            self.asked += 1
+            await asyncio.sleep(0.1)
+            return None
 
-            async def list_peers():  # type: ignore[no-untyped-def]
-                return [SimpleNamespace(peer_id=p) for p in (slow, honest)]
+    donors = Hanging()
+    began = asyncio.run(_timed(donors._first_offers([_Id(f"d{i}") for i in range(64)])))
+    assert began < 1.0 and donors.asked <= 16, (began, donors.asked)
 
-            self.dht, self._p2p = SimpleNamespace(get=get), SimpleNamespace(list_peers=list_peers)
 
-    assert asyncio.run(Joiner()._donors([])) == [honest, slow, fake]
-    assert asyncio.run(Joiner()._donors([honest.to_base58()])) == [slow, fake]
+async def _timed(awaitable) -> float:  # type: ignore[no-untyped-def]
+    import time
+
+    started = time.monotonic()
+    await awaitable
+    return time.monotonic() - started

@@ -118,16 +118,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_parser(commands)
     add_export_parser(commands)
     add_completion_parser(commands)
-    for command in commands.choices.values():
-        # "run with -v for details" is read after a command: `workbench start ... -v` was refused
-        # as an unrecognized argument. (SUPPRESS: one not given here leaves `workbench -v start`'s.)
+    # "run with -v for details" is read after a command: `workbench start ... -v` was refused as
+    # an unrecognized argument. Counted apart and added to the one before the command (_main):
+    # a subcommand's parser starts from a namespace of its own.
+    pending = list(commands.choices.values())
+    while pending:
+        command = pending.pop()
         command.add_argument(
             "-v",
             "--verbose",
             action="count",
             default=argparse.SUPPRESS,
+            dest="verbose_after",
             help="more logs (-vv for hivemind's)",
         )
+        for action in command._actions:  # `config show -v`
+            if isinstance(action, argparse._SubParsersAction):
+                pending += action.choices.values()
     return parser
 
 
@@ -229,6 +236,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         if stop.code == EXIT_USER_ERROR:
             return EXIT_USER_ERROR
         raise
+    args.verbose += getattr(args, "verbose_after", 0)
     _configure_logging(args.verbose)
     if not faulthandler.is_enabled():  # a crash in native code (torch, gloo) still names its Python line
         faulthandler.enable()

@@ -32,7 +32,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 ENV_PREFIX = "WORKBENCH_"
 # Options that are not settings of a run: where the file is, and how loudly to log.
-NOT_SETTINGS = {"help", "config", "verbose", "command", "json", "sources"}
+NOT_SETTINGS = {"help", "config", "verbose", "verbose_after", "command", "json", "sources"}
 
 
 class ConfigError(ValueError):
