@@ -259,6 +259,7 @@ class SwarmAverager(Downloading):
         # authenticated peer ids, not what they wrote in their info) are vouched for.
         members = [peer.to_base58() for peer in gathered if hasattr(peer, "to_base58")]
         self.vouching.averaged_with(members)
+        self.board.averaged_with(members)
         self._refused_donors.difference_update(members)  # on this θ now: a donor again
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):

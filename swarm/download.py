@@ -197,8 +197,9 @@ class Downloading:
     def _verifiers(self, distrusted: set[str]) -> tuple[dict[str, int], set[str]]:
         """Peers to ask about a downloaded θ, best witnesses first (:func:`witness_order`), each
         with the outer step its heartbeat claims; and those of them still "joining". Not peers
-        downloading or paused: their θ is not the swarm's at its step. Peers joining, only when
-        nobody else is there to ask: a peer joining waits for ``--min-peers`` (it started the
+        downloading or paused: their θ is not the swarm's at its step. Peers joining, after the
+        others for a fresh joiner, and only when nobody else is there to ask for a peer that
+        averaged before: a peer joining waits for ``--min-peers`` (it started the
         run, or it downloaded already), its θ is the run's at its own step, and it witnesses a
         state at that step only (:meth:`_fetch_state`). Left out, a joiner arriving while the
         others waited had no witness and took a lying donor's made-up θ on its word (``make
@@ -211,17 +212,19 @@ class Downloading:
             and p.stage not in (Stage.DOWNLOADING, Stage.PAUSED)
         ]
         joining = {p.peer_id for p in others if p.stage is Stage.JOINING}
-        if any(p.peer_id not in joining for p in others):
-            # Only when nobody else can answer: a joiner before its download may say "joining"
-            # for a moment (its init θ at outer step 0), and those claiming the donor's step go
-            # first (at_the_donors_step). A peer at step 232 asked only fresh joiners about a
-            # step-0 state (the churn soak), got nothing it could count, and took it.
-            others = [p for p in others if p.peer_id not in joining]
-            joining = set()
+        vouched = self.vouching.vouched
         claims = {p.peer_id: p.outer_step for p in others}
-        chosen = {
-            peer: claims[peer] for peer in witness_order(others, self.vouching.vouched)[:MAX_CANDIDATES]
-        }
+        order = witness_order([p for p in others if p.peer_id not in joining], vouched)
+        # A peer that averaged before asks those joining only when nobody else can answer: a
+        # joiner before its download may say "joining" for a moment (its init θ at outer step 0),
+        # and those claiming the donor's step go first (at_the_donors_step). A peer at step 232
+        # asked only fresh joiners about a step-0 state (the churn soak), got nothing it could
+        # count, and took it. A fresh joiner (nothing to lose) asks them after the others: one
+        # fresh key's heartbeat saying "training", or the lying donor's own, left it no witness
+        # beside the peers waiting for --min-peers, and it took a made-up θ (a review, stop 59).
+        if not order or not vouched:
+            order += witness_order([p for p in others if p.peer_id in joining], vouched)
+        chosen = {peer: claims[peer] for peer in order[:MAX_CANDIDATES]}
         return chosen, joining & set(chosen)
 
     def download_progress(self) -> float | None:

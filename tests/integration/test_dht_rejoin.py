@@ -100,6 +100,27 @@ def test_a_heartbeat_names_only_its_own_addresses_to_dial(address):
     assert dict(board._seen) == {"QmWriter": ["/ip4/127.0.0.1/tcp/2/p2p/QmWriter"]}
 
 
+def test_fresh_keys_do_not_push_round_mates_out_of_the_peers_to_dial_again():
+    """The peers dialed again after a freeze are the last 8 seen: 8 fresh keys with addresses
+    of their own (their records after the honest ones') left a lone peer dialing none but them.
+    Strangers are forgotten first; a peer this one averaged with, last."""
+    from swarm.dht import REDIAL_PEERS
+
+    board = ProgressBoard(object(), RunKeys("rejoin"))
+
+    def beat(peer: str) -> PeerHeartbeat:
+        return PeerHeartbeat(
+            peer_id=peer, name=peer, stage=Stage.TRAINING, outer_step=0, inner_step=0, inner_steps=5,
+            time=dht_time(), addresses=[f"/ip4/10.0.0.1/tcp/2/p2p/{peer}"],
+        )  # fmt: skip
+
+    honest = ["QmMate1", "QmMate2"]
+    board.averaged_with(honest)
+    fakes = [f"QmFake{i}" for i in range(REDIAL_PEERS)]
+    board._keep_in_touch({peer: beat(peer) for peer in [*honest, *fakes]})
+    assert set(honest) <= set(board._seen) and len(board._seen) == REDIAL_PEERS
+
+
 @pytest.mark.faults
 @NETNS
 @pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")

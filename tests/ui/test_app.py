@@ -440,3 +440,20 @@ async def test_ctrl_c_quits_as_q_does(app) -> None:
         await pilot.press("ctrl+c")
         await pilot.pause()
         assert not app.is_running
+
+
+def test_the_eta_is_the_median_of_what_the_peers_say() -> None:
+    """One heartbeat claiming 10¹² planned rounds (or a round of a day) made the ETA absurd for
+    everyone watching (a review, stop 59): the median of the claims."""
+    from swarm.monitor import Reading, SwarmMonitor
+    from tests.ui.fake import heartbeat
+    from tui.format import eta_seconds
+
+    def snapshot(liar: dict) -> object:
+        beats = {peer_id(i): heartbeat(i, 1000.0, 10, rounds=110, last_round_seconds=5.0) for i in range(3)}
+        beats[peer_id(3)] = heartbeat(3, 1000.0, 10, **liar)
+        return SwarmMonitor().ingest(Reading(1000.0, "r", beats))
+
+    honest = eta_seconds(snapshot(dict(rounds=110, last_round_seconds=5.0)))
+    assert honest is not None and honest <= 100 * 5.0
+    assert eta_seconds(snapshot(dict(rounds=10**12, last_round_seconds=86400.0))) == honest

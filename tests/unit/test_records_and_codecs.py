@@ -401,11 +401,20 @@ def test_a_peer_waiting_for_min_peers_witnesses_a_state_at_its_own_step_only() -
     probe.board.beats["waiting"] = beat("waiting", 3, Stage.TRAINING)
     probe.answers["waiting"] = sketched(3, theta)
     assert probe.download_state(timeout=5.0) is None
-    # Beside a peer that trains, one joining is not asked (here it would have confirmed).
+    # Beside a peer that trains, one joining is not asked by a peer that averaged before (here
+    # it would have confirmed).
     probe = Probe({"waiting": sketched(4, made_up), "trains": sketched(5, theta)})
+    probe.vouching.averaged_with(["trains"])
     probe.board.beats["trains"] = beat("trains", 5, Stage.TRAINING)
     assert probe.download_state(timeout=5.0) is None  # "trains" was past step 4 before: old
     assert set(probe.asked[0]) == {"trains"}, probe.asked
+    # A fresh joiner asks it after the others: one fresh key saying "training" (silent, at any
+    # step), or the liar itself saying so, left it no witness, and it took the made-up θ.
+    for fake in ("fresh-key", "liar"):
+        probe = Probe({"waiting": sketched(4, theta)})
+        probe.board.beats[fake] = beat(fake, 9, Stage.TRAINING)
+        assert probe.download_state(timeout=5.0) is None  # the waiting peer contradicts the liar
+        assert "waiting" in probe.asked[0], probe.asked
 
 
 def test_a_donor_its_round_mates_contradict_is_refused_not_ignored() -> None:
