@@ -641,3 +641,48 @@ def test_a_step_does_not_wait_on_buffers_an_earlier_ring_still_holds():
     gathered, why = SwarmAverager._attempt(member, [torch.ones(2)], 1.0, {}, deadline=time.monotonic() + 2.5)
     assert gathered is None and "still holds this peer's buffers" in why
     assert len(beats) >= 3  # one a second while it waited
+
+
+def test_a_stranger_ready_that_never_comes_costs_one_round_then_one_attempt():
+    """One fresh key's heartbeat "waiting" at a lone peer's step: the peer retried its
+    matchmaking until the averaging deadline, every round (28 s of 30), and presumed itself
+    stale when the key sorted first (a red-team review, stop 59). After one such round, a round
+    whose only mates are strangers is tried once and presumes nothing; one that averages ends it."""
+    import time
+    from types import SimpleNamespace
+
+    from swarm.averaging import SwarmAverager
+
+    me = SwarmAverager.__new__(SwarmAverager)
+    me.board, me.peer_id, me.lag, me.overlapped, me.claim_next = (
+        FakeBoard(beat("fake", 4)),
+        "me",
+        0,
+        False,
+        0.0,
+    )
+    me.vouching, me._no_shows_until = Vouching(), -1
+    me.config = SimpleNamespace(matchmaking_time=0.1)
+    me.averaging_deadline = SimpleNamespace(seconds=1.6, observe=lambda seconds: None)
+    me.averager = SimpleNamespace(direct_rounds=SimpleNamespace(value=0), _fault_file=None)
+    me.wait_for_round_mates = lambda step: Verdict.AVERAGE
+    attempts: list[int] = []
+
+    def attempt(tensors, weight, info, deadline, n):  # type: ignore[no-untyped-def]
+        attempts.append(n)
+        time.sleep(0.02)
+        return None, "no group formed"
+
+    me._attempt = attempt
+    first = me._round([torch.ones(2)], weight=1.0, info={"outer_step": 4})
+    assert len(attempts) > 3 and first.failed and first.stale  # "fake" sorts before "me"
+    for step in range(5, 5 + DOUBT_ROUNDS + 3):  # renewed while the stranger keeps not coming
+        me.board.beats["fake"] = beat("fake", step)
+        attempts.clear()
+        later = me._round([torch.ones(2)], weight=1.0, info={"outer_step": step})
+        assert attempts == [1] and later.failed and not later.stale, (step, attempts)
+    me.vouching.averaged_with(["fake"])  # it came after all: a round mate like any other
+    me.board.beats["fake"] = beat("fake", 30)
+    attempts.clear()
+    me._round([torch.ones(2)], weight=1.0, info={"outer_step": 30})
+    assert len(attempts) > 3
