@@ -187,21 +187,18 @@ def test_a_donor_serving_a_made_up_state_is_refused(spawn, tmp_path):
     assert max_abs_diff(first.global_params(), joiner.global_params()) <= 1e-5
 
 
-MACHINES = pytest.mark.parametrize(
-    "machines",
-    [
-        "loopback",
-        pytest.param(
-            "netns",
-            marks=[
-                NETNS,
-                pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}"),
-            ],
-        ),
-    ],
-)
-"""Each peer on 127.0.0.1, or on its own machine (``workbench.local.netlab``) started with the
-README's multi-machine flags (``--host 0.0.0.0 --announce ...``)."""
+def machines(*netns_marks: pytest.MarkDecorator) -> pytest.MarkDecorator:
+    """Each peer on 127.0.0.1, or on its own machine (``workbench.local.netlab``) started with the
+    README's multi-machine flags (``--host 0.0.0.0 --announce ...``); ``netns_marks``: the
+    latter's own marks."""
+    unavailable = netlab.unavailable()
+    skip = pytest.mark.skipif(bool(unavailable), reason=f"netlab: {unavailable}")
+    return pytest.mark.parametrize(
+        "machines", ["loopback", pytest.param("netns", marks=[NETNS, *netns_marks, skip])]
+    )
+
+
+MACHINES = machines()
 
 
 class _Peers:
@@ -387,20 +384,7 @@ while True:  # valid declarations (signed, small, 50 s), the freshest step there
 """
 
 
-@pytest.mark.parametrize(
-    "machines",
-    [
-        "loopback",
-        pytest.param(
-            "netns",
-            marks=[
-                NETNS,
-                pytest.mark.faults,
-                pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}"),
-            ],
-        ),
-    ],
-)
+@machines(pytest.mark.faults)  # make test: on 127.0.0.1 only
 def test_fresh_keys_declaring_the_freshest_state_leave_a_joiner_its_direct_download(
     spawn, tmp_path, machines
 ):

@@ -505,18 +505,8 @@ def test_join_command_carries_the_gradient_clip(method: str) -> None:
 def test_join_command_carries_the_inner_optimizer() -> None:
     """Weight decay, betas and warmup had no flags (stop 59): a run's file could set them, and a
     joiner pasting the command trained with the defaults (with dp, its θ drifts away)."""
-    flags = [
-        "--method",
-        "dp",
-        "--weight-decay",
-        "0",
-        "--beta1",
-        "0.8",
-        "--beta2",
-        "0.99",
-        "--warmup-steps",
-        "5",
-    ]
+    flags = ["--method", "dp", "--weight-decay", "0", "--beta1", "0.8", "--beta2", "0.99",
+             "--warmup-steps", "5"]  # fmt: skip
     starter, joiner = _round_trip(flags)
     assert joiner.train == starter.train
     assert (joiner.train.weight_decay, joiner.train.beta1, joiner.train.beta2, joiner.train.warmup_steps) == (

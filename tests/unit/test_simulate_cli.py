@@ -219,18 +219,8 @@ def test_the_inner_optimizer_flags_reach_the_simulated_peers(capsys, corpus: Pat
         return real(spec, **kwargs)
 
     monkeypatch.setattr(workbench.simulate, "run_simulation", recording)
-    flags = [
-        "--weight-decay",
-        "0",
-        "--beta1",
-        "0.8",
-        "--beta2",
-        "0.99",
-        "--warmup-steps",
-        "0",
-        "--grad-clip",
-        "0.5",
-    ]
+    flags = ["--weight-decay", "0", "--beta1", "0.8", "--beta2", "0.99", "--warmup-steps", "0",
+             "--grad-clip", "0.5"]  # fmt: skip
     run(capsys, "--data", str(corpus), "--peers", "2", "--steps", "4", "--inner-steps", "2", *flags)
     train = used["train"]
     assert (train.weight_decay, train.beta1, train.beta2, train.warmup_steps, train.grad_clip) == (
