@@ -47,6 +47,20 @@ def test_a_capped_link_carries_no_more_than_its_rate():
     assert 0.5 * 40 < megabits_per_second < 1.1 * 40, megabits_per_second
 
 
+def test_a_lab_takes_names_and_a_subnet_nothing_here_holds():
+    """A lab left by a killed run keeps its namespaces, bridge and route: a later lab with the
+    same tag (process ids 10,000 apart) failed with "File exists", one 150 tags apart routed
+    10.x.0.0/24 twice (a review, stop 59). Each lab now takes the first free tag from its own."""
+    with netlab.NetLab(2, rate=None) as first:
+        second = netlab.NetLab(2, rate=None)
+        second._name(first.tag)  # as a process id 10,000 apart would
+        with second:
+            assert second.bridge != first.bridge and second.subnet != first.subnet
+            routes = subprocess.run(["ip", "-o", "route"], capture_output=True, text=True).stdout
+            for lab in (first, second):
+                assert routes.count(f"10.{lab.subnet}.0.0/24 dev {lab.bridge}") == 1, routes
+
+
 @pytest.mark.faults
 def test_peers_train_over_capped_links(tmp_path):
     """Two peers, each in its own namespace behind 20 Mbit/s: they find each other across the

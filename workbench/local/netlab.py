@@ -15,6 +15,7 @@ tests and benchmarks skip with that message.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -93,11 +94,37 @@ class NetLab:
             raise ValueError(f"a lab needs at least one peer, got {peers}")
         self.peers, self.rate, self.burst = peers, rate, burst
         NetLab._made_here += 1
-        tag = (os.getpid() * 7 + NetLab._made_here) % 10000  # unique per lab, short (15-char names)
+        self._name((os.getpid() * 7 + NetLab._made_here) % 10000)
+        self._made: list[str] = []
+
+    def _name(self, tag: int) -> None:
+        """Names (short: 15-character links) and a subnet for the lab ``tag``."""
+        self.tag = tag
         self.subnet = 100 + tag % 150  # 10.<subnet>.0.0/24, away from the usual 10.0.x.x
         self.bridge = f"wbbr{tag}"
-        self.namespaces = [f"wb{tag}n{i}" for i in range(peers)]
-        self._made: list[str] = []
+        self.namespaces = [f"wb{tag}n{i}" for i in range(self.peers)]
+
+    def _free_tag(self) -> None:
+        """Move to the first tag from this one whose names and subnet nothing here holds: a lab
+        of a killed run stays (its namespaces, its bridge and its route), and two process ids
+        10,000 apart, or 150 tags apart, picked the same names ("File exists") or subnet (two
+        routes to one 10.x.0.0/24: packets went to the other lab's bridge)."""
+        links = _ip("-o", "link", "show", check=False).stdout
+        names = set(re.findall(r"^\d+: ([^:@\s]+)", links, re.MULTILINE))
+        names |= {line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line}
+        subnets = {
+            int(n) for n in re.findall(r"\b10\.(\d+)\.0\.0/24\b", _ip("-o", "route", check=False).stdout)
+        }
+        for step in range(150):
+            tag = (self.tag + step) % 10000
+            if 100 + tag % 150 in subnets or f"wbbr{tag}" in names:
+                continue
+            if not any(f"wb{tag}n{i}" in names for i in range(self.peers)):
+                self._name(tag)
+                return
+        raise NetLabError(
+            "no free lab name or 10.x.0.0/24 subnet is left here: remove old labs (ip netns list)"
+        )
 
     def address(self, i: int) -> str:
         return f"10.{self.subnet}.0.{i + 2}"
@@ -110,6 +137,7 @@ class NetLab:
         reason = unavailable()
         if reason:
             raise NetLabError(reason)
+        self._free_tag()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             self._made.append("bridge")
