@@ -293,7 +293,10 @@ class FaultScreen(ModalScreen[FaultRequest | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
     FAULTS = [
-        (FaultRequest(Fault.KILL), "Kill (SIGKILL): the round falls back, the peer drops out of the monitor"),
+        (
+            FaultRequest(Fault.KILL),
+            "Kill (SIGKILL): the round falls back, the peer stays dimmed in the table (restart it here)",
+        ),
         (
             FaultRequest(Fault.FREEZE, 30.0),
             "Freeze 30 s (SIGSTOP): a straggler that catches up by downloading state",

@@ -116,6 +116,8 @@ def test_closing_the_terminal_stops_the_demo_and_every_peer(tmp_path, how):
         demo.send_signal(getattr(signal, how))
         started = time.monotonic()
         demo.wait(timeout=30)
+        if how == "SIGHUP":  # stopped, no result: as simulate (0 read as success to a script)
+            assert demo.returncode == 130 and "stopped." in demo.stderr.read()
         gone, alive = psutil.wait_procs(peers, timeout=max(0.1, 10 - (time.monotonic() - started)))
         assert not alive and not _processes_of(tmp_path), [p.cmdline()[:4] for p in alive]
         assert time.monotonic() - started < 10.0

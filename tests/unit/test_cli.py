@@ -1052,3 +1052,19 @@ def test_verbose_is_taken_before_or_after_the_command(argv, verbose) -> None:
     with -v for details" (a review, stop 59)."""
     args, extra = build_parser().parse_known_args(argv)
     assert (args.verbose + getattr(args, "verbose_after", 0), extra) == (verbose, [])
+
+
+def test_a_demo_that_fails_exits_1_not_a_mistakes_2(monkeypatch, capsys) -> None:
+    """A peer that crashed or a demo past --timeout exited 2, the status of a user's mistake: a
+    script could not tell them apart (a review, stop 59)."""
+    import workbench.local.launch as launch
+
+    def failing(config, args):  # type: ignore[no-untyped-def]
+        raise launch.DemoFailed("peer-1 exited with status 1 before finishing; the end of its log: boom")
+
+    monkeypatch.setattr(launch, "run_demo_command", failing)
+    assert main(["demo", "--model", "tiny"]) == 1
+    assert (
+        one_error_line(capsys)
+        == "error: peer-1 exited with status 1 before finishing; the end of its log: boom"
+    )

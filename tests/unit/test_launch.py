@@ -360,3 +360,112 @@ def test_demo_peers_get_their_settings_as_flags_not_from_the_demos_environment(
         )
         assert env[launch.LAUNCHER_PID]
     assert environments[1]["WORKBENCH_RUN_SECRET"] == "a long secret"
+
+
+def _demo_without_processes(tmp_path: Path, monkeypatch, codes: dict[str, int | None]):
+    """A 3-peer demo whose processes are fakes: peer-N's exit status is ``codes`` (None: running)."""
+    import subprocess
+
+    from workbench.local import launch
+
+    started: list[list[str]] = []
+
+    class Process:
+        pid = 1
+
+        def __init__(self, argv, **kwargs) -> None:
+            started.append(argv)
+            self.name = argv[argv.index("--name") + 1]
+
+        def poll(self):
+            return codes.get(self.name)
+
+    monkeypatch.setattr(subprocess, "Popen", Process)
+    from dataclasses import replace
+
+    config = build_config(build_parser().parse_args(["demo", "--model", "tiny", "--run-dir", str(tmp_path)]))
+    config = replace(config, peer=replace(config.peer, min_peers=3))  # as `workbench demo` sets it
+    swarm = launch.LocalSwarm(config, peers=3, run_dir=tmp_path)
+    for i in range(3):
+        swarm._spawn("join", f"peer-{i}", [])
+    return swarm, started
+
+
+def test_a_restarted_demo_peer_does_not_wait_for_all_of_the_demos_peers(tmp_path: Path, monkeypatch) -> None:
+    """The demo starts its peers with --min-peers N; a restart kept it, and a peer restarted
+    beside one still stopped waited 120 s in "joining" (a review, stop 59)."""
+    codes: dict[str, int | None] = {"peer-0": None, "peer-1": -9, "peer-2": -9}
+    swarm, started = _demo_without_processes(tmp_path, monkeypatch, codes)
+    assert started[0][started[0].index("--min-peers") + 1] == "3"
+    swarm.peers[0].events.append({"event": "started", "addresses": ["/ip4/127.0.0.1/tcp/1/p2p/QmA"]})
+    swarm.restart("peer-1")
+    argv = build_parser().parse_args(started[-1][3:])
+    assert argv.min_peers == 1 and argv.name == "peer-1"
+
+
+def test_the_demo_tells_each_peer_that_failed_once(tmp_path: Path, monkeypatch) -> None:
+    """In the terminal UI a joiner that failed at start-up was never said (it never showed in
+    the monitor, and the others waited for it): each failure is said once; a kill is not one."""
+    codes: dict[str, int | None] = {"peer-0": None, "peer-1": 1, "peer-2": -9}
+    swarm, _ = _demo_without_processes(tmp_path, monkeypatch, codes)
+    told: set[str] = set()
+    lines = swarm.failures(told)
+    assert len(lines) == 1 and lines[0].startswith("peer-1 exited with status 1: the end of its log")
+    assert swarm.failures(told) == []
+
+
+def test_a_second_demo_in_a_running_demos_folder_is_refused_before_it_removes_anything(
+    tmp_path: Path,
+) -> None:
+    """It removed the running demo's metrics, checkpoints and log, then failed on the peers'
+    locks; the first demo never saw its end (a review, stop 59)."""
+    import subprocess
+    import sys
+
+    from workbench.local import launch
+
+    folder = tmp_path / "peer-0"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("the running demo's\n")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True
+    )  # another process: a lock is its process's
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        config = build_config(
+            build_parser().parse_args(["demo", "--model", "tiny", "--run-dir", str(tmp_path)])
+        )
+        with pytest.raises(launch.LaunchError, match=f"peer-0 is running there \\(pid {holder.pid}\\)"):
+            launch.LocalSwarm(config, peers=2, run_dir=tmp_path).start(timeout=5)
+        assert (folder / "metrics.jsonl").read_text() == "the running demo's\n"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from workbench.run.checkpoint import hold_run_dir
+lock = hold_run_dir(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_demos_timeout_covers_the_first_peers_start_up(tmp_path: Path, monkeypatch) -> None:
+    """peer-0 was given a fixed 120 s to start whatever --timeout said: a first dataset read or a
+    big model on a CPU failed the demo at 120 s (a review, stop 59)."""
+    from workbench.local import launch
+
+    given: list[float] = []
+
+    def start(self, timeout: float = 120.0) -> None:
+        given.append(timeout)
+        raise launch.LaunchError("stop here")
+
+    monkeypatch.setattr(launch.LocalSwarm, "start", start)
+    config = build_config(build_parser().parse_args(["demo", "--model", "tiny"]))
+    with pytest.raises(launch.LaunchError, match="stop here"):
+        launch.run_demo(config, peers=2, run_dir=tmp_path, timeout=900.0, show=print)
+    assert given == [900.0]

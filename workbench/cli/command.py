@@ -295,9 +295,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "demo":
-            from workbench.local.launch import run_demo_command
+            from workbench.local.launch import DemoFailed, run_demo_command
 
-            return run_demo_command(config, args)
+            try:
+                return run_demo_command(config, args)
+            except DemoFailed as error:
+                print(f"error: {error}", file=sys.stderr)
+                return 1
+            except KeyboardInterrupt:  # (SIGTERM and SIGHUP too) no result, as simulate's
+                print("stopped.", file=sys.stderr)
+                return EXIT_INTERRUPTED
         from workbench.run.node import follow, node_world
         from workbench.run.stopping import end_process
 

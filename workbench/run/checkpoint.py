@@ -63,6 +63,23 @@ def make_folder(directory: str | Path, flag: str = "--run-dir") -> Path:
     return directory
 
 
+def run_dir_holder(directory: Path) -> str | None:
+    """The pid of the live peer that holds ``directory`` (:func:`hold_run_dir`), or None: asked
+    without taking it (a peer's lock is its process's, released when it dies)."""
+    try:
+        handle = open(directory / ".lock", "a+")  # noqa: SIM115 - closed below
+    except OSError:
+        return None  # no folder, or unwritable: nobody holds it here
+    with handle:
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            return handle.read().strip() or "?"
+        fcntl.lockf(handle, fcntl.LOCK_UN)
+        return None
+
+
 def hold_run_dir(directory: Path) -> IO[str]:
     """Lock ``directory`` for this peer (``<dir>/.lock``, its pid inside) until the process ends;
     CheckpointError if another live peer holds it. Two peers in one folder would share its
