@@ -82,6 +82,15 @@ class FaultPlan:
     """Average with nobody in the rounds that end at this outer step or later: a peer cut off
     from the others' groups, which steps alone (0: never)."""
 
+    def __post_init__(self) -> None:
+        # Checked where a plan is made, not only where a peer reads one: a NaN written for a peer
+        # made it refuse its fault file, and every later injection (removing a throttle too)
+        # failed; a throttle of -500 was taken as 0 while the message said "sleeps -500 ms".
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"fault {field.name} must be a finite number >= 0 (got {value!r})")
+
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
         """From the file's JSON; ValueError naming an unknown key or a value that is no number."""

@@ -54,3 +54,46 @@ def test_the_reader_rereads_on_change_and_fires_a_one_shot_fault_once(tmp_path):
         reader.poll()
     assert reader.plan.throttle_ms == 20  # the last good plan is kept
     assert FaultReader(None).poll() is None  # a peer started by hand has no fault file
+
+
+@pytest.mark.parametrize("value", [-500.0, float("nan"), float("inf")])
+def test_a_bad_value_is_refused_where_the_fault_is_written(tmp_path, value):
+    """A NaN written for a peer made it refuse its fault file, and every later injection (removing
+    a throttle too) failed; -500 was taken as 0 while the UI said "sleeps -500 ms" (a review,
+    stop 59). The plan refuses it, and the file is left as it was."""
+    path = tmp_path / "faults.json"
+    FaultPlan.update(path, throttle_ms=100.0)
+    with pytest.raises(ValueError, match="throttle_ms must be a finite number >= 0"):
+        FaultPlan.update(path, throttle_ms=value)
+    assert FaultPlan.read(path).throttle_ms == 100.0
+    assert FaultPlan.update(path, throttle_ms=0.0).throttle_ms == 0.0
+
+
+def test_a_peer_frozen_again_thaws_after_the_last_freeze(monkeypatch):
+    """The first freeze's timer thawed it: a 3 s freeze given 2 s into another lasted 1 s."""
+    import workbench.local.launch as launch
+
+    signals: list[str] = []
+    timers: list[list] = []
+
+    class Timer:
+        daemon = False
+
+        def __init__(self, seconds, action) -> None:
+            self.record = [seconds, "pending"]
+            timers.append(self.record)
+
+        def start(self) -> None:
+            pass
+
+        def cancel(self) -> None:
+            self.record[1] = "cancelled"
+
+    monkeypatch.setattr(launch.threading, "Timer", Timer)
+    monkeypatch.setattr(launch.os, "killpg", lambda pid, signum: signals.append(signum.name))
+    peer = launch.LocalPeer(name="p", directory=None, process=type("P", (), {"pid": 1})())  # type: ignore[arg-type]
+    peer.freeze(3.0)
+    peer.freeze(3.0)
+    assert signals == ["SIGSTOP", "SIGSTOP"] and timers == [[3.0, "cancelled"], [3.0, "pending"]]
+    with pytest.raises(launch.LaunchError, match="at most 3600 s"):
+        peer.freeze(float("nan"))

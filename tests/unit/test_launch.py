@@ -469,3 +469,21 @@ def test_the_demos_timeout_covers_the_first_peers_start_up(tmp_path: Path, monke
     with pytest.raises(launch.LaunchError, match="stop here"):
         launch.run_demo(config, peers=2, run_dir=tmp_path, timeout=900.0, show=print)
     assert given == [900.0]
+
+
+def test_the_mean_group_size_leaves_out_an_overlapped_runs_first_sync(tmp_path: Path, monkeypatch) -> None:
+    """An overlapped run's first sync averages nothing yet (group 1, pending): it counted in the
+    mean, 3.625 for 4 peers that averaged every round together (a review, stop 59)."""
+    import torch
+
+    swarm, _ = _demo_without_processes(tmp_path, monkeypatch, {})
+    for peer in swarm.peers:
+        torch.save([torch.zeros(2)], peer.directory / "global_params.pt")
+        peer.events += [
+            {"event": "initial_eval", "eval_loss": 5.0},
+            {"event": "round", "group_size": 1, "pending": True},
+            *({"event": "round", "group_size": 3} for _ in range(3)),
+            {"event": "done", "outer_rounds": 4, "final_eval_loss": 2.0, "bytes_sent": 10},
+        ]
+    result = swarm.result(1.0)
+    assert result["mean_group_size"] == 3.0 and result["rounds_alone"] == 0
