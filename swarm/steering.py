@@ -78,7 +78,13 @@ class ControlWatcher:
             if writer != self.owner:
                 self._refuse(writer, control, now)
                 continue
-            if self.latest is None or control.version > self.latest.version:
+            # The DHT keeps one record per writer's key, the one stored last: two publishes at
+            # once (the CLI beside the TUI) made two different records of one version, and a
+            # peer that read the first kept it while the others took the second (a review, stop
+            # 59). A record of the same version that differs is taken: every reader ends on the
+            # one the DHT kept.
+            newer = self.latest is None or control.version > self.latest.version
+            if newer or (control.version == self.latest.version and control != self.latest):
                 self.latest = control
         if self._unsaid and now - self._said >= REFUSAL_LOG_SECONDS:
             logger.warning(
@@ -255,6 +261,15 @@ class Steering:
         if not self.store.store(self.keys.control, control, ttl=CONTROL_TTL, wait=True):
             raise SwarmError("the DHT did not take the steering change; try again")
         self.watcher.latest = control
+        kept = self.watcher.poll(force=True)
+        if kept is not None and kept.version >= control.version and kept != control:
+            # Another publish with the owner's key at the same moment (another UI, a script):
+            # the DHT kept one of the two, and peers take the one it kept.
+            raise SwarmError(
+                f"another steering change (v{kept.version}: {kept.changes()}) was published at the same "
+                f"moment and replaced this one ({control.changes()}); check `workbench status` and "
+                "publish again if it is still wanted"
+            )
         logger.info("published control version %d: %s", control.version, control.changes())
         return control
 

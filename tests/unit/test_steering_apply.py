@@ -114,6 +114,32 @@ def test_a_joiner_does_not_serve_requests_made_before_it_came() -> None:
     assert [w["checkpoints"] for w in written] == [4]
 
 
+def test_a_joiner_serves_a_request_not_due_when_it_came() -> None:
+    """`steer --checkpoint` due at step 12, a joiner landing at step 11: it took the newest
+    version's request count as served and never wrote it (a review, stop 59)."""
+    watcher, written = Watcher(), []
+    old = ControlState(version=5, checkpoint=3, from_step=4)
+    watcher.control = ControlState(version=6, checkpoint=4, from_step=12, earlier=[old.step()])
+    peer = steering(watcher, written, joiner=True)
+    outer = Outer()
+    outer.outer_step_count = 11
+    peer.apply(outer, data_parallel=False)  # version 5 is due: its requests are old
+    assert written == [] and peer.version == 5 and peer.checkpoints == 3
+    outer.outer_step_count = 12
+    peer.apply(outer, data_parallel=False)
+    assert [w["checkpoints"] for w in written] == [4] and peer.version == 6
+    # Nothing due yet, the whole history kept (version 1 first): every request is still to come.
+    watcher.control = ControlState(
+        version=2, checkpoint=1, from_step=30, earlier=[ControlState(version=1, from_step=25).step()]
+    )
+    late = steering(watcher, written := [], joiner=True)
+    outer.outer_step_count = 20
+    late.apply(outer, data_parallel=False)
+    outer.outer_step_count = 30
+    late.apply(outer, data_parallel=False)
+    assert [w["checkpoints"] for w in written] == [1]
+
+
 def test_a_paused_peer_answers_a_joiner_asking_for_its_adamw_state_at_once() -> None:
     """A paused trainer reaches no step boundary: a joiner's request for AdamW's state waited
     5 s for one. The pause's idle loop is a boundary now."""
@@ -384,3 +410,41 @@ def test_a_pause_from_a_ui_changes_the_record_as_it_is_when_published() -> None:
     control = publisher.publish(pause=["QmMine"])
     assert control.paused == ["QmOther", "QmMine"]
     assert publisher.publish(resume=["QmOther", "other-name"]).paused == ["QmMine"]
+
+
+def test_two_publishes_at_once_end_every_peer_on_the_record_the_dht_kept() -> None:
+    """The CLI and the TUI published at the same moment: two different version-2 records under
+    the owner's key, the DHT kept the later, and a peer that had read the first kept it for good
+    (watchers took strictly higher versions only): outer lr 0.7 on one peer, 0.5 on another,
+    both "on v2" (a review, stop 59). A watcher takes a same-version record that differs; the
+    publisher whose record was replaced is told."""
+    import pytest
+
+    from swarm.errors import SwarmError
+    from swarm.identity import key_hash
+    from swarm.steering import ControlWatcher
+
+    first = ControlState(version=2, outer_lr=0.5, from_step=12)
+    second = ControlState(version=2, paused=["QmB"], from_step=12)
+    records = [first]
+
+    class Store:
+        def read(self, key, schema):
+            return {"owner key": records[-1]}
+
+    watcher = ControlWatcher(Store(), RunKeys("r"), key_hash("owner key"), period=0.0)
+    assert watcher.poll() == first
+    records.append(second)  # the DHT keeps the one stored last
+    assert watcher.poll() == second
+    records.append(ControlState(version=1, outer_lr=0.1))  # an older version is still not taken
+    assert watcher.poll() == second
+    # The publisher whose record the other replaced says so; nothing claims it took effect.
+    stored: list = []
+    publisher = _publisher(
+        stored, {p: _beat(p, 10) for p in ("owner-peer", "b")}, writers={"owner-peer": "owner"}
+    )
+    publisher.watcher.poll = lambda force=False, strict=False: (
+        stored[-1].model_copy(update={"outer_lr": 0.9}) if stored else None
+    )
+    with pytest.raises(SwarmError, match="published at the same moment and replaced this one"):
+        publisher.publish(inner_steps=20)

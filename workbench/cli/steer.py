@@ -112,15 +112,15 @@ def run_steer_command(args: argparse.Namespace) -> int:
                 f"{', '.join(not_paused)} is not paused (paused: {', '.join(paused) or 'nobody'})"
             )
         resumed = set().union(*(aliases_of(p, live) for p in args.resume))
-        paused = [p for p in paused if p not in resumed] + [
-            p for p in dict.fromkeys(pause_ids) if p not in paused
-        ]
+        # As changes to the record as it is when published: the list read above, seconds
+        # earlier, dropped a pause another UI made meanwhile (the TUI's fix, stop 57; a review).
         control = steering.publish(
             outer_lr=args.outer_lr,
             inner_steps=args.inner_steps,
             codec=args.update_codec,
             round_seconds=args.round_seconds,
-            paused=paused if (args.pause or args.resume) else None,
+            pause=pause_ids or None,
+            resume=sorted(resumed) or None,
             checkpoint=args.checkpoint,
             from_step=args.from_step,
         )

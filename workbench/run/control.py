@@ -19,6 +19,18 @@ RETUNED = ("outer_lr", "inner_steps", "codec")
 """The settings steering changes through the outer loop's ``retune``."""
 
 
+def _served_before(latest: Any, outer_step: int) -> int:
+    """The checkpoint requests a peer joining at ``outer_step`` does not serve: those of the
+    newest version due by then (none due: those before the oldest version the record keeps)."""
+    due = latest.due(outer_step, after=0)
+    if due is not None:
+        return due.checkpoint
+    oldest = latest.earlier[-1] if latest.earlier else latest.step()
+    # Whether the oldest version asked for one is not kept: if it did, the request is not due
+    # yet and must be served; if not, writing one more checkpoint is harmless.
+    return 0 if oldest.version == 1 else max(0, oldest.checkpoint - 1)
+
+
 class Steering:
     """Applies the owner's :class:`swarm.steering.ControlState` versions to one peer.
 
@@ -52,6 +64,8 @@ class Steering:
         """The owner's time box for rounds (None: the peer's own ``--round-seconds``)."""
         self.settings: dict[str, Any] = {}
         """Every setting steering changed on this peer, newest value (a checkpoint keeps them)."""
+        self.joined = False
+        """A joiner's first look at the owner's record is taken (the requests it does not serve)."""
         self.owed = 0
         """A checkpoint request not written yet (its counter; 0: none): the peer's checkpoint
         was refused at the time (an overlapped round still averaging), and it is tried again at
@@ -70,8 +84,11 @@ class Steering:
         latest = self.watcher.poll(force=True)
         if latest is None or latest.version <= self.version:
             return
-        if self.version == 0 and self.joiner:
-            self.checkpoints = latest.checkpoint  # a joiner does not replay old checkpoint requests
+        if self.version == 0 and self.joiner and not self.joined:
+            # A joiner does not replay old checkpoint requests, those due before it came; one not
+            # due yet it writes with the others (taking the newest version's count, it never did).
+            self.joined = True
+            self.checkpoints = _served_before(latest, outer.outer_step_count)
         # The newest version whose step has come (one the owner changed again before this peer
         # read it is in ``earlier``, and applied at its own step, as on the others).
         control = latest.due(outer.outer_step_count, after=self.version)
