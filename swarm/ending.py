@@ -8,9 +8,15 @@ stage ``finishing``, publishing a sketch of its θ under a seed every peer deriv
 (:func:`final_sketch`), and the peers that end at that step compare (:func:`verdict`):
 
 - most of them (this one counted) hold another θ: it downloads that θ from them;
-- the others hold its θ and nobody it waits for is still in its last rounds: it leaves;
+- the others hold its θ and nobody it waits for is still in its last rounds: it says it is
+  ``settled``, and leaves once those holding its θ say so too (or have left);
 - otherwise it waits (the ones holding another θ download it from this one), at most a round
   wait.
+
+Settling first: peers that averaged with different others see different votes. P3, which
+averaged only with P2, saw P2 on its θ and left; P2 also saw P0 and P1 on another θ, lost the
+vote and downloaded theirs: the run ended on two θ (a review, stop 59: 60 of 434 such 4-peer
+cases). P3 now waits for P2 to be settled, sees it switch, and follows.
 
 Heartbeats are claims (:mod:`swarm.claims`): only peers that averaged with this one in a
 verified round vote or are waited for, and the state downloaded is checked by witnesses like
@@ -58,8 +64,9 @@ def same_theta(a: Sequence[float], b: Sequence[float], rel_tol: float = TOLERANC
 
 @dataclass(frozen=True)
 class Ending:
-    """What a finishing peer does next: ``leave``, ``wait`` or ``download`` (from ``holders``,
-    the peers holding the θ most of them hold)."""
+    """What a finishing peer does next: ``leave``, ``settle`` (say it would leave, and wait for
+    the round mates holding its θ to say so), ``wait`` or ``download`` (from ``holders``, the
+    peers holding the θ most of them hold)."""
 
     action: str
     why: str
@@ -125,10 +132,34 @@ def verdict(
             len(mates),
         )
     others = len(votes) - 1 - len(mates)
+    # Each of two voters may see its own θ win (their votes differ): both waited for the other
+    # to download until the round wait ran out, and left on two θ. The one with less support
+    # (as each says: ``ending_support``), or as much and the higher peer id, takes the other's.
+    support = len(mates) + 1
+    rivals = [
+        b
+        for b in ending
+        if b.peer_id in votes
+        and b.peer_id not in mates
+        and (b.ending_support > support or (b.ending_support == support and b.peer_id < peer_id))
+    ]
+    if rivals and not still:
+        rival = min(rivals, key=lambda b: (-b.ending_support, b.peer_id))
+        return Ending(
+            "download",
+            f"{rival.name} holds another θ with {rival.ending_support} peer(s) on it, this one's {support}",
+            frozenset(agreeing(votes[rival.peer_id])),
+            len(mates),
+        )
     if others or still:  # the others to download this one's θ, or the vote to settle
         parts = [f"{others} peer(s) on another θ"] if others else []
         parts += [f"{', '.join(still)} still in their last rounds"] if still else []
         return Ending("wait", "; ".join(parts), agreeing=len(mates))
+    unsettled = sorted(
+        b.name for b in ending if b.peer_id in mates and b.stage is Stage.FINISHING and not b.settled
+    )
+    if unsettled:  # they may yet see a vote this one cannot (peers it never averaged with)
+        return Ending("settle", f"{', '.join(unsettled)} not settled on this θ yet", agreeing=len(mates))
     return Ending(
         "leave", f"{len(mates)} other peer(s) end at outer step {step} on this θ", agreeing=len(mates)
     )

@@ -25,7 +25,16 @@ def theta(seed: int) -> list[torch.Tensor]:
 A, B = final_sketch(theta(0), STEP), final_sketch(theta(1), STEP)
 
 
-def beat(peer: str, sketch=None, *, step: int = STEP, rounds: int = STEP, stage=None) -> PeerHeartbeat:
+def beat(
+    peer: str,
+    sketch=None,
+    *,
+    step: int = STEP,
+    rounds: int = STEP,
+    stage=None,
+    settled: bool = False,
+    support: int = 0,
+) -> PeerHeartbeat:
     return PeerHeartbeat(
         peer_id=peer,
         name=peer,
@@ -36,6 +45,8 @@ def beat(peer: str, sketch=None, *, step: int = STEP, rounds: int = STEP, stage=
         time=NOW,
         rounds=rounds,
         final_theta=sketch or [],
+        settled=settled,
+        ending_support=support,
     )
 
 
@@ -93,15 +104,82 @@ def test_peers_that_trust_different_others_do_not_each_wait_for_the_other():
         peer: verdict(peer, mine[peer], STEP, [b for p, b in beats.items() if p != peer], trust[peer]).action
         for peer in beats
     }
-    assert actions == {"p1": "download", "p2": "wait", "p3": "leave"}
+    assert actions == {"p1": "download", "p2": "wait", "p3": "settle"}  # p3: until p2 is settled
     # A stranger's θ alone is no candidate: it breaks ties between voters' θs only.
     lone = verdict("a", A, STEP, [beat("b", B), beat("s1", final_sketch(theta(2), STEP))], {"b"})
     assert lone.action == "wait"  # the tie goes to a's θ, as without the stranger
 
 
-def test_it_leaves_once_everyone_ending_with_it_holds_its_theta():
+def test_it_leaves_once_everyone_ending_with_it_holds_its_theta_and_says_so():
     ending = verdict("me", A, STEP, [beat("x", A), beat("y", A)], {"x", "y"})
+    assert ending.action == "settle" and ending.agreeing == 2 and "x, y not settled" in ending.why
+    ending = verdict(
+        "me", A, STEP, [beat("x", A, settled=True), beat("y", A, stage=Stage.LEAVING)], {"x", "y"}
+    )
     assert ending.action == "leave" and ending.agreeing == 2
+
+
+def _end(
+    theta_of: dict[str, list[float]], trust: dict[str, set[str]], order=sorted
+) -> dict[str, list[float]]:
+    """Every peer's ending played in turns, as `Peer.end_on_the_others_state` does: the θ each
+    leaves on (a download takes the θ its holders hold)."""
+    held, settled, left = dict(theta_of), dict.fromkeys(theta_of, False), {}
+    support = dict.fromkeys(theta_of, 0)
+    for _ in range(50):
+        for peer in order(theta_of):
+            if peer in left:
+                continue
+            beats = [
+                beat(
+                    other,
+                    held[other],
+                    stage=Stage.LEAVING if other in left else None,
+                    settled=settled[other],
+                    support=support[other],
+                )
+                for other in theta_of
+                if other != peer
+            ]
+            ending = verdict(peer, held[peer], STEP, beats, trust[peer])
+            settled[peer], support[peer] = ending.action == "settle", ending.agreeing + 1
+            if ending.action == "leave":
+                left[peer] = held[peer]
+            elif ending.action == "download":
+                held[peer] = held[min(ending.holders)]
+        if len(left) == len(theta_of):
+            return left
+    raise AssertionError(f"not settled in 50 turns: left {sorted(left)}, {settled}")
+
+
+def test_peers_that_averaged_with_different_others_leave_on_one_theta():
+    """P0, P1 and P2 averaged together; P3, late, only with P2; the last round split them into
+    {P0, P1} on θa and {P2, P3} on θb. P3 saw its only round mate on its θ and left on θb; P2
+    saw a 2-2 tie go to P0's θ and downloaded θa (a review, stop 59: 60 of 434 such 4-peer
+    cases). Now P3 waits for P2 to be settled, sees it switch, and follows. Two voters that
+    each saw their own θ win waited for each other until the round wait ran out: the one with
+    less support (or as much and the higher peer id) takes the other's."""
+    trust = {"p0": {"p1", "p2"}, "p1": {"p0", "p2"}, "p2": {"p0", "p1", "p3"}, "p3": {"p2"}}
+    ended = _end({"p0": A, "p1": A, "p2": B, "p3": B}, trust)
+    assert all(same_theta(theta, A) for theta in ended.values()), ended
+    # Every way four peers ending on one θ per pair can have averaged with each other (each pair
+    # together; any more, both ways, at least once across: pairs that never averaged across
+    # are two runs to each other), played in either order: one θ at the end.
+    import itertools
+
+    across = [("p0", "p2"), ("p0", "p3"), ("p1", "p2"), ("p1", "p3")]
+    for extra in itertools.product([False, True], repeat=len(across)):
+        if not any(extra):
+            continue
+        trust = {"p0": {"p1"}, "p1": {"p0"}, "p2": {"p3"}, "p3": {"p2"}}
+        for (a, b), on in zip(across, extra):
+            if on:
+                trust[a].add(b)
+                trust[b].add(a)
+        for order in (sorted, lambda peers: sorted(peers, reverse=True)):
+            ended = _end({"p0": A, "p1": A, "p2": B, "p3": B}, trust, order)
+            first = next(iter(ended.values()))
+            assert all(same_theta(theta, first) for theta in ended.values()), (trust, ended)
 
 
 def test_it_waits_for_a_peer_still_in_its_last_round():
