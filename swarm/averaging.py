@@ -125,13 +125,13 @@ class SwarmAverager(Downloading):
         for all of a peer's averagers: streaming's fragments share it)."""
         self._refused_donors: set[str] = set()
         self._no_shows_until = -1
-        """Before this outer step, a round whose only mates are strangers is not retried, nor do
-        they make this peer presume itself stale: a round failed with only strangers "ready" at
-        its step, none of whom came to a group (set then, for DOUBT_ROUNDS rounds, renewed while
-        they keep not coming; cleared by a round averaged). One fresh key's heartbeat "waiting"
-        beside a lone peer held each of its rounds to the averaging deadline (28 s of 30),
-        retrying, and sent it to download when its id sorted first (a red-team review, stop
-        59); now that costs one round, then one attempt a round."""
+        """Before this outer step, a round whose only mates are strangers is not retried: a
+        round failed with only strangers "ready" at its step, none of whom came to a group (set
+        then, for DOUBT_ROUNDS rounds, renewed while they keep not coming; cleared by a round
+        averaged). One fresh key's heartbeat "waiting" beside a lone peer held each of its
+        rounds to the averaging deadline (28 s of 30), retrying (a red-team review, stop 59);
+        now that costs one round, then one attempt a round. (They still decide who of two
+        strangers fetches the other's θ after a failed round: :meth:`_failed`.)"""
         self.state_shapes = None if state_shapes is None else [tuple(s) for s in state_shapes]
         self._last_download: tuple[str, int] | None = None  # (donor, outer step): see download_state
         self.barrier = RoundBarrier(
@@ -260,9 +260,8 @@ class SwarmAverager(Downloading):
                 and (self.overlapped or p.stage in (Stage.WAITING, Stage.AVERAGING))
             ]
             strangers = bool(mates) and not any(p.peer_id in self.vouching.vouched for p in mates)
-            if strangers and outer_step < self._no_shows_until:
-                mates = []  # strangers "ready" came to no group before: not retried for, nor believed
-            if not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
+            doubted = strangers and outer_step < self._no_shows_until  # they came to no group before
+            if doubted or not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
                 if strangers:  # (renewed while they keep not coming)
                     self._no_shows_until = outer_step + 1 + DOUBT_ROUNDS
                 return self._failed(info, error, mates=[p.peer_id for p in mates], moved_on=moved_on)

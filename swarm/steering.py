@@ -81,10 +81,11 @@ class ControlWatcher:
             # The DHT keeps one record per writer's key, the one stored last: two publishes at
             # once (the CLI beside the TUI) made two different records of one version, and a
             # peer that read the first kept it while the others took the second (a review, stop
-            # 59). A record of the same version that differs is taken: every reader ends on the
-            # one the DHT kept.
+            # 59). A record of the same version published later is taken: every reader ends on
+            # the one the DHT kept (its expiration is its time plus the TTL), and never flips
+            # back to the other when a replica answers with it.
             newer = self.latest is None or control.version > self.latest.version
-            if newer or (control.version == self.latest.version and control != self.latest):
+            if newer or (control.version == self.latest.version and control.time > self.latest.time):
                 self.latest = control
         if self._unsaid and now - self._said >= REFUSAL_LOG_SECONDS:
             logger.warning(
@@ -262,7 +263,7 @@ class Steering:
             raise SwarmError("the DHT did not take the steering change; try again")
         self.watcher.latest = control
         kept = self.watcher.poll(force=True)
-        if kept is not None and kept.version >= control.version and kept != control:
+        if kept is not None and (kept.version, kept.time) > (control.version, control.time):
             # Another publish with the owner's key at the same moment (another UI, a script):
             # the DHT kept one of the two, and peers take the one it kept.
             raise SwarmError(

@@ -142,7 +142,7 @@ def _end(
                 if other != peer
             ]
             ending = verdict(peer, held[peer], STEP, beats, trust[peer])
-            settled[peer], support[peer] = ending.action == "settle", ending.agreeing + 1
+            settled[peer], support[peer] = ending.action == "settle", ending.support
             if ending.action == "leave":
                 left[peer] = held[peer]
             elif ending.action == "download":

@@ -371,11 +371,10 @@ def _demo_without_processes(tmp_path: Path, monkeypatch, codes: dict[str, int | 
     started: list[list[str]] = []
 
     class Process:
-        pid = 1
-
         def __init__(self, argv, **kwargs) -> None:
             started.append(argv)
             self.name = argv[argv.index("--name") + 1]
+            self.pid = len(started)
 
         def poll(self):
             return codes.get(self.name)
@@ -408,10 +407,13 @@ def test_the_demo_tells_each_peer_that_failed_once(tmp_path: Path, monkeypatch) 
     the monitor, and the others waited for it): each failure is said once; a kill is not one."""
     codes: dict[str, int | None] = {"peer-0": None, "peer-1": 1, "peer-2": -9}
     swarm, _ = _demo_without_processes(tmp_path, monkeypatch, codes)
-    told: set[str] = set()
+    told: set[int] = set()
     lines = swarm.failures(told)
     assert len(lines) == 1 and lines[0].startswith("peer-1 exited with status 1: the end of its log")
     assert swarm.failures(told) == []
+    swarm.peers[0].events.append({"event": "started", "addresses": ["/ip4/127.0.0.1/tcp/1/p2p/QmA"]})
+    swarm.restart("peer-1")  # it fails again: said again (a review: the name was the key)
+    assert [line[:28] for line in swarm.failures(told)] == ["peer-1 exited with status 1:"]
 
 
 def test_a_second_demo_in_a_running_demos_folder_is_refused_before_it_removes_anything(
@@ -468,7 +470,9 @@ def test_the_demos_timeout_covers_the_first_peers_start_up(tmp_path: Path, monke
     config = build_config(build_parser().parse_args(["demo", "--model", "tiny"]))
     with pytest.raises(launch.LaunchError, match="stop here"):
         launch.run_demo(config, peers=2, run_dir=tmp_path, timeout=900.0, show=print)
-    assert given == [900.0]
+    with pytest.raises(launch.LaunchError, match="stop here"):  # the terminal UI's demo too
+        launch.run_demo_tui(config, peers=2, run_dir=tmp_path, console=None, timeout=600.0)
+    assert given == [900.0, 600.0]
 
 
 def test_the_mean_group_size_leaves_out_an_overlapped_runs_first_sync(tmp_path: Path, monkeypatch) -> None:

@@ -424,8 +424,8 @@ def test_two_publishes_at_once_end_every_peer_on_the_record_the_dht_kept() -> No
     from swarm.identity import key_hash
     from swarm.steering import ControlWatcher
 
-    first = ControlState(version=2, outer_lr=0.5, from_step=12)
-    second = ControlState(version=2, paused=["QmB"], from_step=12)
+    first = ControlState(version=2, outer_lr=0.5, from_step=12, time=100.0)
+    second = ControlState(version=2, paused=["QmB"], from_step=12, time=100.5)
     records = [first]
 
     class Store:
@@ -436,6 +436,8 @@ def test_two_publishes_at_once_end_every_peer_on_the_record_the_dht_kept() -> No
     assert watcher.poll() == first
     records.append(second)  # the DHT keeps the one stored last
     assert watcher.poll() == second
+    records.append(first)  # a replica that still holds the other: no flipping back (pause, resume...)
+    assert watcher.poll() == second
     records.append(ControlState(version=1, outer_lr=0.1))  # an older version is still not taken
     assert watcher.poll() == second
     # The publisher whose record the other replaced says so; nothing claims it took effect.
@@ -444,7 +446,7 @@ def test_two_publishes_at_once_end_every_peer_on_the_record_the_dht_kept() -> No
         stored, {p: _beat(p, 10) for p in ("owner-peer", "b")}, writers={"owner-peer": "owner"}
     )
     publisher.watcher.poll = lambda force=False, strict=False: (
-        stored[-1].model_copy(update={"outer_lr": 0.9}) if stored else None
+        stored[-1].model_copy(update={"outer_lr": 0.9, "time": stored[-1].time + 0.5}) if stored else None
     )
     with pytest.raises(SwarmError, match="published at the same moment and replaced this one"):
         publisher.publish(inner_steps=20)

@@ -316,14 +316,15 @@ class LocalSwarm:
         for index in range(1, self.count):
             self._spawn("join", f"peer-{index}", [address, "--shard", f"{index}/{self.count}"])
 
-    def failures(self, told: set[str]) -> list[str]:
-        """A line for each peer that failed on its own (an error's exit status; a fault's kill is
-        a signal) and is not in ``told`` yet, which it is added to."""
+    def failures(self, told: set[int]) -> list[str]:
+        """A line for each peer process that failed on its own (an error's exit status; a fault's
+        kill is a signal) and is not in ``told`` yet (its pid: a restarted peer keeps its name),
+        which it is added to."""
         lines = []
         for peer in self.peers:
             code = peer.process.poll()
-            if code is not None and code > 0 and not peer.last("done") and peer.name not in told:
-                told.add(peer.name)
+            if code is not None and code > 0 and not peer.last("done") and peer.process.pid not in told:
+                told.add(peer.process.pid)
                 lines.append(f"{peer.name} exited with status {code}: {peer.log_end()}")
         return lines
 
@@ -415,7 +416,7 @@ def run_demo(config: RunConfig, *, peers: int, run_dir: Path, timeout: float, sh
         return swarm.result(time.monotonic() - started)
 
 
-def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> int:
+def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console, timeout: float = 900.0) -> int:
     """`workbench demo` in a terminal: the swarm monitor over the local peers, with steering
     (peer-0's key is the run's owner key) and fault injection. Quitting the app stops the peers."""
     from tui.app import SwarmApp, run_until_stopped
@@ -424,7 +425,7 @@ def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> in
     swarm = LocalSwarm(config, peers=peers, run_dir=run_dir)
     source = None
     with stopped_by_signals(), swarm:
-        swarm.start()
+        swarm.start(timeout)
         source = DemoSource.of(swarm)
         app = SwarmApp(source)
         stop = threading.Event()
@@ -433,7 +434,7 @@ def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console) -> in
             """Collect the peers' events; tell the user when a peer fails on its own and when
             every peer has exited. (A joiner that failed before its first heartbeat never showed
             in the monitor, and the others waited for it in "joining", unsaid: a review, stop 59.)"""
-            told: set[str] = set()
+            told: set[int] = set()
             while not stop.wait(0.5):
                 swarm.poll()
                 for line in swarm.failures(told):
@@ -532,7 +533,7 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
 
             result = run_demo(config, peers=args.peers, run_dir=run_dir, timeout=args.timeout, show=show)
     else:
-        return run_demo_tui(config, peers=args.peers, run_dir=run_dir, console=console)
+        return run_demo_tui(config, peers=args.peers, run_dir=run_dir, console=console, timeout=args.timeout)
     console.print(
         f"[bold]done[/] in {result['seconds']:.0f} s: eval loss {result['initial_loss']:.3f} -> "
         f"{result['final_loss']:.3f}, params agree to {result['params_max_abs_diff']:.1e}, "

@@ -629,7 +629,7 @@ class Peer:
             ending = verdict(self.peer_id, self.final_theta, step, beats, vouched)
             if ending.action == "leave":
                 break
-            said = (ending.action == "settle", ending.agreeing + 1)
+            said = (ending.action == "settle", ending.support)
             if (self.settled, self.ending_support) != said:
                 self.settled, self.ending_support = said
                 if self.board is not None:  # at once, not at the next throttled beat: others wait on it
