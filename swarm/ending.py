@@ -35,9 +35,6 @@ from swarm.records import PeerHeartbeat, Stage
 from swarm.sketch import ROWS, state_sketches
 
 SEED = b"workbench-final-theta:"
-COMMITTED = 1_000
-"""Added to the support a peer says its θ has once a round mate left holding it: that θ can no
-longer be given up (the mate is gone), so the others' sides yield to it."""
 TOLERANCE = 1e-5
 """Two θ are the same when every row of their sketches, and their lengths, differ by at most
 this fraction of the longer one. A row sees a difference δ in any direction as about |δ| (a
@@ -76,14 +73,6 @@ class Ending:
     holders: frozenset[str] = frozenset()
     agreeing: int = 0
     """Peers that end at this step holding this peer's θ (itself not counted)."""
-    support: int = 0
-    """What this peer says of its θ's side (``ending_support``): the voters holding it, itself
-    counted, plus ``COMMITTED`` once a round mate left holding it."""
-
-
-def _beats(a: tuple[int, str], b: tuple[int, str]) -> bool:
-    """Side ``a`` (support, lowest holder's peer id) outweighs side ``b``."""
-    return a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])
 
 
 def verdict(
@@ -135,27 +124,12 @@ def verdict(
     mates = agreeing(votes[peer_id]) - {peer_id}
     holders = agreeing(votes[best])
     # A round mate that left holding this θ left on this peer's word (it was settled): this
-    # peer no longer takes another θ, and says so with its support, which others then yield to.
+    # peer no longer takes another θ (the mate cannot follow it any more).
     left_on_it = any(b.stage is Stage.LEAVING and b.peer_id in mates for b in ending)
-
-    # Each of two voters may see its own θ win (their votes differ): both waited for the other
-    # to download until the round wait ran out, and left on two θ. Each θ's side is weighed by
-    # the support its holders say they see (``ending_support``, which each passes on: a side
-    # with a peer that can no longer give it up weighs that for all of it), then by its lowest
-    # holder's peer id (the same two numbers for every peer that sees both sides: no back and
-    # forth); the weaker side takes the stronger's θ.
-    def side(theta: list[float], said: int) -> tuple[int, str]:
-        held = agreeing(theta)
-        strongest = max((b.ending_support for b in ending if b.peer_id in held), default=0)
-        return max(said, strongest), min(held)
-
-    own = side(votes[peer_id], len(mates) + 1 + (COMMITTED if left_on_it else 0))
-    support = own[0]
     # While some are still in their last rounds, only a θ that wins whatever they end on.
     if (
         not left_on_it
         and peer_id not in holders
-        and own[0] <= side(votes[best], len(holders))[0]  # (not a side that cannot give it up)
         and (not still or len(holders) > len(votes) - len(holders) + len(still))
     ):
         return Ending(
@@ -163,38 +137,17 @@ def verdict(
             f"{len(holders)} of {len(votes)} peers that end at outer step {step} hold another θ",
             frozenset(holders),
             len(mates),
-            support,
         )
     others = len(votes) - 1 - len(mates)
-    rivals = [votes[b.peer_id] for b in ending if b.peer_id in votes and b.peer_id not in mates]
-    stronger = [t for t in rivals if _beats(side(t, 0), own)]
-    if stronger and not still and not left_on_it:
-        theta = min(stronger, key=lambda t: (-side(t, 0)[0], side(t, 0)[1]))
-        count, lowest = side(theta, 0)
-        return Ending(
-            "download",
-            f"another θ (held by {lowest[-8:]}, {count} peer(s) on it) outweighs this one's {own[0]}",
-            frozenset(agreeing(theta)),
-            len(mates),
-            support,
-        )
     if others or still:  # the others to download this one's θ, or the vote to settle
         parts = [f"{others} peer(s) on another θ"] if others else []
         parts += [f"{', '.join(still)} still in their last rounds"] if still else []
-        return Ending("wait", "; ".join(parts), agreeing=len(mates), support=support)
+        return Ending("wait", "; ".join(parts), agreeing=len(mates))
     unsettled = sorted(
         b.name for b in ending if b.peer_id in mates and b.stage is Stage.FINISHING and not b.settled
     )
     if unsettled:  # they may yet see a vote this one cannot (peers it never averaged with)
-        return Ending(
-            "settle",
-            f"{', '.join(unsettled)} not settled on this θ yet",
-            agreeing=len(mates),
-            support=support,
-        )
+        return Ending("settle", f"{', '.join(unsettled)} not settled on this θ yet", agreeing=len(mates))
     return Ending(
-        "leave",
-        f"{len(mates)} other peer(s) end at outer step {step} on this θ",
-        agreeing=len(mates),
-        support=support,
+        "leave", f"{len(mates)} other peer(s) end at outer step {step} on this θ", agreeing=len(mates)
     )

@@ -185,10 +185,6 @@ class PeerHeartbeat(BaseModel):
     settled: bool = False
     """While finishing: this peer would leave now on ``final_theta`` (:mod:`swarm.ending`); it
     leaves once the round mates holding that θ say so too."""
-    ending_support: int = Field(default=0, ge=0, le=1_000_000)
-    """While finishing: the peers that vote in its view (itself counted) holding its θ; where
-    two vouched peers each see their own θ win, the one with less support (or as much, and the
-    higher peer id) takes the other's (0: not said)."""
 
     @property
     def done(self) -> bool:

@@ -103,7 +103,6 @@ class Peer:
         self.node_max_diff = 0.0  # the largest θ_local difference between the node's ranks seen
         self.final_theta: list[float] = []  # finishing: θ's sketch the others compare (swarm.ending)
         self.settled = False  # finishing: it would leave now on final_theta (swarm.ending)
-        self.ending_support = 0  # finishing: the voters holding final_theta, itself counted
         self._checkpoint: tuple[dict[str, Any], Path] | None = None  # --resume's, read in setup()
         self._records_kept = time.monotonic()  # when the owner's peer last stored its records
         self._control_kept = (0, 0.0)  # the steering record it stores again: version, expiration
@@ -629,9 +628,8 @@ class Peer:
             ending = verdict(self.peer_id, self.final_theta, step, beats, vouched)
             if ending.action == "leave":
                 break
-            said = (ending.action == "settle", ending.support)
-            if (self.settled, self.ending_support) != said:
-                self.settled, self.ending_support = said
+            if self.settled != (ending.action == "settle"):
+                self.settled = ending.action == "settle"
                 if self.board is not None:  # at once, not at the next throttled beat: others wait on it
                     self.board.publish(self.heartbeat(), force=True)
             if time.monotonic() > deadline:

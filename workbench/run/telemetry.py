@@ -217,7 +217,6 @@ def heartbeat_of(peer: Any) -> PeerHeartbeat:
         ),
         final_theta=peer.final_theta if peer.stage in (Stage.FINISHING, Stage.LEAVING) else [],
         settled=peer.settled and peer.stage is Stage.FINISHING,
-        ending_support=peer.ending_support if peer.stage in (Stage.FINISHING, Stage.LEAVING) else 0,
         download_donors=(
             min(64, peer.averager.download_donors())
             if peer.averager and peer.stage is Stage.DOWNLOADING
