@@ -68,6 +68,7 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         download_progress=0.0,
         download_donors=0,
         final_theta=[],
+        settled=False,
     )
     record.update(overrides)
     return record
