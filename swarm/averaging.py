@@ -121,6 +121,8 @@ class SwarmAverager(Downloading):
         self._serves_state = serve_state and not client_mode
         self.peer_id = dht.peer_id.to_base58()
         self.vouching = vouching if vouching is not None else Vouching()
+        if board is not None:  # round mates stay among the peers it redials
+            board.vouched = self.vouching.vouched
         """Peers that averaged with this one in a verified round: their claims are believed (one
         for all of a peer's averagers: streaming's fragments share it)."""
         self._refused_donors: set[str] = set()
@@ -272,7 +274,6 @@ class SwarmAverager(Downloading):
         # authenticated peer ids, not what they wrote in their info) are vouched for.
         members = [peer.to_base58() for peer in gathered if hasattr(peer, "to_base58")]
         self.vouching.averaged_with(members)
-        self.board.averaged_with(members)
         self._refused_donors.difference_update(members)  # on this θ now: a donor again
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 
 from swarm.claims import Ignored, implausible
 from swarm.dht import REDIAL_PEERS, redial
@@ -23,7 +24,6 @@ logger = logging.getLogger(__name__)
 
 MAX_KEYS = 4096  # signing keys whose peer id is cached
 REDIAL_SECONDS = 10.0  # between two redials of the peers seen, while none is in sight
-MAX_MATES = 256  # round mates remembered (peers first kept among those to dial again)
 
 
 class ProgressBoard:
@@ -39,7 +39,9 @@ class ProgressBoard:
         self._last_publish = 0.0
         self._last_fetch: dict[str, PeerHeartbeat] = {}
         self._seen: OrderedDict[str, list[str]] = OrderedDict()  # peer id -> its addresses, last seen last
-        self._mates: OrderedDict[str, None] = OrderedDict()  # peers this one averaged with, latest last
+        self.vouched: Collection[str] = frozenset()
+        """The peers this one averaged with (the averager's ``Vouching.vouched``, which it sets
+        here): the last forgotten of the peers to dial again (:meth:`_keep_in_touch`)."""
         self._redialed = -REDIAL_SECONDS  # when the DHT was last asked to dial them again
         self._lock = threading.Lock()
         dht = getattr(store, "dht", None)
@@ -53,16 +55,6 @@ class ProgressBoard:
         run owner's own peers: :class:`swarm.steering.Steering`)."""
         """Peers caught lying (absurd heartbeats here, behaviour in swarm.averaging): dropped
         from every fetch for the rest of the run."""
-
-    def averaged_with(self, peer_ids: list[str]) -> None:
-        """This peer averaged with ``peer_ids`` (hivemind's authenticated members of a group):
-        they are the last forgotten of the peers to dial again (:meth:`_keep_in_touch`)."""
-        with self._lock:
-            for peer in peer_ids:
-                self._mates[peer] = None
-                self._mates.move_to_end(peer)
-            while len(self._mates) > MAX_MATES:
-                self._mates.popitem(last=False)
 
     def ignore(self, peer_id: str, reason: str) -> None:
         if self.ignored.add(peer_id, reason):
@@ -150,7 +142,7 @@ class ProgressBoard:
                 # Strangers first: keys are free, and 8 fresh ones with addresses (each seen after
                 # the honest peers, whose records come first) left a peer alone after a freeze
                 # dialing none but them (a review, stop 59). A round mate proved it is a peer.
-                oldest = next((p for p in self._seen if p not in self._mates), next(iter(self._seen)))
+                oldest = next((p for p in self._seen if p not in self.vouched), next(iter(self._seen)))
                 del self._seen[oldest]
             now = time.monotonic()
             if others or not self._seen or self._dht is None or now - self._redialed < REDIAL_SECONDS:

@@ -590,7 +590,7 @@ class StateSharing:
                 continue
             if peer != self.peer_id and peer.to_base58() not in exclude:
                 donors.append((float(priority), random.random(), peer))
-        return [peer for *_, peer in sorted(donors, key=lambda d: d[:2], reverse=True)]
+        return [peer for _, _, peer in sorted(donors, key=lambda d: d[:2], reverse=True)]
 
     def _note_streamed(self, tag: int, donors: list[str]) -> None:
         """(Averager process.) Record the download ``tag``'s stalled donors and the one it streams

@@ -71,13 +71,21 @@ def run_dir_holder(directory: Path) -> str | None:
     except OSError:
         return None  # no folder, or unwritable: nobody holds it here
     with handle:
-        try:
-            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            return handle.read().strip() or "?"
-        fcntl.lockf(handle, fcntl.LOCK_UN)
-        return None
+        holder = _lock(handle)
+        if holder is None:
+            fcntl.lockf(handle, fcntl.LOCK_UN)
+        return holder
+
+
+def _lock(handle: IO[str]) -> str | None:
+    """Take the lock of an open ``.lock`` file: None, or the pid written by the live peer that
+    holds it ("?" if it wrote none yet)."""
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        return handle.read().strip() or "?"
+    return None
 
 
 def hold_run_dir(directory: Path) -> IO[str]:
@@ -94,11 +102,8 @@ def hold_run_dir(directory: Path) -> IO[str]:
             f"cannot write in --run-dir {directory} ({error.strerror or error}): give a folder this user "
             "can write to, or fix its permissions"
         ) from None
-    try:
-        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
+    holder = _lock(handle)
+    if holder is not None:
         handle.close()
         raise CheckpointError(
             f"--run-dir {directory} is in use by another running peer (pid {holder}): give each peer "
