@@ -25,7 +25,7 @@ from typing import IO, Any
 from swarm.claims import Ignored
 from swarm.errors import SwarmError
 from swarm.narration import DEPARTED_SECONDS, Departed, RoundSeen, left_how, round_sentence
-from swarm.records import ControlState, PeerHeartbeat, RunManifest, Stage, applied, parse_record
+from swarm.records import IDLE, ControlState, PeerHeartbeat, RunManifest, Stage, applied, parse_record
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,8 @@ class SwarmSnapshot:
     manifest: RunManifest | None = None
     control: ControlState | None = None
     outer_round: int = 0
-    """The most advanced live peer's outer step."""
+    """The swarm's round: the outer step at least half the training peers claim (the upper
+    median, :func:`swarm_round`), not the most advanced claim (one fresh key could set it)."""
     lagging: list[str] = field(default_factory=list)
     """Peer ids more than one round behind."""
     ignored: dict[str, str] = field(default_factory=dict)
@@ -134,12 +135,13 @@ class SwarmSnapshot:
 
     @property
     def samples_per_second(self) -> float:
-        return sum(p.samples_per_second for p in self.peers.values() if p.stage is not Stage.PAUSED)
+        """The swarm's training speed: of the peers training now (a paused, downloading or
+        finishing peer's heartbeat keeps its last round's rate, :data:`swarm.records.IDLE`)."""
+        return sum(p.samples_per_second for p in self.peers.values() if p.stage not in IDLE)
 
     @property
     def tokens_per_second(self) -> float:
-        """The swarm's training speed: a paused peer's heartbeat keeps its last round's rate."""
-        return sum(p.tokens_per_second for p in self.peers.values() if p.stage is not Stage.PAUSED)
+        return sum(p.tokens_per_second for p in self.peers.values() if p.stage not in IDLE)
 
     @property
     def mean_loss(self) -> float | None:
@@ -167,6 +169,7 @@ class SwarmSnapshot:
                     **p.model_dump(mode="json"),
                     "seconds_since_heartbeat": round(self.time - p.time, 2),
                     "lagging": p.peer_id in self.lagging,
+                    "idle": p.stage in IDLE,  # trains nothing now: its rates are its last round's
                 }
                 for p in sorted(self.peers.values(), key=lambda p: p.name)
             ],
@@ -346,7 +349,9 @@ class SwarmMonitor:
         10 s ago): who averaged, who came last, who stepped alone and why, who was not there.
         Each peer's round is taken from its last heartbeat at that outer step."""
         for pid, p in alive.items():
-            if p.outer_step > self._told:
+            # group size 0: no round of its own at this step (it took the state there, by a
+            # download or from a checkpoint), told as "joined at this step", not "stepped alone"
+            if p.outer_step > self._told and p.group_size:
                 self._seen.setdefault(p.outer_step, {})[pid] = RoundSeen.of(p)
                 self._first_seen.setdefault(p.outer_step, now)
         training = [

@@ -84,6 +84,8 @@ def round_sentence(step: int, seen: dict[str, RoundSeen], absent: dict[str, Peer
         what = _BUSY.get(p.stage) or (
             f"was {step - p.outer_step} round{'s' if step - p.outer_step > 1 else ''} behind"
             if p.outer_step < step
+            else "joined at this step"
+            if not p.group_size
             else "was there, unseen"
         )
         parts.append(f"{p.name} {what}")

@@ -110,6 +110,12 @@ class Stage(str, enum.Enum):
     LEAVING = "leaving"  # shutting down (Ctrl+C or end of run)
 
 
+IDLE = frozenset({Stage.JOINING, Stage.DOWNLOADING, Stage.PAUSED, Stage.FINISHING, Stage.LEAVING})
+"""Stages in which a peer trains nothing: the rates in its heartbeat are its last round's, so
+the UIs show none for it and the swarm's total leaves it out (three paused peers read 20, 21 and
+22 samples/s beside a total of 0)."""
+
+
 class PeerHeartbeat(BaseModel):
     """One peer's progress, republished every second or so; expires when the peer dies.
 

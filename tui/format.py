@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from swarm.monitor import SwarmSnapshot
-from swarm.records import PeerHeartbeat, Stage
+from swarm.records import IDLE, PeerHeartbeat, Stage
 
 STAGE_STYLE = {
     Stage.JOINING: "dim",
@@ -85,9 +85,14 @@ def number(value: float, width: int, decimals: int) -> str:
 
 
 def count(value: int, width: int) -> str:
-    """A whole number in at most ``width`` characters (thousands as k: 100000 -> 100k)."""
-    text = str(value)
-    return text if len(text) <= width else f"{value // 1000}k"
+    """A whole number in at most ``width`` characters (``width`` >= 4 fits any): thousands as k,
+    then M, G, T, P, rounded down (150000 -> 150k, 12345678 -> 12M). Thousands alone did not fit:
+    a lag of 150,000 read 150 in its 3-wide column, an outer step of 12,345,678 read 12345."""
+    for power, suffix in enumerate(("", "k", "M", "G", "T", "P", "E")):
+        text = f"{value // 1000**power}{suffix}"
+        if len(text) <= width:
+            return text
+    return text
 
 
 def _seconds(seconds: float, width: int) -> str:
@@ -111,7 +116,7 @@ def peer_row(p: PeerHeartbeat, top: int, widths: dict[str, int] | None = None) -
         "outer": count(p.outer_step, w.get("outer", 9)),
         "lag": count(max(0, top - p.outer_step), w.get("lag", 9)),
         "loss": "-" if p.loss is None else number(p.loss, w.get("loss", 9), 3),
-        "speed": number(p.samples_per_second, w.get("speed", 9), 1),
+        "speed": "-" if p.stage in IDLE else number(p.samples_per_second, w.get("speed", 9), 1),
         "sent": human_bytes(p.bytes_sent),
         "received": human_bytes(p.bytes_received),
         "round": "-" if p.last_round_seconds is None else _seconds(p.last_round_seconds, w.get("round", 9)),

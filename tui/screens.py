@@ -17,6 +17,7 @@ from textual.widgets import Button, Checkbox, Input, Label, Markdown, Select, St
 from swarm import bounds
 from swarm.faults import Fault, FaultRequest
 from swarm.monitor import SwarmSnapshot
+from swarm.records import IDLE
 from tui.format import human_bytes, human_duration
 
 HELP = """\
@@ -88,8 +89,12 @@ class PeerScreen(ModalScreen[None]):
                     ("outer step", p.outer_step),
                     ("inner step", f"{p.inner_step}/{p.inner_steps}"),
                     ("loss", "-" if p.loss is None else f"{p.loss:.4f}"),
-                    ("samples/s", f"{p.samples_per_second:.1f}"),
-                    ("tokens/s", f"{p.tokens_per_second:.0f}"),
+                    # a peer training nothing now (paused, downloading...) carries its last round's
+                    (
+                        "samples/s" + (" (last round)" if p.stage in IDLE else ""),
+                        f"{p.samples_per_second:.1f}",
+                    ),
+                    ("tokens/s" + (" (last round)" if p.stage in IDLE else ""), f"{p.tokens_per_second:.0f}"),
                     ("sent / received", f"{human_bytes(p.bytes_sent)} / {human_bytes(p.bytes_received)}"),
                     ("data-parallel would have sent", human_bytes(p.dp_bytes)),
                     ("last round", human_duration(p.last_round_seconds)),

@@ -52,7 +52,7 @@ WIDTHS = {
     "inner": 9,  # 9999/9999; longer in thousands (99k/100k)
     "h": 4,
     "outer": 5,
-    "lag": 3,
+    "lag": 4,  # counts take at least 4 (999k, 12M: tui.format.count)
     "loss": 5,
     "speed": 6,
     "sent": 8,

@@ -69,6 +69,23 @@ def test_a_fallback_says_who_stepped_alone_and_why_and_who_was_not_there() -> No
     ]
 
 
+def test_a_peer_that_took_the_state_at_the_step_did_not_step_alone_there() -> None:
+    """A peer that just downloaded the state (or resumed from a checkpoint) has had no round at
+    its step (group size 0): a fresh monitor, as every `workbench status` starts, told it
+    "stepped alone (no reason given)" in a round it never ran, and a swarm that had all just
+    resumed as "no group formed"."""
+    pair = dict(group_size=2, last_round_spread=0.2, last_round_last="b")
+    monitor = SwarmMonitor()
+    snapshot = monitor.ingest(
+        reading(1.0, hb("a", 1.0, 345, **pair), hb("b", 1.0, 345, **pair), hb("c", 1.0, 345))
+    )
+    assert [e.message for e in snapshot.new_events if e.kind == "round"] == [
+        "round 345: 2 peers averaged (b arrived 0.2 s after the first); c joined at this step"
+    ]
+    resumed = SwarmMonitor().ingest(reading(1.0, hb("a", 1.0, 345), hb("b", 1.0, 345)))
+    assert not [e for e in resumed.new_events if e.kind == "round"]
+
+
 def test_sentences_for_several_groups_and_for_no_group() -> None:
     pair = RoundSeen("x", 2, 0.0, "", "")
     seen = {"a": pair, "b": pair, "c": pair, "d": pair}
@@ -170,7 +187,8 @@ def test_one_peer_claiming_a_far_off_round_tells_nothing_and_is_forgotten() -> N
     rounds = []
     for t in range(2, 80):
         step = 1 + t // 5  # the honest peers finish a round every 5 s
-        beats = [hb("a", t, step), hb("b", t, step), hb("liar", t, 10**9 + t)]  # a new claim each time
+        pair = dict(group_size=2)  # a new claim each time from the liar:
+        beats = [hb("a", t, step, **pair), hb("b", t, step, **pair), hb("liar", t, 10**9 + t, group_size=1)]
         rounds += [
             e.message for e in monitor.ingest(reading(float(t), *beats)).new_events if e.kind == "round"
         ]

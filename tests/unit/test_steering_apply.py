@@ -164,8 +164,9 @@ def test_a_paused_peer_answers_a_joiner_asking_for_its_adamw_state_at_once() -> 
     asker.start()
     threading.Timer(1.0, lambda: setattr(watcher, "control", ControlState(version=2))).start()  # resumed
     start = time.monotonic()
-    peer.wait_while_paused(10, None, copies.boundary)
+    paused = peer.wait_while_paused(10, None, copies.boundary)
     asker.join(5)
+    assert 0.9 <= paused < 5.0  # the seconds paused: the round's time and rate leave them out
     assert got and len(got[0][1]) == 6, got  # 2 moments and a step, for the weight and the bias
     assert time.monotonic() - start < 5.0
 

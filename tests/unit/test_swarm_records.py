@@ -226,7 +226,10 @@ def test_a_fingerprint_mismatch_names_both() -> None:
 
 def hb(peer_id: str, name: str, t: float, outer: int, **kw: Any) -> PeerHeartbeat:
     fields = dict(peer_id=peer_id, name=name, stage="training", outer_step=outer, inner_step=1, inner_steps=5)
-    return PeerHeartbeat.model_validate({**fields, "time": t, "loss": 3.0 - outer / 10, **kw})
+    # group size 1: each had a round of its own at that step (0 is "took the state there")
+    return PeerHeartbeat.model_validate(
+        {**fields, "time": t, "loss": 3.0 - outer / 10, "group_size": 1, **kw}
+    )
 
 
 def readings() -> list[Reading]:

@@ -106,7 +106,7 @@ def render(data: dict[str, Any]) -> None:
             f"{p['inner_step']}/{p['inner_steps']}",
             str(p.get("last_round_steps") or ""),  # time-boxed rounds: each peer's own H
             "" if p["loss"] is None else f"{p['loss']:.3f}",
-            f"{p['samples_per_second']:.0f}",
+            "-" if p.get("idle") else f"{p['samples_per_second']:.0f}",  # idle: its last round's
             f"{p['bytes_sent'] / 1e6:.1f}",
             str(p.get("group_size", "")),
             str(p.get("control_version", 0)),
@@ -118,15 +118,8 @@ def render(data: dict[str, Any]) -> None:
     wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
     console = Console(width=STATUS_WIDTH if wide else None)
     console.print(table)
-    waits = sorted(p.get("round_wait_seconds") or 0.0 for p in data["peers"])
-    limits = sorted(p.get("averaging_deadline_seconds") or 0.0 for p in data["peers"])
-    windows = sorted(p.get("matchmaking_window_seconds") or 0.0 for p in data["peers"])
-    if waits and waits[-1]:
-        console.print(
-            f"  deadlines (median of the peers, learned from the last rounds): the barrier waits "
-            f"{waits[len(waits) // 2]:.1f} s for a round mate, matchmaking {windows[len(windows) // 2]:.1f} s "
-            f"for the group, averaging gives up after {limits[len(limits) // 2]:.1f} s"
-        )
+    if line := _deadlines(data["peers"]):
+        console.print(line)
     for liar in data.get("ignored", []):
         console.print(f"  [red]ignored[/red] {escape(liar['peer_id'][-12:])}: {escape(liar['reason'])}")
     for gone in data.get("departed", []):
@@ -136,6 +129,23 @@ def render(data: dict[str, Any]) -> None:
         )
     for event in data.get("events", []):
         console.print(f"  {escape(event['message'])}")
+
+
+def _deadlines(peers: list[dict]) -> str | None:
+    """The deadlines line: each the median of the peers that learned it (0 is "not learned yet":
+    two peers just joined beside one that had learned 10 s read "waits 0.0 s")."""
+
+    def median(key: str) -> str:
+        known = sorted(p[key] for p in peers if p.get(key))
+        return f"{known[len(known) // 2]:.1f} s" if known else "? s"
+
+    if not any(p.get("round_wait_seconds") for p in peers):
+        return None
+    return (
+        f"  deadlines (median of the peers, learned from the last rounds): the barrier waits "
+        f"{median('round_wait_seconds')} for a round mate, matchmaking {median('matchmaking_window_seconds')} "
+        f"for the group, averaging gives up after {median('averaging_deadline_seconds')}"
+    )
 
 
 def run_status_command(args: argparse.Namespace) -> int:

@@ -166,7 +166,7 @@ function render({ model, el: root }) {
     for (const p of peers) {
       const tr = el("tr", { "data-peer": p.peer_id });
       const cells = [p.name, p.stage, p.outer_step, `${p.inner_step}/${p.inner_steps}`, p.last_round_steps || "-",
-        fixed(p.loss, 3), fixed(p.samples_per_second || 0, 1),
+        fixed(p.loss, 3), p.idle ? "-" : fixed(p.samples_per_second || 0, 1),  // idle: its last round's
         bytes(p.bytes_sent || 0), p.group_size || "-", p.control_version ? `v${p.control_version}` : "-"];
       if (p.stage === "downloading" && p.download_progress > 0) {
         cells[1] = `download ${Math.round(100 * p.download_progress)}%` + (p.download_donors > 1 ? ` from ${p.download_donors} donors` : "");

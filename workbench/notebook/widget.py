@@ -178,7 +178,7 @@ class SwarmWidget(anywidget.AnyWidget):
                     f"{p['inner_step']}/{p['inner_steps']}",
                     p.get("last_round_steps") or "-",
                     "-" if p["loss"] is None else f"{p['loss']:.3f}",
-                    f"{p['samples_per_second']:.1f}",
+                    "-" if p.get("idle") else f"{p['samples_per_second']:.1f}",
                     p["bytes_sent"],
                 )
             )

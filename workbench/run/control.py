@@ -150,15 +150,17 @@ class Steering:
 
     def wait_while_paused(
         self, outer_step: int, stage: Stage, idle: Callable[[], Any] = lambda: None
-    ) -> None:
+    ) -> float:
         """Between inner steps: idle while the owner has this peer paused (heartbeats go on),
         then go back to ``stage``. ``idle()`` runs every 0.2 s meanwhile (the trainer's step
-        boundary: a joiner asking for AdamW's state is answered, not kept waiting 5 s)."""
+        boundary: a joiner asking for AdamW's state is answered, not kept waiting 5 s). The
+        seconds it was paused: the round's time, rate and time box leave them out."""
         if self.watcher is None:
-            return
+            return 0.0
         control = self.watcher.poll()
         if control is None or not control.pauses(self.peer_id, self.name):
-            return
+            return 0.0
+        start = time.monotonic()
         logger.info("%s: paused by the run owner (control v%d)", self.name, control.version)
         self.emit("paused", version=control.version, outer_step=outer_step)
         while control is not None and control.pauses(self.peer_id, self.name):
@@ -169,3 +171,4 @@ class Steering:
         logger.info("%s: resumed", self.name)
         self.emit("resumed", outer_step=outer_step)
         self.beat(stage)
+        return time.monotonic() - start

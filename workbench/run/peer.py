@@ -359,7 +359,8 @@ class Peer:
         info = dict(
             outer_step=self.diloco.outer_step_count, fingerprint=self.diloco.fingerprint(), name=self.name
         )
-        steps, compute, dp_report = self.train_round(info, round_start)
+        steps, compute, dp_report, paused = self.train_round(info, round_start)
+        round_start += paused  # not round time: the round's seconds and the ETA leave it out
         if self.node is not None:  # every rank holds the same θ_local now, or the node is broken
             self.node.command(CHECK)
             self.node_max_diff = max(self.node_max_diff, self.node.max_param_diff(self.model))
@@ -448,13 +449,15 @@ class Peer:
         differ (streaming's fragments, a delayed, overlapped or eager round)."""
         return self.diloco.with_global(lambda: evaluate(self.model, self.eval_set, self.device))
 
-    def train_round(self, info: dict[str, Any], round_start: float) -> tuple[int, float, Any]:
+    def train_round(self, info: dict[str, Any], round_start: float) -> tuple[int, float, Any, float]:
         """This round's inner steps: (steps, seconds in them without the data-parallel
-        all-reduce, the last data-parallel report)."""
+        all-reduce, the last data-parallel report, seconds paused by the owner). A pause is
+        not round time: an hour's pause made the ETA 29 h and the rate 0.2 samples/s, and a
+        time box ran out during it (one step, then the sync)."""
         cfg = self.config
         world = self.node.world_size if self.node is not None else 1
         total_inner = self.config.total_rounds * self.config.round_steps if cfg.peer.rounds else None
-        steps, compute, samples, dp_report = 0, 0.0, 0, None
+        steps, compute, samples, dp_report, paused = 0, 0.0, 0, None, 0.0
         cap = joining.steps_this_round(
             self.board,
             self.peer_id,
@@ -465,9 +468,9 @@ class Peer:
         )
         box, started = self.round_seconds, time.monotonic()
         # Time-boxed rounds: as many steps as fit in the box (at least one, at most H).
-        while steps < cap and not (box and steps and time.monotonic() - started >= box):
+        while steps < cap and not (box and steps and time.monotonic() - started - paused >= box):
             copies = getattr(self.diloco, "inner_copies", None)
-            self.steering.wait_while_paused(
+            paused += self.steering.wait_while_paused(
                 self.diloco.outer_step_count, self.stage, copies.boundary if copies else lambda: None
             )
             self.faults.apply(self.averager)
@@ -484,9 +487,9 @@ class Peer:
             self.diloco.note_inner_step(samples=len(x) * world)  # the node's weight: all its ranks
             samples += len(x) * world
             steps += 1
-        self.stats.samples_per_second = samples / max(time.monotonic() - round_start, 1e-9)
+        self.stats.samples_per_second = samples / max(time.monotonic() - round_start - paused, 1e-9)
         self.stats.last_round_steps = steps
-        return steps, compute, dp_report
+        return steps, compute, dp_report, paused
 
     @property
     def round_seconds(self) -> float:
