@@ -264,12 +264,12 @@ class DiLoCo:
                 self.outer_step_count += 1
 
     def _skip_delayed(self) -> None:
-        """A refused round with ``delay``: nothing joins the queue, and the mean queued a round
-        ago is applied as it would have been (as the overlapped path does, whose refused round
-        applies nothing a round later). Before stop 57 it stayed queued: applied a round late,
-        and with eager updates the next round started from a point holding none of it. (For
-        ``delay`` 1, the flags' only one: a longer queue would need a place held for the refused
-        round.)"""
+        """A refused round: nothing joins the queue, and the mean queued a round ago (``delay``)
+        is applied as it would have been (as the overlapped path does, whose refused round
+        applies nothing a round later); the clock counts the round either way. Before stop 57
+        the queued mean stayed queued: applied a round late, and with eager updates the next
+        round started from a point holding none of it. (For ``delay`` 1, the flags' only one: a
+        longer queue would need a place held for the refused round.)"""
         if self._pending:
             self.apply_outer_step(self._pending.pop(0), checked=True)  # finite when queued
         else:
@@ -352,8 +352,11 @@ class DiLoCo:
         take_back_unapplied(self.feedback, outgoing, report, self.config.outlier_ratio)
         if refused:
             logger.error("%s", refused)
-            if self.config.delay == 1:  # the queue moves on: the mean accepted a round ago is due now
-                self._skip_delayed()
+            # The round counts as the other paths count it (the queue moves on: with --delay 1
+            # the mean accepted a round ago is due now): θ unchanged, the clock one round on.
+            # Without the count, --rounds N ran N + the refused rounds, the next round went out
+            # at the same outer step and the inner lr's schedule ran its H steps again.
+            self._skip_delayed()
         elif self.config.delay:
             self.apply_delayed(outgoing.deltas)
         else:
