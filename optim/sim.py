@@ -59,7 +59,8 @@ class SimConfig:
     """Evaluate every this many rounds for the history (0: only at the start and the end)."""
     on_round: Callable[[dict[str, float]], None] | None = None
     """Called from each virtual peer's thread after each of its rounds with {"rank", "round",
-    "step", "loss" (last inner loss), "bytes" (its payload bytes so far)}: live progress."""
+    "step", "loss" (last inner loss), "bytes" (its payload bytes so far), "steps" and "samples"
+    (this round's inner steps and the samples they took)}: live progress."""
     on_eval: Callable[[dict[str, float]], None] | None = None
     """Called with each entry of the history as it is evaluated ({"round", "step",
     "eval_loss", "bytes_per_peer"}), the initial evaluation first (round 0)."""
@@ -288,6 +289,8 @@ def simulate(
                             "step": round_index * peer.inner_steps + todo,
                             "loss": float(loss.detach()),
                             "bytes": bytes_sent[rank],
+                            "steps": todo,  # this round's inner steps, and the samples they took
+                            "samples": todo * n,
                         }
                     )
                 if round_index == rounds - 1 and hasattr(peer.outer, "finish"):

@@ -131,9 +131,10 @@ _STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None
 _SHM_MANAGER_STARTED = False
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_ORPHAN_WATCH_PARENT = 0
-"""While :func:`quiet_children` forks: the pid of the forking process (0: not armed). Read by
-:func:`_end_with_parent` in the child, right after the fork."""
+_ORPHAN_WATCH_PARENT: tuple[int, int] = (0, 0)
+"""While :func:`quiet_children` forks: the pid of the forking process and the id of its thread
+that forks ((0, 0): not armed). Read by :func:`_end_with_parent` in the child, right after the
+fork: only a child of that thread is armed (another thread's fork meanwhile is not ours)."""
 _PRCTL = None
 """libc's ``prctl``, looked up in the parent (a child of a threaded process should not load
 libraries: another thread may have held the loader's lock at the fork)."""
@@ -157,8 +158,9 @@ def _end_with_parent() -> None:
     held the peer's port and could still declare the peer's old state to joiners. The p2p
     daemon ends with the process that started it. If the parent is already gone, end now."""
     global _ORPHAN_WATCH_PARENT
-    parent, _ORPHAN_WATCH_PARENT = _ORPHAN_WATCH_PARENT, 0
-    if not parent or _PRCTL is None:
+    (parent, thread), _ORPHAN_WATCH_PARENT = _ORPHAN_WATCH_PARENT, (0, 0)
+    # The child's one thread is the one that forked (pthread_self is kept across fork).
+    if not parent or _PRCTL is None or thread != threading.get_ident():
         return
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent:  # it died between the fork and the line above
@@ -197,7 +199,10 @@ def quiet_children() -> Iterator[None]:
     printed a KeyboardInterrupt traceback when a whole process group was terminated (a service
     manager, a closed terminal). With the default, a child just ends; the parent still shuts the
     others down in order. Only the main thread can touch signal handlers. Those children also end
-    when the peer does, even killed with SIGKILL (:func:`_end_with_parent`).
+    when the peer does, even killed with SIGKILL (:func:`_end_with_parent`), from any thread:
+    a notebook's run forks its view's DHT in the run's thread (a kernel killed with SIGKILL, as
+    the OOM killer does, left that DHT and its p2p daemon running, holding their port); Linux
+    then ends them when that thread ends, and the run closes them before it does.
 
     Also installs :func:`quiet_handle_sharing` and a filter for asyncio's reports of hivemind's
     clean-up after a cancelled step (both inherited by the children forked here)."""
@@ -205,16 +210,15 @@ def quiet_children() -> Iterator[None]:
     start_shm_manager()
     if _CANCELLED_STEP_NOISE not in logging.getLogger("asyncio").filters:
         logging.getLogger("asyncio").addFilter(_CANCELLED_STEP_NOISE)
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     global _ORPHAN_WATCH_PARENT
-    previous = {s: signal.signal(s, signal.SIG_DFL) for s in _STOP_SIGNALS}
-    _ORPHAN_WATCH_PARENT = os.getpid() if _prctl() else 0  # forked here (main thread): ends with the peer
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, signal.SIG_DFL) for s in _STOP_SIGNALS} if main else {}
+    # forked here: ends with this process's forking thread (the peer's main thread)
+    _ORPHAN_WATCH_PARENT = (os.getpid(), threading.get_ident()) if _prctl() else (0, 0)
     try:
         yield
     finally:
-        _ORPHAN_WATCH_PARENT = 0
+        _ORPHAN_WATCH_PARENT = (0, 0)
         for s, handler in previous.items():
             signal.signal(s, handler)
 

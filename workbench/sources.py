@@ -93,24 +93,31 @@ class LiveSource:
         return self._steering
 
     def steering_reason(self) -> str | None:
+        if self.ended:  # its DHT is closed: a steer or a pause raised hivemind's OSError
+            return f"{self.title} has ended: its view is closed, nothing is left to steer"
         steering = self._steering_api()
         if steering is None:
             return "the run's manifest was not found yet (its owner may have left): steering is off"
         return steering.why_not()
 
     def steer(self, **changes: Any) -> ControlState:
-        steering = self._steering_api()
+        steering = None if self.ended else self._steering_api()
         if steering is None:
             raise SwarmError(self.steering_reason() or "steering is off")
         with self._lock:
+            if self.ended:  # closed while this waited for the lock
+                raise SwarmError(self.steering_reason())
             return steering.publish(**changes)
 
-    def read_once(self) -> None:
-        """Read the run once if nothing has yet (a run that ends with no widget open: a widget
-        made afterwards said "ended before it was read"). The notebook calls it when its peer
-        says it is done, while the run is still there to read; closing calls it too."""
+    def read_once(self, *, again: bool = False) -> None:
+        """Read the run if nothing has yet (a run that ends with no widget open: a widget made
+        afterwards said "ended before it was read"), or ``again``. The notebook reads it every
+        second while its peers run, so that the view closes on the run's end (a widget made
+        after a short run showed round 0 and no peer: its one read came as they left, never
+        seen alive; one open during it stopped a round before the end); closing reads it if
+        nothing has."""
         with self._lock:  # not in the middle of a poll
-            if self._last is None and not self.ended:
+            if (again or self._last is None) and not self.ended:
                 try:
                     self._last = self.monitor.poll()
                 except Exception as error:  # noqa: BLE001 - a DHT gone: the view stays unread
@@ -288,6 +295,7 @@ class SimSource:
             for rank in range(peers)
         }
         self._done = False
+        self._round_ended = dict.fromkeys(self._beats, time.monotonic())
 
     def update(self, info: dict[str, float]) -> None:
         """Called from a virtual peer's thread after each of its rounds (SimConfig.on_round)."""
@@ -296,9 +304,14 @@ class SimSource:
         rank = int(info["rank"])
         with self._lock:
             beat = self._beats[rank]
+            now = time.monotonic()  # the round's wall time: its rate (the view said 0 samples/s)
+            seconds, self._round_ended[rank] = max(now - self._round_ended[rank], 1e-6), now
             self._beats[rank] = beat.model_copy(
                 update=dict(
                     stage=Stage.TRAINING,
+                    samples_per_second=float(info.get("samples", 0)) / seconds,
+                    last_round_seconds=seconds,
+                    last_round_steps=int(info.get("steps", 0)),
                     outer_step=-(-int(info["round"]) // self.per_round),
                     loss=float(info["loss"]),
                     bytes_sent=int(info["bytes"]),

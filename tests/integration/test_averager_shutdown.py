@@ -86,3 +86,47 @@ def test_a_state_declaration_the_dht_does_not_answer_in_time_prints_no_traceback
     assert run.returncode == 0 and "done" in run.stdout, run.stderr[-3000:]
     assert "never retrieved" not in run.stderr, run.stderr[-3000:]
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
+
+
+_STARTS_A_DHT_IN_A_THREAD = """
+import sys, threading, time
+from swarm.dht import NetworkConfig, start_dht
+
+def start():
+    dht = start_dht(NetworkConfig())  # a notebook's run starts its view's DHT in the run's thread
+    print("ready", flush=True)
+    time.sleep(600)
+
+threading.Thread(target=start, daemon=True).start()
+time.sleep(600)
+"""
+
+
+def test_a_dht_started_in_a_thread_ends_with_its_process_killed():
+    """The notebook's run thread starts its view's DHT: a kernel killed with SIGKILL (the OOM
+    killer, `kill -9`) left that DHT process and its p2p daemon running for good, holding their
+    port (a review, stop 60). The orphan watch armed only forks of the main thread."""
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", _STARTS_A_DHT_IN_A_THREAD], stdout=subprocess.PIPE, text=True
+    )
+    children = []
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert any("p2pd" in " ".join(p.cmdline()[:1]) for p in children), [p.cmdline()[:2] for p in children]
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+        _, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, [p.cmdline()[:3] for p in alive]
+    finally:
+        process.kill()
+        for child in children:  # orphans, if the watch failed
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()

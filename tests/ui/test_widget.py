@@ -195,3 +195,78 @@ def test_a_closed_live_source_answers_with_its_last_reading(monkeypatch) -> None
     gone.close()  # that last read failed: the view stays unread, said when asked
     with pytest.raises(SwarmError, match="it ended before it was read"):
         gone.poll()
+
+
+def test_a_run_that_ended_cannot_be_steered_and_says_so(monkeypatch) -> None:
+    """A local run's widget after `wait()`: its view was closed, yet steering looked allowed, and
+    a steer or a pause raised hivemind's `OSError: handle is closed` out of the widget (a click
+    did nothing visible). Now the reason says the run ended; a command is refused with it."""
+    import types
+
+    import workbench.sources as sources
+
+    class Monitor:
+        def __init__(self, read, record_to=None) -> None:
+            pass
+
+        def poll(self):
+            return FakeSource().snapshots[-1]
+
+        def close(self) -> None:
+            pass
+
+    def closed_handle(*args, **kwargs):
+        raise OSError("handle is closed")
+
+    monkeypatch.setattr(sources, "SwarmMonitor", Monitor)
+    monkeypatch.setattr(sources, "dht_reader", lambda *args, **kwargs: None)
+    session = types.SimpleNamespace(
+        keys=sources.RunKeys("ended"),
+        board=None,
+        store=types.SimpleNamespace(store=closed_handle),
+        close=lambda: None,
+    )
+    source = sources.LiveSource(session)
+    source.poll()
+    source.close()
+    assert "has ended" in source.steering_reason()
+    with pytest.raises(SwarmError, match="has ended"):
+        source.steer(outer_lr=0.5)
+    w = SwarmWidget(source, autostart=False)
+    w.refresh()
+    assert "has ended" in w.steer_reason  # the front end greys the controls out
+    w.command = {"action": "steer", "outer_lr": 0.5}
+    assert w.message.startswith("refused: ") and "has ended" in w.message
+    w.command = {"action": "pause", "peer": peer_id(1)}
+    assert "has ended" in w.message
+
+
+def test_a_diverged_run_s_nan_reaches_the_front_end_as_null() -> None:
+    """JSON has no NaN: a simulated run that diverged sent its NaN loss through Jupyter's
+    deprecated fallback (a warning in the kernel's log at every poll)."""
+    import json
+
+    from workbench.sources import SimSource
+
+    source = SimSource("diverged", 2, inner_steps=5)
+    source.update({"rank": 0, "round": 1, "loss": float("nan"), "bytes": 10})
+    w = SwarmWidget(source, autostart=False)
+    w.refresh()
+    json.dumps(w.get_state()["snapshot"], allow_nan=False)  # raises on a NaN
+    assert [p["loss"] for p in w.snapshot["peers"] if p["peer_id"] == "sim-0"] == [None]
+
+
+def test_a_simulation_s_view_shows_its_peers_speed(monkeypatch) -> None:
+    """The simulator's view said 0 samples/s for the whole run (nothing set the rate), while
+    docs/notebooks.md lists samples/s in the widget's summary."""
+    from workbench import Experiment
+    from workbench.sources import SimSource
+
+    seen = []
+    finish = SimSource.finish
+    monkeypatch.setattr(
+        SimSource, "finish", lambda self: (seen.extend(self.poll().peers.values()), finish(self))
+    )
+    Experiment(backend="sim", peers=2, steps=8, inner_steps=4, model="tiny", batch_size=2).run().wait()
+    assert len(seen) == 2 and all(b.samples_per_second > 0 and b.last_round_steps == 4 for b in seen), seen
+    assert all(b.last_round_seconds and b.last_round_seconds > 0 for b in seen)

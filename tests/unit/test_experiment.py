@@ -275,6 +275,33 @@ def test_real_peers_rounds_count_the_steps_they_ran_and_only_the_evaluations_mad
     assert history["bytes_per_peer"].tolist() == [0, 100, 200, 300, 400]
 
 
+def test_a_real_run_s_view_is_read_while_it_runs_and_at_its_end():
+    """A widget made after a short local run showed round 0 and no peer (its one read came as
+    the peers left, never seen alive), and one open during it stopped a round before the end.
+    The view is now read every second while the peers run (a widget open or not) and again at
+    the first peer's "done"; not after they are gone."""
+    run = Experiment(backend="local", peers=2, inner_steps=5, rounds=1, model="tiny")
+    reads = []
+
+    class Source:
+        def read_once(self, *, again: bool = False) -> None:
+            reads.append((again, [e["event"] for e in log.events]))
+
+    run._source = Source()
+    log = _Events([{"event": "round", "outer_step": 1, "loss": 4.0, "eval_loss": 4.0, "bytes_sent": 1}])
+    start = time.monotonic()
+
+    def finished() -> bool:
+        if time.monotonic() - start > 1.2 and not log.last("done"):
+            log.pending.append({"event": "done", "time": 200.0})
+        return time.monotonic() - start > 1.6
+
+    run._follow(log, finished)
+    assert len(reads) >= 3 and all(again for again, _ in reads), reads
+    assert reads[0][1] == []  # read as it started, before any event
+    assert reads[-1][1][-1] == "done"  # and at the end, while the peers were still there
+
+
 def test_time_boxed_rounds_count_the_steps_that_were_run():
     """With time boxes the `step` column read the schedule's (5, 15, 25, 35) while the peers ran
     20 and 8 steps; it is now the most any peer ran (tokens count every peer's)."""
@@ -430,3 +457,18 @@ def test_a_real_streaming_peer_gives_one_history_row_per_outer_round_and_its_end
     experiment._follow(Peer(), finished=lambda: True)
     rows = [(r["round"], r["step"], r["bytes_per_peer"], r["loss"], r["eval_loss"]) for r in experiment._rows]
     assert rows == [(0, 0, 0, None, 3.5), (1, 4, 20, 3.5, 2.8), (2, 8, 47, 1.5, 2.5)]
+
+
+def test_numpy_numbers_are_numbers() -> None:
+    """A sweep over np.arange or a pandas column gives NumPy scalars: `peers=np.int64(4)` was
+    refused as "must be a whole number (got np.int64(4))", `outer_lr=np.float32(0.5)` as not a
+    number."""
+    np = pytest.importorskip("numpy")
+
+    run = Experiment(backend="sim", peers=np.int64(3), steps=np.int64(40), inner_steps=np.int64(20))
+    assert (run.peers, run.config.diloco.inner_steps) == (3, 20) and type(run.peers) is int
+    assert (
+        Experiment(backend="sim", peers=2, steps=40, outer_lr=np.float32(0.5)).config.diloco.outer_lr == 0.5
+    )
+    with pytest.raises(ValueError, match="inner_steps must be an integer"):
+        Experiment(backend="sim", peers=2, steps=40, inner_steps=np.float64(20.5))

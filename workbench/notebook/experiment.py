@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import numbers
 import tempfile
 import threading
 import time
@@ -219,8 +220,9 @@ def _check_counts(**counts: Any) -> dict[str, Any]:
             continue
         if isinstance(value, str) and value.strip().isdigit():  # numbers may be given as text
             value = counts[key] = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # NumPy's too
             raise ValueError(f"{key} must be a whole number (got {value!r})")
+        value = counts[key] = int(value)
         low = 1 if key == "rounds" else bounds.BOUNDS[key].low  # 0 rounds (until stopped) is the CLI's
         if value < low:
             raise ValueError(f"{key} must be at least {low:g} (got {value})")
@@ -649,8 +651,13 @@ class Experiment:
         per = self.config.outer_method.syncs_per_round(self.config.fragments)
         sent = step = seen = 0
         losses: list[float] = []
+        read = getattr(self._source, "read_once", None)
+        last_read = 0.0
         while True:
             over = finished()  # before the read: the events it then gets include the last ones
+            if read is not None and not over and time.monotonic() - last_read >= 1.0:
+                read(again=True)  # the view follows the run to its end, a widget open or not
+                last_read = time.monotonic()
             peer.poll_events()
             # Every event, from the first: those read while waiting for "started" too (a lone
             # peer's initial eval often came in the same read, and its row was lost).
@@ -690,7 +697,8 @@ class Experiment:
                     self.result = event
                     # Its view's last reading, while the run is still there to read (after, a
                     # lone peer's view found nobody left and showed an empty run).
-                    getattr(self._source, "read_once", lambda: None)()
+                    if read is not None:
+                        read(again=True)
                     if event.get("final_eval_loss") is not None:
                         self._end(eval_loss=event["final_eval_loss"])
             if over:

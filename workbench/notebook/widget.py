@@ -21,6 +21,7 @@ import traitlets
 
 from swarm import bounds
 from swarm.errors import SwarmError
+from swarm.monitor import strict_json
 from swarm.steering import aliases_of, live_peer_id
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,9 @@ class SwarmWidget(anywidget.AnyWidget):
                     "points": [[round(t - snapshot.time, 2), v] for t, v in points if math.isfinite(v)],
                 }
         self.loss_series = series
-        self.snapshot = snapshot.to_json()
+        # NaN as null (shown "-"): JSON has no NaN, and Jupyter sent a diverged run's through a
+        # deprecated fallback, with a warning in the kernel's log each poll
+        self.snapshot = strict_json(snapshot.to_json())
 
     # --- commands ----------------------------------------------------------------------------------
 
@@ -110,6 +113,9 @@ class SwarmWidget(anywidget.AnyWidget):
             self.message = self.handle(command)
         except (SwarmError, ValueError, TypeError) as error:
             self.message = f"refused: {error}"
+        except Exception as error:  # noqa: BLE001 - a front end's click: said in the widget, not lost in the kernel's log
+            logger.warning("widget command %s failed", command.get("action"), exc_info=True)
+            self.message = f"failed: {type(error).__name__}: {error}"
 
     def handle(self, command: dict[str, Any]) -> str:
         """Run one front-end command; returns what to tell the user (ValueError or SwarmError,

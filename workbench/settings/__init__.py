@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import numbers
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -135,12 +136,16 @@ class Setting:
                 raise ValueError(f"{origin} = {value!r}: {error}") from None
         elif self.numeric:
             integer = self.kind == "int" or (self.bound is not None and BOUNDS[self.bound].integer)
-            ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+            # numbers.Integral/Real: NumPy's too (a sweep over np.arange gives np.int64)
+            ok = not isinstance(value, bool) and isinstance(
+                value, numbers.Integral if integer else numbers.Real
+            )
             if not ok:
                 expected = "an integer" if integer else "a number"
                 raise ValueError(
                     f"{origin} must be {expected} (like {self.flag}), got {type(value).__name__} {value!r}"
                 )
+            value = int(value) if isinstance(value, numbers.Integral) else float(value)
             try:
                 value = parse(str(value)) if parse else value
             except argparse.ArgumentTypeError as error:
