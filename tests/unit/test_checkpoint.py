@@ -399,6 +399,61 @@ def test_a_full_disk_when_a_peer_takes_its_run_dir_is_one_line_with_the_fix(tmp_
     checkpoint.hold_run_dir(tmp_path).close()  # nothing held: the next try takes it
 
 
+def test_a_full_disk_found_by_the_flush_is_said_as_well(tmp_path, monkeypatch) -> None:
+    """On a real full disk the pid lands in the buffer and the flush fails: closing the file
+    flushed it again and raised a new OSError, so the message was the bare errno (a review,
+    stop 60: "error: [Errno 28] No space left on device (run with -v for details)")."""
+    import builtins
+
+    real_open = builtins.open
+
+    class Full:
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def flush(self) -> None:
+            raise OSError(28, "No space left on device")
+
+        def close(self) -> None:
+            self.handle.close()
+            raise OSError(28, "No space left on device")
+
+    def full(path, *args, **kwargs):
+        handle = real_open(path, *args, **kwargs)
+        return Full(handle) if str(path).endswith(".lock") else handle
+
+    monkeypatch.setattr(builtins, "open", full)
+    with pytest.raises(CheckpointError, match=f"cannot write in --run-dir {tmp_path}.*is the disk full"):
+        checkpoint.hold_run_dir(tmp_path)
+
+
+def test_a_full_disk_for_the_swarm_s_model_is_one_line_and_leaves_no_half_file(tmp_path, monkeypatch) -> None:
+    """global_params.pt at the end of a run on a full disk: torch's "unexpected pos" came out
+    as two tracebacks and exit 1, and the run's `done` was never said."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import workbench.run.peer as peer_module
+    from workbench.run.peer import Peer
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0\nframe #0 ...")
+
+    monkeypatch.setattr(peer_module.torch, "save", full)
+    peer = Peer.__new__(Peer)
+    peer.run_dir, peer.name, peer.rounds_done = Path(tmp_path), "a", 3
+    peer.diloco = SimpleNamespace(
+        outer_step_count=12, global_intact=True, read_global=lambda read: read([torch.ones(2)])
+    )
+    with pytest.raises(checkpoint.GlobalParamsError) as error:
+        peer.save_global_params()
+    assert "\n" not in str(error.value) and "unexpected pos 64 vs 0; is the disk full?" in str(error.value)
+    assert "outer step 12" in str(error.value) and not list(Path(tmp_path).iterdir())
+
+
 def test_a_model_buffer_of_minus_infinity_is_no_corruption(tmp_path) -> None:
     """An attention mask kept as a buffer holds -inf by design: such a model must resume."""
     mask = torch.full((4, 4), float("-inf")).triu(1)

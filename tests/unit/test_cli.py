@@ -648,6 +648,34 @@ def test_export_keeps_each_outer_step_once_and_writes_strict_json(tmp_path, caps
     assert len(capsys.readouterr().out.splitlines()) == 1 + 3  # header and steps 1, 2, 3 once each
 
 
+def test_a_line_cut_short_then_resumed_costs_that_line_not_the_export(tmp_path, capsys):
+    """A peer killed mid-line (or stopped by a full disk) and resumed: its next event went onto
+    the half line, and `export` refused the whole file ("metrics.jsonl:22 is not a JSON line").
+    The resumed peer ends the half line first; export leaves out such a line and says so."""
+    from workbench.run.telemetry import Events
+
+    whole = [{"event": "round", "time": 1.0, "peer": "a", "outer_step": 1, "loss": 3.0}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(whole[0]) + '\n{"event": "round", "time": 17')  # killed mid-line
+    events = Events()
+    events.open(tmp_path, name="a", exporters=[])
+    events.emit("round", outer_step=2, loss=2.5)
+    events.close()
+    assert path.read_text().splitlines()[1] == '{"event": "round", "time": 17'
+    assert main(["export", str(tmp_path), "--csv"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 + 2, out  # the header, steps 1 and 2
+    assert "left out 1 event line(s) cut short" in err
+    # Without the mend (an earlier release appended onto the half line): that line is left out.
+    path.write_text(
+        json.dumps(whole[0]) + '\n{"event": "round", "time": 17{"event": "x"}\n' + json.dumps(whole[0]) + "\n"
+    )
+    assert main(["export", str(tmp_path), "--csv"]) == 0
+    path.write_text(json.dumps(whole[0]) + "\nnot an event\n" + json.dumps(whole[0]) + "\n")
+    assert main(["export", str(tmp_path), "--csv"]) == EXIT_USER_ERROR  # not a peer's file: refused
+    assert "metrics.jsonl:2 is not a JSON line" in capsys.readouterr().err
+
+
 def test_export_refuses_an_empty_run_dir_and_an_out_folder(tmp_path, monkeypatch, capsys):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "round", "outer_step": 1}) + "\n")
     monkeypatch.chdir(tmp_path)  # '' is not the current folder
@@ -894,6 +922,21 @@ def test_config_show_names_the_file_of_a_bad_host_as_start_does(capsys, tmp_path
         assert "--host must be an IP address" in line and f"(host from file {tmp_path / 'run.toml'})" in line
 
 
+def test_a_rule_between_settings_names_where_a_flag_it_names_came_from(capsys, monkeypatch, tmp_path) -> None:
+    """A rule's error names the flags ("drop --error-feedback"): from a file or a variable, the
+    user never typed that flag, and nothing said where it came from (a review, stop 60)."""
+    (tmp_path / "run.toml").write_text("error_feedback = true\n")
+    assert main(["start", "--config", str(tmp_path / "run.toml")]) == EXIT_USER_ERROR
+    assert f"(error_feedback from file {tmp_path / 'run.toml'})" in one_error_line(capsys)
+    monkeypatch.setenv("WORKBENCH_CLIENT_MODE", "1")
+    assert main(["start"]) == EXIT_USER_ERROR
+    assert "(client_mode from env WORKBENCH_CLIENT_MODE)" in one_error_line(capsys)
+    monkeypatch.delenv("WORKBENCH_CLIENT_MODE")
+    monkeypatch.setenv("WORKBENCH_SYNC_DELAY", "3")
+    assert main(["start"]) == EXIT_USER_ERROR
+    assert "(sync_delay from env WORKBENCH_SYNC_DELAY)" in one_error_line(capsys)
+
+
 def test_the_secrets_variable_is_named_as_its_source(capsys, monkeypatch) -> None:
     """--secret's default comes from WORKBENCH_RUN_SECRET: `config show --sources` said
     "default", and a bad value's error did not name the variable."""
@@ -1068,3 +1111,14 @@ def test_a_demo_that_fails_exits_1_not_a_mistakes_2(monkeypatch, capsys) -> None
         one_error_line(capsys)
         == "error: peer-1 exited with status 1 before finishing; the end of its log: boom"
     )
+
+
+@pytest.mark.parametrize("command", ["status", "doctor", "steer", "monitor"])
+def test_the_observers_take_the_run_id_the_peers_take(command, monkeypatch) -> None:
+    """`WORKBENCH_RUN_ID=myrun workbench doctor ADDR` looked for run 'workbench' beside a peer
+    started with it, while WORKBENCH_RUN_SECRET was taken (a review, stop 60)."""
+    extra = ["/ip4/127.0.0.1/tcp/1", *(["--key", "k"] if command == "steer" else [])]
+    assert build_parser().parse_args([command, *extra]).run_id == "workbench"
+    monkeypatch.setenv("WORKBENCH_RUN_ID", "myrun")
+    assert build_parser().parse_args([command, *extra]).run_id == "myrun"
+    assert build_parser().parse_args([command, *extra, "--run-id", "other"]).run_id == "other"

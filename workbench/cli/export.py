@@ -102,7 +102,7 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
     after a restart, so each outer step is one row."""
     lines = path.read_text(errors="replace").splitlines()
     events: list[dict[str, Any]] = []
-    dropped = 0
+    dropped = cut = 0
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -111,6 +111,9 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
         except json.JSONDecodeError:
             if number == len(lines):
                 continue  # the last line of a peer still writing (or killed mid-line)
+            if line.startswith('{"event": '):  # a peer killed mid-line (or a full disk), then resumed
+                cut += 1
+                continue
             raise ExportError(f"{path}:{number} is not a JSON line") from None
         if not isinstance(event, dict):
             continue
@@ -127,6 +130,8 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
             dropped += len(events) - len(kept)
             events = kept
         events.append(event)
+    if cut:
+        print(f"{path}: left out {cut} event line(s) cut short (a peer stopped mid-line)", file=sys.stderr)
     return events, dropped
 
 

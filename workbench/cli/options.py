@@ -150,11 +150,24 @@ def build_config(args: argparse.Namespace, *, simulated: bool = False) -> RunCon
 
 
 def _where_from(message: str, sources: dict[str, str]) -> str:
-    """' (inner_lr from file run.toml)' when the bad value named in ``message`` was not a flag."""
+    """' (inner_lr from file run.toml)' when the bad value named in ``message`` was not a flag:
+    named by its key, in words or by its flag (a rule between settings names the flags: "drop
+    --error-feedback" for a file's `error_feedback = true`, "--client-mode: the first peer ..."
+    for `WORKBENCH_CLIENT_MODE=1`, with no word of where they came from)."""
+    import re
+
     text = message.lower()
+    flags = {
+        item.key: item.flag for command in ("start", "demo") for item in command_settings(command).values()
+    }
+
+    def named_in(key: str) -> bool:
+        flag = flags.get(key) or "--" + key.replace("_", "-")
+        return key.replace("_", " ") in text or key in text or re.search(rf"{re.escape(flag)}(?![\w-])", text)
+
     named = [
         f"{key} from {source}"
         for key, source in sources.items()
-        if source not in ("flag", "default") and (key.replace("_", " ") in text or key in text)
+        if source not in ("flag", "default") and named_in(key)
     ]
     return f" ({'; '.join(named)})" if named else ""

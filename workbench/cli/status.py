@@ -29,7 +29,13 @@ STATUS_WIDTH = 240
 def add_observer_options(parser: argparse.ArgumentParser) -> None:
     from workbench.cli.options import add_run_access_options
 
-    parser.add_argument("--run-id", default="workbench", help="the run's name (default: workbench)")
+    # WORKBENCH_RUN_ID as the peers take it (`status` beside a peer started with it looked for
+    # run 'workbench', while WORKBENCH_RUN_SECRET was taken)
+    parser.add_argument(
+        "--run-id",
+        default=os.environ.get("WORKBENCH_RUN_ID") or "workbench",
+        help="the run's name (default: $WORKBENCH_RUN_ID, else workbench)",
+    )
     parser.add_argument(
         "--connect-timeout", type=bounded("connect_timeout"), default=20.0, help="seconds to reach the peers"
     )

@@ -12,6 +12,7 @@ newest one is truncated or corrupt; if neither loads, the error names both probl
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -34,6 +35,10 @@ NAME, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"
 
 class CheckpointError(SwarmError):
     """No usable checkpoint (missing, truncated, corrupt, or for another run/model)."""
+
+
+class GlobalParamsError(CheckpointError):
+    """The swarm's model could not be written (``global_params.pt``: a full disk)."""
 
 
 class CheckpointUnreadable(CheckpointError):
@@ -114,7 +119,8 @@ def hold_run_dir(directory: Path) -> IO[str]:
         handle.write(f"{os.getpid()}\n")
         handle.flush()
     except OSError as error:  # a full disk: the bare errno was a traceback
-        handle.close()
+        with contextlib.suppress(OSError):  # closing flushes the pid again: the same full disk
+            handle.close()
         raise CheckpointError(
             f"cannot write in --run-dir {directory} ({error.strerror or error}; is the disk full?): "
             "free some space or give another --run-dir"

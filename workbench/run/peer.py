@@ -31,6 +31,7 @@ import workbench.run.checkpoint as checkpoint
 from optim.api import Sync
 from optim.background import RoundInFlight
 from optim.data_parallel import DataParallel
+from swarm.dataplane import one_line
 from swarm.dht import NetworkConfig, release_interrupted_locks, visible_addresses
 from swarm.errors import SwarmError
 from swarm.records import PeerHeartbeat, RunKeys, RunManifest, Stage
@@ -567,7 +568,11 @@ class Peer:
         )
         if self.node is not None:
             summary.update(node_ranks=self.node.world_size, node_max_param_diff=self.node_max_diff)
-        self.save_global_params()
+        try:
+            self.save_global_params()
+        except checkpoint.GlobalParamsError as error:  # the rounds are done all the same: said so
+            self.emit("done", **summary, global_params_error=str(error))
+            raise
         self.emit("done", **summary)
         return summary
 
@@ -605,6 +610,12 @@ class Peer:
             try:
                 torch.save(params, temporary)
                 os.replace(temporary, path)
+            except (OSError, RuntimeError) as error:  # torch says a full disk as "unexpected pos"
+                raise checkpoint.GlobalParamsError(
+                    f"could not write the swarm's model at outer step {step} to {path} "
+                    f"({one_line(error)}; is the disk full?): free some space (an earlier "
+                    f"{path.name} and the checkpoints in {self.run_dir} are kept)"
+                ) from None
             finally:
                 temporary.unlink(missing_ok=True)
         self.emit("global_params", path=str(path), outer_step=step)
@@ -891,7 +902,8 @@ def run_peer(
             # never touches it; a heartbeat that cannot be published neither): kept as a Ctrl+C
             # keeps it (it was lost, hours into a run without --rounds).
             try:
-                peer.save_global_params(stopped=True, after=failure)
+                if not isinstance(failure, checkpoint.GlobalParamsError):  # (not twice)
+                    peer.save_global_params(stopped=True, after=failure)
             except BaseException as error:  # noqa: BLE001 - the first failure is the one to report
                 logger.error("could not write the global params: %s", error)
             close_within(peer.close, "error")

@@ -4,10 +4,12 @@ and the exporters, TensorBoard and W&B, fed the same records)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -69,6 +71,15 @@ def _claimed_name(name: Any) -> str:
     return name if is_name(name) else ""
 
 
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(-1, os.SEEK_END)
+            return handle.read(1) != b"\n"
+    except OSError:  # empty (seek before the start), or unreadable
+        return False
+
+
 class Events:
     """One JSON object per line in ``metrics.jsonl``, and the same record to every exporter; an
     exporter that fails is dropped (a dashboard must never stop training)."""
@@ -82,7 +93,11 @@ class Events:
     def open(self, run_dir: Path | None, *, name: str, exporters: list[Any]) -> None:
         self.name = name
         if run_dir is not None:
-            self._file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+            path = run_dir / "metrics.jsonl"
+            self._file = open(path, "a", buffering=1)  # noqa: SIM115
+            if _ends_mid_line(path):  # killed mid-line, or a full disk: end that line first
+                with contextlib.suppress(OSError):  # (its next event went onto it, and the
+                    self._file.write("\n")  # export refused the whole file)
         self.exporters = exporters
 
     def emit(self, event: str, **fields: Any) -> None:
