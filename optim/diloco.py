@@ -519,8 +519,10 @@ class DiLoCo:
         round whose all-reduce failed (this peer fell back on its own update) says nothing of the
         group the next round will find: the share learnt before stands (else the next stand-in
         would be the whole Δ, M times its share, as before the first mean). A peer alone by
-        the barrier's verdict (nobody else in the round) takes 1."""
-        if report.failed and self._share is not None:
+        the barrier's verdict (nobody else in the round) takes 1. Before any mean has landed a
+        failed round leaves none learnt: 1 / the expected group stands in (a review, stop 60:
+        a failed first round taught 1.0, and the next offset went M times the paper's Δ/M)."""
+        if report.failed:
             return
         if weight <= 0:  # this peer diverged and sent nothing: its share (0) says nothing of the next
             return
@@ -626,7 +628,7 @@ class DiLoCo:
             later = None
             if report is not None:
                 outgoing = inflight.outgoing
-                if local and not (report.failed and self._share is not None):
+                if local and not report.failed and outgoing.weight > 0:
                     local["share"] = own_share(report, outgoing.weight)  # as _learn_share will
                 sent = outgoing.sent
                 if (

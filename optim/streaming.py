@@ -29,7 +29,7 @@ import torch
 
 from optim.averager import Averager, RoundReport
 from optim.codecs import all_finite, encoded_nbytes
-from optim.contribution import Outgoing, global_norm, judge, take_back_unapplied
+from optim.contribution import Outgoing, global_norm, judge, not_applied, take_back_unapplied
 from optim.diloco import (
     DiLoCoConfig,
     OuterState,
@@ -373,6 +373,67 @@ class StreamingRounds:
             "samples_since": list(self.streaming.samples_since),
             "in_flight": inflight.fragment if inflight is not None and landed(inflight) else None,
         }
+
+    def checkpoint_state(
+        self, *, inflight_timeout: float = 60.0
+    ) -> tuple[OuterState, dict[str, Any], list[Any], dict[str, Any] | None]:
+        """What a checkpoint keeps, read at once once the fragment in flight (τ > 0) has landed,
+        as :meth:`optim.diloco.DiLoCo.checkpoint_state`: the outer state with its merge, the
+        :meth:`local_state`, each fragment's error-feedback residuals, and that fragment's sent
+        values if the group will not apply them (``{"fragment": f, "sent": [...]}``): error
+        feedback takes them back as the running peer does when the fragment lands
+        (:meth:`take_back_later`). Without it a checkpoint taken while a refused fragment was
+        in flight lost that fragment's update: neither in θ nor in the residual (a review, stop 60:
+        0.9 of θ away from the uninterrupted run four syncs later)."""
+        ratio = self.streaming.config.outer.outlier_ratio
+
+        def read(inflight: _FragmentInFlight | None):
+            state = self._state_with(inflight, ([], []))
+            residuals = [memory.residuals if memory is not None else None for memory in self.feedback]
+            later = None
+            if landed(inflight):
+                memory = self.feedback[inflight.fragment]
+                report = dataclasses.replace(inflight.future.result())  # judged as _land() will
+                judge(inflight.outgoing, report, ratio)
+                sent = inflight.outgoing.sent
+                if (
+                    memory is not None
+                    and memory.residuals is not None
+                    and sent is not None
+                    and not_applied(inflight.outgoing, report, ratio)
+                ):
+                    later = {"fragment": inflight.fragment, "sent": [s.clone() for s in sent]}
+            return state, self.local_state(), residuals, later
+
+        return read_settled(self, inflight_timeout, read)
+
+    def take_back_later(self, later: Any) -> None:
+        """(A resumed checkpoint's, after its residuals.) The fragment that was in flight and
+        refused: its memory takes back what it sent, as landing would have (before that
+        fragment's next encode, which alone reads its memory). One that does not fit (another
+        model) is dropped with a warning."""
+        if not later:
+            return
+        fragment, sent = (
+            (later.get("fragment"), later.get("sent")) if isinstance(later, dict) else (None, None)
+        )
+        memory = (
+            self.feedback[fragment]
+            if isinstance(fragment, int)
+            and not isinstance(fragment, bool)
+            and 0 <= fragment < len(self.feedback)
+            else None
+        )
+        residuals = memory.residuals if memory is not None else None
+        if (
+            residuals is None
+            or not isinstance(sent, list)
+            or len(sent) != len(residuals)
+            or any(not isinstance(s, torch.Tensor) or s.shape != r.shape for s, r in zip(sent, residuals))
+        ):
+            logger.warning("the checkpoint's refused fragment does not fit this model's fragments: dropped")
+            return
+        memory.take_back(sent)
 
     def load_local_state(self, state: dict[str, Any]) -> None:
         """The inverse of :meth:`local_state`, after :meth:`load_outer_state` and with the model

@@ -55,7 +55,7 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     assert "resuming from the previous checkpoint" in fallback.stderr()
     assert fallback.events("resumed_checkpoint")[0]["outer_step"] == saved - 2
     assert other.wait() == 2 and "belongs to run 'resume'" in other.stderr(), other.stderr()
-    assert bigger.wait() == 2 and "written for model fingerprint" in bigger.stderr(), bigger.stderr()
+    assert bigger.wait() == 2 and "started with other settings: model GPT" in bigger.stderr(), bigger.stderr()
     assert wide.wait() == 2 and "resume with the same --batch-size" in wide.stderr(), wide.stderr()
     for refused in (other, bigger, wide):  # checked before the peer announced itself
         assert "Others join with" not in refused.stdout() and not refused.events("started"), refused.stdout()

@@ -627,3 +627,49 @@ def test_a_checkpoint_that_cannot_be_written_stops_nothing(tmp_path, monkeypatch
     assert peer.save_checkpoint() is None
     assert events == [("checkpoint_failed", {"error": events[0][1]["error"], "outer_step": 12})]
     assert "No space left" in events[0][1]["error"]
+
+
+def test_a_refused_resume_names_the_flags_that_differ(tmp_path) -> None:
+    """`--resume` with another --update-codec, --outer-momentum or --clip-norm printed two
+    identical summaries ("diloco H=5 outer lr 0.7 codec none" twice): the user could not tell
+    which flag to change (a review, stop 60)."""
+    from workbench.config import RunConfig
+    from workbench.run import joining
+    from workbench.run.model import build_model, tiny
+
+    model = build_model(tiny(), seed=0)
+    started = RunConfig()
+    started.diloco.codec, started.diloco.outer_momentum = "int8", 0.8
+    now = RunConfig()
+    fingerprint, summary = joining.fingerprint(started, model)
+    state = {"model": {}, "inner_optimizer": {}, "outer": {"params": [torch.ones(2)]}}
+    checkpoint.save(
+        tmp_path,
+        {"run_id": "r", "fingerprint": fingerprint, "summary": summary,
+         "fingerprinted": joining.fingerprinted_flags(started, model), **state},
+    )  # fmt: skip
+    mine, my_summary = joining.fingerprint(now, model)
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.load_for(
+            tmp_path, run_id="r", fingerprint=mine, summary=my_summary,
+            fingerprinted=joining.fingerprinted_flags(now, model),
+        )  # fmt: skip
+    assert "--outer-momentum 0.8 (this peer: 0.9); --update-codec int8 (this peer: none)" in str(
+        refused.value
+    )
+    assert "--clip-norm" not in str(refused.value)
+    # A checkpoint of an earlier release (no flags kept): the fingerprints, as before.
+    checkpoint.save(tmp_path, {"run_id": "r", "fingerprint": fingerprint, "summary": summary, **state})
+    with pytest.raises(CheckpointError, match="written for model fingerprint"):
+        checkpoint.load_for(tmp_path, run_id="r", fingerprint=mine, fingerprinted={"--method": "diloco"})
+
+
+def test_a_resume_with_another_inner_lr_says_so() -> None:
+    """`--resume d --inner-lr 0.01` said only the weight decay it changed: the inner lr (not in
+    AdamW's state as the flag: the schedule's) was taken without a word (a review, stop 60)."""
+    saved = {"--inner-lr": 0.001, "--warmup-steps": 20, "--grad-clip": 1.0}
+    assert checkpoint.changed_flags(saved, dict(saved)) is None
+    assert checkpoint.changed_flags(None, saved) is None  # an earlier release's checkpoint
+    assert checkpoint.changed_flags(saved, {**saved, "--inner-lr": 0.01}) == (
+        "resumed with --inner-lr 0.01 of its flags (the checkpoint's: --inner-lr 0.001)"
+    )

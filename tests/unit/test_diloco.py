@@ -893,6 +893,21 @@ def test_a_failed_averaging_does_not_make_the_next_stand_in_the_whole_delta(over
     assert eager._stand_in_share() == 1.0
 
 
+def test_a_failed_first_averaging_leaves_the_expected_share_standing() -> None:
+    """The same before any mean has landed: a failed first round taught a share of 1 (its own
+    update, a group of 1), and the next offset went M times Kale et al.'s Δ/M (a review,
+    stop 60). The expected group's share stands until a real mean lands."""
+
+    class ExpectsTwo(LocalAverager):
+        def expected_group(self) -> int:
+            return 2
+
+    outer, _ = _lone(DiLoCoConfig(inner_steps=2, delay=1))
+    outer.averager = ExpectsTwo()
+    outer._learn_share(RoundReport(group_size=1, error="the group fell apart", failed=True), 4.0)
+    assert outer._stand_in_share() == pytest.approx(1 / 2)
+
+
 @pytest.mark.parametrize(
     ("delay", "overlap", "eager"),
     [(1, False, False), (1, True, False), (1, True, True)],

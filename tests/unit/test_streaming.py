@@ -625,3 +625,63 @@ def test_simulated_streaming_peers_refuse_a_runaway_peer_s_fragments(ratio: floa
         assert all(torch.equal(a, b) for a, b in zip(outer.global_params, outers[0].global_params))
     unchanged = all(torch.equal(g, t) for g, t in zip(outers[0].global_params, theta))
     assert unchanged == (ratio > 0)
+
+
+@pytest.mark.parametrize("sync_delay", [0, 1])
+def test_a_checkpoint_taken_while_a_refused_fragment_is_in_flight_keeps_its_update(sync_delay):
+    """With τ > 0 and error feedback, a checkpoint taken while the group was refusing the
+    fragment in flight (another member's outlier) kept neither its merge (there was none) nor
+    what it sent (taken back into the residual only when it lands): the resumed run ended 0.9
+    of θ away from the one that went on (a review, stop 60). Now the checkpoint keeps what it
+    sent, taken back as landing would."""
+    import copy
+
+    from optim.averager import RoundReport
+    from workbench.run.checkpoint import restore_training, training_state
+
+    class Refusing:
+        """Refuses the all-reduce of sync ``refused`` (its count is the swarm's: kept across the resume)."""
+
+        def __init__(self, refused: int) -> None:
+            self.refused, self.calls = refused, 0
+
+        def all_reduce(self, tensors, *, weight, info=None):
+            self.calls += 1
+            other = {"peer": "b", "norm": info["norm"], "weight": weight}
+            report = RoundReport(group_size=2, group_info=[dict(info), other])
+            if self.calls - 1 == self.refused:
+                report.refused = "another member's outlier"
+            return report
+
+    def peer(averager):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        outer = dict(inner_steps=4, codec="topk", topk_density=0.1, error_feedback=True, outer_lr=1.0)
+        config = StreamingConfig(outer=DiLoCoConfig(**outer, outer_momentum=0.0, nesterov=False), fragments=2)
+        config.sync_delay = sync_delay
+        return model, inner, StreamingRounds(StreamingDiLoCo(model, inner, averager, config))
+
+    def run(resume_at: int | None) -> StreamingRounds:
+        averager = Refusing(refused=2)
+        model, inner, rounds = peer(averager)
+        for sync in range(6):
+            for step in range(2):
+                noise = torch.Generator().manual_seed(2 * sync + step)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=noise) * 0.1)
+                rounds.note_inner_step(samples=1)
+            rounds.sync()
+            if sync == resume_at:  # right after the refused sync: in flight with τ = 1
+                payload = copy.deepcopy(training_state(rounds, model, inner, None))
+                model, inner, rounds = peer(averager)
+                restore_training(payload, rounds, model, inner, None)
+        rounds.finish()
+        return rounds
+
+    went_on, resumed = run(None), run(2)
+    for a, b in zip(went_on.global_params, resumed.global_params):
+        assert torch.equal(a, b)
+    for a, b in zip(went_on.feedback, resumed.feedback):
+        assert all(torch.equal(x, y) for x, y in zip(a.residuals, b.residuals))

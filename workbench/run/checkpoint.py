@@ -271,7 +271,7 @@ def training_state(rounds: Any, model: Any, inner_optimizer: Any, batches: Any) 
 
     feedback = getattr(rounds, "feedback", None)
     later = None
-    if hasattr(rounds, "checkpoint_state"):  # DiLoCo: as the round in flight will leave them
+    if hasattr(rounds, "checkpoint_state"):  # as the round (or fragment) in flight will leave them
         outer, local, residuals, later = rounds.checkpoint_state()
     else:
         outer = rounds.outer_state(inner=False)
@@ -313,14 +313,14 @@ def restore_training(
         model.load_state_dict(payload["model"])
         rounds.load_local_state(payload.get("local") or {})
     feedback = getattr(rounds, "feedback", None)
-    if isinstance(feedback, list):
+    if isinstance(feedback, list):  # streaming: one memory per fragment
         for memory, residuals in zip(feedback, payload.get("feedback") or []):
             if memory is not None:
                 memory.residuals = residuals
     elif feedback is not None:
         feedback.residuals = payload.get("feedback")
-        if hasattr(rounds, "take_back_later"):
-            rounds.take_back_later(payload.get("take_back"))
+    if feedback is not None and hasattr(rounds, "take_back_later"):
+        rounds.take_back_later(payload.get("take_back"))
     if payload.get("data") is not None and batches is not None:
         batches.load_state_dict(payload["data"])
     rng = payload.get("torch_rng")
@@ -336,6 +336,20 @@ def restore_training(
             torch.cuda.set_rng_state_all(cuda)
         else:  # another machine: dropout's masks differ from the run that went on, nothing else
             logger.info("the checkpoint's CUDA generators are for %d GPU(s); not restored here", len(cuda))
+
+
+def changed_flags(saved: Any, now: dict[str, Any]) -> str | None:
+    """ "resumed with --inner-lr 0.01 of its flags (the checkpoint's: --inner-lr 0.001)" for the
+    flags of ``now`` whose values the checkpoint (``saved``: what it kept) had otherwise, or None
+    (a peer resumed with another --inner-lr took it without a word)."""
+    saved = saved if isinstance(saved, dict) else {}
+    changed = [flag for flag, value in now.items() if flag in saved and saved[flag] != value]
+    if not changed:
+        return None
+    return (
+        f"resumed with {', '.join(f'{flag} {now[flag]}' for flag in changed)} of its flags "
+        f"(the checkpoint's: {', '.join(f'{flag} {saved[flag]}' for flag in changed)})"
+    )
 
 
 def load_moments(optimizer: Any, saved: dict[str, Any], *, say: bool = True) -> None:
@@ -373,15 +387,34 @@ def resume_training(
 
 
 def load_for(
-    directory: str | Path, *, run_id: str, fingerprint: str, summary: str = ""
+    directory: str | Path,
+    *,
+    run_id: str,
+    fingerprint: str,
+    summary: str = "",
+    fingerprinted: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], Path]:
     """:func:`load`, refusing a checkpoint of another run or model (``--resume``); ``summary``:
-    this peer's model and optimizer in words, shown beside the checkpoint's when they differ."""
+    this peer's model and optimizer in words, shown beside the checkpoint's when they differ;
+    ``fingerprinted``: what the fingerprint covers, flag by flag, to name the flags that differ
+    (the summaries alone read the same for another --update-codec or --outer-momentum)."""
     payload, path = load(directory, required=REQUIRED)
     if payload.get("run_id") != run_id:
         raise CheckpointError(
             f"{path} belongs to run '{payload.get('run_id')}', not '{run_id}': pass --run-id {payload.get('run_id')}"
         )
+    theirs = payload.get("fingerprinted")
+    if payload.get("fingerprint") != fingerprint and isinstance(theirs, dict) and fingerprinted:
+        differ = [
+            f"{flag} {theirs.get(flag, '?')} (this peer: {mine})"
+            for flag, mine in fingerprinted.items()
+            if str(theirs.get(flag)) != mine
+        ]
+        if differ:
+            raise CheckpointError(
+                f"{path} was written by a peer started with other settings: {'; '.join(differ)}: "
+                "resume with the flags the peer was started with"
+            )
     if payload.get("fingerprint") != fingerprint:
         raise CheckpointError(
             f"{path} was written for model fingerprint {payload.get('fingerprint')}"

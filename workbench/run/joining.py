@@ -65,6 +65,29 @@ def fingerprint(config: RunConfig, model: Any) -> tuple[str, str]:
     return model_fingerprint(model, optimizer), summary
 
 
+FRAGMENTED = ("fragments", "sync_delay", "alpha")
+"""Settings the fingerprint covers for a streaming run, beside the method, the wire codec and
+the outer optimizer's (``diloco.*``)."""
+
+
+def fingerprinted_flags(config: RunConfig, model: Any) -> dict[str, str]:
+    """What :func:`fingerprint` covers, by flag (``{"--update-codec": "int8", ...}``, the model as
+    ``model``): a refused ``--resume`` names the flags that differ."""
+    from workbench.cli.optimizer_flags import canonical
+    from workbench.settings.commands import command_settings
+
+    shown = dataclasses.replace(config, diloco=canonical(config.diloco))  # as the fingerprint takes it
+    flags = {
+        "model": f"{type(model).__name__} {model.num_params()} params, block size {config.model.block_size}",
+        "--method": config.method,
+    }
+    taken = ("averaging.compression", *(FRAGMENTED if config.outer_method.fragmented else ()))
+    for item in command_settings("start").values():
+        if item.target and (item.target in taken or item.target.startswith("diloco.")):
+            flags[item.flag] = str(item.read(shown))
+    return flags
+
+
 def settle_manifest(
     config: RunConfig, store: Any, keys: RunKeys, model: Any, name: str
 ) -> RunManifest | None:

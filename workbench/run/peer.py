@@ -90,6 +90,8 @@ class Peer:
         self.manifest: RunManifest | None = None
         self.steering = self._steering(None)  # the owner's control record: see _check_manifest
         self._fingerprint: tuple[str, str] | None = None
+        self._fingerprinted: dict[str, str] = {}
+        """What the fingerprint covers, flag by flag (a refused --resume names what differs)."""
         # Training (set up by setup()): the data, the model and its optimizer, the data stream.
         self.device = self.corpus = self.eval_set = self.model = self.inner_optimizer = self.batches = None
         self.outer: OuterLoop | None = None
@@ -218,6 +220,7 @@ class Peer:
         the flags its peer was started with (``--resume`` with them, not with the steered values)."""
         if self._fingerprint is None:
             self._fingerprint = joining.fingerprint(self.config, self.model)
+            self._fingerprinted = joining.fingerprinted_flags(self.config, self.model)
         return self._fingerprint
 
     def _check_manifest(self) -> None:
@@ -720,14 +723,26 @@ class Peer:
                 "run_id": self.config.peer.run_id,
                 "fingerprint": self.fingerprint()[0],
                 "summary": self.fingerprint()[1],
+                "fingerprinted": self._fingerprinted,
                 "name": self.name,
                 **payload,
                 "bytes": [self.stats.bytes_sent, self.stats.bytes_received, self.stats.dp_bytes],
                 "control_version": self.steering.version,
                 "control_checkpoints": self.steering.checkpoints,
                 "steered": dict(self.steering.settings),
+                "schedule": self._schedule(),
             },
         )
+
+    def _schedule(self) -> dict[str, float]:
+        """The inner steps' settings a checkpoint keeps to say, when resumed with others, what
+        changed (AdamW's own are said by checkpoint.load_moments; its lr is the schedule's)."""
+        train = self.config.train
+        return {
+            "--inner-lr": train.inner_lr,
+            "--warmup-steps": train.warmup_steps,
+            "--grad-clip": train.grad_clip,
+        }
 
     def resume(self, directory: str) -> None:
         """Continue from the checkpoint in ``directory`` (``--resume``): refuses another run or model."""
@@ -736,6 +751,8 @@ class Peer:
         checkpoint.resume_training(
             payload, self.steering, self.diloco, self.model, self.inner_optimizer, self.batches
         )
+        if changed := checkpoint.changed_flags(payload.get("schedule"), self._schedule()):
+            logger.info("%s: %s", self.name, changed)  # as load_moments says AdamW's
         stats = self.stats
         stats.bytes_sent, stats.bytes_received, stats.dp_bytes = payload.get("bytes", [0, 0, 0])
         self.averager.set_state_priority(self.diloco.outer_step_count)
@@ -825,6 +842,7 @@ class Peer:
             run_id=self.config.peer.run_id,
             fingerprint=self.fingerprint()[0],
             summary=self.fingerprint()[1],
+            fingerprinted=self._fingerprinted,
         )
 
     def inner_step(self, x: torch.Tensor, y: torch.Tensor, info: dict[str, Any]) -> tuple[float, Any]:
