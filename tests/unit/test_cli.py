@@ -676,6 +676,34 @@ def test_a_line_cut_short_then_resumed_costs_that_line_not_the_export(tmp_path, 
     assert "metrics.jsonl:2 is not a JSON line" in capsys.readouterr().err
 
 
+def test_a_run_started_over_in_its_folder_exports_alone(tmp_path, capsys):
+    """`start` refuses a folder holding a checkpoint and says to remove them to start over:
+    the new run appended to the old metrics.jsonl and `export` mixed both, outer steps 1, 2,
+    1, 2 with nothing to tell them apart (a review, stop 60). A peer that came back to the same
+    run (a demo's restart, --resume) keeps its earlier events."""
+    import csv
+    import io
+
+    def session(run: str, steps: range, t0: float) -> list[dict]:
+        started = {"event": "started", "time": t0, "peer": "a", "run": run}
+        return [started] + [
+            {"event": "round", "time": t0 + s, "peer": "a", "outer_step": s, "loss": t0 + s} for s in steps
+        ]
+
+    path = tmp_path / "metrics.jsonl"
+    lines = session("r/owner/1.0", range(1, 3), 10.0) + session("r/owner/2.0", range(1, 3), 100.0)
+    path.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert main(["export", str(tmp_path), "--csv"]) == 0
+    out, err = capsys.readouterr()
+    assert [r["loss"] for r in csv.DictReader(io.StringIO(out))] == ["101.0", "102.0"]
+    assert "left out 3 events of an earlier run in the same folder" in err
+    rejoined = session("r/owner/1.0", range(1, 3), 10.0) + session("r/owner/1.0", range(3, 5), 100.0)
+    path.write_text("".join(json.dumps(e) + "\n" for e in rejoined))
+    assert main(["export", str(tmp_path), "--csv"]) == 0
+    out, err = capsys.readouterr()
+    assert len(list(csv.DictReader(io.StringIO(out)))) == 4 and "earlier run" not in err
+
+
 def test_export_refuses_an_empty_run_dir_and_an_out_folder(tmp_path, monkeypatch, capsys):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"event": "round", "outer_step": 1}) + "\n")
     monkeypatch.chdir(tmp_path)  # '' is not the current folder

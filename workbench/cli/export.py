@@ -99,10 +99,14 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
     A peer resumed from a checkpoint older than its last round (``checkpoint.prev.pt`` after a
     corrupt ``checkpoint.pt``, or a kill between checkpoints) runs those outer steps again: the
     events it wrote for them before the resume are left out, as TensorBoard purges the steps
-    after a restart, so each outer step is one row."""
+    after a restart, so each outer step is one row. A folder where a run was started over
+    (its checkpoints removed, as `start` suggests) holds the events of both: only the last
+    run's are kept (each "started" event names its run), and the others are counted."""
     lines = path.read_text(errors="replace").splitlines()
     events: list[dict[str, Any]] = []
     dropped = cut = 0
+    run: str | None = None  # the run of the events read so far (its "started" events say it)
+    earlier = 0
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -122,6 +126,11 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
             raise ExportError(
                 f"{path}:{number} has a time that is not a number ({when!r}): not a peer's event line"
             )
+        if event.get("event") == "started" and isinstance(event.get("run"), str):
+            if run is not None and event["run"] != run:  # another run in the same folder: a new start
+                earlier += len(events)
+                events = []
+            run = event["run"]
         step = event.get("outer_step")
         if event.get("event") == "resumed_checkpoint" and isinstance(step, int):
             kept = [
@@ -132,6 +141,12 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
         events.append(event)
     if cut:
         print(f"{path}: left out {cut} event line(s) cut short (a peer stopped mid-line)", file=sys.stderr)
+    if earlier:  # (a run started over in the folder: its rows were mixed with the new run's)
+        print(
+            f"{path}: left out {earlier} events of an earlier run in the same folder (the last run's "
+            "are exported; give each run its own --run-dir to keep both)",
+            file=sys.stderr,
+        )
     return events, dropped
 
 

@@ -208,6 +208,10 @@ class Peer:
             addresses=addresses,
             device=str(self.device),
             owner=self.manifest.owner if self.manifest else None,
+            # which run (its manifest's): `export` tells a later run in the same folder by it
+            run=f"{cfg.peer.run_id}/{self.manifest.owner}/{self.manifest.created!r}"
+            if self.manifest
+            else None,
             fingerprint=self.fingerprint()[0],
             params=self.model.num_params(),
             data=self.corpus.source,
