@@ -395,7 +395,23 @@ def _explain_start_failure(error: BaseException, config: NetworkConfig) -> str:
         )
     if "address already in use" in text.lower():
         return f"port {config.port} on {config.host} is already in use: pick another --port or use 0"
+    if skew := _clock_skew(text):
+        return (
+            f"this machine's clock is {abs(skew):.0f} s {'behind' if skew > 0 else 'ahead of'} the peer it "
+            "dialed, and hivemind's DHT needs every clock within 3 s of the others' (records expire by "
+            "them): set the clock (`sudo timedatectl set-ntp true`, or `sudo chronyc makestep`) and start "
+            "again"
+        )
     return f"could not start the DHT node: {text}"
+
+
+def _clock_skew(text: str) -> float | None:
+    """The peer's clock minus this one's, from hivemind's refusal ("local time must be within 3
+    seconds of others(local: 1796556116.6, peer: 1796556146.6)"), or None."""
+    import re
+
+    found = re.search(r"local time must be within.*local: ([0-9.]+), peer: ([0-9.]+)", text)
+    return float(found[2]) - float(found[1]) if found else None
 
 
 def wait_for(future, timeout: float, what: str):

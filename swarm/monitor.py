@@ -167,7 +167,8 @@ class SwarmSnapshot:
             "peers": [
                 {
                     **p.model_dump(mode="json"),
-                    "seconds_since_heartbeat": round(self.time - p.time, 2),
+                    # clocks differ by up to 3 s (hivemind refuses more): never "in the future"
+                    "seconds_since_heartbeat": round(max(0.0, self.time - p.time), 2),
                     "lagging": p.peer_id in self.lagging,
                     "idle": p.stage in IDLE,  # trains nothing now: its rates are its last round's
                 }

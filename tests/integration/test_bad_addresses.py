@@ -161,3 +161,42 @@ def test_a_joiner_started_before_its_bootstrap_peer_waits_for_it(spawn, tmp_path
     for peer in (first, joiner):
         assert peer.wait() == 0, peer.stderr()[-3000:]
     assert any(r["group_size"] == 2 for r in joiner.events("round")), joiner.events("round")
+
+
+_SKEWED_CLOCK = """
+import os, time
+_real = time.time
+time.time = lambda: _real() + float(os.environ["SKEW_SECONDS"])
+"""
+
+_A_DHT_NODE = """
+import time
+from hivemind import DHT
+dht = DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+print(str(dht.get_visible_maddrs()[0]), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.integration
+def test_a_joiner_whose_clock_is_off_is_told_to_set_it(tmp_path):
+    """hivemind refuses a node whose clock is more than 3 s off the peer it dials (records
+    expire by the clocks): the joiner said "could not start the DHT node: local time must be
+    within 3 seconds of others(local: 1796556116.63580, peer: ...)", with no fix."""
+    import os
+
+    (tmp_path / "sitecustomize.py").write_text(_SKEWED_CLOCK)
+    node = subprocess.Popen([sys.executable, "-c", _A_DHT_NODE], stdout=subprocess.PIPE, text=True)
+    try:
+        address = node.stdout.readline().strip()
+        env = dict(os.environ, PYTHONPATH=str(tmp_path), SKEW_SECONDS="-30")
+        result = subprocess.run(
+            [sys.executable, "-m", "workbench", "join", address, *FAST, "--run-dir", str(tmp_path / "b")],
+            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+    finally:
+        node.kill()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert "this machine's clock is 30 s behind the peer it dialed" in errors[0], errors
+    assert "timedatectl set-ntp true" in errors[0] and "Traceback" not in result.stderr
