@@ -1150,3 +1150,25 @@ def test_the_observers_take_the_run_id_the_peers_take(command, monkeypatch) -> N
     monkeypatch.setenv("WORKBENCH_RUN_ID", "myrun")
     assert build_parser().parse_args([command, *extra]).run_id == "myrun"
     assert build_parser().parse_args([command, *extra, "--run-id", "other"]).run_id == "other"
+
+
+def test_a_joiner_is_warned_of_shared_settings_its_own_machine_filled_in(
+    capsys, monkeypatch, tmp_path
+) -> None:
+    """The join command carries a shared setting only where the run changed it: a joiner's own
+    `WORKBENCH_INNER_LR` or config file filled in the rest, and its peer trained unlike the
+    others without a word (the fingerprint covers the model and the outer optimizer only)."""
+    import workbench.run.peer
+
+    monkeypatch.setattr(workbench.run.peer, "run_peer", lambda config, on_started=None: {})
+    (tmp_path / "mine.toml").write_text("rounds = 5\n")
+    monkeypatch.setenv("WORKBENCH_INNER_LR", "0.002")
+    address = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    assert main(["join", address, "--config", str(tmp_path / "mine.toml"), "--weight-decay", "0.2"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: inner_lr 0.002 (env WORKBENCH_INNER_LR), rounds 5 (file " in err, err
+    assert "weight_decay" not in err  # a flag: the join command's (or the user's own choice)
+    monkeypatch.delenv("WORKBENCH_INNER_LR")
+    assert main(["join", address]) == 0 and "warning" not in capsys.readouterr().err
+    monkeypatch.setenv("WORKBENCH_INNER_LR", "0.002")
+    assert main(["start"]) == 0 and "warning" not in capsys.readouterr().err  # the run's own settings

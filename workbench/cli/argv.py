@@ -101,6 +101,46 @@ def model_flags(config: RunConfig) -> list[str]:
     return ["--model", name] + (["--block-size", str(context)] if context != usual else [])
 
 
+SHARED = (
+    "inner_steps",
+    "inner_lr",
+    "grad_clip",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "warmup_steps",
+    "codec",
+    "aggregate",
+)
+"""Settings every peer must share, or their global params drift apart round after round (the
+clip too: with dp, each peer clips and steps the averaged gradient itself)."""
+SHARED_RUN = ("tokenizer", "rounds", "round_seconds")
+"""And: token ids shape the model, the inner lr's cosine follows the run's length, rounds of the
+same length for every peer."""
+UNCHECKED = (
+    "inner_lr",
+    "grad_clip",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "warmup_steps",
+    "aggregate",
+    *SHARED_RUN,
+)
+"""Those the run's fingerprint does not cover (a joiner with another is not refused)."""
+
+
+def from_elsewhere(sources: dict[str, str], config: RunConfig) -> list[str]:
+    """The shared settings a joiner took from its own config file or ``WORKBENCH_*`` variables,
+    not from its flags (the join command's): "inner_lr 0.002 (env WORKBENCH_INNER_LR)"."""
+    settings = command_settings("join")
+    return [
+        f"{key} {settings[key].read(config)} ({sources[key]})"
+        for key in UNCHECKED
+        if sources.get(key, "default") not in ("flag", "default")
+    ]
+
+
 def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     """The exact command another machine pastes to join this run."""
     from workbench.config import RunConfig
@@ -110,15 +150,9 @@ def join_command(config: RunConfig, addresses: Sequence[str]) -> str:
     model = model_flags(config)  # a model folder must exist on the joiner's machine too
     if model != model_flags(RunConfig()):
         parts += model
-    # Settings every peer must share, or their global params drift apart round after round (the
-    # clip too: with dp, each peer clips and steps the averaged gradient itself).
-    shared = ("inner_steps", "inner_lr", "grad_clip", "weight_decay", "beta1", "beta2", "warmup_steps")
-    shared += ("codec", "aggregate")
-    parts += setting_arguments(config, shared, changed_only=True)
+    parts += setting_arguments(config, SHARED, changed_only=True)
     parts += optimizer_arguments(config, changed_only=True)
-    # Token ids shape the model, the inner lr's cosine follows the run's length, rounds of the
-    # same length for every peer, the run's owner.
-    parts += setting_arguments(config, ("tokenizer", "rounds", "round_seconds", "owner"), changed_only=True)
+    parts += setting_arguments(config, (*SHARED_RUN, "owner"), changed_only=True)
     if config.peer.secret:  # never print the secret itself: it is shared privately
         parts += ["--secret", "SECRET"]
     return shlex.join(parts + list(addresses))  # a folder's name with a space stays one argument

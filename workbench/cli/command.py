@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from swarm.errors import SwarmError
 from workbench import __version__
+from workbench.cli.argv import from_elsewhere
 from workbench.cli.options import (
     EXIT_INTERRUPTED,
     EXIT_USER_ERROR,
@@ -290,6 +291,15 @@ def _main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, SwarmError) as error:
         print(f"error: {error}{_where_from(str(error), sources)}", file=sys.stderr)
         return EXIT_USER_ERROR
+    if args.command == "join" and (elsewhere := from_elsewhere(sources, config)):
+        # The join command carries these only where the run changed them: a joiner's own file
+        # or variables filled in the rest, and its peer trained unlike the others, unsaid.
+        print(
+            f"warning: {', '.join(elsewhere)}: settings a run's peers share, taken from this machine, not "
+            "from the join command (which leaves out those the run keeps at their default); the run's "
+            "fingerprint does not cover them: drop them here unless the run was started with the same",
+            file=sys.stderr,
+        )
     # torch comes with this: after the settings are checked (their errors in 0.2 s, not 2-3 s)
     from workbench.run.data import DataError
 
