@@ -338,8 +338,11 @@ _TOLD_BUFFERS: set[str] = set()
 def warn_unsynced_buffers(model: torch.nn.Module) -> list[str]:
     """Say once per model class that its floating-point buffers (BatchNorm's running mean and
     variance, say) stay each peer's own: only parameters are averaged and downloaded, so the
-    peers' running statistics drift apart and a joiner starts them afresh. The names, or []."""
-    names = [name for name, buffer in model.named_buffers() if buffer.is_floating_point()]
+    peers' running statistics drift apart and a joiner starts them afresh. The names, or [].
+    Only buffers the model keeps in its state_dict: a non-persistent one is a constant the model
+    computes itself (rotary embeddings' inv_freq in every Llama-style model was said to drift)."""
+    kept = model.state_dict(keep_vars=True).keys()
+    names = [name for name, buffer in model.named_buffers() if buffer.is_floating_point() and name in kept]
     kind = type(model).__name__
     if names and kind not in _TOLD_BUFFERS:
         _TOLD_BUFFERS.add(kind)

@@ -333,3 +333,68 @@ def test_a_config_that_makes_no_model_is_one_line_about_the_config(tmp_path: Pat
     with pytest.raises(ValueError, match="is not a Hugging Face model config") as refused:
         load_model(str(bad), seed=0, block_size=8, vocab_size=256)
     assert "\n" not in str(refused.value)
+
+
+def test_a_model_that_sees_the_tokens_it_predicts_is_refused(tmp_path: Path) -> None:
+    """transformers builds BertLMHeadModel from a BERT config and only warns: its attention is
+    bidirectional (is_decoder false), so next-token training taught it to copy the answer and
+    its loss fell for nothing (a review, stop 60)."""
+    import transformers
+
+    folder = tmp_path / "bert"
+    transformers.BertConfig(
+        vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    ).save_pretrained(folder)
+    with pytest.raises(ValueError, match=r"sees the tokens it is to predict .*causal \(decoder\) config"):
+        hf.load_model(str(folder), seed=0, block_size=16, vocab_size=256)
+    assert (
+        hf._sees_ahead(
+            hf.load_model(str(make_llama(tmp_path / "llama")), seed=0, block_size=16, vocab_size=256)
+        )
+        is None
+    )
+
+
+@pytest.mark.parametrize("damage", ["cut", "junk-bin"])
+def test_a_damaged_weights_file_is_one_line(tmp_path: Path, damage: str) -> None:
+    """A model.safetensors cut short was a 50-line SafetensorError traceback; a junk
+    pytorch_model.bin an UnpicklingError that advised loading it unsafely."""
+    folder = make_llama(tmp_path / "m", weights=True)
+    weights = folder / "model.safetensors"
+    if damage == "cut":
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        weights.unlink()
+        (folder / "pytorch_model.bin").write_bytes(b"not a checkpoint at all" * 10)
+    with pytest.raises(
+        ValueError, match="a weights file cannot be read .*copy or download it again"
+    ) as error:
+        hf.load_model(str(folder), seed=0, block_size=16, vocab_size=256)
+    assert "\n" not in str(error.value) and "weights_only" not in str(error.value)
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_is_one_line(tmp_path: Path) -> None:
+    """A model folder given as --tokenizer: five lines ending "You need to have sentencepiece or
+    tiktoken installed", though nothing was missing but the tokenizer's files."""
+    folder = make_llama(tmp_path / "llama")
+    with pytest.raises(ValueError, match="the folder holds no tokenizer") as error:
+        hf.load_tokenizer(str(folder))
+    assert "\n" not in str(error.value)
+
+
+def test_rotary_embeddings_constants_are_not_said_to_drift(caplog) -> None:
+    """Every Llama-style model was warned of two "floating-point buffers (rotary_emb.inv_freq)
+    that drift apart between peers": they are constants (not in the state_dict); BatchNorm's
+    running statistics are still said."""
+    from optim.state import warn_unsynced_buffers
+
+    class Rotary(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+            self.linear = torch.nn.Linear(4, 4)
+
+    assert warn_unsynced_buffers(Rotary()) == []
+    assert warn_unsynced_buffers(torch.nn.Sequential(torch.nn.BatchNorm1d(4))) == [
+        "0.running_mean", "0.running_var",
+    ]  # fmt: skip

@@ -240,10 +240,18 @@ class ByteCorpus:
                 f"all {len(files)} candidate files under {label!r} are empty or binary; "
                 f"point --data at non-empty text files."
             )
-        if train_parts and val_parts:
+        held = sum(len(part) for part in val_parts)
+        by_file = bool(train_parts and val_parts) and (
+            # files held out by name: a few small ones could be all of it (a package folder's
+            # eval set was the one line `__version__ = "3.21"`, 21 of 332,781 bytes)
+            config.dataset is not None
+            or held >= config.eval_fraction / 4 * (held + sum(map(len, train_parts)))
+        )
+        if by_file:
             train_bytes, val_bytes = b"\n".join(train_parts), b"\n".join(val_parts)
         else:
-            # Too few files for a split by file (e.g. a single file): hold out the tail instead.
+            # Too few files (or too small) for a split by file (e.g. a single file): hold out
+            # the tail instead.
             stream = b"\n".join(train_parts + val_parts)
             cut = len(stream) - max(1, int(len(stream) * config.eval_fraction))
             train_bytes, val_bytes = stream[:cut], stream[cut:]
@@ -259,7 +267,7 @@ class ByteCorpus:
             # Document by document, so that each ends with the end-of-text token (joined first,
             # 200 records held one between them all).
             with progress(f"tokenizing with {config.tokenizer}"):
-                if train_parts and val_parts:
+                if by_file:
                     train, val = hf.tokenize(tokenizer, train_parts), hf.tokenize(tokenizer, val_parts)
                 else:
                     ids = hf.tokenize(tokenizer, train_parts + val_parts)
@@ -477,7 +485,7 @@ def _check_length(found: int, block_size: int, what: str, num_shards: int = 1) -
         hint = " or use fewer shards" if num_shards > 1 else ""
         raise DataError(
             f"{what} has {found} bytes but a batch needs at least {needed} (block_size + 1); "
-            f"use more or larger files, a smaller --block-size{hint} (in Python, raise DataConfig.max_bytes)."
+            f"use more or larger files, a smaller --block-size{hint}, or a larger --max-bytes."
         )
 
 

@@ -147,8 +147,26 @@ def load_model(
             f"{path}: its weights do not load into the model its config.json describes ({_first_line(error)}); "
             "use the config.json the weights were saved with"
         ) from None
+    except Exception as error:  # noqa: BLE001 - safetensors' and pickle's own kinds: a damaged file
+        if not has_weights or shapes_only:
+            raise
+        import pickle
+
+        # (pickle's says to load it with weights_only=False: unsafe advice for a damaged file)
+        detail = "not a torch checkpoint" if isinstance(error, pickle.UnpicklingError) else _first_line(error)
+        raise ValueError(
+            f"{path}: a weights file cannot be read ({type(error).__name__}: {detail}); it is cut short or "
+            "damaged: copy or download it again"
+        ) from None
     model = model.float()
     wrapped = CausalLM(model, str(path))
+    if not shapes_only and (leak := _sees_ahead(wrapped)):
+        raise ValueError(
+            f"{path} describes {type(model).__name__}, which sees the tokens it is to predict ({leak}): "
+            "training it on next-token prediction teaches it to copy (a bidirectional encoder such as "
+            "BERT's, or a config without is_decoder=true); use a causal (decoder) config such as Llama, "
+            "GPT-2 or Qwen"
+        )
     if wrapped.vocab_size < vocab_size:
         raise ValueError(
             f"{path}: vocab_size {wrapped.vocab_size} is smaller than the data's {vocab_size} token "
@@ -181,6 +199,36 @@ def load_model(
     return wrapped
 
 
+@torch.no_grad()
+def _sees_ahead(model: CausalLM, length: int = 8) -> str | None:
+    """Whether the model's prediction at a position depends on a later token (not causal): the
+    logits of every position before the last must not move when the last token changes. Why
+    it is not, in words, or None. (transformers builds BertLMHeadModel from a BERT config and
+    only warns: its attention is bidirectional unless is_decoder is set.)"""
+    length = max(2, min(length, model.max_positions or length))
+    vocab = max(2, model.vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tokens = torch.randint(0, vocab, (1, length))
+    changed = tokens.clone()
+    changed[0, -1] = (tokens[0, -1] + 1) % vocab
+    training = model.training
+    model.eval()  # no dropout: the same input gives the same logits
+    try:
+        device = next(model.parameters()).device
+        before = model.hf(input_ids=tokens.to(device)).logits[0, :-1].float()
+        after = model.hf(input_ids=changed.to(device)).logits[0, :-1].float()
+    finally:
+        model.train(training)
+    moved = float((before - after).abs().max())
+    scale = float(before.abs().max()) + 1e-12
+    if moved > 1e-5 * scale:
+        return (
+            f"its logits at earlier positions moved by {moved:.2g} when the last of {length} tokens changed"
+        )
+    return None
+
+
 # --- tokenizers ---------------------------------------------------------------------------------
 
 
@@ -191,11 +239,31 @@ def load_tokenizer(name: str):
     if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
         # A path, not a hub name: transformers would say "Repo id must use alphanumeric chars".
         raise ValueError(f"--tokenizer {name}: no such folder (give a folder holding tokenizer.json)")
+    folder = Path(name).expanduser()
+    if folder.is_dir() and not any((folder / f).exists() for f in TOKENIZER_FILES):
+        raise ValueError(
+            f"--tokenizer {name}: the folder holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...): "
+            "give the folder the model's tokenizer was saved in (tokenizer.save_pretrained)"
+        )
     transformers = _require("transformers")
     try:
         return transformers.AutoTokenizer.from_pretrained(name)
-    except Exception as error:  # noqa: BLE001
-        raise ValueError(f"cannot load a tokenizer from {name!r} ({type(error).__name__}: {error})") from None
+    except Exception as error:  # noqa: BLE001 - transformers raises many kinds, over many lines
+        raise ValueError(
+            f"cannot load a tokenizer from {name!r} ({type(error).__name__}: {_first_line(error)})"
+        ) from None
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "tokenizer_config.json",
+    "spiece.model",
+    "vocab.txt",
+    "tiktoken.model",
+)
+"""What a tokenizer folder holds (one at least), as transformers saves or reads them."""
 
 
 def tokenize(tokenizer, documents: list[bytes]) -> Tensor:
