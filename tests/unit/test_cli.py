@@ -666,11 +666,16 @@ def test_a_line_cut_short_then_resumed_costs_that_line_not_the_export(tmp_path, 
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 1 + 2, out  # the header, steps 1 and 2
     assert "left out 1 event line(s) cut short" in err
-    # Without the mend (an earlier release appended onto the half line): that line is left out.
-    path.write_text(
-        json.dumps(whole[0]) + '\n{"event": "round", "time": 17{"event": "x"}\n' + json.dumps(whole[0]) + "\n"
-    )
+    # Without the mend (an earlier release wrote the next event onto the half line): that event
+    # is whole and kept. It may be a run's start over, which the export splits at.
+    run = {"event": "started", "time": 50.0, "peer": "a", "run": "r/o/2.0"}
+    later = {"event": "round", "time": 51.0, "peer": "a", "outer_step": 1, "loss": 1.5}
+    first = {"event": "started", "time": 0.5, "peer": "a", "run": "r/o/1.0"}
+    glued = '{"event": "round", "time": 17' + json.dumps(run)
+    path.write_text("\n".join(json.dumps(e) for e in (first, whole[0])) + f"\n{glued}\n{json.dumps(later)}\n")
     assert main(["export", str(tmp_path), "--csv"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 + 1 and ",1.5" in out and "earlier run" in err, (out, err)
     path.write_text(json.dumps(whole[0]) + "\nnot an event\n" + json.dumps(whole[0]) + "\n")
     assert main(["export", str(tmp_path), "--csv"]) == EXIT_USER_ERROR  # not a peer's file: refused
     assert "metrics.jsonl:2 is not a JSON line" in capsys.readouterr().err

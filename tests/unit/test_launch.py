@@ -491,3 +491,17 @@ def test_the_mean_group_size_leaves_out_an_overlapped_runs_first_sync(tmp_path: 
         ]
     result = swarm.result(1.0)
     assert result["mean_group_size"] == 3.0 and result["rounds_alone"] == 0
+
+
+def test_a_peer_s_events_after_a_line_cut_short_by_a_kill_are_read(tmp_path: Path) -> None:
+    """A demo peer killed mid-line and restarted (`f` in the TUI) ends the cut line before its
+    next event: the demo's reader raised JSONDecodeError on it (a review, stop 60)."""
+    import json
+    from types import SimpleNamespace
+
+    from workbench.local.launch import LocalPeer
+
+    peer = LocalPeer("peer-1", tmp_path, SimpleNamespace(poll=lambda: None))
+    good = {"event": "round", "time": 2.0, "outer_step": 1}
+    (tmp_path / "metrics.jsonl").write_text('{"event": "round", "time": 1\n' + json.dumps(good) + "\n")
+    assert peer.poll_events() == [good] and peer.events == [good]

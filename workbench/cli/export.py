@@ -115,10 +115,18 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
         except json.JSONDecodeError:
             if number == len(lines):
                 continue  # the last line of a peer still writing (or killed mid-line)
-            if line.startswith('{"event": '):  # a peer killed mid-line (or a full disk), then resumed
-                cut += 1
+            if not line.startswith('{"event": '):
+                raise ExportError(f"{path}:{number} is not a JSON line") from None
+            cut += 1  # a peer killed mid-line (or a full disk), then resumed
+            # An earlier release wrote the next event onto the cut one: that one is whole (it
+            # may be the "started" of a run started over, which the split below needs).
+            glued = line.rfind('{"event": ')
+            try:
+                event = json.loads(line[glued:]) if glued > 0 else None
+            except json.JSONDecodeError:
+                event = None
+            if not isinstance(event, dict):
                 continue
-            raise ExportError(f"{path}:{number} is not a JSON line") from None
         if not isinstance(event, dict):
             continue
         when = event.get("time", 0)

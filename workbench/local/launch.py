@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import logging
 import os
 import shlex
 import signal
@@ -37,6 +38,8 @@ from workbench.run.checkpoint import NAME as CHECKPOINT
 from workbench.run.checkpoint import PREVIOUS as PREVIOUS_CHECKPOINT
 from workbench.run.checkpoint import make_folder, run_dir_holder
 from workbench.run.stopping import LAUNCHER_PID, not_interrupted, stopped_by_signals
+
+logger = logging.getLogger(__name__)
 
 
 class LaunchError(SwarmError):
@@ -72,7 +75,14 @@ class LocalPeer:
             chunk = file.read()
         end = chunk.rfind(b"\n") + 1
         self._offset += end
-        new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        new = []
+        for line in chunk[:end].splitlines():
+            if not line.strip():
+                continue
+            try:
+                new.append(json.loads(line))
+            except json.JSONDecodeError:  # cut short by a kill; its restart ended the line
+                logger.debug("%s: an event line cut short: %r", self.name, line[:80])
         self.events.extend(new)
         return new
 
