@@ -10,10 +10,14 @@ ROUNDS ?= 8
 
 .PHONY: demo test test-unit test-integration faults soak bench lint bootstrap bytecode clean
 
-bootstrap: $(VENV)/.installed
+# A .venv whose interpreter no longer runs (a Python upgraded or removed under it) is made again:
+# its stamp alone said "installed", and every target failed with "No such file or directory".
+bootstrap:
+	@$(BIN)/python -c "" 2>/dev/null || rm -f $(VENV)/.installed
+	@$(MAKE) --no-print-directory $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c "" 2>/dev/null || $(PYTHON) -m venv --clear $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
 	$(BIN)/python -m pip install --quiet -e ".[dev]"

@@ -472,3 +472,31 @@ def test_numpy_numbers_are_numbers() -> None:
     )
     with pytest.raises(ValueError, match="inner_steps must be an integer"):
         Experiment(backend="sim", peers=2, steps=40, inner_steps=np.float64(20.5))
+
+
+def test_a_missing_notebook_extra_says_how_to_install_it(monkeypatch) -> None:
+    """A plain `pip install .` has no pandas, matplotlib or anywidget: `widget()` raised a bare
+    "No module named 'anywidget'", with nothing naming the notebook extra (a review, stop 60)."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without(name, *args, **kwargs):
+        if name.split(".")[0] in ("pandas", "matplotlib", "anywidget"):
+            raise ModuleNotFoundError(f"No module named '{name}'")
+        return real_import(name, *args, **kwargs)
+
+    run = Experiment(backend="sim", peers=2, steps=40, model="tiny")
+    monkeypatch.setattr(builtins, "__import__", without)
+    import importlib
+
+    monkeypatch.setattr(importlib, "import_module", lambda name, package=None: without(name))
+    for call, package in (
+        (run.history, "pandas"),
+        (run.widget, "anywidget"),
+        (lambda: compare([run]), "matplotlib"),
+    ):
+        with pytest.raises(
+            ImportError, match=rf"needs the '{package}' package: pip install 'swarm-workbench\[notebook\]'"
+        ):
+            call()

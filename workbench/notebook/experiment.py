@@ -208,6 +208,22 @@ SWARM_REFUSES = ("checkpoint_every", "fault_file", "resume")
 on a command line)."""
 
 
+def _notebook_extra(module: str, what: str) -> Any:
+    """``module`` (of the notebook extra), or an ImportError saying how to get it: a plain
+    `pip install .` has none of them, and ``widget()`` raised a bare "No module named
+    'anywidget'" (a review, stop 60)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        raise ImportError(
+            f"{what} needs the '{package}' package: pip install 'swarm-workbench[notebook]' "
+            f"(or pip install {package}; `make bootstrap` installs it)"
+        ) from None
+
+
 def _check_counts(**counts: Any) -> dict[str, Any]:
     """peers, steps and rounds: whole numbers in their flags' bounds (text too: "4"); steps or
     rounds, not both. Returns them as numbers."""
@@ -449,7 +465,7 @@ class Experiment:
     def history(self):
         """One row per outer round (pandas DataFrame): round, step, tokens, bytes_per_peer,
         loss (mean inner loss), eval_loss (where evaluated), seconds, experiment."""
-        import pandas as pd
+        pd = _notebook_extra("pandas", "history()")
 
         with self._lock:
             rows = [dict(r, experiment=self.name) for r in self._rows]
@@ -482,6 +498,7 @@ class Experiment:
 
     def widget(self, **options: Any):
         """A live Jupyter widget over this run (summary, peers, loss chart, steering)."""
+        _notebook_extra("anywidget", "widget()")
         from workbench.notebook.widget import SwarmWidget
 
         return SwarmWidget(self.source(), **options)
@@ -794,7 +811,7 @@ class _SimRows:
 def compare(experiments: list[Experiment], *, x: str = "tokens", ax=None):
     """Eval loss of several runs against tokens trained (``x="tokens"``) or bytes each peer sent
     (``x="bytes"``), on one matplotlib axis; returns the axis."""
-    import matplotlib.pyplot as plt
+    plt = _notebook_extra("matplotlib.pyplot", "compare()")
 
     if x not in ("tokens", "bytes"):
         raise ValueError("x must be 'tokens' or 'bytes'")
