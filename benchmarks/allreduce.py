@@ -291,9 +291,13 @@ def main() -> None:
                     print("    " + ", ".join(f"{k} {v:.2f}" for k, v in row["phases_ms"].items()), flush=True)
     result = dict(
         benchmark="allreduce",
+        date=time.strftime("%Y-%m-%d"),
         machine=dict(platform=platform.platform(), cpus=os.cpu_count()),
         baseline="torch.distributed gloo all_reduce of the same float32 tensor by the same processes, "
         "interleaved with the measured all-reduces (one before each)",
+        # The members start each measured all-reduce together (a barrier, since 2026-12-05):
+        # rows without this field were measured before, which was unfair to the direct plane.
+        method="barrier",
         rows=rows,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,10 @@ half speed with the lab's throttle (a sleep per inner step as long as a measured
 at the barrier for the slow ones. Then ``timeboxed``: ``--round-seconds T`` with T the fast
 peers' time for H steps in the fixed run, for the same wall-clock budget (the peers are stopped
 with Ctrl+C when the fixed run's time is up). Per mode: ``seconds`` (wall time from the first
-round's start to the last round's end), ``final_eval_loss`` (the mean over peers of the last
-round's eval loss: every peer evaluates the global params every round), ``fast_peer_utilization``
+round's start to the last round's end), ``final_eval_loss`` (the mean over peers of the eval
+each made of the global params it ended on, or, for a peer that left no summary, of its last
+evaluated round: with ``--eval-every`` above 1 a round event carries the last evaluation's
+loss, not its own), ``fast_peer_utilization``
 (the fast peers' inner-step time over their wall time), and for ``timeboxed`` also
 ``seconds_to_fixed_final_loss`` (when its eval loss first reached the fixed run's final one).
 Writes benchmarks/results/heterogeneity.json.
@@ -130,14 +132,18 @@ def run_swarm(
     utilization = [
         sum(r["compute_seconds"] for r in rounds[i]) / (rounds[i][-1]["time"] - begin) for i in fast
     ]
-    # Every peer evaluates the global params after each round: the swarm's curve is peer 0's.
-    curve = [(r["time"] - begin, r["eval_loss"]) for r in rounds[0]]
+    # The swarm's curve is peer 0's evaluations (rounds it evaluated in: --eval-every).
+    curve = [(r["time"] - begin, r["eval_loss"]) for r in rounds[0] if r.get("evaluated", True)]
+
+    def last_evaluated(events: list[dict]) -> float:
+        return next(r["eval_loss"] for r in reversed(events) if r.get("evaluated", True))
+
     return dict(
         seconds=end - begin,
         # At the end every peer evaluates the global params it ends on (a run stopped with
         # Ctrl+C too); the last round's eval where a peer left no summary.
         final_eval_loss=statistics.mean(
-            (_events(metrics(i), "done") or [{}])[0].get("final_eval_loss") or rounds[i][-1]["eval_loss"]
+            (_events(metrics(i), "done") or [{}])[0].get("final_eval_loss") or last_evaluated(rounds[i])
             for i in range(peers)
         ),
         fast_peer_utilization=statistics.mean(utilization),

@@ -265,9 +265,10 @@ def measure(config: BenchConfig, *, log=sys.stderr) -> tuple[list[dict[str, Any]
 
     dp_spec = MethodSpec(method="dp", diloco=DiLoCoConfig(inner_steps=1))
     dp_runs = [run("dp", "fp32", dp_spec, lr) for lr in inner_lrs]
+    dp_best = min(r["final_eval_loss"] for r in dp_runs)
+    for r in dp_runs:  # ratios against the best dp, before best() copies them into the sweep
+        r["loss_ratio_to_dp"] = r["final_eval_loss"] / dp_best  # (after, every dp entry said 1.0)
     rows.append(best("dp", dp_runs))
-    for r in dp_runs:  # ratios against the best dp
-        r["loss_ratio_to_dp"] = r["final_eval_loss"] / rows[0]["final_eval_loss"]
     paper = DiLoCoConfig(inner_steps=H)
     by_lr = [run("diloco", "fp32", MethodSpec(method="diloco", diloco=paper), lr) for lr in inner_lrs]
     lr = min(by_lr, key=lambda r: r["final_eval_loss"])["inner_lr"]
