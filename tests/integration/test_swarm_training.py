@@ -41,6 +41,9 @@ def test_two_peers_agree_and_learn(spawn):
         assert done["final_eval_loss"] < done["initial_eval_loss"] - 0.5
         assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"]
         assert done["bytes_sent"] > 0
+        # The run's last word on the terminal, as the demo's (start and join ended on a file name)
+        said = f"done: 4 rounds, eval loss {done['initial_eval_loss']:.4f} -> {done['final_eval_loss']:.4f}"
+        assert said in peer.stderr(), peer.stderr()[-2000:]
     # Both evaluate the same global params on the same held-out batches.
     losses = [[r["eval_loss"] for r in p.events("round")] for p in (first, second)]
     assert max(abs(x - y) for x, y in zip(*losses)) < 1e-4

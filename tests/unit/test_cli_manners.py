@@ -135,3 +135,22 @@ def test_torch_s_developer_lines_stay_out_of_the_peer_s_log(monkeypatch) -> None
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+def test_log_lines_go_to_stderr_as_it_is_when_they_come(monkeypatch) -> None:
+    """A progress bar (rich's live display) redirects sys.stderr to print each line above the
+    bar: the log handler held the stream it started with, wrote past the bar, and a joiner's
+    terminal kept "downloading the global state ━━━ 0% -:--:… 0:00:0012:20:51 I downloaded ..."
+    (a review, stop 60)."""
+    import io
+    import logging
+    import sys
+
+    from workbench.cli.command import _CurrentStderr
+
+    handler = _CurrentStderr()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    redirected = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", redirected)
+    handler.emit(logging.LogRecord("x", logging.INFO, __file__, 1, "downloaded the state", None, None))
+    assert redirected.getvalue() == "downloaded the state\n"

@@ -115,3 +115,21 @@ def test_a_resumed_peer_draws_the_dropout_masks_the_uninterrupted_one_would():
     model2, inner2, resumed = _peer()
     restore_training(saved, resumed, model2, inner2, None)
     assert torch.equal(torch.nn.functional.dropout(torch.ones(64), p=0.5), uninterrupted)
+
+
+def test_waiting_for_min_peers_says_so_every_15_seconds(monkeypatch, caplog) -> None:
+    """--min-peers waits up to 120 s: nothing was printed until it gave up (a volunteer saw 43 s
+    of silence after "created a new key", a review, stop 60)."""
+    from types import SimpleNamespace
+
+    from workbench.run import joining
+
+    clock = [0.0]
+    monkeypatch.setattr(joining.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(joining.time, "sleep", lambda seconds: clock.__setitem__(0, clock[0] + seconds))
+    board = SimpleNamespace(fetch=lambda: {"me": SimpleNamespace(stage=None)})
+    caplog.set_level("INFO", logger="workbench.run.joining")
+    joining.wait_for_peers(board, lambda stage: None, wanted=2, timeout=40.0, name="a")
+    waiting = [r.getMessage() for r in caplog.records if "waiting for --min-peers 2" in r.getMessage()]
+    assert len(waiting) == 2 and "1 peer(s) here so far (25 s left" in waiting[0], waiting
+    assert "only 1 of 2 peers after 40 s; starting anyway" in caplog.records[-1].getMessage()

@@ -139,12 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a record comes: a progress bar (rich's live
+    display, workbench.run.progress_bar) redirects it to print each line above the bar. A
+    handler holding the stream it started with wrote past the bar, and the joiner's terminal
+    kept "downloading the global state ━━━ 0% -:--:… 0:00:0012:20:51 I downloaded the state"
+    (a review, stop 60)."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ sets it: the current one is used
+        pass
+
+
 def _configure_logging(verbose: int) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname).1s %(message)s",
         datefmt="%H:%M:%S",
-        stream=sys.stderr,
+        handlers=[_CurrentStderr()],
     )
     # hivemind logs every failed matchmaking with a traceback; the peer reports those rounds
     # itself ("continuing alone: ..."), so hivemind speaks only with -v (warnings) or -vv.

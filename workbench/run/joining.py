@@ -234,12 +234,22 @@ def wait_for_peers(
     that round's mean, so the newcomer cannot be waited for)."""
     if wanted <= 1:
         return
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline, told = start + timeout, start
     while True:
         beat(Stage.JOINING)
         present = sum(p.stage is not Stage.DOWNLOADING for p in board.fetch().values())
         if present >= wanted:
             return
+        if time.monotonic() - told >= 15.0:  # up to --min-peers' 120 s said nothing at all
+            told = time.monotonic()
+            logger.info(
+                "%s: waiting for --min-peers %d: %d peer(s) here so far (%.0f s left before starting anyway)",
+                name,
+                wanted,
+                present,
+                deadline - told,
+            )
         if time.monotonic() > deadline:
             logger.warning(
                 "%s: only %d of %d peers after %.0f s; starting anyway", name, present, wanted, timeout

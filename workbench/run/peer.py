@@ -443,7 +443,12 @@ class Peer:
         ``avoid`` (round mates holding the θ it leaves); ``claims``, who said it was behind, the
         download must bear out. Before the round's eval, whose loss is then that of the params
         this peer carries on with (and matches the others')."""
-        logger.warning("%s: %s; downloading the global state", self.name, why)
+        # A joiner's first round often ends out of step (it came mid-round): that is the normal
+        # way in, said without a warning (a review, stop 60); later, a warning.
+        first = self.rounds_done <= 1 and bool(self.config.network.initial_peers)
+        logger.log(
+            logging.INFO if first else logging.WARNING, "%s: %s; downloading the global state", self.name, why
+        )
         # A state older than the step this round started from only if another peer at its step
         # holds it: else it is a fresh joiner's init or a donor left behind (the churn soak), taken
         # on the donor's word. (A peer that stepped alone past the swarm takes the swarm's state.)
@@ -581,6 +586,16 @@ class Peer:
             self.emit("done", **summary, global_params_error=str(error))
             raise
         self.emit("done", **summary)
+        # The run's last word on a terminal, as the demo's "done" line (start and join ended on
+        # "wrote the swarm's model ...": a review, stop 60).
+        logger.info(
+            "%s: done: %d rounds, eval loss %.4f -> %.4f, %.1f MB sent",
+            self.name,
+            summary["outer_rounds"],
+            initial_eval,
+            final_eval,
+            self.stats.bytes_sent / 1e6,
+        )
         return summary
 
     def save_global_params(self, *, stopped: bool = False, after: BaseException | None = None) -> None:
