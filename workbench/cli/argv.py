@@ -117,16 +117,9 @@ clip too: with dp, each peer clips and steps the averaged gradient itself)."""
 SHARED_RUN = ("tokenizer", "rounds", "round_seconds")
 """And: token ids shape the model, the inner lr's cosine follows the run's length, rounds of the
 same length for every peer."""
-UNCHECKED = (
-    "inner_lr",
-    "grad_clip",
-    "weight_decay",
-    "beta1",
-    "beta2",
-    "warmup_steps",
-    "aggregate",
-    *SHARED_RUN,
-)
+FINGERPRINTED = ("inner_steps", "codec")
+"""Of those, the ones the run's fingerprint covers (with the outer optimizer's knobs)."""
+UNCHECKED = tuple(key for key in (*SHARED, *SHARED_RUN) if key not in FINGERPRINTED)
 """Those the run's fingerprint does not cover (a joiner with another is not refused)."""
 
 
