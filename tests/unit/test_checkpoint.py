@@ -109,13 +109,14 @@ def test_a_run_dir_held_by_a_live_peer_is_refused(tmp_path) -> None:
 def test_ctrl_c_during_a_write_takes_effect_after_it(tmp_path) -> None:
     """A SIGINT while torch.save runs (here: sent from inside the pickling) used to break the
     write with two tracebacks and leave checkpoint.pt.tmp behind."""
+    import collections
     import os
     import signal
 
     class InterruptsWhilePickled:
         def __reduce__(self):
             os.kill(os.getpid(), signal.SIGINT)
-            return (dict, ())
+            return (collections.OrderedDict, ())  # (read back as checkpoints are: weights only)
 
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(tmp_path, {"step": 7, "payload": torch.zeros(1000), "odd": InterruptsWhilePickled()})
@@ -127,6 +128,7 @@ def test_ctrl_c_during_a_write_takes_effect_after_it(tmp_path) -> None:
 def test_ctrl_c_during_a_write_waits_for_the_peer_to_say_it_wrote_it(tmp_path) -> None:
     """The peer wraps the save, its log line and its event in another hold: a SIGINT during the
     write stopped the peer before it said it had written a checkpoint (it had)."""
+    import collections
     import os
     import signal
 
@@ -135,7 +137,7 @@ def test_ctrl_c_during_a_write_waits_for_the_peer_to_say_it_wrote_it(tmp_path) -
     class InterruptsWhilePickled:
         def __reduce__(self):
             os.kill(os.getpid(), signal.SIGINT)
-            return (dict, ())
+            return (collections.OrderedDict, ())  # (read back as checkpoints are: weights only)
 
     said = []
     with pytest.raises(KeyboardInterrupt), not_interrupted():
@@ -673,3 +675,29 @@ def test_a_resume_with_another_inner_lr_says_so() -> None:
     assert checkpoint.changed_flags(saved, {**saved, "--inner-lr": 0.01}) == (
         "resumed with --inner-lr 0.01 of its flags (the checkpoint's: --inner-lr 0.001)"
     )
+
+
+class _RunsCode:
+    """What a checkpoint handed to a user could hold: unpickling it calls ``touch``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_unread(tmp_path) -> None:
+    """Checkpoints were read with torch.load(weights_only=False): `--resume DIR` of a checkpoint
+    a user was given ran any code its pickle named (a review, stop 60). Only tensors, numbers,
+    strings and containers are read now; anything else is refused before it runs."""
+    proof = tmp_path / "ran"
+    payload = {"model": {"w": torch.ones(2)}, "inner_optimizer": {}, "outer": {"params": [torch.ones(2)]}}
+    checkpoint.save(tmp_path / "given", {**payload, "extra": _RunsCode(str(proof))})
+    with pytest.raises(CheckpointError, match="holds more than a checkpoint's tensors and numbers"):
+        checkpoint.load(tmp_path / "given", required=checkpoint.REQUIRED)
+    assert not proof.exists()
+    checkpoint.save(tmp_path / "own", payload)  # the peers' own: read as before
+    assert checkpoint.load(tmp_path / "own", required=checkpoint.REQUIRED)[0]["model"]["w"].sum() == 2

@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import pickle
 import time
 import zipfile
 from pathlib import Path
@@ -172,7 +173,15 @@ def _read(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
             damaged = archive.testzip()
         if damaged is not None:
             raise CheckpointError(f"{path} is corrupt ({damaged} does not match its checksum)")
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        # Tensors, numbers, strings and containers only: a checkpoint is a file a user may be
+        # given ("resume from this one"), and unpickling anything else runs the code it names.
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # (torch's own message advises loading it unsafely: not shown)
+        raise CheckpointError(
+            f"{path} holds more than a checkpoint's tensors and numbers (objects whose unpickling runs "
+            "code), which a checkpoint never does: refused unread; resume only from checkpoints your own "
+            "peers wrote"
+        ) from None
     except FileNotFoundError:
         raise CheckpointError(f"{path} does not exist") from None
     except PermissionError:
