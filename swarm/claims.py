@@ -273,7 +273,9 @@ def judge_state(
             return StateVerdict(
                 False, f"{len(silent)} peer(s) that claim outer step {step} were asked and did not answer"
             )
-        return StateVerdict(True, "no other peer answered: the donor is the only witness")
+        return StateVerdict(
+            True, "no other peer could confirm it: taken on the donor's word (the first round checks it)"
+        )
     if min(steps) > step:
         # Everyone asked moved on while this peer downloaded (rounds shorter than a download,
         # which overlapped peers do not wait for): nobody can confirm it any more, nobody

@@ -403,7 +403,11 @@ class RingDriver:
         step.settle(ticket.gathered, None)
         if not self._used:
             self._used = True
-            logger.info("averaging over the direct data plane (a gloo ring of %d)", len(ticket.members))
+            logger.info(
+                "averaging over the direct data plane from now on (a gloo ring among each round's "
+                "members; this first one: %d)",
+                len(ticket.members),
+            )
         return Outcome(ticket.group_id, True)
 
     def _decline(self, ticket: Ticket) -> None:

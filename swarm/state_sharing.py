@@ -185,8 +185,8 @@ class StateSharing:
                 self._server.tamper = lambda: fault_value(self._fault_file, "serve_bad_slices")
                 host, port = self._server.address
                 logger.info(
-                    "serving the state to joiners on %s:%d (TCP; a joiner shows the token of its "
-                    "offer first, anything else is closed unanswered)",
+                    "serving the state to joiners on %s:%d (TCP; only a joiner this peer made an "
+                    "offer to, over hivemind's authenticated channel, is answered)",
                     host,
                     port,
                 )
