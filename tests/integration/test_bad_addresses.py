@@ -184,9 +184,12 @@ def test_a_joiner_whose_clock_is_off_is_told_to_set_it(tmp_path):
     expire by the clocks): the joiner said "could not start the DHT node: local time must be
     within 3 seconds of others(local: 1796556116.63580, peer: ...)", with no fix."""
     import os
+    import signal
 
     (tmp_path / "sitecustomize.py").write_text(_SKEWED_CLOCK)
-    node = subprocess.Popen([sys.executable, "-c", _A_DHT_NODE], stdout=subprocess.PIPE, text=True)
+    node = subprocess.Popen(  # its own process group: its DHT process and p2p daemon go with it
+        [sys.executable, "-c", _A_DHT_NODE], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         address = node.stdout.readline().strip()
         env = dict(os.environ, PYTHONPATH=str(tmp_path), SKEW_SECONDS="-30")
@@ -195,7 +198,8 @@ def test_a_joiner_whose_clock_is_off_is_told_to_set_it(tmp_path):
             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env,
         )  # fmt: skip
     finally:
-        node.kill()
+        os.killpg(node.pid, signal.SIGKILL)  # (node.kill() left the forked DHT and its daemon running)
+        node.wait()
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2 and len(errors) == 1, result.stderr
     assert "this machine's clock is 30 s behind the peer it dialed" in errors[0], errors
