@@ -162,7 +162,7 @@ NOTEBOOKS = {
             "start = snapshots[0].time\n"
             "for peer_id, metrics in last.history.items():\n"
             "    points = metrics.get(\"loss\", [])\n"
-            "    ax.plot([t - start for t, _ in points], [v for _, v in points], label=peer_id[-6:])\n"
+            "    ax.plot([t - start for t, _ in points], [v for _, v in points], label=peer_id[-8:])\n"
             "ax.set_xlabel(\"seconds\"); ax.set_ylabel(\"inner loss\"); ax.legend(); plt.show()"
         ),
         new_markdown_cell("The live widget works on a recording too (one reading per half second):"),

@@ -425,7 +425,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                 task.cancel()
             await asyncio.gather(copying, doomed, return_exceptions=True)
         if runner.doomed.is_set():  # no member can hold the group's mean: the round fails now
-            gone = ", ".join(str(p)[-6:] for p in runner.dropped)
+            gone = ", ".join(str(p)[-8:] for p in runner.dropped)
             raise AllreduceException(f"members dropped out of hivemind's all-reduce ({gone})")
         copying.result()  # its error, if it failed
 

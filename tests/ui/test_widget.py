@@ -27,7 +27,7 @@ def test_the_snapshot_syncs_to_the_front_end() -> None:
     assert state["snapshot"]["outer_round"] == 12
     assert set(state["loss_series"]) == {peer_id(i) for i in range(4)}
     assert [s["label"] for s in state["loss_series"].values()] == [
-        f"{name} ({peer_id(i)[-6:]})" for i, name in enumerate(["alpha", "bravo", "charlie", "delta"])
+        f"{name} ({peer_id(i)[-8:]})" for i, name in enumerate(["alpha", "bravo", "charlie", "delta"])
     ]
     assert state["steer_reason"] is None
 
@@ -43,7 +43,7 @@ def test_peers_of_one_name_each_get_their_own_loss_line() -> None:
     w.source.poll = lambda: snapshot
     w.refresh()
     assert set(w.loss_series) == {peer_id(0), peer_id(1)}
-    assert w.loss_series[peer_id(1)]["label"] == f"alpha ({peer_id(1)[-6:]})"
+    assert w.loss_series[peer_id(1)]["label"] == f"alpha ({peer_id(1)[-8:]})"
     assert [v for _, v in w.loss_series[peer_id(1)]["points"]] == [3.18, 3.13]
 
 

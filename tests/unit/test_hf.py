@@ -398,3 +398,17 @@ def test_rotary_embeddings_constants_are_not_said_to_drift(caplog) -> None:
     assert warn_unsynced_buffers(torch.nn.Sequential(torch.nn.BatchNorm1d(4))) == [
         "0.running_mean", "0.running_var",
     ]  # fmt: skip
+
+
+def test_a_bare_tokenizer_name_that_is_no_folder_says_the_hub_is_asked(caplog, monkeypatch) -> None:
+    """A typo'd folder without ./ was taken for a hub name and, offline, spent about 50 s in the
+    hub's retries with nothing said; the peer now says what it asks and how to skip it."""
+    import transformers
+
+    def offline(name, **_):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    with caplog.at_level("INFO", logger="workbench.run.hf"), pytest.raises(ValueError):
+        hf.load_tokenizer("no-such-tokenizer-folder")
+    assert any("asking the Hugging Face hub" in r.getMessage() for r in caplog.records), caplog.text

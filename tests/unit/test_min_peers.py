@@ -51,7 +51,7 @@ def test_min_peers_still_gives_up_after_the_wait_timeout(monkeypatch):
 
 
 class EmptyBoard:
-    def fetch(self) -> dict[str, PeerHeartbeat]:
+    def fetch(self, *, include_leaving: bool = False) -> dict[str, PeerHeartbeat]:
         return {}
 
 
@@ -74,6 +74,37 @@ def test_a_joiner_waits_for_its_run_as_long_as_its_connect_timeout_says_within_3
     assert 5.0 <= _waited(5.0) < 5.4
     assert 3.0 <= _waited(1.0) < 3.4
     assert 10.0 <= _waited(20.0) < 10.4
+
+
+def test_a_joiner_that_finds_only_leaving_peers_is_told_the_run_is_over():
+    """A joiner of a run whose peers had just finished was told to check --run-id and --secret
+    (both right): the leaving heartbeats it could read say the run is over."""
+
+    class Ended:
+        def fetch(self, *, include_leaving: bool = False) -> dict[str, PeerHeartbeat]:
+            if not include_leaving:
+                return {}
+            return {
+                p: PeerHeartbeat(
+                    peer_id=p,
+                    name=p,
+                    stage=Stage.LEAVING,
+                    outer_step=step,
+                    inner_step=0,
+                    inner_steps=10,
+                    rounds=20,
+                    time=time.time(),
+                )
+                for p, step in (("a", 20), ("b", 20))
+            }
+
+    with pytest.raises(SwarmError) as error:
+        peer_module.check_run_exists(
+            Ended(), "ended", 3.0, clock=iter(range(100)).__next__, sleep=lambda s: None
+        )
+    message = str(error.value)
+    assert "run 'ended' is over" in message and "outer step 20 after their last round" in message
+    assert "--secret" not in message and "\n" not in message
 
 
 def test_a_joiner_mid_round_trusts_its_round_mates_then_the_median_claim():

@@ -94,7 +94,7 @@ class SwarmWidget(anywidget.AnyWidget):
             points = snapshot.history.get(peer_id, {}).get("loss", [])[-120:]
             if points:
                 series[peer_id] = {
-                    "label": f"{peer.name} ({peer_id[-6:]})",
+                    "label": f"{peer.name} ({peer_id[-8:]})",
                     # A diverged run's NaN would make the whole chart's scale NaN.
                     "points": [[round(t - snapshot.time, 2), v] for t, v in points if math.isfinite(v)],
                 }

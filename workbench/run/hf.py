@@ -246,6 +246,14 @@ def load_tokenizer(name: str):
             "give the folder the model's tokenizer was saved in (tokenizer.save_pretrained)"
         )
     transformers = _require("transformers")
+    if not folder.is_dir():
+        # Said before the hub is asked: offline, its retries take about a minute for a typo.
+        logger.info(
+            "--tokenizer %s: no folder by that name here; asking the Hugging Face hub "
+            "(a folder is given as ./%s; HF_HUB_OFFLINE=1 skips the hub)",
+            name,
+            name,
+        )
     try:
         return transformers.AutoTokenizer.from_pretrained(name)
     except Exception as error:  # noqa: BLE001 - transformers raises many kinds, over many lines

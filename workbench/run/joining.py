@@ -38,6 +38,16 @@ def check_run_exists(
         if board.fetch():
             return
         sleep(0.3)
+    gone = board.fetch(include_leaving=True)
+    if gone:  # their last heartbeats said "leaving" (within their expiration): the run is ending
+        step = max(p.outer_step for p in gone.values())
+        done = all(p.done for p in gone.values())
+        raise SwarmError(
+            f"run '{run_id}' is over: its last {len(gone)} peer(s) left at outer step {step}"
+            + (" after their last round" if done else "")
+            + ": there is nothing to join (start a new run with `workbench start`, or resume "
+            "from a checkpoint with --resume)"
+        )
     raise SwarmError(
         f"connected to the swarm, but no live peer of run '{run_id}' answered within "
         f"{timeout:.0f} s: check that --run-id and --secret match the run's (a private run's "

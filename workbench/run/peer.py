@@ -147,7 +147,7 @@ class Peer:
         self.session = connect(network, self.keys)
         self.dht, self.board, self.store = self.session.dht, self.session.board, self.session.store
         self.peer_id = self.session.peer_id
-        self.name = self.faults.name = cfg.peer.name or f"peer-{self.peer_id[-6:]}"
+        self.name = self.faults.name = cfg.peer.name or f"peer-{self.peer_id[-8:]}"
         self.events.open(
             self.run_dir, name=self.name, exporters=peer_exporters(cfg, self.run_dir, self.name, self.peer_id)
         )
