@@ -14,7 +14,7 @@ from typing import Any
 
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.key_manager import GroupKeyManager
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,27 @@ def _paced_leader_search(original: Callable[..., Any]) -> Callable[..., Any]:
 
 if not getattr(GroupKeyManager.get_averagers, "paced", False):
     GroupKeyManager.get_averagers = _paced_leader_search(GroupKeyManager.get_averagers)
+
+
+def _no_port_map_in_identity_check(original: Callable[..., Any]) -> Callable[..., Any]:
+    """hivemind checks that a kept key is nobody else's with a second, temporary p2p daemon
+    made with its defaults, which ask the router to forward a public port (UPnP / NAT-PMP);
+    every DHT node of ours asks none (:func:`swarm.dht.start_dht`), nor does this one now."""
+
+    async def is_identity_taken(cls: type, *args: Any, **kwargs: Any) -> bool:
+        class NoPortMap(cls):  # what the check creates its daemon with
+            @classmethod
+            async def create(inner: type, *a: Any, **k: Any) -> Any:
+                return await cls.create(*a, **{**k, "nat_port_map": False})
+
+        return await original(NoPortMap, *args, **kwargs)
+
+    return classmethod(is_identity_taken)
+
+
+if not getattr(P2P.is_identity_taken, "_no_port_map", False):
+    P2P.is_identity_taken = _no_port_map_in_identity_check(P2P.is_identity_taken.__func__)
+    P2P.is_identity_taken.__func__._no_port_map = True
 
 
 LOCK_WAIT = 2.0

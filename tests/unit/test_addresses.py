@@ -266,3 +266,38 @@ def test_a_peer_asks_no_router_to_open_a_port(monkeypatch) -> None:
     with pytest.raises(dht.SwarmError, match="not started in a unit test"):
         dht.start_dht(dht.NetworkConfig(host="127.0.0.1"))
     assert made["nat_port_map"] is False and made["host_maddrs"] == ["/ip4/127.0.0.1/tcp/0"]
+
+
+def test_the_identity_checks_daemon_asks_no_router_to_open_a_port(monkeypatch, tmp_path) -> None:
+    """A kept key is checked with a second, temporary p2p daemon (hivemind's
+    ``is_identity_taken``), which hivemind made with UPnP / NAT-PMP on (a review, 2026-12-06)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.p2p import P2P
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+    import swarm.hivemind_fixes  # noqa: F401 - the fix, applied on import
+    from swarm.identity import create_identity
+
+    made = {}
+
+    async def create(*args, **kwargs):
+        made.update(kwargs)
+
+        async def connect(peer_id, addrs):
+            raise ControlFailure("nobody holds it")
+
+        async def shutdown():
+            pass
+
+        return SimpleNamespace(_client=SimpleNamespace(connect=connect), shutdown=shutdown)
+
+    monkeypatch.setattr(P2P, "create", create)
+    key = create_identity(tmp_path / "key")
+    taken = asyncio.run(
+        P2P.is_identity_taken(
+            str(key), initial_peers=[], tls=True, use_auto_relay=False, use_ipfs=False, use_relay=True
+        )
+    )
+    assert taken is False and made["nat_port_map"] is False and made["dht_mode"] == "client", made

@@ -256,6 +256,37 @@ def test_a_store_that_keeps_failing_is_counted_and_one_success_resets_it():
     assert store.failures == 0
 
 
+def test_a_peer_whose_heartbeats_keep_failing_stops_with_one_line():
+    """The test above counts the failures; this one checks the peer stops on them: with the
+    stop left out (one line) a peer nobody could see kept training and no test failed (a
+    review, 2026-12-06). Only the main thread stops (a round's background beat must not)."""
+    import threading
+    from types import SimpleNamespace
+
+    from swarm.errors import SwarmError
+    from workbench.run import peer as peer_module
+
+    class Probe(peer_module.Peer):  # beat's bookkeeping, without a swarm
+        def heartbeat(self):  # type: ignore[no-untyped-def]
+            return None
+
+    peer = object.__new__(Probe)
+    peer.stage, peer.name, peer.peer_id = None, "peer-x", "QmX"
+    peer.board = SimpleNamespace(publish=lambda heartbeat, force: None)
+    failures = peer_module.PUBLISH_FAILURES
+    peer.store = SimpleNamespace(failures=failures - 1, last_failure="TimeoutError: no answer")
+    peer.beat(None)  # one short of the limit: it goes on
+    peer.store.failures = failures
+    with pytest.raises(
+        SwarmError, match=f"cannot publish its heartbeat .*{failures} times in a row"
+    ) as error:
+        peer.beat(None)
+    assert "\n" not in str(error.value)
+    beside = threading.Thread(target=peer.beat, args=(None,))  # a background beat does not raise
+    beside.start()
+    beside.join()
+
+
 # --- checking a downloaded state ------------------------------------------------------------
 
 SEED = bytes(16)

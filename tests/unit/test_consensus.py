@@ -174,3 +174,48 @@ def test_hiveminds_own_exchange_weighs_a_sender_by_its_counted_weight_not_its_me
 
     replies = asyncio.run(exchange())
     assert len(replies) == 2 and weighed == [1.0, 1.0]
+
+
+def test_a_group_with_a_member_not_taking_the_mean_runs_hiveminds_exchange_on_counted_weights():
+    """The test above checks CountedWeights itself; this one that the averager runs it: with
+    plain hivemind's runner in its place (one line), a member claiming 1e9 in its messages took
+    every honest reducer's part again and no test failed (a review, 2026-12-06)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.utils import MSGPackSerializer
+
+    from swarm import gathered
+    from swarm.butterfly import CountedWeights, MeanReplies
+    from swarm.group_averager import GroupAverager
+
+    class Ran(Exception):
+        pass
+
+    def reduce_with(members: list[dict]) -> tuple[type, dict]:
+        ran: list = []
+
+        def runner(kind, tensors, group_info, **kwargs):
+            ran.append((kind, kwargs["weights"]))
+            raise Ran
+
+        class Probe(GroupAverager):  # the averager's reducing path, without its processes
+            peer_id, serializer, _runner = "a", MSGPackSerializer, staticmethod(runner)
+
+            def __del__(self) -> None:
+                pass
+
+        averager = object.__new__(Probe)
+        dumps = MSGPackSerializer.dumps
+        group = SimpleNamespace(peer_ids=["a", "liar"], gathered=[dumps([0.0, 0, dumps(m)]) for m in members])
+        compression = SimpleNamespace(compression_type=0)
+        with pytest.raises(Ran):
+            asyncio.run(averager._run_allreduce_inplace_([], group, compression=compression))
+        return ran[0]
+
+    honest = gathered.own(False, 1.0, b"", {})
+    mean_taker = {**gathered.own(False, 1e9, b"", {})}
+    assert reduce_with([honest, mean_taker])[0] is MeanReplies
+    differences = {k: v for k, v in mean_taker.items() if k != gathered.BUTTERFLY}
+    kind, weights = reduce_with([honest, differences])
+    assert kind is CountedWeights and weights["liar"] <= 16 * weights["a"], weights

@@ -340,6 +340,8 @@ def test_three_unreachable_rings_in_a_row_turn_the_plane_off():
     driver, tickets_out, outcomes_in, _, enabled, rounds = _driver(
         Plane(RingUnreachable("connect timed out"))
     )
+    now = [1000.0]
+    driver.clock = lambda: now[0]
     for attempt in range(3):
         step, outcome = _round(driver, tickets_out, outcomes_in, bytes([attempt]))
         assert not outcome.ok and "could not set up the ring" in outcome.why
@@ -350,12 +352,12 @@ def test_three_unreachable_rings_in_a_row_turn_the_plane_off():
     # Not for good: one ring mate that posts no address three times running (its own to post)
     # sent this peer to hivemind's path for the rest of its run. Tried again after a while,
     # twice as long each time.
-    now = [1000.0]
-    driver.clock = lambda: now[0]
-    driver._retry_at = now[0] + 300
     driver.retry()
     assert enabled.value == 0
-    now[0] += 300
+    now[0] += 299
+    driver.retry()
+    assert enabled.value == 0
+    now[0] += 1
     driver.retry()
     assert enabled.value == 1
     for attempt in range(3):
@@ -395,3 +397,28 @@ def test_a_members_malformed_gathered_bytes_leave_the_group_to_hivemind_not_an_e
         MSGPackSerializer.dumps([1, 2, 3]),
     ):
         assert GroupAverager._gathered(averager, SimpleNamespace(gathered=[good, bad])) is None
+
+
+def test_every_averaging_step_first_asks_the_driver_to_try_rings_again():
+    """The test above drives ``retry`` itself; this one checks the averager calls it before each
+    step: without that call (one line) the plane stayed off for the rest of the run after three
+    unreachable rings, and no test failed (a review, 2026-12-06)."""
+    from types import SimpleNamespace
+
+    from swarm.group_averager import GroupAverager
+
+    class Asked(Exception):
+        pass
+
+    def retry() -> None:
+        raise Asked
+
+    class Probe(GroupAverager):  # the step's first lines, without the averager's processes
+        _driver = SimpleNamespace(retry=retry)
+        _expected = SimpleNamespace(value=b"")
+
+        def __del__(self) -> None:
+            pass
+
+    with pytest.raises(Asked):
+        object.__new__(Probe).step(gather=None, weight=1.0)

@@ -325,3 +325,33 @@ async def _timed(awaitable) -> float:  # type: ignore[no-untyped-def]
     started = time.monotonic()
     await awaitable
     return time.monotonic() - started
+
+
+def test_a_joiner_asks_for_offers_in_the_half_connected_order():
+    """The test above checks the order; this one that a joiner asks in it: with the donors asked
+    in their declared order instead (one line), fresh keys took the places again and no test
+    failed (a review, 2026-12-06)."""
+    fakes = [_Id(f"fake{i}") for i in range(6)]
+    honest, stale = _Id("honest"), _Id("stale")
+
+    class Joiner(StateSharing):
+        def __init__(self) -> None:
+            self._state_direct, self._witnesses, self.asked = True, {}, None
+            self._p2p = SimpleNamespace(list_peers=self._list_peers)
+
+        async def _list_peers(self):  # type: ignore[no-untyped-def]
+            return [SimpleNamespace(peer_id=honest), SimpleNamespace(peer_id=stale)]
+
+        async def _donors(self, exclude):  # type: ignore[no-untyped-def]
+            return [*fakes, honest, stale]
+
+        async def _first_offers(self, donors):  # type: ignore[no-untyped-def]
+            self.asked = list(donors)
+            return []
+
+    joiner = Joiner()
+    from hivemind.utils.mpfuture import MPFuture
+
+    future = MPFuture()
+    asyncio.run(joiner._state_offers(future, (), {}))
+    assert joiner.asked[:4] == [fakes[0], honest, fakes[1], stale], joiner.asked

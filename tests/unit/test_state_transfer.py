@@ -652,9 +652,15 @@ def test_an_offer_pointing_the_joiner_at_another_host_is_refused(monkeypatch, ca
     context = types.SimpleNamespace(remote_id=joiner_id)
     reached = ["/ip4/127.0.0.1/tcp/4001"]  # the joiner's connection to the donor, as p2pd lists it
 
+    lie: dict = {}  # what the donor changes in its answer after making it
+
     class Stub:
         async def rpc_state_offer(self, request, timeout):
-            return await donor.rpc_state_offer(request, context)
+            answer = await donor.rpc_state_offer(request, context)
+            if not lie:
+                return answer
+            message = state_sharing.unpack(answer.metadata)
+            return averaging_pb2.DownloadData(metadata=state_sharing.pack({**message, **lie}))
 
     class P2P:
         async def list_peers(self):
@@ -669,7 +675,13 @@ def test_an_offer_pointing_the_joiner_at_another_host_is_refused(monkeypatch, ca
     joiner = Joiner()
     offer_from = lambda: asyncio.run(joiner._offer_from(donor_id))  # noqa: E731
     asyncio.run(donor.rpc_state_offer(averaging_pb2.DownloadData(), context))  # starts its listener
-    assert offer_from()[0].address == donor._server.address  # honest: taken
+    honest = offer_from()
+    assert honest[0].address == donor._server.address  # honest: taken
+    # An offer that claims a fresher step than the state it serves (whose metadata says its
+    # own): refused, so the joiner never ranks a donor by a step its state does not hold.
+    lie["step"] = honest[1] + 1
+    assert offer_from() is None
+    lie.clear()
 
     real = donor._server.address
     donor._server.address = ("127.0.0.2", real[1])  # the donor lies about its listener
