@@ -200,12 +200,16 @@ class Steering:
         counted = {
             i: p for i, p in peers.items() if p.stage not in (Stage.JOINING, Stage.DOWNLOADING, Stage.PAUSED)
         }
+        if not counted:  # every peer paused (or joining): the run stands where the paused ones do
+            counted = {i: p for i, p in peers.items() if p.stage is Stage.PAUSED}
         # The owner's own peers' heartbeats (signed with its key) are the only claims it need not
         # take on trust: where one trains, it says where the run is. Otherwise the upper median of
         # the live peers' claims (keys are free: more fresh keys than honest peers move it, so
         # with no peer of the owner's live, --from-step is the way to be sure).
         # (Not counted: peers still joining, at step 0 until their download lands, and paused
-        # ones, whose step stands still while the others train on.)
+        # ones, whose step stands still while the others train on; with every peer paused, a
+        # resume found no step and the run could not be resumed from the TUI, whose form has no
+        # --from-step.)
         writers = getattr(self.board, "writers", {})
         own = [p for i, p in counted.items() if writers.get(i) == self.owner]
         if current is None and peers:
@@ -228,9 +232,7 @@ class Steering:
             # Nobody whose step says where the run is: a change "two rounds ahead" of 0 was
             # published at outer step 2 of a run at step 1127, and each peer applied it at its
             # own next round.
-            others = (
-                f"all {len(peers)} live peers are joining, downloading or paused" if peers else "no live peer"
-            )
+            others = f"all {len(peers)} live peers are joining or downloading" if peers else "no live peer"
             raise SwarmError(
                 f"cannot tell the run's outer step: {others}; try again once a peer trains, or give "
                 "--from-step with the step to apply the change at"

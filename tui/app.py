@@ -37,9 +37,9 @@ class SwarmApp(OwnerConsole):
     TITLE = "swarm workbench"
     BINDINGS = [
         Binding("q", "quit", "Quit"),
-        Binding(
-            "ctrl+c", "quit", show=False
-        ),  # Textual 8 only hints at ctrl+q; a terminal user presses ctrl+c
+        # Textual 8 only hints at ctrl+q; a terminal user presses ctrl+c, in a dialog too (the
+        # inputs and buttons took it for themselves there, and it did nothing).
+        Binding("ctrl+c", "quit", show=False, priority=True),
         Binding("question_mark,f1", "help", "Help"),
         Binding("slash", "filter", "Filter"),
         Binding("s", "sort_next", "Sort"),
@@ -142,6 +142,8 @@ class SwarmApp(OwnerConsole):
         self.push_screen(HelpScreen())
 
     def action_filter(self) -> None:
+        if self.screen.maximized is not None:  # the box is outside the maximized widget: unseen
+            self.screen.minimize()
         box = self.query_one("#filter", Input)
         box.display = True
         box.focus()

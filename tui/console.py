@@ -36,6 +36,10 @@ class OwnerConsole(PolledApp):
         if left and not (peer[0] in paused or peer[1] in paused):
             peer = None  # a peer that left: nothing to pause (`workbench steer` refuses it too)
         draft, self.unpublished = self.unpublished, None
+        toggled = (draft or {}).get("pause") or (draft or {}).get("resume")
+        if toggled:  # the failed publish's pause or resume, whichever row the cursor is on now
+            known = self.snapshot.peers.get(toggled[0]) if self.snapshot else None
+            peer = (toggled[0], toggled[1] if len(toggled) > 1 else known.name if known else toggled[0])
         screen = SteerScreen(
             reason=self.source.steering_reason(), current=current, peer=peer, paused=paused, draft=draft
         )

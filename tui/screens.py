@@ -10,7 +10,7 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Markdown, Select, Static
 
@@ -136,6 +136,14 @@ class PeerScreen(ModalScreen[None]):
         self.dismiss()
 
 
+FIELDS = (
+    ("outer-lr", "outer_lr", "outer lr"),
+    ("inner-steps", "inner_steps", "inner steps H"),
+    ("round-seconds", "round_seconds", "round seconds"),
+)
+"""The steering form's number fields: (input id, bound and change name, label)."""
+
+
 class SteerScreen(ModalScreen[dict[str, Any] | None]):
     """The steering form; returns the changes to publish (after a confirmation) or None."""
 
@@ -164,7 +172,7 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
 
     def compose(self) -> ComposeResult:
         disabled = self.reason is not None
-        with Vertical(id="dialog"):
+        with VerticalScroll(id="dialog"):
             yield Label("[b]Steer the run[/b]  (applied by every peer at the same outer step)")
             if disabled:
                 yield Label(f"[b red]Disabled:[/b red] {self.reason}", id="reason")
@@ -174,7 +182,6 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                     self._drafted("outer_lr"),
                     placeholder=str(self.current.get("outer_lr") or "unchanged"),
                     id="outer-lr",
-                    type="number",
                     disabled=disabled,
                 )
                 yield Label("inner steps H")
@@ -182,7 +189,6 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                     self._drafted("inner_steps"),
                     placeholder=str(self.current.get("inner_steps") or "unchanged"),
                     id="inner-steps",
-                    type="integer",
                     disabled=disabled,
                 )
                 yield Label("round seconds")
@@ -190,7 +196,6 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                     self._drafted("round_seconds"),
                     placeholder=str(self.current.get("round_seconds") or "unchanged (0: H steps)"),
                     id="round-seconds",
-                    type="number",
                     disabled=disabled,
                 )
                 yield Label("codec")
@@ -228,15 +233,10 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
 
     def _read(self) -> dict[str, Any]:
         changes: dict[str, Any] = {}
-        lr = self.query_one("#outer-lr", Input).value.strip()
-        if lr:  # the same bounds as the flags and every peer's check (swarm.bounds)
-            changes["outer_lr"] = bounds.check("outer_lr", float(lr))
-        steps = self.query_one("#inner-steps", Input).value.strip()
-        if steps:
-            changes["inner_steps"] = bounds.check("inner_steps", int(steps))
-        box = self.query_one("#round-seconds", Input).value.strip()
-        if box:  # time-boxed rounds (0 turns them off)
-            changes["round_seconds"] = bounds.check("round_seconds", float(box))
+        for field, name, label in FIELDS:
+            value = self._number(field, name, label)
+            if value is not None:  # round seconds: time-boxed rounds (0 turns them off)
+                changes[name] = value
         codec = self.query_one("#codec", Select).selection  # None while blank
         if codec is not None:
             changes["codec"] = codec
@@ -253,13 +253,34 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
             changes["checkpoint"] = True
         return changes
 
+    def _number(self, field: str, name: str, label: str) -> float | None:
+        """The field's value within ``name``'s bounds (as the flags and every peer check them,
+        :mod:`swarm.bounds`), None if blank; ValueError naming the field otherwise. Plain text:
+        the number inputs dropped what they did not take (0,5 became 05, 2.5 became 25)."""
+        text = self.query_one(f"#{field}", Input).value.strip()
+        if not text:
+            return None
+        bound = bounds.BOUNDS[name]
+        try:
+            value = float(text)
+        except ValueError:
+            hint = f" (a decimal point, not a comma: {text.replace(',', '.')})" if "," in text else ""
+            raise ValueError(f"{label}: {text!r} is not a number{hint}") from None
+        if bound.integer and value.is_integer() and abs(value) < 2**53:
+            value = int(value)
+        try:
+            return bounds.check(name, value)
+        except ValueError:
+            kind = "a whole number " if bound.integer else ""
+            raise ValueError(f"{label} must be {kind}{bound.describe()} (got {text})") from None
+
     @on(Button.Pressed, "#review")
     def review(self) -> None:
         error, confirm = self.query_one("#error", Label), self.query_one("#confirm", Label)
         try:
             self.changes = self._read()
         except ValueError as problem:
-            error.update(f"[red]{problem}[/red]")
+            error.update(f"[red]{escape(str(problem))}[/red]")
             return
         error.update("")
         if not self.changes:
@@ -326,7 +347,7 @@ class FaultScreen(ModalScreen[FaultRequest | None]):
         self.stopped = stopped
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="dialog"):
+        with VerticalScroll(id="dialog"):
             if self.stopped:  # a demo peer that was killed or exited: it can only be brought back
                 yield Label(f"[b]{escape(self.peer_name)} is not running[/b]")
                 yield Button(

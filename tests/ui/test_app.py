@@ -155,6 +155,29 @@ async def test_a_publish_that_fails_keeps_the_app_and_the_form(app) -> None:
         assert app.screen.query_one("#checkpoint", Checkbox).value
 
 
+async def test_a_failed_publishs_pause_is_kept_when_the_cursor_moved(app) -> None:
+    """The form kept a failed publish's lr, but its pause of alpha was lost if the user moved
+    the cursor to bravo before pressing e again (the form showed bravo's toggle, unticked)."""
+
+    def broken(**changes):  # type: ignore[no-untyped-def]
+        raise BrokenPipeError(32, "Broken pipe")
+
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        app.source.steer = broken
+        await pilot.press("e")
+        toggle = app.screen.query_one("#toggle-pause", Checkbox)
+        paused_name = str(toggle.label).split(" ", 1)[1]
+        toggle.value = True
+        await pilot.click("#review")
+        await pilot.click("#publish")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        await pilot.press("down", "down", "e")
+        toggle = app.screen.query_one("#toggle-pause", Checkbox)
+        assert toggle.value and str(toggle.label) == f"pause {paused_name}", toggle.label
+
+
 async def test_filter_with_slash_and_clear_with_escape(app) -> None:
     async with app.run_test(size=(160, 50)) as pilot:
         await started(app, pilot)
@@ -233,8 +256,67 @@ async def test_a_bad_steering_value_is_refused_in_the_form(app) -> None:
         await pilot.press("e")
         app.screen.query_one("#outer-lr", Input).value = "50"
         await pilot.click("#review")
-        assert "--outer-lr must be in (0, 10]" in str(app.screen.query_one("#error").render())
+        assert "outer lr must be in (0, 10] (got 50)" in str(app.screen.query_one("#error").render())
         assert app.screen.query_one("#publish").disabled
+
+
+@pytest.mark.parametrize(
+    ("field", "typed", "said"),
+    [
+        ("#outer-lr", "0,5", "outer lr: '0,5' is not a number (a decimal point, not a comma: 0.5)"),
+        ("#inner-steps", "2.5", "inner steps H must be a whole number in [1, 100000] (got 2.5)"),
+        ("#outer-lr", "1e", "outer lr: '1e' is not a number"),
+        ("#inner-steps", "-", "inner steps H: '-' is not a number"),
+        ("#outer-lr", "[/red]", "outer lr: '[/red]' is not a number"),
+    ],
+)
+async def test_a_steering_value_is_taken_as_typed_or_refused_naming_its_field(
+    app, field, typed, said
+) -> None:
+    """The number inputs dropped what they did not take: "0,5" became 05 (published as outer lr
+    5, 10x the intent), "2.5" H became 25 and "1e3" 13; "1e" was Python's "could not convert
+    string to float" without the field's name (a review, 2026-12-06)."""
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("e")
+        app.screen.query_one(field, Input).focus()
+        await pilot.press(*typed)
+        assert app.screen.query_one(field, Input).value == typed
+        await pilot.click("#review")
+        assert said in str(app.screen.query_one("#error").render())
+        assert app.screen.query_one("#publish").disabled
+
+
+async def test_a_steering_value_in_exponent_form_is_its_number(app) -> None:
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press("e")
+        app.screen.query_one("#inner-steps", Input).focus()
+        await pilot.press(*"1e3")
+        await pilot.click("#review")
+        assert app.screen.changes == {"inner_steps": 1000}
+
+
+@pytest.mark.parametrize("screen", ["steer", "faults"])
+async def test_a_dialog_at_80x24_scrolls_to_what_the_keyboard_reaches(app, screen) -> None:
+    """At 80x24 the steering form's Review/Publish buttons and confirmation, and the fault
+    menu's last faults, were below the dialog's edge and did not scroll: Tab reached buttons the
+    user could not see (a review, 2026-12-06)."""
+    async with app.run_test(size=(80, 24)) as pilot:
+        await started(app, pilot)
+        await pilot.press("down", "e" if screen == "steer" else "f")
+        dialog = app.screen.query_one("#dialog")
+        last = list(app.screen.query(Button))[-1]
+        for _ in range(20):  # Tab, as a keyboard user reaches it
+            if app.focused is last:
+                break
+            await pilot.press("tab")
+        assert app.focused is last and dialog.max_scroll_y > 0
+        for _ in range(40):  # the scroll is animated
+            if dialog.content_region.contains_region(last.region):
+                break
+            await pilot.pause(0.05)
+        assert dialog.content_region.contains_region(last.region), (dialog.content_region, last.region)
 
 
 async def test_steering_is_disabled_with_the_reason_for_non_owners() -> None:
@@ -298,6 +380,9 @@ async def test_maximize_a_panel(app) -> None:
         assert app.screen.maximized is app.query_one("#peers")
         await pilot.press("escape")
         assert app.screen.maximized is None
+        await pilot.press("m", "slash")  # the filter box is outside the maximized table
+        assert app.screen.maximized is None and app.query_one("#filter", Input).has_focus
+        assert app.query_one("#filter", Input).region.area > 0
 
 
 async def test_the_poll_worker_feeds_the_app() -> None:
@@ -437,6 +522,18 @@ async def test_ctrl_c_quits_as_q_does(app) -> None:
     """Textual 8 answers Ctrl+C with a hint to press Ctrl+Q; a terminal's user presses Ctrl+C."""
     async with app.run_test(size=(160, 50)) as pilot:
         await started(app, pilot)
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert not app.is_running
+
+
+@pytest.mark.parametrize("key", ["question_mark", "enter", "e"])
+async def test_ctrl_c_quits_from_a_dialog_too(app, key) -> None:
+    """In Help, a peer's detail or the steering form, Ctrl+C did nothing (a review, 2026-12-06)."""
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        await pilot.press(key)
+        assert app.screen is not app.screen_stack[0]
         await pilot.press("ctrl+c")
         await pilot.pause()
         assert not app.is_running

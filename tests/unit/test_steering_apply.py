@@ -223,7 +223,7 @@ def test_a_heartbeat_claiming_to_be_far_ahead_does_not_put_steering_out_of_reach
 
 
 def test_a_change_is_not_scheduled_at_step_2_when_no_peer_says_where_the_run_is():
-    """With every live peer joining, downloading or paused (or none left), the run's step was
+    """With every live peer joining or downloading (or none left), the run's step was
     taken as 0: a change "two rounds ahead" was published for outer step 2 of a run at step
     1127, and each peer applied it at its own next round. Now it is refused, unless the owner
     gives the step."""
@@ -250,6 +250,18 @@ def test_a_change_is_not_scheduled_at_step_2_when_no_peer_says_where_the_run_is(
             steering.publish(outer_lr=0.5)
     assert not stored
     assert steering.publish(outer_lr=0.5, from_step=1130).from_step == 1130
+    # Every peer paused: nothing trains, so the run stands where they do. A resume was refused
+    # for want of a step, and the TUI's form, which has no --from-step, could never resume them.
+    paused = {
+        p: beat.model_copy(update={"peer_id": p, "name": p, "stage": Stage.PAUSED, "outer_step": 40})
+        for p in ("a", "b")
+    }
+    steering.board = SimpleNamespace(fetch=lambda: paused)
+    steering.watcher.poll = lambda force, strict=False: stored[-1]
+    resumed = steering.publish(outer_lr=0.4, resume=["a"])
+    assert resumed.paused == [] and resumed.from_step == max(42, 1130), resumed
+    steering.watcher.poll = lambda force, strict=False: None
+    assert steering.publish(outer_lr=0.4, resume=["a"]).from_step == 42
 
 
 def test_a_peer_that_first_reads_the_next_version_applies_the_one_before_at_its_own_step() -> None:
