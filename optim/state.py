@@ -274,6 +274,10 @@ def inner_state_problem(
         wanted = {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
         if set(entry) != wanted:
             return f"has the keys {sorted(entry)}, where {type(optimizer).__name__} keeps {sorted(wanted)}"
+        if entry["step"].dtype not in (torch.float32, torch.float64):
+            # torch keeps a loaded step in its dtype: a bool, uint8 255 or int8 127 made the
+            # joiner's first AdamW step raise (or wrap to 0), and the peer exit.
+            return f"has a step count of dtype {entry['step'].dtype} (parameter {index})"
         step = float(entry["step"])
         if not (1 <= step <= MAX_STEP and step == int(step)):
             return f"has a step count of {step} (parameter {index})"

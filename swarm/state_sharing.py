@@ -66,6 +66,8 @@ SEED_BYTES = 16  # a joiner's seed for sketching the θ it downloaded
 VERIFIERS = 4  # peers asked to confirm a downloaded state
 MAX_SKETCH_ANSWER = 1 << 20  # 72 bytes a tensor: room for 14,000 tensors
 MAX_DONORS = 4  # donors asked for an offer at once in one direct download (and offers taken)
+MAX_DIMS = 64
+"""The most dimensions a tensor of a streamed state may have (torch's own limit is 25)."""
 MAX_ASKED = 64  # donors asked in all, in turn as those before make no offer
 OFFER_SECONDS = 15.0  # s for the offers in all (see _first_offers)
 MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadata
@@ -635,7 +637,13 @@ class StateSharing:
             async for message in aiter_with_timeout(
                 stream, timeout=self.next_chunk_timeout or self.request_timeout
             ):
-                received += len(message.tensor_part.buffer) + len(message.metadata)
+                # The whole message: a part with an empty buffer and a shape of 4 M dimensions
+                # counted 0 bytes here, and was kept at 8x its size (5 GB for 600 MiB sent).
+                received += message.ByteSize()
+                part = message.tensor_part
+                if len(part.size) > MAX_DIMS or (part.size and not part.dtype):
+                    # Only a tensor's first part says its shape (hivemind's split_for_streaming).
+                    raise SwarmError(f"it sent a tensor part with a shape of {len(part.size)} dimensions")
                 if received > self._state_limit:
                     raise SwarmError(
                         f"it sent over {self._state_limit >> 20} MiB, more than this model's state"

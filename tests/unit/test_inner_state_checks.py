@@ -63,6 +63,11 @@ ATTACKS = {
     "fractional step": lambda s: _changed(s, "step", lambda t: torch.tensor(2.5)),
     "huge step": lambda s: _changed(s, "step", lambda t: torch.tensor(1e30)),
     "step 0 (a stored state has stepped)": lambda s: _changed(s, "step", lambda t: torch.tensor(0.0)),
+    # torch keeps a loaded step in its dtype: each made the first step raise (or divide by 0).
+    "bool step": lambda s: _changed(s, "step", lambda t: torch.tensor(True)),
+    "uint8 step 255": lambda s: _changed(s, "step", lambda t: torch.tensor(255, dtype=torch.uint8)),
+    "int8 step 127": lambda s: _changed(s, "step", lambda t: torch.tensor(127, dtype=torch.int8)),
+    "fp16 step": lambda s: _changed(s, "step", lambda t: torch.tensor(3.0, dtype=torch.float16)),
     # The donor's dtypes are its own: loading casts the moments to the parameter's.
     "complex exp_avg for a real weight": lambda s: _changed(
         s, "exp_avg", lambda t: t.to(torch.complex64) * 1e30

@@ -198,6 +198,52 @@ def test_a_joiner_refuses_a_streamed_state_that_comes_compressed(monkeypatch):
     assert [t.numel() for t in tensors] == [1 << 20]
 
 
+def test_a_streamed_part_is_counted_whole_and_only_a_first_part_has_a_shape(caplog):
+    """The limit counted a part's buffer and metadata only: parts with an empty buffer and a
+    shape of 4 M numbers counted nothing, and were kept at 8x their size (600 MiB sent against
+    an 8 MiB limit grew the joiner to 5 GB; a review, 2026-12-06)."""
+
+    class Joiner(StateSharing):
+        def __init__(self, parts: list) -> None:
+            self._state_limit, self.download = 8 << 20, [0.0, 0.0, 0.0]
+            self.next_chunk_timeout, self.request_timeout = 5.0, 5.0
+            self._p2p, self.prefix, self.sent = None, "run", 0
+            self.serializer = SimpleNamespace(loads=lambda raw: {"bytes": 1})
+            self.parts = parts
+
+        def get_stub(self, *args, **kwargs):
+            async def rpc_download_state(request):
+                async def stream():
+                    first = runtime_pb2.Tensor(buffer=bytes(4), size=[4], dtype="float32")  # of 16
+                    yield averaging_pb2.DownloadData(tensor_part=first, metadata=b"m")
+                    for part in self.parts:
+                        self.sent += 1
+                        yield averaging_pb2.DownloadData(tensor_part=part)
+
+                return stream()
+
+            return SimpleNamespace(rpc_download_state=rpc_download_state)
+
+    shaped = runtime_pb2.Tensor(size=[1] * 1000)  # a later part naming a shape
+    joiner = Joiner([shaped] * 3)
+    with caplog.at_level("WARNING", logger="swarm.state_sharing"):
+        assert asyncio.run(joiner._download_from(_Id("donor"))) == (None, False)
+    assert joiner.sent == 1 and "a tensor part with a shape of 1000 dimensions" in caplog.text
+    deep = runtime_pb2.Tensor(buffer=bytes(4), size=[1] * 65, dtype="float32")
+    assert asyncio.run(Joiner([deep])._download_from(_Id("donor"))) == (None, False)
+    # Bytes in a field the joiner does not read count too: three parts of 3 MiB of them each.
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    unknown = b"\x7a" + _VarintBytes(3 << 20) + bytes(3 << 20)  # field 15, length-delimited
+    part = runtime_pb2.Tensor.FromString(runtime_pb2.Tensor(buffer=bytes(4)).SerializeToString() + unknown)
+    padded = Joiner([part] * 3)
+    assert asyncio.run(padded._download_from(_Id("donor"))) == (None, False)
+    assert "it sent over 8 MiB" in caplog.text
+    small = Joiner([runtime_pb2.Tensor(buffer=bytes(4))] * 3)  # an honest stream's later parts
+    (_, tensors), _ = asyncio.run(small._download_from(_Id("donor")))
+    assert [t.numel() for t in tensors] == [4]
+
+
 def test_streamings_state_limit_counts_the_whole_model_not_fragment_0(monkeypatch):
     """Fragment 0's averager serves the whole model's state (θ, momentum and AdamW of every
     parameter), but its limit was 8 copies of its own fragment: with 4 fragments, every download
