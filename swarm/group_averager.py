@@ -37,6 +37,7 @@ from swarm.faults import fault_value
 from swarm.hivemind_fixes import ExpectedMembers, install_task_keeper  # importing it patches StepControl
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
 from swarm.ring_driver import Outcome, RingDriver, Ticket, messages, serve_board
+from swarm.signed_groups import SignedGroupKeys
 from swarm.state_sharing import VERIFIERS, StateSharing
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,11 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                 logger.debug("could not close the averager's p2p client: %s", one_line(error))
 
     async def _step(self, **kwargs: Any):
+        if self._donor_subkey is not None and not isinstance(
+            self._matchmaking.group_key_manager, SignedGroupKeys
+        ):
+            # A run's peer: declared under its signed key, which no one else can withdraw.
+            SignedGroupKeys.install(self._matchmaking.group_key_manager, self._donor_subkey)
         # A leader forms the group as soon as the expected members joined, rather than at the end
         # of the matchmaking window (hivemind's target group size, which it reads per join).
         self._matchmaking.target_group_size = ExpectedMembers.parse(self._matchmaking, self._expected.value)

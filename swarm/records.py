@@ -348,6 +348,11 @@ DONOR_TTL = 60.0
 10 s (``declare_state_period``)."""
 DONOR_BYTES = 2048
 """The most bytes a donor's declaration may take (a number, its signature and HMAC: about 500)."""
+MATCHMAKING_TTL = 180.0
+"""Seconds a matchmaking declaration (:attr:`RunKeys.matchmaking`) may live: hivemind's is
+until its step's matchmaking window ends (``--matchmaking-time``, at most 120 s)."""
+MAX_FRAGMENTS = 1024
+"""The most fragments a streaming run averages (``--fragments``; each its own group)."""
 STATE_GROUPS = ("diloco", "fragment0")
 """The averaging groups whose peers serve the state (:class:`swarm.averaging.SwarmAverager`'s
 default group; streaming's fragment 0)."""
@@ -395,6 +400,14 @@ class RunKeys:
         ``<prefix>.all_averagers``), one per group in :data:`STATE_GROUPS`: each subkey is a
         writer's ``[owner:...]`` key, so only that peer can write or withdraw its own entry."""
         return tuple(f"{self.group(name)}.all_averagers" for name in STATE_GROUPS)
+
+    @property
+    def matchmaking(self) -> tuple[str, ...]:
+        """The keys where peers looking for a group declare it (hivemind's ``<prefix>.0b``: the
+        run's groups start with no group bits and keep none), one per averaging group: each
+        subkey is a writer's ``[owner:...]`` key (:mod:`swarm.signed_groups`)."""
+        groups = ("diloco", *(f"fragment{f}" for f in range(MAX_FRAGMENTS)))
+        return tuple(f"{self.group(name)}.0b" for name in groups)
 
 
 def parse_record(model: type[BaseModel], value: Any) -> BaseModel | None:

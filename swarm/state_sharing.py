@@ -43,9 +43,9 @@ from swarm.claims import at_the_donors_step
 from swarm.dataplane import one_line
 from swarm.errors import SwarmError
 from swarm.faults import fault_value
-from swarm.identity import peer_id_of
 from swarm.rendezvous import pack, unpack
 from swarm.ring_driver import messages
+from swarm.signed_groups import peer_of
 from swarm.sketch import Sketch, state_sketches
 from swarm.state_fetch import DonorOffer, freshest
 from swarm.state_transfer import (
@@ -58,7 +58,6 @@ from swarm.state_transfer import (
     Snapshot,
     StateServer,
 )
-from swarm.store import subkey_public_key
 
 logger = logging.getLogger(__name__)
 
@@ -613,10 +612,7 @@ class StateSharing:
         signature proves that peer wrote it), or, for averagers outside a run that declare under
         bare peer ids, that id; None if malformed."""
         try:
-            if self._donor_subkey is None:
-                return PeerID(subkey)
-            public_key = subkey_public_key(subkey)
-            return PeerID.from_base58(peer_id_of(public_key)) if public_key else None
+            return PeerID(subkey) if self._donor_subkey is None else peer_of(subkey)
         except Exception:  # noqa: BLE001 - a made-up subkey is just skipped
             return None
 

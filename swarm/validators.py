@@ -26,6 +26,7 @@ from swarm.records import (
     DONOR_TTL,
     HEARTBEAT_TTL,
     LONG_TTL,
+    MATCHMAKING_TTL,
     RECORD_BYTES,
     ControlState,
     PeerHeartbeat,
@@ -147,7 +148,9 @@ class RecordBoundsValidator(RecordValidatorBase):
     ``all_averagers``) are bounded too, and each subkey must be a writer's ``[owner:...]`` key
     (which the signature validator then checks): hivemind's own subkey, the bare peer id, was
     anybody's to write, and an outsider wrote None under every donor's id for a year, so that
-    their renewals were refused and every joiner found no donor."""
+    their renewals were refused and every joiner found no donor. So are the matchmaking
+    declarations (:attr:`~swarm.records.RunKeys.matchmaking`, :mod:`swarm.signed_groups`),
+    where the same squat left every peer alone in every round."""
 
     def __init__(self, keys: RunKeys) -> None:
         self.namespace = keys.namespace
@@ -162,12 +165,16 @@ class RecordBoundsValidator(RecordValidatorBase):
         self._donors = {DHTID.generate(source=key).to_bytes() for key in keys.donors}
         for key in self._donors:
             self._limits[key] = (DONOR_BYTES, DONOR_TTL + CLOCK_SLACK)
+        matchmaking = {DHTID.generate(source=key).to_bytes() for key in keys.matchmaking}
+        for key in matchmaking:
+            self._limits[key] = (DONOR_BYTES, MATCHMAKING_TTL + CLOCK_SLACK)
+        self._owned = self._donors | matchmaking  # subkeys: their writers' [owner:...] keys only
 
     def validate(self, record: DHTRecord) -> bool:
         limits = self._limits.get(record.key)
         if limits is None:
             return True
-        if record.key in self._donors and not _owner_subkey(record.subkey):
+        if record.key in self._owned and not _owner_subkey(record.subkey):
             return False
         most_bytes, most_seconds = limits
         from hivemind.utils.timed_storage import get_dht_time

@@ -430,6 +430,52 @@ def test_fresh_keys_declaring_the_freshest_state_leave_a_joiner_its_direct_downl
     assert "downloading the state from" not in log, log[-3000:]  # hivemind's stream's
 
 
+MATCHMAKING_SQUAT = """
+import sys
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+from swarm.records import RunKeys
+
+address, run_id, victims = sys.argv[1], sys.argv[2], sys.argv[3:]
+key = RunKeys(run_id).group("diloco") + ".0b"  # hivemind's matchmaking key of the run's group
+signer = RSASignatureValidator()  # its own fresh key (a node without one cannot read signed keys)
+dht = hivemind.DHT(initial_peers=[address], client_mode=True, record_validators=[signer], start=True)
+found = dht.get(key, latest=True)
+entries = list(found.value if found is not None else {})  # each peer's [owner:...] subkey, as read
+entries += [PeerID.from_base58(victim).to_bytes() for victim in victims]  # hivemind's bare ids
+# "Not looking for a group", for a year: the value that expires last is the one nodes keep.
+stored = sum(bool(dht.store(key, False, get_dht_time() + 365 * 86400, subkey=k)) for k in entries)
+print("stored", stored, "of", len(entries), flush=True)
+dht.shutdown()
+"""
+
+
+def test_an_outsider_cannot_withdraw_the_peers_from_matchmaking(spawn, tmp_path):
+    """A review (2026-12-06): a stock hivemind node stored "not looking for a group" for a year
+    under each peer's bare id in hivemind's matchmaking key and left; the run's nodes kept it
+    over the peers' own declarations (seconds long), and every round after was alone, for good.
+    A run's peers declare under their signed [owner:...] keys, and its nodes refuse anything
+    else there (swarm.signed_groups): the outsider stores nothing, and the pair keeps averaging."""
+    common = [*FAST, "--rounds", "1000", "--run-id", "squat", *steady(tmp_path)]
+    first = spawn("a", "start", *common)
+    second = spawn("b", "join", first.address(), *common)
+    paired = first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+    victims = [peer.wait_event("started")["peer_id"] for peer in (first, second)]
+    attacker = helper(MATCHMAKING_SQUAT, first.address(), "squat", *victims)
+    try:
+        out, _ = attacker.communicate(timeout=120)
+    finally:
+        kill_group(attacker)
+    stored, of = out.split()[1:4:2]
+    assert stored == "0" and int(of) >= 2, out  # the bare ids at least; the owner keys if read
+    attacked = max(e["outer_step"] for e in first.events("round"))
+    first.wait_event("round", lambda e: e["outer_step"] > attacked + 2 and e["group_size"] == 2, timeout=120)
+    assert paired["outer_step"] <= attacked
+    interrupt_all([first, second])
+
+
 FLOODER = """
 import sys
 from functools import partial

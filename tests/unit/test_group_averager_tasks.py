@@ -301,7 +301,7 @@ def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(mon
             pass
 
     averager = object.__new__(Bare)
-    averager._matchmaking = SimpleNamespace(target_group_size=None)
+    averager._matchmaking, averager._donor_subkey = SimpleNamespace(target_group_size=None), None
     averager._expected, averager._plane_enabled, averager._ticket_loop = (
         SimpleNamespace(value=b""),
         SimpleNamespace(value=0),

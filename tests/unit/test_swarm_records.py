@@ -541,3 +541,50 @@ def test_a_donors_declaration_is_its_writers_alone(key_file, private_key, tmp_pa
     assert validator.validate(
         record(f"{keys.group('fragment1')}.all_averagers", b"x", None, 1e10)
     )  # nobody reads it
+
+
+@pytest.mark.parametrize("secret", [None, "a long run secret"])
+def test_a_matchmaking_declaration_is_its_writers_alone(key_file, private_key, tmp_path, secret) -> None:
+    """hivemind declares an averager looking for a group under its bare peer id: an outsider
+    stored "not looking" under every peer's id for a year, and every round was alone for good
+    (a review, 2026-12-06). A run's declarations (swarm.signed_groups) are its writer's own,
+    small and no longer-lived than a matchmaking window can be."""
+    from hivemind.utils import get_dht_time
+
+    from swarm.records import MATCHMAKING_TTL, MAX_FRAGMENTS
+    from swarm.signed_groups import peer_of
+
+    keys = RunKeys("run", secret)
+    validator = composite(keys, private_key)
+    own = b"[owner:" + public_key_text(private_key).encode() + b"]"
+    stranger = load_private_key(create_identity(tmp_path / "stranger.key"))
+    theirs = composite(keys, stranger)
+    peer_id = PeerID.from_identity(key_file.read_bytes())
+
+    def declared(key: str, subkey: bytes, value: Any, seconds: float, by=validator) -> bool:
+        plain = record(key, subkey, value, get_dht_time() + seconds)
+        return validator.validate(dataclasses.replace(plain, value=by.sign_value(plain)))
+
+    groups = [keys.group(g) + ".0b" for g in ("diloco", "fragment0", f"fragment{MAX_FRAGMENTS - 1}")]
+    assert (
+        set(groups) <= set(keys.matchmaking)
+        and keys.group(f"fragment{MAX_FRAGMENTS}") + ".0b" not in keys.matchmaking
+    )
+    for key in groups:
+        assert declared(key, own, True, MATCHMAKING_TTL)
+        assert declared(key, own, False, 10)  # a withdrawal, by the peer itself
+        assert not declared(key, peer_id.to_bytes(), False, 365 * 86400, by=theirs)  # hivemind's bare id
+        assert not declared(key, peer_id.to_bytes(), True, 10)
+        assert not declared(key, own, False, 10, by=theirs)  # the peer's subkey, not its signature
+        assert not declared(key, own, True, 365 * 86400)  # for a year
+        assert not declared(key, own, "x" * 4096, 10)
+    assert (
+        peer_of(own) == peer_id and peer_of(peer_id.to_bytes()) is None and peer_of(b"[owner:junk]") is None
+    )
+
+
+def test_the_fragments_bound_and_the_matchmaking_keys_agree() -> None:
+    from swarm.bounds import BOUNDS
+    from swarm.records import MAX_FRAGMENTS
+
+    assert BOUNDS["fragments"].high == MAX_FRAGMENTS
