@@ -26,7 +26,7 @@ from optim.eager import AdamW
 from optim.sim import InProcessSwarm, SimConfig, SimResult, VirtualPeer, simulate
 from optim.streaming import StreamingConfig
 from workbench.config import TrainConfig
-from workbench.run.data import ByteCorpus, DataConfig, evaluate
+from workbench.run.data import EVAL_BATCH_SIZE, ByteCorpus, DataConfig, evaluate
 from workbench.run.model import ModelConfig
 from workbench.run.progress_bar import Bar, progress
 from workbench.run.training import network
@@ -99,7 +99,7 @@ def run_simulation(
     corpus = ByteCorpus.load(data)
     corpus.check_fits(model.block_size)
     held_out = corpus.eval_batches(
-        block_size=model.block_size, batch_size=data.batch_size, num_batches=eval_batches
+        block_size=model.block_size, batch_size=EVAL_BATCH_SIZE, num_batches=eval_batches
     )
     device = torch.device("cpu")
     H = spec.loop_steps()

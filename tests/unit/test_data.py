@@ -344,3 +344,18 @@ def test_a_file_is_read_up_to_max_bytes_only(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setattr(builtins, "open", spying_open)
     corpus = ByteCorpus.load(DataConfig(path=str(big), max_bytes=4096))
     assert asked == [4096] and len(corpus.train) + len(corpus.val) <= 4096
+
+
+def test_peers_with_another_batch_size_evaluate_on_the_same_bytes() -> None:
+    """The eval set was eval_batches batches of each peer's own --batch-size: a peer with 16
+    printed eval loss 2.9555 where its mates with 8 printed 2.9412, on the same θ (a review,
+    2026-12-06); the README reads equal eval losses as the swarm agreeing."""
+    import torch
+
+    from tests.unit.test_cli import config_of
+    from workbench.run.training import load_data
+
+    sets = [load_data(config_of("start", "--batch-size", b))[2] for b in ("8", "16", "3")]
+    for other in sets[1:]:
+        assert len(other) == len(sets[0])
+        assert all(torch.equal(a, b) for (x, y), (u, v) in zip(sets[0], other) for a, b in ((x, u), (y, v)))

@@ -409,6 +409,12 @@ def _to_tensor(data: bytes) -> Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
+EVAL_BATCH_SIZE = 16
+"""The held-out set's batch size, whatever a peer's ``--batch-size`` (the default's): the eval
+set is ``eval_batches`` of these windows, the same bytes on every peer. Built with each peer's
+own batch size, peers with another ``--batch-size`` printed other eval losses for the same θ."""
+
+
 class BatchStream:
     """An endless stream of random training windows whose position can be saved and restored
     (checkpoints): ``state_dict()`` holds the random generator's state and the batches drawn."""

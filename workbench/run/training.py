@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from optim.eager import AdamW
 from optim.inner import inner_step
 from workbench.config import RunConfig
-from workbench.run.data import ByteCorpus
+from workbench.run.data import EVAL_BATCH_SIZE, ByteCorpus
 from workbench.run.model import ModelConfig, autocast_context, build_model, pick_device
 
 
@@ -63,7 +63,7 @@ def load_data(cfg: RunConfig) -> tuple[torch.device, ByteCorpus, list]:
     corpus = ByteCorpus.load(cfg.data, shard=cfg.peer.shard, num_shards=cfg.peer.num_shards)
     corpus.check_fits(cfg.model.block_size)
     eval_set = corpus.eval_batches(
-        block_size=cfg.model.block_size, batch_size=cfg.data.batch_size, num_batches=cfg.peer.eval_batches
+        block_size=cfg.model.block_size, batch_size=EVAL_BATCH_SIZE, num_batches=cfg.peer.eval_batches
     )
     return device, corpus, eval_set
 
