@@ -217,6 +217,7 @@ class RoundBarrier:
             self.config.round_wait, max(5.0, 2 * self.config.matchmaking_time, 1.5 * self.gap)
         )
         grace = started + grace_seconds
+        stale_seconds = min(grace_seconds, max(2.0, 2 * self.config.matchmaking_time))
         # A downloader that lands during this wait then trains the round it landed on (a whole H:
         # nobody else is training it): its grace, and its wait, count from its landing. Counted
         # from the wait's start, a download used them up: the peer was not waited for the moment
@@ -289,6 +290,16 @@ class RoundBarrier:
                     self.wait.observe(now - started)
                 if need_ready and not any(map(ready, others)):
                     return Verdict.ALONE
+                if not any(ready(p) or busy(p, others) for p in others):
+                    # Nobody who could average this round: stragglers a round behind, peers
+                    # waiting for their --min-peers. Matchmaking would wait its whole timeout for
+                    # nobody (15-30 s of every round, a review); a heartbeat a moment stale gets
+                    # a few seconds. (A peer still training past its grace may yet come within
+                    # the matchmaking window: that one is left to matchmaking, as before.)
+                    if now >= started + stale_seconds:
+                        return Verdict.ALONE
+                    self.sleep(_poll_pause(now - started, [started + stale_seconds - now]))
+                    continue
                 # Only when every other live peer is ready: one that looks neither busy nor
                 # ready (a straggler, or a heartbeat a round or two stale in a fast swarm) may
                 # still come, and so may be in another peer's view of this round's group.
@@ -314,6 +325,14 @@ class RoundBarrier:
                     waiting,
                     "" if limit >= self.config.round_wait else " (learned from the last rounds' arrivals)",
                 )
+                if limit < self.config.round_wait and any(
+                    p.peer_id in vouched and p.stage is not Stage.DOWNLOADING for p in busy_peers
+                ):
+                    # A round mate slower than the learned wait: learned from the mates that came,
+                    # it never grew, and the mate (its rounds 20 s against a 10 s wait) downloaded
+                    # the state every round and never averaged again (a review). The next rounds
+                    # wait up to the round wait, and learn again from what it takes.
+                    self.wait.forget()
                 for p in busy_peers:
                     # "Downloading" for a whole round wait. A stranger only training, cut off at
                     # the learned wait within its grace, is neither: it was struck for "downloading"

@@ -9,7 +9,10 @@ ceiling, so a swarm never waits longer than before, and it is also the answer un
 rounds were seen.
 
 A round mate that keeps arriving after the learned wait is then averaged without sooner; it
-finds itself behind, downloads the state and is back in the next round it makes in time.
+finds itself behind, downloads the state and is back in the next round it makes in time. A
+barrier that gave up on a round mate it has averaged with forgets what it learned (the mate
+may have slowed down for good: it could never make the learned wait again), and waits up to
+the configured value until it has learned anew.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ class LearnedDeadline:
         if math.isfinite(seconds) and seconds >= 0:
             with self._lock:
                 self._seen.append(seconds)
+
+    def forget(self) -> None:
+        """Start learning again: ``ceiling`` until ``warmup`` durations are observed anew."""
+        with self._lock:
+            self._seen.clear()
 
     @property
     def learned(self) -> bool:

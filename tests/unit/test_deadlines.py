@@ -208,3 +208,49 @@ def test_a_long_wait_reads_the_board_less_and_less_often_and_still_ends_on_time(
     assert all(g == pytest.approx(POLL_FIRST) for g in gaps[:9]), gaps[:9]
     assert all(POLL_FIRST - 1e-9 <= g <= POLL_MOST + 1e-9 for g in gaps), gaps
     assert len(reads) < 60, len(reads)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [beat("straggler", 6, Stage.TRAINING), beat("waiting-for-min-peers", 0, Stage.JOINING)],
+    ids=["a straggler a round behind", "a peer waiting for its --min-peers"],
+)
+def test_with_nobody_who_could_average_this_round_the_peer_steps_alone_soon(other) -> None:
+    """The barrier said AVERAGE with nobody ready or training this round, and matchmaking then
+    waited its whole timeout for nobody: 15-30 s of every round (a review, 2026-12-06). A
+    heartbeat a moment stale still gets a few seconds to show the peer ready."""
+    swarm = barrier(Board(other))
+    started = swarm.clock()
+    assert swarm.wait_for_round_mates(7) is Verdict.ALONE
+    assert 1.0 <= swarm.clock() - started <= 2.5  # 2 matchmaking windows (2 s at least)
+
+    class Catches(Board):  # a stale heartbeat: ready on the board's third read
+        reads = 0
+
+        def fetch(self):  # type: ignore[no-untyped-def]
+            self.reads += 1
+            return {"late": beat("late", 7 if self.reads >= 3 else 6, Stage.WAITING)}
+
+    swarm = barrier(Catches())
+    assert swarm.wait_for_round_mates(7) is Verdict.AVERAGE and swarm.expected == ("late",)
+
+
+def test_a_round_mate_slower_than_the_learned_wait_is_waited_for_again() -> None:
+    """The learned wait grew only from mates that came: a mate slowed down to 20 s rounds
+    against a learned 10 s wait was given up every round, downloaded the state every round and
+    never averaged again (a review, 2026-12-06). Giving up on a mate it averaged with, the
+    barrier forgets what it learned: the next rounds wait up to the round wait."""
+    board = Board(beat("slow", 7, Stage.TRAINING))
+    swarm = barrier(board)
+    for _ in range(5):
+        swarm.wait.observe(0.8)
+    assert swarm.wait.seconds == 10.0
+    assert swarm.wait_for_round_mates(7) is Verdict.ALONE
+    assert swarm.wait.seconds == swarm.config.round_wait  # learning anew
+
+    stranger = barrier(Board(beat("newcomer", 7, Stage.TRAINING)))  # never averaged with it
+    for _ in range(5):
+        stranger.wait.observe(0.8)
+    stranger.gap = 20.0  # its grace (30 s) outlasts the learned wait
+    stranger.wait_for_round_mates(7)
+    assert stranger.wait.seconds == 10.0  # a stranger's claim moves nothing

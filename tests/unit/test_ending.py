@@ -244,3 +244,57 @@ def test_a_peer_done_with_its_rounds_is_no_round_mate_even_while_it_downloads():
     started = swarm.clock()
     assert swarm.wait_for_round_mates(4) is Verdict.ALONE and swarm.clock() == started  # not waited for
     assert averager(FakeBoard(downloading), vouched=["done"]).wait_for_round_mates(3) is Verdict.ALONE
+
+
+def _finishing_peer(vouched: set[str]):
+    """A peer at the end of its 40 rounds, whose board shows nobody (the others left before)."""
+    from types import SimpleNamespace
+
+    from workbench.run.peer import Peer
+
+    class Probe(Peer):
+        def heartbeat(self):  # type: ignore[no-untyped-def]
+            return None
+
+    peer = object.__new__(Probe)
+    peer.name, peer.peer_id, peer.settled, peer.beat = "slow", "me", False, lambda stage: None
+    peer.diloco = SimpleNamespace(outer_step_count=40, read_global=lambda read: [1.0, 2.0])
+    config = SimpleNamespace(round_wait=5.0)
+    peer.averager = SimpleNamespace(
+        barrier=SimpleNamespace(config=config), vouching=SimpleNamespace(vouched=set(vouched))
+    )
+    peer.board = SimpleNamespace(fetch=lambda include_leaving=False: {}, publish=lambda *a, **k: None)
+    return peer
+
+
+def test_a_peer_that_ends_after_its_mates_left_does_not_say_it_ended_on_their_state(caplog) -> None:
+    """A slow peer trained its last rounds alone after the peers it averaged with had left: its
+    θ was its own (max-abs 1e-3 off theirs), and its summary said ended_on_others_state: true
+    with 0 agreeing peers (a review, 2026-12-06)."""
+    with caplog.at_level("WARNING", logger="workbench.run.peer"):
+        ended = _finishing_peer({"fast"}).end_on_the_others_state()
+    assert ended["ended_on_others_state"] is False and ended["ending_agreeing_peers"] == 0
+    assert "ended the run alone at outer step 40" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="workbench.run.peer"):
+        alone = _finishing_peer(set()).end_on_the_others_state()  # a run of one peer
+    assert alone["ended_on_others_state"] is False and "ended the run alone" not in caplog.text
+
+
+def test_a_peer_left_behind_round_after_round_says_so_once(caplog) -> None:
+    """A joiner whose rounds took 12.5 s, where the others waited about 2 s for a stranger,
+    downloaded the state 8 times, never averaged, and nothing said why (a review, 2026-12-06)."""
+    from types import SimpleNamespace
+
+    from workbench.run.peer import LEFT_BEHIND_ROUNDS, Peer
+
+    peer = object.__new__(Peer)
+    peer.name, peer.left_behind = "slow", 0
+    behind = SimpleNamespace(stale=True, group_size=1)
+    with caplog.at_level("WARNING", logger="workbench.run.peer"):
+        for _ in range(LEFT_BEHIND_ROUNDS + 4):
+            peer._note_left_behind(behind, 12.5)
+    said = [r.getMessage() for r in caplog.records if "slower than they wait for" in r.getMessage()]
+    assert len(said) == 1 and "12 s of inner steps" in said[0] and "--round-seconds" in said[0], said
+    peer._note_left_behind(SimpleNamespace(stale=False, group_size=2), 1.0)
+    assert peer.left_behind == 0

@@ -56,6 +56,11 @@ RECORDS_REFRESH = 600.0
 FINAL_DOWNLOADS = 2  # downloads of the others' final θ a finishing peer tries before it leaves as is
 
 
+LEFT_BEHIND_ROUNDS = 3
+"""Rounds running a peer ends after the others did (and downloads their state) before it says
+that it is too slow for them."""
+
+
 class Peer:
     """Builds the model, data and swarm connection for ``config`` and trains until done.
 
@@ -96,6 +101,7 @@ class Peer:
         self.device = self.corpus = self.eval_set = self.model = self.inner_optimizer = self.batches = None
         self.outer: OuterLoop | None = None
         self.diloco = None  # the outer loop's rounds: DiLoCo, or streaming's fragment rounds
+        self.left_behind = 0  # rounds running it came after the others ended them (_note_left_behind)
         self.rounds_done = 0  # syncs this process took part in (a stopped peer writes θ after one)
         self.in_step = False
         """Whether this peer's last round averaged with round mates and nothing reset it since
@@ -428,6 +434,7 @@ class Peer:
         if every and self.diloco.outer_step_count % every == 0:
             self.save_checkpoint()
         self.in_step = report.group_size > 1 and not report.pending
+        self._note_left_behind(report, compute)
         if resync:
             self.resync(resync, avoid=outvoted, claims=claims)
         evaluated = self.diloco.outer_step_count % (cfg.peer.eval_every * syncs) == 0 or bool(
@@ -437,6 +444,26 @@ class Peer:
             eval_loss = self.evaluate()
         self._report_round(report, info, eval_loss, resync, round_start, compute, evaluated)
         return eval_loss
+
+    def _note_left_behind(self, report: Any, compute: float) -> None:
+        """Say once when this peer keeps coming after the others ended the round: a peer slower
+        than they wait for downloaded the state every round, never averaged and said nothing of
+        it (a review: 8 downloads, 0 bytes sent, in a run of 40 rounds)."""
+        if not (report.stale and report.group_size <= 1):
+            self.left_behind = 0
+            return
+        self.left_behind += 1
+        if self.left_behind == LEFT_BEHIND_ROUNDS:
+            logger.warning(
+                "%s: %d rounds running the others had ended the round before this peer's %.0f s of "
+                "inner steps did, and it downloaded their state instead of averaging: it is slower "
+                "than they wait for (about one of their rounds for a peer they have not averaged "
+                "with). Ask the run's owner for time-boxed rounds (`workbench steer --round-seconds "
+                "S`: every peer averages after S seconds, whatever its speed), or use a faster device",
+                self.name,
+                self.left_behind,
+                compute,
+            )
 
     def resync(self, why: str, *, avoid: set[str], claims: dict[str, int]) -> None:
         """Adopt the swarm's θ after a round that found this peer out of step (``why``): not from
@@ -690,8 +717,17 @@ class Peer:
                     self.final_theta = sketch()
                 continue
             time.sleep(0.2)
+        if ending.action == "leave" and not ending.agreeing and vouched:
+            # The peers it averaged with ended before it and left (a slower peer's last rounds,
+            # alone): its θ is its own; said, not reported as the others' (a review).
+            logger.warning(
+                "%s: ended the run alone at outer step %d: the peers it averaged with had left; "
+                "its final θ is its own",
+                self.name,
+                step,
+            )
         return dict(
-            ended_on_others_state=ending.action == "leave",
+            ended_on_others_state=ending.action == "leave" and ending.agreeing > 0,
             ending_agreeing_peers=ending.agreeing,
             ending_downloads=downloads,
             ending_seconds=time.monotonic() - started,
