@@ -298,3 +298,26 @@ def test_a_peer_left_behind_round_after_round_says_so_once(caplog) -> None:
     assert len(said) == 1 and "12 s of inner steps" in said[0] and "--round-seconds" in said[0], said
     peer._note_left_behind(SimpleNamespace(stale=False, group_size=2), 1.0)
     assert peer.left_behind == 0
+
+
+def test_a_round_line_after_a_download_names_the_round_its_loss_is_of(caplog) -> None:
+    """A peer frozen in round 6 that then took the swarm's state at step 16 printed "round 16
+    loss 3.8014 ...": round 6's loss under the swarm's step (a review, 2026-12-06)."""
+    from optim.averager import RoundReport
+    from workbench.run.peer import Peer
+    from workbench.run.telemetry import RoundStats
+
+    peer = object.__new__(Peer)
+    peer.name, peer.emit = "c", lambda *args, **fields: None
+    peer.stats = RoundStats()
+    peer.stats.last_loss = 3.8014
+    peer.diloco = __import__("types").SimpleNamespace(outer_step_count=16)
+    report = RoundReport(group_size=1, error="other peers are past this round", stale=True)
+    info = {"outer_step": 5, "fingerprint": [1.0]}
+    with caplog.at_level("INFO", logger="workbench.run.peer"):
+        peer._report_round(report, info, 2.9, "out of step", 0.0, 1.0, True)
+        peer.diloco.outer_step_count = 6
+        peer._report_round(RoundReport(group_size=2), info, 2.9, None, 0.0, 1.0, True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("c: round 6  loss 3.8014") and "now at the swarm's outer step 16" in lines[0]
+    assert lines[1].startswith("c: round 6  loss") and "swarm's outer step" not in lines[1], lines

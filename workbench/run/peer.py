@@ -555,14 +555,18 @@ class Peer:
             round_seconds=time.monotonic() - round_start,
             compute_seconds=compute,
         )
+        trained = int(info.get("outer_step", outer_step - 1)) + 1
+        # After a download the clock is the swarm's: the loss is of the round this peer trained.
+        moved = f"; now at the swarm's outer step {outer_step}" if resync and outer_step != trained else ""
         logger.info(
-            "%s: round %d  loss %.4f  eval %.4f  group %d%s",
+            "%s: round %d  loss %.4f  eval %.4f  group %d%s%s",
             self.name,
-            outer_step,
+            trained if moved else outer_step,
             self.stats.last_loss,
             eval_loss,
             report.group_size,
             round_note(report),
+            moved,
         )
 
     def finish(self, initial_eval: float) -> dict[str, Any]:
