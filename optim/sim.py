@@ -96,7 +96,9 @@ class SimConfig:
         round: a straggler's fraction, or what fits in the time box at its speed."""
         todo = max(1, round(todo * self.stragglers.get(rank, 1.0)))
         if self.round_seconds:
-            todo = min(todo, max(1, int(self.round_seconds * self.speed(rank) / self.step_seconds + 1e-9)))
+            fits = self.round_seconds * self.speed(rank) / self.step_seconds  # inf for a tiny step
+            if fits < todo:  # compared as floats: int(inf) raised OverflowError (a review)
+                todo = max(1, int(fits + 1e-9))
         return todo
 
 

@@ -267,7 +267,10 @@ def test_flags_reach_the_config() -> None:
             "with --resume {tmp}/held",
             id="run-dir-with-a-checkpoint",
         ),
-        pytest.param(["start", "--shard", "0/0"], "must be at least 1", id="shard-of-0"),
+        pytest.param(["start", "--shard", "0/0"], "must be in 1..1048576", id="shard-of-0"),
+        pytest.param(
+            ["start", "--shard", "0/99999999999999999999"], "must be in 1..1048576", id="shard-of-10^20"
+        ),
         pytest.param(
             ["start", "--checkpoint-every", "2"],
             "needs a folder to write them in: add --run-dir",
@@ -952,7 +955,10 @@ def test_config_show_names_the_file_of_a_bad_host_as_start_does(capsys, tmp_path
     for argv in (["config", "show"], ["start"]):
         assert main([*argv, "--config", str(tmp_path / "run.toml")]) == EXIT_USER_ERROR
         line = one_error_line(capsys)
-        assert "--host must be an IP address" in line and f"(host from file {tmp_path / 'run.toml'})" in line
+        # named as the file is read (the flag's check, before the config is built)
+        assert (
+            "--host must be an IP address" in line and f"{tmp_path / 'run.toml'}: host = 'localhost'" in line
+        )
 
 
 def test_a_rule_between_settings_names_where_a_flag_it_names_came_from(capsys, monkeypatch, tmp_path) -> None:
@@ -968,6 +974,13 @@ def test_a_rule_between_settings_names_where_a_flag_it_names_came_from(capsys, m
     monkeypatch.setenv("WORKBENCH_SYNC_DELAY", "3")
     assert main(["start"]) == EXIT_USER_ERROR
     assert "(sync_delay from env WORKBENCH_SYNC_DELAY)" in one_error_line(capsys)
+    monkeypatch.delenv("WORKBENCH_SYNC_DELAY")
+    # A word of the message is not a key named: "the port is forwarded" blamed WORKBENCH_PORT.
+    monkeypatch.setenv("WORKBENCH_PORT", "31337")
+    monkeypatch.setenv("WORKBENCH_ANNOUNCE", "/ip4/1.2.3.4/tcp/31337")
+    assert main(["start", "--client-mode"]) == EXIT_USER_ERROR
+    line = one_error_line(capsys)
+    assert "(announce from env WORKBENCH_ANNOUNCE)" in line and "port from" not in line, line
 
 
 def test_the_secrets_variable_is_named_as_its_source(capsys, monkeypatch) -> None:
@@ -1157,6 +1170,25 @@ def test_the_observers_take_the_run_id_the_peers_take(command, monkeypatch) -> N
     assert build_parser().parse_args([command, *extra, "--run-id", "other"]).run_id == "other"
 
 
+@pytest.mark.parametrize("command", ["status", "doctor", "steer", "monitor"])
+def test_the_observers_take_the_secret_owner_and_timeout_variables_the_peers_take(
+    command, monkeypatch
+) -> None:
+    """`WORKBENCH_SECRET=... workbench start` made a private run that `status` in the same shell
+    could not find: it read WORKBENCH_RUN_SECRET only (so with WORKBENCH_OWNER and
+    WORKBENCH_CONNECT_TIMEOUT; a review, 2026-12-06)."""
+    extra = ["/ip4/127.0.0.1/tcp/1", *(["--key", "k"] if command == "steer" else [])]
+    monkeypatch.setenv("WORKBENCH_SECRET", "correcthorse42")
+    monkeypatch.setenv("WORKBENCH_OWNER", "0123456789abcdef")
+    monkeypatch.setenv("WORKBENCH_CONNECT_TIMEOUT", "7")
+    args = build_parser().parse_args([command, *extra])
+    assert (args.secret, args.owner, args.connect_timeout) == ("correcthorse42", "0123456789abcdef", 7.0)
+    monkeypatch.setenv("WORKBENCH_RUN_SECRET", "the-run-secret")  # --secret's own variable first
+    assert (
+        build_parser().parse_args([command, *extra, "--owner", "fedcba9876543210"]).secret == "the-run-secret"
+    )
+
+
 def test_a_joiner_is_warned_of_shared_settings_its_own_machine_filled_in(
     capsys, monkeypatch, tmp_path
 ) -> None:
@@ -1177,3 +1209,15 @@ def test_a_joiner_is_warned_of_shared_settings_its_own_machine_filled_in(
     assert main(["join", address]) == 0 and "warning" not in capsys.readouterr().err
     monkeypatch.setenv("WORKBENCH_INNER_LR", "0.002")
     assert main(["start"]) == 0 and "warning" not in capsys.readouterr().err  # the run's own settings
+
+
+def test_an_error_holding_a_newline_is_still_one_line(capsys, monkeypatch) -> None:
+    """`--tokenizer $'/x\\ny'` printed its error over two lines (the path's newline)."""
+    import workbench.run.peer
+
+    def refuse(config, on_started=None):  # type: ignore[no-untyped-def]
+        raise ValueError(f"--tokenizer {config.data.tokenizer}: no such folder")
+
+    monkeypatch.setattr(workbench.run.peer, "run_peer", refuse)
+    assert main(["start", "--tokenizer", "/x\ny"]) == EXIT_USER_ERROR
+    assert "--tokenizer /x\\ny: no such folder" in one_error_line(capsys)

@@ -82,6 +82,8 @@ def test_env_alone_and_switches(monkeypatch):
         ("[a.b]\nc = 1\n", "nested too deep"),
         ("rounds = 1\n[peer]\nrounds = 2\n", "'rounds' is set twice"),
         ("zzzz = 1\n", "unknown key 'zzzz' (see `workbench config keys`)"),
+        ('"inner\\nsteps" = 3\n', "unknown key 'inner\\nsteps' (did you mean inner_steps?)"),  # one line
+        ("inner_steps = " + "9" * 5000 + "\n", "a number is too long"),
     ],
 )
 def test_file_errors_name_the_file_key_and_fix(tmp_path, text, message):
@@ -118,6 +120,21 @@ def test_a_bad_value_is_refused_even_where_a_flag_overrides_it(tmp_path, monkeyp
         resolve(["start", "--config", str(path), "--outer-lr", "0.5"], monkeypatch)
     with pytest.raises(ConfigError, match="WORKBENCH_INNER_STEPS='many' must be an integer"):
         resolve(["start", "--inner-steps", "5"], monkeypatch, WORKBENCH_INNER_STEPS="many")
+    # Text the run checks as it is built (a host, a run id, a name, an owner, a secret): the
+    # file's was read as a string only, and a flag over it hid it (a review, 2026-12-06).
+    for text, flag, said in (
+        ('host = "not-an-ip"\n', ["--host", "127.0.0.1"], "host = 'not-an-ip': --host must be an IP"),
+        ('run_id = "bad id"\n', ["--run-id", "good"], "run_id = 'bad id': invalid run id"),
+        ('name = ""\n', ["--name", "ok"], "name = '': invalid peer name"),
+        ('owner = "xyz"\n', ["--owner", "0123456789abcdef"], "owner = 'xyz': --owner takes the 16 hex"),
+        ('secret = "short"\n', ["--secret", "long enough"], "secret = (set, not shown): a run secret must"),
+    ):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=None) as caught:
+            resolve(["start", "--config", str(path), *flag], monkeypatch)
+        assert f"{path}: {said}" in str(caught.value)
+    with pytest.raises(ConfigError, match="WORKBENCH_HOST = 'bogus': --host must be an IP"):
+        resolve(["start", "--host", "127.0.0.1"], monkeypatch, WORKBENCH_HOST="bogus")
     path.write_text("outer_lr = 0.9\n")  # a good value under a flag: the flag still wins
     config, sources = resolve(["start", "--config", str(path), "--outer-lr", "0.5"], monkeypatch)
     assert config.diloco.outer_lr == 0.5 and sources["outer_lr"] == "flag"
@@ -157,6 +174,15 @@ def test_config_show_output_is_a_config_file(run_toml, tmp_path, capsys):
     first, _ = resolve(["start", "--config", str(run_toml)])
     again, _ = resolve(["start", "--config", str(resolved)])
     assert first == again
+
+
+def test_config_show_writes_text_with_a_newline_as_toml_reads_it(tmp_path, capsys):
+    """A --tokenizer path holding a newline was written between plain quotes over two lines,
+    which TOML refuses: `config show > resolved.toml` could not be read back."""
+    assert main(["config", "show", "--tokenizer", '/x\ny\t"z\\']) == 0
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(capsys.readouterr().out)
+    assert read_file(resolved)["tokenizer"] == '/x\ny\t"z\\'
 
 
 def test_config_show_gives_the_values_of_the_method_s_preset(tmp_path, capsys):

@@ -376,6 +376,8 @@ def test_time_boxed_rounds_on_the_virtual_clock():
     # At least one step per round, at most H, whatever the box.
     assert SimConfig(peers=2, speeds=[1.0, 0.01], round_seconds=4.0).steps_in_round(1, 4) == 1
     assert SimConfig(peers=2, speeds=[100.0, 1.0], round_seconds=4.0).steps_in_round(0, 4) == 4
+    # A day's box of 1e-305 s steps fits infinitely many: H (it raised OverflowError, a review).
+    assert SimConfig(peers=2, round_seconds=86400.0, step_seconds=1e-305).steps_in_round(0, 4) == 4
 
 
 def test_an_experiment_runs_time_boxed_rounds_on_the_virtual_clock():

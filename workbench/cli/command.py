@@ -219,12 +219,18 @@ _ran_torch = False
 """A peer or a simulation ran here: torch's threads are up, and finalization can abort in one."""
 
 
+def _one_line(error: BaseException) -> str:
+    """An error's message on one line, whatever a value in it holds (a --tokenizer path with a
+    newline split it in two)."""
+    return str(error).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def _one_line_errors(run, errors) -> int:
     """``run()``; a mistake the user can fix is one line on stderr and exit status 2."""
     try:
         return run()
     except errors as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 0
@@ -354,15 +360,15 @@ def _main(argv: Sequence[str] | None = None) -> int:
         run_peer(config, on_started=on_started)
         return 0
     except (SwarmError, DataError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {_one_line(error)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except (ValueError, OSError) as error:  # e.g. --device cuda without a GPU, an unwritable --run-dir
         if args.verbose:
             raise
-        print(f"error: {error} (run with -v for details)", file=sys.stderr)
+        print(f"error: {_one_line(error)} (run with -v for details)", file=sys.stderr)
         return EXIT_USER_ERROR
     except FloatingPointError as error:  # training diverged: the message says what to lower
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {_one_line(error)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("stopped.", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -62,6 +63,8 @@ def read_file(path: str | os.PathLike) -> dict[str, Any]:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    except ValueError as error:  # an integer of 5000 digits: Python's limit on int(text)
+        raise ConfigError(f"{path}: a number is too long ({str(error).split(';')[0]})") from None
     flat: dict[str, Any] = {}
     for key, value in document.items():
         entries = value.items() if isinstance(value, dict) else [(key, value)]
@@ -88,7 +91,7 @@ def _setting(key: str, command: str | None = None) -> Setting:
 def _check(key: str, value: Any, origin: str, command: str | None = None) -> Any:
     """A file's value for ``key``, checked like the flag would be."""
     try:
-        return _setting(key, command).check(value, f"{origin}: {key}")
+        return _checked_text(key, _setting(key, command).check(value, f"{origin}: {key}"), f"{origin}: {key}")
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
@@ -96,9 +99,37 @@ def _check(key: str, value: Any, origin: str, command: str | None = None) -> Any
 def _from_env(key: str, text: str, variable: str, command: str | None = None) -> Any:
     """An environment variable's text for ``key``, converted like the flag's argument."""
     try:
-        return _setting(key, command).from_text(text, variable)
+        return _checked_text(key, _setting(key, command).from_text(text, variable), variable)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+
+
+def _checked_text(key: str, value: Any, origin: str) -> Any:
+    """``value`` if the run would take it for ``key`` (a text setting the run checks when it is
+    built: a host, a run id...); checked now, so that a flag overriding it does not hide it (the
+    next command without the flag would stop on it)."""
+    from swarm.addresses import listen_address
+    from swarm.errors import SwarmError
+    from swarm.records import check_name, check_owner, check_run_id
+
+    def secret(text: str) -> None:
+        if len(text) < 8:
+            raise ValueError("a run secret must be at least 8 characters (use a long random one)")
+
+    checks = {
+        "host": lambda text: listen_address(text, 0),
+        "run_id": check_run_id,
+        "owner": check_owner,
+        "name": check_name,
+        "secret": secret,
+    }
+    if key in checks and isinstance(value, str):
+        try:
+            checks[key](value)
+        except (ValueError, SwarmError) as error:
+            shown = "(set, not shown)" if key == "secret" else _quoted(value)
+            raise ValueError(f"{origin} = {shown}: {error}") from None
+    return value
 
 
 def explicit_keys(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -163,7 +194,7 @@ def layer(
                     continue  # another command's setting (one file serves start, join, demo, simulate)
                 close = difflib.get_close_matches(key, [*actions, *known_elsewhere], n=1)
                 hint = f" (did you mean {close[0]}?)" if close else " (see `workbench config keys`)"
-                raise ConfigError(f"{path}: unknown key '{key}'{hint}")
+                raise ConfigError(f"{path}: unknown key {_quoted(key)}{hint}")
             value = _check(key, value, str(path), command)
             if key not in given:
                 setattr(args, key, value)
@@ -203,5 +234,11 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{text}"'
+    return _quoted(str(value), '"')
+
+
+def _quoted(text: str, quote: str = "'") -> str:
+    """``text`` as a TOML basic string (``quote`` '"') or for a message: one line, whatever it
+    holds (a key or path with a newline printed two lines, and TOML refused the file written)."""
+    escaped = json.dumps(text, ensure_ascii=False)[1:-1]  # \\, \", \n, \t, \u0000: as TOML reads them
+    return f'"{escaped}"' if quote == '"' else f"'{escaped}'"

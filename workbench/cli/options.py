@@ -80,9 +80,15 @@ def parse_shard(text: str | None) -> tuple[int | None, int]:
         shard = int(index), int(count)
     except ValueError:
         raise ValueError(f"--shard '{text}' must look like I/N, e.g. 0/4 for the first of 4 shards") from None
-    if shard[1] < 1:
-        raise ValueError(f"--shard '{text}': N, the number of shards, must be at least 1 (e.g. 0/4)")
+    if not 1 <= shard[1] <= MAX_SHARDS:
+        # Not after the peer started: a shard of 10^20 was refused as "0 bytes" once the join
+        # command was printed.
+        raise ValueError(f"--shard '{text}': N, the number of shards, must be in 1..{MAX_SHARDS} (e.g. 0/4)")
     return shard
+
+
+MAX_SHARDS = 1 << 20
+"""The most shards ``--shard I/N`` may cut the data into."""
 
 
 def _model_shape(args: argparse.Namespace):
@@ -163,7 +169,13 @@ def _where_from(message: str, sources: dict[str, str]) -> str:
 
     def named_in(key: str) -> bool:
         flag = flags.get(key) or "--" + key.replace("_", "-")
-        return key.replace("_", " ") in text or key in text or re.search(rf"{re.escape(flag)}(?![\w-])", text)
+        if re.search(rf"{re.escape(flag)}(?![\w-])", text):
+            return True
+        if "_" in key:  # "inner lr", "inner_lr": a phrase no message uses for anything else
+            return key.replace("_", " ") in text or key in text
+        # A one-word key as the subject of a rule ("rounds must be ..."), not any use of the word:
+        # "the port is forwarded" blamed a WORKBENCH_PORT for --client-mode's rule (a review).
+        return re.search(rf"(?<![\w-]){key} (must|=|is not|should)", text) is not None or text.startswith(key)
 
     named = [
         f"{key} from {source}"

@@ -37,9 +37,19 @@ def add_observer_options(parser: argparse.ArgumentParser) -> None:
         help="the run's name (default: $WORKBENCH_RUN_ID, else workbench)",
     )
     parser.add_argument(
-        "--connect-timeout", type=bounded("connect_timeout"), default=20.0, help="seconds to reach the peers"
+        "--connect-timeout",
+        type=bounded("connect_timeout"),
+        # A string default goes through ``type`` (a bad variable: one line, exit 2).
+        default=os.environ.get("WORKBENCH_CONNECT_TIMEOUT") or 20.0,
+        help="seconds to reach the peers (default: $WORKBENCH_CONNECT_TIMEOUT, else 20)",
     )
     add_run_access_options(parser)
+    # The variables the peers take too: `start` with WORKBENCH_SECRET made a private run that
+    # `status` in the same shell could not find (it read WORKBENCH_RUN_SECRET only).
+    parser.set_defaults(
+        secret=os.environ.get("WORKBENCH_RUN_SECRET") or os.environ.get("WORKBENCH_SECRET"),
+        owner=os.environ.get("WORKBENCH_OWNER"),
+    )
 
 
 def add_status_parser(commands) -> None:
