@@ -75,8 +75,8 @@ def implausible(beat: PeerHeartbeat, now: float) -> str | None:
             return f"a {name.replace('_seconds', '').replace('_', ' ')} of {getattr(beat, name):g} s"
     if not all(math.isfinite(v) for v in beat.final_theta):  # a diverged θ's sketch, or a liar's
         return "a final θ sketch that is not finite"
-    if beat.control_version > MAX_VERSION + 1:
-        return f"steering version {beat.control_version}"
+    if max(beat.control_version, beat.control_refused) > MAX_VERSION + 1:
+        return f"steering version {max(beat.control_version, beat.control_refused)}"
     return None
 
 

@@ -146,6 +146,11 @@ class PeerHeartbeat(BaseModel):
     """How many peers averaged in this peer's last round (1: it stepped alone)."""
     control_version: int = Field(default=0, ge=0)
     """The run owner's ControlState version this peer has applied (0: none yet)."""
+    control_refused: int = Field(default=0, ge=0)
+    """The last version this peer refused, applying nothing of it (a value its run cannot take:
+    streaming's H not divisible by its fragments, an update codec its method has no use for)."""
+    control_refusal: str = Field(default="", max_length=200)
+    """Why it refused :attr:`control_refused`."""
     addresses: list[str] = Field(default_factory=list, max_length=16)
     """Multiaddrs this peer can be dialed at (empty for a client-mode peer)."""
     tokens_per_second: float = Field(default=0.0, ge=0)
@@ -236,7 +241,12 @@ def applied(peers: Iterable[PeerHeartbeat], version: int) -> tuple[int, int]:
     applies nothing until it is resumed, so it is not counted (the monitor's "3/4 applied" stayed
     short for as long as a peer was paused)."""
     active = [p for p in peers if p.stage is not Stage.PAUSED]
-    return sum(p.control_version >= version for p in active), len(active)
+    return sum(p.control_version >= version > p.control_refused for p in active), len(active)
+
+
+def refused(peers: Iterable[PeerHeartbeat], version: int) -> dict[str, str]:
+    """The peers that refused the control ``version`` (peer id -> why), applying nothing of it."""
+    return {p.peer_id: p.control_refusal for p in peers if p.control_refused >= version}
 
 
 MAX_VERSION = 2**52

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from typing import Any
 
+from rich.markup import escape
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
@@ -17,6 +18,7 @@ from textual.widgets import DataTable, Label, RichLog, Sparkline, Static
 from textual_plotext import PlotextPlot
 
 from swarm.monitor import SwarmSnapshot
+from swarm.records import refused
 from tui.format import (
     STAGE_STYLE,
     bytes_saved,
@@ -99,9 +101,16 @@ def summary_text(s: SwarmSnapshot, *, published: Any = None, updates_paused: boo
         applied, total = s.applied(version)
         color = "green" if applied == total else "yellow"
         paused = len(s.peers) - total  # they apply it when resumed
+        said_no = refused(s.peers.values(), version)
+        color = "red" if said_no else color
         parts.append(
             f"[dim]control[/] [{color}]{applied}/{total} peers applied v{version}[/]"
             + (f" [dim]({paused} paused)[/]" if paused else "")
+            + (
+                f" [red]({len(said_no)} refused: {escape(next(iter(said_no.values()))[:80])})[/]"
+                if said_no
+                else ""
+            )
         )
     waits = sorted(p.round_wait_seconds for p in s.peers.values() if p.round_wait_seconds)
     if waits:  # the deadlines the peers learned from the last rounds (swarm.deadlines)

@@ -175,6 +175,29 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
     assert all(torch.equal(x, y) for x, y in zip(*params))
 
 
+def test_a_change_the_run_cannot_take_is_refused_and_steer_says_so(spawn, tmp_path):
+    """A streaming run of 4 fragments steered to H=6: `steer` printed "1/1 peers applied v1" and
+    exited 0 while the peer refused it, and every later change carried H=6 (a review,
+    2026-12-06). The peer applies nothing of it and says why; `steer` exits 1 naming it."""
+    common = [*FAST, "--run-id", "refuse", "--method", "streaming", "--inner-steps", "8", "--fragments", "4"]
+    first = spawn("a", "start", *common, *steady(tmp_path))
+    address = first.address()
+    first.wait_event("round")
+    key = str(first.directory / "identity.key")
+    steer = ["steer", address, "--run-id", "refuse", "--key", key, "--wait", "60"]
+    bad = workbench(*steer, "--inner-steps", "6", "--json")
+    assert bad.returncode == 1, (bad.stdout, bad.stderr)
+    assert "1 peer(s) refused v1 and apply nothing of it: a: streaming on real peers needs" in bad.stderr
+    said = json.loads(bad.stdout)
+    assert said["applied"] == 0 and list(said["refused"]) == [first.wait_event("started")["peer_id"]]
+    good = workbench(*steer, "--inner-steps", "4", "--json")  # a value the run takes: applied
+    assert good.returncode == 0 and json.loads(good.stdout)["applied"] == 1, good.stderr
+    applied = first.wait_event("control_applied", lambda e: e["version"] == 2, timeout=60)
+    assert applied["changes"] == {"inner_steps": 4}, applied
+    assert first.wait_event("control_applied", lambda e: e["version"] == 1)["changes"]["error"]
+    interrupt_all([first])
+
+
 def test_steering_reaches_every_peer(spawn, tmp_path):
     # No --rounds: with a fixed length the first peer, alone during the pause, could finish the
     # run before the resume on a loaded machine (its rounds alone take ~0.1 s), and the second

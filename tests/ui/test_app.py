@@ -554,3 +554,21 @@ def test_the_eta_is_the_median_of_what_the_peers_say() -> None:
     honest = eta_seconds(snapshot(dict(rounds=110, last_round_seconds=5.0)))
     assert honest is not None and honest <= 100 * 5.0
     assert eta_seconds(snapshot(dict(rounds=10**12, last_round_seconds=86400.0))) == honest
+
+
+def test_the_summary_says_a_peer_refused_the_owners_change() -> None:
+    """A peer refused v1 (a value its run cannot take): the summary counted it as applied."""
+    import dataclasses
+
+    from swarm.records import ControlState
+    from tests.ui.fake import heartbeat
+    from tui.widgets import summary_text
+
+    snapshot = FakeSource().snapshots[-1]
+    refusing = heartbeat(
+        1, snapshot.time, 12, control_version=1, control_refused=1, control_refusal="H=6 [no]"
+    )
+    others = {p: b.model_copy(update={"control_version": 1}) for p, b in snapshot.peers.items()}
+    others[peer_id(1)] = refusing
+    said = summary_text(dataclasses.replace(snapshot, peers=others, control=ControlState(version=1)))
+    assert "3/4 peers applied v1" in said and "(1 refused: H=6 \\[no])" in said, said

@@ -49,6 +49,7 @@ def beat(peer: str, step: int, stage: Stage = Stage.WAITING, **fields) -> PeerHe
         {"averaging_deadline_seconds": 1e308},
         {"matchmaking_window_seconds": float("inf")},
         {"control_version": 2**60},
+        {"control_refused": 2**60},
         {"final_theta": [1.0, float("nan")]},  # stop 57: `status --json` wrote NaN
     ],
 )

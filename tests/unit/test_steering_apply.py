@@ -463,3 +463,59 @@ def test_two_publishes_at_once_end_every_peer_on_the_record_the_dht_kept() -> No
     )
     with pytest.raises(SwarmError, match="published at the same moment and replaced this one"):
         publisher.publish(inner_steps=20)
+
+
+def test_a_version_the_run_cannot_take_is_refused_whole_and_said() -> None:
+    """A streaming run of 4 fragments steered to H=6: the peer logged an error, applied the
+    version's time box anyway, and its heartbeat said it had applied it, so `steer` printed
+    "1/1 peers applied" (a review, 2026-12-06). Nothing of it applies, and the heartbeat says
+    it was refused, and why."""
+    from swarm.records import PeerHeartbeat, Stage, applied, refused
+
+    watcher, events = Watcher(), []
+    peer = Steering(
+        watcher, name="a", peer_id="QmA", joiner=False,
+        emit=lambda kind, **fields: events.append((kind, fields)), publish=lambda: None,
+        beat=lambda stage: None, checkpoint=lambda: "checkpoint.pt",
+        check=lambda control: "H=6 is not divisible by the 4 fragments" if control.inner_steps == 6 else None,
+    )  # fmt: skip
+    watcher.control = ControlState(version=1, inner_steps=6, round_seconds=5.0, checkpoint=1)
+    peer.apply(Outer(), data_parallel=False)
+    assert peer.refused == (1, "H=6 is not divisible by the 4 fragments") and peer.version == 1
+    assert peer.round_seconds is None and peer.settings == {} and peer.checkpoints == 0
+    assert events == [("control_applied", dict(version=1, outer_step=10, changes={"error": peer.refused[1]}))]
+    peer.apply(Outer(), data_parallel=False)
+    assert len(events) == 1  # said once, not every round
+
+    def beat(applied_version: int, refused_version: int = 0) -> PeerHeartbeat:
+        return PeerHeartbeat(
+            peer_id="QmA", name="a", stage=Stage.TRAINING, outer_step=10, inner_step=0, inner_steps=8,
+            time=0.0, control_version=applied_version, control_refused=refused_version,
+            control_refusal="H=6 is not divisible" if refused_version else "",
+        )  # fmt: skip
+
+    assert applied([beat(1, 1)], 1) == (0, 1) and refused([beat(1, 1)], 1) == {"QmA": "H=6 is not divisible"}
+    watcher.control = ControlState(version=2, inner_steps=8, round_seconds=5.0, checkpoint=1)
+    peer.apply(Outer(), data_parallel=False)  # a value it takes: applied whole
+    assert peer.version == 2 and peer.round_seconds == 5.0 and peer.checkpoints == 1
+    assert applied([beat(2, 1)], 2) == (1, 1) and refused([beat(2, 1)], 2) == {}
+
+
+def test_the_runs_own_rules_decide_what_a_peer_takes() -> None:
+    from types import SimpleNamespace
+
+    from workbench.cli.command import build_config, build_parser
+    from workbench.run.control import steered_problem
+
+    def config(*argv: str):  # type: ignore[no-untyped-def]
+        return build_config(build_parser().parse_args(["start", *argv]))
+
+    def change(**values: Any) -> SimpleNamespace:
+        return SimpleNamespace(**{"outer_lr": None, "inner_steps": None, "codec": None, **values})
+
+    streaming = config("--method", "streaming", "--inner-steps", "8", "--fragments", "4")
+    assert "divisible by --fragments (4)" in steered_problem(streaming, change(inner_steps=6))
+    assert steered_problem(streaming, change(inner_steps=12, outer_lr=0.5)) is None
+    trimmed = config("--aggregate", "trimmed-mean")
+    assert "--aggregate trimmed-mean" in steered_problem(trimmed, change(codec="topk"))
+    assert steered_problem(config(), change(codec="topk", outer_lr=0.4)) is None

@@ -58,7 +58,7 @@ def add_steer_parser(commands) -> None:
 def run_steer_command(args: argparse.Namespace) -> int:
     from swarm.identity import key_hash
     from swarm.manifest import find_manifest, owner_mismatch
-    from swarm.records import RunKeys, Stage, check_owner
+    from swarm.records import RunKeys, Stage, check_owner, refused
     from swarm.steering import Steering, aliases_of, live_peer_id
     from workbench.cli.status import open_observer
 
@@ -129,13 +129,14 @@ def run_steer_command(args: argparse.Namespace) -> int:
                 f"published control v{control.version} (from outer step {control.from_step}): {control.changes()}"
             )
         deadline = time.monotonic() + args.wait
-        applied, total, peers = 0, 0, {}
+        applied, total, peers, refusals = 0, 0, {}, {}
         while True:
             peers = session.board.fetch()
             applied, total = steering.propagation(peers, control.version)
+            refusals = refused(peers.values(), control.version)
             if not args.json:
                 print(f"{applied}/{total} peers applied v{control.version}", flush=True)
-            if (total and applied == total) or time.monotonic() >= deadline:
+            if (total and applied + len(refusals) >= total) or time.monotonic() >= deadline:
                 break
             time.sleep(1.0)
         # Heartbeats are anyone's to publish: name the peers that did not apply it, so that one
@@ -143,7 +144,7 @@ def run_steer_command(args: argparse.Namespace) -> int:
         missing = {
             i: p.name
             for i, p in peers.items()
-            if p.stage is not Stage.PAUSED and p.control_version < control.version
+            if p.stage is not Stage.PAUSED and p.control_version < control.version and i not in refusals
         }
         if args.json:
             print(
@@ -153,9 +154,22 @@ def run_steer_command(args: argparse.Namespace) -> int:
                         "applied": applied,
                         "peers": total,
                         "not_applied": sorted(missing),
+                        "refused": refusals,
                     }
                 )
             )
+        if refusals:
+            # A value the run cannot take: nothing of the version applies on these peers, and
+            # every later change carries it (a change is made on top of the last): say which.
+            first = next(iter(refusals))
+            print(
+                f"error: {len(refusals)} peer(s) refused v{control.version} and apply nothing of it: "
+                f"{peers[first].name if first in peers else first[-8:]}: {refusals[first]} (later changes "
+                f"carry v{control.version}'s values: publish one the run takes, e.g. another "
+                "--inner-steps or --update-codec)",
+                file=sys.stderr,
+            )
+            return 1
         if args.wait and total and applied < total:
             names = ", ".join(f"{name} ({i[-8:]})" for i, name in list(missing.items())[:8])
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""

@@ -31,6 +31,28 @@ def _served_before(latest: Any, outer_step: int) -> int:
     return 0 if oldest.version == 1 else max(0, oldest.checkpoint - 1)
 
 
+def steered_problem(config: Any, control: Any) -> str | None:
+    """Why a run of ``config`` cannot take ``control``'s outer lr, H and update codec, by the
+    rules `workbench start` checks (None: it can). The optimizer's own checks took some of
+    them: a trimmed-mean run applied a top-k codec that its start refuses."""
+    import dataclasses
+
+    changes = {
+        key: value
+        for key, value in dict(
+            outer_lr=control.outer_lr, inner_steps=control.inner_steps, codec=control.codec
+        ).items()
+        if value is not None
+    }
+    if not changes:
+        return None
+    try:
+        dataclasses.replace(config, diloco=dataclasses.replace(config.diloco, **changes))
+    except (ValueError, TypeError) as error:
+        return str(error)
+    return None
+
+
 class Steering:
     """Applies the owner's :class:`swarm.steering.ControlState` versions to one peer.
 
@@ -50,11 +72,14 @@ class Steering:
         beat: Callable[[Stage], None],
         checkpoint: Callable[[], Any],
         can_checkpoint: bool = True,
+        check: Callable[[Any], str | None] = lambda control: None,
     ) -> None:
         self.watcher = watcher
         self.name, self.peer_id, self.joiner = name, peer_id, joiner
         self.emit, self.publish, self.beat, self.checkpoint = emit, publish, beat, checkpoint
         self.can_checkpoint = can_checkpoint
+        self.check = check
+        """Why this peer's run cannot take a version's outer lr, H and codec (None: it can)."""
         """False for a peer without a --run-dir: a request it cannot write is not retried."""
         self.version = 0
         """The owner's ControlState version whose settings this peer applied."""
@@ -64,6 +89,9 @@ class Steering:
         """The owner's time box for rounds (None: the peer's own ``--round-seconds``)."""
         self.settings: dict[str, Any] = {}
         """Every setting steering changed on this peer, newest value (a checkpoint keeps them)."""
+        self.refused: tuple[int, str] = (0, "")
+        """The last version refused (nothing of it applied) and why, for the heartbeat: the
+        owner's `steer` counted it as applied (a review)."""
         self.joined = False
         """A joiner's first look at the owner's record is taken (the requests it does not serve)."""
         self.owed = 0
@@ -97,12 +125,17 @@ class Steering:
         changes: dict[str, Any] = {}
         if not data_parallel:
             try:
+                # The run's own rules first (streaming's H divisible by its fragments, no top-k
+                # under a trimmed mean...): the optimizer alone took some a run refuses at start.
+                problem = self.check(control)
+                if problem:
+                    raise ValueError(problem)
                 changes = outer.retune(
                     outer_lr=control.outer_lr, inner_steps=control.inner_steps, codec=control.codec
                 )
             except ValueError as error:
-                logger.error("%s: control v%d not applied: %s", self.name, control.version, error)
-                changes = {"error": str(error)}
+                self._refuse(control, str(error), outer)
+                return  # nothing of it (its time box, its checkpoint): never half-applied
         elif control.outer_lr or control.inner_steps or control.codec:
             logger.warning("%s: outer lr, H and codec do not apply to data-parallel; ignored", self.name)
         if control.round_seconds is not None and control.round_seconds != self.round_seconds:
@@ -116,6 +149,20 @@ class Steering:
             "control_applied", version=control.version, outer_step=outer.outer_step_count, changes=changes
         )
         logger.info("%s: applied control v%d: %s", self.name, control.version, changes or "no change")
+        self.publish()
+
+    def _refuse(self, control: Any, why: str, outer: Any) -> None:
+        """Apply nothing of ``control``: said in the log, the events and the heartbeat, which the
+        owner's `steer` reads (it counted a refused version as applied, a review)."""
+        logger.error("%s: control v%d not applied: %s", self.name, control.version, why)
+        self.refused = (control.version, why)
+        self.version = control.version  # not tried again each round: said once, and refused
+        self.emit(
+            "control_applied",
+            version=control.version,
+            outer_step=outer.outer_step_count,
+            changes={"error": why},
+        )
         self.publish()
 
     def _write_checkpoint(self, request: int, outer: Any) -> Any:

@@ -38,7 +38,7 @@ from swarm.records import PeerHeartbeat, RunKeys, RunManifest, Stage
 from swarm.session import connect
 from workbench.config import RunConfig
 from workbench.run import joining
-from workbench.run.control import Steering
+from workbench.run.control import Steering, steered_problem
 from workbench.run.data import check_batch_size, evaluate
 from workbench.run.exporters import peer_exporters
 from workbench.run.faults import InjectedFaults
@@ -197,6 +197,7 @@ class Peer:
             beat=self.beat,
             checkpoint=self.save_checkpoint,
             can_checkpoint=self.run_dir is not None,
+            check=lambda control: steered_problem(self.config, control),
         )
 
     def _announce(self) -> None:
