@@ -101,6 +101,9 @@ def test_a_donor_with_another_consensus_serves_nothing():
 def test_a_donor_whose_slices_do_not_match_its_hashes_is_dropped():
     good, bad = serve(state(1)), serve(state(1))
     bad[0].tamper = lambda: 1.0
+    # The good donor slow until the liar served a slice: on a loaded machine (`make test`) the
+    # good one took all 14 slices before the liar's connection was up, and nothing was checked.
+    good[0].delay = lambda: 0.0 if bad[0].served else 200.0
     offers = [offer("bad", *bad), offer("good", *good)]  # the liar even comes first
     got = download(bad[1], offers)
     assert all(torch.equal(a, b) for a, b in zip(got, state(1)))
