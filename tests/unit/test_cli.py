@@ -1221,3 +1221,12 @@ def test_an_error_holding_a_newline_is_still_one_line(capsys, monkeypatch) -> No
     monkeypatch.setattr(workbench.run.peer, "run_peer", refuse)
     assert main(["start", "--tokenizer", "/x\ny"]) == EXIT_USER_ERROR
     assert "--tokenizer /x\\ny: no such folder" in one_error_line(capsys)
+
+
+def test_a_demo_refusing_a_setting_from_a_file_names_the_file(capsys, tmp_path) -> None:
+    """`shard = "0/4"` in the file a run's peers share: `demo --config` said "drop --shard", a
+    flag the user never typed (a review, 2026-12-06)."""
+    (tmp_path / "run.toml").write_text('shard = "0/4"\n')
+    assert main(["demo", "--config", str(tmp_path / "run.toml"), "--run-dir", str(tmp_path / "d")]) == 2
+    line = one_error_line(capsys)
+    assert "drop --shard" in line and f"(shard from file {tmp_path / 'run.toml'})" in line, line

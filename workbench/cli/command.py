@@ -359,13 +359,14 @@ def _main(argv: Sequence[str] | None = None) -> int:
         _ran_torch = True
         run_peer(config, on_started=on_started)
         return 0
-    except (SwarmError, DataError) as error:
-        print(f"error: {_one_line(error)}", file=sys.stderr)
+    except (SwarmError, DataError) as error:  # (the demo's refusals too: "drop --shard" from a file)
+        print(f"error: {_one_line(error)}{_where_from(str(error), sources)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except (ValueError, OSError) as error:  # e.g. --device cuda without a GPU, an unwritable --run-dir
         if args.verbose:
             raise
-        print(f"error: {_one_line(error)} (run with -v for details)", file=sys.stderr)
+        where = _where_from(str(error), sources)
+        print(f"error: {_one_line(error)}{where} (run with -v for details)", file=sys.stderr)
         return EXIT_USER_ERROR
     except FloatingPointError as error:  # training diverged: the message says what to lower
         print(f"error: {_one_line(error)}", file=sys.stderr)
