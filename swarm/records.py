@@ -210,7 +210,7 @@ class PeerHeartbeat(BaseModel):
             raise ValueError("ignored: peer ids (letters and digits) up to 128 characters, reasons up to 200")
         return {k: printable(v) for k, v in value.items()}
 
-    @field_validator("last_error", "last_round_alone")
+    @field_validator("last_error", "last_round_alone", "control_refusal")
     @classmethod
     def _printable(cls, value: str | None) -> str | None:
         return None if value is None else printable(value)
@@ -241,12 +241,14 @@ def applied(peers: Iterable[PeerHeartbeat], version: int) -> tuple[int, int]:
     applies nothing until it is resumed, so it is not counted (the monitor's "3/4 applied" stayed
     short for as long as a peer was paused)."""
     active = [p for p in peers if p.stage is not Stage.PAUSED]
-    return sum(p.control_version >= version > p.control_refused for p in active), len(active)
+    return sum(p.control_version >= version and not 0 < version <= p.control_refused for p in active), len(
+        active
+    )
 
 
 def refused(peers: Iterable[PeerHeartbeat], version: int) -> dict[str, str]:
     """The peers that refused the control ``version`` (peer id -> why), applying nothing of it."""
-    return {p.peer_id: p.control_refusal for p in peers if p.control_refused >= version}
+    return {p.peer_id: p.control_refusal for p in peers if 0 < version <= p.control_refused}
 
 
 MAX_VERSION = 2**52

@@ -146,7 +146,7 @@ def run_simulation(
             grad_clip=train.grad_clip,
         )
 
-    return simulate(make_peer, lambda net: evaluate(net, held_out, device), sim)
+    return simulate(make_peer, lambda net: evaluate(net, held_out, device, data.batch_size), sim)
 
 
 def parse_speeds(text: str | None) -> list[float]:

@@ -1183,10 +1183,12 @@ def test_the_observers_take_the_secret_owner_and_timeout_variables_the_peers_tak
     monkeypatch.setenv("WORKBENCH_CONNECT_TIMEOUT", "7")
     args = build_parser().parse_args([command, *extra])
     assert (args.secret, args.owner, args.connect_timeout) == ("correcthorse42", "0123456789abcdef", 7.0)
-    monkeypatch.setenv("WORKBENCH_RUN_SECRET", "the-run-secret")  # --secret's own variable first
-    assert (
-        build_parser().parse_args([command, *extra, "--owner", "fedcba9876543210"]).secret == "the-run-secret"
-    )
+    # Both set: as the peers take it, WORKBENCH_SECRET (the setting's variable) over --secret's
+    # default WORKBENCH_RUN_SECRET, or the observers looked for another run than the peers ran.
+    monkeypatch.setenv("WORKBENCH_RUN_SECRET", "the-run-secret")
+    assert build_parser().parse_args([command, *extra]).secret == "correcthorse42"
+    monkeypatch.delenv("WORKBENCH_SECRET")
+    assert build_parser().parse_args([command, *extra]).secret == "the-run-secret"
 
 
 def test_a_joiner_is_warned_of_shared_settings_its_own_machine_filled_in(

@@ -359,3 +359,26 @@ def test_peers_with_another_batch_size_evaluate_on_the_same_bytes() -> None:
     for other in sets[1:]:
         assert len(other) == len(sets[0])
         assert all(torch.equal(a, b) for (x, y), (u, v) in zip(sets[0], other) for a, b in ((x, u), (y, v)))
+
+
+def test_the_eval_set_is_evaluated_in_chunks_of_the_peers_batch_size_to_the_same_loss() -> None:
+    """The eval batches hold 16 windows whatever --batch-size: a peer that lowered its batch
+    size to fit its memory must not evaluate 16 windows in one forward (a review, 2026-12-06)."""
+    import torch
+
+    from tests.unit.test_cli import config_of
+    from workbench.run.data import evaluate
+    from workbench.run.training import load_data
+
+    batches = load_data(config_of("start", "--batch-size", "3", "--model", "tiny"))[2]
+    seen: list[int] = []
+
+    class Model(torch.nn.Module):
+        def forward(self, x, y):  # type: ignore[no-untyped-def]
+            seen.append(len(x))
+            return None, (x.float().mean(dim=1) / 255).mean()  # a mean over the windows, as a loss is
+
+    whole = evaluate(Model(), batches, torch.device("cpu"))
+    seen.clear()
+    chunked = evaluate(Model(), batches, torch.device("cpu"), chunk=3)
+    assert max(seen) == 3 and abs(whole - chunked) < 1e-6, (whole, chunked)

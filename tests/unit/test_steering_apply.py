@@ -499,6 +499,9 @@ def test_a_version_the_run_cannot_take_is_refused_whole_and_said() -> None:
     peer.apply(Outer(), data_parallel=False)  # a value it takes: applied whole
     assert peer.version == 2 and peer.round_seconds == 5.0 and peer.checkpoints == 1
     assert applied([beat(2, 1)], 2) == (1, 1) and refused([beat(2, 1)], 2) == {}
+    assert applied([beat(0)], 0) == (1, 1) and refused([beat(0)], 0) == {}  # no control yet
+    said = {**beat(1, 1).model_dump(), "control_refusal": "\x1b]0;pwned\x07\x1b[2J"}
+    assert PeerHeartbeat.model_validate(said).control_refusal == "\\x1b]0;pwned\\x07\\x1b[2J"  # as text
 
 
 def test_the_runs_own_rules_decide_what_a_peer_takes() -> None:

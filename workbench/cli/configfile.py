@@ -240,5 +240,7 @@ def _toml_value(value: Any) -> str:
 def _quoted(text: str, quote: str = "'") -> str:
     """``text`` as a TOML basic string (``quote`` '"') or for a message: one line, whatever it
     holds (a key or path with a newline printed two lines, and TOML refused the file written)."""
-    escaped = json.dumps(text, ensure_ascii=False)[1:-1]  # \\, \", \n, \t, \u0000: as TOML reads them
+    escaped = json.dumps(text, ensure_ascii=False)[1:-1].replace(
+        "\x7f", "\\u007f"
+    )  # \\, \", \n, \t, \u0000: as TOML reads them
     return f'"{escaped}"' if quote == '"' else f"'{escaped}'"

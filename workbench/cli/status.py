@@ -47,7 +47,8 @@ def add_observer_options(parser: argparse.ArgumentParser) -> None:
     # The variables the peers take too: `start` with WORKBENCH_SECRET made a private run that
     # `status` in the same shell could not find (it read WORKBENCH_RUN_SECRET only).
     parser.set_defaults(
-        secret=os.environ.get("WORKBENCH_RUN_SECRET") or os.environ.get("WORKBENCH_SECRET"),
+        # in the peers' order: WORKBENCH_SECRET (the setting's variable) over --secret's default
+        secret=os.environ.get("WORKBENCH_SECRET") or os.environ.get("WORKBENCH_RUN_SECRET"),
         owner=os.environ.get("WORKBENCH_OWNER"),
     )
 

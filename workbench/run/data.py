@@ -496,8 +496,13 @@ def _check_length(found: int, block_size: int, what: str, num_shards: int = 1) -
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: torch.device) -> float:
-    """Mean loss of ``model(x, y)`` over ``batches``; the model's train/eval mode is restored."""
+def evaluate(
+    model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: torch.device, chunk: int | None = None
+) -> float:
+    """Mean loss of ``model(x, y)`` over ``batches``; the model's train/eval mode is restored.
+    ``chunk``: at most this many windows in one forward (a peer's own --batch-size, which fits
+    its memory; the eval set's batches are :data:`EVAL_BATCH_SIZE`), each batch's loss the mean
+    of its chunks' weighted by their windows: the same number."""
     if not batches:
         raise ValueError(
             "evaluate() got no batches; pass ByteCorpus.eval_batches(...) with num_batches >= 1."
@@ -507,9 +512,13 @@ def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]], device: tor
     try:
         total = 0.0
         for x, y in batches:
-            with autocast_context(device):
-                _, loss = model(x.to(device), y.to(device))
-            total += float(loss)
+            size = min(chunk or len(x), len(x))
+            loss_sum = 0.0
+            for lo in range(0, len(x), size):
+                with autocast_context(device):
+                    _, loss = model(x[lo : lo + size].to(device), y[lo : lo + size].to(device))
+                loss_sum += float(loss) * len(x[lo : lo + size])
+            total += loss_sum / len(x)
         return total / len(batches)
     finally:
         model.train(was_training)

@@ -488,7 +488,8 @@ class Peer:
         """The held-out loss of the swarm's model, θ_global (what ``global_params.pt`` keeps and
         every peer of the round holds), not of the params this peer trains from when they
         differ (streaming's fragments, a delayed, overlapped or eager round)."""
-        return self.diloco.with_global(lambda: evaluate(self.model, self.eval_set, self.device))
+        chunk = self.config.data.batch_size  # what fits this peer's memory (the set's batches are 16)
+        return self.diloco.with_global(lambda: evaluate(self.model, self.eval_set, self.device, chunk))
 
     def train_round(self, info: dict[str, Any], round_start: float) -> tuple[int, float, Any, float]:
         """This round's inner steps: (steps, seconds in them without the data-parallel
