@@ -116,6 +116,12 @@ the UIs show none for it and the swarm's total leaves it out (three paused peers
 22 samples/s beside a total of 0)."""
 
 
+PROTOCOL = 1
+"""This release's way of finding groups (:attr:`PeerHeartbeat.protocol`): since 2026-12-06 the
+matchmaking declarations are signed, and a run's nodes refuse the bare ones earlier releases
+make, so peers of the two never average together."""
+
+
 class PeerHeartbeat(BaseModel):
     """One peer's progress, republished every second or so; expires when the peer dies.
 
@@ -146,6 +152,10 @@ class PeerHeartbeat(BaseModel):
     """How many peers averaged in this peer's last round (1: it stepped alone)."""
     control_version: int = Field(default=0, ge=0)
     """The run owner's ControlState version this peer has applied (0: none yet)."""
+    protocol: int = Field(default=0, ge=0)
+    """How this peer's release finds its groups: :data:`PROTOCOL` (signed matchmaking
+    declarations, :mod:`swarm.signed_groups`), 0 for an earlier release, which a peer of this
+    one cannot average with (nor it with this one)."""
     control_refused: int = Field(default=0, ge=0)
     """The last version this peer refused, applying nothing of it (a value its run cannot take:
     streaming's H not divisible by its fragments, an update codec its method has no use for)."""

@@ -321,3 +321,29 @@ def test_a_round_line_after_a_download_names_the_round_its_loss_is_of(caplog) ->
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0].startswith("c: round 6  loss 3.8014") and "now at the swarm's outer step 16" in lines[0]
     assert lines[1].startswith("c: round 6  loss") and "swarm's outer step" not in lines[1], lines
+
+
+def test_a_peer_alone_beside_an_earlier_release_says_they_cannot_average(caplog) -> None:
+    """Peers of the release before signed matchmaking declarations never average with this one
+    (a review of stop 61): each side saw only rounds alone and nothing said why."""
+    from types import SimpleNamespace
+
+    from swarm.records import PROTOCOL, PeerHeartbeat, Stage
+    from workbench.run.peer import Peer
+
+    def beat(name: str, protocol: int) -> PeerHeartbeat:
+        return PeerHeartbeat(
+            peer_id=f"Qm{name}", name=name, stage=Stage.TRAINING, outer_step=3, inner_step=0,
+            inner_steps=5, time=0.0, protocol=protocol,
+        )  # fmt: skip
+
+    peer = object.__new__(Peer)
+    peer.name, peer.other_releases_said = "new", False
+    peer.board = SimpleNamespace(fetch=lambda: {"a": beat("old", 0), "b": beat("same", PROTOCOL)})
+    with caplog.at_level("WARNING", logger="workbench.run.peer"):
+        peer._note_other_releases(SimpleNamespace(group_size=2))  # it averaged: nothing to say
+        assert not caplog.records
+        for _ in range(3):
+            peer._note_other_releases(SimpleNamespace(group_size=1))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "old run(s) an earlier release" in said[0] and "same" not in said[0], said

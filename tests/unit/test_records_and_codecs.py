@@ -51,6 +51,7 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         last_round_seconds=3.5,
         group_size=4,
         control_version=2,
+        protocol=0,
         control_refused=0,
         control_refusal="",
         addresses=["/ip4/127.0.0.1/tcp/31337/p2p/" + ID_A],

@@ -34,7 +34,7 @@ from optim.data_parallel import DataParallel
 from swarm.dataplane import one_line
 from swarm.dht import NetworkConfig, release_interrupted_locks, visible_addresses
 from swarm.errors import SwarmError
-from swarm.records import PeerHeartbeat, RunKeys, RunManifest, Stage
+from swarm.records import PROTOCOL, PeerHeartbeat, RunKeys, RunManifest, Stage
 from swarm.session import connect
 from workbench.config import RunConfig
 from workbench.run import joining
@@ -102,6 +102,7 @@ class Peer:
         self.outer: OuterLoop | None = None
         self.diloco = None  # the outer loop's rounds: DiLoCo, or streaming's fragment rounds
         self.left_behind = 0  # rounds running it came after the others ended them (_note_left_behind)
+        self.other_releases_said = False  # peers of an earlier release were named (_note_other_releases)
         self.rounds_done = 0  # syncs this process took part in (a stopped peer writes θ after one)
         self.in_step = False
         """Whether this peer's last round averaged with round mates and nothing reset it since
@@ -436,6 +437,7 @@ class Peer:
             self.save_checkpoint()
         self.in_step = report.group_size > 1 and not report.pending
         self._note_left_behind(report, compute)
+        self._note_other_releases(report)
         if resync:
             self.resync(resync, avoid=outvoted, claims=claims)
         evaluated = self.diloco.outer_step_count % (cfg.peer.eval_every * syncs) == 0 or bool(
@@ -445,6 +447,23 @@ class Peer:
             eval_loss = self.evaluate()
         self._report_round(report, info, eval_loss, resync, round_start, compute, evaluated)
         return eval_loss
+
+    def _note_other_releases(self, report: Any) -> None:
+        """Say once when a round alone has live peers of an earlier release beside it: their
+        groups are found another way (:data:`swarm.records.PROTOCOL`), so they never average
+        with this peer, and each side only saw rounds alone."""
+        if report.group_size > 1 or self.board is None or self.other_releases_said:
+            return
+        older = sorted(p.name for p in self.board.fetch().values() if p.protocol < PROTOCOL)
+        if older:
+            self.other_releases_said = True
+            logger.warning(
+                "%s: %s run(s) an earlier release of the workbench, whose peers find their groups "
+                "another way (unsigned): they cannot average with this peer; run one release on "
+                "every peer of a run",
+                self.name,
+                ", ".join(older[:8]) + (f" and {len(older) - 8} more" if len(older) > 8 else ""),
+            )
 
     def _note_left_behind(self, report: Any, compute: float) -> None:
         """Say once when this peer keeps coming after the others ended the round: a peer slower

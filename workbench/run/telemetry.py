@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from swarm.records import PeerHeartbeat, Stage, is_name, printable
+from swarm.records import PROTOCOL, PeerHeartbeat, Stage, is_name, printable
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,7 @@ def heartbeat_of(peer: Any) -> PeerHeartbeat:
         last_round_seconds=stats.last_round_seconds,
         group_size=stats.group_size,
         control_version=peer.steering.version,
+        protocol=PROTOCOL,
         control_refused=peer.steering.refused[0],
         control_refusal=printable(peer.steering.refused[1])[:200],
         addresses=[] if peer.config.network.client_mode else peer.addresses[:16],
