@@ -535,10 +535,13 @@ def dht_reader(board, store, keys, *, owner: str | None = None) -> Callable[[], 
             if state["manifest"] is not None:
                 state["watcher"] = ControlWatcher(store, keys, state["manifest"].owner, period=0.0)
         control = state["watcher"].poll() if state["watcher"] else None
+        peers = board.fetch(include_leaving=True)
+        if getattr(board, "failure", None):  # the last known peers, expiring: not a reading
+            raise SwarmError(f"cannot read the run from the DHT ({board.failure}); the last reading stands")
         return Reading(
             time=dht_time(),
             run_id=keys.run_id,
-            peers=board.fetch(include_leaving=True),
+            peers=peers,
             manifest=state["manifest"],
             control=control,
             ignored=dict(board.ignored),

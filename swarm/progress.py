@@ -38,6 +38,10 @@ class ProgressBoard:
         self.period = period
         self._last_publish = 0.0
         self._last_fetch: dict[str, PeerHeartbeat] = {}
+        self.failure: str | None = None
+        """Why the last :meth:`fetch` could not read the DHT (None: it could). The peer's own
+        barrier goes on with the last known peers; a monitor must say it lost the DHT instead
+        (it showed frozen values, then every peer "left", a review)."""
         self._seen: OrderedDict[str, list[str]] = OrderedDict()  # peer id -> its addresses, last seen last
         self.vouched: Collection[str] = frozenset()
         """The peers this one averaged with (the averager's ``Vouching.vouched``, which it sets
@@ -84,6 +88,7 @@ class ProgressBoard:
         try:
             records = self.store.read(self.key, PeerHeartbeat)
         except SwarmError as error:
+            self.failure = str(error)
             logger.warning("%s; using the last known peers", error)
             from swarm.dht import dht_time
 
@@ -94,6 +99,7 @@ class ProgressBoard:
         from swarm.dht import dht_time
         from swarm.identity import key_hash
 
+        self.failure = None
         peers, writers, now = {}, {}, dht_time()
         for public_key, heartbeat in records.items():
             if self.peer_id_of(public_key) != heartbeat.peer_id:

@@ -572,3 +572,56 @@ def test_the_summary_says_a_peer_refused_the_owners_change() -> None:
     others[peer_id(1)] = refusing
     said = summary_text(dataclasses.replace(snapshot, peers=others, control=ControlState(version=1)))
     assert "3/4 peers applied v1" in said and "(1 refused: H=6 \\[no])" in said, said
+
+
+async def test_a_monitor_that_loses_the_dht_says_so_and_keeps_its_last_view() -> None:
+    """The monitor's own DHT stopped answering: the board fell back to its last known peers,
+    which showed frozen for two minutes and then all "left" (heartbeat expired), with no word
+    of the outage (a review, 2026-12-06). Heartbeats here are stamped 127 s old, so the board's
+    fallback expires them 3 s into the outage."""
+    import types
+
+    from swarm.dht import dht_time
+    from swarm.errors import SwarmError
+    from swarm.progress import ProgressBoard
+    from swarm.records import RunKeys
+    from tests.ui.fake import heartbeat
+    from workbench.sources import LiveSource
+
+    class Store:
+        down = False
+
+        def read(self, key, model):  # type: ignore[no-untyped-def]
+            if self.down:
+                raise SwarmError(f"a read of {key} timed out after 5 s (the DHT did not answer)")
+            if key.endswith("peers"):
+                return {f"key{i}": heartbeat(i, dht_time() - 127, 10) for i in range(3)}
+            return {}
+
+        def store(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return True
+
+    class Board(ProgressBoard):
+        def peer_id_of(self, public_key):  # type: ignore[no-untyped-def]
+            return peer_id(int(public_key[3:]))
+
+        def _keep_in_touch(self, peers):  # type: ignore[no-untyped-def]
+            pass
+
+    store, keys = Store(), RunKeys("gone")
+    session = types.SimpleNamespace(keys=keys, store=store, board=Board(store, keys), close=lambda: None)
+    source = LiveSource(session)
+    source.interval = 0.3
+    app = SwarmApp(source)
+    async with app.run_test(size=(160, 50)) as pilot:
+        for _ in range(30):
+            await pilot.pause(0.1)
+            if app.snapshot is not None and len(app.snapshot.peers) == 3:
+                break
+        assert app.snapshot is not None and len(app.snapshot.peers) == 3
+        store.down = True
+        await pilot.pause(4.5)
+        assert len(app.snapshot.peers) == 3 and not app.snapshot.departed  # the last view stands
+        said = [str(n.message) for n in app._notifications]
+        assert any("cannot read the run from the DHT" in m for m in said), said
+    source.ended = True

@@ -217,7 +217,14 @@ def run_status_command(args: argparse.Namespace) -> int:
     monitor = SwarmMonitor(read, record_to=args.record)
     try:
         while True:
-            snapshot = monitor.poll()
+            try:
+                snapshot = monitor.poll()
+            except SwarmError as error:
+                if args.watch is None:
+                    raise
+                print(f"warning: {error}", file=sys.stderr)  # a watch goes on: the DHT may be back
+                time.sleep(args.watch)
+                continue
             show(snapshot.to_json())
             if args.watch is None:
                 if not snapshot.peers:
