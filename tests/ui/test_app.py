@@ -132,16 +132,18 @@ async def test_a_sort_back_to_the_order_rows_came_in_is_shown(app) -> None:
         assert names(app) == ["alpha", "bravo", "charlie", "delta"]
 
 
+def broken_pipe(**changes):  # type: ignore[no-untyped-def]
+    """A steer whose DHT process is gone."""
+    raise BrokenPipeError(32, "Broken pipe")
+
+
 async def test_a_publish_that_fails_keeps_the_app_and_the_form(app) -> None:
     """A steer that raised anything but SwarmError/ValueError (a DHT process gone: BrokenPipeError)
     ended the app; and any refusal threw the form away, to be typed again."""
 
-    def broken(**changes):  # type: ignore[no-untyped-def]
-        raise BrokenPipeError(32, "Broken pipe")
-
     async with app.run_test(size=(160, 50)) as pilot:
         await started(app, pilot)
-        app.source.steer = broken
+        app.source.steer = broken_pipe
         await pilot.press("e")
         app.screen.query_one("#outer-lr", Input).value = "0.5"
         app.screen.query_one("#checkpoint", Checkbox).value = True
@@ -159,12 +161,9 @@ async def test_a_failed_publishs_pause_is_kept_when_the_cursor_moved(app) -> Non
     """The form kept a failed publish's lr, but its pause of alpha was lost if the user moved
     the cursor to bravo before pressing e again (the form showed bravo's toggle, unticked)."""
 
-    def broken(**changes):  # type: ignore[no-untyped-def]
-        raise BrokenPipeError(32, "Broken pipe")
-
     async with app.run_test(size=(160, 50)) as pilot:
         await started(app, pilot)
-        app.source.steer = broken
+        app.source.steer = broken_pipe
         await pilot.press("e")
         toggle = app.screen.query_one("#toggle-pause", Checkbox)
         paused_name = str(toggle.label).split(" ", 1)[1]
