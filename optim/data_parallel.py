@@ -62,9 +62,19 @@ class DataParallel:
             norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
             if norm > self.clip_norm:  # (a NaN norm is not: the NaN check below catches it)
                 grads = [g * (self.clip_norm / norm) for g in grads]
+        own_finite = all_finite(grads)
         report = self.averager.all_reduce(grads, weight=float(samples), info=info)
         if not all_finite(grads):
-            raise FloatingPointError("the averaged gradient holds NaN/Inf: lower the learning rate")
+            if not own_finite or report.group_size <= 1:  # this peer's own gradient: it diverged
+                raise FloatingPointError("the averaged gradient holds NaN/Inf: lower the learning rate")
+            # Another member's (a faulty peer): every member holds the same mean, so every one
+            # skips this step alike, and none stops (each did, blaming its learning rate).
+            for p in self.params:
+                p.grad = None
+            report.error = "a member's gradient held NaN/Inf: every member skipped this step"
+            report.seconds = time.monotonic() - start
+            self.outer_step_count += 1
+            return report
         for p, g in zip(self.params, grads):
             if not bool(g.any()):
                 # Unused by every member (or a gradient of exactly 0 everywhere): no gradient, as

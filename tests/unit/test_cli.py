@@ -1232,3 +1232,23 @@ def test_a_demo_refusing_a_setting_from_a_file_names_the_file(capsys, tmp_path) 
     assert main(["demo", "--config", str(tmp_path / "run.toml"), "--run-dir", str(tmp_path / "d")]) == 2
     line = one_error_line(capsys)
     assert "drop --shard" in line and f"(shard from file {tmp_path / 'run.toml'})" in line, line
+
+
+def test_a_demo_whose_peers_ended_apart_does_not_say_they_agree(capsys, monkeypatch, tmp_path) -> None:
+    """A peer thawed after the others finished trained 12 rounds alone: the demo printed
+    "params agree to 3.3e-01" (a review, 2026-12-06)."""
+    import workbench.local.launch as launch
+
+    result = dict(
+        peers=2, outer_rounds=4, initial_loss=5.4, final_loss=2.7, params_max_abs_diff=0.33,
+        bytes_sent=1e6, seconds=9.0, rounds_alone=12, mean_group_size=1.5, run_dir=str(tmp_path),
+    )  # fmt: skip
+    monkeypatch.setattr(launch, "run_demo", lambda *args, **kwargs: result)
+    monkeypatch.setattr(launch, "run_demo_tui", lambda *args, **kwargs: 0)
+    argv = ["demo", "--peers", "2", "--rounds", "4", "--no-tui", "--run-dir", str(tmp_path)]
+    assert main(argv) == 0
+    said = " ".join(capsys.readouterr().err.split())
+    assert "params differ by 3.3e-01 (12 rounds alone" in said and "agree" not in said, said
+    result["params_max_abs_diff"] = 3e-8
+    assert main(argv) == 0
+    assert "params agree to 3.0e-08" in " ".join(capsys.readouterr().err.split())

@@ -347,3 +347,14 @@ def test_a_peer_alone_beside_an_earlier_release_says_they_cannot_average(caplog)
             peer._note_other_releases(SimpleNamespace(group_size=1))
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "old run(s) an earlier release" in said[0] and "same" not in said[0], said
+
+
+def test_a_rounds_group_weights_are_as_the_group_counted_them() -> None:
+    """After a member claimed 1e9 samples (counted as 16x the others' median), the round event
+    recorded group_weights [160, 1e9], which `export` shows as the members' weights."""
+    from optim.averager import RoundReport
+    from workbench.run.telemetry import RoundStats, round_fields
+
+    report = RoundReport(group_size=2, group_info=[{"weight": 160.0}, {"weight": 1e9}])
+    fields = round_fields(report, {"fingerprint": [1.0]}, 3, RoundStats(), eval_loss=2.0, resync=None)
+    assert fields["group_weights"] == [160.0, 16 * 160.0]

@@ -453,3 +453,31 @@ def _dp_state() -> dict:
         for k, v in asdict(state).items()
         if k in ("inner_steps", "outer_lr", "outer_momentum", "nesterov")
     }
+
+
+def test_data_parallel_skips_a_step_a_faulty_member_made_nan_and_stops_on_its_own() -> None:
+    """The lab's corrupt fault on one data-parallel peer stopped every peer of the demo, each
+    blaming its learning rate ("the averaged gradient holds NaN/Inf"; a review, 2026-12-06):
+    every member holds the same mean, so every one skips that step alike and goes on. A peer
+    whose own gradient is NaN still stops (it diverged)."""
+    from optim.averager import RoundReport
+
+    class Faulty:  # the group's mean, with another member's NaN in it
+        def all_reduce(self, tensors, *, weight, info=None):  # type: ignore[no-untyped-def]
+            for t in tensors:
+                t.fill_(float("nan"))
+            return RoundReport(group_size=2)
+
+    model = init_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp = DataParallel(model, inner, Faulty())
+    model(torch.randn(8, 4), torch.randn(8, 1))[1].backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    report = dp.before_inner_step(samples=8)
+    inner.step()
+    assert "skipped this step" in report.error and dp.outer_step_count == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # nothing moved
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))  # its own gradient diverged
+    with pytest.raises(FloatingPointError, match="lower the learning rate"):
+        dp.before_inner_step(samples=8)

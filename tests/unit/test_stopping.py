@@ -185,9 +185,34 @@ def test_signals_while_torch_starts_its_shared_memory_manager_do_not_hang_the_pe
 
 
 def test_only_a_peer_whose_parent_is_the_lab_watches_it(monkeypatch):
-    """WORKBENCH_LAUNCHER_PID is inherited by whatever a peer starts, and may be left in a
-    shell: a process watches the lab only if the lab is its parent (else it would stop at once)."""
-    for value in ("", "x", str(os.getpid()), str(os.getppid() + 1)):
+    """WORKBENCH_LAUNCHER_PID is inherited by whatever a peer starts: a process watches the lab
+    only if the lab is its parent, and a live lab that is not its parent is left alone."""
+    for value in ("", "x", str(os.getpid())):
         monkeypatch.setenv(LAUNCHER_PID, value)
         stop_with_launcher()
         assert not any(t.name == "launcher-watch" for t in threading.enumerate()), value
+
+
+def test_a_peer_whose_lab_died_before_it_watched_stops_at_once() -> None:
+    """A demo killed with SIGKILL half a second into its peers' start: a peer orphaned before
+    its watch began found its parent was not the lab and did nothing, then trained on its own
+    for good (a review, 2026-12-06). A lab that is gone stops it at once, saying why."""
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    peer = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time; from workbench.run.stopping import stop_with_launcher; "
+            "stop_with_launcher(); time.sleep(30)",
+        ],
+        env={**os.environ, LAUNCHER_PID: str(gone.pid)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert peer.returncode == -signal.SIGTERM, (peer.returncode, peer.stderr)
+    assert f"the lab that started this peer (pid {gone.pid}) is gone: stopping" in peer.stderr

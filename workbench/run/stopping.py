@@ -71,7 +71,19 @@ def stop_with_launcher(poll: float = 0.5) -> None:
     changes when a process is orphaned); a no-op unless the lab that set :data:`LAUNCHER_PID`
     is this process's parent."""
     value = os.environ.get(LAUNCHER_PID, "")
-    if not value.isdigit() or os.getppid() != int(value):
+    if not value.isdigit():
+        return
+    if os.getppid() != int(value):
+        if _alive(int(value)):  # a variable inherited further down: not this process's lab
+            return
+        # The lab died while this peer was still starting (SIGKILL half a second into a demo):
+        # orphaned before its watch began, it waited for --min-peers and then trained for good.
+        logging.getLogger(__name__).warning(
+            "the lab that started this peer (pid %s) is gone: stopping (unset %s if you started it yourself)",
+            value,
+            LAUNCHER_PID,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
         return
 
     def watch(launcher: int) -> None:
@@ -83,6 +95,16 @@ def stop_with_launcher(poll: float = 0.5) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, args=(int(value),), name="launcher-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def end_process(code: int) -> None:

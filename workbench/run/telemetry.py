@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from optim import robust
 from swarm.records import PROTOCOL, PeerHeartbeat, Stage, is_name, printable
 
 logger = logging.getLogger(__name__)
@@ -183,9 +184,13 @@ def round_fields(
         global_norm=math.sqrt(sum(f * f for f in info["fingerprint"])),
         local_update_norm=report.local_norm,
         mean_update_norm=report.mean_norm,
-        # each member's averaging weight (samples this round; a torchrun node: all ranks')
+        # each member's averaging weight (samples this round; a torchrun node: all ranks'), as
+        # the group counted it: a claim of 1e9 is recorded as what it counted for (16x the
+        # others' median), not as claimed (export showed 1e9 as a member's weight; a review)
         group_weights=sorted(
-            float(g["weight"]) for g in report.group_info if isinstance(g.get("weight"), (int, float))
+            robust.counted_weights(
+                [g["weight"] for g in report.group_info if isinstance(g.get("weight"), (int, float))]
+            )
         ),
     )
 
