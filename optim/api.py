@@ -160,7 +160,13 @@ class Method:
         if self.every_step:
             from optim.data_parallel import DataParallel
 
-            return DataParallel(model, inner_optimizer, averager, clip_norm=config.clip_norm)
+            return DataParallel(
+                model,
+                inner_optimizer,
+                averager,
+                clip_norm=config.clip_norm,
+                outlier_ratio=config.outlier_ratio,
+            )
         if self.fragmented:
             from optim.streaming import StreamingConfig, StreamingDiLoCo
 

@@ -20,6 +20,8 @@ import torch
 
 from optim.averager import Averager, RoundReport
 from optim.codecs import all_finite
+from optim.contribution import global_norm
+from optim.robust import check_round
 
 if TYPE_CHECKING:
     from optim.diloco import DiLoCoConfig
@@ -41,9 +43,13 @@ class DataParallel:
         averager: Averager,
         *,
         clip_norm: float = 0.0,
+        outlier_ratio: float = 0.0,
     ) -> None:
         if not (clip_norm >= 0 and math.isfinite(clip_norm)):
             raise ValueError(f"clip_norm must be a finite number >= 0 (0: off), got {clip_norm}")
+        self.outlier_ratio = outlier_ratio
+        """The robust check of DiLoCo's rounds on each step's gradients (0: off): a member's
+        gradient far beyond the others' (1000x, the lab's oversize fault) was averaged in."""
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.averager = averager
@@ -63,6 +69,8 @@ class DataParallel:
             if norm > self.clip_norm:  # (a NaN norm is not: the NaN check below catches it)
                 grads = [g * (self.clip_norm / norm) for g in grads]
         own_finite = all_finite(grads)
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        info = dict(info or {}, norm=norm if math.isfinite(norm) else None)  # checked by the others
         report = self.averager.all_reduce(grads, weight=float(samples), info=info)
         if not all_finite(grads):
             if not own_finite or report.group_size <= 1:  # this peer's own gradient: it diverged
@@ -72,6 +80,18 @@ class DataParallel:
             for p in self.params:
                 p.grad = None
             report.error = "a member's gradient held NaN/Inf: every member skipped this step"
+            report.seconds = time.monotonic() - start
+            self.outer_step_count += 1
+            return report
+        refused = (
+            check_round(global_norm(grads), report.group_info, ratio=self.outlier_ratio)
+            if report.group_size > 1
+            else None
+        )
+        if refused:  # every member holds the same mean and the same infos: all skip it alike
+            for p in self.params:
+                p.grad = None
+            report.error = f"{refused}; every member skipped this step"
             report.seconds = time.monotonic() - start
             self.outer_step_count += 1
             return report

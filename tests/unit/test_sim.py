@@ -481,3 +481,32 @@ def test_data_parallel_skips_a_step_a_faulty_member_made_nan_and_stops_on_its_ow
         p.grad = torch.full_like(p, float("nan"))  # its own gradient diverged
     with pytest.raises(FloatingPointError, match="lower the learning rate"):
         dp.before_inner_step(samples=8)
+
+
+def test_data_parallel_refuses_a_step_with_a_members_outsized_gradient() -> None:
+    """The lab's oversize fault (a member's gradient 1000x) was averaged into every data-parallel
+    peer's step: the menu says the group refuses it, as DiLoCo's rounds are (a review,
+    2026-12-06). The same robust check, on each step's declared gradient norms."""
+    from optim.averager import RoundReport
+
+    class Group:  # this peer and a member declaring (and sending) 1000x its norm
+        def __init__(self, factor: float) -> None:
+            self.factor = factor
+
+        def all_reduce(self, tensors, *, weight, info=None):  # type: ignore[no-untyped-def]
+            mine = dict(info or {}, peer="QmMe", weight=weight)
+            theirs = dict(peer="QmBig", norm=mine["norm"] * self.factor, weight=weight)
+            for t in tensors:
+                t.mul_((1 + self.factor) / 2)
+            return RoundReport(group_size=2, group_info=[mine, theirs])
+
+    for factor, skipped in ((1000.0, True), (1.5, False)):
+        model = init_model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        dp = DataParallel(model, inner, Group(factor), outlier_ratio=10.0)
+        model(torch.randn(8, 4), torch.randn(8, 1))[1].backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        report = dp.before_inner_step(samples=8)
+        inner.step()
+        moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert moved is not skipped and ("QmBig" in (report.error or "")) is skipped, report.error

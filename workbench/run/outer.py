@@ -137,7 +137,13 @@ def build_outer(
             averager=LocalAverager(),
             config=dataclasses.replace(config.diloco, clip_norm=0.0),
         )
-        outer.dp = DataParallel(model, inner_optimizer, outer.averager, clip_norm=config.diloco.clip_norm)
+        outer.dp = DataParallel(
+            model,
+            inner_optimizer,
+            outer.averager,
+            clip_norm=config.diloco.clip_norm,
+            outlier_ratio=config.diloco.outlier_ratio,
+        )
     else:
         outer.rounds = DiLoCo(model, inner_optimizer, averager=outer.averager, config=config.diloco)
     if serve:
