@@ -338,11 +338,12 @@ class SwarmAverager(Downloading):
         finally:
             lock.release()
         asked = time.time()  # the averager process stamps the group's forming with time.time()
+        expected = self.barrier.expected if attempt == 1 else ()
         control = self.averager.step(
             allow_retries=False,  # see all_reduce
             gather=info,
             weight=weight,
-            expected=self.barrier.expected if attempt == 1 else (),
+            expected=expected,
             scheduled_time=get_dht_time() + window,
             timeout=max(self.config.matchmaking_time + 0.5, deadline - time.monotonic()),
             wait=False,
@@ -366,11 +367,21 @@ class SwarmAverager(Downloading):
                     # that just finished (stage FINISHED, result not yet seen here) would be
                     # thrown away although the others averaged with this peer. ``began_allreduce``
                     # stays set once the stage was RUNNING_ALLREDUCE; the stage does not.
-                    if not control.began_allreduce and self.barrier.believed_ahead(
-                        lambda p: p.outer_step > outer_step + self.lag
-                    ):
+                    if control.began_allreduce:
+                        time.sleep(0.05)
+                        continue
+                    live = self.board.fetch()
+                    others = [p for i, p in live.items() if i != self.peer_id]
+                    if self.barrier.believed_ahead(lambda p: p.outer_step > outer_step + self.lag, others):
                         control.cancel()
                         return None, "the others finished this round without this peer"
+                    if expected and not any(mate in live for mate in expected):
+                        # Every mate the group waits for stopped publishing (frozen, gone): a
+                        # healthy peer of a pair waited out the whole freeze (30 s), then took
+                        # the frozen peer's state (a review of the lab). It goes on alone; the
+                        # frozen one, back, finds itself behind and downloads.
+                        control.cancel()
+                        return None, "its round mates stopped answering (their heartbeats expired)"
                 time.sleep(0.05)
             gathered = control.result()
         except KeyboardInterrupt:

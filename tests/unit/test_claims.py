@@ -718,3 +718,48 @@ def test_a_stranger_ready_that_never_comes_costs_one_round_then_one_attempt():
     attempts.clear()
     me._round([torch.ones(2)], weight=1.0, info={"outer_step": 30})
     assert len(attempts) > 3
+
+
+def test_a_step_whose_expected_mates_stop_publishing_goes_on_alone():
+    """A pair's healthy peer waited out its frozen mate's whole freeze in its averaging step (30
+    s), the group it expected never forming, then took the frozen peer's state (a review of the
+    lab, 2026-12-06). Once every expected mate's heartbeat has expired, the step ends."""
+    import multiprocessing as mp
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from swarm.averaging import SwarmAverager
+    from swarm.barrier import RoundBarrier
+
+    class Hanging:  # a step whose group never forms (its leader frozen)
+        began_allreduce = False
+        cancelled = False
+
+        def done(self) -> bool:
+            return self.cancelled
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    control = Hanging()
+    board = FakeBoard(beat("frozen", 4))
+    me = SwarmAverager.__new__(SwarmAverager)
+    me.board, me.peer_id, me.lag, me.corrupt_next, me.scale_next = board, "me", 0, False, 0.0
+    me.beat = lambda stage: None
+    me.matchmaking_window = SimpleNamespace(seconds=1.0)
+    me.config = SimpleNamespace(matchmaking_time=1.0)
+    me.averager = SimpleNamespace(
+        lock_averaged_tensors=mp.Lock(), _averaged_tensors=[torch.zeros(2)],
+        generation=SimpleNamespace(value=0), step=lambda **kwargs: control,
+    )  # fmt: skip
+    me.barrier = RoundBarrier(
+        board=board, peer_id="me", beat=me.beat, config=SimpleNamespace(round_wait=60.0, matchmaking_time=1.0)
+    )
+    me.barrier.expected = ("frozen",)
+    started = time.monotonic()
+    board.beats.pop("frozen")  # its heartbeat expired: frozen, or gone
+    gathered, why = me._attempt([torch.ones(2)], 1.0, {"outer_step": 4}, deadline=started + 30.0)
+    assert gathered is None and "round mates stopped answering" in why and control.cancelled
+    assert time.monotonic() - started < 5.0  # not the 30 s deadline
