@@ -452,28 +452,38 @@ dht.shutdown()
 """
 
 
-def test_an_outsider_cannot_withdraw_the_peers_from_matchmaking(spawn, tmp_path):
+@machines(pytest.mark.faults)  # make test: on 127.0.0.1 only
+def test_an_outsider_cannot_withdraw_the_peers_from_matchmaking(spawn, tmp_path, machines):
     """A review (2026-12-06): a stock hivemind node stored "not looking for a group" for a year
     under each peer's bare id in hivemind's matchmaking key and left; the run's nodes kept it
     over the peers' own declarations (seconds long), and every round after was alone, for good.
     A run's peers declare under their signed [owner:...] keys, and its nodes refuse anything
-    else there (swarm.signed_groups): the outsider stores nothing, and the pair keeps averaging."""
+    else there (swarm.signed_groups): the outsider stores nothing, and the pair keeps averaging.
+    In network namespaces the peers run with the README's flags and the outsider on a third
+    machine."""
     common = [*FAST, "--rounds", "1000", "--run-id", "squat", *steady(tmp_path)]
-    first = spawn("a", "start", *common)
-    second = spawn("b", "join", first.address(), *common)
-    paired = first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
-    victims = [peer.wait_event("started")["peer_id"] for peer in (first, second)]
-    attacker = helper(MATCHMAKING_SQUAT, first.address(), "squat", *victims)
-    try:
-        out, _ = attacker.communicate(timeout=120)
-    finally:
-        kill_group(attacker)
-    stored, of = out.split()[1:4:2]
-    assert stored == "0" and int(of) >= 2, out  # the bare ids at least; the owner keys if read
-    attacked = max(e["outer_step"] for e in first.events("round"))
-    first.wait_event("round", lambda e: e["outer_step"] > attacked + 2 and e["group_size"] == 2, timeout=120)
-    assert paired["outer_step"] <= attacked
-    interrupt_all([first, second])
+    with contextlib.ExitStack() as stack:
+        lab = stack.enter_context(netlab.NetLab(3, rate=None)) if machines == "netns" else None
+        peers = stack.enter_context(_Peers(spawn, tmp_path, lab))
+        first = peers.start(0, "start", *common)
+        address = peers.address(first)
+        second = peers.start(1, "join", address, *common)
+        paired = first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+        victims = [peer.wait_event("started")["peer_id"] for peer in (first, second)]
+        wrap = list if lab is None else (lambda argv: lab.command(2, argv))
+        attacker = helper(MATCHMAKING_SQUAT, address, "squat", *victims, wrap=wrap)
+        try:
+            out, _ = attacker.communicate(timeout=120)
+        finally:
+            kill_group(attacker)
+        stored, of = out.split()[1:4:2]
+        assert stored == "0" and int(of) >= 2, out  # the bare ids at least; the owner keys if read
+        attacked = max(e["outer_step"] for e in first.events("round"))
+        first.wait_event(
+            "round", lambda e: e["outer_step"] > attacked + 2 and e["group_size"] == 2, timeout=120
+        )
+        assert paired["outer_step"] <= attacked
+        interrupt_all(peers.started)
 
 
 FLOODER = """
