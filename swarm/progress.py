@@ -83,6 +83,11 @@ class ProgressBoard:
         except SwarmError as error:
             logger.debug("%s", error)
 
+    @property
+    def last_seen(self) -> dict[str, PeerHeartbeat]:
+        """The live peers the last :meth:`fetch` read (no lookup)."""
+        return dict(self._last_fetch)
+
     def fetch(self, *, include_leaving: bool = False) -> dict[str, PeerHeartbeat]:
         """Live peers by peer id (this one included once it has published)."""
         try:

@@ -339,7 +339,7 @@ def test_a_peer_alone_beside_an_earlier_release_says_they_cannot_average(caplog)
 
     peer = object.__new__(Peer)
     peer.name, peer.other_releases_said = "new", False
-    peer.board = SimpleNamespace(fetch=lambda: {"a": beat("old", 0), "b": beat("same", PROTOCOL)})
+    peer.board = SimpleNamespace(last_seen={"a": beat("old", 0), "b": beat("same", PROTOCOL)})
     with caplog.at_level("WARNING", logger="workbench.run.peer"):
         peer._note_other_releases(SimpleNamespace(group_size=2))  # it averaged: nothing to say
         assert not caplog.records

@@ -110,18 +110,14 @@ def _checked_text(key: str, value: Any, origin: str) -> Any:
     next command without the flag would stop on it)."""
     from swarm.addresses import listen_address
     from swarm.errors import SwarmError
-    from swarm.records import check_name, check_owner, check_run_id
-
-    def secret(text: str) -> None:
-        if len(text) < 8:
-            raise ValueError("a run secret must be at least 8 characters (use a long random one)")
+    from swarm.records import RunKeys, check_name, check_owner, check_run_id
 
     checks = {
         "host": lambda text: listen_address(text, 0),
         "run_id": check_run_id,
         "owner": check_owner,
         "name": check_name,
-        "secret": secret,
+        "secret": lambda text: RunKeys("workbench", text),  # its own check of a secret's length
     }
     if key in checks and isinstance(value, str):
         try:

@@ -454,7 +454,8 @@ class Peer:
         with this peer, and each side only saw rounds alone."""
         if report.group_size > 1 or self.board is None or self.other_releases_said:
             return
-        older = sorted(p.name for p in self.board.fetch().values() if p.protocol < PROTOCOL)
+        # The peers the barrier read this round (no DHT lookup of its own: a lone peer's every round)
+        older = sorted(p.name for p in self.board.last_seen.values() if p.protocol < PROTOCOL)
         if older:
             self.other_releases_said = True
             logger.warning(
