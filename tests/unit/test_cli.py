@@ -1234,6 +1234,15 @@ def test_a_demo_refusing_a_setting_from_a_file_names_the_file(capsys, tmp_path) 
     assert "drop --shard" in line and f"(shard from file {tmp_path / 'run.toml'})" in line, line
 
 
+def test_the_demos_help_does_not_offer_shard_and_the_flag_is_still_refused(capsys, tmp_path) -> None:
+    """`demo --help` listed `--shard I/N`, a flag the demo only refuses (it deals peer I shard I/N)."""
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "--shard" not in capsys.readouterr().out
+    assert main(["demo", "--shard", "0/4", "--run-dir", str(tmp_path / "d")]) == 2
+    assert "drop --shard" in one_error_line(capsys)
+
+
 def test_a_demo_whose_peers_ended_apart_does_not_say_they_agree(capsys, monkeypatch, tmp_path) -> None:
     """A peer thawed after the others finished trained 12 rounds alone: the demo printed
     "params agree to 3.3e-01" (a review, 2026-12-06)."""

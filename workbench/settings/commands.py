@@ -99,6 +99,8 @@ def add_demo_options(parser: argparse.ArgumentParser) -> None:
             action.help = re.sub(
                 r"default: [^;,)]+", f"default: {DEMO_DEFAULTS[action.dest]}", action.help, count=1
             )
+        if action.dest == "shard":  # the demo deals peer I shard I/N: still parsed, to say so
+            action.help = argparse.SUPPRESS
 
 
 def add_simulate_options(parser: argparse.ArgumentParser) -> None:
