@@ -485,12 +485,32 @@ def test_the_mean_group_size_leaves_out_an_overlapped_runs_first_sync(tmp_path: 
         torch.save([torch.zeros(2)], peer.directory / "global_params.pt")
         peer.events += [
             {"event": "initial_eval", "eval_loss": 5.0},
-            {"event": "round", "group_size": 1, "pending": True},
-            *({"event": "round", "group_size": 3} for _ in range(3)),
+            {"event": "round", "group_size": 1, "pending": True, "bytes_sent": 0},
+            *({"event": "round", "group_size": 3, "bytes_sent": 10} for _ in range(3)),
             {"event": "done", "outer_rounds": 4, "final_eval_loss": 2.0, "bytes_sent": 10},
         ]
     result = swarm.result(1.0)
     assert result["mean_group_size"] == 3.0 and result["rounds_alone"] == 0
+
+
+def test_the_demos_bytes_sent_counts_a_restarted_peers_first_process(tmp_path: Path, monkeypatch) -> None:
+    """A peer killed and restarted without a checkpoint starts counting its bytes at 0: the
+    demo's total (each peer's `done`) left out what its first process sent."""
+    import torch
+
+    swarm, _ = _demo_without_processes(tmp_path, monkeypatch, {})
+    for peer in swarm.peers:
+        torch.save([torch.zeros(2)], peer.directory / "global_params.pt")
+        peer.events += [
+            {"event": "initial_eval", "eval_loss": 5.0},
+            {"event": "round", "group_size": 2, "bytes_sent": 100},
+            {"event": "round", "group_size": 2, "bytes_sent": 100},
+            {"event": "final_sync", "bytes_sent": 7},
+            {"event": "done", "outer_rounds": 2, "final_eval_loss": 2.0, "bytes_sent": 207},
+        ]
+    restarted = swarm.peers[-1]  # its first process sent 100, the second 207
+    restarted.events[1:1] = [{"event": "round", "group_size": 2, "bytes_sent": 100}]
+    assert swarm.result(1.0)["bytes_sent"] == 207 * len(swarm.peers) + 100
 
 
 def test_a_peer_s_events_after_a_line_cut_short_by_a_kill_are_read(tmp_path: Path) -> None:

@@ -401,7 +401,11 @@ class LocalSwarm:
             "initial_loss": self.initial_loss(),
             "final_loss": sum(d["final_eval_loss"] for d in done) / len(done),
             "params_max_abs_diff": diff,
-            "bytes_sent": sum(d["bytes_sent"] for d in done),
+            # Every round's bytes, a killed and restarted peer's first process's too (its `done`
+            # counts only the process that wrote it, unless it resumed a checkpoint).
+            "bytes_sent": sum(
+                e["bytes_sent"] for p in self.peers for e in p.events if e["event"] in ("round", "final_sync")
+            ),
             "seconds": round(seconds, 2),
             "rounds_alone": sum(1 for e in averaged if e["group_size"] <= 1),
             "mean_group_size": sum(e["group_size"] for e in averaged) / max(1, len(averaged)),
