@@ -124,9 +124,18 @@ class SwarmApp(OwnerConsole):
         started = time.perf_counter()
         self.render_summary()
         self.table.show(self.snapshot)
-        self.chart.show(self.snapshot)
+        self.show_chart()
         self.query_one("#rates", Rates).show()
         self.last_refresh_seconds = time.perf_counter() - started
+
+    def show_chart(self, snapshot: SwarmSnapshot | None = None) -> None:
+        """The loss chart of the peers the table shows, in its order, the highlighted one first."""
+        table = self.table
+        if table.snapshot is None:
+            return
+        order = [p.peer_id for p in table.visible_peers()]
+        selected = table.selected_peer()
+        self.chart.show(snapshot or self.snapshot, order=order, first=selected[0] if selected else None)
 
     def render_summary(self) -> None:
         self.query_one("#summary", RunSummary).show(
@@ -151,6 +160,20 @@ class SwarmApp(OwnerConsole):
     @on(Input.Changed, "#filter")
     def filter_changed(self, event: Input.Changed) -> None:
         self.table.filter_text = event.value
+        if not self.updates_paused:
+            self.show_chart()
+
+    @on(DataTable.RowHighlighted, "#peers")
+    def row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        """A peer beyond the chart's lines, highlighted, gets one (redrawn only then: a chart of
+        256 peers takes a while)."""
+        if self.updates_paused or event.row_key.value is None:
+            return
+        try:  # (the message may come as the app closes, its widgets gone)
+            if str(event.row_key.value) not in self.chart.shown:
+                self.show_chart()
+        except (NoMatches, ScreenStackError):
+            pass
 
     @on(Input.Submitted, "#filter")
     def filter_done(self) -> None:

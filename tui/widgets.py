@@ -263,14 +263,23 @@ class PeersTable(DataTable):
 LAGGING = "lagging?"  # (not a column) whether a row's lag cell was drawn as lagging
 
 
+CHART_PEERS = 8
+"""The most peers the loss chart draws a line for (the mean line covers all it could show)."""
+
+
 class LossChart(PlotextPlot):
-    """Each peer's loss over the last ``WINDOWS[window]`` seconds (8 peers at most), and their mean."""
+    """Each peer's loss over the last ``WINDOWS[window]`` seconds, and their mean: the peers the
+    table shows, in its order (its filter narrows the chart too), ``CHART_PEERS`` at most, the
+    row under the cursor always among them."""
 
     window: reactive[int] = reactive(2, init=False)  # index into WINDOWS: 120 s
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.snapshot: SwarmSnapshot | None = None
+        self.order: list[str] | None = None  # peer ids as the table shows them (None: by name)
+        self.shown: list[str] = []  # the peers drawn, by id
+        self.heading = ""
 
     def validate_window(self, window: int) -> int:
         return min(max(window, 0), len(WINDOWS) - 1)
@@ -278,8 +287,13 @@ class LossChart(PlotextPlot):
     def watch_window(self) -> None:
         self.show()
 
-    def show(self, snapshot: SwarmSnapshot | None = None) -> None:
+    def show(
+        self, snapshot: SwarmSnapshot | None = None, order: list[str] | None = None, first: str | None = None
+    ) -> None:
+        """Draw ``snapshot`` (or the last one again); ``order``: the peer ids the table shows, in
+        its order; ``first``: the peer under its cursor, drawn whatever its place."""
         self.snapshot = snapshot or self.snapshot
+        self.order = order if order is not None else self.order
         s = self.snapshot
         if s is None:
             return
@@ -289,14 +303,27 @@ class LossChart(PlotextPlot):
         window = WINDOWS[self.window]
         since = s.time - window
         label = "all" if window == float("inf") else human_duration(window)
-        plt.title(f"loss (window {label}, +/-)")
+        ids = self.order if self.order is not None else sorted(s.peers, key=lambda pid: s.peers[pid].name)
+        if first in ids:
+            ids = [first, *(pid for pid in ids if pid != first)]
         series = []
-        for peer_id, peer in sorted(s.peers.items(), key=lambda kv: kv[1].name):
+        for peer_id in ids:
             points = [(t, v) for t, v in s.history.get(peer_id, {}).get("loss", []) if t >= since]
-            if points:
-                series.append((peer.name, points))
-        for name, points in series[:8]:
-            plt.plot([t - s.time for t, _ in points], [v for _, v in points], marker="braille", label=name)
+            if peer_id in s.peers and points:
+                series.append((peer_id, points))
+        drawn = series[:CHART_PEERS]
+        # Past CHART_PEERS lines the chart is unreadable: which ones it shows, said in its title.
+        of = f" of {len(drawn)} of {len(series)} peers" if len(series) > len(drawn) else ""
+        self.heading = f"loss{of} (window {label}, +/-)"
+        plt.title(self.heading)
+        self.shown = [peer_id for peer_id, _ in drawn]
+        for peer_id, points in sorted(drawn, key=lambda item: s.peers[item[0]].name):
+            plt.plot(
+                [t - s.time for t, _ in points],
+                [v for _, v in points],
+                marker="braille",
+                label=s.peers[peer_id].name,
+            )
         if len(series) > 1:
             mean = _mean_series([points for _, points in series])
             if mean:

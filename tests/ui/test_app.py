@@ -624,3 +624,24 @@ async def test_a_monitor_that_loses_the_dht_says_so_and_keeps_its_last_view() ->
         said = [str(n.message) for n in app._notifications]
         assert any("cannot read the run from the DHT" in m for m in said), said
     source.ended = True
+
+
+async def test_the_loss_chart_follows_the_tables_filter_and_cursor() -> None:
+    """The chart drew the first 8 peers by name whatever the table showed: with 12 peers the
+    other 4 had no line, and neither the filter nor the cursor could bring one up."""
+    from tui.widgets import CHART_PEERS
+
+    app = SwarmApp(FakeSource(peers=12, steps=4), poll=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await started(app, pilot)
+        chart = app.chart
+        assert len(chart.shown) == CHART_PEERS == 8
+        assert "8 of 12 peers" in chart.heading  # which ones: said
+        last = [str(k.value) for k in app.table.rows][-1]
+        assert last not in chart.shown
+        await pilot.press(*["down"] * 11)  # the cursor on the last row: its peer gets a line
+        await pilot.pause()
+        assert last in chart.shown and len(chart.shown) == 8
+        await pilot.press("slash", *app.snapshot.peers[peer_id(1)].name, "enter")
+        await pilot.pause()
+        assert chart.shown == [peer_id(1)]
