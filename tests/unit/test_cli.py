@@ -710,6 +710,17 @@ def test_a_run_started_over_in_its_folder_exports_alone(tmp_path, capsys):
     assert main(["export", str(tmp_path), "--csv"]) == 0
     out, err = capsys.readouterr()
     assert len(list(csv.DictReader(io.StringIO(out)))) == 4 and "earlier run" not in err
+    # A whole run resumed from its checkpoints: its owner publishes the manifest anew (another
+    # creation time, another "run"), and export left out everything before the resume.
+    resumed = session("r/owner/2.0", range(3, 5), 100.0)
+    resumed.insert(1, {"event": "resumed_checkpoint", "time": 100.0, "peer": "a", "outer_step": 2})
+    path.write_text(
+        "".join(json.dumps(e) + "\n" for e in session("r/owner/1.0", range(1, 3), 10.0) + resumed)
+    )
+    assert main(["export", str(tmp_path), "--csv"]) == 0
+    out, err = capsys.readouterr()
+    assert [r["outer_step"] for r in csv.DictReader(io.StringIO(out))] == ["1", "2", "3", "4"], err
+    assert "earlier run" not in err
 
 
 def test_export_refuses_an_empty_run_dir_and_an_out_folder(tmp_path, monkeypatch, capsys):

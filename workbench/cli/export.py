@@ -101,11 +101,14 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
     events it wrote for them before the resume are left out, as TensorBoard purges the steps
     after a restart, so each outer step is one row. A folder where a run was started over
     (its checkpoints removed, as `start` suggests) holds the events of both: only the last
-    run's are kept (each "started" event names its run), and the others are counted."""
+    run's are kept (each "started" event names its run), and the others are counted. A peer
+    resumed from its checkpoint (``resumed_checkpoint`` right after its "started") continues its
+    run, though its owner's manifest, published anew, names another."""
     lines = path.read_text(errors="replace").splitlines()
     events: list[dict[str, Any]] = []
     dropped = cut = 0
     run: str | None = None  # the run of the events read so far (its "started" events say it)
+    restarted: int | None = None  # where another run's "started" came: a new run unless it resumed
     earlier = 0
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -134,10 +137,16 @@ def _events_of(path: Path) -> tuple[list[dict[str, Any]], int]:
             raise ExportError(
                 f"{path}:{number} has a time that is not a number ({when!r}): not a peer's event line"
             )
+        if restarted is not None and event.get("event") != "started":
+            # A peer resumed from its checkpoint goes on with its run, whose owner published the
+            # manifest anew (another "run": a resumed run's history was left out, a review)
+            if event.get("event") != "resumed_checkpoint":
+                earlier += restarted
+                events = events[restarted:]
+            restarted = None
         if event.get("event") == "started" and isinstance(event.get("run"), str):
-            if run is not None and event["run"] != run:  # another run in the same folder: a new start
-                earlier += len(events)
-                events = []
+            if run is not None and event["run"] != run:  # another run in the same folder, or a resume
+                restarted = len(events)
             run = event["run"]
         step = event.get("outer_step")
         if event.get("event") == "resumed_checkpoint" and isinstance(step, int):
