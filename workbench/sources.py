@@ -149,6 +149,9 @@ class ReplaySource:
         self.title = f"replay of {self._last.run_id} ({self.path.name})"
         self.interval = interval
         self.position = 0
+        self.ended = False
+        """Set once the recording's last reading was shown: a widget's poll thread then ends (it
+        polled a finished replay, 150 times in 8 s, for as long as the kernel lived)."""
 
     def poll(self) -> SwarmSnapshot:
         """The next reading; once the recording is over, the last one again with no new events
@@ -160,6 +163,7 @@ class ReplaySource:
                 self._first = False
                 return self._last
             following = next(self._readings, None)
+            self.ended = following is None
             self._last = dataclasses.replace(self._last, new_events=[]) if following is None else following
             return self._last
 

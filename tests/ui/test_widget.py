@@ -270,3 +270,51 @@ def test_a_simulation_s_view_shows_its_peers_speed(monkeypatch) -> None:
     Experiment(backend="sim", peers=2, steps=8, inner_steps=4, model="tiny", batch_size=2).run().wait()
     assert len(seen) == 2 and all(b.samples_per_second > 0 and b.last_round_steps == 4 for b in seen), seen
     assert all(b.last_round_seconds and b.last_round_seconds > 0 for b in seen)
+
+
+def test_a_peer_paused_from_the_widget_can_be_resumed_before_the_next_poll() -> None:
+    """The widget judged "paused" from its last poll: a pause then a resume (a notebook cell, or
+    two clicks) refused the resume, "not paused (paused: nobody)", and the peer stayed paused."""
+    w = widget()
+    w.handle({"action": "pause", "peer": peer_id(1)})
+    w.handle({"action": "resume", "peer": peer_id(1)})
+    assert w.source.published[-1] == {"resume": sorted([peer_id(1), "bravo"])}  # by id and name
+    with pytest.raises(ValueError, match="is not paused"):  # and that resume is seen too
+        w.handle({"action": "resume", "peer": peer_id(1)})
+
+
+def test_a_poll_failure_is_cleared_by_the_next_good_poll_and_a_replay_ends_its_thread(tmp_path) -> None:
+    """ "poll failed" stayed in the widget after the DHT answered again; a replay's poll thread
+    polled the finished recording for as long as the kernel lived (no `ended`)."""
+    import time
+
+    from workbench.sources import ReplaySource
+
+    w = widget()
+    failures = iter([RuntimeError("DHT hiccup")])
+    poll = w.source.poll
+
+    def flaky():  # type: ignore[no-untyped-def]
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return poll()
+
+    w.source.poll, w.interval = flaky, 0.01
+    w.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and w.source.poll is flaky and not w.message.startswith("poll failed"):
+        time.sleep(0.005)
+    while time.monotonic() < deadline and w.message:
+        time.sleep(0.01)
+    w.stop()
+    assert w.message == ""
+    path = tmp_path / "run.jsonl"
+    live = SwarmMonitor(record_to=path)
+    for snapshot_time in (1010.0, 1020.0):
+        live.ingest(Reading(snapshot_time, "fake-run", {peer_id(0): heartbeat(0, snapshot_time, 1)}))
+    live.close()
+    replayed = SwarmWidget(ReplaySource(path, interval=0.01))
+    thread = replayed._thread
+    thread.join(timeout=10)
+    assert not thread.is_alive() and replayed.source.ended and replayed.last.time == 1020.0

@@ -27,6 +27,7 @@ from swarm.steering import aliases_of, live_peer_id
 logger = logging.getLogger(__name__)
 
 STEERABLE = ("outer_lr", "inner_steps", "round_seconds", "codec")
+POLL_FAILED = "poll failed: "  # a poll's message, cleared by the next good poll
 
 
 class SwarmWidget(anywidget.AnyWidget):
@@ -54,6 +55,7 @@ class SwarmWidget(anywidget.AnyWidget):
         self.title = source.title
         self.interval = interval or source.interval
         self.last = None
+        self._published: Any = None  # the ControlState this widget last published
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.observe(self._on_command, names="command")
@@ -80,7 +82,10 @@ class SwarmWidget(anywidget.AnyWidget):
             try:
                 self.refresh()
             except Exception as error:  # a poll hiccup: keep the last view, say so
-                self.message = f"poll failed: {error}"
+                self.message = f"{POLL_FAILED}{error}"
+            else:
+                if self.message.startswith(POLL_FAILED):  # (it stayed after the DHT answered again)
+                    self.message = ""
             if over:
                 return
 
@@ -122,6 +127,10 @@ class SwarmWidget(anywidget.AnyWidget):
         naming what was wrong, for a command that cannot be run: nothing is published then)."""
         action = command.get("action")
         control = self.last.control if self.last is not None else None
+        if self._published is not None and (control is None or self._published.version > control.version):
+            # Published here since the last poll: a pause just made was "not paused" until the
+            # next read (a notebook's pause then resume refused the resume, and the peer stayed paused)
+            control = self._published
         paused = list(control.paused) if control else []
         if action in ("pause", "resume"):
             peer = command.get("peer")
@@ -155,6 +164,7 @@ class SwarmWidget(anywidget.AnyWidget):
             result = self.source.steer(**changes)
         else:
             raise ValueError(f"unknown command {action!r}: pause, resume or steer")
+        self._published = result
         return f"published control v{result.version} (applied from outer step {result.from_step})"
 
     def steer(self, **changes: Any) -> str:
