@@ -50,6 +50,9 @@ from swarm.records import RunKeys, Stage
 
 logger = logging.getLogger(__name__)
 
+MAX_SILENT = 1024
+"""Silent leaders remembered (their round): fresh keys are free."""
+
 # wire codec name -> hivemind codec
 CODECS: dict[str, Callable[[], Any]] = {
     "none": NoCompression,
@@ -126,6 +129,7 @@ class SwarmAverager(Downloading):
         """Peers that averaged with this one in a verified round: their claims are believed (one
         for all of a peer's averagers: streaming's fragments share it)."""
         self._refused_donors: set[str] = set()
+        self._silent_leaders: dict[str, int] = {}  # peer id -> the round it accepted and stayed silent
         self._no_shows_until = -1
         """Before this outer step, a round whose only mates are strangers is not retried: a
         round failed with only strangers "ready" at its step, none of whom came to a group (set
@@ -245,6 +249,7 @@ class SwarmAverager(Downloading):
         while True:
             attempt += 1
             gathered, error = self._attempt(tensors, weight, info, deadline, attempt)
+            self._blame_silent_leaders(int(info.get("outer_step", 0)))  # (found by a success too)
             if gathered:
                 break
             # We retry here rather than let hivemind do it: hivemind retries on the buffers as a
@@ -344,6 +349,7 @@ class SwarmAverager(Downloading):
             gather=info,
             weight=weight,
             expected=expected,
+            allowed=self.round_peers(int(info.get("outer_step", 0))),
             scheduled_time=get_dht_time() + window,
             timeout=max(self.config.matchmaking_time + 0.5, deadline - time.monotonic()),
             wait=False,
@@ -395,6 +401,41 @@ class SwarmAverager(Downloading):
             self.formed_after = self.averager.assembled.value - asked
             self.matchmaking_window.observe(self.formed_after)
         return (gathered, "") if gathered else (None, "could not find a group")
+
+    def round_peers(self, outer_step: int) -> tuple[str, ...]:
+        """The peers this one may group with (lead, follow or take in): the run's peers whose
+        heartbeats it last read (the barrier's or the retry's read: live, none it ignores), and
+        itself, less the leaders silent in this round's earlier attempts. A fresh key that never
+        published one, a leader that never begins or a member that never comes to the ring, is
+        in no group of this peer's (a red-team review: either made every round of a pair end
+        alone). Without a board: anybody."""
+        if self.board is None:
+            return ()
+        silent = {peer for peer, step in self._silent_leaders.items() if step == outer_step}
+        return tuple(sorted({*self.board.last_seen, self.peer_id} - silent))
+
+    def _blame_silent_leaders(self, outer_step: int) -> None:
+        """After an attempt: the leaders that accepted this peer into their group and then
+        said nothing (:func:`swarm.hivemind_fixes.watch_leaders`) are left out of this round's
+        other attempts, and strangers struck (three rounds of it and they are ignored for the
+        run). A fresh
+        key with a heartbeat "waiting" at the round's step did that every attempt, and every
+        round of a pair ended alone at the averaging deadline."""
+        read = getattr(self.averager, "silent_leaders", None)
+        for peer in read() if read is not None else ():
+            self._silent_leaders[peer] = outer_step
+            heartbeat = self.board.last_seen.get(peer) if self.board is not None else None
+            logger.info(
+                "round %d: %s accepted this peer into its group and never began it", outer_step + 1, peer[-8:]
+            )
+            # A round mate is only left out of this round's retries: one frozen, or late under
+            # load, must not be ignored for the run (it averaged with this one before).
+            if heartbeat is not None and peer not in self.vouching.vouched:
+                self.barrier.strike(
+                    heartbeat, outer_step, "accepted this peer into its group and never began it"
+                )
+        while len(self._silent_leaders) > MAX_SILENT:  # fresh keys are free
+            self._silent_leaders.pop(next(iter(self._silent_leaders)))
 
     def _failed(
         self, info: dict[str, Any], reason: str, *, mates: list[str], moved_on: bool = True

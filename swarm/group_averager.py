@@ -34,7 +34,13 @@ from swarm.butterfly import CountedWeights, MeanReplies
 from swarm.consensus import CHECKED_CODECS, FAILED, Post, TensorSketcher, disagreement, scaled
 from swarm.dataplane import DIRECT_CODECS, DirectPlane, bindable, one_line, or_error
 from swarm.faults import fault_value
-from swarm.hivemind_fixes import ExpectedMembers, install_task_keeper  # importing it patches StepControl
+from swarm.hivemind_fixes import (  # importing it patches StepControl
+    ExpectedMembers,
+    install_task_keeper,
+    parse_ids,
+    refuse_strangers,
+    watch_leaders,
+)
 from swarm.rendezvous import MAX_VALUE_BYTES, BoardClient, RendezvousBoards, pack, unpack
 from swarm.ring_driver import Outcome, RingDriver, Ticket, messages, serve_board
 from swarm.signed_groups import SignedGroupKeys
@@ -86,6 +92,9 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._posted: OrderedDict[bytes, tuple[asyncio.Future, BoardClient, dict]] = OrderedDict()
         self._ticket_loop: asyncio.AbstractEventLoop | None = None
         self._expected = mp.Array("c", EXPECTED_BYTES)  # the next step's round mates (ids)
+        self._allowed = mp.Array("c", EXPECTED_BYTES)  # the peers the next step may group with (ids)
+        self._silent = mp.Array("c", EXPECTED_BYTES)  # leaders silent after accepting, this step (ids)
+        self._silent_ids: set[str] = set()  # (the averager process's)
         self.assembled = mp.Value("d", 0.0)  # when a group last formed (time.time())
         self.generation = mp.Value("q", 0)  # bumped (under the buffers' lock) as the peer fills them
         bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
@@ -224,6 +233,18 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         # A leader forms the group as soon as the expected members joined, rather than at the end
         # of the matchmaking window (hivemind's target group size, which it reads per join).
         self._matchmaking.target_group_size = ExpectedMembers.parse(self._matchmaking, self._expected.value)
+        # Only the run's peers this one read heartbeats from lead or join its group (none
+        # given: anybody, as in hivemind).
+        allowed = parse_ids(self._allowed.value)
+        allowed = None if allowed is None else allowed | {self._matchmaking.peer_id}
+        refuse_strangers(self._matchmaking)
+        self._matchmaking.allowed = allowed
+        self._silent_ids.clear()
+        self._silent.value = b""
+        watch_leaders(self._matchmaking, self._note_silent)
+        keys = self._matchmaking.group_key_manager
+        if isinstance(keys, SignedGroupKeys):
+            keys.allowed = allowed
         if self._ticket_loop is None and self._plane_enabled.value:
             # Once: every group found is offered to the peer's ring before hivemind waits for
             # the step's trigger (swarm.ring_driver), and the ring's outcomes are read.
@@ -248,13 +269,37 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             # asyncio printed "Task exception was never retrieved" with a traceback (churn soak).
             logger.debug("averaging step failed: %s", one_line(error))
 
-    def step(self, gather: Any = None, expected: Sequence[str] = (), **kwargs: Any):
+    def _note_silent(self, leader: Any) -> None:
+        """A leader accepted this peer and then never began nor disbanded its group (in the
+        averager process): the peer's process reads it (:meth:`silent_leaders`)."""
+        self._silent_ids.add(leader.to_base58())
+        allowed = self._matchmaking.allowed  # (the key manager's too: one set)
+        if allowed is not None:
+            # Not followed again this step: its declaration, renewed every 0.1 s, was a new
+            # leader each time to hivemind, and the follower went back to it until its deadline.
+            allowed.discard(leader)
+        wanted = ",".join(sorted(self._silent_ids)).encode()
+        if len(wanted) < EXPECTED_BYTES:
+            self._silent.value = wanted
+
+    def silent_leaders(self) -> list[str]:
+        """The leaders that accepted this peer in its last step and then said nothing (base58)."""
+        return [text for text in self._silent.value.decode(errors="replace").split(",") if text]
+
+    def step(
+        self, gather: Any = None, expected: Sequence[str] = (), allowed: Sequence[str] = (), **kwargs: Any
+    ):
         """hivemind's step; this member's data-plane address travels with its gathered info.
         ``expected``: the other members of this round's group (base58 ids; none: the window).
+        ``allowed``: the only peers whose group this one joins and who may join its group
+        (base58 ids; none: anybody; a run's peers only: the leaders it finds are its signed
+        declarations', :class:`~swarm.signed_groups.SignedGroupKeys`).
         With the direct plane, the control returned also follows the ring that this process
         runs (:class:`swarm.ring_driver.DirectStep`)."""
         wanted = ",".join(expected).encode()
         self._expected.value = wanted if len(wanted) < EXPECTED_BYTES else b""
+        wanted = ",".join(allowed).encode()
+        self._allowed.value = wanted if len(wanted) < EXPECTED_BYTES else b""
         weight = kwargs.get("weight")
         weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
         if self._driver is not None:

@@ -267,8 +267,100 @@ class ExpectedMembers:
     def parse(cls, matchmaking: Any, raw: bytes) -> ExpectedMembers | None:
         """From the comma-separated base58 ids the peer's process wrote; None (the window
         decides) for none or anything that does not parse."""
-        try:
-            ids = {PeerID.from_base58(text) for text in raw.decode().split(",") if text}
-        except Exception:  # noqa: BLE001 - not ids: no early group
-            return None
+        ids = parse_ids(raw)
         return cls(matchmaking, ids | {matchmaking.peer_id}) if ids else None
+
+
+def parse_ids(raw: bytes) -> set[PeerID] | None:
+    """Comma-separated base58 peer ids (what a peer's process writes for its averager's); None
+    for none, or for anything that does not parse."""
+    try:
+        ids = {PeerID.from_base58(text) for text in raw.decode().split(",") if text}
+    except Exception:  # noqa: BLE001 - not ids: nothing
+        return None
+    return ids or None
+
+
+SILENT_GRACE = 1.0
+"""Seconds past a join request's expiration that an accepting leader may yet begin or disband
+its group (an honest one does by its own declared expiration, which a request's may not precede:
+hivemind refuses such a request) before it counts as silent (:func:`watch_leaders`)."""
+
+
+def watch_leaders(matchmaking: Any, silent: Callable[[PeerID], None]) -> None:
+    """Call ``silent(leader)`` for each leader that accepted this peer into its group and then
+    said nothing, neither "begin" nor "disbanded", past this peer's request's expiration (plus
+    :data:`SILENT_GRACE`), when hivemind gave up on it. A fresh key that declared itself a leader
+    just ahead of everyone and did that held its followers for their whole matchmaking window,
+    every attempt (a red-team review, 2026-12-06). Wraps the stubs ``matchmaking`` (hivemind's,
+    in the averager process) asks leaders with; once per matchmaking."""
+    if getattr(matchmaking, "watching_leaders", False):
+        return
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils import get_dht_time
+
+    matchmaking.watching_leaders = True
+    servicer = matchmaking._servicer_type
+
+    class Answers:  # one join request's answers, as the follower reads them
+        def __init__(self, stream: Any, leader: PeerID, expiration: float) -> None:
+            self.stream, self.leader, self.expiration, self.codes = stream, leader, expiration, []
+
+        def __aiter__(self) -> Answers:
+            return self
+
+        async def __anext__(self) -> Any:
+            try:
+                message = await self.stream.__anext__()
+            except asyncio.CancelledError:  # hivemind's wait for the next answer ended
+                if self.codes == [averaging_pb2.ACCEPTED] and get_dht_time() > self.expiration + SILENT_GRACE:
+                    silent(self.leader)
+                raise
+            self.codes.append(message.code)
+            return message
+
+        async def aclose(self) -> None:
+            await self.stream.aclose()
+
+    class Stub:
+        def __init__(self, stub: Any, leader: PeerID) -> None:
+            self.stub, self.leader = stub, leader
+
+        async def rpc_join_group(self, request: Any) -> Answers:
+            return Answers(await self.stub.rpc_join_group(request), self.leader, request.expiration)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.stub, name)
+
+    class Servicer:
+        @staticmethod
+        def get_stub(p2p: Any, peer: PeerID, *, namespace: str | None = None) -> Stub:
+            return Stub(servicer.get_stub(p2p, peer, namespace=namespace), peer)
+
+    matchmaking._servicer_type = Servicer
+
+
+NOT_A_ROUND_MATE = "not a round mate"
+
+
+def refuse_strangers(matchmaking: Any) -> None:
+    """Make ``matchmaking`` (hivemind's, in the averager process) refuse a join request from any
+    peer outside its ``allowed`` set (an attribute set here, None: anybody), as a leader that is
+    not looking for a group does. hivemind's leader accepted every well-formed request: a fresh
+    key that polled the matchmaking key joined each honest peer's group and then never came to
+    its ring, and 4 of 5 rounds ended alone (a red-team review, 2026-12-06)."""
+    if getattr(matchmaking, "allowed", ...) is not ...:
+        return
+    from hivemind.proto import averaging_pb2
+
+    check = matchmaking._check_reasons_to_reject
+    matchmaking.allowed = None
+
+    def refusing(request: Any, context: Any) -> Any:
+        allowed = matchmaking.allowed
+        if allowed is not None and context.remote_id not in allowed:
+            logger.debug("refused a join request from %s: %s", context.remote_id, NOT_A_ROUND_MATE)
+            return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+        return check(request, context)
+
+    matchmaking._check_reasons_to_reject = refusing

@@ -47,11 +47,17 @@ class SignedGroupKeys(GroupKeyManager):
     the averager process (:meth:`install`)."""
 
     subkey: bytes
+    allowed: set[PeerID] | None
+    """The peers this one may follow this step (None: any): the peers of the run whose
+    heartbeats it read (:meth:`swarm.averaging.SwarmAverager.round_peers`). A fresh key that
+    declared itself a leader every 0.1 s, just ahead of everyone, accepted every follower and
+    never began an all-reduce: every round of a pair ended alone (a red-team review)."""
 
     @classmethod
     def install(cls, manager: GroupKeyManager, subkey: bytes) -> None:
         manager.__class__ = cls
         manager.subkey = subkey
+        manager.allowed = None
 
     async def declare_averager(
         self, group_key: str, peer_id: PeerID, expiration_time: float, looking_for_group: bool = True
@@ -75,6 +81,8 @@ class SignedGroupKeys(GroupKeyManager):
             peer = peer_of(subkey)
             looking = getattr(entry, "value", None)
             if peer is None or not isinstance(looking, bool) or (only_active and not looking):
+                continue
+            if self.allowed is not None and peer not in self.allowed:
                 continue
             averagers.append((peer, entry.expiration_time))
         return averagers

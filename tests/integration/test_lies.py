@@ -486,6 +486,150 @@ def test_an_outsider_cannot_withdraw_the_peers_from_matchmaking(spawn, tmp_path,
         interrupt_all(peers.started)
 
 
+MATCHMAKING_SYBIL = """
+import asyncio, secrets, sys, threading, time
+import torch
+from hivemind.averaging.averager import compute_schema_hash
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from swarm import gathered
+from swarm.dataplane import PROTOCOL
+from swarm.dht import NetworkConfig
+from swarm.group_averager import GroupAverager
+from swarm.records import RunKeys
+from swarm.session import connect
+from swarm.signed_groups import peer_of
+from workbench.cli.command import build_config, build_parser
+from workbench.run.training import load_data, trained_shapes
+
+# One fresh key: a group leader that declares itself every 0.1 s just ahead of everyone, accepts
+# every follower and never begins, and a follower that joins every honest peer's group (a
+# well-formed request: the run's schema) and would never come to its ring. "beating": it also
+# publishes a heartbeat "waiting" at the swarm's step (a round mate, as far as the barrier knows).
+address, run_id, mode, flags = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+config = build_config(build_parser().parse_args(["join", address, "--run-id", run_id, *flags]))
+shapes = [torch.zeros(t.shape) for t in trained_shapes(config, load_data(config)[1])]
+keys = RunKeys(run_id)
+session = connect(NetworkConfig(initial_peers=[address]), keys)
+prefix, me = keys.group("diloco"), session.dht.peer_id
+counts = {"followed": 0, "joined": 0}
+
+async def lead(request, context):
+    counts["followed"] += 1
+    yield averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
+    await asyncio.sleep(120)  # never begins, never disbands
+
+async def join(p2p, leader, busy):
+    own = {"dataplane": PROTOCOL, "weight": 1.0, "nonce": secrets.token_bytes(16), "rings": [],
+           "butterfly": gathered.MEAN, "user": {"outer_step": 0}}
+    request = averaging_pb2.JoinRequest(
+        schema_hash=compute_schema_hash(shapes), expiration=get_dht_time() + 100, client_mode=False,
+        gather=MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(own)]), group_key=prefix + ".0b")
+    try:
+        async for message in await GroupAverager.get_stub(p2p, leader, namespace=prefix).rpc_join_group(request):
+            if message.code != averaging_pb2.ACCEPTED:
+                break
+            counts["joined"] += 1
+    except Exception:
+        pass
+    finally:
+        busy.discard(leader)
+
+def beat():
+    from hivemind.utils import get_dht_time
+    from swarm.records import PeerHeartbeat, Stage
+    while True:
+        top = max((p.outer_step for p in session.board.fetch().values() if p.peer_id != session.peer_id), default=0)
+        beat = PeerHeartbeat(peer_id=session.peer_id, name="sybil", stage=Stage.WAITING, outer_step=top,
+                             inner_step=5, inner_steps=5, time=get_dht_time())
+        session.store.store(keys.peers, beat, ttl=10)
+        time.sleep(0.3)
+
+async def main():
+    if mode == "beating":
+        threading.Thread(target=beat, daemon=True).start()
+    p2p = await session.dht.replicate_p2p()
+    await p2p.add_protobuf_handler(
+        f"{prefix}::GroupAverager.rpc_join_group", lead, averaging_pb2.JoinRequest, stream_output=True)
+    print("ready", flush=True)
+    busy = set()
+    while True:
+        session.dht.store(prefix + ".0b", True, get_dht_time() + 0.25, subkey=session.store.subkey, return_future=True)
+        found = await asyncio.wrap_future(session.dht.get(prefix + ".0b", latest=True, return_future=True))
+        for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
+            peer = peer_of(subkey)
+            if peer is not None and peer != me and entry.value is True and peer not in busy:
+                busy.add(peer)
+                asyncio.create_task(join(p2p, peer, busy))
+        print("followed", counts["followed"], "joined", counts["joined"], flush=True)
+        await asyncio.sleep(0.1)
+
+asyncio.run(main())
+"""
+
+
+def test_a_fresh_key_in_matchmaking_neither_leads_nor_joins_the_peers_groups(spawn, tmp_path):
+    """A red-team review (2026-12-06): one fresh key, no heartbeat, declared itself a group leader
+    every 0.1 s just ahead of everyone, accepted each follower and never began (a pair's rounds:
+    1.0 s, then 19.6 s, every one alone), and joined every honest peer's group, never to come to
+    its ring (4 of 5 rounds alone). A run's peers now lead, follow and take in only the peers whose
+    heartbeats they read: nobody follows it, nobody lets it in, and the pair averages on."""
+    flags = [*FAST, *steady(tmp_path)]
+    common = [*flags, "--rounds", "1000", "--run-id", "sybil"]
+    with _Peers(spawn, tmp_path) as peers:
+        first = peers.start(0, "start", *common)
+        address = peers.address(first)
+        peers.start(1, "join", address, *common)
+        first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+        attacker = helper(MATCHMAKING_SYBIL, address, "sybil", "silent", *flags)
+        try:
+            assert attacker.stdout.readline().strip() == "ready"
+            attacked = max(e["outer_step"] for e in first.events("round"))
+            first.wait_event("round", lambda e: e["outer_step"] >= attacked + 8, timeout=180)
+        finally:
+            kill_group(attacker)
+        said = attacker.communicate()[0].split("\n")
+        last = [line for line in said if line.startswith("followed")][-1]
+        assert last == "followed 0 joined 0", last  # nobody followed it, nobody took it in
+        sizes = [e["group_size"] for e in first.events("round") if e["outer_step"] > attacked]
+        assert sizes.count(2) >= 5, sizes  # (on the old code: every round alone)
+        interrupt_all(peers.started)
+
+
+def test_a_fresh_key_with_a_heartbeat_that_leads_and_never_begins_is_ignored(spawn, tmp_path):
+    """The same key, also publishing a heartbeat "waiting" at the swarm's step: a round mate for
+    the barrier, so the peers follow it when it declares itself first. It accepts and never
+    begins: each peer that followed it says so, leaves it out of the round's retry, and strikes
+    it; three rounds and it is ignored for the run. The pair averages on."""
+    flags = [*FAST, *steady(tmp_path)]
+    common = [*flags, "--rounds", "1000", "--run-id", "sybil"]
+    with _Peers(spawn, tmp_path) as peers:
+        first = peers.start(0, "start", *common)
+        address = peers.address(first)
+        second = peers.start(1, "join", address, *common)
+        first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+        attacker = helper(MATCHMAKING_SYBIL, address, "sybil", "beating", *flags)
+        ignored = "accepted this peer into its group and never began it, 3 rounds running"
+        try:
+            assert attacker.stdout.readline().strip() == "ready"
+            deadline = time.monotonic() + 240
+            while ignored not in first.stderr() + second.stderr():  # (on the old code: never)
+                assert time.monotonic() < deadline, (first.stderr() + second.stderr())[-3000:]
+                time.sleep(0.5)
+            since = max(e["outer_step"] for e in first.events("round"))
+            # Ignored: not tried again (the pair's rounds would each wait out its silence).
+            for _ in range(3):
+                since = first.wait_event(
+                    "round",
+                    lambda e, after=since: e["outer_step"] > after and e["group_size"] == 2,
+                    timeout=120,
+                )["outer_step"]
+        finally:
+            kill_group(attacker)
+        attacker.communicate()
+        interrupt_all(peers.started)
+
+
 FLOODER = """
 import sys
 from functools import partial

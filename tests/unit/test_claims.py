@@ -87,6 +87,10 @@ class FakeBoard:
     def fetch(self) -> dict[str, PeerHeartbeat]:
         return {k: v for k, v in self.beats.items() if k not in self.ignored}
 
+    @property
+    def last_seen(self) -> dict[str, PeerHeartbeat]:
+        return self.fetch()
+
     def ignore(self, peer_id: str, reason: str) -> None:
         self.ignored.add(peer_id, reason)
 
@@ -693,7 +697,7 @@ def test_a_stranger_ready_that_never_comes_costs_one_round_then_one_attempt():
         False,
         0.0,
     )
-    me.vouching, me._no_shows_until = Vouching(), -1
+    me.vouching, me._no_shows_until, me._silent_leaders = Vouching(), -1, {}
     me.config = SimpleNamespace(matchmaking_time=0.1)
     me.averaging_deadline = SimpleNamespace(seconds=1.6, observe=lambda seconds: None)
     me.averager = SimpleNamespace(direct_rounds=SimpleNamespace(value=0), _fault_file=None)
@@ -747,6 +751,7 @@ def test_a_step_whose_expected_mates_stop_publishing_goes_on_alone():
     board = FakeBoard(beat("frozen", 4))
     me = SwarmAverager.__new__(SwarmAverager)
     me.board, me.peer_id, me.lag, me.corrupt_next, me.scale_next = board, "me", 0, False, 0.0
+    me._silent_leaders = {}
     me.beat = lambda stage: None
     me.matchmaking_window = SimpleNamespace(seconds=1.0)
     me.config = SimpleNamespace(matchmaking_time=1.0)

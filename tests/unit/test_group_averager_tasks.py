@@ -301,10 +301,18 @@ def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(mon
             pass
 
     averager = object.__new__(Bare)
-    averager._matchmaking, averager._donor_subkey = SimpleNamespace(target_group_size=None), None
+    averager._matchmaking = SimpleNamespace(
+        target_group_size=None, group_key_manager=None, _check_reasons_to_reject=None, _servicer_type=None
+    )
+    averager._donor_subkey = None
     averager._expected, averager._plane_enabled, averager._ticket_loop = (
         SimpleNamespace(value=b""),
         SimpleNamespace(value=0),
         None,
+    )
+    averager._allowed, averager._silent, averager._silent_ids = (
+        SimpleNamespace(value=b""),
+        SimpleNamespace(value=b""),
+        set(),
     )
     assert asyncio.run(averager._step(step=None)) is None

@@ -588,3 +588,113 @@ def test_the_fragments_bound_and_the_matchmaking_keys_agree() -> None:
     from swarm.records import MAX_FRAGMENTS
 
     assert BOUNDS["fragments"].high == MAX_FRAGMENTS
+
+
+async def test_a_step_leads_follows_and_takes_in_only_the_peers_it_was_allowed(
+    key_file, private_key, tmp_path
+) -> None:
+    """A fresh key declared itself a leader every 0.1 s just ahead of everyone, accepted each
+    follower and never began; another joined every honest group and never came to its ring:
+    every round of a pair ended alone (a red-team review, 2026-12-06). A run's averager now
+    follows and takes in only the peers its process read heartbeats from (``allowed``)."""
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils import ValueWithExpiration
+
+    from swarm.hivemind_fixes import parse_ids, refuse_strangers
+    from swarm.signed_groups import SignedGroupKeys
+
+    own = b"[owner:" + public_key_text(private_key).encode() + b"]"
+    honest = PeerID.from_identity(key_file.read_bytes())
+    stranger_key = load_private_key(create_identity(tmp_path / "stranger.key"))
+    stranger = b"[owner:" + public_key_text(stranger_key).encode() + b"]"
+    declared = {own: ValueWithExpiration(True, 2.0), stranger: ValueWithExpiration(True, 1.0)}
+
+    class Dht:
+        async def get(self, key, latest, return_future):  # type: ignore[no-untyped-def]
+            return ValueWithExpiration(declared, 2.0)
+
+    keys = SignedGroupKeys.__new__(SignedGroupKeys)
+    keys.dht, keys.subkey, keys.allowed = Dht(), own, None
+    found = await keys._signed_averagers("run_diloco.0b", only_active=True)
+    assert len(found) == 2  # nothing allowed: anybody, as hivemind
+    keys.allowed = parse_ids(honest.to_base58().encode())
+    assert await keys._signed_averagers("run_diloco.0b", only_active=True) == [(honest, 2.0)]
+
+    outsider = PeerID.from_base58("QmWv9Ww7znzgLFyCzf21SR6tUKXrmHCZH9KhebeH4gyE9f")
+    matchmaking = SimpleNamespace(_check_reasons_to_reject=lambda request, context: None)
+    refuse_strangers(matchmaking)
+    assert matchmaking._check_reasons_to_reject(None, SimpleNamespace(remote_id=outsider)) is None
+    matchmaking.allowed = {honest}
+    refused = matchmaking._check_reasons_to_reject(None, SimpleNamespace(remote_id=outsider))
+    assert refused.code == averaging_pb2.NOT_LOOKING_FOR_GROUP
+    assert matchmaking._check_reasons_to_reject(None, SimpleNamespace(remote_id=honest)) is None
+    assert parse_ids(b"") is None and parse_ids(b"0OIl,x") is None  # not base58
+
+
+def test_a_recording_that_cannot_be_written_stops_and_the_monitor_goes_on(tmp_path, caplog) -> None:
+    """`status --watch --record` on a disk that filled up crashed with an OSError traceback (and
+    the TUI's every poll failed before it drew anything): a review, 2026-12-06."""
+    monitor = SwarmMonitor(record_to=tmp_path / "run.jsonl")
+    monitor._record.close()
+    monitor._record = open("/dev/full", "w", buffering=1)  # noqa: SIM115 - every write: ENOSPC
+    first, *rest = readings()
+    assert monitor.ingest(first).time == first.time
+    assert "stopped recording to /dev/full" in caplog.text and monitor._record is None
+    assert [monitor.ingest(r).time for r in rest] == [r.time for r in rest]
+    monitor.close()
+
+
+async def test_a_leader_that_accepts_and_then_says_nothing_is_told_as_silent() -> None:
+    """A fresh key with a heartbeat led a group, accepted the peers and never began: each
+    follower waited out its window, every attempt. The follower now tells such a leader (its
+    averager leaves it out of the step, its peer strikes it): one silent past the follower's
+    request's expiration, not one that disbanded, nor one whose wait was cut before then."""
+    import asyncio
+    import contextlib
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils import get_dht_time
+
+    from swarm.hivemind_fixes import watch_leaders
+
+    class Stream:
+        def __init__(self, *codes: int) -> None:
+            self.codes = list(codes)
+
+        async def __anext__(self):  # type: ignore[no-untyped-def]
+            if self.codes:
+                return averaging_pb2.MessageFromLeader(code=self.codes.pop(0))
+            await asyncio.sleep(3600)
+
+        async def aclose(self) -> None:
+            pass
+
+    streams = {
+        "silent": Stream(averaging_pb2.ACCEPTED),
+        "disbands": Stream(averaging_pb2.ACCEPTED, averaging_pb2.GROUP_DISBANDED),
+        "early": Stream(averaging_pb2.ACCEPTED),
+    }
+
+    class Servicer:
+        @staticmethod
+        def get_stub(p2p, peer, *, namespace=None):  # type: ignore[no-untyped-def]
+            async def rpc_join_group(request):  # type: ignore[no-untyped-def]
+                return streams[peer]
+
+            return SimpleNamespace(rpc_join_group=rpc_join_group)
+
+    silent: list[str] = []
+    matchmaking = SimpleNamespace(_servicer_type=Servicer)
+    watch_leaders(matchmaking, silent.append)
+    watch_leaders(matchmaking, silent.append)  # (once: not wrapped twice)
+    for leader, expiration in (("silent", -2.0), ("disbands", -2.0), ("early", 30.0)):
+        stub = matchmaking._servicer_type.get_stub(None, leader, namespace="run")
+        answers = await stub.rpc_join_group(SimpleNamespace(expiration=get_dht_time() + expiration))
+        assert (await anext(answers)).code == averaging_pb2.ACCEPTED
+        with contextlib.suppress(asyncio.TimeoutError):  # hivemind's wait for its next word, cut
+            await asyncio.wait_for(anext(answers), 0.05)
+        await answers.aclose()
+    assert silent == ["silent"]
