@@ -123,19 +123,22 @@ NOTEBOOKS = {
         ),
         new_code_cell(
             "import time\n\n"
-            "while widget.last is None or widget.last.outer_round < 2:\n"
+            "# a round in, while the run has rounds left (this cell waited for good on ROUNDS = 1)\n"
+            "deadline = time.time() + 300\n"
+            "while run.running and time.time() < deadline and (widget.last is None or widget.last.outer_round < min(2, ROUNDS - 1)):\n"
             "    time.sleep(0.5); widget.refresh()\n"
-            "print(widget.steer(outer_lr=0.5))"
+            "print(widget.steer(outer_lr=0.5) if run.running else f\"the run ended: {run!r}\")"
         ),
         new_code_cell(
             "deadline = time.time() + 120\n"
-            "while time.time() < deadline:\n"
+            "while True:\n"
             "    widget.refresh()\n"
             "    applied, total = widget.last.applied()\n"
-            "    if total and applied == total:\n"
+            "    if (total and applied == total) or not run.running or time.time() > deadline:\n"
             "        break\n"
             "    time.sleep(1)\n"
-            "print(f\"{applied}/{total} peers applied control v{widget.last.control.version}\")"
+            "control = widget.last.control\n"
+            "print(f\"{applied}/{total} peers applied control v{control.version}\" if control else \"nothing was steered\")"
         ),
         new_code_cell("run.wait()\nrun.history().tail()"),
     ],

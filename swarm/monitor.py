@@ -11,6 +11,7 @@ through the same derivation, so it yields the same snapshots the live monitor di
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -252,14 +253,32 @@ class SwarmMonitor:
 
     def close(self) -> None:
         if self._record:
-            self._record.close()
-            self._record = None
+            record, self._record = self._record, None
+            try:
+                record.close()
+            except OSError as error:  # a full disk: the last line's flush
+                logger.warning("the recording %s may end mid-line: %s", record.name, error.strerror or error)
+
+    def _write_record(self, reading: Reading) -> None:
+        """Record ``reading``; a recording that cannot be written any more (a full disk) stops
+        with a warning, and the monitor goes on (``status --watch --record`` crashed with an
+        OSError traceback, and the TUI's polls all failed)."""
+        try:
+            self._record.write(json.dumps(reading.to_json()) + "\n")
+        except OSError as error:
+            logger.warning(
+                "stopped recording to %s: %s (the monitor goes on; `workbench replay` reads what "
+                "was recorded)",
+                self._record.name,
+                error.strerror or error,
+            )
+            self.close()
 
     # --- derivation ----------------------------------------------------------------------------
 
     def ingest(self, reading: Reading) -> SwarmSnapshot:
         if self._record:
-            self._record.write(json.dumps(reading.to_json()) + "\n")
+            self._write_record(reading)
         now, new = reading.time, []
         first, self._readings = self._readings == 0, self._readings + 1
 
@@ -466,7 +485,13 @@ def open_recording(path: str | Path) -> IO[str]:
         )
     end = handle.seek(0, os.SEEK_END)
     if end == 0:
-        handle.write(json.dumps({"format": RECORD_FORMAT}) + "\n")
+        try:
+            handle.write(json.dumps({"format": RECORD_FORMAT}) + "\n")
+        except OSError as error:  # a full disk: no empty file left behind
+            with contextlib.suppress(OSError):
+                handle.close()
+            path.unlink(missing_ok=True)
+            raise SwarmError(f"cannot write the recording {path}: {error.strerror or error}") from None
         return handle
     with open(path, "rb") as raw:  # a recording cut short (a crash, a full disk) ends mid-line
         raw.seek(max(0, end - (1 << 20)))

@@ -59,6 +59,8 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
     assert wide.wait() == 2 and "resume with the same --batch-size" in wide.stderr(), wide.stderr()
     for refused in (other, bigger, wide):  # checked before the peer announced itself
         assert "Others join with" not in refused.stdout() and not refused.events("started"), refused.stdout()
+        # one line: its error (it also logged "stopped before a round ended: no global params")
+        assert "no global params" not in refused.stderr(), refused.stderr()
 
     # Nothing usable: one clear line, exit status 2.
     (first.directory / "checkpoint.prev.pt").write_bytes(b"not a checkpoint")

@@ -1055,6 +1055,33 @@ def test_two_models_that_differ_only_in_block_size_are_told_apart_in_words() -> 
     assert summaries[0] != summaries[1] and "block size 96" in summaries[1], summaries
 
 
+def test_a_joiner_with_another_aggregation_is_refused() -> None:
+    """`--aggregate` was not in the run's fingerprint: a trimmed-mean joiner was let into a mean
+    run, downloaded the state 18 times in 10 rounds and ended on another θ (a review,
+    2026-12-06). A mean run's fingerprint stays what it was (its checkpoints resume)."""
+    from workbench.run.joining import fingerprint, fingerprinted_flags
+    from workbench.run.model import build_model
+
+    configs = [
+        config_of("start", "--model", "tiny", *extra) for extra in ((), ("--aggregate", "trimmed-mean"))
+    ]
+    model = build_model(configs[0].model, seed=0)
+    mean, trimmed = (fingerprint(config, model)[0] for config in configs)
+    assert mean != trimmed
+    assert fingerprinted_flags(configs[1], model)["--aggregate"] == "trimmed-mean"
+    # The refusal shows both sides' summaries: what differs is in them.
+    assert "trimmed-mean" in fingerprint(configs[1], model)[1]
+    streaming = [
+        config_of("start", "--model", "tiny", "--method", "streaming", *extra)
+        for extra in ((), ("--sync-delay", "2", "--codec", "fp16"))
+    ]
+    summaries = [fingerprint(config, model)[1] for config in streaming]
+    assert "tau=0" in summaries[0] and "tau=2" in summaries[1] and "wire fp16" in summaries[1], summaries
+    # The tiny model's with every default, before --aggregate was covered: a checkpoint written
+    # then still resumes (a --resume with another fingerprint is refused).
+    assert mean == "59041bd129840254", mean
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a CUDA device")
 def test_the_demo_says_a_missing_gpu_once_before_starting_peers(capsys, monkeypatch) -> None:
     started = []

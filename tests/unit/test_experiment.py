@@ -144,6 +144,7 @@ def test_compare_names_the_runs_with_nothing_to_draw():
 
     matplotlib.use("Agg")
     done = _bigram(steps=4).run().wait(timeout=120)
+    assert done.wait(float("inf")) is done  # (Event.wait raised OverflowError on inf)
     with pytest.raises(ValueError, match="has not run \\(call .run\\(\\) first\\)"):
         compare([done, _bigram(steps=4, name="later")])
     failed = _bigram(steps=4, name="cut", data="/nonexistent/corpus").run()
@@ -160,6 +161,14 @@ def test_compare_names_the_runs_with_nothing_to_draw():
             ],
             x="bytes",
         )
+    # Done, every evaluation NaN: "has no evaluation yet (.wait() for it)" sent the user to wait
+    # for a run that had ended (a review, 2026-12-06).
+    nan = Experiment(
+        model=_Bigram, loss_fn=lambda model, batch: _loss(model, batch) * float("nan"), peers=2,
+        inner_steps=2, batch_size=4, steps=4, name="hot",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="hot diverged: every evaluation is NaN"):
+        compare([nan.run().wait(timeout=120)])
     with pytest.raises(ValueError, match="compare takes a list of experiments"):
         compare([])
     assert compare([done]).get_legend().get_texts()[0].get_text() == done.name

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import numbers
 import tempfile
 import threading
@@ -439,6 +440,8 @@ class Experiment:
             raise RuntimeError("call run() first")
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout is seconds to wait, >= 0, or None to wait for the end (got {timeout})")
+        if timeout == math.inf:  # (Event.wait raised OverflowError on it)
+            timeout = None
         try:
             # An Event, not Thread.join: Ctrl+C in a join can leave the thread looking finished
             # while it runs on (CPython's join lock), and then stop() and repr lie.
@@ -833,6 +836,9 @@ def compare(experiments: list[Experiment], *, x: str = "tokens", ax=None):
                 else f"ended with no evaluation ({experiment.error})"
                 if experiment.error is not None
                 else "has no evaluation yet (.wait() for it)"
+                if experiment.running or experiment.history().empty
+                # done, every eval NaN: it diverged (it said to .wait() for a run that had ended)
+                else "diverged: every evaluation is NaN (try a lower outer or inner lr)"
             )
             raise ValueError(f"{experiment.name} {why}: nothing to compare")
         if x == "bytes":

@@ -67,17 +67,32 @@ def fingerprint(config: RunConfig, model: Any) -> tuple[str, str]:
     )
     if config.outer_method.fragmented:  # τ and α: whose clock leads, and how fragments merge
         optimizer["schedule"] = dict(sync_delay=config.sync_delay, alpha=config.alpha)
+    if config.averaging.aggregate != "mean":
+        # A trimmed-mean peer in a mean run was let in: its group's means differed from the
+        # others', it downloaded the state 18 times in 10 rounds and ended on another θ (a
+        # review). Only when not the mean: a mean run's fingerprint (its checkpoints') is as before.
+        optimizer["aggregate"] = config.averaging.aggregate
+    # What differs between two peers' optimizer settings most often, in words: the refusal shows
+    # both summaries (streaming's F, τ, α and the wire codec read alike in both before, a review).
+    extra = ""
+    if config.outer_method.fragmented:
+        extra += f" F={config.fragments} tau={config.sync_delay}"
+        extra += f" alpha={config.alpha}" if config.alpha is not None else ""
+    if config.averaging.compression != "none":
+        extra += f" wire {config.averaging.compression}"
+    if config.averaging.aggregate != "mean":
+        extra += f" {config.averaging.aggregate}"
     summary = (
         f"{type(model).__name__} {model.num_params() / 1e6:.2f}M params, block size {config.model.block_size}, "
         f"{config.method} "
-        f"H={config.diloco.inner_steps} outer lr {config.diloco.outer_lr} codec {config.diloco.codec}"
+        f"H={config.diloco.inner_steps} outer lr {config.diloco.outer_lr} codec {config.diloco.codec}{extra}"
     )
     return model_fingerprint(model, optimizer), summary
 
 
 FRAGMENTED = ("fragments", "sync_delay", "alpha")
-"""Settings the fingerprint covers for a streaming run, beside the method, the wire codec and
-the outer optimizer's (``diloco.*``)."""
+"""Settings the fingerprint covers for a streaming run, beside the method, the wire codec, the
+aggregation and the outer optimizer's (``diloco.*``)."""
 
 
 def fingerprinted_flags(config: RunConfig, model: Any) -> dict[str, str]:
@@ -91,7 +106,11 @@ def fingerprinted_flags(config: RunConfig, model: Any) -> dict[str, str]:
         "model": f"{type(model).__name__} {model.num_params()} params, block size {config.model.block_size}",
         "--method": config.method,
     }
-    taken = ("averaging.compression", *(FRAGMENTED if config.outer_method.fragmented else ()))
+    taken = (
+        "averaging.compression",
+        "averaging.aggregate",
+        *(FRAGMENTED if config.outer_method.fragmented else ()),
+    )
     for item in command_settings("start").values():
         if item.target and (item.target in taken or item.target.startswith("diloco.")):
             flags[item.flag] = str(item.read(shown))

@@ -330,7 +330,12 @@ class Peer:
         )
         if not joined:
             logger.warning(
-                "%s: no peer could serve the global state; starting from the seed's init", self.name
+                "%s: no peer could serve the global state; %s",
+                self.name,
+                # (a resumed peer said "the seed's init" and went on from its checkpoint, a review)
+                f"continuing from the checkpoint at outer step {resumed}"
+                if resumed is not None
+                else "starting from the seed's init",
             )
         elif (
             cfg.network.initial_peers and cfg.peer.rounds and self.diloco.outer_step_count >= cfg.total_rounds
@@ -661,7 +666,9 @@ class Peer:
         if not self.run_dir or self.diloco is None:
             return
         if stopped and not self.rounds_done:
-            logger.info("%s: stopped before a round ended: no global params written", self.name)
+            # Stopped by an error (a refused --resume): that error is the one line to read.
+            say = logger.info if after is None else logger.debug
+            say("%s: stopped before a round ended: no global params written", self.name)
             return
         if not self.diloco.global_intact:
             logger.warning(
