@@ -269,22 +269,29 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             # asyncio printed "Task exception was never retrieved" with a traceback (churn soak).
             logger.debug("averaging step failed: %s", one_line(error))
 
-    def _note_silent(self, leader: Any) -> None:
-        """A leader accepted this peer and then never began nor disbanded its group (in the
-        averager process): the peer's process reads it (:meth:`silent_leaders`)."""
+    def _note_silent(self, leader: Any, allowed: Any) -> None:
+        """A leader accepted this peer and did not begin its group (in the averager process):
+        the peer's process reads it (:meth:`silent_leaders`). ``allowed``: the set of the step
+        that asked it; a note that comes after that step is over is dropped (it would be blamed
+        on the next round, or taken from the next step's peers)."""
+        if allowed is not self._matchmaking.allowed:
+            return
         self._silent_ids.add(leader.to_base58())
-        allowed = self._matchmaking.allowed  # (the key manager's too: one set)
-        if allowed is not None:
+        wanted = ",".join(sorted(self._silent_ids)).encode()
+        with self._silent.get_lock():
+            self._silent.value = wanted if len(wanted) < EXPECTED_BYTES else self._silent.value
+        if allowed is not None:  # (the key manager's too: one set)
             # Not followed again this step: its declaration, renewed every 0.1 s, was a new
             # leader each time to hivemind, and the follower went back to it until its deadline.
             allowed.discard(leader)
-        wanted = ",".join(sorted(self._silent_ids)).encode()
-        if len(wanted) < EXPECTED_BYTES:
-            self._silent.value = wanted
 
     def silent_leaders(self) -> list[str]:
-        """The leaders that accepted this peer in its last step and then said nothing (base58)."""
-        return [text for text in self._silent.value.decode(errors="replace").split(",") if text]
+        """The leaders that accepted this peer in its last step and did not begin their group
+        (base58), each told once: read, they are cleared (an attempt that sent no step, or the
+        next round's, re-read them and struck the same peer again, a review)."""
+        with self._silent.get_lock():
+            raw, self._silent.value = self._silent.value, b""
+        return [text for text in raw.decode(errors="replace").split(",") if text]
 
     def step(
         self, gather: Any = None, expected: Sequence[str] = (), allowed: Sequence[str] = (), **kwargs: Any

@@ -287,35 +287,54 @@ its group (an honest one does by its own declared expiration, which a request's 
 hivemind refuses such a request) before it counts as silent (:func:`watch_leaders`)."""
 
 
-def watch_leaders(matchmaking: Any, silent: Callable[[PeerID], None]) -> None:
-    """Call ``silent(leader)`` for each leader that accepted this peer into its group and then
-    said nothing, neither "begin" nor "disbanded", past this peer's request's expiration (plus
-    :data:`SILENT_GRACE`), when hivemind gave up on it. A fresh key that declared itself a leader
-    just ahead of everyone and did that held its followers for their whole matchmaking window,
-    every attempt (a red-team review, 2026-12-06). Wraps the stubs ``matchmaking`` (hivemind's,
-    in the averager process) asks leaders with; once per matchmaking."""
+def watch_leaders(matchmaking: Any, silent: Callable[[PeerID, Any], None]) -> None:
+    """Call ``silent(leader, allowed)`` for each leader that accepted this peer into its group
+    and then did not begin it by this peer's request's expiration (plus :data:`SILENT_GRACE`):
+    it said nothing until hivemind gave up on it, or "disbanded" only then. ``allowed``: the
+    step's set of peers it may group with (``matchmaking.allowed`` when the request was made: a
+    note that comes after the step is over names that step's). A fresh key that declared itself a
+    leader just ahead of everyone and did that held its followers for their whole matchmaking
+    window, every attempt (a red-team review, 2026-12-06); an honest leader begins or disbands
+    its group by its own declared expiration, which a request's may not precede (hivemind refuses
+    such a request). A leader's redirect to a peer outside ``allowed`` is dropped (the peer
+    treats it as "disbanded"): hivemind follows a redirect without asking who it names. Wraps
+    the stubs ``matchmaking`` (hivemind's, in the averager process) asks leaders with; once."""
     if getattr(matchmaking, "watching_leaders", False):
         return
     from hivemind.proto import averaging_pb2
-    from hivemind.utils import get_dht_time
 
     matchmaking.watching_leaders = True
     servicer = matchmaking._servicer_type
 
     class Answers:  # one join request's answers, as the follower reads them
-        def __init__(self, stream: Any, leader: PeerID, expiration: float) -> None:
-            self.stream, self.leader, self.expiration, self.codes = stream, leader, expiration, []
+        def __init__(self, stream: Any, leader: PeerID, expiration: float, allowed: Any) -> None:
+            self.stream, self.leader, self.expiration, self.allowed = stream, leader, expiration, allowed
+            self.codes: list[int] = []
 
         def __aiter__(self) -> Answers:
             return self
+
+        def late(self) -> bool:
+            from hivemind.utils import get_dht_time
+
+            return self.codes == [averaging_pb2.ACCEPTED] and get_dht_time() > self.expiration + SILENT_GRACE
 
         async def __anext__(self) -> Any:
             try:
                 message = await self.stream.__anext__()
             except asyncio.CancelledError:  # hivemind's wait for the next answer ended
-                if self.codes == [averaging_pb2.ACCEPTED] and get_dht_time() > self.expiration + SILENT_GRACE:
-                    silent(self.leader)
+                if self.late():
+                    silent(self.leader, self.allowed)
                 raise
+            if message.code != averaging_pb2.BEGIN_ALLREDUCE and self.late():
+                silent(self.leader, self.allowed)  # "disbanded" just before hivemind gave up
+            if message.suggested_leader and self.allowed is not None:
+                try:
+                    suggested = PeerID(message.suggested_leader)
+                except Exception:  # noqa: BLE001 - not an id: no redirect
+                    suggested = None
+                if suggested not in self.allowed:
+                    message.ClearField("suggested_leader")
             self.codes.append(message.code)
             return message
 
@@ -327,7 +346,8 @@ def watch_leaders(matchmaking: Any, silent: Callable[[PeerID], None]) -> None:
             self.stub, self.leader = stub, leader
 
         async def rpc_join_group(self, request: Any) -> Answers:
-            return Answers(await self.stub.rpc_join_group(request), self.leader, request.expiration)
+            allowed = getattr(matchmaking, "allowed", None)
+            return Answers(await self.stub.rpc_join_group(request), self.leader, request.expiration, allowed)
 
         def __getattr__(self, name: str) -> Any:
             return getattr(self.stub, name)

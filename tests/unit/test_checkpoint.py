@@ -666,6 +666,34 @@ def test_a_refused_resume_names_the_flags_that_differ(tmp_path) -> None:
         checkpoint.load_for(tmp_path, run_id="r", fingerprint=mine, fingerprinted={"--method": "diloco"})
 
 
+def test_a_trimmed_mean_checkpoint_of_an_earlier_release_still_resumes(tmp_path) -> None:
+    """The run's fingerprint covers --aggregate since stop 62 (a trimmed-mean joiner was let into
+    a mean run); a trimmed-mean peer's checkpoint written before then holds the fingerprint
+    without it, and `--resume` with the same flags was refused (a review of the change)."""
+    from workbench.config import RunConfig
+    from workbench.run import joining
+    from workbench.run.model import build_model, tiny
+
+    model = build_model(tiny(), seed=0)
+    config = RunConfig()
+    config.averaging.aggregate = "trimmed-mean"
+    old, summary = joining.fingerprint(config, model, before_aggregate=True)
+    flags = {k: v for k, v in joining.fingerprinted_flags(config, model).items() if k != "--aggregate"}
+    state = {"model": {}, "inner_optimizer": {}, "outer": {"params": [torch.ones(2)]}}
+    checkpoint.save(
+        tmp_path, {"run_id": "r", "fingerprint": old, "summary": summary, "fingerprinted": flags, **state}
+    )
+    mine = joining.fingerprint(config, model)[0]
+    assert mine != old
+    fingerprinted = joining.fingerprinted_flags(config, model)
+    with pytest.raises(CheckpointError, match="--aggregate"):  # (without the earlier fingerprint)
+        checkpoint.load_for(tmp_path, run_id="r", fingerprint=mine, fingerprinted=fingerprinted)
+    payload, _ = checkpoint.load_for(
+        tmp_path, run_id="r", fingerprint=mine, fingerprinted=fingerprinted, also=(old,)
+    )
+    assert payload["fingerprint"] == old
+
+
 def test_a_resume_with_another_inner_lr_says_so() -> None:
     """`--resume d --inner-lr 0.01` said only the weight decay it changed: the inner lr (not in
     AdamW's state as the flag: the schedule's) was taken without a word (a review, stop 60)."""

@@ -402,8 +402,10 @@ def load_for(
     fingerprint: str,
     summary: str = "",
     fingerprinted: dict[str, str] | None = None,
+    also: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], Path]:
-    """:func:`load`, refusing a checkpoint of another run or model (``--resume``); ``summary``:
+    """:func:`load`, refusing a checkpoint of another run or model (``--resume``); ``also``:
+    other fingerprints this peer's settings had in earlier releases; ``summary``:
     this peer's model and optimizer in words, shown beside the checkpoint's when they differ;
     ``fingerprinted``: what the fingerprint covers, flag by flag, to name the flags that differ
     (the summaries alone read the same for another --update-codec or --outer-momentum)."""
@@ -413,6 +415,8 @@ def load_for(
             f"{path} belongs to run '{payload.get('run_id')}', not '{run_id}': pass --run-id {payload.get('run_id')}"
         )
     theirs = payload.get("fingerprinted")
+    if payload.get("fingerprint") in also:
+        return payload, path
     if payload.get("fingerprint") != fingerprint and isinstance(theirs, dict) and fingerprinted:
         differ = [
             f"{flag} {theirs.get(flag, '?')} (this peer: {mine})"

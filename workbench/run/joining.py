@@ -55,8 +55,10 @@ def check_run_exists(
     )
 
 
-def fingerprint(config: RunConfig, model: Any) -> tuple[str, str]:
-    """(fingerprint, summary) of a peer's model and the optimizer settings all peers share."""
+def fingerprint(config: RunConfig, model: Any, *, before_aggregate: bool = False) -> tuple[str, str]:
+    """(fingerprint, summary) of a peer's model and the optimizer settings all peers share.
+    ``before_aggregate``: as releases before stop 62 computed it (without ``--aggregate``): a
+    trimmed-mean peer's checkpoint of one still resumes."""
     from workbench.cli.optimizer_flags import canonical
 
     optimizer = dict(
@@ -67,7 +69,7 @@ def fingerprint(config: RunConfig, model: Any) -> tuple[str, str]:
     )
     if config.outer_method.fragmented:  # τ and α: whose clock leads, and how fragments merge
         optimizer["schedule"] = dict(sync_delay=config.sync_delay, alpha=config.alpha)
-    if config.averaging.aggregate != "mean":
+    if config.averaging.aggregate != "mean" and not before_aggregate:
         # A trimmed-mean peer in a mean run was let in: its group's means differed from the
         # others', it downloaded the state 18 times in 10 rounds and ended on another θ (a
         # review). Only when not the mean: a mean run's fingerprint (its checkpoints') is as before.

@@ -931,6 +931,8 @@ class Peer:
             fingerprint=self.fingerprint()[0],
             summary=self.fingerprint()[1],
             fingerprinted=self._fingerprinted,
+            # (an earlier release's checkpoint: its fingerprint left --aggregate out)
+            also=(joining.fingerprint(self.config, self.model, before_aggregate=True)[0],),
         )
 
     def inner_step(self, x: torch.Tensor, y: torch.Tensor, info: dict[str, Any]) -> tuple[float, Any]:
