@@ -62,6 +62,24 @@ def test_tensorboard_event_files_load_back(tmp_path: Path) -> None:
     assert accumulator.Scalars("done/final_eval_loss")[0].step == 3
 
 
+def test_peers_of_one_name_in_two_folders_are_two_tensorboard_runs(tmp_path: Path, capsys) -> None:
+    """Two runs under RUN_DIR, each with a peer named `a`: export wrote one TensorBoard run `a`,
+    its loss at steps 1, 2, 3, 1, 2, 3 (a review, 2026-12-06)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for run in ("first", "second"):
+        peer = tmp_path / "runs" / run / "a"
+        peer.mkdir(parents=True)
+        (peer / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EVENTS))
+    assert main(["export", str(tmp_path / "runs"), "--tensorboard", str(tmp_path / "tb")]) == 0
+    for run in ("first", "second"):
+        accumulator = EventAccumulator(str(tmp_path / "tb" / run / "a" / "a"))
+        accumulator.Reload()
+        assert [s.step for s in accumulator.Scalars("loss")] == [1, 2, 3]
+    assert "first/a/a: 6 events exported" in capsys.readouterr().err
+
+
 def test_a_replay_keeps_the_events_asked_for_and_refuses_table_flags(tmp_path: Path, capsys) -> None:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

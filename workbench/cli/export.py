@@ -54,9 +54,12 @@ def add_export_parser(commands) -> None:
     )
 
 
-def read_events(run_dir: str | Path, kinds: set[str] | None) -> list[dict[str, Any]]:
+def read_events(
+    run_dir: str | Path, kinds: set[str] | None, *, sources: dict[int, str] | None = None
+) -> list[dict[str, Any]]:
     """The events of every metrics.jsonl under ``run_dir`` (of ``kinds``; None: all), in time
-    order, without the rounds a resume rolled back (see :func:`_events_of`)."""
+    order, without the rounds a resume rolled back (see :func:`_events_of`). ``sources``, if
+    given, gets each event's folder under ``run_dir`` (by the event's ``id()``)."""
     if not str(run_dir).strip():
         raise ExportError("RUN_DIR is empty: give the --run-dir of a peer or a demo")
     root = Path(run_dir)
@@ -73,6 +76,8 @@ def read_events(run_dir: str | Path, kinds: set[str] | None) -> list[dict[str, A
             seen.add(str(event.get("event")))
             if kinds is None or event.get("event") in kinds:
                 rows.append(event)
+                if sources is not None:
+                    sources[id(event)] = str(path.parent.relative_to(root))
     if kinds and not rows:  # a typo in --events, more often than a run without them
         raise ExportError(
             f"no {', '.join(sorted(kinds))} events under {root} (it has: {', '.join(sorted(seen)) or 'none'}); "
@@ -239,10 +244,15 @@ def _replay(args: argparse.Namespace) -> int:
     per peer."""
     from workbench.run.exporters import make_exporters
 
-    peers: dict[str, list[dict[str, Any]]] = {}
-    for event in read_events(args.run_dir, _kinds(args.events or "all")):
-        peers.setdefault(str(event.get("peer", "peer")), []).append(event)
-    for name, events in peers.items():
+    # By folder and name: two runs' peers both named p0 under RUN_DIR went into one TensorBoard
+    # run, their steps 1, 2, 3, 1, 2, 3 (a review, 2026-12-06).
+    folders: dict[int, str] = {}
+    peers: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for event in read_events(args.run_dir, _kinds(args.events or "all"), sources=folders):
+        peers.setdefault((folders[id(event)], str(event.get("peer", "peer"))), []).append(event)
+    shared = {peer for folder, peer in peers if sum(1 for _, other in peers if other == peer) > 1}
+    for (folder, peer), events in peers.items():
+        name = f"{folder}/{peer}" if peer in shared else peer
         exporters = make_exporters(
             tensorboard=str(Path(args.tensorboard) / name) if args.tensorboard else None,
             wandb_project=args.wandb,
