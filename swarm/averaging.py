@@ -415,29 +415,25 @@ class SwarmAverager(Downloading):
         return tuple(sorted({*self.board.last_seen, self.peer_id} - silent))
 
     def _blame_silent_leaders(self, outer_step: int) -> None:
-        """After an attempt: the peers that spoiled its group, as this peer saw for itself (a
-        leader that accepted it and did not begin, :func:`swarm.hivemind_fixes.watch_leaders`;
-        a member that never came to the ring whose board this peer held, or the holder of a
-        board never opened, :meth:`swarm.group_averager.GroupAverager.no_shows`), are left out
-        of this round's other attempts, and strangers struck: three rounds of it and they are
-        ignored for the run, as a stranger "training" that never averages is. A fresh key with a
-        heartbeat "waiting" at the round's step did either every attempt, and every round of a
-        pair ended alone at the averaging deadline (a red-team review, 2026-12-06)."""
-        spoilers = [
-            (peer, "joined this peer's group and never came to its ring")
-            for peer in getattr(self.averager, "no_shows", list)()
-        ] + [
-            (peer, "accepted this peer into its group and never began it")
-            for peer in getattr(self.averager, "silent_leaders", list)()
-        ]
-        for peer, what in spoilers:
+        """After an attempt: the leaders that accepted this peer into their group and then
+        said nothing (:func:`swarm.hivemind_fixes.watch_leaders`) are left out of this round's
+        other attempts, and strangers struck (three rounds of it and they are ignored for the
+        run). A fresh
+        key with a heartbeat "waiting" at the round's step did that every attempt, and every
+        round of a pair ended alone at the averaging deadline."""
+        read = getattr(self.averager, "silent_leaders", None)
+        for peer in read() if read is not None else ():
             self._silent_leaders[peer] = outer_step
-            logger.info("round %d: %s %s", outer_step + 1, peer[-8:], what)
             heartbeat = self.board.last_seen.get(peer) if self.board is not None else None
+            logger.info(
+                "round %d: %s accepted this peer into its group and never began it", outer_step + 1, peer[-8:]
+            )
             # A round mate is only left out of this round's retries: one frozen, or late under
             # load, must not be ignored for the run (it averaged with this one before).
             if heartbeat is not None and peer not in self.vouching.vouched:
-                self.barrier.strike(heartbeat, outer_step, what)
+                self.barrier.strike(
+                    heartbeat, outer_step, "accepted this peer into its group and never began it"
+                )
         while len(self._silent_leaders) > MAX_SILENT:  # fresh keys are free
             self._silent_leaders.pop(next(iter(self._silent_leaders)))
 

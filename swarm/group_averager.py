@@ -95,7 +95,6 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._allowed = mp.Array("c", EXPECTED_BYTES)  # the peers the next step may group with (ids)
         self._silent = mp.Array("c", EXPECTED_BYTES)  # leaders silent after accepting, this step (ids)
         self._silent_ids: set[str] = set()  # (the averager process's)
-        self._no_shows = mp.Array("c", EXPECTED_BYTES)  # members that never came to a ring (ids)
         self.assembled = mp.Value("d", 0.0)  # when a group last formed (time.time())
         self.generation = mp.Value("q", 0)  # bumped (under the buffers' lock) as the peer fills them
         bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
@@ -169,9 +168,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                 end.close()
         if self._plane_enabled.value:
             threading.Thread(
-                target=serve_board,
-                args=(self._board_there, self._posted_board, self._exchange_failed),
-                daemon=True,
+                target=serve_board, args=(self._board_there, self._posted_board), daemon=True
             ).start()
         super().run()
 
@@ -399,36 +396,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             pause=0.002 if leader == self.peer_id else 0.0,  # a missed wake-up costs 2 ms
             wait=self._boards.wait_change if leader == self.peer_id else None,
         )
-        board.holder = leader
         return board, peer_ids, group_info.group_id + gathered.nonces(members)
-
-    def _exchange_failed(self, group_id: bytes) -> None:
-        """A ring's meeting at its board failed (in this process, before the ring hears of it):
-        the members that never came to it, as this peer saw for itself, for the peer's process
-        (:meth:`no_shows`). Holding the board: the members that posted nothing on it. Not
-        holding it: its holder, if it never opened it. What another member's board says is not
-        taken (a holder could name anyone). A fresh key with a heartbeat joined each group and
-        never came: every attempt of the round failed into the next until the averaging
-        deadline (a review, 2026-12-06)."""
-        posted = self._posted.get(group_id)
-        if posted is None:
-            return
-        board = posted[1]
-        if board.held_here:
-            absent = [PeerID(member) for member in self._boards.absent(group_id)]
-        else:
-            absent = [] if board.opened else [board.holder]
-        ids = [p.to_base58() for p in absent if p is not None and p != self.peer_id]
-        wanted = ",".join(ids).encode()
-        if ids and len(wanted) < EXPECTED_BYTES:
-            with self._no_shows.get_lock():
-                self._no_shows.value = wanted
-
-    def no_shows(self) -> list[str]:
-        """The members that never came to the last failed ring (base58), told once."""
-        with self._no_shows.get_lock():
-            raw, self._no_shows.value = self._no_shows.value, b""
-        return [text for text in raw.decode(errors="replace").split(",") if text]
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):
         # In hivemind's averager process, once the group is formed (and triggered).

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgpack
 import torch
@@ -91,15 +91,6 @@ class RendezvousBoards:
                 self._boards[group_id].created = self._clock()
             while len(self._boards) > MAX_GROUPS:
                 self._boards.popitem(last=False)
-
-    def absent(self, group_id: bytes, prefix: str = "here/") -> list[bytes]:
-        """The members of a group's board (peer ids, as opened) that posted no ``prefix<rank>``
-        key: those that never came to its ring (none for a board not here)."""
-        with self._lock:
-            board = self._boards.get(group_id)
-            if board is None:
-                return []
-            return [m for r, m in enumerate(board.members) if f"{prefix}{r}" not in board.values]
 
     def _expire(self) -> None:
         now = self._clock()
@@ -188,17 +179,8 @@ class BoardClient:
         pause: float = 0.0005,
         wait: Callable[[float], None] | None = None,
     ) -> None:
-        self.group_id, self._pause = group_id, pause
+        self.group_id, self._call, self._pause = group_id, call, pause
         self.held_here = wait is not None  # the board's holder waits on it instead of polling
-        self.opened = False  # whether its holder ever answered as the board's (it opened it)
-        self.holder: Any = None  # who holds it (set by its maker)
-
-        def asked(request: dict) -> dict:
-            answer = call(request)
-            self.opened = self.opened or answer.get("why") != "unknown group"
-            return answer
-
-        self._call = asked
         self._wait = wait or time.sleep  # between polls: a board in this process wakes us itself
 
     def set(self, key: str, value: bytes) -> None:

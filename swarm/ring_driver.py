@@ -268,15 +268,10 @@ def messages(connection: Connection) -> Iterator[Any]:
             return
 
 
-def serve_board(
-    connection: Connection,
-    boards: Callable[[bytes], Any],
-    failed: Callable[[bytes], None] = lambda group_id: None,
-) -> None:
+def serve_board(connection: Connection, boards: Callable[[bytes], Any]) -> None:
     """In the averager process: answer the ring's board requests until the pipe closes
     (``boards``: a group's board by its id, or None). Each in its own thread, so that one
-    request held up by a slow board's holder does not hold up the next rounds' behind it.
-    ``failed(group id)``: told when a ring's meeting (an exchange) failed, before the ring is."""
+    request held up by a slow board's holder does not hold up the next rounds' behind it."""
     sending = threading.Lock()
 
     def answer(number: int, group_id: bytes, op: str, args: tuple) -> None:
@@ -287,11 +282,6 @@ def serve_board(
             reply = (number, True, getattr(board, op)(*args))
         except Exception as error:  # noqa: BLE001 - the ring's error, told to the ring
             reply = (number, False, one_line(error))
-            if op == "exchange" and board is not None:
-                try:
-                    failed(group_id)
-                except Exception as note:  # noqa: BLE001 - only a note: the ring's error goes on
-                    logger.debug("could not note who missed the ring: %s", one_line(note))
         with sending, contextlib.suppress(EOFError, OSError):
             connection.send(reply)
 

@@ -610,20 +610,3 @@ def _listening() -> set[int]:
     import psutil
 
     return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
-
-
-def test_the_boards_holder_sees_who_never_came_and_a_member_sees_a_board_never_opened():
-    """A fresh key with a heartbeat joined each group and never came to its ring (a red-team
-    review, 2026-12-06): the holder of the ring's board tells who posted nothing there (those
-    that declined did post), and a member tells a holder that never opened its board."""
-    boards = RendezvousBoards()
-    boards.open(b"group", MEMBERS)
-    assert boards.handle(MEMBERS[0], {"g": b"group", "op": "set", "k": "here/0", "v": b"key"})["ok"]
-    assert boards.handle(MEMBERS[2], {"g": b"group", "op": "set", "k": "here/2", "v": DECLINED})["ok"]
-    assert boards.absent(b"group") == [MEMBERS[1]] and boards.absent(b"other") == []
-    request = {"g": b"group", "op": "get", "k": "", "want": ["here/0"]}
-    never = BoardClient(b"group", lambda request: {"ok": False, "why": "unknown group"})
-    never._call(request)
-    opened = BoardClient(b"group", lambda request: {"ok": False, "why": "not yet"})
-    opened._call(request)
-    assert not never.opened and opened.opened

@@ -166,8 +166,8 @@ class Board:
 
 def test_board_requests_cross_to_the_averager_process_and_errors_come_back_as_one_line():
     here, there = mp.Pipe()
-    boards, failed = {b"g": Board()}, []
-    server = threading.Thread(target=serve_board, args=(there, boards.get, failed.append), daemon=True)
+    boards = {b"g": Board()}
+    server = threading.Thread(target=serve_board, args=(there, boards.get), daemon=True)
     server.start()
     lock = threading.Lock()
     board = ForwardedBoard(here, lock, b"g")
@@ -178,10 +178,6 @@ def test_board_requests_cross_to_the_averager_process_and_errors_come_back_as_on
         board.get("ring/9", 1.0)
     with pytest.raises(RendezvousError, match="no such group"):
         ForwardedBoard(here, lock, b"gone").get("ring/0", 1.0)
-    assert failed == []
-    with pytest.raises(RendezvousError):  # a ring's meeting that failed: told first (who missed it)
-        board.exchange("here/1", b"", ["here/5"], 0.05)
-    assert failed == [b"g"]
     here.close()  # the peer's side goes: the server ends
     server.join(timeout=5)
     assert not server.is_alive()
