@@ -44,7 +44,14 @@ from workbench.run.exporters import peer_exporters
 from workbench.run.faults import InjectedFaults
 from workbench.run.node import CHECK, STEP, SYNC, NodeGroup
 from workbench.run.outer import OuterLoop, build_outer, start_averagers
-from workbench.run.stopping import close_within, not_interrupted, stop_with_launcher, stopped_by_signals
+from workbench.run.stopping import (
+    close_within,
+    not_interrupted,
+    raise_if_stopped,
+    stop_with_launcher,
+    stopped_by_signals,
+    stopping_now,
+)
 from workbench.run.telemetry import Events, RoundStats, heartbeat_of, round_fields, round_note
 from workbench.run.training import build_model_and_optimizer, load_data, train_step, trained_shapes
 
@@ -252,6 +259,7 @@ class Peer:
         ``None`` keeps it alive in the stage it has: a round averaging in the background
         (``--overlap``) while the main thread waits for it, or a download, must not let the
         heartbeat expire (10 s), or the others would count this peer gone."""
+        raise_if_stopped()  # (a Ctrl+C lost in a destructor)
         changed = stage is not None and stage is not self.stage
         if stage is not None:
             self.stage = stage
@@ -937,6 +945,7 @@ class Peer:
 
     def inner_step(self, x: torch.Tensor, y: torch.Tensor, info: dict[str, Any]) -> tuple[float, Any]:
         """One AdamW step; for data-parallel, with the swarm's mean gradient (and its report)."""
+        raise_if_stopped()  # (a Ctrl+C lost in a destructor)
         if self.node is not None:  # the other ranks take the same step on their own batches
             self.node.command(STEP, self.inner_optimizer.param_groups[0]["lr"])
         reports = []
@@ -997,6 +1006,7 @@ def run_peer(
             close_within(peer.close, "finished")
             return summary
         except KeyboardInterrupt:
+            stopping_now()
             try:
                 peer.save_global_params(stopped=True)
             except KeyboardInterrupt:  # a second Ctrl+C waited for the file: it is whole
