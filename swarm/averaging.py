@@ -406,8 +406,8 @@ class SwarmAverager(Downloading):
         """The peers this one may group with (lead, follow or take in): the run's peers whose
         heartbeats it last read (the barrier's or the retry's read: live, none it ignores), and
         itself, less the leaders silent in this round's earlier attempts. A fresh key that never
-        published one, a leader that never begins or a member that never comes to the ring, is
-        in no group of this peer's (a red-team review: either made every round of a pair end
+        published one, leading groups it never began or joining groups it never came to, is in
+        no group of this peer's (a red-team review: either made every round of a pair end
         alone). Without a board: anybody."""
         if self.board is None:
             return ()
@@ -418,9 +418,8 @@ class SwarmAverager(Downloading):
         """After an attempt: the leaders that accepted this peer into their group and then
         said nothing (:func:`swarm.hivemind_fixes.watch_leaders`) are left out of this round's
         other attempts, and strangers struck (three rounds of it and they are ignored for the
-        run). A fresh
-        key with a heartbeat "waiting" at the round's step did that every attempt, and every
-        round of a pair ended alone at the averaging deadline."""
+        run). A fresh key with a heartbeat "waiting" at the round's step did that every attempt,
+        and every round of a pair ended alone at the averaging deadline."""
         read = getattr(self.averager, "silent_leaders", None)
         for peer in read() if read is not None else ():
             self._silent_leaders[peer] = outer_step

@@ -51,6 +51,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["VERIFIERS", "GroupAverager", "fault_value"]
 
 EXPECTED_BYTES = 1 << 16  # the expected members' ids (~47 bytes each): about 1,300 peers
+
+
+def _put_ids(array: Any, ids: Sequence[str]) -> None:
+    """Peer ids (base58) into a shared array, comma-separated, for the other process; none when
+    they do not fit (:data:`EXPECTED_BYTES`: about 1,300 peers; an expected set or a filter
+    then falls back to hivemind's own behaviour)."""
+    wanted = ",".join(ids).encode()
+    with array.get_lock():
+        array.value = wanted if len(wanted) < EXPECTED_BYTES else b""
+
+
 TICKETS_KEPT = 16  # groups sent to the peer's ring and not yet ended (a cancelled step's linger)
 
 
@@ -240,7 +251,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         refuse_strangers(self._matchmaking)
         self._matchmaking.allowed = allowed
         self._silent_ids.clear()
-        self._silent.value = b""
+        _put_ids(self._silent, ())
         watch_leaders(self._matchmaking, self._note_silent)
         keys = self._matchmaking.group_key_manager
         if isinstance(keys, SignedGroupKeys):
@@ -277,9 +288,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         if allowed is not self._matchmaking.allowed:
             return
         self._silent_ids.add(leader.to_base58())
-        wanted = ",".join(sorted(self._silent_ids)).encode()
-        with self._silent.get_lock():
-            self._silent.value = wanted if len(wanted) < EXPECTED_BYTES else self._silent.value
+        _put_ids(self._silent, sorted(self._silent_ids))
         if allowed is not None:  # (the key manager's too: one set)
             # Not followed again this step: its declaration, renewed every 0.1 s, was a new
             # leader each time to hivemind, and the follower went back to it until its deadline.
@@ -303,10 +312,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         declarations', :class:`~swarm.signed_groups.SignedGroupKeys`).
         With the direct plane, the control returned also follows the ring that this process
         runs (:class:`swarm.ring_driver.DirectStep`)."""
-        wanted = ",".join(expected).encode()
-        self._expected.value = wanted if len(wanted) < EXPECTED_BYTES else b""
-        wanted = ",".join(allowed).encode()
-        self._allowed.value = wanted if len(wanted) < EXPECTED_BYTES else b""
+        _put_ids(self._expected, expected)
+        _put_ids(self._allowed, allowed)
         weight = kwargs.get("weight")
         weight = 1.0 if weight is None else float(weight)  # hivemind's default for a full peer
         if self._driver is not None:

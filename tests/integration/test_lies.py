@@ -242,6 +242,21 @@ class _Peers:
             assert each.wait(progressing=True) == 0, each.stderr()
 
 
+def _a_pair(stack, spawn, tmp_path, machines: str, common: list[str], size: int = 3):
+    """Two honest peers averaging as a pair, each on its own machine of a lab of ``size`` with
+    the README's flags (``machines == "netns"``) or on 127.0.0.1; (peers, first, second, the
+    address to join at, where an attacker runs: the lab's machine 2, and the README's flags for
+    an attacker's own node there, which the peers must reach)."""
+    lab = stack.enter_context(netlab.NetLab(size, rate=None)) if machines == "netns" else None
+    peers = stack.enter_context(_Peers(spawn, tmp_path, lab))
+    first = peers.start(0, "start", *common)
+    address = peers.address(first)
+    second = peers.start(1, "join", address, *common)
+    first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+    wrap = list if lab is None else (lambda argv: lab.command(2, argv))
+    return peers, first, second, address, wrap, [] if lab is None else readme_flags(lab, 2)
+
+
 @pytest.mark.faults
 @MACHINES
 def test_a_joiner_arriving_while_the_others_wait_for_min_peers_refuses_a_made_up_state(
@@ -409,14 +424,8 @@ def test_fresh_keys_declaring_the_freshest_state_leave_a_joiner_its_direct_downl
     the joiner downloads over the direct transport."""
     common = [*FAST, "--rounds", "1000", "--run-id", "sybil-donors"]
     with contextlib.ExitStack() as stack:
-        lab = stack.enter_context(netlab.NetLab(4, rate=None)) if machines == "netns" else None
-        peers = stack.enter_context(_Peers(spawn, tmp_path, lab))
-        first = peers.start(0, "start", *common)
-        address = peers.address(first)
-        second = peers.start(1, "join", address, *common)
-        first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+        peers, first, second, address, wrap, _ = _a_pair(stack, spawn, tmp_path, machines, common, size=4)
         honest = [peer.wait_event("started")["peer_id"] for peer in (first, second)]
-        wrap = list if lab is None else (lambda argv: lab.command(2, argv))
         attacker = helper(SYBIL_DONORS, address, "sybil-donors", "6", *honest, wrap=wrap)
         stack.callback(kill_group, attacker)
         wiped, _, tried = attacker.stdout.readline().split()[1:]
@@ -463,14 +472,9 @@ def test_an_outsider_cannot_withdraw_the_peers_from_matchmaking(spawn, tmp_path,
     machine."""
     common = [*FAST, "--rounds", "1000", "--run-id", "squat", *steady(tmp_path)]
     with contextlib.ExitStack() as stack:
-        lab = stack.enter_context(netlab.NetLab(3, rate=None)) if machines == "netns" else None
-        peers = stack.enter_context(_Peers(spawn, tmp_path, lab))
-        first = peers.start(0, "start", *common)
-        address = peers.address(first)
-        second = peers.start(1, "join", address, *common)
-        paired = first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
+        peers, first, second, address, wrap, _ = _a_pair(stack, spawn, tmp_path, machines, common)
+        paired = first.events("round")[-1]
         victims = [peer.wait_event("started")["peer_id"] for peer in (first, second)]
-        wrap = list if lab is None else (lambda argv: lab.command(2, argv))
         attacker = helper(MATCHMAKING_SQUAT, address, "squat", *victims, wrap=wrap)
         try:
             out, _ = attacker.communicate(timeout=120)
@@ -494,7 +498,6 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from swarm import gathered
 from swarm.dataplane import PROTOCOL
-from swarm.dht import NetworkConfig
 from swarm.group_averager import GroupAverager
 from swarm.records import RunKeys
 from swarm.session import connect
@@ -510,7 +513,7 @@ address, run_id, mode, flags = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4
 config = build_config(build_parser().parse_args(["join", address, "--run-id", run_id, *flags]))
 shapes = [torch.zeros(t.shape) for t in trained_shapes(config, load_data(config)[1])]
 keys = RunKeys(run_id)
-session = connect(NetworkConfig(initial_peers=[address]), keys)
+session = connect(config.network, keys)  # (its flags: where it listens, in a lab)
 prefix, me = keys.group("diloco"), session.dht.peer_id
 counts = {"followed": 0, "joined": 0}
 
@@ -568,20 +571,19 @@ asyncio.run(main())
 """
 
 
-def test_a_fresh_key_in_matchmaking_neither_leads_nor_joins_the_peers_groups(spawn, tmp_path):
+@machines(pytest.mark.faults)  # make test: on 127.0.0.1 only
+def test_a_fresh_key_in_matchmaking_neither_leads_nor_joins_the_peers_groups(spawn, tmp_path, machines):
     """A red-team review (2026-12-06): one fresh key, no heartbeat, declared itself a group leader
     every 0.1 s just ahead of everyone, accepted each follower and never began (a pair's rounds:
     1.0 s, then 19.6 s, every one alone), and joined every honest peer's group, never to come to
     its ring (4 of 5 rounds alone). A run's peers now lead, follow and take in only the peers whose
-    heartbeats they read: nobody follows it, nobody lets it in, and the pair averages on."""
+    heartbeats they read: nobody follows it, nobody lets it in, and the pair averages on. In
+    network namespaces the peers run with the README's flags and the key on a third machine."""
     flags = [*FAST, *steady(tmp_path)]
     common = [*flags, "--rounds", "1000", "--run-id", "sybil"]
-    with _Peers(spawn, tmp_path) as peers:
-        first = peers.start(0, "start", *common)
-        address = peers.address(first)
-        peers.start(1, "join", address, *common)
-        first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
-        attacker = helper(MATCHMAKING_SYBIL, address, "sybil", "silent", *flags)
+    with contextlib.ExitStack() as stack:
+        peers, first, _, address, wrap, own = _a_pair(stack, spawn, tmp_path, machines, common)
+        attacker = helper(MATCHMAKING_SYBIL, address, "sybil", "silent", *flags, *own, wrap=wrap)
         try:
             assert attacker.stdout.readline().strip() == "ready"
             attacked = max(e["outer_step"] for e in first.events("round"))
@@ -596,19 +598,18 @@ def test_a_fresh_key_in_matchmaking_neither_leads_nor_joins_the_peers_groups(spa
         interrupt_all(peers.started)
 
 
-def test_a_fresh_key_with_a_heartbeat_that_leads_and_never_begins_is_ignored(spawn, tmp_path):
+@machines(pytest.mark.faults)  # make test: on 127.0.0.1 only
+def test_a_fresh_key_with_a_heartbeat_that_leads_and_never_begins_is_ignored(spawn, tmp_path, machines):
     """The same key, also publishing a heartbeat "waiting" at the swarm's step: a round mate for
     the barrier, so the peers follow it when it declares itself first. It accepts and never
     begins: each peer that followed it says so, leaves it out of the round's retry, and strikes
-    it; three rounds and it is ignored for the run. The pair averages on."""
+    it; three rounds and it is ignored for the run. The pair averages on (in network namespaces:
+    the README's flags, the key on a third machine, where the peers dial it)."""
     flags = [*FAST, *steady(tmp_path)]
     common = [*flags, "--rounds", "1000", "--run-id", "sybil"]
-    with _Peers(spawn, tmp_path) as peers:
-        first = peers.start(0, "start", *common)
-        address = peers.address(first)
-        second = peers.start(1, "join", address, *common)
-        first.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)
-        attacker = helper(MATCHMAKING_SYBIL, address, "sybil", "beating", *flags)
+    with contextlib.ExitStack() as stack:
+        peers, first, second, address, wrap, own = _a_pair(stack, spawn, tmp_path, machines, common)
+        attacker = helper(MATCHMAKING_SYBIL, address, "sybil", "beating", *flags, *own, wrap=wrap)
         ignored = "accepted this peer into its group and never began it, 3 rounds running"
         try:
             assert attacker.stdout.readline().strip() == "ready"

@@ -285,6 +285,7 @@ def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(mon
     nobody awaits, and asyncio printed "Task exception was never retrieved" with a traceback into
     the peer's log (the churn soak, stop 58). The step carries the error; the task ends quietly."""
     import asyncio
+    import multiprocessing as mp
     from types import SimpleNamespace
 
     from hivemind.averaging import DecentralizedAverager
@@ -306,13 +307,13 @@ def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(mon
     )
     averager._donor_subkey = None
     averager._expected, averager._plane_enabled, averager._ticket_loop = (
-        SimpleNamespace(value=b""),
+        mp.Array("c", 64),
         SimpleNamespace(value=0),
         None,
     )
     averager._allowed, averager._silent, averager._silent_ids = (
-        SimpleNamespace(value=b""),
-        SimpleNamespace(value=b""),
+        mp.Array("c", 64),
+        mp.Array("c", 64),
         set(),
     )
     assert asyncio.run(averager._step(step=None)) is None

@@ -415,8 +415,8 @@ def test_every_averaging_step_first_asks_the_driver_to_try_rings_again():
 
     class Probe(GroupAverager):  # the step's first lines, without the averager's processes
         _driver = SimpleNamespace(retry=retry)
-        _expected = SimpleNamespace(value=b"")
-        _allowed = SimpleNamespace(value=b"")
+        _expected = mp.Array("c", 64)
+        _allowed = mp.Array("c", 64)
 
         def __del__(self) -> None:
             pass
