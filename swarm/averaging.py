@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 MAX_SILENT = 1024
 """Silent leaders remembered (their round): fresh keys are free."""
+MISSED_RINGS = 2
+"""A member that never came to a ring of this peer's group is left out of the round from its
+second time since it last averaged with this peer (:meth:`SwarmAverager._blame_spoilers`)."""
 
 # wire codec name -> hivemind codec
 CODECS: dict[str, Callable[[], Any]] = {
@@ -129,7 +132,7 @@ class SwarmAverager(Downloading):
         """Peers that averaged with this one in a verified round: their claims are believed (one
         for all of a peer's averagers: streaming's fragments share it)."""
         self._refused_donors: set[str] = set()
-        self._silent_leaders: dict[str, int] = {}  # peer id -> the round it accepted and stayed silent
+        self._silent_leaders: dict[str, int] = {}  # peer id -> the round it spoiled a group in (left out)
         self._no_shows_until = -1
         """Before this outer step, a round whose only mates are strangers is not retried: a
         round failed with only strangers "ready" at its step, none of whom came to a group (set
@@ -249,7 +252,7 @@ class SwarmAverager(Downloading):
         while True:
             attempt += 1
             gathered, error = self._attempt(tensors, weight, info, deadline, attempt)
-            self._blame_silent_leaders(int(info.get("outer_step", 0)))  # (found by a success too)
+            self._blame_spoilers(int(info.get("outer_step", 0)))  # (found by a success too)
             if gathered:
                 break
             # We retry here rather than let hivemind do it: hivemind retries on the buffers as a
@@ -405,7 +408,8 @@ class SwarmAverager(Downloading):
     def round_peers(self, outer_step: int) -> tuple[str, ...]:
         """The peers this one may group with (lead, follow or take in): the run's peers whose
         heartbeats it last read (the barrier's or the retry's read: live, none it ignores), and
-        itself, less the leaders silent in this round's earlier attempts. A fresh key that never
+        itself, less those that spoiled this round's earlier attempts (:meth:`_blame_spoilers`).
+        A fresh key that never
         published one, leading groups it never began or joining groups it never came to, is in
         no group of this peer's (a red-team review: either made every round of a pair end
         alone). Without a board: anybody."""
@@ -414,25 +418,33 @@ class SwarmAverager(Downloading):
         silent = {peer for peer, step in self._silent_leaders.items() if step == outer_step}
         return tuple(sorted({*self.board.last_seen, self.peer_id} - silent))
 
-    def _blame_silent_leaders(self, outer_step: int) -> None:
-        """After an attempt: the leaders that accepted this peer into their group and then
-        said nothing (:func:`swarm.hivemind_fixes.watch_leaders`) are left out of this round's
-        other attempts, and strangers struck (three rounds of it and they are ignored for the
-        run). A fresh key with a heartbeat "waiting" at the round's step did that every attempt,
-        and every round of a pair ended alone at the averaging deadline."""
-        read = getattr(self.averager, "silent_leaders", None)
-        for peer in read() if read is not None else ():
+    def _blame_spoilers(self, outer_step: int) -> None:
+        """After an attempt: the peers that spoiled its group, as this peer saw for itself, are
+        left out of this round's other attempts, and strangers struck (three rounds of it and
+        they are ignored for the run): a leader that accepted this peer into its group and then
+        said nothing (:func:`swarm.hivemind_fixes.watch_leaders`), at once; a member that never
+        came to the ring of a group this peer led, or a leader that never opened its board
+        (:meth:`swarm.group_averager.GroupAverager.no_shows`), from its second time since it
+        last averaged with this one: an honest peer late to a ring under load, or that gave up
+        on the group as hivemind formed it, comes to the next. A fresh key with a heartbeat
+        "waiting" at the round's step did either every attempt, and every round of a pair
+        ended alone at the averaging deadline (red-team reviews, 2026-12-06)."""
+        spoilers = [
+            (peer, "accepted this peer into its group and never began it")
+            for peer in getattr(self.averager, "silent_leaders", list)()
+        ] + [
+            (peer, "was in this peer's group and never came to its ring")
+            for peer in getattr(self.averager, "no_shows", list)()
+            if self.vouching.missed(peer) >= MISSED_RINGS
+        ]
+        for peer, what in spoilers:
             self._silent_leaders[peer] = outer_step
             heartbeat = self.board.last_seen.get(peer) if self.board is not None else None
-            logger.info(
-                "round %d: %s accepted this peer into its group and never began it", outer_step + 1, peer[-8:]
-            )
+            logger.info("round %d: %s %s", outer_step + 1, peer[-8:], what)
             # A round mate is only left out of this round's retries: one frozen, or late under
             # load, must not be ignored for the run (it averaged with this one before).
             if heartbeat is not None and peer not in self.vouching.vouched:
-                self.barrier.strike(
-                    heartbeat, outer_step, "accepted this peer into its group and never began it"
-                )
+                self.barrier.strike(heartbeat, outer_step, what)
         while len(self._silent_leaders) > MAX_SILENT:  # fresh keys are free
             self._silent_leaders.pop(next(iter(self._silent_leaders)))
 

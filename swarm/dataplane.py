@@ -8,7 +8,7 @@ member info and every fallback, and moves only the tensor bytes over TCP with gl
 
 1. each member that accepts inbound connections says so in its gathered data (a peer in client
    mode, behind NAT or in a private run says nothing and the group takes hivemind's path);
-2. the ring's rendezvous is a board held by the group's first member and reached over
+2. the ring's rendezvous is a board held by the group's leader and reached over
    hivemind's authenticated channel (:mod:`swarm.rendezvous`): only the group's members can
    read or write it, and no rendezvous port exists for anyone else to find;
 3. every member's weight travels with the gathered info, so each sends ``x * w / Σw`` (fp16 on
@@ -60,9 +60,11 @@ from swarm.sketch import CHUNK, ROWS, Sketch, Sketcher, mismatch
 logger = logging.getLogger(__name__)
 
 PLANES = ("hivemind", "direct")
-PROTOCOL = 4
+PROTOCOL = 5
 """The direct plane's version, in every member's gathered info (members of different versions
-take hivemind's path): 4 cuts the vector into segments by the ring's size (:func:`segments`;
+take hivemind's path): 5 has the board held by the group's matchmaking leader (earlier: by the
+first member in hivemind's order that accepts connections; members picking different holders
+would never meet); 4 cuts the vector into segments by the ring's size (:func:`segments`;
 members cutting differently would reduce mismatched pieces); 3 lets a member decline a round
 (:meth:`DirectPlane.decline`); 2 exchanges the arrival check and the sketches over the ring (1,
 unnumbered, over the board)."""

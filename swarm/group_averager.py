@@ -106,6 +106,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._allowed = mp.Array("c", EXPECTED_BYTES)  # the peers the next step may group with (ids)
         self._silent = mp.Array("c", EXPECTED_BYTES)  # leaders silent after accepting, this step (ids)
         self._silent_ids: set[str] = set()  # (the averager process's)
+        self._no_shows = mp.Array("c", EXPECTED_BYTES)  # members that never came to a ring (ids)
+        self._leaders: OrderedDict[bytes, Any] = OrderedDict()  # group id -> who led it (this process's)
         self.assembled = mp.Value("d", 0.0)  # when a group last formed (time.time())
         self.generation = mp.Value("q", 0)  # bumped (under the buffers' lock) as the peer fills them
         bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
@@ -179,7 +181,9 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                 end.close()
         if self._plane_enabled.value:
             threading.Thread(
-                target=serve_board, args=(self._board_there, self._posted_board), daemon=True
+                target=serve_board,
+                args=(self._board_there, self._posted_board, self._meeting_failed),
+                daemon=True,
             ).start()
         super().run()
 
@@ -252,7 +256,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._matchmaking.allowed = allowed
         self._silent_ids.clear()
         _put_ids(self._silent, ())
-        watch_leaders(self._matchmaking, self._note_silent)
+        watch_leaders(self._matchmaking, self._note_silent, self._note_leader)
         keys = self._matchmaking.group_key_manager
         if isinstance(keys, SignedGroupKeys):
             keys.allowed = allowed
@@ -293,6 +297,47 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             # Not followed again this step: its declaration, renewed every 0.1 s, was a new
             # leader each time to hivemind, and the follower went back to it until its deadline.
             allowed.discard(leader)
+
+    def _note_leader(self, group_id: bytes, leader: Any) -> None:
+        """Who led a group this peer is in, as it knows for itself (in the averager process):
+        the group's board is that leader's (:meth:`_group_board`)."""
+        self._leaders[group_id] = leader
+        while len(self._leaders) > TICKETS_KEPT:
+            self._leaders.popitem(last=False)
+
+    def _meeting_failed(self, group_id: bytes, op: str, key: str) -> None:
+        """A ring's meeting at its board failed (in this process, before the ring hears of it):
+        the members that never came, as this peer knows for itself, for the peer's process
+        (:meth:`no_shows`). The group's leader, which holds its board and took every member's
+        join request itself: the members that posted nothing there (at the members' meeting) or
+        never posted the key waited for (gloo's address). A follower: its leader, if it never
+        opened its board. Nobody else's word is taken: a leader that named a peer which never
+        joined its group, on a board held by another, could have had that peer blamed (a
+        review, 2026-12-06). A fresh key with a heartbeat joined each group and never came to
+        its ring: every attempt of the round failed into the next until the averaging deadline."""
+        posted = self._posted.get(group_id)
+        if posted is None or posted[1].holder is None:
+            return
+        board = posted[1]
+        if not board.held_here:
+            absent = [] if board.opened else [board.holder]
+        else:
+            absent = [
+                PeerID(member)
+                for member in self._boards.absent(group_id, "here/" if op == "exchange" else key)
+            ]
+        ids = {peer.to_base58() for peer in absent if peer != self.peer_id}
+        if ids:
+            with self._no_shows.get_lock():
+                told = {text for text in self._no_shows.value.decode(errors="replace").split(",") if text}
+            _put_ids(self._no_shows, sorted(told | ids))
+
+    def no_shows(self) -> list[str]:
+        """The members of this peer's failed rings that never came to them, as it saw for itself
+        (base58; :meth:`_meeting_failed`), each told once."""
+        with self._no_shows.get_lock():
+            raw, self._no_shows.value = self._no_shows.value, b""
+        return [text for text in raw.decode(errors="replace").split(",") if text]
 
     def silent_leaders(self) -> list[str]:
         """The leaders that accepted this peer in its last step and did not begin their group
@@ -389,12 +434,20 @@ class GroupAverager(StateSharing, DecentralizedAverager):
     def _group_board(self, group_info, members: list[Any]) -> tuple[BoardClient, list[PeerID], bytes]:
         """The group's board, its members in rank order (by peer id, not hivemind's random
         order: the same members next round find their ring connected), and its secret seed (the
-        group id and every member's gathered nonce). The board is held by the first member in
-        hivemind's order that accepts connections (a peer in client mode cannot hold it)."""
+        group id and every member's gathered nonce). The board is held by the group's leader in
+        hivemind's matchmaking, as each member knows for itself (the peer whose group it joined,
+        or itself): the only member that knows who really joined (it took their join requests),
+        so the only one whose view of who never came is blamed on anyone (:meth:`_meeting_failed`).
+        A group whose leader this process did not see form it (never, in this release) falls
+        back to the first member in hivemind's order that accepts connections, blaming nobody."""
         peer_ids = sorted(group_info.peer_ids, key=lambda p: p.to_bytes())
-        modes = [self.serializer.loads(g)[1] for g in group_info.gathered]
-        hosts = [p for p, mode in zip(group_info.peer_ids, modes) if mode != AveragingMode.CLIENT.value]
-        leader = hosts[0] if hosts else group_info.peer_ids[0]
+        leader = self._leaders.get(group_info.group_id)
+        holder = leader if leader in group_info.peer_ids else None  # (a leader that left itself out)
+        if holder is None:
+            modes = [self.serializer.loads(g)[1] for g in group_info.gathered]
+            hosts = [p for p, mode in zip(group_info.peer_ids, modes) if mode != AveragingMode.CLIENT.value]
+            leader = hosts[0] if hosts else group_info.peer_ids[0]
+            logger.debug("a group formed without its leader seen: its board is %s's", leader)
         if leader == self.peer_id:
             self._boards.open(group_info.group_id, [p.to_bytes() for p in peer_ids])
         board = BoardClient(
@@ -403,6 +456,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             pause=0.002 if leader == self.peer_id else 0.0,  # a missed wake-up costs 2 ms
             wait=self._boards.wait_change if leader == self.peer_id else None,
         )
+        board.holder = holder
         return board, peer_ids, group_info.group_id + gathered.nonces(members)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs: Any):

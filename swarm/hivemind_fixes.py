@@ -287,8 +287,14 @@ its group (an honest one does by its own declared expiration, which a request's 
 hivemind refuses such a request) before it counts as silent (:func:`watch_leaders`)."""
 
 
-def watch_leaders(matchmaking: Any, silent: Callable[[PeerID, Any], None]) -> None:
-    """Call ``silent(leader, allowed)`` for each leader that accepted this peer into its group
+def watch_leaders(
+    matchmaking: Any,
+    silent: Callable[[PeerID, Any], None],
+    led: Callable[[bytes, PeerID], None] = lambda group_id, leader: None,
+) -> None:
+    """Call ``led(group id, leader)`` for each group this peer is in, as it knows for itself who
+    leads it (the leader it joined, which sent it the group; or itself), and ``silent(leader,
+    allowed)`` for each leader that accepted this peer into its group
     and then did not begin it by this peer's request's expiration (plus :data:`SILENT_GRACE`):
     it said nothing until hivemind gave up on it, or "disbanded" only then. ``allowed``: the
     step's set of peers it may group with (``matchmaking.allowed`` when the request was made: a
@@ -358,6 +364,20 @@ def watch_leaders(matchmaking: Any, silent: Callable[[PeerID, Any], None]) -> No
             return Stub(servicer.get_stub(p2p, peer, namespace=namespace), peer)
 
     matchmaking._servicer_type = Servicer
+    lead, follow = matchmaking.leader_assemble_group, matchmaking.follower_assemble_group
+
+    async def leading() -> Any:
+        group_info = await lead()
+        led(bytes(group_info.group_id), matchmaking.peer_id)  # (before its members hear of it)
+        return group_info
+
+    async def following(leader: PeerID, message: Any) -> Any:
+        group_info = await follow(leader, message)
+        led(bytes(group_info.group_id), leader)
+        return group_info
+
+    matchmaking.leader_assemble_group = leading
+    matchmaking.follower_assemble_group = following
 
 
 NOT_A_ROUND_MATE = "not a round mate"

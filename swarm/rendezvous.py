@@ -4,7 +4,7 @@ A gloo ring needs a rendezvous: every rank posts its listening address and reads
 torch's ``TCPStore`` does that over a plain TCP port that anyone can reach, list, read, write
 and fill (an outsider took members' places in rings that way; see docs/security.md). gloo
 does not need a ``TCPStore``: any ``torch.distributed.Store`` will do. Ours is a board held by
-the group's first member, reached through hivemind's p2p channel, which is encrypted and
+the group's leader in hivemind's matchmaking, reached through hivemind's p2p channel, which is encrypted and
 authenticated by peer keys (TLS 1.3 in hivemind's daemon). So:
 
 - only the peers hivemind put in the group can read or write its board (the caller's peer id
@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgpack
 import torch
@@ -91,6 +91,21 @@ class RendezvousBoards:
                 self._boards[group_id].created = self._clock()
             while len(self._boards) > MAX_GROUPS:
                 self._boards.popitem(last=False)
+
+    def absent(self, group_id: bytes, key: str) -> list[bytes]:
+        """The members of a group's board here (peer ids) that never posted ``key``: a prefix
+        ending in "/" (``here/``: the members' meeting) names each member's ``<prefix><rank>``;
+        any other key, one member's own (``.../<rank>``). None for a board not here."""
+        with self._lock:
+            board = self._boards.get(group_id)
+            if board is None:
+                return []
+            if key.endswith("/"):
+                return [m for r, m in enumerate(board.members) if f"{key}{r}" not in board.values]
+            rank = key.rpartition("/")[2]
+            if not rank.isdigit() or int(rank) >= len(board.members) or key in board.values:
+                return []
+            return [board.members[int(rank)]]
 
     def _expire(self) -> None:
         now = self._clock()
@@ -179,8 +194,17 @@ class BoardClient:
         pause: float = 0.0005,
         wait: Callable[[float], None] | None = None,
     ) -> None:
-        self.group_id, self._call, self._pause = group_id, call, pause
+        self.group_id, self._pause = group_id, pause
         self.held_here = wait is not None  # the board's holder waits on it instead of polling
+        self.opened = False  # whether its holder ever answered as the board's (it opened it)
+        self.holder: Any = None  # who holds it, where this member knows for itself (set by its maker)
+
+        def asked(request: dict) -> dict:
+            answer = call(request)
+            self.opened = self.opened or answer.get("why") != "unknown group"
+            return answer
+
+        self._call = asked
         self._wait = wait or time.sleep  # between polls: a board in this process wakes us itself
 
     def set(self, key: str, value: bytes) -> None:

@@ -268,10 +268,16 @@ def messages(connection: Connection) -> Iterator[Any]:
             return
 
 
-def serve_board(connection: Connection, boards: Callable[[bytes], Any]) -> None:
+def serve_board(
+    connection: Connection,
+    boards: Callable[[bytes], Any],
+    failed: Callable[[bytes, str, str], None] = lambda group_id, op, key: None,
+) -> None:
     """In the averager process: answer the ring's board requests until the pipe closes
     (``boards``: a group's board by its id, or None). Each in its own thread, so that one
-    request held up by a slow board's holder does not hold up the next rounds' behind it."""
+    request held up by a slow board's holder does not hold up the next rounds' behind it.
+    ``failed(group id, op, key)``: told when a wait at a board ("exchange": the members'
+    meeting; "get": gloo's wait for a member's address) failed, before the ring is."""
     sending = threading.Lock()
 
     def answer(number: int, group_id: bytes, op: str, args: tuple) -> None:
@@ -282,6 +288,11 @@ def serve_board(connection: Connection, boards: Callable[[bytes], Any]) -> None:
             reply = (number, True, getattr(board, op)(*args))
         except Exception as error:  # noqa: BLE001 - the ring's error, told to the ring
             reply = (number, False, one_line(error))
+            if op in ("exchange", "get") and board is not None and args and isinstance(args[0], str):
+                try:
+                    failed(group_id, op, args[0])
+                except Exception as note:  # noqa: BLE001 - only a note: the ring's error goes on
+                    logger.debug("could not note who missed the ring: %s", one_line(note))
         with sending, contextlib.suppress(EOFError, OSError):
             connection.send(reply)
 

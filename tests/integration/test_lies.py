@@ -508,7 +508,8 @@ from workbench.run.training import load_data, trained_shapes
 # One fresh key: a group leader that declares itself every 0.1 s just ahead of everyone, accepts
 # every follower and never begins, and a follower that joins every honest peer's group (a
 # well-formed request: the run's schema) and would never come to its ring. "beating": it also
-# publishes a heartbeat "waiting" at the swarm's step (a round mate, as far as the barrier knows).
+# publishes a heartbeat "waiting" at the swarm's step (a round mate, as far as the barrier knows);
+# "joining": that heartbeat, and it only joins the peers' groups.
 address, run_id, mode, flags = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 config = build_config(build_parser().parse_args(["join", address, "--run-id", run_id, *flags]))
 shapes = [torch.zeros(t.shape) for t in trained_shapes(config, load_data(config)[1])]
@@ -549,7 +550,7 @@ def beat():
         time.sleep(0.3)
 
 async def main():
-    if mode == "beating":
+    if mode in ("beating", "joining"):
         threading.Thread(target=beat, daemon=True).start()
     p2p = await session.dht.replicate_p2p()
     await p2p.add_protobuf_handler(
@@ -557,7 +558,8 @@ async def main():
     print("ready", flush=True)
     busy = set()
     while True:
-        session.dht.store(prefix + ".0b", True, get_dht_time() + 0.25, subkey=session.store.subkey, return_future=True)
+        if mode != "joining":
+            session.dht.store(prefix + ".0b", True, get_dht_time() + 0.25, subkey=session.store.subkey, return_future=True)
         found = await asyncio.wrap_future(session.dht.get(prefix + ".0b", latest=True, return_future=True))
         for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
             peer = peer_of(subkey)
@@ -628,6 +630,42 @@ def test_a_fresh_key_with_a_heartbeat_that_leads_and_never_begins_is_ignored(spa
         finally:
             kill_group(attacker)
         attacker.communicate()
+        interrupt_all(peers.started)
+
+
+@machines(pytest.mark.faults)  # make test: on 127.0.0.1 only
+def test_a_fresh_key_with_a_heartbeat_that_joins_and_never_comes_is_ignored(spawn, tmp_path, machines):
+    """The key with a heartbeat "waiting" only joins: every group it can, never to come to the
+    ring. A round mate as far as the barrier knows, it was let in; the ring failed and it joined
+    the retry's group too, until the averaging deadline: every round of the pair alone. The
+    group's leader, which holds the ring's board and took the key's join request itself, sees it
+    never came: from its second time it is left out of the round's retries and struck; three
+    rounds and it is ignored for the run (in network namespaces: the README's flags, the key on
+    a third machine)."""
+    flags = [*FAST, *steady(tmp_path)]
+    common = [*flags, "--rounds", "1000", "--run-id", "sybil"]
+    with contextlib.ExitStack() as stack:
+        peers, first, second, address, wrap, own = _a_pair(stack, spawn, tmp_path, machines, common)
+        attacker = helper(MATCHMAKING_SYBIL, address, "sybil", "joining", *flags, *own, wrap=wrap)
+        ignored = "was in this peer's group and never came to its ring, 3 rounds running"
+        try:
+            assert attacker.stdout.readline().strip() == "ready"
+            deadline = time.monotonic() + 240
+            while ignored not in first.stderr() + second.stderr():  # (on the old code: never)
+                assert time.monotonic() < deadline, (first.stderr() + second.stderr())[-3000:]
+                time.sleep(0.5)
+            since = max(e["outer_step"] for e in first.events("round"))
+            for _ in range(3):  # ignored: not let in again
+                since = first.wait_event(
+                    "round",
+                    lambda e, after=since: e["outer_step"] > after and e["group_size"] == 2,
+                    timeout=120,
+                )["outer_step"]
+        finally:
+            kill_group(attacker)
+        said = attacker.communicate()[0].split("\n")
+        joined = [line for line in said if line.startswith("followed")][-1]
+        assert joined != "followed 0 joined 0", joined  # (it was in groups: the attack happened)
         interrupt_all(peers.started)
 
 

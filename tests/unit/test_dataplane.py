@@ -610,3 +610,24 @@ def _listening() -> set[int]:
     import psutil
 
     return {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
+
+
+def test_the_boards_holder_tells_who_never_came_and_a_member_tells_a_board_never_opened():
+    """A fresh key with a heartbeat joined each group and never came to its ring (a red-team
+    review, 2026-12-06): the holder of the ring's board tells who posted nothing at the members'
+    meeting (those that declined did post), or never posted the address gloo waits for; a
+    member tells a holder that never opened its board."""
+    boards = RendezvousBoards()
+    boards.open(b"group", MEMBERS)
+    assert boards.handle(MEMBERS[0], {"g": b"group", "op": "set", "k": "here/0", "v": b"key"})["ok"]
+    assert boards.handle(MEMBERS[2], {"g": b"group", "op": "set", "k": "here/2", "v": DECLINED})["ok"]
+    assert boards.handle(MEMBERS[0], {"g": b"group", "op": "set", "k": "ring0/0", "v": b"address"})["ok"]
+    assert boards.absent(b"group", "here/") == [MEMBERS[1]] and boards.absent(b"other", "here/") == []
+    assert boards.absent(b"group", "ring0/2") == [MEMBERS[2]] and boards.absent(b"group", "ring0/0") == []
+    assert boards.absent(b"group", "ring0/7") == [] and boards.absent(b"group", "ring0/x") == []
+    request = {"g": b"group", "op": "get", "k": "", "want": ["here/0"]}
+    never = BoardClient(b"group", lambda request: {"ok": False, "why": "unknown group"})
+    never._call(request)
+    opened = BoardClient(b"group", lambda request: {"ok": False, "why": "not yet"})
+    opened._call(request)
+    assert not never.opened and opened.opened

@@ -303,7 +303,12 @@ def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(mon
 
     averager = object.__new__(Bare)
     averager._matchmaking = SimpleNamespace(
-        target_group_size=None, group_key_manager=None, _check_reasons_to_reject=None, _servicer_type=None
+        target_group_size=None,
+        group_key_manager=None,
+        _check_reasons_to_reject=None,
+        _servicer_type=None,
+        leader_assemble_group=None,
+        follower_assemble_group=None,
     )
     averager._donor_subkey = None
     averager._expected, averager._plane_enabled, averager._ticket_loop = (

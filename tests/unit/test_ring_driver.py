@@ -166,8 +166,10 @@ class Board:
 
 def test_board_requests_cross_to_the_averager_process_and_errors_come_back_as_one_line():
     here, there = mp.Pipe()
-    boards = {b"g": Board()}
-    server = threading.Thread(target=serve_board, args=(there, boards.get), daemon=True)
+    boards, failed = {b"g": Board()}, []
+    server = threading.Thread(
+        target=serve_board, args=(there, boards.get, lambda *told: failed.append(told)), daemon=True
+    )
     server.start()
     lock = threading.Lock()
     board = ForwardedBoard(here, lock, b"g")
@@ -178,6 +180,10 @@ def test_board_requests_cross_to_the_averager_process_and_errors_come_back_as_on
         board.get("ring/9", 1.0)
     with pytest.raises(RendezvousError, match="no such group"):
         ForwardedBoard(here, lock, b"gone").get("ring/0", 1.0)
+    assert failed == [(b"g", "get", "ring/9")]  # a wait that failed: told first (who missed it)
+    with pytest.raises(RendezvousError):
+        board.exchange("here/1", b"", ["here/5"], 0.05)
+    assert failed[1:] == [(b"g", "exchange", "here/1")]
     here.close()  # the peer's side goes: the server ends
     server.join(timeout=5)
     assert not server.is_alive()
@@ -423,3 +429,92 @@ def test_every_averaging_step_first_asks_the_driver_to_try_rings_again():
 
     with pytest.raises(Asked):
         object.__new__(Probe).step(gather=None, weight=1.0)
+
+
+async def test_the_groups_leader_holds_its_board_and_blames_only_what_it_saw_itself():
+    """A fresh key with a heartbeat joined each group and never came to its ring: every attempt
+    of a round failed (a red-team review, 2026-12-06). The board is now its group's matchmaking
+    leader's, as each member knows for itself; when a ring's meeting fails, the leader tells who
+    never came, a follower tells a leader that never opened its board, and nobody repeats what
+    another's board says (a leader can name a peer that never joined its group)."""
+    import multiprocessing as mp
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from hivemind.averaging.averager import AveragingMode
+    from hivemind.p2p import PeerID
+    from hivemind.utils import MSGPackSerializer
+
+    from swarm.group_averager import EXPECTED_BYTES, GroupAverager
+    from swarm.rendezvous import BoardClient, RendezvousBoards
+
+    ids = [
+        PeerID.from_base58(text)
+        for text in (
+            "QmWv9Ww7znzgLFyCzf21SR6tUKXrmHCZH9KhebeH4gyE9f",
+            "QmRGYVtBtZW8BhNqAKDF9WZDgQPqsy7WwTfVfop3SXyTiC",
+            "QmRF4GWpGqB8Z1PXpBRsnPynE7AyzRuhWsPBhy1CdcDmT3",
+        )
+    ]
+    leader, follower, sybil = ids
+    gathered_ = [MSGPackSerializer.dumps([1.0, AveragingMode.NODE.value, b""])] * 3
+    group = SimpleNamespace(group_id=b"group", peer_ids=(sybil, follower, leader), gathered=gathered_)
+    unopened = lambda request: {"ok": False, "why": "unknown group"}  # noqa: E731
+
+    class Member(GroupAverager):  # no process, no DHT: the board's parts only
+        peer_id = None
+
+        def __del__(self) -> None:
+            pass
+
+    def member(peer: PeerID, led_by: PeerID | None) -> GroupAverager:
+        averager = Member.__new__(Member)
+        averager.peer_id, averager.serializer = peer, MSGPackSerializer
+        averager._leaders, averager._posted, averager._boards = (
+            OrderedDict(),
+            OrderedDict(),
+            RendezvousBoards(),
+        )
+        averager._no_shows = mp.Array("c", EXPECTED_BYTES)
+        averager._board_caller = lambda holder, loop: averager._boards_of.get(holder, unopened)
+        averager._boards_of = {}
+        if led_by is not None:
+            averager._note_leader(group.group_id, led_by)
+        return averager
+
+    def meet(averager: GroupAverager) -> BoardClient:
+        board, _, _ = averager._group_board(group, [{}] * 3)
+        averager._posted[group.group_id] = (None, board, {})
+        return board
+
+    # The leader (last in hivemind's order) holds the board; the sybil never posts there.
+    led = member(leader, leader)
+    board = meet(led)
+    assert board.held_here and board.holder == leader
+    ranks = sorted(group.peer_ids, key=lambda p: p.to_bytes())
+    assert led._boards.handle(
+        follower.to_bytes(), {"g": b"group", "op": "set", "k": f"here/{ranks.index(follower)}", "v": b"k"}
+    )["ok"]
+    led._meeting_failed(b"group", "exchange", f"here/{ranks.index(leader)}")
+    assert led.no_shows() == [sybil.to_base58()] and led.no_shows() == []  # told once
+    led._meeting_failed(b"group", "get", f"ring0/{ranks.index(sybil)}")  # gloo's address never posted
+    led._meeting_failed(b"group", "get", f"ring0/{ranks.index(leader)}")  # (its own: never blamed)
+    assert led.no_shows() == [sybil.to_base58()]
+    # A follower: its leader holds the board; it blames that leader only if never opened.
+    following = member(follower, leader)
+    board = meet(following)
+    assert not board.held_here and board.holder == leader
+    board._call({"g": b"group", "op": "get", "k": "", "want": ["here/0"]})
+    following._meeting_failed(b"group", "exchange", "here/1")
+    assert following.no_shows() == [leader.to_base58()]
+    following._boards_of[leader] = lambda request: {"ok": False, "why": "not yet"}  # opened
+    board = meet(following)
+    board._call({"g": b"group", "op": "get", "k": "", "want": ["here/0"]})
+    following._meeting_failed(b"group", "exchange", "here/1")
+    assert following.no_shows() == []  # whoever that board says is missing: not its word
+    # A group whose leader this member did not see form it: the old holder, nobody blamed.
+    unknown = member(follower, None)
+    board = meet(unknown)
+    assert board.holder is None
+    unknown._meeting_failed(b"group", "exchange", "here/1")
+    assert unknown.no_shows() == []

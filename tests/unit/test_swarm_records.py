@@ -646,6 +646,43 @@ def test_a_recording_that_cannot_be_written_stops_and_the_monitor_goes_on(tmp_pa
     monitor.close()
 
 
+def _matchmaking(**attributes):  # type: ignore[no-untyped-def]
+    """hivemind's matchmaking as far as :func:`swarm.hivemind_fixes.watch_leaders` reads it."""
+    from types import SimpleNamespace
+
+    async def leader_assemble_group():  # type: ignore[no-untyped-def]
+        return SimpleNamespace(group_id=b"led here", peer_ids=())
+
+    async def follower_assemble_group(leader, message):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(group_id=message.group_id, peer_ids=())
+
+    return SimpleNamespace(
+        peer_id="me",
+        leader_assemble_group=leader_assemble_group,
+        follower_assemble_group=follower_assemble_group,
+        **attributes,
+    )
+
+
+async def test_each_member_knows_for_itself_who_leads_its_group() -> None:
+    """The group's board is its matchmaking leader's, the only member that took every member's
+    join request: what it says of who never came to the ring is firsthand (a leader can name in
+    its group a peer that never joined it, a review, 2026-12-06). Each member learns who leads
+    from its own matchmaking, not from what the group's message says."""
+    from types import SimpleNamespace
+
+    from swarm.hivemind_fixes import watch_leaders
+
+    led: list[tuple[bytes, str]] = []
+    matchmaking = _matchmaking(_servicer_type=None)
+    watch_leaders(
+        matchmaking, lambda leader, allowed: None, lambda group, leader: led.append((group, leader))
+    )
+    assert (await matchmaking.leader_assemble_group()).group_id == b"led here"
+    await matchmaking.follower_assemble_group("the leader", SimpleNamespace(group_id=b"followed"))
+    assert led == [(b"led here", "me"), (b"followed", "the leader")]
+
+
 async def test_a_leader_that_accepts_and_then_says_nothing_is_told_as_silent() -> None:
     """A fresh key with a heartbeat led a group, accepted the peers and never began: each
     follower waited out its window, every attempt. The follower now tells such a leader (its
@@ -690,7 +727,7 @@ async def test_a_leader_that_accepts_and_then_says_nothing_is_told_as_silent() -
             return SimpleNamespace(rpc_join_group=rpc_join_group)
 
     silent: list[str] = []
-    matchmaking = SimpleNamespace(_servicer_type=Servicer, allowed=None)
+    matchmaking = _matchmaking(_servicer_type=Servicer, allowed=None)
     watch_leaders(matchmaking, lambda leader, allowed: silent.append(leader))
     watch_leaders(matchmaking, lambda leader, allowed: silent.append(leader))  # (once: not twice)
     for leader, expiration in (("silent", -2.0), ("disbands", 30.0), ("early", 30.0), ("late", -2.0)):

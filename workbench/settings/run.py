@@ -220,13 +220,14 @@ class RunAccess:
     secret: str | None = setting(
         None,
         "private run: only peers with this secret find, join and write to it "
-        "(default: $WORKBENCH_RUN_SECRET)",
+        "(default: $WORKBENCH_SECRET, else $WORKBENCH_RUN_SECRET)",
         default_env="WORKBENCH_RUN_SECRET",
         target="peer.secret",
     )
     owner: str | None = setting(
         None,
-        "trust only the manifest and steering of this owner key (printed by `workbench start`)",
+        "trust only the manifest and steering of this owner key (printed by `workbench start`; "
+        "default: $WORKBENCH_OWNER)",
         metavar="HASH",
         target="peer.owner",
     )
@@ -347,7 +348,11 @@ class Demo:
         metavar="DIR",
         parse=given,
     )
-    timeout: float = setting(900.0, "give up after this many seconds (default: 900)", bound="timeout")
+    timeout: float = setting(
+        900.0,
+        "give up after this many seconds (default: 900); in the terminal UI, on the peers' start only",
+        bound="timeout",
+    )
 
 
 DEMO_DEFAULTS = {"inner_steps": 20, "rounds": 8, "threads": 1, "model": "small"}
