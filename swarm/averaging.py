@@ -25,6 +25,7 @@ import logging
 import math
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any  # noqa: UP035 - hivemind reads typing's name to detect streams
 
@@ -133,6 +134,10 @@ class SwarmAverager(Downloading):
         for all of a peer's averagers: streaming's fragments share it)."""
         self._refused_donors: set[str] = set()
         self._silent_leaders: dict[str, int] = {}  # peer id -> the round it spoiled a group in (left out)
+        self._missed: OrderedDict[str, int] = OrderedDict()
+        """peer id -> the rings of this averager's groups it never came to since it last averaged
+        with this one (each of streaming's fragments counts its own: one stall in two fragments'
+        groups is once in each)."""
         self._no_shows_until = -1
         """Before this outer step, a round whose only mates are strangers is not retried: a
         round failed with only strangers "ready" at its step, none of whom came to a group (set
@@ -282,6 +287,8 @@ class SwarmAverager(Downloading):
         # authenticated peer ids, not what they wrote in their info) are vouched for.
         members = [peer.to_base58() for peer in gathered if hasattr(peer, "to_base58")]
         self.vouching.averaged_with(members)
+        for member in members:  # it came: its missed rings are forgiven
+            self._missed.pop(member, None)
         self._refused_donors.difference_update(members)  # on this θ now: a donor again
         with self.averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, tensors):
@@ -435,7 +442,7 @@ class SwarmAverager(Downloading):
         ] + [
             (peer, "was in this peer's group and never came to its ring")
             for peer in getattr(self.averager, "no_shows", list)()
-            if self.vouching.missed(peer) >= MISSED_RINGS
+            if self._count_miss(peer) >= MISSED_RINGS
         ]
         for peer, what in spoilers:
             self._silent_leaders[peer] = outer_step
@@ -447,6 +454,15 @@ class SwarmAverager(Downloading):
                 self.barrier.strike(heartbeat, outer_step, what)
         while len(self._silent_leaders) > MAX_SILENT:  # fresh keys are free
             self._silent_leaders.pop(next(iter(self._silent_leaders)))
+
+    def _count_miss(self, peer: str) -> int:
+        """``peer`` never came to the ring of a group of this averager's: how many times now since
+        it last averaged with this one."""
+        count = self._missed.pop(peer, 0) + 1
+        self._missed[peer] = count
+        while len(self._missed) > MAX_SILENT:  # fresh keys are free
+            self._missed.popitem(last=False)
+        return count
 
     def _failed(
         self, info: dict[str, Any], reason: str, *, mates: list[str], moved_on: bool = True

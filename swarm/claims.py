@@ -99,25 +99,14 @@ class Vouching:
         self.vouched: set[str] = set()
         self._strikes: dict[str, tuple[int, int]] = {}  # peer id -> (strikes, last round struck)
         self._disproven: OrderedDict[str, int] = OrderedDict()  # peer id -> claims not borne out
-        self._missed: OrderedDict[str, int] = OrderedDict()  # peer id -> rings it never came to
 
     def averaged_with(self, peer_ids: list[str]) -> None:
-        """A verified round's members: believed from now on, their strikes and missed rings
-        forgiven (not the claims a download disproved: a member can average honestly and still
-        lie about its step, see :meth:`disprove`)."""
+        """A verified round's members: believed from now on, their strikes forgiven (not the
+        claims a download disproved: a member can average honestly and still lie about its
+        step, see :meth:`disprove`)."""
         for peer in peer_ids:
             self.vouched.add(peer)
             self._strikes.pop(peer, None)
-            self._missed.pop(peer, None)
-
-    def missed(self, peer_id: str) -> int:
-        """``peer_id`` joined a group of this peer's and never came to its ring: how many times
-        now since it last averaged with this one (:meth:`averaged_with` forgives them)."""
-        count = self._missed.pop(peer_id, 0) + 1
-        self._missed[peer_id] = count
-        while len(self._missed) > MAX_IGNORED:  # fresh keys are free
-            self._missed.popitem(last=False)
-        return count
 
     def disprove(self, peer_id: str) -> bool:
         """``peer_id`` claimed an outer step that the download it sent this peer to did not

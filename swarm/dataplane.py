@@ -54,17 +54,15 @@ from typing import Any
 
 import torch
 
-from swarm.rendezvous import Rendezvous, RingStore
+from swarm.rendezvous import DECLINED, Rendezvous, RingStore
 from swarm.sketch import CHUNK, ROWS, Sketch, Sketcher, mismatch
 
 logger = logging.getLogger(__name__)
 
 PLANES = ("hivemind", "direct")
-PROTOCOL = 5
+PROTOCOL = 4
 """The direct plane's version, in every member's gathered info (members of different versions
-take hivemind's path): 5 has the board held by the group's matchmaking leader (earlier: by the
-first member in hivemind's order that accepts connections; members picking different holders
-would never meet); 4 cuts the vector into segments by the ring's size (:func:`segments`;
+take hivemind's path): 4 cuts the vector into segments by the ring's size (:func:`segments`;
 members cutting differently would reduce mismatched pieces); 3 lets a member decline a round
 (:meth:`DirectPlane.decline`); 2 exchanges the arrival check and the sketches over the ring (1,
 unnumbered, over the board)."""
@@ -73,7 +71,6 @@ MAX_RINGS = 8
 RING_ID_BYTES = 16
 KEY_BYTES = 32  # each member's key for sealing its sketches on a ring
 POST_BYTES = 8 * (ROWS + 1) + 8 + 32  # a sketch, the round's tag, its seal
-DECLINED = b"declined"  # posted at a new ring's board instead of a key: this member will not come
 FLOOD = 128
 """Open files the process may gain while it keeps rings before it closes them: a ring of 8
 members has 7 connections and a listener, and a flood of strangers' connections to a kept

@@ -256,6 +256,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._matchmaking.allowed = allowed
         self._silent_ids.clear()
         _put_ids(self._silent, ())
+        _put_ids(self._no_shows, ())  # (any left unread: an earlier step's)
         watch_leaders(self._matchmaking, self._note_silent, self._note_leader)
         keys = self._matchmaking.group_key_manager
         if isinstance(keys, SignedGroupKeys):
@@ -306,31 +307,33 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             self._leaders.popitem(last=False)
 
     def _meeting_failed(self, group_id: bytes, op: str, key: str) -> None:
-        """A ring's meeting at its board failed (in this process, before the ring hears of it):
-        the members that never came, as this peer knows for itself, for the peer's process
-        (:meth:`no_shows`). The group's leader, which holds its board and took every member's
-        join request itself: the members that posted nothing there (at the members' meeting) or
-        never posted the key waited for (gloo's address). A follower: its leader, if it never
-        opened its board. Nobody else's word is taken: a leader that named a peer which never
-        joined its group, on a board held by another, could have had that peer blamed (a
-        review, 2026-12-06). A fresh key with a heartbeat joined each group and never came to
-        its ring: every attempt of the round failed into the next until the averaging deadline."""
+        """A ring's members' meeting at its board (``key``: this member's post there) failed
+        ("exchange"), or a member declined the round there ("declined"), in this process before
+        the ring hears of it: the members that spoiled it, as this peer knows for itself, for
+        the peer's process (:meth:`no_shows`). The group's leader, which holds its board and
+        took every member's join request itself: the members that posted nothing there, or
+        declined. A follower: its leader, if it answered that it never opened its board. Nobody
+        else's word is taken: a leader that named a peer which never joined its group, on a
+        board held by another, could have had that peer blamed (a review, 2026-12-06); and
+        only the meeting counts, whose clocks start for every member as the board opens (gloo's
+        later waits do not: a member that gave up at the meeting and posted there was blamed
+        for the address it then never posted, a review of this defence). A fresh key with a
+        heartbeat joined each group and never came to its ring, or declined it: every attempt
+        of the round failed into the next until the averaging deadline."""
         posted = self._posted.get(group_id)
         if posted is None or posted[1].holder is None:
             return
-        board = posted[1]
+        board, prefix = posted[1], key.rpartition("/")[0] + "/"
         if not board.held_here:
-            absent = [] if board.opened else [board.holder]
+            never_opened = op == "exchange" and board.answered and not board.opened
+            absent = [board.holder] if never_opened else []
         else:
-            absent = [
-                PeerID(member)
-                for member in self._boards.absent(group_id, "here/" if op == "exchange" else key)
-            ]
+            absent = [PeerID(m) for m in self._boards.missing(group_id, prefix, declined=op == "declined")]
         ids = {peer.to_base58() for peer in absent if peer != self.peer_id}
         if ids:
-            with self._no_shows.get_lock():
+            with self._no_shows.get_lock():  # (a lock the reader takes too, and re-entrant)
                 told = {text for text in self._no_shows.value.decode(errors="replace").split(",") if text}
-            _put_ids(self._no_shows, sorted(told | ids))
+                _put_ids(self._no_shows, sorted(told | ids))
 
     def no_shows(self) -> list[str]:
         """The members of this peer's failed rings that never came to them, as it saw for itself
@@ -438,10 +441,11 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         hivemind's matchmaking, as each member knows for itself (the peer whose group it joined,
         or itself): the only member that knows who really joined (it took their join requests),
         so the only one whose view of who never came is blamed on anyone (:meth:`_meeting_failed`).
-        A group whose leader this process did not see form it (never, in this release) falls
-        back to the first member in hivemind's order that accepts connections, blaming nobody."""
+        A group with a member of an earlier release (or whose leader this process did not see
+        form it: never, in this release) meets at the first member's in hivemind's order that
+        accepts connections, as earlier releases do, blaming nobody."""
         peer_ids = sorted(group_info.peer_ids, key=lambda p: p.to_bytes())
-        leader = self._leaders.get(group_info.group_id)
+        leader = self._leaders.get(group_info.group_id) if gathered.leader_holds_the_board(members) else None
         holder = leader if leader in group_info.peer_ids else None  # (a leader that left itself out)
         if holder is None:
             modes = [self.serializer.loads(g)[1] for g in group_info.gathered]

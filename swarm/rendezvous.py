@@ -31,6 +31,8 @@ from typing import Any, Protocol
 import msgpack
 import torch
 
+DECLINED = b"declined"  # posted at a new ring's board instead of a key: this member will not come
+
 MAX_GROUPS = 16  # boards a leader keeps at once (one per recent group it led)
 MAX_VALUE_BYTES = 64 * 1024  # a gloo address blob is ~60 B per member; a sketch ~200 B
 MAX_KEY_CHARS = 64
@@ -92,20 +94,18 @@ class RendezvousBoards:
             while len(self._boards) > MAX_GROUPS:
                 self._boards.popitem(last=False)
 
-    def absent(self, group_id: bytes, key: str) -> list[bytes]:
-        """The members of a group's board here (peer ids) that never posted ``key``: a prefix
-        ending in "/" (``here/``: the members' meeting) names each member's ``<prefix><rank>``;
-        any other key, one member's own (``.../<rank>``). None for a board not here."""
+    def missing(self, group_id: bytes, prefix: str, *, declined: bool = False) -> list[bytes]:
+        """The members of a group's board here (peer ids) that never posted their
+        ``<prefix><rank>`` (``here/``: the members' meeting), or with ``declined`` those that
+        posted :data:`DECLINED` there. None for a board not here."""
         with self._lock:
             board = self._boards.get(group_id)
             if board is None:
                 return []
-            if key.endswith("/"):
-                return [m for r, m in enumerate(board.members) if f"{key}{r}" not in board.values]
-            rank = key.rpartition("/")[2]
-            if not rank.isdigit() or int(rank) >= len(board.members) or key in board.values:
-                return []
-            return [board.members[int(rank)]]
+            posts = [board.values.get(f"{prefix}{rank}") for rank in range(len(board.members))]
+        return [
+            member for member, post in zip(board.members, posts) if post == (DECLINED if declined else None)
+        ]
 
     def _expire(self) -> None:
         now = self._clock()
@@ -196,11 +196,13 @@ class BoardClient:
     ) -> None:
         self.group_id, self._pause = group_id, pause
         self.held_here = wait is not None  # the board's holder waits on it instead of polling
+        self.answered = False  # whether its holder ever answered (a p2p error is no answer)
         self.opened = False  # whether its holder ever answered as the board's (it opened it)
         self.holder: Any = None  # who holds it, where this member knows for itself (set by its maker)
 
         def asked(request: dict) -> dict:
             answer = call(request)
+            self.answered = True
             self.opened = self.opened or answer.get("why") != "unknown group"
             return answer
 
@@ -227,6 +229,10 @@ class BoardClient:
         if not answer.get("ok"):
             self.set(key, value)  # retried while the leader has not opened the board yet
             answer = {"ok": False, "why": "not yet"}
+            # Everyone's ``timeout`` from the board's opening, as the leader's own: a member
+            # that asked before then gave up first, and once the leader's own meeting was
+            # complete (a late member came in between), only that member's failed.
+            deadline = time.monotonic() + timeout
         while not _values(answer, len(want)):
             if answer.get("why") not in (None, "not yet") or time.monotonic() > deadline:
                 raise RendezvousError(

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from swarm.dataplane import DirectPlane, RingUnreachable, one_line
-from swarm.rendezvous import RendezvousError
+from swarm.rendezvous import DECLINED, RendezvousError
 
 logger = logging.getLogger(__name__)
 
@@ -276,23 +276,27 @@ def serve_board(
     """In the averager process: answer the ring's board requests until the pipe closes
     (``boards``: a group's board by its id, or None). Each in its own thread, so that one
     request held up by a slow board's holder does not hold up the next rounds' behind it.
-    ``failed(group id, op, key)``: told when a wait at a board ("exchange": the members'
-    meeting; "get": gloo's wait for a member's address) failed, before the ring is."""
+    ``failed(group id, op, key)``: told when the members' meeting at a board ("exchange",
+    ``key`` this member's post) failed or a member declined there ("declined"), before the
+    ring hears of it."""
     sending = threading.Lock()
 
     def answer(number: int, group_id: bytes, op: str, args: tuple) -> None:
-        board = boards(group_id)
+        board, told = boards(group_id), ""
         try:
             if board is None or op not in ("set", "get", "exchange"):
                 raise RendezvousError("no such group's board here (the round already ended?)")
             reply = (number, True, getattr(board, op)(*args))
+            if op == "exchange" and DECLINED in reply[2]:
+                told = "declined"
         except Exception as error:  # noqa: BLE001 - the ring's error, told to the ring
             reply = (number, False, one_line(error))
-            if op in ("exchange", "get") and board is not None and args and isinstance(args[0], str):
-                try:
-                    failed(group_id, op, args[0])
-                except Exception as note:  # noqa: BLE001 - only a note: the ring's error goes on
-                    logger.debug("could not note who missed the ring: %s", one_line(note))
+            told = "exchange" if op == "exchange" else ""
+        if told and args and isinstance(args[0], str):
+            try:
+                failed(group_id, told, args[0])
+            except Exception as note:  # noqa: BLE001 - only a note: the ring's error goes on
+                logger.debug("could not note who missed the ring: %s", one_line(note))
         with sending, contextlib.suppress(EOFError, OSError):
             connection.send(reply)
 

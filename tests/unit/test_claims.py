@@ -768,3 +768,38 @@ def test_a_step_whose_expected_mates_stop_publishing_goes_on_alone():
     gathered, why = me._attempt([torch.ones(2)], 1.0, {"outer_step": 4}, deadline=started + 30.0)
     assert gathered is None and "round mates stopped answering" in why and control.cancelled
     assert time.monotonic() - started < 5.0  # not the 30 s deadline
+
+
+def test_a_member_that_never_comes_to_the_ring_is_left_out_from_its_second_time_and_struck():
+    """A fresh key with a heartbeat joined each group and never came to its ring: every attempt
+    failed into the next (a red-team review, 2026-12-06). What the peer's averager saw for itself
+    (:meth:`swarm.group_averager.GroupAverager.no_shows`) leaves a member out of the round's
+    retries from its second time since it last averaged with this one (an honest member late
+    once, under load, is not: stop 62's first try left one out and a pair's round ran alone),
+    a stranger struck each such round: three and it is ignored for the run."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from swarm.averaging import SwarmAverager
+
+    board = FakeBoard(beat("sybil", 4), beat("late", 4))
+    told: list[list[str]] = []
+    me = SwarmAverager.__new__(SwarmAverager)
+    me.averager = SimpleNamespace(no_shows=lambda: told.pop(0) if told else [], silent_leaders=list)
+    me.board, me.peer_id, me._silent_leaders, me._missed = board, "me", {}, OrderedDict()
+    me.barrier = averager(board)
+    me.vouching = me.barrier.vouching
+    told.append(["sybil", "late"])  # round 5, attempt 1: both missed it once
+    me._blame_spoilers(4)
+    assert me.round_peers(4) == ("late", "me", "sybil")
+    told.append(["sybil"])  # attempt 2: the sybil again
+    me._blame_spoilers(4)
+    assert me.round_peers(4) == ("late", "me")
+    me._missed.pop("late")  # (the late one then averaged with this peer: forgiven)
+    for step in (5, 6):  # each later round: left out at once, struck
+        assert me.round_peers(step) == ("late", "me", "sybil")
+        told.append(["sybil"])
+        me._blame_spoilers(step)
+        assert me.round_peers(step) == ("late", "me")
+    assert "sybil" in board.ignored and "was in this peer's group" in board.ignored["sybil"]
+    assert me.round_peers(7) == ("late", "me")  # ignored for the run

@@ -316,9 +316,10 @@ def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(mon
         SimpleNamespace(value=0),
         None,
     )
-    averager._allowed, averager._silent, averager._silent_ids = (
+    averager._allowed, averager._silent, averager._silent_ids, averager._no_shows = (
         mp.Array("c", 64),
         mp.Array("c", 64),
         set(),
+        mp.Array("c", 64),
     )
     assert asyncio.run(averager._step(step=None)) is None

@@ -15,7 +15,7 @@ import torch
 
 from swarm import gathered, ring_driver
 from swarm.dataplane import PROTOCOL, RingUnreachable
-from swarm.rendezvous import RendezvousError
+from swarm.rendezvous import DECLINED, RendezvousError
 from swarm.ring_driver import (
     AllreduceFailed,
     DirectStep,
@@ -180,10 +180,13 @@ def test_board_requests_cross_to_the_averager_process_and_errors_come_back_as_on
         board.get("ring/9", 1.0)
     with pytest.raises(RendezvousError, match="no such group"):
         ForwardedBoard(here, lock, b"gone").get("ring/0", 1.0)
-    assert failed == [(b"g", "get", "ring/9")]  # a wait that failed: told first (who missed it)
-    with pytest.raises(RendezvousError):
+    assert failed == []  # (gloo's waits: not the members' meeting)
+    with pytest.raises(RendezvousError):  # a meeting that failed: told first (who missed it)
         board.exchange("here/1", b"", ["here/5"], 0.05)
-    assert failed[1:] == [(b"g", "exchange", "here/1")]
+    assert failed == [(b"g", "exchange", "here/1")]
+    board.set("here/2", DECLINED)
+    assert board.exchange("here/0", b"k", ["here/2"], 1.0) == [DECLINED]  # and one declined there
+    assert failed[1:] == [(b"g", "declined", "here/0")]
     here.close()  # the peer's side goes: the server ends
     server.join(timeout=5)
     assert not server.is_alive()
@@ -434,9 +437,10 @@ def test_every_averaging_step_first_asks_the_driver_to_try_rings_again():
 async def test_the_groups_leader_holds_its_board_and_blames_only_what_it_saw_itself():
     """A fresh key with a heartbeat joined each group and never came to its ring: every attempt
     of a round failed (a red-team review, 2026-12-06). The board is now its group's matchmaking
-    leader's, as each member knows for itself; when a ring's meeting fails, the leader tells who
-    never came, a follower tells a leader that never opened its board, and nobody repeats what
-    another's board says (a leader can name a peer that never joined its group)."""
+    leader's, as each member knows for itself; when the members' meeting fails, the leader tells
+    who never came or declined, a follower tells a leader that answered it never opened its
+    board, and nobody repeats what another's board says (a leader can name a peer that never
+    joined its group). A group with a member of an earlier release meets where they all did."""
     import multiprocessing as mp
     from collections import OrderedDict
     from types import SimpleNamespace
@@ -457,9 +461,10 @@ async def test_the_groups_leader_holds_its_board_and_blames_only_what_it_saw_its
         )
     ]
     leader, follower, sybil = ids
-    gathered_ = [MSGPackSerializer.dumps([1.0, AveragingMode.NODE.value, b""])] * 3
-    group = SimpleNamespace(group_id=b"group", peer_ids=(sybil, follower, leader), gathered=gathered_)
-    unopened = lambda request: {"ok": False, "why": "unknown group"}  # noqa: E731
+    modes = [MSGPackSerializer.dumps([1.0, AveragingMode.NODE.value, b""])] * 3
+    group = SimpleNamespace(group_id=b"group", peer_ids=(sybil, follower, leader), gathered=modes)
+    members = [gathered.own(True, 1.0, b"", {}) for _ in ids]
+    ranks = sorted(group.peer_ids, key=lambda p: p.to_bytes())
 
     class Member(GroupAverager):  # no process, no DHT: the board's parts only
         peer_id = None
@@ -467,7 +472,7 @@ async def test_the_groups_leader_holds_its_board_and_blames_only_what_it_saw_its
         def __del__(self) -> None:
             pass
 
-    def member(peer: PeerID, led_by: PeerID | None) -> GroupAverager:
+    def member(peer: PeerID, led_by: PeerID | None, holder_answers=None) -> GroupAverager:
         averager = Member.__new__(Member)
         averager.peer_id, averager.serializer = peer, MSGPackSerializer
         averager._leaders, averager._posted, averager._boards = (
@@ -476,45 +481,61 @@ async def test_the_groups_leader_holds_its_board_and_blames_only_what_it_saw_its
             RendezvousBoards(),
         )
         averager._no_shows = mp.Array("c", EXPECTED_BYTES)
-        averager._board_caller = lambda holder, loop: averager._boards_of.get(holder, unopened)
-        averager._boards_of = {}
+        averager._board_caller = lambda holder, loop: holder_answers
         if led_by is not None:
             averager._note_leader(group.group_id, led_by)
         return averager
 
-    def meet(averager: GroupAverager) -> BoardClient:
-        board, _, _ = averager._group_board(group, [{}] * 3)
+    def meet(averager: GroupAverager, members: list = members) -> BoardClient:
+        board, _, _ = averager._group_board(group, members)
         averager._posted[group.group_id] = (None, board, {})
         return board
+
+    def post(averager: GroupAverager, peer: PeerID, value: bytes = b"key") -> None:
+        request = {"g": b"group", "op": "set", "k": f"here/{ranks.index(peer)}", "v": value}
+        assert averager._boards.handle(peer.to_bytes(), request)["ok"]
 
     # The leader (last in hivemind's order) holds the board; the sybil never posts there.
     led = member(leader, leader)
     board = meet(led)
     assert board.held_here and board.holder == leader
-    ranks = sorted(group.peer_ids, key=lambda p: p.to_bytes())
-    assert led._boards.handle(
-        follower.to_bytes(), {"g": b"group", "op": "set", "k": f"here/{ranks.index(follower)}", "v": b"k"}
-    )["ok"]
+    post(led, follower)
     led._meeting_failed(b"group", "exchange", f"here/{ranks.index(leader)}")
     assert led.no_shows() == [sybil.to_base58()] and led.no_shows() == []  # told once
-    led._meeting_failed(b"group", "get", f"ring0/{ranks.index(sybil)}")  # gloo's address never posted
-    led._meeting_failed(b"group", "get", f"ring0/{ranks.index(leader)}")  # (its own: never blamed)
+    # A sybil that declines, every time, instead: told as well (never the leader itself).
+    led._boards = RendezvousBoards()
+    meet(led)
+    post(led, sybil, DECLINED)
+    post(led, leader, DECLINED)
+    led._meeting_failed(b"group", "declined", f"here/{ranks.index(follower)}")
     assert led.no_shows() == [sybil.to_base58()]
-    # A follower: its leader holds the board; it blames that leader only if never opened.
+    # A follower: its leader holds the board; it blames that leader only if it answered that it
+    # never opened it, not for a p2p error, nor for what an open board says.
+    for answers, blamed in (
+        (lambda request: {"ok": False, "why": "unknown group"}, [leader.to_base58()]),
+        (lambda request: {"ok": False, "why": "not yet"}, []),
+    ):
+        following = member(follower, leader, answers)
+        board = meet(following)
+        assert not board.held_here and board.holder == leader
+        board._call({"g": b"group", "op": "get", "k": "", "want": ["here/0"]})
+        following._meeting_failed(b"group", "exchange", f"here/{ranks.index(follower)}")
+        assert following.no_shows() == blamed
     following = member(follower, leader)
-    board = meet(following)
-    assert not board.held_here and board.holder == leader
-    board._call({"g": b"group", "op": "get", "k": "", "want": ["here/0"]})
-    following._meeting_failed(b"group", "exchange", "here/1")
-    assert following.no_shows() == [leader.to_base58()]
-    following._boards_of[leader] = lambda request: {"ok": False, "why": "not yet"}  # opened
-    board = meet(following)
-    board._call({"g": b"group", "op": "get", "k": "", "want": ["here/0"]})
-    following._meeting_failed(b"group", "exchange", "here/1")
-    assert following.no_shows() == []  # whoever that board says is missing: not its word
-    # A group whose leader this member did not see form it: the old holder, nobody blamed.
-    unknown = member(follower, None)
-    board = meet(unknown)
-    assert board.holder is None
-    unknown._meeting_failed(b"group", "exchange", "here/1")
-    assert unknown.no_shows() == []
+    meet(following)  # (it never got an answer)
+    following._meeting_failed(b"group", "exchange", f"here/{ranks.index(follower)}")
+    assert following.no_shows() == []
+    # A member of an earlier release in the group (or a leader not seen): the first member's in
+    # hivemind's order that accepts connections (the sybil's, here) for all, nobody blamed.
+    older = dict(members[0])
+    del older[gathered.BOARD]
+    for averager, ours in (
+        (member(follower, leader), [older, *members[1:]]),
+        (member(follower, None), members),
+    ):
+        board = meet(averager, ours)
+        assert board.holder is None and not board.held_here
+        averager._meeting_failed(b"group", "exchange", f"here/{ranks.index(follower)}")
+        assert averager.no_shows() == []
+    old_leader = member(sybil, sybil)
+    assert meet(old_leader, [older, *members[1:]]).held_here  # (the first in hivemind's order)
