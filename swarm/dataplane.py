@@ -60,9 +60,10 @@ from swarm.sketch import CHUNK, ROWS, Sketch, Sketcher, mismatch
 logger = logging.getLogger(__name__)
 
 PLANES = ("hivemind", "direct")
-PROTOCOL = 4
+PROTOCOL = 5
 """The direct plane's version, in every member's gathered info (members of different versions
-take hivemind's path): 4 cuts the vector into segments by the ring's size (:func:`segments`;
+take hivemind's path): 5 meets at the board of the group's matchmaking leader (earlier: the first
+member's in hivemind's order that accepts connections); 4 cuts the vector into segments by the ring's size (:func:`segments`;
 members cutting differently would reduce mismatched pieces); 3 lets a member decline a round
 (:meth:`DirectPlane.decline`); 2 exchanges the arrival check and the sketches over the ring (1,
 unnumbered, over the board)."""

@@ -17,7 +17,6 @@ from swarm.butterfly import MEAN
 from swarm.dataplane import MAX_RINGS, PROTOCOL, RING_ID_BYTES
 
 PLANE, WEIGHT, NONCE, USER, RINGS, BUTTERFLY = "dataplane", "weight", "nonce", "user", "rings", "butterfly"
-BOARD, LEADER = "board", "leader"  # "the group's board is its matchmaking leader's" (since stop 63)
 
 
 def own(plane: bool, weight: float, kept: bytes, user: Any) -> dict[str, Any]:
@@ -25,8 +24,7 @@ def own(plane: bool, weight: float, kept: bytes, user: Any) -> dict[str, Any]:
     nonce, the ring ids in ``kept`` (a zero-padded array of them) and the caller's ``user`` data.
     A member that takes direct rings says which version of the plane it speaks: a group takes
     them only if every member speaks this one (older peers said ``True``). It also says that on
-    hivemind's path it answers with the mean (:mod:`swarm.butterfly`), and that it meets the
-    others at the board of the group's matchmaking leader (:func:`leader_holds_the_board`)."""
+    hivemind's path it answers with the mean (:mod:`swarm.butterfly`)."""
     rings = (kept[i : i + RING_ID_BYTES] for i in range(0, len(kept), RING_ID_BYTES))
     return {
         PLANE: PROTOCOL if plane else False,
@@ -34,7 +32,6 @@ def own(plane: bool, weight: float, kept: bytes, user: Any) -> dict[str, Any]:
         NONCE: secrets.token_bytes(16),
         RINGS: [ring for ring in rings if any(ring)],
         BUTTERFLY: MEAN,
-        BOARD: LEADER,
         USER: user,
     }
 
@@ -65,13 +62,6 @@ def all_take_the_mean(members: list[Any]) -> bool:
         isinstance(m, dict) and USER in m and type(m.get(BUTTERFLY)) is int and m[BUTTERFLY] == MEAN
         for m in members
     )
-
-
-def leader_holds_the_board(members: list[Any]) -> bool:
-    """Every member meets the others at the board of the group's matchmaking leader. A member of
-    an earlier release meets them at the first member's (in hivemind's order) that accepts
-    connections: then all of them do, or the members would wait at two boards."""
-    return all(isinstance(m, dict) and m.get(BOARD) == LEADER for m in members)
 
 
 def held_by_all(members: list[Any]) -> frozenset[bytes]:

@@ -441,11 +441,14 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         hivemind's matchmaking, as each member knows for itself (the peer whose group it joined,
         or itself): the only member that knows who really joined (it took their join requests),
         so the only one whose view of who never came is blamed on anyone (:meth:`_meeting_failed`).
-        A group with a member of an earlier release (or whose leader this process did not see
-        form it: never, in this release) meets at the first member's in hivemind's order that
-        accepts connections, as earlier releases do, blaming nobody."""
+        Whatever the members say of themselves: a key that let the group meet elsewhere (at the
+        first member's in hivemind's order that accepts connections, as earlier releases do:
+        saying it was one) would never be blamed (a review, 2026-12-06). A group whose leader
+        this process did not see form it (never, in this release) meets there, blaming nobody.
+        So peers of earlier releases meet at other boards and never average with this one's
+        (:data:`swarm.records.PROTOCOL`)."""
         peer_ids = sorted(group_info.peer_ids, key=lambda p: p.to_bytes())
-        leader = self._leaders.get(group_info.group_id) if gathered.leader_holds_the_board(members) else None
+        leader = self._leaders.get(group_info.group_id)
         holder = leader if leader in group_info.peer_ids else None  # (a leader that left itself out)
         if holder is None:
             modes = [self.serializer.loads(g)[1] for g in group_info.gathered]

@@ -116,10 +116,11 @@ the UIs show none for it and the swarm's total leaves it out (three paused peers
 22 samples/s beside a total of 0)."""
 
 
-PROTOCOL = 1
+PROTOCOL = 2
 """This release's way of finding groups (:attr:`PeerHeartbeat.protocol`): since 2026-12-06 the
 matchmaking declarations are signed, and a run's nodes refuse the bare ones earlier releases
-make, so peers of the two never average together."""
+make (1); since stop 63 a group's members meet at its matchmaking leader's board (2), where
+earlier releases meet at another member's: peers of different ones never average together."""
 
 
 class PeerHeartbeat(BaseModel):

@@ -491,13 +491,12 @@ def test_an_outsider_cannot_withdraw_the_peers_from_matchmaking(spawn, tmp_path,
 
 
 MATCHMAKING_SYBIL = """
-import asyncio, secrets, sys, threading, time
+import asyncio, sys, threading, time
 import torch
 from hivemind.averaging.averager import compute_schema_hash
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from swarm import gathered
-from swarm.dataplane import PROTOCOL
 from swarm.group_averager import GroupAverager
 from swarm.records import RunKeys
 from swarm.session import connect
@@ -524,8 +523,7 @@ async def lead(request, context):
     await asyncio.sleep(120)  # never begins, never disbands
 
 async def join(p2p, leader, busy):
-    own = {"dataplane": PROTOCOL, "weight": 1.0, "nonce": secrets.token_bytes(16), "rings": [],
-           "butterfly": gathered.MEAN, "user": {"outer_step": 0}}
+    own = gathered.own(True, 1.0, b"", {"outer_step": 0})  # (this release's, whatever it holds)
     request = averaging_pb2.JoinRequest(
         schema_hash=compute_schema_hash(shapes), expiration=get_dht_time() + 100, client_mode=False,
         gather=MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(own)]), group_key=prefix + ".0b")
@@ -647,7 +645,7 @@ def test_a_fresh_key_with_a_heartbeat_that_joins_and_never_comes_is_ignored(spaw
     with contextlib.ExitStack() as stack:
         peers, first, second, address, wrap, own = _a_pair(stack, spawn, tmp_path, machines, common)
         attacker = helper(MATCHMAKING_SYBIL, address, "sybil", "joining", *flags, *own, wrap=wrap)
-        ignored = "was in this peer's group and never came to its ring, 3 rounds running"
+        ignored = "sybil was in this peer's group and never came to its ring, 3 rounds running"
         try:
             assert attacker.stdout.readline().strip() == "ready"
             deadline = time.monotonic() + 240

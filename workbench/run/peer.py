@@ -473,7 +473,7 @@ class Peer:
             self.other_releases_said = True
             logger.warning(
                 "%s: %s run(s) an earlier release of the workbench, whose peers find their groups "
-                "another way (unsigned): they cannot average with this peer; run one release on "
+                "another way: they cannot average with this peer; run one release on "
                 "every peer of a run",
                 self.name,
                 ", ".join(older[:8]) + (f" and {len(older) - 8} more" if len(older) > 8 else ""),
