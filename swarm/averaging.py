@@ -55,7 +55,7 @@ MAX_SILENT = 1024
 """Silent leaders remembered (their round): fresh keys are free."""
 MISSED_RINGS = 2
 """A member that never came to a ring of this peer's group is left out of the round from its
-second time since it last averaged with this peer (:meth:`SwarmAverager._blame_spoilers`)."""
+second time running (:meth:`SwarmAverager._count_miss`, :meth:`SwarmAverager._blame_spoilers`)."""
 
 # wire codec name -> hivemind codec
 CODECS: dict[str, Callable[[], Any]] = {
@@ -134,10 +134,10 @@ class SwarmAverager(Downloading):
         for all of a peer's averagers: streaming's fragments share it)."""
         self._refused_donors: set[str] = set()
         self._silent_leaders: dict[str, int] = {}  # peer id -> the round it spoiled a group in (left out)
-        self._missed: OrderedDict[str, int] = OrderedDict()
-        """peer id -> the rings of this averager's groups it never came to since it last averaged
-        with this one (each of streaming's fragments counts its own: one stall in two fragments'
-        groups is once in each)."""
+        self._missed: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        """peer id -> (the rings of this averager's groups it never came to, running, the round of
+        the last): see :meth:`_count_miss` (each of streaming's fragments counts its own: one
+        stall in two fragments' groups is once in each)."""
         self._no_shows_until = -1
         """Before this outer step, a round whose only mates are strangers is not retried: a
         round failed with only strangers "ready" at its step, none of whom came to a group (set
@@ -442,7 +442,7 @@ class SwarmAverager(Downloading):
         ] + [
             (peer, "was in this peer's group and never came to its ring")
             for peer in getattr(self.averager, "no_shows", list)()
-            if self._count_miss(peer) >= MISSED_RINGS
+            if self._count_miss(peer, outer_step) >= MISSED_RINGS
         ]
         for peer, what in spoilers:
             self._silent_leaders[peer] = outer_step
@@ -455,11 +455,14 @@ class SwarmAverager(Downloading):
         while len(self._silent_leaders) > MAX_SILENT:  # fresh keys are free
             self._silent_leaders.pop(next(iter(self._silent_leaders)))
 
-    def _count_miss(self, peer: str) -> int:
-        """``peer`` never came to the ring of a group of this averager's: how many times now since
-        it last averaged with this one."""
-        count = self._missed.pop(peer, 0) + 1
-        self._missed[peer] = count
+    def _count_miss(self, peer: str, outer_step: int) -> int:
+        """``peer`` never came to the ring of a group of this averager's in round ``outer_step``:
+        how many times running, since it last averaged with this one, each in this round or the
+        one after the last (an honest peer whose step was cancelled just as its group formed,
+        once in a while, must not add up over a run)."""
+        count, last = self._missed.pop(peer, (0, outer_step))
+        count = count + 1 if outer_step - last <= 1 else 1
+        self._missed[peer] = (count, outer_step)
         while len(self._missed) > MAX_SILENT:  # fresh keys are free
             self._missed.popitem(last=False)
         return count

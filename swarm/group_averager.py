@@ -325,7 +325,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             return
         board, prefix = posted[1], key.rpartition("/")[0] + "/"
         if not board.held_here:
-            never_opened = op == "exchange" and board.answered and not board.opened
+            never_opened = op == "exchange" and board.refused and not board.opened
             absent = [board.holder] if never_opened else []
         else:
             absent = [PeerID(m) for m in self._boards.missing(group_id, prefix, declined=op == "declined")]

@@ -196,14 +196,15 @@ class BoardClient:
     ) -> None:
         self.group_id, self._pause = group_id, pause
         self.held_here = wait is not None  # the board's holder waits on it instead of polling
-        self.answered = False  # whether its holder ever answered (a p2p error is no answer)
         self.opened = False  # whether its holder ever answered as the board's (it opened it)
+        self.refused = False  # whether the last request ended in its holder's "unknown group"
         self.holder: Any = None  # who holds it, where this member knows for itself (set by its maker)
 
         def asked(request: dict) -> dict:
+            self.refused = False  # (a p2p error is no answer)
             answer = call(request)
-            self.answered = True
-            self.opened = self.opened or answer.get("why") != "unknown group"
+            self.refused = answer.get("why") == "unknown group"
+            self.opened = self.opened or not self.refused
             return answer
 
         self._call = asked

@@ -629,15 +629,19 @@ def test_the_boards_holder_tells_who_never_came_and_a_member_tells_a_board_never
     never._call(request)
     opened = BoardClient(b"group", lambda request: {"ok": False, "why": "not yet"})
     opened._call(request)
-    assert never.answered and not never.opened and opened.opened
+    assert never.refused and not never.opened and opened.opened and not opened.refused
+    answers = [{"ok": False, "why": "unknown group"}]  # then a p2p error: no answer
 
     def unreachable(request: dict) -> dict:
+        if answers:
+            return answers.pop()
         raise TimeoutError
 
     silent = BoardClient(b"group", unreachable)
+    silent._call(request)
     with pytest.raises(TimeoutError):
         silent._call(request)
-    assert not silent.answered and not silent.opened
+    assert not silent.refused and not silent.opened
 
 
 def test_a_members_wait_at_the_meeting_starts_when_the_board_opens():
