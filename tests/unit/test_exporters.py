@@ -242,3 +242,28 @@ def test_a_peer_refused_before_it_started_says_nothing_of_leaving() -> None:
         peer.announced = announced
         peer.close("error")
         assert said == (["left"] if announced else [])
+
+
+def test_wandb_runs_of_a_read_only_run_dir_go_where_the_export_says(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`export --wandb` of a read-only RUN_DIR (another user's, a mounted copy): wandb put its
+    runs in the temp folder and said nothing (a review, 2026-12-06). They go under ./wandb, and
+    the export says so; a W&B exporter given a read-only folder says that in one line."""
+    pytest.importorskip("wandb")
+    import os
+
+    from workbench.run.exporters import ExporterError, WandbExporter
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = _run_dir(tmp_path)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    writable = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != run_dir and writable(path, mode))
+    assert main(["export", str(run_dir), "--wandb", "workbench-test"]) == 0
+    assert f"{run_dir} is read-only: W&B's runs go under {here / 'wandb'}" in capsys.readouterr().err
+    assert list((here / "wandb").glob("offline-run-*/*.wandb")) and not (run_dir / "wandb").exists()
+    with pytest.raises(ExporterError, match="it is read-only"):
+        WandbExporter("workbench-test", directory=run_dir, name="p0")

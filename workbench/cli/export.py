@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -251,13 +252,18 @@ def _replay(args: argparse.Namespace) -> int:
     for event in read_events(args.run_dir, _kinds(args.events or "all"), sources=folders):
         peers.setdefault((folders[id(event)], str(event.get("peer", "peer"))), []).append(event)
     shared = {peer for folder, peer in peers if sum(1 for _, other in peers if other == peer) > 1}
+    wandb_dir = Path(args.run_dir)
+    if args.wandb and not os.access(wandb_dir, os.W_OK):
+        # wandb put them in the temp folder, unsaid (a review, 2026-12-06): here, and said.
+        wandb_dir = Path.cwd()
+        print(f"{args.run_dir} is read-only: W&B's runs go under {wandb_dir / 'wandb'}", file=sys.stderr)
     for (folder, peer), events in peers.items():
         name = f"{folder}/{peer}" if peer in shared else peer
         exporters = make_exporters(
             tensorboard=str(Path(args.tensorboard) / name) if args.tensorboard else None,
             wandb_project=args.wandb,
             wandb_mode=args.wandb_mode or "offline",
-            wandb_dir=Path(args.run_dir),  # wandb writes its runs under <dir>/wandb
+            wandb_dir=wandb_dir,  # wandb writes its runs under <dir>/wandb
             name=name,
         )
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -119,7 +120,12 @@ class WandbExporter:
             ) from None
         if mode not in WANDB_MODES:
             raise ExporterError(f"unknown W&B mode {mode!r}: choose {', '.join(WANDB_MODES)}")
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ExporterError(f"cannot write W&B's runs under {directory}: {error}") from None
+        if not os.access(directory, os.W_OK):  # wandb would write them to the temp folder, unsaid
+            raise ExporterError(f"cannot write W&B's runs under {directory}: it is read-only")
         self.run = wandb.init(
             project=project,
             name=name,
