@@ -605,30 +605,9 @@ def test_a_fresh_key_with_a_heartbeat_that_leads_and_never_begins_is_ignored(spa
     begins: each peer that followed it says so, leaves it out of the round's retry, and strikes
     it; three rounds and it is ignored for the run. The pair averages on (in network namespaces:
     the README's flags, the key on a third machine, where the peers dial it)."""
-    flags = [*FAST, *steady(tmp_path)]
-    common = [*flags, "--rounds", "1000", "--run-id", "sybil"]
-    with contextlib.ExitStack() as stack:
-        peers, first, second, address, wrap, own = _a_pair(stack, spawn, tmp_path, machines, common)
-        attacker = helper(MATCHMAKING_SYBIL, address, "sybil", "beating", *flags, *own, wrap=wrap)
-        ignored = "accepted this peer into its group and never began it, 3 rounds running"
-        try:
-            assert attacker.stdout.readline().strip() == "ready"
-            deadline = time.monotonic() + 240
-            while ignored not in first.stderr() + second.stderr():  # (on the old code: never)
-                assert time.monotonic() < deadline, (first.stderr() + second.stderr())[-3000:]
-                time.sleep(0.5)
-            since = max(e["outer_step"] for e in first.events("round"))
-            # Ignored: not tried again (the pair's rounds would each wait out its silence).
-            for _ in range(3):
-                since = first.wait_event(
-                    "round",
-                    lambda e, after=since: e["outer_step"] > after and e["group_size"] == 2,
-                    timeout=120,
-                )["outer_step"]
-        finally:
-            kill_group(attacker)
-        attacker.communicate()
-        interrupt_all(peers.started)
+    _ignored_for_the_run(
+        spawn, tmp_path, machines, "beating", "sybil accepted this peer into its group and never began it"
+    )
 
 
 @machines(pytest.mark.faults)  # make test: on 127.0.0.1 only
@@ -640,20 +619,30 @@ def test_a_fresh_key_with_a_heartbeat_that_joins_and_never_comes_is_ignored(spaw
     never came: from its second time it is left out of the round's retries and struck; three
     rounds and it is ignored for the run (in network namespaces: the README's flags, the key on
     a third machine)."""
+    said = _ignored_for_the_run(
+        spawn, tmp_path, machines, "joining", "sybil was in this peer's group and never came to its ring"
+    )
+    joined = [line for line in said if line.startswith("followed")][-1]
+    assert joined != "followed 0 joined 0", joined  # (it was in groups: the attack happened)
+
+
+def _ignored_for_the_run(spawn, tmp_path, machines, mode: str, why: str) -> list[str]:
+    """A pair, and :data:`MATCHMAKING_SYBIL` in ``mode`` beside it: a peer ignores the key for
+    ``why`` (on the old code: never), then the pair averages three rounds. The key's output."""
     flags = [*FAST, *steady(tmp_path)]
     common = [*flags, "--rounds", "1000", "--run-id", "sybil"]
     with contextlib.ExitStack() as stack:
         peers, first, second, address, wrap, own = _a_pair(stack, spawn, tmp_path, machines, common)
-        attacker = helper(MATCHMAKING_SYBIL, address, "sybil", "joining", *flags, *own, wrap=wrap)
-        ignored = "sybil was in this peer's group and never came to its ring, 3 rounds running"
+        attacker = helper(MATCHMAKING_SYBIL, address, "sybil", mode, *flags, *own, wrap=wrap)
+        ignored = f"{why}, 3 rounds running"
         try:
             assert attacker.stdout.readline().strip() == "ready"
             deadline = time.monotonic() + 240
-            while ignored not in first.stderr() + second.stderr():  # (on the old code: never)
+            while ignored not in first.stderr() + second.stderr():
                 assert time.monotonic() < deadline, (first.stderr() + second.stderr())[-3000:]
                 time.sleep(0.5)
             since = max(e["outer_step"] for e in first.events("round"))
-            for _ in range(3):  # ignored: not let in again
+            for _ in range(3):  # ignored: not let in again (each round would wait it out)
                 since = first.wait_event(
                     "round",
                     lambda e, after=since: e["outer_step"] > after and e["group_size"] == 2,
@@ -662,9 +651,8 @@ def test_a_fresh_key_with_a_heartbeat_that_joins_and_never_comes_is_ignored(spaw
         finally:
             kill_group(attacker)
         said = attacker.communicate()[0].split("\n")
-        joined = [line for line in said if line.startswith("followed")][-1]
-        assert joined != "followed 0 joined 0", joined  # (it was in groups: the attack happened)
         interrupt_all(peers.started)
+    return said
 
 
 FLOODER = """
