@@ -444,13 +444,21 @@ class SwarmAverager(Downloading):
             for peer in getattr(self.averager, "no_shows", list)()
             if self._count_miss(peer, outer_step) >= MISSED_RINGS
         ]
-        for peer, what in spoilers:
+        # Declines are only left out of the round, never struck: an honest peer that fell
+        # behind declines the groups formed as it gave up its step (1 round in 5 to 25 under
+        # load, docs/reliability.md), a slow joiner maybe every round; a decline costs 0.1 s.
+        declined = [
+            peer
+            for peer in getattr(self.averager, "decliners", list)()
+            if self._count_miss(peer, outer_step) >= MISSED_RINGS
+        ]
+        for peer, what in [*spoilers, *((peer, "declined this peer's rings") for peer in declined)]:
             self._silent_leaders[peer] = outer_step
             heartbeat = self.board.last_seen.get(peer) if self.board is not None else None
             logger.info("round %d: %s %s", outer_step + 1, peer[-8:], what)
             # A round mate is only left out of this round's retries: one frozen, or late under
             # load, must not be ignored for the run (it averaged with this one before).
-            if heartbeat is not None and peer not in self.vouching.vouched:
+            if heartbeat is not None and peer not in self.vouching.vouched and peer not in declined:
                 self.barrier.strike(heartbeat, outer_step, what)
         while len(self._silent_leaders) > MAX_SILENT:  # fresh keys are free
             self._silent_leaders.pop(next(iter(self._silent_leaders)))

@@ -62,6 +62,13 @@ def _put_ids(array: Any, ids: Sequence[str]) -> None:
         array.value = wanted if len(wanted) < EXPECTED_BYTES else b""
 
 
+def _take_ids(array: Any) -> list[str]:
+    """The peer ids (base58) in a shared array, which is cleared: each is told once."""
+    with array.get_lock():
+        raw, array.value = array.value, b""
+    return [text for text in raw.decode(errors="replace").split(",") if text]
+
+
 TICKETS_KEPT = 16  # groups sent to the peer's ring and not yet ended (a cancelled step's linger)
 
 
@@ -107,6 +114,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._silent = mp.Array("c", EXPECTED_BYTES)  # leaders silent after accepting, this step (ids)
         self._silent_ids: set[str] = set()  # (the averager process's)
         self._no_shows = mp.Array("c", EXPECTED_BYTES)  # members that never came to a ring (ids)
+        self._decliners = mp.Array("c", EXPECTED_BYTES)  # members that declined one (ids)
         self._leaders: OrderedDict[bytes, Any] = OrderedDict()  # group id -> who led it (this process's)
         self.assembled = mp.Value("d", 0.0)  # when a group last formed (time.time())
         self.generation = mp.Value("q", 0)  # bumped (under the buffers' lock) as the peer fills them
@@ -257,6 +265,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._silent_ids.clear()
         _put_ids(self._silent, ())
         _put_ids(self._no_shows, ())  # (any left unread: an earlier step's)
+        _put_ids(self._decliners, ())
         watch_leaders(self._matchmaking, self._note_silent, self._note_leader)
         keys = self._matchmaking.group_key_manager
         if isinstance(keys, SignedGroupKeys):
@@ -330,25 +339,27 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         else:
             absent = [PeerID(m) for m in self._boards.missing(group_id, prefix, declined=op == "declined")]
         ids = {peer.to_base58() for peer in absent if peer != self.peer_id}
+        array = self._decliners if op == "declined" else self._no_shows
         if ids:
-            with self._no_shows.get_lock():  # (a lock the reader takes too, and re-entrant)
-                told = {text for text in self._no_shows.value.decode(errors="replace").split(",") if text}
-                _put_ids(self._no_shows, sorted(told | ids))
+            with array.get_lock():  # (a lock the reader takes too, and re-entrant)
+                told = {text for text in array.value.decode(errors="replace").split(",") if text}
+                _put_ids(array, sorted(told | ids))
 
     def no_shows(self) -> list[str]:
         """The members of this peer's failed rings that never came to them, as it saw for itself
         (base58; :meth:`_meeting_failed`), each told once."""
-        with self._no_shows.get_lock():
-            raw, self._no_shows.value = self._no_shows.value, b""
-        return [text for text in raw.decode(errors="replace").split(",") if text]
+        return _take_ids(self._no_shows)
+
+    def decliners(self) -> list[str]:
+        """The members of this peer's groups that declined their rings at its board (base58;
+        :meth:`_meeting_failed`), each told once."""
+        return _take_ids(self._decliners)
 
     def silent_leaders(self) -> list[str]:
         """The leaders that accepted this peer in its last step and did not begin their group
         (base58), each told once: read, they are cleared (an attempt that sent no step, or the
         next round's, re-read them and struck the same peer again, a review)."""
-        with self._silent.get_lock():
-            raw, self._silent.value = self._silent.value, b""
-        return [text for text in raw.decode(errors="replace").split(",") if text]
+        return _take_ids(self._silent)
 
     def step(
         self, gather: Any = None, expected: Sequence[str] = (), allowed: Sequence[str] = (), **kwargs: Any

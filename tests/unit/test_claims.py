@@ -785,7 +785,12 @@ def test_a_member_that_never_comes_to_the_ring_is_left_out_from_its_second_time_
     board = FakeBoard(beat("sybil", 4), beat("late", 4))
     told: list[list[str]] = []
     me = SwarmAverager.__new__(SwarmAverager)
-    me.averager = SimpleNamespace(no_shows=lambda: told.pop(0) if told else [], silent_leaders=list)
+    declined: list[list[str]] = []
+    me.averager = SimpleNamespace(
+        no_shows=lambda: told.pop(0) if told else [],
+        decliners=lambda: declined.pop(0) if declined else [],
+        silent_leaders=list,
+    )
     me.board, me.peer_id, me._silent_leaders, me._missed = board, "me", {}, OrderedDict()
     me.barrier = averager(board)
     me.vouching = me.barrier.vouching
@@ -798,6 +803,10 @@ def test_a_member_that_never_comes_to_the_ring_is_left_out_from_its_second_time_
     told.append(["late"])  # late again, 3 rounds on: a miss once in a while does not add up
     me._blame_spoilers(7)
     assert me.round_peers(7) == ("late", "me", "sybil")
+    declined.extend([["late"], ["late"]])  # it declines twice: left out of the round, not struck
+    me._blame_spoilers(7)
+    me._blame_spoilers(7)
+    assert me.round_peers(7) == ("me", "sybil") and me.barrier.vouching._strikes.get("late") is None
     for step in (5, 6):  # each later round: left out at once, struck
         assert me.round_peers(step) == ("late", "me", "sybil")
         told.append(["sybil"])

@@ -316,12 +316,8 @@ def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(mon
         SimpleNamespace(value=0),
         None,
     )
-    averager._allowed, averager._silent, averager._silent_ids, averager._no_shows = (
-        mp.Array("c", 64),
-        mp.Array("c", 64),
-        set(),
-        mp.Array("c", 64),
-    )
+    averager._allowed, averager._silent, averager._silent_ids = mp.Array("c", 64), mp.Array("c", 64), set()
+    averager._no_shows, averager._decliners = mp.Array("c", 64), mp.Array("c", 64)
     averager._no_shows.value = b"an earlier step's"  # (unread: not blamed on this step's)
     assert asyncio.run(averager._step(step=None)) is None
     assert averager._no_shows.value == b""

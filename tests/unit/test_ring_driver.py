@@ -481,7 +481,7 @@ async def test_the_groups_leader_holds_its_board_and_blames_only_what_it_saw_its
             OrderedDict(),
             RendezvousBoards(),
         )
-        averager._no_shows = mp.Array("c", EXPECTED_BYTES)
+        averager._no_shows, averager._decliners = mp.Array("c", EXPECTED_BYTES), mp.Array("c", EXPECTED_BYTES)
         averager._board_caller = lambda holder, loop: holder_answers
         if led_by is not None:
             averager._note_leader(group.group_id, led_by)
@@ -509,7 +509,7 @@ async def test_the_groups_leader_holds_its_board_and_blames_only_what_it_saw_its
     post(led, sybil, DECLINED)
     post(led, leader, DECLINED)
     led._meeting_failed(b"group", "declined", f"here/{ranks.index(follower)}")
-    assert led.no_shows() == [sybil.to_base58()]
+    assert led.decliners() == [sybil.to_base58()] and led.no_shows() == []
     # A follower: its leader holds the board; it blames that leader only if it answered that it
     # never opened it, not for a p2p error, nor for what an open board says.
     for answers, blamed in (
