@@ -173,10 +173,11 @@ def pack(message: dict) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
-def unpack(data: bytes) -> dict:
-    """A request or answer from the network: a dict, or an empty dict if it is not one."""
+def unpack(data: bytes, *, max_bin: int = 2 * MAX_VALUE_BYTES) -> dict:
+    """A request or answer from the network: a dict, or an empty dict if it is not one (or holds
+    bytes over ``max_bin``)."""
     try:
-        message = msgpack.unpackb(data, raw=False, max_bin_len=2 * MAX_VALUE_BYTES, max_str_len=1024)
+        message = msgpack.unpackb(data, raw=False, max_bin_len=max_bin, max_str_len=1024)
     except Exception:  # noqa: BLE001 - any malformed bytes are just a bad message
         return {}
     return message if isinstance(message, dict) else {}

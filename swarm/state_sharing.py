@@ -26,6 +26,7 @@ import random
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import InvalidStateError
 from typing import Any, AsyncIterator  # noqa: UP035 - hivemind reads typing's name to detect streams
 
 import torch
@@ -52,6 +53,7 @@ from swarm.state_transfer import (
     HASH_BYTES,
     HASHES,
     MAX_PER_ADDRESS,
+    MAX_TENSORS,
     MIN_RATE,
     TOKEN_BYTES,
     Layout,
@@ -69,7 +71,10 @@ MAX_DIMS = 64
 """The most dimensions a tensor of a streamed state may have (torch's own limit is 25)."""
 MAX_ASKED = 64  # donors asked in all, in turn as those before make no offer
 OFFER_SECONDS = 15.0  # s for the offers in all (see _first_offers)
-MAX_OFFER = 1 << 20  # an offer's bytes: 64 KiB of hashes, a layout, the metadata
+MAX_OFFER = 4 << 20
+"""An offer's bytes: 64 KiB of hashes, a layout, the metadata (its optimizer's keys, about 35
+bytes a trained tensor: rendezvous' 128 KiB bound on bytes dropped every offer of a model past
+3,700 tensors, unsaid, and each join took the stream, a review of 2026-12-06)."""
 OFFER_GRACE = 0.25  # s to wait for more offers once the first came in (see _first_offers)
 TOP_WAIT = 2.0  # s the first-ranked donor's offer is waited for, from the request (see _first_offers)
 SNAPSHOT_SECONDS = 10.0  # joiners asking within this long (and at the same declared step) share a snapshot
@@ -308,8 +313,10 @@ class StateSharing:
         try:
             stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
             answer = await stub.rpc_state_offer(averaging_pb2.DownloadData(metadata=pack({})), timeout=10)
-            message = unpack(answer.metadata) if len(answer.metadata) <= MAX_OFFER else {}
+            message = unpack(answer.metadata, max_bin=MAX_OFFER) if len(answer.metadata) <= MAX_OFFER else {}
             if message.get("ok") is not True:
+                if answer.metadata and not message:  # (not one that offers nothing: one we cannot read)
+                    logger.info("the state offer of %s could not be read: its stream instead", peer)
                 return None
             layout = Layout.from_wire(message.get("layout"), self._state_limit)
             step, metadata, hashes = message.get("step"), message.get("metadata"), message.get("hashes")
@@ -550,12 +557,20 @@ class StateSharing:
     ) -> None:
         # In the averager process. Donors in order of the priority they declare (their outer
         # step; anyone can declare any, which is why the joiner checks what it gets). A fresh
-        # key's declaration with no process behind it fails its dial at once.
+        # key's declaration with no process behind it fails its dial at once. Within ``timeout``,
+        # and not past the joiner's giving up (``future`` cancelled): a stream went on through
+        # every donor after the joiner's deadline, kept its place at the donor (the joiner's next
+        # try got an empty stream there), showed its bytes as the next download's, and ended in
+        # an InvalidStateError traceback (a review, 2026-12-06).
         self._stream_tag = tag
         stalled: list[str] = []
         self._note_streamed(tag, stalled)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             for peer in await self._donors(exclude):
+                left = None if deadline is None else deadline - time.monotonic()
+                if future.done() or (left is not None and left <= 0):
+                    return
                 donor = peer.to_base58()
                 self._note_streamed(tag, [*stalled, donor])  # being streamed from
                 seed = secrets.token_bytes(SEED_BYTES)
@@ -563,18 +578,25 @@ class StateSharing:
                 # Asked while the state streams (not after): a round can end during a download,
                 # and the witnesses' θ should be of the step the donor serves.
                 witnesses = asyncio.ensure_future(self._sketches_from(asked, seed, timeout=10.0))
-                got, stalled_here = await self._download_from(peer)
+                try:
+                    got, stalled_here = await asyncio.wait_for(self._download_from(peer), left)
+                except asyncio.TimeoutError:
+                    logger.warning("state download from %s: not done by the joiner's deadline", peer)
+                    got, stalled_here = None, True
                 if got is not None:
                     self._note_streamed(tag, [])
-                    future.set_result((*got, donor, seed, await witnesses))
+                    answers = await witnesses
+                    with contextlib.suppress(InvalidStateError):  # (given up on meanwhile)
+                        future.set_result((*got, donor, seed, answers))
                     return
                 witnesses.cancel()
                 if stalled_here:  # not one that refused at once or could not be dialed
                     stalled.append(donor)
                 self._note_streamed(tag, stalled)
         finally:
-            if not future.done():
-                future.set_result(None)
+            with contextlib.suppress(InvalidStateError):
+                if not future.done():
+                    future.set_result(None)
 
     async def _donors(self, exclude: Sequence[str]) -> list[PeerID]:
         """The peers that declare a state, highest declared priority first (ties at random)."""
@@ -644,6 +666,10 @@ class StateSharing:
                     raise SwarmError(
                         f"it sent over {self._state_limit >> 20} MiB, more than this model's state"
                     )
+                if message.tensor_part.dtype and len(tensors) >= MAX_TENSORS:
+                    # Each an empty tensor of 14 bytes on the wire, 1.5 KB here: 400,000 of them
+                    # grew the process by 600 MB within a 6 MB byte count (a review, 2026-12-06).
+                    raise SwarmError(f"it sent over {MAX_TENSORS} tensors, more than any state holds")
                 if message.metadata:
                     metadata = self.serializer.loads(message.metadata)
                     announced = metadata.get("bytes") if isinstance(metadata, dict) else None

@@ -121,9 +121,7 @@ class Layout:
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], shared: int) -> Layout:
         specs = tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors)
-        layout = cls(specs, shared, SLICE_BYTES)
-        total = layout.offsets()[-1]
-        return cls(specs, shared, max(SLICE_BYTES, _aligned(-(-total // (MAX_SLICES - 2)))))
+        return cls(specs, shared, cls(specs, shared, SLICE_BYTES).honest_slice_bytes())  # (by its total)
 
     def offsets(self) -> list[int]:
         """The byte offset of each tensor, then the buffer's size."""
@@ -194,7 +192,16 @@ class Layout:
             raise ValueError(f"a state of {layout.total >> 20} MiB, more than this model's")
         if not layout.slice_bytes >= SLICE_BYTES or len(layout.slices()) > MAX_SLICES:
             raise ValueError("slices too small")
+        if layout.slice_bytes > layout.honest_slice_bytes():
+            # One slice of a whole state: its timeout (from its size) ran to hours, and a donor
+            # that sent all of it but a byte held the download's thread, socket and buffer past
+            # the download's end (a review, 2026-12-06). Donors cut as :meth:`of` does.
+            raise ValueError("slices larger than this state's")
         return layout
+
+    def honest_slice_bytes(self) -> int:
+        """The slice size a donor of this release cuts this layout's state into (:meth:`of`)."""
+        return max(SLICE_BYTES, _aligned(-(-self.total // (MAX_SLICES - 2))))
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -401,3 +401,120 @@ def test_a_joiner_asks_for_offers_in_the_half_connected_order():
     future = MPFuture()
     asyncio.run(joiner._state_offers(future, (), {}))
     assert joiner.asked[:4] == [fakes[0], honest, fakes[1], stale], joiner.asked
+
+
+# A review of the state download (2026-12-06): four ways a donor, or a slow stream, got past
+# the joiner's bounds.
+
+
+def _stream_joiner(limit: int):  # type: ignore[no-untyped-def]
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from swarm.state_sharing import StateSharing
+
+    class Joiner(StateSharing):
+        serializer = MSGPackSerializer
+        next_chunk_timeout = request_timeout = 5.0
+        prefix, _p2p = "run", None
+
+    joiner = Joiner()
+    joiner._init_state_sharing(fault_file=None, direct=False, state_host=None, limit=limit)
+    return joiner
+
+
+DONOR = "QmTBdzW9rC9Qb7TuFJ6ePChaQQ5iUSmMBXwMzRfK8KfCMS"
+
+
+def test_a_stream_of_countless_empty_tensors_is_refused():
+    """14 bytes on the wire each, 1.5 KB in the joiner: 400,000 empty tensors grew it by 600 MB
+    within a 6 MB byte count. A stream of more tensors than any state holds is refused."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.proto import averaging_pb2, runtime_pb2
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from swarm.state_transfer import MAX_TENSORS
+
+    sent = []
+
+    class Stub:
+        async def rpc_download_state(self, request):  # type: ignore[no-untyped-def]
+            async def parts():  # type: ignore[no-untyped-def]
+                yield averaging_pb2.DownloadData(
+                    metadata=MSGPackSerializer.dumps({"outer_step": 1}),
+                    tensor_part=runtime_pb2.Tensor(dtype="float32", size=[0]),
+                )
+                for _ in range(MAX_TENSORS + 10):
+                    sent.append(1)
+                    yield averaging_pb2.DownloadData(
+                        tensor_part=runtime_pb2.Tensor(dtype="float32", size=[0])
+                    )
+
+            return parts()
+
+    joiner = _stream_joiner(64 << 20)
+    joiner.get_stub = lambda p2p, peer, namespace: Stub()
+    got, stalled = asyncio.run(joiner._download_from(PeerID.from_base58(DONOR)))
+    assert got is None and not stalled and len(sent) <= MAX_TENSORS + 1  # (refused at the next)
+
+
+def test_a_stream_download_stops_at_the_joiners_deadline_and_ends_quietly():
+    """The joiner gave up at its deadline (its future cancelled) and the averager's stream went
+    on through every donor, then raised InvalidStateError into a task nobody awaited."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils import MPFuture
+
+    joiner, streamed = _stream_joiner(1 << 30), []
+
+    async def donors(exclude):  # type: ignore[no-untyped-def]
+        return [PeerID.from_base58(DONOR)] * 3
+
+    async def download_from(peer):  # type: ignore[no-untyped-def]
+        streamed.append(peer)
+        await asyncio.sleep(3)  # a stream longer than the joiner's deadline
+        return ({"outer_step": 1}, []), False
+
+    async def sketches(peers, seed, timeout, token=None):  # type: ignore[no-untyped-def]
+        return {}
+
+    joiner._donors, joiner._download_from, joiner._sketches_from = donors, download_from, sketches
+
+    async def main() -> None:
+        future = MPFuture()
+        task = asyncio.ensure_future(joiner._load_state_from_peers(future, timeout=0.5, tag=1))
+        await asyncio.sleep(0.3)
+        future.cancel()  # the joiner's deadline
+        await asyncio.wait_for(task, 5)  # (raised InvalidStateError, after 3 s)
+        assert task.exception() is None and len(streamed) == 1  # (not on through every donor)
+
+    asyncio.run(main())
+
+
+def test_a_layout_with_slices_larger_than_its_state_cuts_is_refused():
+    """One slice of a whole state: its timeout, from its size, ran to hours, and a donor that
+    sent all of it but a byte held the download's thread, socket and buffer past its end."""
+    import pytest
+    import torch
+
+    from swarm.state_transfer import SLICE_BYTES, Layout
+
+    tensors = [torch.zeros(4 << 20), torch.zeros(4 << 20)]  # 32 MiB
+    honest = Layout.of(tensors, 1)
+    assert Layout.from_wire(honest.to_wire(), 1 << 30) == honest
+    with pytest.raises(ValueError, match="slices larger"):
+        Layout.from_wire(dict(honest.to_wire(), slice=honest.total), 1 << 30)
+    assert honest.slice_bytes == SLICE_BYTES
+
+
+def test_the_offer_of_a_model_of_many_tensors_is_read():
+    """An offer's metadata holds about 35 bytes a trained tensor (AdamW's keys): past 3,700
+    tensors it was over the board's 128 KiB bound on bytes, dropped unsaid, and every join took
+    hivemind's stream instead (about 10x slower)."""
+    from swarm.rendezvous import pack, unpack
+    from swarm.state_sharing import MAX_OFFER
+
+    offer = pack({"ok": True, "metadata": b"k" * 35 * 20_000})
+    assert unpack(offer) == {} and unpack(offer, max_bin=MAX_OFFER)["ok"] is True
