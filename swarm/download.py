@@ -247,6 +247,9 @@ class Downloading:
         claims, joining = self._verifiers(distrusted)
         result = self._fetch_direct(skipped, claims, deadline)
         if result is None:
+            # Not the failed direct try's share and donors (its 90 % "from 4 donors" stayed on
+            # until the stream's first part, a review): none said until the stream's donor does.
+            self.averager.download[:] = [0.0, 0.0, 0.0]
             remaining = max(1.0, deadline - time.monotonic())
             self._download_tag = tag = self._download_tag + 1
             future = self.averager.load_state_from_peers(

@@ -63,3 +63,27 @@ def test_a_download_s_waits_end_when_what_they_wait_for_is_done_not_at_the_next_
     start = time.monotonic()
     _until(future)(60.0)  # a pause far longer than any look: it must end with the future
     assert future.done() and time.monotonic() - start < 30
+
+
+def test_a_failed_direct_try_leaves_no_share_for_the_stream_after_it() -> None:
+    """After a failed direct try the heartbeat said its last share (90 % "from 4 donors") until
+    the stream's first part came (a review, 2026-12-06)."""
+    import time
+
+    from swarm.download import Downloading
+
+    joiner = Downloading.__new__(Downloading)
+    joiner.averager = SimpleNamespace(download=[9.0, 10.0, 4.0])
+    shown: list[tuple[float | None, int]] = []
+
+    def stream(**kwargs):  # type: ignore[no-untyped-def]
+        shown.append((SwarmAverager.download_progress(joiner), SwarmAverager.download_donors(joiner)))
+        raise RuntimeError("(the test's end)")
+
+    joiner.averager.load_state_from_peers = stream
+    joiner._verifiers = lambda distrusted: ({}, set())
+    joiner._fetch_direct = lambda skipped, claims, deadline: None
+    joiner._download_tag = 0
+    with pytest.raises(RuntimeError, match="the test's end"):
+        joiner._fetch_state(set(), set(), time.monotonic() + 5)
+    assert shown == [(None, 0)]
