@@ -47,7 +47,7 @@ from swarm.download import Downloading
 from swarm.group_averager import GroupAverager, fault_value
 from swarm.hivemind_fixes import stopping
 from swarm.progress import ProgressBoard
-from swarm.records import RunKeys, Stage
+from swarm.records import PROTOCOL, RunKeys, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -423,7 +423,10 @@ class SwarmAverager(Downloading):
         if self.board is None:
             return ()
         silent = {peer for peer, step in self._silent_leaders.items() if step == outer_step}
-        return tuple(sorted({*self.board.last_seen, self.peer_id} - silent))
+        # Not peers of an earlier release: they meet at another member's board, and a group of
+        # both waited at two until its deadline, every attempt (a review, 2026-12-06).
+        current = {peer for peer, beat in self.board.last_seen.items() if beat.protocol >= PROTOCOL}
+        return tuple(sorted({*current, self.peer_id} - silent))
 
     def _blame_spoilers(self, outer_step: int) -> None:
         """After an attempt: the peers that spoiled its group, as this peer saw for itself, are

@@ -116,6 +116,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._no_shows = mp.Array("c", EXPECTED_BYTES)  # members that never came to a ring (ids)
         self._decliners = mp.Array("c", EXPECTED_BYTES)  # members that declined one (ids)
         self._leaders: OrderedDict[bytes, Any] = OrderedDict()  # group id -> who led it (this process's)
+        self._formed: Any = None  # the group hivemind formed in the current look for one
         self.assembled = mp.Value("d", 0.0)  # when a group last formed (time.time())
         self.generation = mp.Value("q", 0)  # bumped (under the buffers' lock) as the peer fills them
         bind = plane_host if plane_host != "0.0.0.0" else plane_advertise
@@ -278,7 +279,23 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             look_for_group = self._matchmaking.look_for_group
 
             async def look_and_offer(step):
-                group_info = await look_for_group(step)
+                self._formed = None
+                try:
+                    group_info = await look_for_group(step)
+                except asyncio.CancelledError:
+                    # Given up on as its group formed (hivemind still sending the followers
+                    # away): offered all the same, the ring declines it where the others wait
+                    # for it. Not offered, a leader never opened its board, and its followers
+                    # waited 10 s and blamed it (a review, 2026-12-06).
+                    formed = self._formed
+                    if formed is not None and formed.group_id not in self._posted:
+                        try:
+                            self._offer(formed, step)
+                        except Exception as error:  # noqa: BLE001 - the step ends anyway
+                            logger.debug(
+                                "could not decline a group formed as its step ended: %s", one_line(error)
+                            )
+                    raise
                 if group_info is not None:
                     self.assembled.value = time.time()
                     self._offer(group_info, step)
@@ -308,10 +325,11 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             # leader each time to hivemind, and the follower went back to it until its deadline.
             allowed.discard(leader)
 
-    def _note_leader(self, group_id: bytes, leader: Any) -> None:
+    def _note_leader(self, group_info: Any, leader: Any) -> None:
         """Who led a group this peer is in, as it knows for itself (in the averager process):
         the group's board is that leader's (:meth:`_group_board`)."""
-        self._leaders[group_id] = leader
+        self._formed = group_info
+        self._leaders[bytes(group_info.group_id)] = leader
         while len(self._leaders) > TICKETS_KEPT:
             self._leaders.popitem(last=False)
 

@@ -290,9 +290,9 @@ hivemind refuses such a request) before it counts as silent (:func:`watch_leader
 def watch_leaders(
     matchmaking: Any,
     silent: Callable[[PeerID, Any], None],
-    led: Callable[[bytes, PeerID], None] = lambda group_id, leader: None,
+    led: Callable[[Any, PeerID], None] = lambda group_info, leader: None,
 ) -> None:
-    """Call ``led(group id, leader)`` for each group this peer is in, as it knows for itself who
+    """Call ``led(group info, leader)`` for each group this peer is in, as it knows for itself who
     leads it (the leader it joined, which sent it the group; or itself), and ``silent(leader,
     allowed)`` for each leader that accepted this peer into its group
     and then did not begin it by this peer's request's expiration (plus :data:`SILENT_GRACE`):
@@ -368,12 +368,12 @@ def watch_leaders(
 
     async def leading() -> Any:
         group_info = await lead()
-        led(bytes(group_info.group_id), matchmaking.peer_id)  # (before its members hear of it)
+        led(group_info, matchmaking.peer_id)  # (before its members hear of it)
         return group_info
 
     async def following(leader: PeerID, message: Any) -> Any:
         group_info = await follow(leader, message)
-        led(bytes(group_info.group_id), leader)
+        led(group_info, leader)
         return group_info
 
     matchmaking.leader_assemble_group = leading

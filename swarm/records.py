@@ -120,7 +120,9 @@ PROTOCOL = 2
 """This release's way of finding groups (:attr:`PeerHeartbeat.protocol`): since 2026-12-06 the
 matchmaking declarations are signed, and a run's nodes refuse the bare ones earlier releases
 make (1); since stop 63 a group's members meet at its matchmaking leader's board (2), where
-earlier releases meet at another member's: peers of different ones never average together."""
+earlier releases meet at another member's: a peer leaves those of an earlier protocol out of its
+groups (:meth:`swarm.averaging.SwarmAverager.round_peers`; a group of both waited at two boards
+until its deadline, every attempt, a review), so peers of different ones never average together."""
 
 
 class PeerHeartbeat(BaseModel):
@@ -155,8 +157,8 @@ class PeerHeartbeat(BaseModel):
     """The run owner's ControlState version this peer has applied (0: none yet)."""
     protocol: int = Field(default=0, ge=0)
     """How this peer's release finds its groups: :data:`PROTOCOL` (signed matchmaking
-    declarations, :mod:`swarm.signed_groups`), 0 for an earlier release, which a peer of this
-    one cannot average with (nor it with this one)."""
+    declarations, :mod:`swarm.signed_groups`, and the board of the group's leader); less for an
+    earlier release, which a peer of this one does not group with (nor it with this one)."""
     control_refused: int = Field(default=0, ge=0)
     """The last version this peer refused, applying nothing of it (a value its run cannot take:
     streaming's H not divisible by its fragments, an update codec its method has no use for)."""

@@ -539,11 +539,11 @@ async def join(p2p, leader, busy):
 
 def beat():
     from hivemind.utils import get_dht_time
-    from swarm.records import PeerHeartbeat, Stage
+    from swarm.records import PROTOCOL, PeerHeartbeat, Stage
     while True:
         top = max((p.outer_step for p in session.board.fetch().values() if p.peer_id != session.peer_id), default=0)
         beat = PeerHeartbeat(peer_id=session.peer_id, name="sybil", stage=Stage.WAITING, outer_step=top,
-                             inner_step=5, inner_steps=5, time=get_dht_time())
+                             inner_step=5, inner_steps=5, time=get_dht_time(), protocol=PROTOCOL)
         session.store.store(keys.peers, beat, ttl=10)
         time.sleep(0.3)
 

@@ -321,3 +321,65 @@ def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(mon
     averager._no_shows.value = b"an earlier step's"  # (unread: not blamed on this step's)
     assert asyncio.run(averager._step(step=None)) is None
     assert averager._no_shows.value == b""
+
+
+def test_a_group_formed_as_its_step_was_given_up_on_is_offered_to_be_declined(monkeypatch):
+    """hivemind forms a group, then sends the leader's followers away before its look for a group
+    returns; a step cancelled then never offered its group to the ring. A leader never opened its
+    board (its followers waited 10 s and blamed it), a follower never declined (its leader blamed
+    it): a review, 2026-12-06. The group is offered all the same, and the ring declines it."""
+    import asyncio
+    import contextlib
+    import multiprocessing as mp
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from hivemind.averaging import DecentralizedAverager
+
+    from swarm.group_averager import GroupAverager
+
+    group = SimpleNamespace(group_id=b"formed", peer_ids=())
+
+    async def stepping(self, **kwargs):  # type: ignore[no-untyped-def]
+        looking = asyncio.ensure_future(self._matchmaking.look_for_group("the step"))
+        await asyncio.sleep(0.1)
+        looking.cancel()  # the step, given up on
+        with contextlib.suppress(asyncio.CancelledError):
+            await looking
+
+    monkeypatch.setattr(DecentralizedAverager, "_step", stepping)
+
+    class Bare(GroupAverager):
+        peer_id = "me"
+
+        def __del__(self) -> None:  # no process was started
+            pass
+
+    async def leader_assemble_group():  # type: ignore[no-untyped-def]
+        return group
+
+    async def look_for_group(step):  # type: ignore[no-untyped-def]
+        await averager._matchmaking.leader_assemble_group()
+        await asyncio.sleep(60)  # sending the followers away
+
+    averager = object.__new__(Bare)
+    averager._matchmaking = SimpleNamespace(
+        target_group_size=None,
+        group_key_manager=None,
+        _check_reasons_to_reject=None,
+        _servicer_type=None,
+        peer_id="me",
+        leader_assemble_group=leader_assemble_group,
+        follower_assemble_group=None,
+        look_for_group=look_for_group,
+    )
+    averager._donor_subkey, averager._ticket_loop = None, None
+    averager._expected, averager._plane_enabled = mp.Array("c", 64), SimpleNamespace(value=1)
+    averager._allowed, averager._silent, averager._silent_ids = mp.Array("c", 64), mp.Array("c", 64), set()
+    averager._no_shows, averager._decliners = mp.Array("c", 64), mp.Array("c", 64)
+    averager._leaders, averager._posted, averager._formed = OrderedDict(), OrderedDict(), None
+    averager._outcomes_in, _ = mp.Pipe(duplex=False)
+    offered: list = []
+    averager._offer = lambda group_info, step: offered.append((group_info, step))
+    asyncio.run(averager._step(step=None))
+    assert offered == [(group, "the step")]  # (old code: never offered)

@@ -484,7 +484,7 @@ async def test_the_groups_leader_holds_its_board_and_blames_only_what_it_saw_its
         averager._no_shows, averager._decliners = mp.Array("c", EXPECTED_BYTES), mp.Array("c", EXPECTED_BYTES)
         averager._board_caller = lambda holder, loop: holder_answers
         if led_by is not None:
-            averager._note_leader(group.group_id, led_by)
+            averager._note_leader(group, led_by)
         return averager
 
     def meet(averager: GroupAverager, members: list = members) -> BoardClient:

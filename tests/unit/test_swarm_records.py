@@ -676,7 +676,7 @@ async def test_each_member_knows_for_itself_who_leads_its_group() -> None:
     led: list[tuple[bytes, str]] = []
     matchmaking = _matchmaking(_servicer_type=None)
     watch_leaders(
-        matchmaking, lambda leader, allowed: None, lambda group, leader: led.append((group, leader))
+        matchmaking, lambda leader, allowed: None, lambda group, leader: led.append((group.group_id, leader))
     )
     assert (await matchmaking.leader_assemble_group()).group_id == b"led here"
     await matchmaking.follower_assemble_group("the leader", SimpleNamespace(group_id=b"followed"))
