@@ -381,7 +381,7 @@ def test_a_peer_waiting_for_min_peers_witnesses_a_state_at_its_own_step_only() -
             nobody = Future()
             nobody.set_result(None)
             self.averager = SimpleNamespace(
-                load_state_from_peers=lambda **_: nobody, streamed_from=lambda tag: []
+                load_state_from_peers=lambda **_: nobody, streamed_from=lambda tag: [], download=[0.0] * 3
             )
 
         def _fetch_direct(self, skipped, verifiers, deadline):
