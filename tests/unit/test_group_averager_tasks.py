@@ -285,39 +285,15 @@ def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(mon
     nobody awaits, and asyncio printed "Task exception was never retrieved" with a traceback into
     the peer's log (the churn soak, stop 58). The step carries the error; the task ends quietly."""
     import asyncio
-    import multiprocessing as mp
-    from types import SimpleNamespace
 
     from hivemind.averaging import DecentralizedAverager
-
-    from swarm.group_averager import GroupAverager
 
     async def broken(self, **kwargs):  # type: ignore[no-untyped-def]
         raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(DecentralizedAverager, "_step", broken)
 
-    class Bare(GroupAverager):
-        def __del__(self) -> None:  # no process was started
-            pass
-
-    averager = object.__new__(Bare)
-    averager._matchmaking = SimpleNamespace(
-        target_group_size=None,
-        group_key_manager=None,
-        _check_reasons_to_reject=None,
-        _servicer_type=None,
-        leader_assemble_group=None,
-        follower_assemble_group=None,
-    )
-    averager._donor_subkey = None
-    averager._expected, averager._plane_enabled, averager._ticket_loop = (
-        mp.Array("c", 64),
-        SimpleNamespace(value=0),
-        None,
-    )
-    averager._allowed, averager._silent, averager._silent_ids = mp.Array("c", 64), mp.Array("c", 64), set()
-    averager._no_shows, averager._decliners = mp.Array("c", 64), mp.Array("c", 64)
+    averager = _bare_for_step(plane=False, leader_assemble_group=None)
     averager._no_shows.value = b"an earlier step's"  # (unread: not blamed on this step's)
     assert asyncio.run(averager._step(step=None)) is None
     assert averager._no_shows.value == b""
@@ -336,8 +312,6 @@ def test_a_group_formed_as_its_step_was_given_up_on_is_offered_to_be_declined(mo
 
     from hivemind.averaging import DecentralizedAverager
 
-    from swarm.group_averager import GroupAverager
-
     group = SimpleNamespace(group_id=b"formed", peer_ids=())
 
     async def stepping(self, **kwargs):  # type: ignore[no-untyped-def]
@@ -349,12 +323,6 @@ def test_a_group_formed_as_its_step_was_given_up_on_is_offered_to_be_declined(mo
 
     monkeypatch.setattr(DecentralizedAverager, "_step", stepping)
 
-    class Bare(GroupAverager):
-        peer_id = "me"
-
-        def __del__(self) -> None:  # no process was started
-            pass
-
     async def leader_assemble_group():  # type: ignore[no-untyped-def]
         return group
 
@@ -362,24 +330,42 @@ def test_a_group_formed_as_its_step_was_given_up_on_is_offered_to_be_declined(mo
         await averager._matchmaking.leader_assemble_group()
         await asyncio.sleep(60)  # sending the followers away
 
-    averager = object.__new__(Bare)
-    averager._matchmaking = SimpleNamespace(
-        target_group_size=None,
-        group_key_manager=None,
-        _check_reasons_to_reject=None,
-        _servicer_type=None,
-        peer_id="me",
-        leader_assemble_group=leader_assemble_group,
-        follower_assemble_group=None,
-        look_for_group=look_for_group,
+    averager = _bare_for_step(
+        plane=True, peer_id="me", leader_assemble_group=leader_assemble_group, look_for_group=look_for_group
     )
-    averager._donor_subkey, averager._ticket_loop = None, None
-    averager._expected, averager._plane_enabled = mp.Array("c", 64), SimpleNamespace(value=1)
-    averager._allowed, averager._silent, averager._silent_ids = mp.Array("c", 64), mp.Array("c", 64), set()
-    averager._no_shows, averager._decliners = mp.Array("c", 64), mp.Array("c", 64)
     averager._leaders, averager._posted, averager._formed = OrderedDict(), OrderedDict(), None
     averager._outcomes_in, _ = mp.Pipe(duplex=False)
     offered: list = []
     averager._offer = lambda group_info, step: offered.append((group_info, step))
     asyncio.run(averager._step(step=None))
     assert offered == [(group, "the step")]  # (old code: never offered)
+
+
+def _bare_for_step(*, plane: bool, **matchmaking):  # type: ignore[no-untyped-def]
+    """A GroupAverager with what its ``_step`` reads, no process or DHT (``matchmaking``: its
+    hivemind matchmaking's attributes, beyond those every step reads)."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    from swarm.group_averager import GroupAverager
+
+    class Bare(GroupAverager):
+        peer_id = "me"
+
+        def __del__(self) -> None:  # no process was started
+            pass
+
+    averager = object.__new__(Bare)
+    averager._matchmaking = SimpleNamespace(
+        target_group_size=None,
+        group_key_manager=None,
+        _check_reasons_to_reject=None,
+        _servicer_type=None,
+        follower_assemble_group=None,
+        **matchmaking,
+    )
+    averager._donor_subkey, averager._ticket_loop = None, None
+    averager._expected, averager._plane_enabled = mp.Array("c", 64), SimpleNamespace(value=int(plane))
+    averager._allowed, averager._silent, averager._silent_ids = mp.Array("c", 64), mp.Array("c", 64), set()
+    averager._no_shows, averager._decliners = mp.Array("c", 64), mp.Array("c", 64)
+    return averager
