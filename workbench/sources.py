@@ -109,12 +109,13 @@ class LiveSource:
                 raise SwarmError(self.steering_reason())
             return steering.publish(**changes)
 
-    def read_once(self, *, again: bool = False) -> None:
+    def read_once(self, *, again: bool = False) -> SwarmSnapshot | None:
         """Read the run if nothing has yet (a run that ends with no widget open: a widget made
-        afterwards said "ended before it was read"), or ``again``. The notebook reads it every
-        second while its peers run, so that the view closes on the run's end (a widget made
-        after a short run showed round 0 and no peer: its one read came as they left, never
-        seen alive; one open during it stopped a round before the end); closing reads it if
+        afterwards said "ended before it was read"), or ``again``; the view it now holds (None:
+        never read). The notebook reads it every second while its peers run, and at their end
+        until it shows the end, so that the view closes on the run's end (a widget made after
+        a short run showed round 0 and no peer: its one read came as they left, never seen
+        alive; one open during it stopped a round before the end); closing reads it if
         nothing has."""
         with self._lock:  # not in the middle of a poll
             if (again or self._last is None) and not self.ended:
@@ -122,6 +123,7 @@ class LiveSource:
                     self._last = self.monitor.poll()
                 except Exception as error:  # noqa: BLE001 - a DHT gone: the view stays unread
                     logger.debug("%s: no last reading: %s", self.title, error)
+            return self._last
 
     def close(self) -> None:
         self.read_once()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -256,8 +257,15 @@ class _Events:
         self.events.extend(events)
         return events
 
-    def last(self, event: str) -> dict | None:
-        return next((e for e in reversed(self.events) if e["event"] == event), None)
+    def last(self, event: str, **fields) -> dict | None:
+        return next(
+            (
+                e
+                for e in reversed(self.events + self.pending)
+                if e["event"] == event and fields.items() <= e.items()
+            ),
+            None,
+        )
 
 
 def test_real_peers_rounds_count_the_steps_they_ran_and_only_the_evaluations_made():
@@ -309,6 +317,58 @@ def test_a_real_run_s_view_is_read_while_it_runs_and_at_its_end():
     assert len(reads) >= 2 and all(again for again, _ in reads), reads  # (3 unless this thread stalled)
     assert reads[0][1] == []  # read as it started, before any event
     assert reads[-1][1][-1] == "done"  # and at the end, while the peers were still there
+
+
+def test_a_real_run_s_view_is_read_after_its_last_round_until_it_shows_the_end():
+    """A local run's final view was a round short (4 runs of 2 peers, 3 rounds: 2 ended on round
+    2 or 1): read once at the first peer's "done", the DHT still held the heartbeats of a round
+    before, or the peers as they left. After the followed peer's last round the view is now read
+    until every peer shows it, and then no more (later reads find the peers leaving)."""
+    run = Experiment(backend="local", peers=2, inner_steps=5, rounds=2, model="tiny")
+    reads = []
+    # What the DHT holds, read by read, once the followed peer has finished its last round:
+    # first the round before, then its own heartbeat, then the other's.
+    lagging = [{"a": 1, "b": 1}, {"a": 2, "b": 1}, {"a": 2, "b": 2}]
+
+    class Source:
+        def read_once(self, *, again: bool = False):
+            last_round = log.last("round", outer_step=2) in log.events
+            held = (
+                lagging.pop(0)
+                if last_round and len(lagging) > 1
+                else lagging[0]
+                if last_round
+                else {"a": 1, "b": 1}
+            )
+            reads.append((time.monotonic() - start, held))
+            return SimpleNamespace(peers={k: SimpleNamespace(outer_step=v) for k, v in held.items()})
+
+    run._source = Source()
+    log = _Events([{"event": "round", "outer_step": 1, "loss": 4.0, "eval_loss": 4.0, "bytes_sent": 1}])
+    start = time.monotonic()
+
+    def finished() -> bool:
+        elapsed = time.monotonic() - start
+        if elapsed > 0.5 and not log.last("round", outer_step=2):
+            log.pending.append(
+                {
+                    "event": "round",
+                    "outer_step": 2,
+                    "loss": 3.0,
+                    "eval_loss": 3.0,
+                    "bytes_sent": 1,
+                    "time": 101.0,
+                }
+            )
+        if elapsed > 3.0 and not log.last("done"):
+            log.pending.append({"event": "done", "time": 200.0, "syncs": 2})
+        return elapsed > 4.0
+
+    run._follow(log, finished)
+    shown = [at for at, held in reads if held == {"a": 2, "b": 2}]
+    assert reads[-1][1] == {"a": 2, "b": 2}, reads  # the end, as every peer published it
+    assert len(shown) == 1, reads  # then not read again: not at "done", not as the peers leave
+    assert shown[0] < 3.0, reads  # read again at once after the last round, not only at "done"
 
 
 def test_time_boxed_rounds_count_the_steps_that_were_run():

@@ -673,9 +673,12 @@ class Experiment:
         losses: list[float] = []
         read = getattr(self._source, "read_once", None)
         last_read = 0.0
+        final = self.rounds * per  # the run's last outer step (syncs)
+        ended: float | None = None  # when the followed peer finished its last round
+        view = None
         while True:
             over = finished()  # before the read: the events it then gets include the last ones
-            if read is not None and not over and time.monotonic() - last_read >= 1.0:
+            if read is not None and not over and ended is None and time.monotonic() - last_read >= 1.0:
                 read(again=True)  # the view follows the run to its end, a widget open or not
                 last_read = time.monotonic()
             peer.poll_events()
@@ -698,6 +701,8 @@ class Experiment:
                     # Its own H this round: steered or time-boxed rounds change it.
                     step += event.get("inner_steps") or self.config.diloco.inner_steps // per
                     losses.append(event["loss"])
+                    if event["outer_step"] >= final and ended is None:
+                        ended = time.monotonic()
                     if event["outer_step"] % per:
                         continue  # a fragment's sync inside an outer round
                     self._add(
@@ -715,23 +720,48 @@ class Experiment:
                     self._end(bytes_per_peer=sent)
                 if event["event"] == "done":
                     self.result = event
-                    # Its view's last reading, while the run is still there to read (after, a
-                    # lone peer's view found nobody left and showed an empty run).
-                    if read is not None:
-                        read(again=True)
+                    # Its view's last readings (below), while the run is still there to read
+                    # (after, a lone peer's view found nobody left and showed an empty run).
+                    ended = ended if ended is not None else time.monotonic()
                     if event.get("final_eval_loss") is not None:
                         self._end(eval_loss=event["final_eval_loss"])
+            reading_the_end = (
+                read is not None
+                and not over
+                and ended is not None
+                and time.monotonic() - ended < END_READS
+                and not _shows_the_end(view, final)
+            )
+            if reading_the_end:
+                # The end as the peers publish it, while they agree on the final θ and before they
+                # leave (a short run's whole end can take less than a second): read at once and
+                # until every peer shows it (read once at "done", the view held the followed
+                # peer's heartbeat of a round before, or the peers as they left). Once shown, it
+                # is not read again: as the peers leave, a read finds fewer, then none.
+                view = read(again=True)
             if over:
                 return
             if self._stop.is_set():
                 raise Stopped(f"{self.name} was stopped")
-            time.sleep(0.3)
+            time.sleep(0.1 if reading_the_end else 0.3)
 
     def _end(self, **fields: Any) -> None:
         """The run's end, into its last round's row (not the start's)."""
         with self._lock:
             if self._rows and self._rows[-1]["round"] > 0:
                 self._rows[-1].update(fields)
+
+
+END_READS = 10.0
+"""Seconds a real run's view is read again after its followed peer's last round, until it shows
+every peer at the run's last outer step."""
+
+
+def _shows_the_end(view: Any, final: int) -> bool:
+    """Whether ``view`` (a snapshot, or None: not read) shows the run's end: every live peer at
+    outer step ``final`` or later (those that left are shown as they left)."""
+    peers = getattr(view, "peers", None)
+    return bool(peers) and all(p.outer_step >= final for p in peers.values())
 
 
 class _SimRows:
