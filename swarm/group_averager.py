@@ -66,6 +66,17 @@ def _take_ids(array: Any) -> list[str]:
     """The peer ids (base58) in a shared array, which is cleared: each is told once."""
     with array.get_lock():
         raw, array.value = array.value, b""
+    return _ids_in(raw)
+
+
+def _add_ids(array: Any, ids: set[str]) -> None:
+    """``ids`` added to those a shared array holds, not yet taken (:func:`_take_ids`)."""
+    if ids:
+        with array.get_lock():  # (a lock the reader takes too, and re-entrant)
+            _put_ids(array, sorted(set(_ids_in(array.value)) | ids))
+
+
+def _ids_in(raw: bytes) -> list[str]:
     return [text for text in raw.decode(errors="replace").split(",") if text]
 
 
@@ -358,10 +369,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             absent = [PeerID(m) for m in self._boards.missing(group_id, prefix, declined=op == "declined")]
         ids = {peer.to_base58() for peer in absent if peer != self.peer_id}
         array = self._decliners if op == "declined" else self._no_shows
-        if ids:
-            with array.get_lock():  # (a lock the reader takes too, and re-entrant)
-                told = {text for text in array.value.decode(errors="replace").split(",") if text}
-                _put_ids(array, sorted(told | ids))
+        _add_ids(array, ids)
 
     def no_shows(self) -> list[str]:
         """The members of this peer's failed rings that never came to them, as it saw for itself
