@@ -202,6 +202,7 @@ class SwarmAverager(Downloading):
             codec=config.compression,
             ready_snapshots=not overlapped,  # see StateSharing._init_state_sharing
             donor_subkey=getattr(getattr(board, "store", None), "subkey", None),  # this peer's signed key
+            members_key=keys.peers if keys.secret else None,  # a private run's state: its peers' only
             state_numel=None if state_shapes is None else sum(math.prod(s) for s in state_shapes),
             # The shortest window; each step asks for the learned one (scheduled_time).
             min_matchmaking_time=self.matchmaking_window.floor,

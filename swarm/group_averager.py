@@ -101,6 +101,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         ready_snapshots: bool = True,
         donor_subkey: bytes | None = None,
         state_numel: int | None = None,
+        members_key: str | None = None,
         **kwargs: Any,
     ) -> None:
         self._state_provider = state_provider
@@ -147,6 +148,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             ready=ready_snapshots,
             theta_provider=theta_provider,
             subkey=donor_subkey,
+            members=members_key,
         )
         direct = data_plane == "direct" and aggregate == "mean" and codec in DIRECT_CODECS
         if direct and not kwargs.get("client_mode"):

@@ -80,6 +80,8 @@ TOP_WAIT = 2.0  # s the first-ranked donor's offer is waited for, from the reque
 SNAPSHOT_SECONDS = 10.0  # joiners asking within this long (and at the same declared step) share a snapshot
 WITNESS_SECONDS = 120.0  # for the peer's process to sketch θ (it may wait for an overlapped round)
 MAX_STREAMS = 3
+MEMBERS_WAIT = 5.0  # s a private run's peer looks for an asker's heartbeat (see _a_member)
+MEMBERS_PAUSE = 0.5  # s between two reads of the run's heartbeats for it
 """hivemind's state streams served at once (one per peer, and one per address another machine
 connects from: fresh keys are free): each holds a copy of the state while it runs (6 stalled
 streams held 3.1 GB of a 200 MB state, measured). A joiner refused gets an empty stream and
@@ -130,6 +132,7 @@ class StateSharing:
         ready: bool = True,
         theta_provider: Callable[[], OuterState] | None = None,
         subkey: bytes | None = None,
+        members: str | None = None,
     ) -> None:
         """``direct``: download over the direct transport when donors offer it (else hivemind's
         path only: a private run, ``--data-plane hivemind``). ``state_host``: the address its
@@ -143,8 +146,16 @@ class StateSharing:
         :meth:`_answer_witnesses`); None: a witness fetches the whole state from it.
         ``subkey``: this peer's ``[owner:...]`` key, under which it declares its state (a run's
         validators refuse any other subkey: :class:`swarm.validators.RecordBoundsValidator`);
-        None: hivemind's bare peer id (averagers outside a run, in tests)."""
+        None: hivemind's bare peer id (averagers outside a run, in tests).
+        ``members``: a private run's DHT key of its heartbeats: only a peer with one there (its
+        record carries the run secret's HMAC, so its writer holds the secret) is served the
+        state or θ's sketches (:meth:`_a_member`); None: anybody (a public run's state is its
+        joiners')."""
         self._donor_subkey = subkey
+        self._members_key = members
+        self._members: set[PeerID] = set()  # (averager process) peers found under ``members``
+        self._members_lock: asyncio.Lock | None = None
+        self._members_read = 0.0  # when they were last read
         self._streamed = mp.Array("c", 1024)  # "tag|donor,..." (see streamed_from), by id
         self._stream_tag = 0  # (averager process) the latest stream download asked for
         self._fault_file = fault_file
@@ -485,6 +496,9 @@ class StateSharing:
         # so that a test can kill this donor mid-download; the direct transport is slowed alike
         # (StateServer.delay).
         peer = context.remote_id.to_base58()
+        if not await self._a_member(context.remote_id):
+            logger.info("not serving the state to %s: not a peer of this private run", peer[-8:])
+            return
         address = await self._far_ip(context.remote_id)
         busy = peer in self._streams or (address is not None and address in self._streams.values())
         if len(self._streams) >= MAX_STREAMS or busy:
@@ -512,6 +526,35 @@ class StateSharing:
         finally:
             watch.cancel()
             self._streams.pop(peer, None)
+
+    async def _a_member(self, peer: PeerID) -> bool:
+        """Whether ``peer`` may read this peer's state: always in a public run; in a private one,
+        if it has a heartbeat under the run's key (which only holders of the secret can write).
+        A joiner asks right after publishing its first heartbeat: one not found yet is looked
+        for again, :data:`MEMBERS_PAUSE` s apart, for :data:`MEMBERS_WAIT` s. Before, anybody
+        who connected to a peer of a private run (the run's namespace is in its handlers' names,
+        which libp2p lists to any caller) downloaded its θ and optimizer state."""
+        if self._members_key is None or peer in self._members:
+            return True
+        if self._members_lock is None:
+            self._members_lock = asyncio.Lock()
+        deadline = time.monotonic() + MEMBERS_WAIT
+        while time.monotonic() < deadline:
+            async with self._members_lock:  # one read at a time, however many ask
+                if peer in self._members:
+                    return True
+                await asyncio.sleep(max(0.0, self._members_read + MEMBERS_PAUSE - time.monotonic()))
+                self._members_read = time.monotonic()
+                try:
+                    found = await self.dht.get(self._members_key, latest=True, return_future=True)
+                except Exception as error:  # noqa: BLE001 - the DHT did not answer: not found yet
+                    logger.debug("could not read the run's peers: %s", one_line(error))
+                    found = None
+                entries = found.value if found is not None and isinstance(found.value, dict) else {}
+                self._members |= {p for p in map(peer_of, entries) if p is not None}
+                if peer in self._members:
+                    return True
+        return False
 
     async def _far_ip(self, peer: PeerID) -> str | None:
         """Where ``peer`` is connected from (:func:`swarm.addresses.far_ip`; None: this machine,
@@ -701,6 +744,8 @@ class StateSharing:
         message = unpack(request.metadata) if len(request.metadata) <= 256 else {}
         seed, token = message.get("seed"), message.get("token")
         if not isinstance(seed, bytes) or len(seed) != SEED_BYTES or not self.allow_state_sharing:
+            return averaging_pb2.DownloadData(metadata=pack({"ok": False}))
+        if not await self._a_member(context.remote_id):
             return averaging_pb2.DownloadData(metadata=pack({"ok": False}))
         if self._sketch_lock is None:
             self._sketch_lock = asyncio.Lock()

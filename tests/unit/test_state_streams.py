@@ -56,6 +56,7 @@ class _Donor(StateSharing, _HivemindStream):
         self._streams = {}
         self._own_ips = None
         self._p2p = _P2P()
+        self._members_key = None  # a public run's: anybody
 
 
 def _context(peer: str):
@@ -518,3 +519,66 @@ def test_the_offer_of_a_model_of_many_tensors_is_read():
 
     offer = pack({"ok": True, "metadata": b"k" * 35 * 20_000})
     assert unpack(offer) == {} and unpack(offer, max_bin=MAX_OFFER)["ok"] is True
+
+
+def test_a_private_run_serves_its_state_to_its_peers_only(monkeypatch):
+    """Anybody who connected to a peer of a private run downloaded its θ and optimizer state (its
+    namespace is in its handlers' names, which libp2p lists to any caller: a review, stop 64).
+    Now only a peer with a heartbeat under the run's key (which the secret's HMAC guards) is
+    served: a joiner whose first heartbeat lands while it asks is; an outsider is not, and many
+    outsiders asking at once cost one read of the run's heartbeats a pause, not one each."""
+    import time
+
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from swarm.identity import public_key_text
+    from swarm.signed_groups import peer_of
+
+    monkeypatch.setattr(state_sharing, "MEMBERS_WAIT", 1.0)
+    monkeypatch.setattr(state_sharing, "MEMBERS_PAUSE", 0.1)
+
+    def subkey(key: RSAPrivateKey) -> bytes:
+        return b"[owner:" + public_key_text(key).encode() + b"]"
+
+    joiner_key, outsider_key = RSAPrivateKey(), RSAPrivateKey()
+    joiner, outsider = peer_of(subkey(joiner_key)), peer_of(subkey(outsider_key))
+    heartbeats: dict[bytes, str] = {b"[owner:not a key]": "beat"}
+    reads = []
+
+    class _DHT:
+        def get(self, key, *, latest, return_future):
+            reads.append(key)
+            found = asyncio.get_running_loop().create_future()
+            found.set_result(SimpleNamespace(value=dict(heartbeats)))
+            return found
+
+    donor = _Donor()
+    donor._members_key, donor._members, donor._members_lock, donor._members_read = (
+        "run_peers",
+        set(),
+        None,
+        0.0,
+    )
+    donor.dht = _DHT()
+
+    async def parts(peer) -> int:
+        stream = donor.rpc_download_state(averaging_pb2.DownloadRequest(), SimpleNamespace(remote_id=peer))
+        return len([message async for message in stream])
+
+    async def main() -> list[int]:
+        async def first_heartbeat() -> None:
+            await asyncio.sleep(0.3)
+            heartbeats[subkey(joiner_key)] = "beat"
+
+        landing = asyncio.ensure_future(first_heartbeat())
+        got = await asyncio.gather(parts(joiner), *(parts(outsider) for _ in range(8)))
+        await landing
+        return got
+
+    started = time.monotonic()
+    got = asyncio.run(main())
+    took = time.monotonic() - started
+    assert got[0] == 64 and got[1:] == [0] * 8
+    assert set(reads) == {"run_peers"} and len(reads) <= took / 0.1 + 2, (len(reads), took)
+    assert asyncio.run(parts(joiner)) == 64  # known now: no read
+    assert len(reads) <= took / 0.1 + 2
