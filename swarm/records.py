@@ -10,8 +10,8 @@ public keys (``[owner:ssh-rsa ...]``):
 Every DHT node of the run installs :func:`record_validators`: hivemind's
 ``RSASignatureValidator`` (a record under a public key must be signed with its private key,
 so nobody writes under another peer's key), hivemind's ``SchemaValidator`` (values must
-parse as these models) and, for a private run, :class:`RunSecretValidator` (an HMAC with the
-run secret on every record). Readers validate again and check a heartbeat's peer id against
+parse as these models) and, for a private run, :class:`RunSecretValidator` (every record
+sealed with a key derived from the run secret: AES-GCM). Readers validate again and check a heartbeat's peer id against
 its signer's key, so a record that slipped past a node without validators is still dropped.
 """
 
@@ -364,7 +364,7 @@ LONG_TTL = 7 * 24 * 3600.0
 CLOCK_SLACK = 120.0
 """Clocks differ: a time up to this far ahead of a reader's is still believed."""
 RECORD_BYTES = {"manifest": 4096, "peers": 16384, "control": 49152}
-"""The most bytes a record under each key may take on the wire, signature and HMAC included
+"""The most bytes a record under each key may take on the wire, signature and a private run's seal included
 (an honest heartbeat at its fields' limits is about 9 KB, a steering record pausing 256 peers
 about 34 KB, a manifest about 1 KB)."""
 
@@ -372,7 +372,7 @@ DONOR_TTL = 60.0
 """Seconds a donor's declaration (:attr:`RunKeys.donors`) may live; a peer renews its own every
 10 s (``declare_state_period``)."""
 DONOR_BYTES = 2048
-"""The most bytes a donor's declaration may take (a number, its signature and HMAC: about 500)."""
+"""The most bytes a donor's declaration may take (a number, its signature and a private run's seal: about 500)."""
 MATCHMAKING_TTL = 180.0
 """Seconds a matchmaking declaration (:attr:`RunKeys.matchmaking`) may live: hivemind's is
 until its step's matchmaking window ends (``--matchmaking-time``, at most 120 s)."""
@@ -398,10 +398,13 @@ class RunKeys:
 
     @property
     def namespace(self) -> str:
+        """The run id, or for a private run an HMAC of it with the secret, and nothing of the
+        run id: the namespace names the run's handlers too, which libp2p lists to anyone who
+        connects to one of its peers (it began with the run id until stop 63: a review)."""
         if not self.secret:
             return self.run_id
         tag = hmac.new(self.secret.encode(), f"workbench-run:{self.run_id}".encode(), hashlib.sha256)
-        return f"{self.run_id}_{tag.hexdigest()[:24]}"
+        return f"private_{tag.hexdigest()[:32]}"
 
     @property
     def manifest(self) -> str:

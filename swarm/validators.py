@@ -1,16 +1,14 @@
 """The DHT record validators every node of a run installs (imports hivemind).
 
 hivemind applies them on every store a node receives and on every value it returns, in
-priority order: the run secret's HMAC (private runs), then the RSA signature, then the
+priority order: the run secret's seal (private runs), then the RSA signature, then the
 schema. A node without them cannot even read the run's signed keys (hivemind's get hangs).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import hmac
-import re
+import os
 from typing import Any
 
 import pydantic.v1
@@ -88,52 +86,77 @@ def _dht_value(model: type[BaseModel]) -> type:
 
 
 class RunSecretValidator(RecordValidatorBase):
-    """Private runs: every record under the run's keys carries an HMAC made with the run
-    secret; a node holding the secret refuses any store without a valid one. (The keys
-    themselves are derived from the secret too, see :class:`~swarm.records.RunKeys`.)"""
+    """Private runs: every record under the run's keys is sealed with a key derived from the run
+    secret (AES-GCM, bound to the record's key, subkey and expiration): a node holding the
+    secret refuses any store it cannot open, and any other node stores bytes it cannot read.
+    (The keys themselves are derived from the secret too, see :class:`~swarm.records.RunKeys`.)
 
-    _TAG = re.compile(rb"\[run-hmac:([0-9a-f]{64})\]$")
+    Before (to stop 63) the records carried an HMAC only: the run's heartbeats (names, steps,
+    addresses), its manifest and its steering were stored in the clear on whichever nodes of the
+    DHT were nearest their keys, an outsider's among them (a review, stop 64). So were the
+    matchmaking declarations, which carried nothing at all."""
+
+    _SEALED = b"[run-sealed]"
+    _NONCE = 12
 
     def __init__(self, keys: RunKeys) -> None:
         self.namespace = keys.namespace
-        self._secret = (keys.secret or "").encode()
+        secret, purpose = (keys.secret or "").encode(), b"workbench-records:" + keys.namespace.encode()
+        self._key = hmac.new(secret, purpose, "sha256").digest()
         self._protected = {
             DHTID.generate(source=key).to_bytes()
-            for key in (keys.manifest, keys.peers, keys.control, *keys.donors)
+            for key in (keys.manifest, keys.peers, keys.control, *keys.donors, *keys.matchmaking)
         }
+        self._cipher: Any = None  # made at first use (it does not pickle into the DHT's process)
 
-    def _mac(self, record: DHTRecord) -> bytes:
-        message = b"\x00".join(
-            [record.key, record.subkey or b"", record.value, repr(float(record.expiration_time)).encode()]
-        )
-        return hmac.new(self._secret, message, hashlib.sha256).hexdigest().encode()
+    def _aead(self):
+        if self._cipher is None:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+            self._cipher = AESGCM(self._key)
+        return self._cipher
+
+    @staticmethod
+    def _bound_to(record: DHTRecord) -> bytes:
+        return b"\x00".join([record.key, record.subkey or b"", repr(float(record.expiration_time)).encode()])
+
+    def _open(self, record: DHTRecord) -> bytes | None:
+        """The record's value unsealed, or None if it was not sealed with this run's key."""
+        value = record.value
+        if not value.startswith(self._SEALED):
+            return None
+        nonce = value[len(self._SEALED) : len(self._SEALED) + self._NONCE]
+        try:
+            return self._aead().decrypt(
+                nonce, value[len(self._SEALED) + self._NONCE :], self._bound_to(record)
+            )
+        except Exception:  # noqa: BLE001 - InvalidTag, a short value: not this run's
+            return None
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in self._protected:
-            return True
-        found = self._TAG.search(record.value)
-        if found is None:
-            return False
-        stripped = dataclasses.replace(record, value=self.strip_value(record))
-        return hmac.compare_digest(found.group(1), self._mac(stripped))
+        return record.key not in self._protected or self._open(record) is not None
 
     def sign_value(self, record: DHTRecord) -> bytes:
         if record.key not in self._protected:
             return record.value
-        return record.value + b"[run-hmac:" + self._mac(record) + b"]"
+        nonce = os.urandom(self._NONCE)
+        return self._SEALED + nonce + self._aead().encrypt(nonce, record.value, self._bound_to(record))
 
     def strip_value(self, record: DHTRecord) -> bytes:
-        return self._TAG.sub(b"", record.value) if record.key in self._protected else record.value
+        if record.key not in self._protected:
+            return record.value
+        opened = self._open(record)
+        return b"" if opened is None else opened  # (validated first: never None here)
 
     @property
     def priority(self) -> int:
-        return 20  # outermost: checked before the signature (which signs the value without it)
+        return 20  # outermost: opened before the signature is checked (it signs the value inside)
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return isinstance(other, RunSecretValidator) and other.namespace == self.namespace
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {**self.__dict__, "_cipher": None}
 
 
 class RecordBoundsValidator(RecordValidatorBase):

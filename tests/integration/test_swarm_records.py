@@ -221,6 +221,66 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
     assert all(torch.equal(x, y) for x, y in zip(*params))
 
 
+async def _stored_values(_dht, node) -> list[bytes]:
+    """(In a stock DHT node's process.) Every value it stores, as stored."""
+    values = []
+    for _key, stored in node.protocol.storage.items():
+        inner = getattr(stored.value, "data", None)  # a dictionary value: its subkeys' values
+        values += [entry.value for entry in inner.values()] if isinstance(inner, dict) else [stored.value]
+    return [value if isinstance(value, bytes) else repr(value).encode() for value in values]
+
+
+def test_a_stock_dht_node_holding_a_private_run_s_records_cannot_read_them():
+    """hivemind stores a record on the nodes nearest its key, whoever runs them. A private run's
+    heartbeats and manifest were stored there in the clear, an HMAC beside them: an outsider's
+    plain hivemind node read the run id, the peers' names, steps and addresses (a review, stop
+    64). They are sealed with the secret now; the run's peers still read them."""
+    import hivemind
+
+    from swarm.records import HEARTBEAT_TTL, LONG_TTL, RunManifest
+
+    keys = RunKeys("myprivaterun", "correct horse battery staple")
+    first = connect(NetworkConfig(), keys)
+    try:
+        addresses = [str(a) for a in first.dht.get_visible_maddrs()]
+        outsider = hivemind.DHT(initial_peers=addresses, start=True)  # no validators, no secret
+        second = connect(NetworkConfig(initial_peers=addresses), keys)
+        try:
+            manifest = RunManifest(
+                run_id=keys.run_id,
+                owner="0123456789abcdef",
+                fingerprint="f" * 16,
+                summary="tiny",
+                created=dht_time(),
+            )
+            for session in (first, second):
+                assert session.store.store(keys.manifest, manifest, ttl=LONG_TTL, wait=True)
+                beat = PeerHeartbeat(
+                    peer_id=session.peer_id,
+                    name="alice-laptop",
+                    stage=Stage.TRAINING,
+                    outer_step=3,
+                    inner_step=1,
+                    inner_steps=5,
+                    time=dht_time(),
+                    addresses=addresses,
+                )
+                assert session.store.store(keys.peers, beat, ttl=HEARTBEAT_TTL, wait=True)
+            held = wait_until(
+                lambda: outsider.run_coroutine(_stored_values), 30, "the outsider to hold records"
+            )
+            assert len(held) >= 2, held
+            for secret in (b"myprivaterun", b"alice-laptop", b"tiny", first.peer_id.encode()):
+                assert not any(secret in value for value in held), (secret, held)
+            read = second.store.read(keys.peers, PeerHeartbeat)
+            assert {beat.name for beat in read.values()} == {"alice-laptop"} and len(read) == 2
+        finally:
+            second.close()
+            outsider.shutdown()
+    finally:
+        first.close()
+
+
 def test_a_change_the_run_cannot_take_is_refused_and_steer_says_so(spawn, tmp_path):
     """A streaming run of 4 fragments steered to H=6: `steer` printed "1/1 peers applied v1" and
     exited 0 while the peer refused it, and every later change carried H=6 (a review,

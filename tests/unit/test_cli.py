@@ -597,6 +597,20 @@ def test_help_does_not_import_torch():
     assert done.stdout.strip() == "False", done.stderr
 
 
+def test_a_secret_on_the_command_line_is_warned_of(monkeypatch, caplog, capsys):
+    """`ps` showed a private run's `--secret` in full to every user of the machine (a review,
+    stop 64): given on a command line it is warned of, from the environment it is not."""
+    with caplog.at_level("WARNING", logger="workbench"):
+        assert main(["config", "show", "--secret", "correct horse battery"]) == 0
+    assert "set WORKBENCH_SECRET in the environment instead" in caplog.text
+    assert "correct horse" not in capsys.readouterr().out
+    caplog.clear()
+    monkeypatch.setenv("WORKBENCH_SECRET", "correct horse battery")
+    with caplog.at_level("WARNING", logger="workbench"):
+        assert main(["config", "show"]) == 0
+    assert "WORKBENCH_SECRET" not in caplog.text
+
+
 def test_export_writes_csv_and_json_lines(tmp_path, capsys):
     """`workbench export RUN_DIR --csv`: one row per round event of every peer under RUN_DIR."""
     import csv

@@ -48,6 +48,7 @@ def test_a_secret_hides_the_run_keys() -> None:
     assert private.namespace != "my-run" and private.namespace != other.namespace
     assert private.namespace == RunKeys("my-run", "correct horse battery").namespace  # deterministic
     assert "correct" not in private.peers
+    assert "my-run" not in private.group("diloco")  # (it names the run's handlers, listed to any caller)
 
 
 def test_a_short_secret_is_refused() -> None:
@@ -106,8 +107,12 @@ def test_a_signed_record_validates_and_a_tampered_one_does_not(private_key, secr
     signed = dataclasses.replace(plain, value=validator.sign_value(plain))
     assert validator.validate(signed)
     assert validator.strip_value(signed) == plain.value
-    tampered = dataclasses.replace(signed, value=signed.value.replace(b"training", b"averaging"))
-    assert not validator.validate(tampered)
+    if secret is None:
+        tampered = signed.value.replace(b"training", b"averaging")
+    else:  # sealed: a bit flipped in what it holds
+        assert b"training" not in signed.value
+        tampered = signed.value[:-20] + bytes([signed.value[-20] ^ 1]) + signed.value[-19:]
+    assert not validator.validate(dataclasses.replace(signed, value=tampered))
 
 
 def test_a_record_under_another_key_cannot_be_signed(private_key, tmp_path) -> None:
@@ -169,13 +174,38 @@ def test_without_the_secret_a_store_is_refused(private_key) -> None:
     outsider = RunSecretValidator(RunKeys("run", "a wrong secret"))
     insider = RunSecretValidator(keys)
     plain = record(keys.peers, b"x", beat("QmX"))
-    assert not insider.validate(plain)  # no tag at all
-    forged = record(keys.peers, b"x", beat("QmX"))
-    # An outsider's tag is made with another secret (and for other key names).
-    forged = dataclasses.replace(forged, value=forged.value + b"[run-hmac:" + b"0" * 64 + b"]")
+    assert not insider.validate(plain)  # not sealed at all
+    # An outsider's seal is made with another secret (and for other key names).
+    forged = dataclasses.replace(plain, value=outsider.sign_value(plain))
     assert not insider.validate(forged)
-    assert insider.validate(dataclasses.replace(plain, value=insider.sign_value(plain)))
+    sealed = dataclasses.replace(plain, value=insider.sign_value(plain))
+    assert insider.validate(sealed) and insider.strip_value(sealed) == plain.value
+    # Bound to where it was stored: moved under another subkey, or kept longer, it does not open.
+    assert not insider.validate(dataclasses.replace(sealed, subkey=b"y"))
+    assert not insider.validate(dataclasses.replace(sealed, expiration_time=sealed.expiration_time + 1))
     assert outsider.validate(record("someone-elses-key", b"x", 1))  # other keys are not its business
+
+
+def test_a_private_run_s_records_are_unreadable_without_its_secret() -> None:
+    """A review (stop 64) found a private run's heartbeats, manifest and steering stored in the
+    clear (an HMAC beside them) on whichever nodes were nearest their keys, an outsider's among
+    them: the run id, peer names, steps, addresses. They are sealed now, the matchmaking
+    declarations too (which carried no HMAC: anybody who knew the names wrote there)."""
+    keys = RunKeys("myprivaterun", "the real secret")
+    insider = RunSecretValidator(keys)
+    secret_beat = {**beat("QmX"), "name": "alice-laptop"}
+    for key in (
+        keys.peers,
+        keys.manifest,
+        keys.control,
+        keys.donors[0],
+        keys.matchmaking[0],
+        keys.matchmaking[-1],
+    ):
+        stored = record(key, b"x", secret_beat)
+        sealed = insider.sign_value(stored)
+        assert b"alice-laptop" not in sealed and b"QmX" not in sealed, key
+        assert not insider.validate(stored), key  # an outsider's write (no seal) is refused there too
 
 
 # --- records -------------------------------------------------------------------------------------------

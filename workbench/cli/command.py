@@ -184,7 +184,12 @@ def _print_join_command(config: RunConfig, addresses: list[str], key: Path, kept
     if len(public) > 1:
         print("Other addresses of this peer: " + " ".join(public[1:]) + "\n", flush=True)
     if config.peer.secret:
-        print("This run is private: give joiners the run secret in place of SECRET, privately.\n", flush=True)
+        print(
+            "This run is private: give joiners the run secret in place of SECRET, privately (on a "
+            "shared machine, as WORKBENCH_SECRET=... in the environment: a command line is "
+            "readable by its other users).\n",
+            flush=True,
+        )
     print(f"The run's owner key, to steer it (`workbench steer ADDRESS --key FILE`): {key}", flush=True)
     if not kept:  # the run could not be steered once this peer is gone
         print(
@@ -261,6 +266,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
         raise
     args.verbose += getattr(args, "verbose_after", 0)
     _configure_logging(args.verbose)
+    if any(item == "--secret" or item.startswith("--secret=") for item in argv):
+        # (a review, stop 64: `ps` showed a private run's secret in full to every local user)
+        logging.getLogger("workbench").warning(
+            "--secret on a command line is readable by every user of this machine (ps, /proc); "
+            "set WORKBENCH_SECRET in the environment instead"
+        )
     if not faulthandler.is_enabled():  # a crash in native code (torch, gloo) still names its Python line
         faulthandler.enable()
         if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack, for a peer that hangs
