@@ -382,6 +382,13 @@ def _main(argv: Sequence[str] | None = None) -> int:
     except FloatingPointError as error:  # training diverged: the message says what to lower
         print(f"error: {_one_line(error)}", file=sys.stderr)
         return 1
+    except RuntimeError as error:  # a torchrun node's rank gone: one line, not gloo's C++ frames
+        from workbench.run.node import NodeError
+
+        if not isinstance(error, NodeError):
+            raise
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("stopped.", file=sys.stderr)
         return 0

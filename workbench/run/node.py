@@ -22,9 +22,12 @@ much as a 1-process peer with the same batch size.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
 import socket
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -33,6 +36,18 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 STEP, SYNC, CHECK, STOP = range(4)
+
+WORK_TIMEOUT = 300.0
+"""Seconds a rank waits in the node's work (a step's gradients, a sync, a check) for the others:
+a step's all-reduce waits for the slowest rank's forward and backward. Commands wait longer (the
+node's default group: a follower waits through rank 0's rounds, downloads and pauses). Until
+stop 64 the work waited 12 hours too: a follower stopped or hung (SIGSTOP) held the node that
+long without a word, and Ctrl+C could not stop rank 0 (Python's handler waits for gloo)."""
+
+
+class NodeError(RuntimeError):
+    """A collective of the node's ranks failed: a rank is gone (killed, crashed) or stopped
+    answering within :data:`WORK_TIMEOUT`."""
 
 
 def node_world() -> tuple[int, int]:
@@ -49,7 +64,9 @@ class NodeGroup:
             # rank 0's averaging rounds, state downloads and steering pauses.
             dist.init_process_group("gloo", timeout=timedelta(hours=12))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.work = dist.new_group(backend="gloo", timeout=timedelta(seconds=WORK_TIMEOUT))
         self.stopped = False
+        self.pending = False  # rank 0: a command sent whose work the followers now wait in
 
     @classmethod
     def from_env(cls) -> NodeGroup | None:
@@ -59,29 +76,54 @@ class NodeGroup:
 
     def command(self, op: int = STEP, lr: float = 0.0) -> tuple[int, float]:
         message = torch.tensor([float(op), lr], dtype=torch.float64)
-        dist.broadcast(message, src=0)
+        with self._failing("command"):
+            dist.broadcast(message, src=0)
+        self.pending = self.rank == 0 and op in (STEP, SYNC, CHECK)
         return int(message[0]), float(message[1])
 
     def stop(self) -> None:
         """Rank 0: tell the followers to return, and wait until every rank has the word (a
-        barrier), so that no rank tears its side of the group down with a message in flight."""
+        barrier), so that no rank tears its side of the group down with a message in flight.
+        Stopped between a command and its work (a Ctrl+C or SIGTERM during a step's forward
+        pass), the followers wait in that work, not for a command: the group is torn down
+        instead, which ends their wait with an error (a STOP sent then met their all-reduce, and
+        rank 0 hung until its close deadline: a review, stop 64)."""
         if not self.stopped and self.rank == 0:
             self.stopped = True
+            if self.pending:
+                logger.info("node: stopped during the ranks' work; the followers end as the group closes")
+                return
             self.command(STOP)
-            dist.barrier()
+            with self._failing("stop"):
+                dist.barrier(group=self.work)
+
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        """gloo's error (a C++ message, often with a stack of frames) as one line naming the rank."""
+        try:
+            yield
+        except RuntimeError as error:
+            first = next((line for line in str(error).splitlines() if line.strip()), "")
+            first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo's "[.../pair.cc:553] "
+            raise NodeError(
+                f"node rank {self.rank}: the node's {what} failed: a rank is gone or did not answer within "
+                f"{WORK_TIMEOUT:.0f} s ({first})"
+            ) from None
 
     # --- collectives -------------------------------------------------------------------------
 
     @torch.no_grad()
     def sync_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Rank 0's parameters and inner optimizer state onto every rank."""
-        for p in model.parameters():
-            buffer = p.detach().to("cpu", copy=True)
-            dist.broadcast(buffer, src=0)
-            if self.rank:
-                p.copy_(buffer.to(p.device))
-        state = [optimizer.state_dict() if self.rank == 0 else None]
-        dist.broadcast_object_list(state, src=0)
+        with self._failing("sync"):
+            for p in model.parameters():
+                buffer = p.detach().to("cpu", copy=True)
+                dist.broadcast(buffer, src=0, group=self.work)
+                if self.rank:
+                    p.copy_(buffer.to(p.device))
+            state = [optimizer.state_dict() if self.rank == 0 else None]
+            dist.broadcast_object_list(state, src=0, group=self.work)
+        self.pending = False
         if self.rank:
             optimizer.load_state_dict(state[0])
 
@@ -91,7 +133,9 @@ class NodeGroup:
         params = [p for p in model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.detach().reshape(-1).float().cpu() for g in grads])
-        dist.all_reduce(flat)
+        with self._failing("step"):
+            dist.all_reduce(flat, group=self.work)
+        self.pending = False
         flat /= self.world_size
         offset = 0
         for p, g in zip(params, grads):
@@ -104,9 +148,11 @@ class NodeGroup:
         """The largest |θ_rank − θ_rank0| over the node (0 when the ranks agree)."""
         flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
         reference = flat.clone()
-        dist.broadcast(reference, src=0)
-        diff = torch.tensor([float((flat - reference).abs().max()) if flat.numel() else 0.0])
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        with self._failing("check"):
+            dist.broadcast(reference, src=0, group=self.work)
+            diff = torch.tensor([float((flat - reference).abs().max()) if flat.numel() else 0.0])
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=self.work)
+        self.pending = False
         return float(diff)
 
     def close(self) -> None:
@@ -151,9 +197,12 @@ def follow(config) -> int:
             elif op == CHECK:
                 node.max_param_diff(model)
             elif op == STOP:
-                dist.barrier()  # rank 0's stop(): every rank has the word
+                dist.barrier(group=node.work)  # rank 0's stop(): every rank has the word
                 logger.info("node rank %d: stopped by rank 0", node.rank)
                 return 0
+    except NodeError as error:  # rank 0 stopped mid-step (it closed the group), or a rank is gone
+        logger.warning("%s; this rank stops", error)
+        return 0
     except KeyboardInterrupt:
         return 0
     finally:

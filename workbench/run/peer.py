@@ -1018,13 +1018,20 @@ def run_peer(
         except Exception as failure:
             # θ_global is the swarm's model, whatever stopped this peer (an inner loss of NaN
             # never touches it; a heartbeat that cannot be published neither): kept as a Ctrl+C
-            # keeps it (it was lost, hours into a run without --rounds).
-            try:
-                if not isinstance(failure, checkpoint.GlobalParamsError):  # (not twice)
-                    peer.save_global_params(stopped=True, after=failure)
-            except BaseException as error:  # noqa: BLE001 - the first failure is the one to report
-                logger.error("could not write the global params: %s", error)
-            close_within(peer.close, "error")
+            # keeps it (it was lost, hours into a run without --rounds). A stop signal meanwhile
+            # is dropped: the peer is stopping already (torchrun sends SIGTERM to every rank as
+            # soon as one dies, and it cut the write short, "could not write the global params: ",
+            # a review, stop 64).
+            stopping_now()
+            with not_interrupted(deliver=False):
+                try:
+                    if not isinstance(failure, checkpoint.GlobalParamsError):  # (not twice)
+                        peer.save_global_params(stopped=True, after=failure)
+                except Exception as error:  # noqa: BLE001 - the first failure is the one to report
+                    logger.error(
+                        "could not write the global params: %s", one_line(error) or type(error).__name__
+                    )
+                close_within(peer.close, "error")
             raise
         except BaseException:
             close_within(peer.close, "error")

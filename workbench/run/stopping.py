@@ -64,12 +64,13 @@ def stopped_by_signals() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def not_interrupted() -> Iterator[None]:
-    """Within: Ctrl+C, SIGTERM and SIGHUP are held back and delivered on exit, so that a
-    shutdown already under way (stopping the demo's peers) is not cut short by a second
-    signal, such as the terminal closing a few seconds after `q`. (Python runs signal handlers
-    in the main thread whichever thread the kernel picked, so the handlers are swapped rather
-    than the signal mask.) Only the main thread may change handlers: elsewhere a no-op."""
+def not_interrupted(*, deliver: bool = True) -> Iterator[None]:
+    """Within: Ctrl+C, SIGTERM and SIGHUP are held back and delivered on exit (``deliver``;
+    else dropped: a stop already under way for another reason), so that a shutdown already
+    under way (stopping the demo's peers) is not cut short by a second signal, such as the
+    terminal closing a few seconds after `q`. (Python runs signal handlers in the main thread
+    whichever thread the kernel picked, so the handlers are swapped rather than the signal
+    mask.) Only the main thread may change handlers: elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -81,7 +82,7 @@ def not_interrupted() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if arrived:
+        if arrived and deliver:
             signal.raise_signal(arrived[0])  # now handled as it would have been
 
 
