@@ -82,6 +82,7 @@ WITNESS_SECONDS = 120.0  # for the peer's process to sketch θ (it may wait for 
 MAX_STREAMS = 3
 MEMBERS_WAIT = 5.0  # s a private run's peer looks for an asker's heartbeat (see _a_member)
 MEMBERS_PAUSE = 0.5  # s between two reads of the run's heartbeats for it
+MEMBERS_WAITING = 8  # askers waiting for such a read at most; another not found is refused at once
 """hivemind's state streams served at once (one per peer, and one per address another machine
 connects from: fresh keys are free): each holds a copy of the state while it runs (6 stalled
 streams held 3.1 GB of a 200 MB state, measured). A joiner refused gets an empty stream and
@@ -153,9 +154,10 @@ class StateSharing:
         joiners')."""
         self._donor_subkey = subkey
         self._members_key = members
-        self._members: set[PeerID] = set()  # (averager process) peers found under ``members``
-        self._members_lock: asyncio.Lock | None = None
+        self._members: dict[PeerID, float] = {}  # (averager process) those found there, until when
+        self._members_read_task: asyncio.Future | None = None  # the read of them in flight
         self._members_read = 0.0  # when they were last read
+        self._members_waiting = 0  # askers not found yet, waiting for a read
         self._streamed = mp.Array("c", 1024)  # "tag|donor,..." (see streamed_from), by id
         self._stream_tag = 0  # (averager process) the latest stream download asked for
         self._fault_file = fault_file
@@ -529,32 +531,55 @@ class StateSharing:
 
     async def _a_member(self, peer: PeerID) -> bool:
         """Whether ``peer`` may read this peer's state: always in a public run; in a private one,
-        if it has a heartbeat under the run's key (which only holders of the secret can write).
-        A joiner asks right after publishing its first heartbeat: one not found yet is looked
-        for again, :data:`MEMBERS_PAUSE` s apart, for :data:`MEMBERS_WAIT` s. Before, anybody
-        who connected to a peer of a private run (the run's namespace is in its handlers' names,
-        which libp2p lists to any caller) downloaded its θ and optimizer state."""
-        if self._members_key is None or peer in self._members:
+        if it has a live heartbeat under the run's key (which only holders of the secret can
+        write). A joiner asks right after publishing its first heartbeat: one not found yet is
+        looked for again, in one read of the run's heartbeats :data:`MEMBERS_PAUSE` s apart
+        that every asker waits on, for :data:`MEMBERS_WAIT` s at most; past
+        :data:`MEMBERS_WAITING` askers waiting, another not found is refused at once (a flood of
+        outsiders' requests, queued behind one another, held each for up to 56 s and a late
+        joiner behind them: a review). Before, anybody who connected to a peer of a private run
+        (the run's namespace is in its handlers' names, which libp2p lists to any caller)
+        downloaded its θ and optimizer state."""
+        if self._members_key is None or self._is_member(peer):
             return True
-        if self._members_lock is None:
-            self._members_lock = asyncio.Lock()
-        deadline = time.monotonic() + MEMBERS_WAIT
-        while time.monotonic() < deadline:
-            async with self._members_lock:  # one read at a time, however many ask
-                if peer in self._members:
-                    return True
-                await asyncio.sleep(max(0.0, self._members_read + MEMBERS_PAUSE - time.monotonic()))
-                self._members_read = time.monotonic()
+        if self._members_waiting >= MEMBERS_WAITING:
+            return False
+        self._members_waiting += 1
+        try:
+            deadline = time.monotonic() + MEMBERS_WAIT
+            while (left := deadline - time.monotonic()) > 0:
+                if self._members_read_task is None or self._members_read_task.done():
+                    self._members_read_task = asyncio.ensure_future(self._read_members())
                 try:
-                    found = await self.dht.get(self._members_key, latest=True, return_future=True)
-                except Exception as error:  # noqa: BLE001 - the DHT did not answer: not found yet
-                    logger.debug("could not read the run's peers: %s", one_line(error))
-                    found = None
-                entries = found.value if found is not None and isinstance(found.value, dict) else {}
-                self._members |= {p for p in map(peer_of, entries) if p is not None}
-                if peer in self._members:
+                    await asyncio.wait_for(asyncio.shield(self._members_read_task), left)
+                except asyncio.TimeoutError:
+                    return False
+                if self._is_member(peer):
                     return True
-        return False
+            return False
+        finally:
+            self._members_waiting -= 1
+
+    def _is_member(self, peer: PeerID) -> bool:
+        return self._members.get(peer, 0.0) > get_dht_time()
+
+    async def _read_members(self) -> None:
+        """The run's heartbeats now: their writers, each until its heartbeat expires."""
+        await asyncio.sleep(max(0.0, self._members_read + MEMBERS_PAUSE - time.monotonic()))
+        self._members_read = time.monotonic()
+        try:
+            found = await self.dht.get(self._members_key, latest=True, return_future=True)
+        except Exception as error:  # noqa: BLE001 - the DHT did not answer: not found yet
+            logger.debug("could not read the run's peers: %s", one_line(error))
+            return
+        entries = found.value if found is not None and isinstance(found.value, dict) else {}
+        members: dict[PeerID, float] = {}
+        for subkey, entry in entries.items():
+            writer = peer_of(subkey)
+            expiration = getattr(entry, "expiration_time", None)
+            if writer is not None and isinstance(expiration, (int, float)):
+                members[writer] = max(members.get(writer, 0.0), float(expiration))
+        self._members = members
 
     async def _far_ip(self, peer: PeerID) -> str | None:
         """Where ``peer`` is connected from (:func:`swarm.addresses.far_ip`; None: this machine,

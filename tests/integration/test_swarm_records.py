@@ -174,14 +174,6 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
         # lists to anyone who connects (a review, stop 64). Before, this outsider downloaded θ and
         # the optimizer's moments, and θ's sketches. A joiner (the secret, a first heartbeat) does.
         assert _asks_for_the_state(outsider, address, keys) == (0, False)
-        insider = observer(address, keys)
-        try:
-            joining = fake.model_copy(update=dict(peer_id=insider.peer_id, stage=Stage.DOWNLOADING))
-            assert insider.store.store(keys.peers, joining, ttl=30, wait=True)
-            parts, sketched = _asks_for_the_state(insider, address, keys)
-            assert parts > 0 and sketched
-        finally:
-            insider.close()
     finally:
         outsider.close()
 
@@ -190,6 +182,19 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
     assert joined.returncode == 2 and "no live peer of run 'private'" in joined.stderr, joined.stderr
     assert "--secret match" in joined.stderr, joined.stderr  # what a joiner of a private run forgot
     assert visible.returncode == 0 and len(json.loads(visible.stdout)["peers"]) == 1, visible.stderr
+
+    # A node with the secret and a heartbeat under the run's key (one that says it leaves: no
+    # round mate for the others, nor a peer for status) is served both.
+    insider = observer(address, keys)
+    try:
+        left = fake.model_copy(update=dict(peer_id=insider.peer_id, stage=Stage.LEAVING, time=dht_time()))
+        wait_until(
+            lambda: insider.store.store(keys.peers, left, ttl=10, wait=True), 30, "the insider's heartbeat"
+        )
+        parts, sketched = _asks_for_the_state(insider, address, keys)
+        assert parts > 0 and sketched
+    finally:
+        insider.close()
 
     # A second peer with the secret joins and trains with the owner.
     second = spawn("b", "join", address, *private)
