@@ -23,6 +23,13 @@ def test_a_killed_peer_resumes_from_its_checkpoint(spawn):
         time.sleep(0.2)
     first.kill()  # SIGKILL: no goodbye, no final save
 
+    # Which run of that id wrote it: its owner (a joiner's --resume into another owner's run of
+    # the same id is refused, tests/unit/test_checkpoint.py).
+    from workbench.run import checkpoint
+
+    written = checkpoint.load(first.directory)[0]
+    assert written["owner"] and written["owner"] == first.events("started")[0]["owner"], written.get("owner")
+
     # Peers that only read the checkpoints run side by side: each takes seconds to start.
     again = spawn("b", "start", *common, "--rounds", str(saved + 3), "--resume", str(first.directory))
     done = spawn("g", "start", *common, "--rounds", str(saved), "--resume", str(first.directory))

@@ -666,6 +666,23 @@ def test_a_refused_resume_names_the_flags_that_differ(tmp_path) -> None:
         checkpoint.load_for(tmp_path, run_id="r", fingerprint=mine, fingerprinted={"--method": "diloco"})
 
 
+def test_a_checkpoint_of_another_owner_s_run_of_the_same_id_is_refused(tmp_path) -> None:
+    """A volunteer's `join --resume` with a checkpoint of an earlier run that had the same run id
+    (another owner): the new run's owner, at outer step 0, downloaded the joiner's state, 4 rounds
+    of the old run, and went on from it (a review, stop 64). Refused, saying what to do; a
+    checkpoint of an earlier release (no owner) and one of the same owner are taken."""
+    state = {"model": {}, "inner_optimizer": {}, "outer": {"params": [torch.ones(2)]}}
+    checkpoint.save(tmp_path, {"run_id": "r", "owner": "9a46", "fingerprint": "f", **state})
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.load_for(tmp_path, run_id="r", fingerprint="f", owner="da93")
+    assert "another run named 'r' (owner 9a46; this one's is da93)" in str(refused.value)
+    assert "join without --resume" in str(refused.value) and "\n" not in str(refused.value)
+    assert checkpoint.load_for(tmp_path, run_id="r", fingerprint="f", owner="9a46")[0]["owner"] == "9a46"
+    assert checkpoint.load_for(tmp_path, run_id="r", fingerprint="f")  # owner unknown (`start`): taken
+    checkpoint.save(tmp_path, {"run_id": "r", "fingerprint": "f", **state})  # an earlier release's
+    assert checkpoint.load_for(tmp_path, run_id="r", fingerprint="f", owner="da93")
+
+
 def test_a_trimmed_mean_checkpoint_of_an_earlier_release_still_resumes(tmp_path) -> None:
     """The run's fingerprint covers --aggregate since stop 62 (a trimmed-mean joiner was let into
     a mean run); a trimmed-mean peer's checkpoint written before then holds the fingerprint

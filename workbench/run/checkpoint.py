@@ -403,16 +403,29 @@ def load_for(
     summary: str = "",
     fingerprinted: dict[str, str] | None = None,
     also: tuple[str, ...] = (),
+    owner: str | None = None,
 ) -> tuple[dict[str, Any], Path]:
     """:func:`load`, refusing a checkpoint of another run or model (``--resume``); ``also``:
     other fingerprints this peer's settings had in earlier releases; ``summary``:
     this peer's model and optimizer in words, shown beside the checkpoint's when they differ;
     ``fingerprinted``: what the fingerprint covers, flag by flag, to name the flags that differ
-    (the summaries alone read the same for another --update-codec or --outer-momentum)."""
+    (the summaries alone read the same for another --update-codec or --outer-momentum).
+    ``owner``: the run's owner (its manifest's); a checkpoint written in a run of another owner
+    under the same id is refused (one of an earlier release names none: taken)."""
     payload, path = load(directory, required=REQUIRED)
     if payload.get("run_id") != run_id:
         raise CheckpointError(
-            f"{path} belongs to run '{payload.get('run_id')}', not '{run_id}': pass --run-id {payload.get('run_id')}"
+            f"{path} belongs to run '{payload.get('run_id')}', not '{run_id}': pass --run-id {payload.get('run_id')}, "
+            "or join without --resume (with another --run-dir)"
+        )
+    written_in = payload.get("owner")
+    if owner and isinstance(written_in, str) and written_in != owner:
+        # A run started anew under the same id by someone else: the old θ took over the new
+        # run (its owner, at outer step 0, downloaded the resumed joiner's state: a review).
+        raise CheckpointError(
+            f"{path} was written in another run named '{run_id}' (owner {written_in}; this one's is "
+            f"{owner}): its state is not this run's: join without --resume (with another --run-dir; "
+            "the run's state is downloaded)"
         )
     theirs = payload.get("fingerprinted")
     if payload.get("fingerprint") in also:

@@ -817,6 +817,7 @@ class Peer:
             self.run_dir,
             {
                 "run_id": self.config.peer.run_id,
+                "owner": self.manifest.owner if self.manifest else None,  # which run of that id
                 "fingerprint": self.fingerprint()[0],
                 "summary": self.fingerprint()[1],
                 "fingerprinted": self._fingerprinted,
@@ -941,6 +942,9 @@ class Peer:
             fingerprinted=self._fingerprinted,
             # (an earlier release's checkpoint: its fingerprint left --aggregate out)
             also=(joining.fingerprint(self.config, self.model, before_aggregate=True)[0],),
+            # A joiner's run is its owner's: a checkpoint of another owner's run of that id is
+            # not resumed into it. (`start --resume` continues a run under this peer's key.)
+            owner=self.manifest.owner if self.manifest and self.config.network.initial_peers else None,
         )
 
     def inner_step(self, x: torch.Tensor, y: torch.Tensor, info: dict[str, Any]) -> tuple[float, Any]:
