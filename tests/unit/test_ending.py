@@ -246,8 +246,9 @@ def test_a_peer_done_with_its_rounds_is_no_round_mate_even_while_it_downloads():
     assert averager(FakeBoard(downloading), vouched=["done"]).wait_for_round_mates(3) is Verdict.ALONE
 
 
-def _finishing_peer(vouched: set[str]):
-    """A peer at the end of its 40 rounds, whose board shows nobody (the others left before)."""
+def _finishing_peer(vouched: set[str], beats: tuple = ()):
+    """A peer at the end of its 40 rounds, whose board shows ``beats`` (none: the others left
+    before)."""
     from types import SimpleNamespace
 
     from workbench.run.peer import Peer
@@ -263,7 +264,10 @@ def _finishing_peer(vouched: set[str]):
     peer.averager = SimpleNamespace(
         barrier=SimpleNamespace(config=config), vouching=SimpleNamespace(vouched=set(vouched))
     )
-    peer.board = SimpleNamespace(fetch=lambda include_leaving=False: {}, publish=lambda *a, **k: None)
+    shown = {b.peer_id: b for b in beats}
+    peer.board = SimpleNamespace(
+        fetch=lambda include_leaving=False: dict(shown), publish=lambda *a, **k: None
+    )
     return peer
 
 
@@ -279,6 +283,17 @@ def test_a_peer_that_ends_after_its_mates_left_does_not_say_it_ended_on_their_st
     with caplog.at_level("WARNING", logger="workbench.run.peer"):
         alone = _finishing_peer(set()).end_on_the_others_state()  # a run of one peer
     assert alone["ended_on_others_state"] is False and "ended the run alone" not in caplog.text
+
+
+def test_a_peer_whose_mates_run_on_past_its_rounds_does_not_say_they_left(caplog) -> None:
+    """A volunteer's `--rounds` run ended on "the peers it averaged with had left; its final θ
+    is its own" while the owner it had just averaged with trained on (a review, stop 64)."""
+    owner = beat("owner", step=41, rounds=0, stage=Stage.TRAINING)  # no --rounds: until stopped
+    with caplog.at_level("INFO", logger="workbench.run.peer"):
+        ended = _finishing_peer({"owner"}, (owner,)).end_on_the_others_state()
+    assert ended["ended_on_others_state"] is False
+    assert "ended the run alone" not in caplog.text
+    assert "done at outer step 40; owner, which it averaged with, runs on past it" in caplog.text
 
 
 def test_a_peer_left_behind_round_after_round_says_so_once(caplog) -> None:
@@ -358,3 +373,13 @@ def test_a_rounds_group_weights_are_as_the_group_counted_them() -> None:
     report = RoundReport(group_size=2, group_info=[{"weight": 160.0}, {"weight": 1e9}])
     fields = round_fields(report, {"fingerprint": [1.0]}, 3, RoundStats(), eval_loss=2.0, resync=None)
     assert fields["group_weights"] == [160.0, 16 * 160.0]
+
+
+def test_a_peer_s_last_line_counts_the_rounds_it_trained() -> None:
+    """A joiner that came at round 1410 ended on "done: 1446 rounds" (the run's round), one that
+    trained none on "1375 rounds" (a review, stop 64)."""
+    from workbench.run.peer import rounds_said
+
+    assert rounds_said(4, 4) == "4 rounds"
+    assert rounds_said(36, 1446) == "36 rounds (to the run's round 1446)"
+    assert rounds_said(0, 1375) == "0 rounds (to the run's round 1375)"

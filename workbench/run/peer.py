@@ -654,10 +654,13 @@ class Peer:
         self.emit("done", **summary)
         # The run's last word on a terminal, as the demo's "done" line (start and join ended on
         # "wrote the swarm's model ...": a review, stop 60).
+        # The rounds this peer trained: a joiner that came at round 1410 said "done: 1446 rounds"
+        # (the run's round), and one that trained none "1375 rounds" (a review, stop 64).
+        trained = self.rounds_done // cfg.outer_method.syncs_per_round(cfg.fragments)
         logger.info(
-            "%s: done: %d rounds, eval loss %.4f -> %.4f, %.1f MB sent",
+            "%s: done: %s, eval loss %.4f -> %.4f, %.1f MB sent",
             self.name,
-            summary["outer_rounds"],
+            rounds_said(trained, summary["outer_rounds"]),
             initial_eval,
             final_eval,
             self.stats.bytes_sent / 1e6,
@@ -759,14 +762,32 @@ class Peer:
                 continue
             time.sleep(0.2)
         if ending.action == "leave" and not ending.agreeing and vouched:
-            # The peers it averaged with ended before it and left (a slower peer's last rounds,
-            # alone): its θ is its own; said, not reported as the others' (a review).
-            logger.warning(
-                "%s: ended the run alone at outer step %d: the peers it averaged with had left; "
-                "its final θ is its own",
-                self.name,
-                step,
+            # Peers it averaged with that run on (a larger --rounds, or none: the run's owner)
+            # have not left: said as such (every volunteer's --rounds run ended on "the peers it
+            # averaged with had left" while the owner trained on: a review, stop 64).
+            running_on = sorted(
+                b.name
+                for b in beats
+                if b.peer_id in vouched and b.stage is not Stage.LEAVING and b.rounds != step
             )
+            if running_on:
+                logger.info(
+                    "%s: done at outer step %d; %s, which it averaged with, run%s on past it",
+                    self.name,
+                    step,
+                    ", ".join(running_on[:3])
+                    + (f" and {len(running_on) - 3} more" if len(running_on) > 3 else ""),
+                    "s" if len(running_on) == 1 else "",
+                )
+            else:
+                # The peers it averaged with ended before it and left (a slower peer's last
+                # rounds, alone): its θ is its own; said, not reported as the others' (a review).
+                logger.warning(
+                    "%s: ended the run alone at outer step %d: the peers it averaged with had left; "
+                    "its final θ is its own",
+                    self.name,
+                    step,
+                )
         return dict(
             ended_on_others_state=ending.action == "leave" and ending.agreeing > 0,
             ending_agreeing_peers=ending.agreeing,
@@ -996,6 +1017,12 @@ class Peer:
             self.session.close(*(self.outer.averagers if self.outer is not None else []))
         self.session = self.averager = self.dht = self.outer = None
         self.events.close()
+
+
+def rounds_said(trained: int, reached: int) -> str:
+    """The rounds a peer trained, for its last line, and the run's round it reached when that is
+    another number (a joiner's)."""
+    return f"{trained} rounds" + (f" (to the run's round {reached})" if trained != reached else "")
 
 
 def run_peer(
