@@ -247,7 +247,10 @@ def load(directory: str | Path, *, required: tuple[str, ...] = ()) -> tuple[dict
         try:
             payload = _read(directory / PREVIOUS, required)
         except CheckpointError as previous:
-            raise CheckpointError(f"cannot resume: {newest}; and {previous}") from None
+            raise CheckpointError(
+                f"cannot resume: {newest}; and {previous}: nothing to resume from; start without "
+                "--resume (and with another --run-dir): a joiner downloads the run's state"
+            ) from None
         logger.warning("%s; resuming from the previous checkpoint %s", newest, directory / PREVIOUS)
         if (directory / NAME).exists():
             _passed_over.add(str((directory / NAME).resolve()))
