@@ -116,20 +116,27 @@ def _asks_for_the_state(session, address: str, keys: RunKeys) -> tuple[int, bool
 
     async def ask() -> tuple[int, bool]:
         p2p = await session.dht.replicate_p2p()
-        stream = await p2p.iterate_protobuf_handler(
-            donor,
-            f"{handlers}.rpc_download_state",
-            averaging_pb2.DownloadRequest(),
-            averaging_pb2.DownloadData,
-        )
-        parts = [message async for message in stream]
-        answer = await p2p.call_protobuf_handler(
-            donor,
-            f"{handlers}.rpc_theta_sketch",
-            averaging_pb2.DownloadData(metadata=pack({"seed": os.urandom(16)})),
-            averaging_pb2.DownloadData,
-        )
-        return len(parts), bool(unpack(answer.metadata).get("ok"))
+
+        async def parts() -> int:
+            stream = await p2p.iterate_protobuf_handler(
+                donor,
+                f"{handlers}.rpc_download_state",
+                averaging_pb2.DownloadRequest(),
+                averaging_pb2.DownloadData,
+            )
+            return len([message async for message in stream])
+
+        async def sketched() -> bool:
+            answer = await p2p.call_protobuf_handler(
+                donor,
+                f"{handlers}.rpc_theta_sketch",
+                averaging_pb2.DownloadData(metadata=pack({"seed": os.urandom(16)})),
+                averaging_pb2.DownloadData,
+            )
+            return bool(unpack(answer.metadata).get("ok"))
+
+        counted, ok = await asyncio.gather(parts(), sketched())  # (an outsider waits on both at once)
+        return counted, ok
 
     return asyncio.run(asyncio.wait_for(ask(), 60))
 

@@ -36,7 +36,7 @@ def _rank(rank: int, port: int, role: str, results) -> None:
         else:
             group.command()
             if role == "hangs":
-                time.sleep(6)  # stopped (SIGSTOP), or stuck: never reaches the step's all-reduce
+                time.sleep(4.5)  # stopped (SIGSTOP), or stuck: never reaches the step's all-reduce
             group.average_gradients(model)
             results.put((rank, "done", time.monotonic() - started))
     except node.NodeError as error:
