@@ -80,13 +80,13 @@ TOP_WAIT = 2.0  # s the first-ranked donor's offer is waited for, from the reque
 SNAPSHOT_SECONDS = 10.0  # joiners asking within this long (and at the same declared step) share a snapshot
 WITNESS_SECONDS = 120.0  # for the peer's process to sketch θ (it may wait for an overlapped round)
 MAX_STREAMS = 3
-MEMBERS_WAIT = 5.0  # s a private run's peer looks for an asker's heartbeat (see _a_member)
-MEMBERS_PAUSE = 0.5  # s between two reads of the run's heartbeats for it
-MEMBERS_WAITING = 8  # askers waiting for such a read at most; another not found is refused at once
 """hivemind's state streams served at once (one per peer, and one per address another machine
 connects from: fresh keys are free): each holds a copy of the state while it runs (6 stalled
 streams held 3.1 GB of a 200 MB state, measured). A joiner refused gets an empty stream and
 asks the next donor."""
+MEMBERS_WAIT = 5.0  # s a private run's peer looks for an asker's heartbeat (see _a_member)
+MEMBERS_PAUSE = 0.5  # s between two reads of the run's heartbeats for it
+MEMBERS_WAITING = 8  # askers waiting for such a read at most; another not found is refused at once
 STREAM_GRACE = 30.0  # s for a stream's first bytes (the state is copied out of the peer first)
 STREAM_WINDOW = 10.0  # s over which a stream must move MIN_RATE bytes a second, or is cut
 READY_BYTES = 2 << 30
@@ -149,7 +149,7 @@ class StateSharing:
         validators refuse any other subkey: :class:`swarm.validators.RecordBoundsValidator`);
         None: hivemind's bare peer id (averagers outside a run, in tests).
         ``members``: a private run's DHT key of its heartbeats: only a peer with one there (its
-        record carries the run secret's HMAC, so its writer holds the secret) is served the
+        record is sealed with the run secret, so its writer holds the secret) is served the
         state or θ's sketches (:meth:`_a_member`); None: anybody (a public run's state is its
         joiners')."""
         self._donor_subkey = subkey
