@@ -105,9 +105,9 @@ class NodeGroup:
         except RuntimeError as error:
             first = next((line for line in str(error).splitlines() if line.strip()), "")
             first = re.sub(r"^\[[^\]]*\]\s*", "", first)[:160]  # gloo's "[.../pair.cc:553] "
+            waited = "" if what == "command" else f" or did not answer within {WORK_TIMEOUT:.0f} s"
             raise NodeError(
-                f"node rank {self.rank}: the node's {what} failed: a rank is gone or did not answer within "
-                f"{WORK_TIMEOUT:.0f} s ({first})"
+                f"node rank {self.rank}: the node's {what} failed: a rank is gone{waited} ({first})"
             ) from None
 
     # --- collectives -------------------------------------------------------------------------
