@@ -3,12 +3,12 @@ their own: stopped between a command and its work, and a rank that stops answeri
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import json
 import os
 import socket
-import time
-
-import torch
+import subprocess
+import sys
+from pathlib import Path
 
 
 def _free_port() -> int:
@@ -17,50 +17,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, port: int, role: str, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    from workbench.run import node
+RANK = """
+import json, os, sys, time
+import torch
+from workbench.run import node
 
-    node.WORK_TIMEOUT = 3.0
-    group = node.NodeGroup()
-    model = torch.nn.Linear(4, 1)
-    started = time.monotonic()
-    try:
-        if rank == 0:
-            group.command(node.STEP, 0.1)
-            if role == "stopped mid-step":  # a Ctrl+C in the forward pass: straight to close
-                group.stop()
-            else:
-                group.average_gradients(model)
-            results.put((rank, "done", time.monotonic() - started))
+rank, role = int(os.environ["RANK"]), sys.argv[1]
+node.WORK_TIMEOUT = 3.0
+group = node.NodeGroup()
+model = torch.nn.Linear(4, 1)
+started = time.monotonic()
+try:
+    if rank == 0:
+        group.command(node.STEP, 0.1)
+        if role == "stopped mid-step":  # a Ctrl+C in the forward pass: straight to close
+            group.stop()
         else:
-            group.command()
-            if role == "hangs":
-                time.sleep(4.5)  # stopped (SIGSTOP), or stuck: never reaches the step's all-reduce
             group.average_gradients(model)
-            results.put((rank, "done", time.monotonic() - started))
-    except node.NodeError as error:
-        results.put((rank, str(error), time.monotonic() - started))
-    finally:
-        group.close()
+    else:
+        group.command()
+        if role == "hangs":
+            time.sleep(4.5)  # stopped (SIGSTOP), or stuck: never reaches the step's all-reduce
+        group.average_gradients(model)
+    said = "done"
+except node.NodeError as error:
+    said = str(error)
+print(json.dumps([said, time.monotonic() - started]), flush=True)
+group.close()
+"""
 
 
 def _run(role_0: str, role_1: str) -> dict[int, tuple[str, float]]:
-    context = mp.get_context("spawn")
-    results = context.Queue()
+    """Both ranks in processes of their own (plain interpreters: a multiprocessing child of
+    pytest's worker took 10 s more to start); each prints what it met and when."""
     port = _free_port()
-    ranks = [
-        context.Process(target=_rank, args=(r, port, role, results))
-        for r, role in enumerate((role_0, role_1))
-    ]
-    for process in ranks:
-        process.start()
+    ranks = []
+    for rank, role in enumerate((role_0, role_1)):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, role],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=Path(__file__).parents[2],
+            )  # fmt: skip
+        )
     try:
-        return {rank: (what, seconds) for rank, what, seconds in (results.get(timeout=60) for _ in ranks)}
+        said = {}
+        for rank, process in enumerate(ranks):
+            out, _ = process.communicate(timeout=60)
+            said[rank] = tuple(json.loads(out.strip().splitlines()[-1]))
+        return said
     finally:
         for process in ranks:
-            process.join(30)
-            if process.is_alive():
+            if process.poll() is None:
                 process.kill()
 
 
