@@ -39,12 +39,14 @@ JOIN_ROUNDS = 60
 """Rounds of a run that a peer joins mid-way: FAST rounds take about 0.2-0.4 s (a group forms as
 soon as its members joined), and a joiner needs 5-10 s to start (corpus, key, daemon; more on a
 loaded machine): 20 rounds were over before it could reach the first peer."""
-PACED_ROUNDS = 24
-"""Rounds of a run whose first peers are paced until the joiner is in (:func:`paced`)."""
-PACE_MS = 500
-"""The pace: 5 inner steps of 500 ms, so 24 rounds of a pair last at least 60 s, against a
-joiner's 5-20 s to start (it downloaded at round 4-6 beside a busy suite, 8-15 at a load
-average of 15); once it is in, the run goes on at full speed (about 1 s a round)."""
+PACED_ROUNDS = 16
+"""Rounds of a run whose first peers are paced until the joiner is in (:func:`paced`): with 24
+the joiner's rounds of three were 19-22 of them, each at full speed for three processes (what
+the suite's other worker then went without), to show what ten show."""
+PACE_MS = 700
+"""The pace: 5 inner steps of 700 ms, so 16 rounds of a pair last at least 56 s, against a
+joiner's 5-20 s to start (at 500 ms a step it downloaded at round 4-6 beside a busy suite, 8-15
+at a load average of 15); once it is in, the run goes on at full speed (about 1 s a round)."""
 
 
 def paced(tmp_path: Path) -> tuple[list[str], Callable[[], None]]:
@@ -90,7 +92,7 @@ def steady(tmp_path: Path) -> list[str]:
     """Flags that pace a peer's inner steps to :data:`STEADY_MS` (the lab's throttle, through a
     fault file), for peers that only have to keep averaging while the test does something else
     (a CLI, a helper process, a heartbeat's TTL). At full speed their rounds (0.1-0.4 s) took
-    the CPU that the suite's other tests run on (`make test`'s two workers share two cores):
+    the CPU that the suite's other tests run on (`make test`'s three workers share two cores):
     the steering test's pair averaged 170 rounds, a lone peer 147, to prove what ten prove."""
     return ["--fault-file", str(_throttle_file(tmp_path / "steady.json", STEADY_MS))]
 

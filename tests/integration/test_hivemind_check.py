@@ -17,6 +17,8 @@ import pytest
 import torch
 from hivemind.averaging.partition import AllreduceException
 
+from tests.processes import members_context
+
 SHAPES = [(300, 400), (17,), (90_000,)]  # several of hivemind's 512 KB parts, both peers reduce some
 WEIGHTS = [1.0, 3.0]
 ATTEMPTS = 4  # per round, both members together (see above)
@@ -122,7 +124,7 @@ def _expected(round_: int) -> list[torch.Tensor]:
 @pytest.mark.timeout(ATTEMPTS * 2 * 100 + 60)  # every attempt of both rounds at its step's limit
 @pytest.mark.parametrize("codec", ["none", "fp16"])
 def test_a_member_left_with_its_own_values_fails_the_round_for_both(codec):
-    context = mp.get_context("spawn")
+    context = members_context()
     out, addresses = context.Queue(), context.Queue()
     barrier, ended = context.Barrier(2), context.Array("b", 2)
     members = [
@@ -211,7 +213,7 @@ def test_a_member_that_drops_out_of_the_all_reduce_fails_the_round_at_once():
     reduces) fails the round for the others as soon as they ban it, with why. Before, they waited
     on hivemind's reducer timeout and then on the missing member's post to the check, and failed
     only with "the members' check did not complete" (a 25 s stall in a private run)."""
-    context = mp.get_context("spawn")
+    context = members_context()
     out, addresses = context.Queue(), context.Queue()
     barrier, stop = context.Barrier(4), context.Value("b", 0)
     members = [

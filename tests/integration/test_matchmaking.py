@@ -13,6 +13,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+from tests.processes import members_context
+
 ROUNDS = 10
 CANCELLED_PER_ROUND = 3
 
@@ -92,7 +94,7 @@ def _member(rank: int, barrier, addresses, ids, out) -> None:
 
 
 def test_a_member_that_cancelled_steps_mid_matchmaking_still_finds_its_group():
-    context = mp.get_context("spawn")
+    context = members_context()
     barrier, addresses, out = context.Barrier(2), context.Queue(), context.Queue()
     with context.Manager() as manager:
         ids = manager.dict()

@@ -3,7 +3,6 @@ its rendezvous board (swarm.rendezvous) and the sketch check (swarm.sketch)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 
@@ -21,6 +20,7 @@ from swarm.dataplane import (
 )
 from swarm.rendezvous import BoardClient, RendezvousBoards, RendezvousError, RingStore, pack, unpack
 from swarm.sketch import BLOCK, CHUNK, ROWS, Sketch, Sketcher, mismatch, sketch
+from tests.processes import members_context
 
 MEMBERS = [b"peer-a", b"peer-b", b"peer-c"]
 
@@ -79,7 +79,7 @@ def _member(rank: int, values, size: int, weights, codec: str, rounds: int, tamp
 def _members(target, size: int, args) -> list[tuple]:
     """Run ``target(rank, values, *args(rank), out)`` in ``size`` spawned processes sharing a
     board (a manager's dict); what each put on ``out``, by rank."""
-    context = mp.get_context("spawn")
+    context = members_context("swarm.dataplane", __name__)
     # Keep the manager referenced: once collected, its process ends and every member's board
     # reads fail (EOFError / connection reset), which made this test flaky.
     manager = context.Manager()
