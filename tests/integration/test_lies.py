@@ -499,6 +499,60 @@ def test_an_outsider_cannot_withdraw_the_peers_from_matchmaking(spawn, tmp_path,
         interrupt_all(peers.started)
 
 
+STATE_ASKER = """
+import sys, time
+from hivemind.utils import get_dht_time
+from swarm.records import PeerHeartbeat, RunKeys, Stage
+from swarm.session import connect
+from tests.integration.outsider import asks_for_the_state
+from workbench.cli.command import build_config, build_parser
+
+# A node of its own on this machine (its flags: where it listens): an insider, with the run's
+# secret, or an outsider who learned only the handlers' names (libp2p lists them to anyone).
+address, run_id, secret, who, flags = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
+config = build_config(build_parser().parse_args(["join", address, "--run-id", run_id, *flags]))
+keys = RunKeys(run_id, secret)
+session = connect(config.network, keys if who == "insider" else RunKeys(run_id))
+if who == "insider":  # a member: a heartbeat under the run's key (one that leaves: nobody's round mate)
+    beat = PeerHeartbeat(peer_id=session.peer_id, name="insider", stage=Stage.LEAVING, outer_step=0,
+                         inner_step=0, inner_steps=5, time=get_dht_time())
+    deadline = time.monotonic() + 30
+    while not session.store.store(keys.peers, beat, ttl=10, wait=True):
+        assert time.monotonic() < deadline, "the insider's heartbeat was not stored"
+        time.sleep(0.5)
+parts, sketched = asks_for_the_state(session, address, keys)
+print("parts", parts, "sketched", sketched, flush=True)
+session.close()
+"""
+
+
+@pytest.mark.faults
+@machines(pytest.mark.faults)
+def test_an_outsider_on_another_machine_reads_nothing_of_a_private_run_s_state(spawn, tmp_path, machines):
+    """A private run's peers serve their state stream and θ's sketches only to a peer with a live
+    heartbeat under the run's key (``swarm.state_sharing.StateSharing``; the handlers' names are
+    listed to anyone who connects). tests/integration/test_swarm_records.py asks from pytest's
+    own process on 127.0.0.1; here a node on a third machine asks the pair's first peer (both
+    started with the README's flags) at its announced address: nothing without the secret, and
+    the state and a sketch with it and a heartbeat."""
+    secret, run_id = "three machines", "private-state"
+    common = [*FAST, "--rounds", "1000", "--run-id", run_id, "--secret", secret, *steady(tmp_path)]
+    asked = {}
+    with contextlib.ExitStack() as stack:
+        peers, _, _, address, wrap, own = _a_pair(stack, spawn, tmp_path, machines, common)
+        for who in ("outsider", "insider"):
+            asker = helper(STATE_ASKER, address, run_id, secret, who, *own, wrap=wrap)
+            try:
+                out, _ = asker.communicate(timeout=180)
+            finally:
+                kill_group(asker)
+            assert asker.returncode == 0 and out.startswith("parts"), (who, out)
+            asked[who] = out.split()
+        interrupt_all(peers.started)
+    assert asked["outsider"] == ["parts", "0", "sketched", "False"], asked
+    assert int(asked["insider"][1]) > 0 and asked["insider"][3] == "True", asked
+
+
 MATCHMAKING_SYBIL = """
 import asyncio, sys, threading, time
 import torch

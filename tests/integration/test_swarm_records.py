@@ -27,6 +27,7 @@ from swarm.records import ControlState, PeerHeartbeat, RunKeys, Stage
 from swarm.session import connect
 from swarm.store import SignedStore
 from tests.integration.conftest import FAST, interrupt_all, max_abs_diff, steady, workbench, workbench_all
+from tests.integration.outsider import asks_for_the_state
 
 
 def observer(address: str, keys: RunKeys, **options):
@@ -100,47 +101,6 @@ def _public_key(private_key) -> bytes:
     return public_key_text(private_key).encode()
 
 
-def _asks_for_the_state(session, address: str, keys: RunKeys) -> tuple[int, bool]:
-    """Call the peer at ``address``'s state handlers as ``session``'s node: the parts of the
-    state it streams, and whether it sketched θ."""
-    import asyncio
-    import os
-
-    from hivemind.p2p import PeerID
-    from hivemind.proto import averaging_pb2
-
-    from swarm.rendezvous import pack, unpack
-
-    donor = PeerID.from_base58(address.rsplit("/p2p/", 1)[1])
-    handlers = f"{keys.group('diloco')}::GroupAverager"
-
-    async def ask() -> tuple[int, bool]:
-        p2p = await session.dht.replicate_p2p()
-
-        async def parts() -> int:
-            stream = await p2p.iterate_protobuf_handler(
-                donor,
-                f"{handlers}.rpc_download_state",
-                averaging_pb2.DownloadRequest(),
-                averaging_pb2.DownloadData,
-            )
-            return len([message async for message in stream])
-
-        async def sketched() -> bool:
-            answer = await p2p.call_protobuf_handler(
-                donor,
-                f"{handlers}.rpc_theta_sketch",
-                averaging_pb2.DownloadData(metadata=pack({"seed": os.urandom(16)})),
-                averaging_pb2.DownloadData,
-            )
-            return bool(unpack(answer.metadata).get("ok"))
-
-        counted, ok = await asyncio.gather(parts(), sketched())  # (an outsider waits on both at once)
-        return counted, ok
-
-    return asyncio.run(asyncio.wait_for(ask(), 60))
-
-
 def test_a_private_run_is_invisible_without_its_secret(spawn):
     secret = "correct horse battery staple"
     # fp16 on hivemind's path (a private run's): see the end of the test.
@@ -180,7 +140,7 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
         # Nor read the run's state: its namespace is in the names of its handlers, which libp2p
         # lists to anyone who connects (a review, stop 64). Before, this outsider downloaded θ and
         # the optimizer's moments, and θ's sketches. A joiner (the secret, a first heartbeat) does.
-        assert _asks_for_the_state(outsider, address, keys) == (0, False)
+        assert asks_for_the_state(outsider, address, keys) == (0, False)
     finally:
         outsider.close()
 
@@ -198,7 +158,7 @@ def test_a_private_run_is_invisible_without_its_secret(spawn):
         wait_until(
             lambda: insider.store.store(keys.peers, left, ttl=10, wait=True), 30, "the insider's heartbeat"
         )
-        parts, sketched = _asks_for_the_state(insider, address, keys)
+        parts, sketched = asks_for_the_state(insider, address, keys)
         assert parts > 0 and sketched
     finally:
         insider.close()
