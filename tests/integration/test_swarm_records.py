@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -568,10 +569,26 @@ def test_closing_the_monitors_terminal_stops_it_and_its_dht_processes(spawn, tmp
         time.sleep(2.0)  # the app is drawing
         monitor.send_signal(signal.SIGHUP)
         hung_up = time.monotonic()
-        while monitor.poll() is None and time.monotonic() - hung_up < 15:
-            os.read(leader, 65536) if _readable(leader) else time.sleep(0.1)  # keep the pty drained
+        shown = bytearray()  # what it drew and said
+
+        def read_for(seconds: float) -> None:  # the pty kept drained while the monitor runs
+            until = time.monotonic() + seconds
+            while monitor.poll() is None and time.monotonic() < until:
+                if _readable(leader):  # (waits 0.1 s for it)
+                    shown.extend(os.read(leader, 65536))
+
+        read_for(15)
         gone, alive = psutil.wait_procs(children, timeout=max(0.1, 10 - (time.monotonic() - hung_up)))
-        assert monitor.poll() is not None and not alive, [p.cmdline()[:3] for p in alive]
+        if monitor.poll() is None:  # where it is stuck: every thread's stack (workbench's SIGUSR1)
+            monitor.send_signal(signal.SIGUSR1)
+            read_for(2)
+        if monitor.poll() is None or alive:
+            said = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode(errors="replace"))
+            dump = said.find("Thread 0x")  # faulthandler's first line
+            said = said[dump : dump + 10000] if dump >= 0 else said[-6000:]
+            pytest.fail(
+                f"still running: {[p.cmdline()[:3] for p in alive]} after the SIGHUP; it said:\n{said}"
+            )
         assert time.monotonic() - hung_up < 10.0
     finally:
         if monitor.poll() is None:
