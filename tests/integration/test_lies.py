@@ -527,7 +527,7 @@ session.close()
 
 
 @pytest.mark.faults
-@machines(pytest.mark.faults)
+@MACHINES
 def test_an_outsider_on_another_machine_reads_nothing_of_a_private_run_s_state(spawn, tmp_path, machines):
     """A private run's peers serve their state stream and θ's sketches only to a peer with a live
     heartbeat under the run's key (``swarm.state_sharing.StateSharing``; the handlers' names are
