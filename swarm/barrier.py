@@ -366,16 +366,20 @@ class RoundBarrier:
         self, ahead: Callable[[PeerHeartbeat], bool], others: list[PeerHeartbeat] | None = None
     ) -> bool:
         """Whether the swarm is past this peer's round: a peer that averaged with this one says
-        so, or (before any did) most of the others do. A stranger's word alone is not enough."""
+        so, or (before any did) most of the others do. A stranger's word alone is not enough.
+
+        The peers whose θ confirmed the last state this peer downloaded (:attr:`Vouching.witnessed`)
+        count as the ones it averaged with: one fresh key more than the honest peers, each
+        claiming the swarm's step + 1, sent a joiner to download instead of averaging every
+        round (10 of 10 rounds with 5 honest peers and 6 keys: a review, stop 59); the joiner
+        never averaged, so no peer's word ever outweighed theirs."""
         if others is None:
             others = [p for p in self.board.fetch().values() if p.peer_id != self.peer_id]
         claims = [p for p in others if ahead(p)]
-        vouched = self.vouching.vouched
-        if any(p.peer_id in vouched for p in claims):
+        known = self.vouching.vouched | self.vouching.witnessed
+        if any(p.peer_id in known for p in claims):
             return True
-        return (
-            bool(claims) and not any(p.peer_id in vouched for p in others) and 2 * len(claims) > len(others)
-        )
+        return bool(claims) and not any(p.peer_id in known for p in others) and 2 * len(claims) > len(others)
 
     def strike(self, peer: PeerHeartbeat, outer_step: int, claim: str) -> None:
         if self.vouching.strike(peer.peer_id, outer_step):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -97,6 +97,12 @@ class Vouching:
 
     def __init__(self) -> None:
         self.vouched: set[str] = set()
+        self.witnessed: set[str] = set()
+        """The peers whose θ is the last state this peer downloaded (its donor, and the witnesses
+        that agreed with it): believed about the swarm's step as round mates are, so that a
+        peer that has averaged with nobody yet is not sent to download again by fresh keys
+        outnumbering the peers that confirmed its state (:meth:`swarm.barrier.RoundBarrier.believed_ahead`).
+        Replaced at each download; a peer struck out is dropped from it."""
         self._strikes: dict[str, tuple[int, int]] = {}  # peer id -> (strikes, last round struck)
         self._disproven: OrderedDict[str, int] = OrderedDict()  # peer id -> claims not borne out
 
@@ -107,6 +113,10 @@ class Vouching:
         for peer in peer_ids:
             self.vouched.add(peer)
             self._strikes.pop(peer, None)
+
+    def confirmed_by(self, peer_ids: Iterable[str]) -> None:
+        """The peers whose θ is the state this peer just took (:attr:`witnessed`)."""
+        self.witnessed = set(peer_ids)
 
     def disprove(self, peer_id: str) -> bool:
         """``peer_id`` claimed an outer step that the download it sent this peer to did not
@@ -120,6 +130,7 @@ class Vouching:
             self._disproven.popitem(last=False)
         if count >= STRIKES:
             self.vouched.discard(peer_id)
+            self.witnessed.discard(peer_id)
             return True
         return False
 
@@ -137,6 +148,7 @@ class Vouching:
         self._strikes[peer_id] = (count, outer_step)
         if count >= STRIKES:
             self.vouched.discard(peer_id)
+            self.witnessed.discard(peer_id)
             return True
         return False
 
@@ -197,6 +209,9 @@ class StateVerdict:
     confirmed: bool = False
     """Taken because another peer at its step holds the same θ (not on the donor's word, nor
     unconfirmed because the others moved on)."""
+    witnesses: frozenset[str] = frozenset()
+    """When ``confirmed``: the peers whose θ is the state's (the donor, and the witnesses at its
+    step that agreed; :meth:`Vouching.confirmed_by`)."""
 
 
 def judge_state(
@@ -240,6 +255,7 @@ def judge_state(
                 f"confirmed by {len(agree & witnesses)} peer(s) that averaged with this one"
                 + (f" ({len(against)} disagree)" if against else ""),
                 confirmed=True,
+                witnesses=frozenset(agree | {donor}),
             )
         # Among strangers the donor is one vote for its own θ: an honest donor outvotes one
         # liar among two others; a lying donor must bring more liars than there are honest peers.
@@ -248,6 +264,7 @@ def judge_state(
                 True,
                 f"confirmed by {len(agree)} of {len(at_step)} peers at outer step {step}",
                 confirmed=True,
+                witnesses=frozenset(agree | {donor}),
             )
         who = "peers that averaged with this one" if trusted else "most peers"
         return StateVerdict(

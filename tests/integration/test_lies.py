@@ -39,17 +39,22 @@ from swarm.records import PeerHeartbeat, RunKeys, Stage
 from swarm.session import connect
 
 mode, address, run_id = sys.argv[1:4]
-session = connect(NetworkConfig(initial_peers=[address]), RunKeys(run_id))
+keys = int(sys.argv[4]) if len(sys.argv) > 4 else 1  # each a session of its own: a fresh key
+sessions = [connect(NetworkConfig(initial_peers=[address]), RunKeys(run_id)) for _ in range(keys)]
 print("ready", flush=True)
 while True:
-    top = max((p.outer_step for p in session.board.fetch().values()), default=0)
+    honest = [p.outer_step for p in sessions[0].board.fetch().values() if p.name != "liar"]
+    top = max(honest, default=0)
     claim = {
         "ahead": dict(stage=Stage.WAITING, outer_step=10**6),
         "busy": dict(stage=Stage.TRAINING, outer_step=top),  # always "still training this round"
         "absurd": dict(stage=Stage.WAITING, outer_step=top, loss=-1e30, samples_per_second=1e12),
+        # one step past the honest peers: within what a download may lag a claim (CLAIM_LAG)
+        "one-ahead": dict(stage=Stage.WAITING, outer_step=top + 1),
     }[mode]
-    beat = PeerHeartbeat(peer_id=session.peer_id, name="liar", inner_step=0, inner_steps=5, time=get_dht_time(), **claim)
-    session.store.store(session.keys.peers, beat, ttl=10)
+    for session in sessions:
+        beat = PeerHeartbeat(peer_id=session.peer_id, name="liar", inner_step=0, inner_steps=5, time=get_dht_time(), **claim)
+        session.store.store(session.keys.peers, beat, ttl=10)
     time.sleep(0.5)
 """
 
@@ -104,6 +109,39 @@ def test_a_lying_heartbeat_moves_nothing(spawn, tmp_path, mode):
     assert not first.events("state_downloaded")
     norms = [{r["outer_step"]: r["global_norm"] for r in p.events("round")} for p in (first, second)]
     assert math.isclose(norms[0][step], norms[1][step], rel_tol=1e-6), (step, norms)
+
+
+@pytest.mark.faults
+def test_fresh_keys_outnumbering_the_honest_peers_one_step_ahead_do_not_keep_a_joiner_downloading(
+    spawn, tmp_path
+):
+    """Stop 59's red-team review, end to end: a joiner that has averaged with nobody believed
+    "the swarm is past this round" from most heartbeats, so one fresh key more than the honest
+    peers, each claiming their step + 1 (within what a download may lag a claim, so no download
+    disproved it), sent it to download instead of averaging, round after round. The peers whose
+    θ confirmed its state are now believed as its round mates would be: it downloads once,
+    averages in threes, and strikes the keys out."""
+    run_id = "lies-one-ahead"
+    common = [*FAST, "--run-id", run_id, *steady(tmp_path)]
+    first = spawn("a", "start", *common, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common)
+    first.wait_event("round", lambda e: e["outer_step"] >= 2 and e["group_size"] == 2)
+    keys = helper(LIAR, "one-ahead", first.address(), run_id, "3")  # 3 keys against 2 honest peers
+    try:
+        assert keys.stdout.readline().strip() == "ready"
+        time.sleep(2.0)  # their first heartbeats stored: the joiner finds them on the board
+        third = spawn("c", "join", first.address(), *common)
+        joined = third.wait_event("state_downloaded", timeout=120)["outer_step"]
+        third.wait_event("round", lambda e: e["outer_step"] >= joined + 8, timeout=180)
+    finally:
+        kill_group(keys)
+    interrupt_all((first, second, third))
+    rounds = [r for r in third.events("round") if joined < r["outer_step"] <= joined + 8]
+    summary = [(r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds]
+    downloads = [(e["outer_step"], e.get("reason")) for e in third.events("state_downloaded")]
+    assert len(downloads) == 1, (downloads, summary)  # when it joined, and never again
+    assert sum(r["group_size"] == 3 for r in rounds) >= 6, summary
+    assert "ignoring peer" in third.stderr()  # the keys, struck out
 
 
 SQUATTER = """

@@ -143,6 +143,29 @@ def test_before_anyone_vouched_most_of_the_others_must_be_ahead():
     assert averager(swarm_moved_on).wait_for_round_mates(4) is Verdict.BEHIND
 
 
+def test_fresh_keys_outnumbering_the_peers_that_confirmed_a_joiners_state_do_not_send_it_back():
+    """Stop 59's red-team review: one fresh key more than the honest peers, each claiming the
+    swarm's step + 1, sent a joiner that had averaged with nobody to download instead of
+    averaging, every round (10 of 10 with 5 honest peers and 6 keys). Once the joiner took a
+    state, the peers whose θ confirmed it are believed as round mates are: the keys are struck,
+    the joiner averages with the honest peers; and a witness that is ahead is still believed."""
+    honest, keys = [f"h{i}" for i in range(5)], [f"k{i}" for i in range(6)]
+    board = FakeBoard(*(beat(p, 4) for p in honest), *(beat(k, 5) for k in keys), beat("me", 4))
+    swarm = averager(board)
+    assert swarm.wait_for_round_mates(4) is Verdict.BEHIND  # nothing to tell them apart yet: download
+    swarm.vouching.confirmed_by(["h0", "h3"])  # the donor and a witness of the state it took
+    for step in range(4, 4 + STRIKES):
+        assert swarm.wait_for_round_mates(step) is Verdict.AVERAGE, step
+        board.beats.update({p: beat(p, step + 1) for p in honest} | {k: beat(k, step + 2) for k in keys})
+    assert all(k in board.ignored and "ahead" in board.ignored[k] for k in keys)
+    board.beats["h3"] = beat("h3", 4 + STRIKES + 1)  # a witness that moved on is believed
+    assert swarm.wait_for_round_mates(4 + STRIKES) is Verdict.BEHIND
+    # A witness struck out (here: a claim no download bore out) is no longer one.
+    for _ in range(STRIKES):
+        swarm.vouching.disprove("h3")
+    assert "h3" not in swarm.vouching.witnessed
+
+
 def test_a_stranger_forever_training_costs_about_one_round_not_the_round_wait():
     board = FakeBoard(beat("mate", 4), beat("liar", 4, Stage.TRAINING))
     swarm = averager(board, vouched=["mate"], round_wait=60.0)
@@ -333,6 +356,7 @@ def test_judge_state_takes_the_word_of_round_mates_then_the_majority():
     honest = _answers(7, a=0.0, b=1e-7, c=0.05)
     verdict = judge_state(7, good, honest, donor="d", vouched=set())
     assert verdict.accept and "2 of 3" in verdict.why
+    assert verdict.witnesses == {"a", "b", "d"}  # whose θ it is: believed about the swarm's step
     verdict = judge_state(7, bad, honest, donor="d", vouched=set())
     assert not verdict.accept and not verdict.blame  # strangers disagree: skip the donor, once
     assert verdict.contradicted  # and do not ask it to witness the next donor's state
