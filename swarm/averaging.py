@@ -389,7 +389,9 @@ class SwarmAverager(Downloading):
                         continue
                     live = self.board.fetch()
                     others = [p for i, p in live.items() if i != self.peer_id]
-                    if self.barrier.believed_ahead(lambda p: p.outer_step > outer_step + self.lag, others):
+                    if self.barrier.believed_ahead(
+                        lambda p: p.outer_step > outer_step + self.lag, others, outer_step=outer_step
+                    ):
                         control.cancel()
                         return None, "the others finished this round without this peer"
                     if expected and not any(mate in live for mate in expected):

@@ -242,10 +242,12 @@ class RoundBarrier:
                 return Verdict.ALONE
             vouched = self.vouching.vouched
             ahead = [p for p in others if behind(p)]
-            if self.believed_ahead(behind, others):
+            if self.believed_ahead(behind, others, outer_step=outer_step):
                 self.ahead = {p.peer_id: p.outer_step for p in ahead}
                 return Verdict.BEHIND
-            for p in ahead:  # not believed: not a round mate either
+            # Not believed: not round mates either. Struck, unless only this peer's witnesses
+            # said otherwise (one of them may be the peer left behind: see believed_ahead).
+            for p in [] if self.witnesses_hold(outer_step, behind, others) else ahead:
                 self.strike(
                     p,
                     outer_step,
@@ -363,23 +365,48 @@ class RoundBarrier:
         return peer.done
 
     def believed_ahead(
-        self, ahead: Callable[[PeerHeartbeat], bool], others: list[PeerHeartbeat] | None = None
+        self,
+        ahead: Callable[[PeerHeartbeat], bool],
+        others: list[PeerHeartbeat] | None = None,
+        *,
+        outer_step: int | None = None,
     ) -> bool:
-        """Whether the swarm is past this peer's round: a peer that averaged with this one says
-        so, or (before any did) most of the others do. A stranger's word alone is not enough.
-
-        The peers whose θ confirmed the last state this peer downloaded (:attr:`Vouching.witnessed`)
-        count as the ones it averaged with: one fresh key more than the honest peers, each
-        claiming the swarm's step + 1, sent a joiner to download instead of averaging every
-        round (10 of 10 rounds with 5 honest peers and 6 keys: a review, stop 59); the joiner
-        never averaged, so no peer's word ever outweighed theirs."""
+        """Whether the swarm is past this peer's round ``outer_step``: a peer that averaged with
+        this one says so, or (before any did) most of the others do, unless the peers whose θ
+        confirmed the state this peer has just taken say otherwise (:meth:`witnesses_hold`). A
+        stranger's word alone is not enough."""
         if others is None:
             others = [p for p in self.board.fetch().values() if p.peer_id != self.peer_id]
         claims = [p for p in others if ahead(p)]
-        known = self.vouching.vouched | self.vouching.witnessed
-        if any(p.peer_id in known for p in claims):
+        vouched = self.vouching.vouched
+        if any(p.peer_id in vouched for p in claims):
             return True
-        return bool(claims) and not any(p.peer_id in known for p in others) and 2 * len(claims) > len(others)
+        if not claims or any(p.peer_id in vouched for p in others) or 2 * len(claims) <= len(others):
+            return False
+        return not self.witnesses_hold(outer_step, ahead, others)
+
+    def witnesses_hold(
+        self, outer_step: int | None, ahead: Callable[[PeerHeartbeat], bool], others: list[PeerHeartbeat]
+    ) -> bool:
+        """Whether this peer, which has averaged with nobody yet, is at the outer step of the state
+        it last downloaded and one of the peers whose θ confirmed that state is here and not
+        past it (:attr:`swarm.claims.Vouching.witnessed`): then most heartbeats saying otherwise
+        are not believed for this round.
+
+        One fresh key more than the honest peers, each claiming the swarm's step + 1 (within
+        what a download may lag a claim, so no download disproved it), sent a joiner to download
+        instead of averaging, every round (10 of 10 rounds with 5 honest peers and 6 keys: a
+        review, stop 59); it never averaged, so nobody's word outweighed theirs. Only for the
+        round the download landed on, and the witnesses' own claims count as strangers': a
+        witness left behind cost a joiner every round and made it strike the honest peers, and
+        one claiming a step ahead sent it to download every round, when witnesses were believed
+        as round mates are (a review, stop 66). A witness left behind costs a joiner one round."""
+        witnessed = self.vouching.witnessed
+        return (
+            outer_step is not None
+            and outer_step == self.vouching.witnessed_step
+            and any(p.peer_id in witnessed and not ahead(p) for p in others)
+        )
 
     def strike(self, peer: PeerHeartbeat, outer_step: int, claim: str) -> None:
         if self.vouching.strike(peer.peer_id, outer_step):

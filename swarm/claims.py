@@ -98,11 +98,11 @@ class Vouching:
     def __init__(self) -> None:
         self.vouched: set[str] = set()
         self.witnessed: set[str] = set()
-        """The peers whose θ is the last state this peer downloaded (its donor, and the witnesses
-        that agreed with it): believed about the swarm's step as round mates are, so that a
-        peer that has averaged with nobody yet is not sent to download again by fresh keys
-        outnumbering the peers that confirmed its state (:meth:`swarm.barrier.RoundBarrier.believed_ahead`).
-        Replaced at each download; a peer struck out is dropped from it."""
+        """The peers whose θ confirmed the last state this peer downloaded (its donor, and the
+        witnesses at its step that agreed), until this peer averages: see
+        :meth:`swarm.barrier.RoundBarrier.believed_ahead`. Empty after a state nobody confirmed."""
+        self.witnessed_step: int | None = None
+        """The outer step of that state."""
         self._strikes: dict[str, tuple[int, int]] = {}  # peer id -> (strikes, last round struck)
         self._disproven: OrderedDict[str, int] = OrderedDict()  # peer id -> claims not borne out
 
@@ -113,10 +113,12 @@ class Vouching:
         for peer in peer_ids:
             self.vouched.add(peer)
             self._strikes.pop(peer, None)
+        self.witnessed, self.witnessed_step = set(), None  # round mates decide from now on
 
-    def confirmed_by(self, peer_ids: Iterable[str]) -> None:
-        """The peers whose θ is the state this peer just took (:attr:`witnessed`)."""
-        self.witnessed = set(peer_ids)
+    def confirmed_by(self, peer_ids: Iterable[str], outer_step: int) -> None:
+        """This peer just took a state at ``outer_step`` that these peers' θ confirmed
+        (:attr:`witnessed`; none for a state taken unconfirmed)."""
+        self.witnessed, self.witnessed_step = set(peer_ids), outer_step
 
     def disprove(self, peer_id: str) -> bool:
         """``peer_id`` claimed an outer step that the download it sent this peer to did not

@@ -157,11 +157,7 @@ class Downloading:
                     "the state served by %s at outer step %d: %s", donor[-8:], state.outer_step, verdict.why
                 )
                 self._last_download = (donor, state.outer_step)
-                # Its donor is believed about the swarm's step too where nobody else could
-                # confirm the state (a joiner with one honest peer and fresh keys around): a
-                # donor that then claims steps it does not hold is disproven by the downloads it
-                # sends this peer to (swarm.averaging.SwarmAverager.settle_claims).
-                self.vouching.confirmed_by(verdict.witnesses or {donor})
+                self.vouching.confirmed_by(verdict.witnesses, state.outer_step)
                 return state
             logger.warning(
                 "refused the state served by %s: %s; trying another donor", donor[-8:], verdict.why

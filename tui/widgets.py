@@ -251,7 +251,7 @@ class PeersTable(DataTable):
                     # The lag cell's style too: a peer that began (or stopped) lagging with the
                     # same lag kept its old look.
                     if old[key] != cells[key] or (key == "lag" and old.get(LAGGING) != lagging):
-                        changed.append((p.peer_id, key, _cell(p, key, cells[key], False, lagging)))
+                        changed.append((p.peer_id, key, _cell(p, key, cells[key], left is not None, lagging)))
             self._rows[p.peer_id] = {**cells, LAGGING: lagging}
         self._update_cells(changed)
         # As shown: DataTable.sort reorders what is shown, not ``rows`` (the order rows were

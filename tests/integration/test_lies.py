@@ -118,8 +118,8 @@ def test_fresh_keys_outnumbering_the_honest_peers_one_step_ahead_do_not_keep_a_j
     """Stop 59's red-team review, end to end: a joiner that has averaged with nobody believed
     "the swarm is past this round" from most heartbeats, so one fresh key more than the honest
     peers, each claiming their step + 1 (within what a download may lag a claim, so no download
-    disproved it), sent it to download instead of averaging, round after round. The peers whose
-    θ confirmed its state are now believed as its round mates would be: it downloads once,
+    disproved it), sent it to download instead of averaging, round after round. At the step of
+    the state it took, the peers whose θ confirmed it now outweigh them: it downloads once,
     averages in threes, and strikes the keys out."""
     run_id = "lies-one-ahead"
     common = [*FAST, "--run-id", run_id, *steady(tmp_path)]

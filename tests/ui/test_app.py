@@ -540,6 +540,69 @@ async def test_the_table_paints_every_reading_and_keeps_no_stale_renders() -> No
         assert len(table._cell_render_cache) <= 6 * len(table.columns) + len(table.columns)
 
 
+async def test_what_the_table_paints_from_its_caches_is_what_it_paints_without_them() -> None:
+    """The table keeps each cell's render while its value stays (stop 66): readings, cursor
+    moves, sorts, a theme change and cleared departures paint what a table with every cache
+    dropped paints (a review's oracle)."""
+    app = SwarmApp(FakeSource(peers=6, steps=12, leavers=3), poll=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        table = app.query_one("#peers", DataTable)
+        differ = []
+        for i, snapshot in enumerate(app.source.snapshots):
+            app.show(snapshot)
+            await pilot.pause()
+            if i % 3 == 0:
+                await pilot.press("down")
+            if i % 4 == 1:
+                table.sort_next()
+            if i == 5:
+                app.action_ansi_theme()
+            if i == 7:
+                await pilot.press("c")
+            await pilot.pause()
+            table._pseudo_class_state = table.get_pseudo_class_state()
+            cached = [list(table.render_line(y)) for y in range(table.size.height)]
+            table._clear_caches()
+            fresh = [list(table.render_line(y)) for y in range(table.size.height)]
+            differ += [(i, y) for y in range(len(cached)) if cached[y] != fresh[y]]
+        assert not differ, differ
+
+
+async def test_a_departed_rows_changed_cells_stay_dim() -> None:
+    """A peer that left and is then flagged as lying (its leaving heartbeat still in the DHT)
+    changes its departed record while its row stays departed: the cells that changed were
+    drawn undimmed, in the live stage's colour (a review of stop 66's cell updates)."""
+    import dataclasses
+
+    from swarm.narration import Departed
+    from swarm.records import Stage
+
+    app = SwarmApp(FakeSource(peers=6, steps=3), poll=False)
+    async with app.run_test(size=(160, 50)) as pilot:
+        table = app.query_one("#peers", DataTable)
+        snapshot, gone = app.source.snapshots[-1], peer_id(1)
+        beat = snapshot.peers[gone]
+        peers = {k: v for k, v in snapshot.peers.items() if k != gone}
+        left = dataclasses.replace(
+            snapshot, peers=peers, departed={gone: Departed(beat, "clean exit", snapshot.time)}
+        )
+        app.show(left)
+        await pilot.pause()
+        later = beat.model_copy(update=dict(stage=Stage.LEAVING, inner_step=beat.inner_step + 1, loss=1.234))
+        flagged = dataclasses.replace(
+            left,
+            time=snapshot.time + 120,
+            departed={gone: Departed(later, "ignored for lying: absurd", snapshot.time + 120)},
+        )
+        app.show(flagged)
+        await pilot.pause()
+        styles = {
+            k: getattr(table.get_cell(gone, k), "style", None) for k in ("name", "stage", "inner", "loss")
+        }
+        assert set(styles.values()) == {"dim"}, styles
+        assert str(table.get_cell(gone, "stage")).startswith("lying")
+
+
 async def test_ctrl_c_quits_as_q_does(app) -> None:
     """Textual 8 answers Ctrl+C with a hint to press Ctrl+Q; a terminal's user presses Ctrl+C."""
     async with app.run_test(size=(160, 50)) as pilot:

@@ -146,24 +146,50 @@ def test_before_anyone_vouched_most_of_the_others_must_be_ahead():
 def test_fresh_keys_outnumbering_the_peers_that_confirmed_a_joiners_state_do_not_send_it_back():
     """Stop 59's red-team review: one fresh key more than the honest peers, each claiming the
     swarm's step + 1, sent a joiner that had averaged with nobody to download instead of
-    averaging, every round (10 of 10 with 5 honest peers and 6 keys). Once the joiner took a
-    state, the peers whose θ confirmed it are believed as round mates are: the keys are struck,
-    the joiner averages with the honest peers; and a witness that is ahead is still believed."""
+    averaging, every round (10 of 10 with 5 honest peers and 6 keys). At the step of the state
+    it took, the peers whose θ confirmed it outweigh the majority: it averages with the honest
+    peers, who decide from then on."""
     honest, keys = [f"h{i}" for i in range(5)], [f"k{i}" for i in range(6)]
     board = FakeBoard(*(beat(p, 4) for p in honest), *(beat(k, 5) for k in keys), beat("me", 4))
     swarm = averager(board)
-    assert swarm.wait_for_round_mates(4) is Verdict.BEHIND  # nothing to tell them apart yet: download
-    swarm.vouching.confirmed_by(["h0", "h3"])  # the donor and a witness of the state it took
-    for step in range(4, 4 + STRIKES):
+    assert swarm.wait_for_round_mates(4) is Verdict.BEHIND  # nothing to tell them apart: the attack
+    swarm.vouching.confirmed_by(["h0", "h3"], 4)  # the state it took: at step 4, h0 and h3 hold it
+    assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE
+    assert not board.ignored
+    swarm.vouching.averaged_with(honest)  # the round with the honest peers
+    assert not swarm.vouching.witnessed  # round mates decide from now on
+    for step in range(5, 5 + STRIKES):
+        board.beats.update({p: beat(p, step) for p in honest} | {k: beat(k, step + 1) for k in keys})
         assert swarm.wait_for_round_mates(step) is Verdict.AVERAGE, step
-        board.beats.update({p: beat(p, step + 1) for p in honest} | {k: beat(k, step + 2) for k in keys})
     assert all(k in board.ignored and "ahead" in board.ignored[k] for k in keys)
-    board.beats["h3"] = beat("h3", 4 + STRIKES + 1)  # a witness that moved on is believed
-    assert swarm.wait_for_round_mates(4 + STRIKES) is Verdict.BEHIND
-    # A witness struck out (here: a claim no download bore out) is no longer one.
-    for _ in range(STRIKES):
-        swarm.vouching.disprove("h3")
-    assert "h3" not in swarm.vouching.witnessed
+
+
+def test_a_joiners_witnesses_outweigh_the_majority_at_its_states_step_only():
+    """A review of the rule above (stop 66): witnesses believed as round mates are let one
+    left behind keep a joiner from the swarm that had moved on (every honest peer struck out
+    for being ahead), and one holding θ that claimed a step ahead send it to download every
+    round, even after it averaged."""
+    # A witness left at the state's step: the joiner tries that round (it may average with it),
+    # strikes nobody, and believes the swarm that moved on at the next round.
+    board = FakeBoard(beat("a", 5), beat("b", 5), beat("c", 5), beat("w", 4), beat("me", 4))
+    swarm = averager(board)
+    swarm.vouching.confirmed_by(["d", "w"], 4)
+    assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE
+    board.beats.update(me=beat("me", 5), a=beat("a", 6), b=beat("b", 6), c=beat("c", 6), w=beat("w", 5))
+    assert swarm.wait_for_round_mates(5) is Verdict.BEHIND
+    assert not board.ignored
+    # A witness claiming a step ahead is one stranger among three, not a round mate.
+    board = FakeBoard(beat("a", 4), beat("b", 4), beat("w", 5), beat("me", 4))
+    swarm = averager(board)
+    swarm.vouching.confirmed_by(["d", "a", "w"], 4)
+    for step in range(4, 8):
+        assert swarm.wait_for_round_mates(step) is Verdict.AVERAGE, step
+        board.beats.update(a=beat("a", step + 1), b=beat("b", step + 1), w=beat("w", step + 2))
+    # Witnesses that moved on: the majority is believed.
+    board = FakeBoard(beat("a", 5), beat("b", 5), beat("k", 5), beat("me", 4))
+    swarm = averager(board)
+    swarm.vouching.confirmed_by(["a", "b"], 4)
+    assert swarm.wait_for_round_mates(4) is Verdict.BEHIND
 
 
 def test_a_stranger_forever_training_costs_about_one_round_not_the_round_wait():
@@ -356,7 +382,7 @@ def test_judge_state_takes_the_word_of_round_mates_then_the_majority():
     honest = _answers(7, a=0.0, b=1e-7, c=0.05)
     verdict = judge_state(7, good, honest, donor="d", vouched=set())
     assert verdict.accept and "2 of 3" in verdict.why
-    assert verdict.witnesses == {"a", "b", "d"}  # whose θ it is: believed about the swarm's step
+    assert verdict.witnesses == {"a", "b", "d"}  # whose θ it is (Vouching.confirmed_by)
     verdict = judge_state(7, bad, honest, donor="d", vouched=set())
     assert not verdict.accept and not verdict.blame  # strangers disagree: skip the donor, once
     assert verdict.contradicted  # and do not ask it to witness the next donor's state
