@@ -400,12 +400,16 @@ class RoundBarrier:
         round the download landed on, and the witnesses' own claims count as strangers': a
         witness left behind cost a joiner every round and made it strike the honest peers, and
         one claiming a step ahead sent it to download every round, when witnesses were believed
-        as round mates are (a review, stop 66). A witness left behind costs a joiner one round."""
+        as round mates are (a review, stop 66). A witness left behind costs a joiner one round.
+        A paused or finished witness says nothing of the round."""
         witnessed = self.vouching.witnessed
         return (
             outer_step is not None
             and outer_step == self.vouching.witnessed_step
-            and any(p.peer_id in witnessed and not ahead(p) for p in others)
+            and any(
+                p.peer_id in witnessed and not ahead(p) and p.stage is not Stage.PAUSED and not p.done
+                for p in others
+            )
         )
 
     def strike(self, peer: PeerHeartbeat, outer_step: int, claim: str) -> None:

@@ -178,6 +178,10 @@ def test_a_joiners_witnesses_outweigh_the_majority_at_its_states_step_only():
     board.beats.update(me=beat("me", 5), a=beat("a", 6), b=beat("b", 6), c=beat("c", 6), w=beat("w", 5))
     assert swarm.wait_for_round_mates(5) is Verdict.BEHIND
     assert not board.ignored
+    # (Matchmaking asks too, among all live peers: a paused witness says nothing of the round.)
+    at_4 = lambda p: p.outer_step > 4  # noqa: E731
+    assert swarm.witnesses_hold(4, at_4, [beat("w", 4)])
+    assert not swarm.witnesses_hold(4, at_4, [beat("w", 4, Stage.PAUSED)])
     # A witness claiming a step ahead is one stranger among three, not a round mate.
     board = FakeBoard(beat("a", 4), beat("b", 4), beat("w", 5), beat("me", 4))
     swarm = averager(board)
