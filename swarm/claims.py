@@ -98,9 +98,9 @@ class Vouching:
     def __init__(self) -> None:
         self.vouched: set[str] = set()
         self.witnessed: set[str] = set()
-        """The peers whose θ confirmed the last state this peer downloaded (its donor, and the
-        witnesses at its step that agreed), until this peer averages: see
-        :meth:`swarm.barrier.RoundBarrier.believed_ahead`. Empty after a state nobody confirmed."""
+        """The peers whose θ is the last state this peer downloaded (its donor, and the witnesses
+        at its step that agreed; its donor alone if nobody else could confirm it), until this
+        peer averages: see :meth:`swarm.barrier.RoundBarrier.witnesses_hold`."""
         self.witnessed_step: int | None = None
         """The outer step of that state."""
         self._strikes: dict[str, tuple[int, int]] = {}  # peer id -> (strikes, last round struck)
@@ -116,8 +116,7 @@ class Vouching:
         self.witnessed, self.witnessed_step = set(), None  # round mates decide from now on
 
     def confirmed_by(self, peer_ids: Iterable[str], outer_step: int) -> None:
-        """This peer just took a state at ``outer_step`` that these peers' θ confirmed
-        (:attr:`witnessed`; none for a state taken unconfirmed)."""
+        """This peer just took a state at ``outer_step`` that is these peers' θ (:attr:`witnessed`)."""
         self.witnessed, self.witnessed_step = set(peer_ids), outer_step
 
     def disprove(self, peer_id: str) -> bool:

@@ -189,6 +189,12 @@ def test_a_joiners_witnesses_outweigh_the_majority_at_its_states_step_only():
     for step in range(4, 8):
         assert swarm.wait_for_round_mates(step) is Verdict.AVERAGE, step
         board.beats.update(a=beat("a", step + 1), b=beat("b", step + 1), w=beat("w", step + 2))
+    # One honest peer, its state taken on its word (nobody else to ask): the donor is the witness.
+    board = FakeBoard(beat("owner", 4), beat("k0", 5), beat("k1", 5), beat("me", 4))
+    swarm = averager(board)
+    assert swarm.wait_for_round_mates(4) is Verdict.BEHIND
+    swarm.vouching.confirmed_by(["owner"], 4)
+    assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE
     # Witnesses that moved on: the majority is believed.
     board = FakeBoard(beat("a", 5), beat("b", 5), beat("k", 5), beat("me", 4))
     swarm = averager(board)

@@ -400,7 +400,7 @@ def test_a_peer_waiting_for_min_peers_witnesses_a_state_at_its_own_step_only() -
     for answer in (sketched(0, theta), lambda seed: None):
         probe = Probe({"waiting": answer})
         assert probe.download_state(timeout=5.0) is not None
-        assert probe.vouching.witnessed == set()  # taken on the donor's word: nobody confirmed it
+        assert probe.vouching.witnessed == {"liar"}  # taken on the donor's word: its donor alone
     probe = Probe({"waiting": sketched(4, made_up)})  # it holds the served θ: confirmed
     assert probe.download_state(timeout=5.0) is not None
     assert probe.vouching.witnessed == {"waiting", "liar"} and probe.vouching.witnessed_step == 4
