@@ -112,21 +112,23 @@ def test_a_lying_heartbeat_moves_nothing(spawn, tmp_path, mode):
 
 
 @pytest.mark.faults
+@pytest.mark.parametrize("honest", [2, 1])
 def test_fresh_keys_outnumbering_the_honest_peers_one_step_ahead_do_not_keep_a_joiner_downloading(
-    spawn, tmp_path
+    spawn, tmp_path, honest
 ):
     """Stop 59's red-team review, end to end: a joiner that has averaged with nobody believed
     "the swarm is past this round" from most heartbeats, so one fresh key more than the honest
     peers, each claiming their step + 1 (within what a download may lag a claim, so no download
     disproved it), sent it to download instead of averaging, round after round. At the step of
     the state it took, the peers whose θ confirmed it now outweigh them: it downloads once,
-    averages in threes, and strikes the keys out."""
+    averages with the honest peers, and strikes the keys out. With one honest peer its state
+    has no other witness than its donor, which is the witness there."""
     run_id = "lies-one-ahead"
     common = [*FAST, "--run-id", run_id, *steady(tmp_path)]
-    first = spawn("a", "start", *common, "--min-peers", "2")
-    second = spawn("b", "join", first.address(), *common)
-    first.wait_event("round", lambda e: e["outer_step"] >= 2 and e["group_size"] == 2)
-    keys = helper(LIAR, "one-ahead", first.address(), run_id, "3")  # 3 keys against 2 honest peers
+    first = spawn("a", "start", *common, "--min-peers", str(honest))
+    peers = [first, *(spawn("b", "join", first.address(), *common) for _ in range(honest - 1))]
+    first.wait_event("round", lambda e: e["outer_step"] >= 2 and e["group_size"] == honest)
+    keys = helper(LIAR, "one-ahead", first.address(), run_id, str(honest + 1))  # one more than the honest
     try:
         assert keys.stdout.readline().strip() == "ready"
         time.sleep(2.0)  # their first heartbeats stored: the joiner finds them on the board
@@ -135,12 +137,15 @@ def test_fresh_keys_outnumbering_the_honest_peers_one_step_ahead_do_not_keep_a_j
         third.wait_event("round", lambda e: e["outer_step"] >= joined + 8, timeout=180)
     finally:
         kill_group(keys)
-    interrupt_all((first, second, third))
+    interrupt_all((*peers, third))
     rounds = [r for r in third.events("round") if joined < r["outer_step"] <= joined + 8]
     summary = [(r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds]
     downloads = [(e["outer_step"], e.get("reason")) for e in third.events("state_downloaded")]
-    assert len(downloads) == 1, (downloads, summary)  # when it joined, and never again
-    assert sum(r["group_size"] == 3 for r in rounds) >= 6, summary
+    # When it joined, and never again; with one honest peer, once more at most: the lone owner
+    # is itself sent away by the keys' majority (the run's first peers: not defended), steps
+    # alone, and may be past the state the joiner took when the joiner's first round begins.
+    assert len(downloads) <= (1 if honest > 1 else 2), (downloads, summary)
+    assert sum(r["group_size"] == honest + 1 for r in rounds) >= 6, summary
     assert "ignoring peer" in third.stderr()  # the keys, struck out
 
 
