@@ -401,16 +401,19 @@ class RoundBarrier:
         witness left behind cost a joiner every round and made it strike the honest peers, and
         one claiming a step ahead sent it to download every round, when witnesses were believed
         as round mates are (a review, stop 66). A witness left behind costs a joiner one round.
-        A paused or finished witness says nothing of the round."""
-        witnessed = self.vouching.witnessed
-        return (
-            outer_step is not None
-            and outer_step == self.vouching.witnessed_step
-            and any(
-                p.peer_id in witnessed and not ahead(p) and p.stage is not Stage.PAUSED and not p.done
-                for p in others
-            )
-        )
+        Most of the witnesses here must hold the step: one key among them that stayed at it
+        while the others moved on took the joiner's round alone, then, vouched, kept it from the
+        swarm for good (a second review). A paused or finished witness says nothing of the round."""
+        if outer_step is None or self.vouching.vouched or outer_step != self.vouching.witnessed_step:
+            return False  # (vouched: a peer that averaged before and downloads again)
+        here = [
+            p
+            for p in others
+            if p.peer_id in self.vouching.witnessed
+            and p.stage is not Stage.PAUSED
+            and not self._done(p, outer_step)  # (overlapped: at its last round it is a mate)
+        ]
+        return 2 * sum(not ahead(p) for p in here) > len(here)
 
     def strike(self, peer: PeerHeartbeat, outer_step: int, claim: str) -> None:
         if self.vouching.strike(peer.peer_id, outer_step):

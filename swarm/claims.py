@@ -210,6 +210,8 @@ class StateVerdict:
     confirmed: bool = False
     """Taken because another peer at its step holds the same θ (not on the donor's word, nor
     unconfirmed because the others moved on)."""
+    on_donors_word: bool = False
+    """Taken because no other peer could answer for it (not because they moved past it)."""
     witnesses: frozenset[str] = frozenset()
     """When ``confirmed``: the peers whose θ is the state's (the donor, and the witnesses at its
     step that agreed; :meth:`Vouching.confirmed_by`)."""
@@ -292,7 +294,9 @@ def judge_state(
                 False, f"{len(silent)} peer(s) that claim outer step {step} were asked and did not answer"
             )
         return StateVerdict(
-            True, "no other peer could confirm it: taken on the donor's word (the first round checks it)"
+            True,
+            "no other peer could confirm it: taken on the donor's word (the first round checks it)",
+            on_donors_word=True,
         )
     if min(steps) > step:
         # Everyone asked moved on while this peer downloaded (rounds shorter than a download,

@@ -157,9 +157,11 @@ class Downloading:
                     "the state served by %s at outer step %d: %s", donor[-8:], state.outer_step, verdict.why
                 )
                 self._last_download = (donor, state.outer_step)
-                # Nobody else could confirm it (the donor the only other peer asked): its donor
-                # is the witness there is (swarm.barrier.RoundBarrier.witnesses_hold).
-                self.vouching.confirmed_by(verdict.witnesses or {donor}, state.outer_step)
+                # Nobody else could answer for it (the donor the only other peer asked): its
+                # donor is the witness there is (swarm.barrier.RoundBarrier.witnesses_hold). Not
+                # when the others moved past it meanwhile: they say the swarm is past its step.
+                lone = {donor} if verdict.on_donors_word else set()
+                self.vouching.confirmed_by(verdict.witnesses or lone, state.outer_step)
                 return state
             logger.warning(
                 "refused the state served by %s: %s; trying another donor", donor[-8:], verdict.why

@@ -195,6 +195,30 @@ def test_a_joiners_witnesses_outweigh_the_majority_at_its_states_step_only():
     assert swarm.wait_for_round_mates(4) is Verdict.BEHIND
     swarm.vouching.confirmed_by(["owner"], 4)
     assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE
+    # Overlapped, at the run's last round, a witness whose clock reads the run's end is still a
+    # round mate (the barrier's own rule), so its word still counts (a review, stop 66).
+    board = FakeBoard(
+        beat("a", 5, rounds=5), beat("b", 5, rounds=5), *(beat(k, 6) for k in ("k0", "k1", "k2")),
+        beat("me", 4, rounds=5),
+    )  # fmt: skip
+    swarm = averager(board)
+    swarm.overlapped = True
+    swarm.vouching.confirmed_by(["a", "b"], 4)
+    assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE
+    # A peer that averaged before and downloads again: round mates decide, and the claimants
+    # are struck as ever (the witnesses spared them a strike).
+    board = FakeBoard(beat("m", 4), beat("w", 4), beat("k", 9), beat("me", 4))
+    swarm = averager(board, vouched=["m"])
+    swarm.vouching.confirmed_by(["w"], 4)
+    assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE
+    assert swarm.vouching._strikes.get("k", (0, -1)) == (1, 4)
+    # One witness (a key that served or confirmed the real state) stays at the step while the
+    # other witness and the swarm move on: the majority is believed, not the key (which would
+    # have taken the joiner's round alone, then, vouched, kept it from the swarm: a review).
+    board = FakeBoard(*(beat(h, 5) for h in ("h0", "h1", "h2")), beat("L", 4), beat("me", 4))
+    swarm = averager(board)
+    swarm.vouching.confirmed_by(["L", "h0"], 4)
+    assert swarm.wait_for_round_mates(4) is Verdict.BEHIND
     # Witnesses that moved on: the majority is believed.
     board = FakeBoard(beat("a", 5), beat("b", 5), beat("k", 5), beat("me", 4))
     swarm = averager(board)
@@ -393,6 +417,12 @@ def test_judge_state_takes_the_word_of_round_mates_then_the_majority():
     verdict = judge_state(7, good, honest, donor="d", vouched=set())
     assert verdict.accept and "2 of 3" in verdict.why
     assert verdict.witnesses == {"a", "b", "d"}  # whose θ it is (Vouching.confirmed_by)
+    # Everyone asked moved past the state during the download: taken, but not on the donor's
+    # word alone (they say the swarm is past it), so its donor is no witness (a review, stop 66).
+    moved_on = judge_state(
+        7, good, _answers(8, a=0.0, b=0.0), donor="d", vouched=set(), claims={"a": 7, "b": 7}
+    )
+    assert moved_on.accept and not moved_on.on_donors_word and not moved_on.witnesses
     verdict = judge_state(7, bad, honest, donor="d", vouched=set())
     assert not verdict.accept and not verdict.blame  # strangers disagree: skip the donor, once
     assert verdict.contradicted  # and do not ask it to witness the next donor's state
