@@ -149,6 +149,32 @@ def test_fresh_keys_outnumbering_the_honest_peers_one_step_ahead_do_not_keep_a_j
     assert "ignoring peer" in third.stderr()  # the keys, struck out
 
 
+@pytest.mark.faults
+@NETNS
+@pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
+def test_fresh_keys_one_step_ahead_on_another_machine_do_not_keep_a_joiner_downloading(spawn, tmp_path):
+    """The test above as users deploy: the honest pair and the joiner each on its own machine
+    with the README's flags (``--host 0.0.0.0 --announce ...``), the keys' process on a fourth."""
+    common = [*FAST, "--run-id", "lies-one-ahead-netns", *steady(tmp_path)]
+    with contextlib.ExitStack() as stack:
+        peers, first, second, address, wrap, _ = _a_pair(stack, spawn, tmp_path, "netns", common, size=4)
+        keys = helper(LIAR, "one-ahead", address, "lies-one-ahead-netns", "3", wrap=wrap)
+        try:
+            assert keys.stdout.readline().strip() == "ready"
+            time.sleep(2.0)
+            third = peers.start(3, "join", address, *common)
+            joined = third.wait_event("state_downloaded", timeout=120)["outer_step"]
+            third.wait_event("round", lambda e: e["outer_step"] >= joined + 8, timeout=180)
+        finally:
+            kill_group(keys)
+        interrupt_all((first, second, third))
+    rounds = [r for r in third.events("round") if joined < r["outer_step"] <= joined + 8]
+    summary = [(r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds]
+    downloads = [(e["outer_step"], e.get("reason")) for e in third.events("state_downloaded")]
+    assert len(downloads) == 1, (downloads, summary)
+    assert sum(r["group_size"] == 3 for r in rounds) >= 6, summary
+
+
 SQUATTER = """
 import sys, time
 from swarm.dht import NetworkConfig
