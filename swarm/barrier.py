@@ -389,9 +389,9 @@ class RoundBarrier:
         self, outer_step: int | None, ahead: Callable[[PeerHeartbeat], bool], others: list[PeerHeartbeat]
     ) -> bool:
         """Whether this peer, which has averaged with nobody yet, is at the outer step of the state
-        it last downloaded and one of the peers whose θ confirmed that state is here and not
-        past it (:attr:`swarm.claims.Vouching.witnessed`): then most heartbeats saying otherwise
-        are not believed for this round.
+        it last downloaded and most of the peers whose θ confirmed that state that are still here
+        are not past it (:attr:`swarm.claims.Vouching.witnessed`): then most heartbeats saying
+        otherwise are not believed for this round.
 
         One fresh key more than the honest peers, each claiming the swarm's step + 1 (within
         what a download may lag a claim, so no download disproved it), sent a joiner to download
