@@ -171,24 +171,45 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_end_with_parent)
 
 
+SHM_MANAGER_DEADLINE = 60.0
+"""Seconds torch's shared-memory manager may take to answer its first call
+(:func:`start_shm_manager`) before the process ends, saying where it waited."""
+
+
 def start_shm_manager() -> None:
     """Start torch's shared-memory manager now, with Ctrl+C, SIGTERM and SIGHUP held back in
     this thread (delivered right after). hivemind shares tensors by file name, and torch starts
     its manager (``torch_shm_manager``) at the first such tensor, then waits for its handle in a
     ``read()`` that a signal handled by Python interrupts: libshm's check then re-tests the failed
     result for ever, at 100% CPU (a Ctrl+C about 2 s into a peer's start hung it in 2 of 7 tries).
-    A blocked signal interrupts nothing. Idempotent; a no-op unless tensors are shared by file name."""
+    A blocked signal interrupts nothing. Idempotent; a no-op unless tensors are shared by file name.
+
+    The wait is bounded: the manager answers in 0.15 s here (0.8 s beside eight busy loops on two
+    cores), but once (a ``workbench status`` beside a busy test suite, 2026-12-07) it had not
+    answered 60 s later, and with these signals held nothing could end that process short of
+    SIGKILL. Past :data:`SHM_MANAGER_DEADLINE` seconds every thread's stack goes to stderr (this
+    function's name in it) and the process exits with status 1. torch holds the GIL while it
+    waits, so only faulthandler's own thread can keep that time."""
     global _SHM_MANAGER_STARTED
+    import faulthandler
+
     import torch.multiprocessing
 
     if _SHM_MANAGER_STARTED or torch.multiprocessing.get_sharing_strategy() != "file_system":
         return
     held = {signal.SIGINT, *_STOP_SIGNALS}
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    # To the process's own stderr (a notebook kernel's sys.stderr has no file descriptor); with
+    # no stderr at all the wait is unbounded.
+    with contextlib.suppress(AttributeError, OSError, RuntimeError, TypeError, ValueError):
+        faulthandler.dump_traceback_later(SHM_MANAGER_DEADLINE, exit=True, file=sys.__stderr__ or sys.stderr)
     try:
-        torch.empty(1).share_memory_()  # the first tensor shared by file name starts the manager
+        # The first tensor shared by file name starts torch_shm_manager. Stuck here past the
+        # deadline: torch's shared-memory manager never answered (see the docstring).
+        torch.empty(1).share_memory_()
         _SHM_MANAGER_STARTED = True
     finally:
+        faulthandler.cancel_dump_traceback_later()
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 

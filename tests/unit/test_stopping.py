@@ -248,3 +248,35 @@ def test_a_peer_whose_lab_died_before_it_watched_stops_at_once() -> None:
     )
     assert peer.returncode == -signal.SIGTERM, (peer.returncode, peer.stderr)
     assert f"the lab that started this peer (pid {gone.pid}) is gone: stopping" in peer.stderr
+
+
+_A_SHM_MANAGER_THAT_NEVER_ANSWERS = """
+import time
+import hivemind  # noqa: F401  (tensors are shared by file name from here on)
+import torch
+import swarm.dht
+
+torch.Tensor.share_memory_ = lambda self: time.sleep(600)  # as torch waiting on a manager that never answers
+swarm.dht.SHM_MANAGER_DEADLINE = 1.0
+swarm.dht.start_shm_manager()
+print("returned", flush=True)
+"""
+
+
+def test_a_shared_memory_manager_that_never_answers_ends_the_process_saying_where() -> None:
+    """torch's manager once had not answered a ``workbench status`` 60 s after it was started,
+    and with Ctrl+C, SIGTERM and SIGHUP held during that wait the process could only be killed.
+    Past the deadline the process ends with status 1, every thread's stack on stderr naming
+    ``start_shm_manager``; it neither returns as if the manager were up nor hangs."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(  # a hang fails here
+        [sys.executable, "-c", _A_SHM_MANAGER_THAT_NEVER_ANSWERS],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    assert "returned" not in done.stdout
+    assert "Timeout" in done.stderr and "in start_shm_manager" in done.stderr, done.stderr
