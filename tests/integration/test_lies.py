@@ -150,6 +150,37 @@ def test_fresh_keys_outnumbering_the_honest_peers_one_step_ahead_do_not_keep_a_j
 
 
 @pytest.mark.faults
+def test_fresh_keys_one_step_ahead_from_the_start_cost_the_runs_first_peers_a_few_rounds(spawn, tmp_path):
+    """The run's first peers, before their first round together, have no witness to outweigh
+    one fresh key more than them each claiming their step + 1 (docs/security.md, Sybils): the
+    keys send them to look for a state to download, which no key can serve. Measured
+    (2026-12-07, two runs): the owner stepped alone 2-4 rounds (the keys also count towards its
+    --min-peers) and downloaded once or twice, the joiner lost at most its first round, and from
+    the round after that both averaged in pairs every round, the keys struck out. This holds
+    that bound: a few rounds at the start, then pairs for good."""
+    run_id = "lies-one-ahead-first"
+    common = [*FAST, "--run-id", run_id, *steady(tmp_path)]
+    first = spawn("a", "start", *common, "--min-peers", "2")
+    keys = helper(LIAR, "one-ahead", first.address(), run_id, "3")  # one more than the pair
+    try:
+        assert keys.stdout.readline().strip() == "ready"
+        time.sleep(2.0)  # their first heartbeats stored before the second peer comes
+        second = spawn("b", "join", first.address(), *common)
+        joined = second.wait_event("state_downloaded", timeout=120)["outer_step"]
+        second.wait_event("round", lambda e: e["outer_step"] >= joined + 10, timeout=240)
+    finally:
+        kill_group(keys)
+    interrupt_all((first, second))
+    for peer, most in ((first, 3), (second, 2)):
+        summary = [(r["outer_step"], r["group_size"], r["alone_reason"]) for r in peer.events("round")]
+        downloads = [(e["outer_step"], e.get("reason")) for e in peer.events("state_downloaded")]
+        assert len(downloads) <= most, (peer.name, downloads, summary)
+        later = [r for r in peer.events("round") if joined + 3 < r["outer_step"] <= joined + 10]
+        assert len(later) >= 6 and all(r["group_size"] == 2 for r in later), (peer.name, downloads, summary)
+        assert "ignoring peer" in peer.stderr()  # the keys, struck out
+
+
+@pytest.mark.faults
 @NETNS
 @pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
 def test_fresh_keys_one_step_ahead_on_another_machine_do_not_keep_a_joiner_downloading(spawn, tmp_path):
