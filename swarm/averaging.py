@@ -144,8 +144,10 @@ class SwarmAverager(Downloading):
         then, for DOUBT_ROUNDS rounds, renewed while they keep not coming; cleared by a round
         averaged). One fresh key's heartbeat "waiting" beside a lone peer held each of its
         rounds to the averaging deadline (28 s of 30), retrying (a red-team review, stop 59);
-        now that costs one round, then one attempt a round. (They still decide who of two
-        strangers fetches the other's θ after a failed round: :meth:`_failed`.)"""
+        now that costs one round, then one attempt a round, which gives them the matchmaking
+        window, not the deadline (stop 67: it waited to the deadline, every round), and no
+        download: strangers doubted so averaged with nobody here, so a failed round with them
+        does not make this peer's θ stale (:meth:`_failed`)."""
         self.state_shapes = None if state_shapes is None else [tuple(s) for s in state_shapes]
         self._last_download: tuple[str, int] | None = None  # (donor, outer step): see download_state
         self.barrier = RoundBarrier(
@@ -276,11 +278,16 @@ class SwarmAverager(Downloading):
                 and (self.overlapped or p.stage in (Stage.WAITING, Stage.AVERAGING))
             ]
             strangers = bool(mates) and not any(p.peer_id in self.vouching.vouched for p in mates)
-            doubted = strangers and outer_step < self._no_shows_until  # they came to no group before
+            doubted = self._doubted([p.peer_id for p in mates], outer_step)  # they came to no group before
             if doubted or not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
                 if strangers:  # (renewed while they keep not coming)
                     self._no_shows_until = outer_step + 1 + DOUBT_ROUNDS
-                return self._failed(info, error, mates=[p.peer_id for p in mates], moved_on=moved_on)
+                # Strangers that keep not coming averaged with nobody here: this peer's θ is not
+                # presumed stale on their account (one key sorting first sent a lone peer to
+                # download after every such round).
+                return self._failed(
+                    info, error, mates=[] if doubted else [p.peer_id for p in mates], moved_on=moved_on
+                )
             logger.debug("round %d: attempt %d failed (%s); retrying", outer_step + 1, attempt, error)
         self.averaging_deadline.observe(time.monotonic() - started)
         self._no_shows_until = -1
@@ -355,6 +362,11 @@ class SwarmAverager(Downloading):
             lock.release()
         asked = time.time()  # the averager process stamps the group's forming with time.time()
         expected = self.barrier.expected if attempt == 1 else ()
+        # Mates that are all strangers that came to no group here in the last rounds get the
+        # window to come, not the round's whole deadline: one fresh key "waiting" beside a lone
+        # peer held every one of its rounds to the deadline (30 s against 0.7 s rounds, stop 67).
+        patience = window + self.config.matchmaking_time + 1.0
+        doubted = self._doubted(expected, int(info.get("outer_step", 0)))
         control = self.averager.step(
             allow_retries=False,  # see all_reduce
             gather=info,
@@ -387,6 +399,12 @@ class SwarmAverager(Downloading):
                     if control.began_allreduce:
                         time.sleep(0.05)
                         continue
+                    if doubted and time.monotonic() - begun > patience:
+                        control.cancel()
+                        return (
+                            None,
+                            "its only round mates, strangers that came to no group before, did not come",
+                        )
                     live = self.board.fetch()
                     others = [p for i, p in live.items() if i != self.peer_id]
                     if self.barrier.believed_ahead(
@@ -414,6 +432,16 @@ class SwarmAverager(Downloading):
             self.formed_after = self.averager.assembled.value - asked
             self.matchmaking_window.observe(self.formed_after)
         return (gathered, "") if gathered else (None, "could not find a group")
+
+    def _doubted(self, mates: Sequence[str], outer_step: int) -> bool:
+        """``mates`` are all strangers (none vouched for) and this round is within
+        :data:`DOUBT_ROUNDS` of one whose only mates, strangers, came to no group
+        (:attr:`_no_shows_until`)."""
+        return (
+            bool(mates)
+            and outer_step < self._no_shows_until
+            and not any(m in self.vouching.vouched for m in mates)
+        )
 
     def round_peers(self, outer_step: int) -> tuple[str, ...]:
         """The peers this one may group with (lead, follow or take in): the run's peers whose

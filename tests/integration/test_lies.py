@@ -51,6 +51,7 @@ while True:
         "absurd": dict(stage=Stage.WAITING, outer_step=top, loss=-1e30, samples_per_second=1e12),
         # one step past the honest peers: within what a download may lag a claim (CLAIM_LAG)
         "one-ahead": dict(stage=Stage.WAITING, outer_step=top + 1),
+        "waiting": dict(stage=Stage.WAITING, outer_step=top),
     }[mode]
     for session in sessions:
         beat = PeerHeartbeat(peer_id=session.peer_id, name="liar", inner_step=0, inner_steps=5, time=get_dht_time(), **claim)
@@ -178,6 +179,34 @@ def test_fresh_keys_one_step_ahead_from_the_start_cost_the_runs_first_peers_a_fe
         later = [r for r in peer.events("round") if joined + 3 < r["outer_step"] <= joined + 10]
         assert len(later) >= 6 and all(r["group_size"] == 2 for r in later), (peer.name, downloads, summary)
         assert "ignoring peer" in peer.stderr()  # the keys, struck out
+
+
+@pytest.mark.faults
+def test_one_fresh_key_waiting_beside_a_lone_peer_costs_it_one_round_then_a_window_a_round(spawn, tmp_path):
+    """docs/security.md's Sybil list: one fresh key whose heartbeat says "waiting" at a lone
+    peer's step is a round mate for the barrier, and the peer's step waited for it to the
+    averaging deadline, every round for good (measured, stop 67: rounds of 0.7 s took 30.7 s
+    each; the peer never downloaded). After the key's first no-show the peer gives strangers
+    that came to no group the matchmaking window, not the deadline (3.7 s a round here):
+    an honest newcomer comes within the window."""
+    run_id = "lies-waiting"
+    common = [*FAST, "--run-id", run_id, *steady(tmp_path)]
+    first = spawn("a", "start", *common, "--min-peers", "1")
+    first.wait_event("round", lambda e: e["outer_step"] >= 3)
+    keys = helper(LIAR, "waiting", first.address(), run_id, "1")
+    try:
+        assert keys.stdout.readline().strip() == "ready"
+        start = max(e["outer_step"] for e in first.events("round"))
+        first.wait_event("round", lambda e: e["outer_step"] >= start + 8, timeout=300)
+    finally:
+        kill_group(keys)
+    interrupt_all((first,))
+    rounds = [r for r in first.events("round") if start < r["outer_step"] <= start + 8]
+    summary = [(r["outer_step"], r["alone_reason"], round(r["averaging_seconds"], 1)) for r in rounds]
+    held = [r for r in rounds if str(r["alone_reason"]).startswith("averaging failed")]  # to the deadline
+    window = [r for r in rounds if "strangers that came to no group before" in str(r["alone_reason"])]
+    assert len(held) <= 1 and len(window) >= 6, summary
+    assert not first.events("state_downloaded"), summary
 
 
 @pytest.mark.faults

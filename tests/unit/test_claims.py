@@ -814,12 +814,9 @@ def test_a_stranger_ready_that_never_comes_costs_one_round_then_one_attempt():
     assert len(attempts) > 3
 
 
-def test_a_step_whose_expected_mates_stop_publishing_goes_on_alone():
-    """A pair's healthy peer waited out its frozen mate's whole freeze in its averaging step (30
-    s), the group it expected never forming, then took the frozen peer's state (a review of the
-    lab, 2026-12-06). Once every expected mate's heartbeat has expired, the step ends."""
+def _hanging_step_averager(board, expected: tuple[str, ...], *, no_shows_until: int, vouched=()):
+    """A bare SwarmAverager whose steps never form a group (the control it returns hangs)."""
     import multiprocessing as mp
-    import time
     from types import SimpleNamespace
 
     import torch
@@ -827,7 +824,7 @@ def test_a_step_whose_expected_mates_stop_publishing_goes_on_alone():
     from swarm.averaging import SwarmAverager
     from swarm.barrier import RoundBarrier
 
-    class Hanging:  # a step whose group never forms (its leader frozen)
+    class Hanging:
         began_allreduce = False
         cancelled = False
 
@@ -837,27 +834,62 @@ def test_a_step_whose_expected_mates_stop_publishing_goes_on_alone():
         def cancel(self) -> None:
             self.cancelled = True
 
-    control = Hanging()
-    board = FakeBoard(beat("frozen", 4))
     me = SwarmAverager.__new__(SwarmAverager)
     me.board, me.peer_id, me.lag, me.corrupt_next, me.scale_next = board, "me", 0, False, 0.0
-    me._silent_leaders = {}
+    me._silent_leaders, me._no_shows_until = {}, no_shows_until
+    me.vouching = Vouching()
+    me.vouching.averaged_with(list(vouched))
     me.beat = lambda stage: None
     me.matchmaking_window = SimpleNamespace(seconds=1.0)
     me.config = SimpleNamespace(matchmaking_time=1.0)
+    me.control = Hanging()
     me.averager = SimpleNamespace(
         lock_averaged_tensors=mp.Lock(), _averaged_tensors=[torch.zeros(2)],
-        generation=SimpleNamespace(value=0), step=lambda **kwargs: control,
+        generation=SimpleNamespace(value=0), step=lambda **kwargs: me.control,
     )  # fmt: skip
     me.barrier = RoundBarrier(
         board=board, peer_id="me", beat=me.beat, config=SimpleNamespace(round_wait=60.0, matchmaking_time=1.0)
     )
-    me.barrier.expected = ("frozen",)
+    me.barrier.expected = expected
+    return me
+
+
+def test_a_step_whose_expected_mates_stop_publishing_goes_on_alone():
+    """A pair's healthy peer waited out its frozen mate's whole freeze in its averaging step (30
+    s), the group it expected never forming, then took the frozen peer's state (a review of the
+    lab, 2026-12-06). Once every expected mate's heartbeat has expired, the step ends."""
+    import time
+
+    import torch
+
+    board = FakeBoard(beat("frozen", 4))
+    me = _hanging_step_averager(board, ("frozen",), no_shows_until=-1)
+    control = me.control
     started = time.monotonic()
     board.beats.pop("frozen")  # its heartbeat expired: frozen, or gone
     gathered, why = me._attempt([torch.ones(2)], 1.0, {"outer_step": 4}, deadline=started + 30.0)
     assert gathered is None and "round mates stopped answering" in why and control.cancelled
     assert time.monotonic() - started < 5.0  # not the 30 s deadline
+
+
+def test_strangers_that_came_to_no_group_get_the_window_not_the_deadline():
+    """One fresh key "waiting" at a lone peer's step: the peer's step waited for it to the
+    averaging deadline, every round (0.7 s rounds took 30.7 s, stop 67). After a round whose
+    only mates, strangers, came to no group (``_no_shows_until``), its step gives such mates
+    the matchmaking window and the time for the group to assemble (3 s here), then goes on
+    alone. (A vouched mate is not doubted: ``_doubted``.)"""
+    import time
+
+    import torch
+
+    me = _hanging_step_averager(FakeBoard(beat("sybil", 4)), ("sybil",), no_shows_until=8)
+    assert me._doubted(["sybil"], 4) and not me._doubted(["sybil"], 8) and not me._doubted([], 4)
+    started = time.monotonic()
+    gathered, why = me._attempt([torch.ones(2)], 1.0, {"outer_step": 4}, deadline=started + 30.0)
+    assert gathered is None and "strangers that came to no group before" in why and me.control.cancelled, why
+    assert time.monotonic() - started < 10.0  # the window (1 s) and 2 s to assemble, not the 30 s deadline
+    me.vouching.averaged_with(["sybil"])
+    assert not me._doubted(["sybil"], 4)  # a mate it averaged with
 
 
 def test_a_member_that_never_comes_to_the_ring_is_left_out_from_its_second_time_and_struck():
