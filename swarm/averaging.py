@@ -365,7 +365,9 @@ class SwarmAverager(Downloading):
         # Mates that are all strangers that came to no group here in the last rounds get the
         # window to come, not the round's whole deadline: one fresh key "waiting" beside a lone
         # peer held every one of its rounds to the deadline (30 s against 0.7 s rounds, stop 67).
-        patience = window + self.config.matchmaking_time + 1.0
+        # (The slack is the averaging deadline's margin: two honest strangers that doubt each
+        # other after a failed round still meet within it, or they would never average again.)
+        patience = window + 2 * self.config.matchmaking_time + 2.0
         doubted = self._doubted(expected, int(info.get("outer_step", 0)))
         control = self.averager.step(
             allow_retries=False,  # see all_reduce

@@ -187,7 +187,7 @@ def test_one_fresh_key_waiting_beside_a_lone_peer_costs_it_one_round_then_a_wind
     peer's step is a round mate for the barrier, and the peer's step waited for it to the
     averaging deadline, every round for good (measured, stop 67: rounds of 0.7 s took 30.7 s
     each; the peer never downloaded). After the key's first no-show the peer gives strangers
-    that came to no group the matchmaking window, not the deadline (3.7 s a round here):
+    that came to no group the matchmaking window, not the deadline (5.8 s a round here):
     an honest newcomer comes within the window."""
     run_id = "lies-waiting"
     common = [*FAST, "--run-id", run_id, *steady(tmp_path)]

@@ -876,7 +876,7 @@ def test_strangers_that_came_to_no_group_get_the_window_not_the_deadline():
     """One fresh key "waiting" at a lone peer's step: the peer's step waited for it to the
     averaging deadline, every round (0.7 s rounds took 30.7 s, stop 67). After a round whose
     only mates, strangers, came to no group (``_no_shows_until``), its step gives such mates
-    the matchmaking window and the time for the group to assemble (3 s here), then goes on
+    the matchmaking window and the time for the group to assemble (5 s here), then goes on
     alone. (A vouched mate is not doubted: ``_doubted``.)"""
     import time
 
@@ -887,7 +887,7 @@ def test_strangers_that_came_to_no_group_get_the_window_not_the_deadline():
     started = time.monotonic()
     gathered, why = me._attempt([torch.ones(2)], 1.0, {"outer_step": 4}, deadline=started + 30.0)
     assert gathered is None and "strangers that came to no group before" in why and me.control.cancelled, why
-    assert time.monotonic() - started < 10.0  # the window (1 s) and 2 s to assemble, not the 30 s deadline
+    assert time.monotonic() - started < 12.0  # the window (1 s) and 4 s to assemble, not the 30 s deadline
     me.vouching.averaged_with(["sybil"])
     assert not me._doubted(["sybil"], 4)  # a mate it averaged with
 
