@@ -26,7 +26,7 @@ import math
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any  # noqa: UP035 - hivemind reads typing's name to detect streams
 
 import torch
@@ -47,7 +47,7 @@ from swarm.download import Downloading
 from swarm.group_averager import GroupAverager, fault_value
 from swarm.hivemind_fixes import stopping
 from swarm.progress import ProgressBoard
-from swarm.records import PROTOCOL, RunKeys, Stage
+from swarm.records import PROTOCOL, PeerHeartbeat, RunKeys, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -270,21 +270,21 @@ class SwarmAverager(Downloading):
             outer_step = int(info.get("outer_step", 0))
             others = [p for p in self.board.fetch().values() if p.peer_id != self.peer_id]
             moved_on = any(p.outer_step > outer_step + self.lag and not p.done for p in others)
-            mates = [
-                p
-                for p in others
-                if p.outer_step == outer_step + self.lag
-                and not p.done  # (overlapped: one that finished its run is at outer_step + 1 too)
-                and (self.overlapped or p.stage in (Stage.WAITING, Stage.AVERAGING))
-            ]
+            mates = self._ready_mates(others, outer_step)
             strangers = bool(mates) and not any(p.peer_id in self.vouching.vouched for p in mates)
             doubted = self._doubted([p.peer_id for p in mates], outer_step)  # they came to no group before
             if doubted or not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
                 if strangers:  # (renewed while they keep not coming)
                     self._no_shows_until = outer_step + 1 + DOUBT_ROUNDS
-                # Strangers that keep not coming averaged with nobody here: this peer's θ is not
-                # presumed stale on their account (one key sorting first sent a lone peer to
-                # download after every such round).
+                if doubted:
+                    # Strangers that keep not coming averaged with nobody here: this peer's θ is
+                    # not presumed stale on their account (one key sorting first sent a lone peer
+                    # to download after every such round), nor on a stranger's claim to be ahead.
+                    moved_on = self.barrier.believed_ahead(
+                        lambda p, step=outer_step: p.outer_step > step + self.lag and not p.done,
+                        others,
+                        outer_step=outer_step,
+                    )
                 return self._failed(
                     info, error, mates=[] if doubted else [p.peer_id for p in mates], moved_on=moved_on
                 )
@@ -368,7 +368,11 @@ class SwarmAverager(Downloading):
         # (The slack is the averaging deadline's margin: two honest strangers that doubt each
         # other after a failed round still meet within it, or they would never average again.)
         patience = window + 2 * self.config.matchmaking_time + 2.0
-        doubted = self._doubted(expected, int(info.get("outer_step", 0)))
+        outer_step = int(info.get("outer_step", 0))
+        # The barrier names the mates when every other peer is ready; otherwise (a second key
+        # "waiting" a few steps back, say) the ones ready at this step are on the board.
+        ready = expected or [p.peer_id for p in self._ready_mates(self.board.fetch().values(), outer_step)]
+        doubted = self._doubted(ready, outer_step)
         control = self.averager.step(
             allow_retries=False,  # see all_reduce
             gather=info,
@@ -434,6 +438,18 @@ class SwarmAverager(Downloading):
             self.formed_after = self.averager.assembled.value - asked
             self.matchmaking_window.observe(self.formed_after)
         return (gathered, "") if gathered else (None, "could not find a group")
+
+    def _ready_mates(self, beats: Iterable[PeerHeartbeat], outer_step: int) -> list[PeerHeartbeat]:
+        """The others ready to average this round (at its step, not done; waiting or averaging,
+        any stage when overlapped)."""
+        return [
+            p
+            for p in beats
+            if p.peer_id != self.peer_id
+            and p.outer_step == outer_step + self.lag
+            and not p.done  # (overlapped: one that finished its run is at outer_step + 1 too)
+            and (self.overlapped or p.stage in (Stage.WAITING, Stage.AVERAGING))
+        ]
 
     def _doubted(self, mates: Sequence[str], outer_step: int) -> bool:
         """``mates`` are all strangers (none vouched for) and this round is within

@@ -792,6 +792,10 @@ def test_a_stranger_ready_that_never_comes_costs_one_round_then_one_attempt():
     me.averaging_deadline = SimpleNamespace(seconds=1.6, observe=lambda seconds: None)
     me.averager = SimpleNamespace(direct_rounds=SimpleNamespace(value=0), _fault_file=None)
     me.wait_for_round_mates = lambda step: Verdict.AVERAGE
+    me.barrier = RoundBarrier(
+        board=me.board, peer_id="me", beat=lambda stage: None,
+        config=SimpleNamespace(round_wait=60.0, matchmaking_time=0.1), vouching=me.vouching,
+    )  # fmt: skip
     attempts: list[int] = []
 
     def attempt(tensors, weight, info, deadline, n):  # type: ignore[no-untyped-def]
@@ -806,7 +810,8 @@ def test_a_stranger_ready_that_never_comes_costs_one_round_then_one_attempt():
         me.board.beats["fake"] = beat("fake", step)
         attempts.clear()
         later = me._round([torch.ones(2)], weight=1.0, info={"outer_step": step})
-        assert attempts == [1] and later.failed, (step, attempts)
+        # (and not presumed stale on its account: it averaged with nobody here)
+        assert attempts == [1] and later.failed and not later.stale, (step, attempts, later.stale)
     me.vouching.averaged_with(["fake"])  # it came after all: a round mate like any other
     me.board.beats["fake"] = beat("fake", 30)
     attempts.clear()
@@ -848,9 +853,11 @@ def _hanging_step_averager(board, expected: tuple[str, ...], *, no_shows_until: 
         generation=SimpleNamespace(value=0), step=lambda **kwargs: me.control,
     )  # fmt: skip
     me.barrier = RoundBarrier(
-        board=board, peer_id="me", beat=me.beat, config=SimpleNamespace(round_wait=60.0, matchmaking_time=1.0)
-    )
+        board=board, peer_id="me", beat=me.beat,
+        config=SimpleNamespace(round_wait=60.0, matchmaking_time=1.0), vouching=me.vouching,
+    )  # fmt: skip
     me.barrier.expected = expected
+    me.overlapped, me.claim_next = False, 0.0
     return me
 
 
@@ -890,6 +897,44 @@ def test_strangers_that_came_to_no_group_get_the_window_not_the_deadline():
     assert time.monotonic() - started < 12.0  # the window (1 s) and 4 s to assemble, not the 30 s deadline
     me.vouching.averaged_with(["sybil"])
     assert not me._doubted(["sybil"], 4)  # a mate it averaged with
+
+
+def test_a_second_key_a_few_steps_back_does_not_bring_the_deadline_back():
+    """A review (stop 67): a second fresh key "waiting" two steps back is neither ready nor
+    ahead, so the barrier names no mates (``expected`` empty) and the step, not doubting the
+    first key, waited to the deadline again. The mates ready at the step are on the board."""
+    import time
+
+    me = _hanging_step_averager(FakeBoard(beat("sybil", 4), beat("sybil2", 2)), (), no_shows_until=8)
+    started = time.monotonic()
+    gathered, why = me._attempt([torch.ones(2)], 1.0, {"outer_step": 4}, deadline=started + 30.0)
+    assert gathered is None and "strangers that came to no group before" in why, why
+    assert time.monotonic() - started < 12.0
+
+
+@pytest.mark.parametrize("ahead", ["stranger", "vouched"])
+def test_a_round_failed_with_doubted_strangers_is_stale_only_on_a_believed_claim(ahead):
+    """After a round whose only mates were strangers that keep not coming, this peer's θ is not
+    presumed stale on their account, nor because a stranger says it is past the round (a review,
+    stop 67: a second key one step ahead sent the lone peer to download); a peer it averaged
+    with saying so still does."""
+    from types import SimpleNamespace
+
+    from swarm.barrier import Verdict
+
+    me = _hanging_step_averager(
+        FakeBoard(beat("a-waiting", 4), beat("b-ahead", 5)), ("a-waiting",), no_shows_until=8
+    )
+    if ahead == "vouched":
+        me.vouching.averaged_with(["b-ahead"])
+    me.averager._fault_file = None
+    me.averager.direct_rounds = SimpleNamespace(value=0)
+    me.averaging_deadline = SimpleNamespace(seconds=30.0)
+    me.wait_for_round_mates = lambda step: Verdict.AVERAGE
+    me._attempt = lambda *args, **kwargs: (None, "could not find a group")
+    me._blame_spoilers = lambda step: None
+    report = me._round([torch.ones(2)], weight=1.0, info={"outer_step": 4})
+    assert report.failed and report.stale is (ahead == "vouched"), report
 
 
 def test_a_member_that_never_comes_to_the_ring_is_left_out_from_its_second_time_and_struck():
