@@ -371,7 +371,10 @@ class SwarmAverager(Downloading):
         outer_step = int(info.get("outer_step", 0))
         # The barrier names the mates when every other peer is ready; otherwise (a second key
         # "waiting" a few steps back, say) the ones ready at this step are on the board.
-        ready = expected or [p.peer_id for p in self._ready_mates(self.board.fetch().values(), outer_step)]
+        if expected or self.board is None:  # (no board: a benchmark's averager, no mates to doubt)
+            ready = list(expected)
+        else:
+            ready = [p.peer_id for p in self._ready_mates(self.board.fetch().values(), outer_step)]
         doubted = self._doubted(ready, outer_step)
         control = self.averager.step(
             allow_retries=False,  # see all_reduce
