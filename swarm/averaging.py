@@ -371,7 +371,8 @@ class SwarmAverager(Downloading):
         outer_step = int(info.get("outer_step", 0))
         # The barrier names the mates when every other peer is ready; otherwise (a second key
         # "waiting" a few steps back, say) the ones ready at this step are on the board.
-        if expected or self.board is None:  # (no board: a benchmark's averager, no mates to doubt)
+        # (The board is read only while a doubt is armed; without one, no mates to doubt.)
+        if expected or self.board is None or outer_step >= self._no_shows_until:
             ready = list(expected)
         else:
             ready = [p.peer_id for p in self._ready_mates(self.board.fetch().values(), outer_step)]

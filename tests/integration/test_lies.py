@@ -182,34 +182,6 @@ def test_fresh_keys_one_step_ahead_from_the_start_cost_the_runs_first_peers_a_fe
 
 
 @pytest.mark.faults
-def test_one_fresh_key_waiting_beside_a_lone_peer_costs_it_one_round_then_a_window_a_round(spawn, tmp_path):
-    """docs/security.md's Sybil list: one fresh key whose heartbeat says "waiting" at a lone
-    peer's step is a round mate for the barrier, and the peer's step waited for it to the
-    averaging deadline, every round for good (measured, stop 67: rounds of 0.7 s took 30.7 s
-    each; the peer never downloaded). After the key's first no-show the peer gives strangers
-    that came to no group the matchmaking window, not the deadline (5.8 s a round here):
-    an honest newcomer comes within the window."""
-    run_id = "lies-waiting"
-    common = [*FAST, "--run-id", run_id, *steady(tmp_path)]
-    first = spawn("a", "start", *common, "--min-peers", "1")
-    first.wait_event("round", lambda e: e["outer_step"] >= 3)
-    keys = helper(LIAR, "waiting", first.address(), run_id, "1")
-    try:
-        assert keys.stdout.readline().strip() == "ready"
-        start = max(e["outer_step"] for e in first.events("round"))
-        first.wait_event("round", lambda e: e["outer_step"] >= start + 8, timeout=300)
-    finally:
-        kill_group(keys)
-    interrupt_all((first,))
-    rounds = [r for r in first.events("round") if start < r["outer_step"] <= start + 8]
-    summary = [(r["outer_step"], r["alone_reason"], round(r["averaging_seconds"], 1)) for r in rounds]
-    held = [r for r in rounds if str(r["alone_reason"]).startswith("averaging failed")]  # to the deadline
-    window = [r for r in rounds if "strangers that came to no group before" in str(r["alone_reason"])]
-    assert len(held) <= 1 and len(window) >= 6, summary
-    assert not first.events("state_downloaded"), summary
-
-
-@pytest.mark.faults
 @NETNS
 @pytest.mark.skipif(bool(netlab.unavailable()), reason=f"netlab: {netlab.unavailable()}")
 def test_fresh_keys_one_step_ahead_on_another_machine_do_not_keep_a_joiner_downloading(spawn, tmp_path):
@@ -908,3 +880,40 @@ def test_a_flood_of_huge_long_lived_records_leaves_the_board_readable():
         for session in (reader, honest):
             if session is not None:
                 session.close()
+
+
+@pytest.mark.faults
+@MACHINES
+def test_one_fresh_key_waiting_beside_a_lone_peer_costs_it_one_round_then_a_window_a_round(
+    spawn, tmp_path, machines
+):
+    """docs/security.md's Sybil list: one fresh key whose heartbeat says "waiting" at a lone
+    peer's step is a round mate for the barrier, and the peer's step waited for it to the
+    averaging deadline, every round for good (measured, stop 67: rounds of 0.7 s took 30.7 s
+    each; the peer never downloaded). After the key's first no-show the peer gives strangers
+    that came to no group the matchmaking window, not the deadline (5.8 s a round here):
+    an honest newcomer comes within the window. In network namespaces the peer runs with the
+    README's flags and the key on another machine."""
+    run_id = f"lies-waiting-{machines}"
+    common = [*FAST, "--run-id", run_id, *steady(tmp_path)]
+    with contextlib.ExitStack() as stack:
+        lab = stack.enter_context(netlab.NetLab(2, rate=None)) if machines == "netns" else None
+        peers = stack.enter_context(_Peers(spawn, tmp_path, lab))
+        first = peers.start(0, "start", *common, "--min-peers", "1")
+        address = peers.address(first)
+        first.wait_event("round", lambda e: e["outer_step"] >= 3)
+        wrap = list if lab is None else (lambda argv: lab.command(1, argv))
+        keys = helper(LIAR, "waiting", address, run_id, "1", wrap=wrap)
+        try:
+            assert keys.stdout.readline().strip() == "ready"
+            start = max(e["outer_step"] for e in first.events("round"))
+            first.wait_event("round", lambda e: e["outer_step"] >= start + 8, timeout=300)
+        finally:
+            kill_group(keys)
+        interrupt_all((first,))
+    rounds = [r for r in first.events("round") if start < r["outer_step"] <= start + 8]
+    summary = [(r["outer_step"], r["alone_reason"], round(r["averaging_seconds"], 1)) for r in rounds]
+    held = [r for r in rounds if str(r["alone_reason"]).startswith("averaging failed")]  # to the deadline
+    window = [r for r in rounds if "strangers that came to no group before" in str(r["alone_reason"])]
+    assert len(held) <= 1 and len(window) >= 6, summary
+    assert not first.events("state_downloaded"), summary
