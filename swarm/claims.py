@@ -50,6 +50,7 @@ CLAIM_LAG = 3
 rounds faster than a download, a donor's heartbeat claims the next steps before its state does
 (one step, three times running, in a test with half-second rounds; more under load)."""
 MAX_IGNORED = 1024  # fresh keys are free: remember at most this many liars (oldest forgotten)
+MAX_MATES = 16  # round mates a heartbeat names (its ``averaged_with``)
 
 
 def implausible(beat: PeerHeartbeat, now: float) -> str | None:
@@ -97,6 +98,9 @@ class Vouching:
 
     def __init__(self) -> None:
         self.vouched: set[str] = set()
+        self.mates: OrderedDict[str, None] = OrderedDict()
+        """The latest round mates, most recent last (at most :data:`MAX_MATES`): the heartbeat's
+        ``averaged_with``."""
         self.witnessed: set[str] = set()
         """The peers whose θ is the last state this peer downloaded (its donor, and the witnesses
         at its step that agreed; its donor alone if nobody else could confirm it), until this
@@ -113,6 +117,10 @@ class Vouching:
         for peer in peer_ids:
             self.vouched.add(peer)
             self._strikes.pop(peer, None)
+            self.mates[peer] = None
+            self.mates.move_to_end(peer)
+        while len(self.mates) > MAX_MATES:
+            self.mates.popitem(last=False)
         self.witnessed, self.witnessed_step = set(), None  # round mates decide from now on
 
     def confirmed_by(self, peer_ids: Iterable[str], outer_step: int) -> None:
@@ -132,6 +140,7 @@ class Vouching:
         if count >= STRIKES:
             self.vouched.discard(peer_id)
             self.witnessed.discard(peer_id)
+            self.mates.pop(peer_id, None)
             return True
         return False
 
@@ -150,6 +159,7 @@ class Vouching:
         if count >= STRIKES:
             self.vouched.discard(peer_id)
             self.witnessed.discard(peer_id)
+            self.mates.pop(peer_id, None)
             return True
         return False
 

@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -26,7 +27,16 @@ from typing import IO, Any
 from swarm.claims import Ignored
 from swarm.errors import SwarmError
 from swarm.narration import DEPARTED_SECONDS, Departed, RoundSeen, left_how, round_sentence
-from swarm.records import IDLE, ControlState, PeerHeartbeat, RunManifest, Stage, applied, parse_record
+from swarm.records import (
+    IDLE,
+    PEER_ID_PATTERN,
+    ControlState,
+    PeerHeartbeat,
+    RunManifest,
+    Stage,
+    applied,
+    parse_record,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +58,16 @@ class Reading:
     control: ControlState | None = None
     ignored: dict[str, str] = field(default_factory=dict)
     """Peers caught lying, by peer id: by this reader (absurd heartbeats) or by most live peers."""
+    owner_peer: str | None = None
+    """The peer id whose heartbeat the run's owner signed (the manifest's key), if one is live:
+    where the monitor starts counting whose flags to believe (:func:`vouched_from`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "time": self.time,
             "run_id": self.run_id,
             "ignored": dict(self.ignored),
+            "owner_peer": self.owner_peer,
             "peers": [p.model_dump(mode="json") for p in self.peers.values()],
             "manifest": self.manifest.model_dump(mode="json") if self.manifest else None,
             "control": self.control.model_dump(mode="json") if self.control else None,
@@ -71,6 +85,11 @@ class Reading:
         listed, ignored = data.get("peers") or [], data.get("ignored") or {}
         if not isinstance(listed, list) or not isinstance(ignored, dict):
             raise ValueError("a reading's peers are a list and its ignored peers an object")
+        owner_peer = data.get("owner_peer")  # (absent in recordings before 2026-12-07)
+        if owner_peer is not None and not (
+            isinstance(owner_peer, str) and re.fullmatch(PEER_ID_PATTERN, owner_peer)
+        ):
+            raise ValueError(f"a reading's owner_peer is a peer id, not {owner_peer!r}")
         when = float(data["time"])
         peers = [parse_record(PeerHeartbeat, p) for p in listed]
         return cls(
@@ -80,6 +99,7 @@ class Reading:
             manifest=parse_record(RunManifest, data["manifest"]) if data.get("manifest") else None,
             control=parse_record(ControlState, data["control"]) if data.get("control") else None,
             ignored={str(k): str(v) for k, v in ignored.items()},
+            owner_peer=owner_peer,
         )
 
 
@@ -131,6 +151,10 @@ class SwarmSnapshot:
     """Peer ids more than one round behind."""
     ignored: dict[str, str] = field(default_factory=dict)
     """Peers ignored for lying (peer id -> why); they are not in ``peers``."""
+    flag_voters: list[str] = field(default_factory=list)
+    """The live peers whose flags (their heartbeats' ``ignored``) counted in :attr:`ignored`:
+    those linked to the run's owner by rounds averaged together (:func:`vouched_from`), or every
+    live peer when the monitor knows of no such link (no owner's peer seen)."""
     departed: dict[str, Departed] = field(default_factory=dict)
     """Peers that left in the last 5 minutes (or since the user last cleared them): how, when."""
 
@@ -177,6 +201,7 @@ class SwarmSnapshot:
             ],
             "events": [e.to_json() for e in self.new_events],
             "ignored": [{"peer_id": k, "reason": v} for k, v in sorted(self.ignored.items())],
+            "flag_voters": list(self.flag_voters),
             "departed": [d.to_json() for d in sorted(self.departed.values(), key=lambda d: d.time)],
         }
 
@@ -220,6 +245,7 @@ class SwarmMonitor:
         self._names: dict[str, str] = {}
         self._lagging: set[str] = set()
         self._ignored = Ignored()  # peers told as ignored (bounded: oldest forgotten)
+        self._vouched: set[str] = set()  # the last reading's peers linked to the owner's (see _ignored)
         self._round = 0
         self._told = 0  # the last round told as an event
         self._seen: dict[int, dict[str, RoundSeen]] = {}  # outer step -> peer -> its round there
@@ -285,7 +311,9 @@ class SwarmMonitor:
         def event(kind: str, message: str, peer_id: str | None = None) -> None:
             new.append(MonitorEvent(now, kind, message, peer_id))
 
-        ignored = _ignored(reading)
+        ignored, voters = _ignored(reading, self._vouched)
+        if voters.vouched:
+            self._vouched = set(voters.peers)
         for pid in sorted(set(ignored) - set(self._ignored)):
             event("ignored", f"ignoring {self._names.get(pid, pid[-8:])}: {ignored[pid]}", pid)
             last = self._known.get(pid) or reading.peers.get(pid)
@@ -361,6 +389,7 @@ class SwarmMonitor:
             outer_round=self._round,
             lagging=sorted(lagging),
             ignored=ignored,
+            flag_voters=sorted(voters.peers),
             departed=dict(self._departed),
         )
 
@@ -442,18 +471,50 @@ class Trail:
         return [*self.archive, *self.recent]
 
 
-def _ignored(reading: Reading) -> dict[str, str]:
-    """Who to leave out: the reader's own findings, and any peer flagged by most live peers (one
-    liar flagging honest peers moves nothing; the flags are claims too)."""
-    voters = [
-        p for pid, p in reading.peers.items() if pid not in reading.ignored and p.stage is not Stage.LEAVING
-    ]
+@dataclass(frozen=True)
+class Voters:
+    peers: frozenset[str]
+    vouched: bool
+    """True when they are linked to the owner's peer (or to peers the monitor linked before)."""
+
+
+def vouched_from(roots: Iterable[str], peers: dict[str, PeerHeartbeat]) -> set[str]:
+    """``roots`` (those live) and every live peer linked to them by rounds averaged together,
+    a link counted only where both sides name each other in ``averaged_with`` (a fresh key can
+    name any peer; no honest peer names a key it never averaged with)."""
+    linked = {r for r in roots if r in peers}
+    frontier = list(linked)
+    while frontier:
+        named = peers[frontier.pop()]
+        for mate in named.averaged_with:
+            if mate not in linked and mate in peers and named.peer_id in peers[mate].averaged_with:
+                linked.add(mate)
+                frontier.append(mate)
+    return linked
+
+
+def _ignored(reading: Reading, vouched_before: set[str] = frozenset()) -> tuple[dict[str, str], Voters]:
+    """Who to leave out: the reader's own findings, and any peer flagged by most voters (one
+    liar flagging honest peers moves nothing; the flags are claims too). The voters are the live
+    peers linked to the run's owner's peer by rounds averaged together, both sides saying so
+    (:func:`vouched_from`; or, with the owner gone, to the peers this monitor linked before):
+    before, every live peer voted, and one fresh key more than the honest peers, each flagging
+    them all, hid every honest peer from `status`, the TUI and the widget. With no owner's peer
+    ever seen (it left before this monitor's first reading), every live peer votes, as before."""
+    live = {
+        pid: p
+        for pid, p in reading.peers.items()
+        if pid not in reading.ignored and p.stage is not Stage.LEAVING
+    }
+    roots = {reading.owner_peer} if reading.owner_peer in live else vouched_before
+    linked = vouched_from(roots, live)
+    voters = Voters(frozenset(linked), True) if linked else Voters(frozenset(live), False)
     counts: dict[str, list[str]] = {}
-    for voter in voters:
-        for pid, why in list(voter.ignored.items())[:16]:
-            counts.setdefault(pid, []).append(why)
-    flagged = {pid: whys[0] for pid, whys in counts.items() if 2 * len(whys) > len(voters)}
-    return {**flagged, **reading.ignored}
+    for pid in sorted(voters.peers):
+        for flagged, why in list(live[pid].ignored.items())[:16]:
+            counts.setdefault(flagged, []).append(why)
+    flagged = {pid: whys[0] for pid, whys in counts.items() if 2 * len(whys) > len(voters.peers)}
+    return {**flagged, **reading.ignored}, voters
 
 
 def _is_recording(first_line: str) -> bool:
@@ -561,6 +622,7 @@ def dht_reader(board, store, keys, *, owner: str | None = None) -> Callable[[], 
                 state["watcher"] = ControlWatcher(store, keys, state["manifest"].owner, period=0.0)
         control = state["watcher"].poll() if state["watcher"] else None
         peers = board.fetch(include_leaving=True)
+        owner_key = state["manifest"].owner if state["manifest"] is not None else None
         if getattr(board, "failure", None):  # the last known peers, expiring: not a reading
             raise SwarmError(f"cannot read the run from the DHT ({board.failure}); the last reading stands")
         return Reading(
@@ -570,6 +632,9 @@ def dht_reader(board, store, keys, *, owner: str | None = None) -> Callable[[], 
             manifest=state["manifest"],
             control=control,
             ignored=dict(board.ignored),
+            owner_peer=next(
+                (pid for pid, writer in getattr(board, "writers", {}).items() if writer == owner_key), None
+            ),
         )
 
     return read

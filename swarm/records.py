@@ -176,6 +176,12 @@ class PeerHeartbeat(BaseModel):
     """Why this peer's last round went wrong (fell back to a local step, rejected update, ...)."""
     ignored: dict[str, str] = Field(default_factory=dict, max_length=16)
     """Peers this one caught lying (peer id -> why), for the UIs; a claim like any other."""
+    averaged_with: list[Annotated[str, StringConstraints(pattern=PEER_ID_PATTERN)]] = Field(
+        default_factory=list, max_length=16
+    )
+    """The peers this one last averaged with (most recent last, itself left out): what the
+    monitor links back to the run's owner to know whose flags (:attr:`ignored`) to count. A claim
+    too, counted only where both sides make it (:func:`swarm.monitor.vouched_from`)."""
     round_wait_seconds: float = Field(default=0.0, ge=0)
     """How long this peer's barrier now waits for a round mate still training (learned from the
     last rounds' arrivals, :mod:`swarm.deadlines`; 0: not known)."""

@@ -43,8 +43,9 @@ keys = int(sys.argv[4]) if len(sys.argv) > 4 else 1  # each a session of its own
 sessions = [connect(NetworkConfig(initial_peers=[address]), RunKeys(run_id)) for _ in range(keys)]
 print("ready", flush=True)
 while True:
-    honest = [p.outer_step for p in sessions[0].board.fetch().values() if p.name != "liar"]
-    top = max(honest, default=0)
+    honest = [p for p in sessions[0].board.fetch().values() if p.name != "liar"]
+    top = max((p.outer_step for p in honest), default=0)
+    named = [p.peer_id for p in honest]
     claim = {
         "ahead": dict(stage=Stage.WAITING, outer_step=10**6),
         "busy": dict(stage=Stage.TRAINING, outer_step=top),  # always "still training this round"
@@ -52,8 +53,12 @@ while True:
         # one step past the honest peers: within what a download may lag a claim (CLAIM_LAG)
         "one-ahead": dict(stage=Stage.WAITING, outer_step=top + 1),
         "waiting": dict(stage=Stage.WAITING, outer_step=top),
+        # every honest peer flagged as a liar, and named (with the other keys) as a round mate
+        "flagging": dict(stage=Stage.JOINING, outer_step=top, ignored={p: "made up" for p in named}),
     }[mode]
     for session in sessions:
+        if mode == "flagging":
+            claim["averaged_with"] = named + [s.peer_id for s in sessions if s is not session]
         beat = PeerHeartbeat(peer_id=session.peer_id, name="liar", inner_step=0, inner_steps=5, time=get_dht_time(), **claim)
         session.store.store(session.keys.peers, beat, ttl=10)
     time.sleep(0.5)
@@ -110,6 +115,37 @@ def test_a_lying_heartbeat_moves_nothing(spawn, tmp_path, mode):
     assert not first.events("state_downloaded")
     norms = [{r["outer_step"]: r["global_norm"] for r in p.events("round")} for p in (first, second)]
     assert math.isclose(norms[0][step], norms[1][step], rel_tol=1e-6), (step, norms)
+
+
+def test_fresh_keys_flagging_the_honest_peers_do_not_hide_them(spawn, tmp_path):
+    """Three fresh keys, one more than the honest pair, each flagging both honest peers as liars
+    and naming them (and each other) as round mates: every live peer's flags counted, and
+    `workbench status` showed the keys alone, the pair "ignored for lying". Now only the peers
+    linked to the owner's peer by rounds averaged together (both sides saying so) vote."""
+    run_id = "lies-flagging"
+    common = [*FAST, "--run-id", run_id, *steady(tmp_path)]
+    first = spawn("a", "start", *common, "--min-peers", "2")
+    second = spawn("b", "join", first.address(), *common)
+    first.wait_event("round", lambda e: e["outer_step"] >= 1)
+    second.wait_event("round", lambda e: e["outer_step"] >= 1)
+    liar = helper(LIAR, "flagging", first.address(), run_id, "3")
+    try:
+        assert liar.stdout.readline().strip() == "ready"
+        snapshot, deadline = {}, time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the keys' flags are there to be counted
+            status = workbench("status", first.address(), "--run-id", run_id, "--json", timeout=60)
+            if status.returncode == 0:
+                snapshot = json.loads(status.stdout.splitlines()[-1])
+                keys = [p for p in snapshot["peers"] if p["name"] == "liar" and p["ignored"]]
+                if len(keys) == 3 or snapshot["ignored"]:
+                    break
+        names = {p["peer_id"]: p["name"] for p in snapshot["peers"]}
+        assert sorted(names.values()) == ["a", "b", "liar", "liar", "liar"], snapshot
+        assert not snapshot["ignored"], snapshot["ignored"]
+        assert sorted(names[p] for p in snapshot["flag_voters"]) == ["a", "b"], snapshot["flag_voters"]
+    finally:
+        kill_group(liar)
+    interrupt_all((first, second))
 
 
 @pytest.mark.faults

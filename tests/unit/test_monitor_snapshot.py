@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from unittest import mock
+
+import pytest
 
 import swarm.dht
 from swarm.errors import SwarmError
@@ -81,3 +84,84 @@ def test_a_peer_flagged_again_after_it_came_back_is_shown_as_ignored_not_dropped
     assert liar in again.departed and "ignored for lying" in again.departed[liar].how
     assert [e.kind for e in again.new_events if e.peer_id == liar] == ["ignored"]
     assert [e.kind for e in read(1004, {0, 1, 2}).new_events if e.peer_id == liar] == []  # once
+
+
+def test_fresh_keys_outnumbering_the_honest_peers_cannot_flag_them_out_of_sight() -> None:
+    """Stop 67's list (docs/security.md, Sybils): every live peer's flags counted, so one fresh
+    key more than the honest peers, each flagging them all, hid every honest peer from `status`,
+    the TUI and the widget. Now only peers linked to the owner's peer by rounds averaged
+    together, both sides saying so, vote: the keys naming the honest peers (and each other) as
+    round mates link nothing."""
+    owner, mate, keys = peer_id(0), peer_id(1), [peer_id(i) for i in range(2, 5)]
+    monitor = SwarmMonitor()
+
+    def read(t: float, owner_here: bool = True, **reading):
+        beats = {
+            owner: heartbeat(
+                0, t, 5, averaged_with=[mate], ignored={keys[0]: "never came, 3 rounds running"}
+            ),
+            mate: heartbeat(
+                1, t, 5, averaged_with=[owner], ignored={keys[0]: "never came, 3 rounds running"}
+            ),
+            **{
+                key: heartbeat(
+                    i + 2,
+                    t,
+                    5,
+                    averaged_with=[owner, mate, *(k for k in keys if k != key)],
+                    ignored={owner: "made up", mate: "made up"},
+                )
+                for i, key in enumerate(keys)
+            },
+        }
+        if not owner_here:
+            del beats[owner]
+        return monitor.ingest(Reading(t, "r", beats, **reading))
+
+    snapshot = read(1000, owner_peer=owner)
+    assert {owner, mate} <= set(snapshot.peers) and snapshot.flag_voters == sorted([owner, mate])
+    assert set(snapshot.ignored) == {keys[0]}  # the voters' own flags count
+    assert snapshot.to_json()["flag_voters"] == sorted([owner, mate])
+    # The owner gone, the peers linked to it before still vote (not the keys).
+    later = read(1001, owner_here=False)
+    assert mate in later.peers and later.flag_voters == [mate]
+    # A monitor that never saw the owner's peer cannot tell: every live peer votes, as before.
+    blind = SwarmMonitor().ingest(Reading(1002, "r", {p: b for p, b in later.peers.items() if p != owner}))
+    assert sorted(blind.flag_voters) == sorted([mate, *keys[1:]])
+
+
+def test_a_link_to_the_owner_needs_both_sides() -> None:
+    from swarm.monitor import vouched_from
+
+    beats = {
+        peer_id(0): heartbeat(0, 1000, 5, averaged_with=[peer_id(1)]),
+        peer_id(1): heartbeat(1, 1000, 5, averaged_with=[peer_id(0), peer_id(2)]),
+        peer_id(2): heartbeat(2, 1000, 5, averaged_with=[peer_id(1)]),  # two links away
+        peer_id(3): heartbeat(3, 1000, 5, averaged_with=[peer_id(0), peer_id(1)]),  # one-sided
+        peer_id(4): heartbeat(4, 1000, 5, averaged_with=[peer_id(2)]),  # named by nobody
+    }
+    assert vouched_from([peer_id(0)], beats) == {peer_id(0), peer_id(1), peer_id(2)}
+    assert vouched_from(["gone"], beats) == set()
+
+
+def test_a_readings_owner_peer_survives_a_recording_and_a_bad_one_is_refused() -> None:
+    reading = Reading(1000.0, "r", {peer_id(0): heartbeat(0, 1000.0, 5)}, owner_peer=peer_id(0))
+    assert Reading.from_json(json.loads(json.dumps(reading.to_json()))).owner_peer == peer_id(0)
+    old = {k: v for k, v in reading.to_json().items() if k != "owner_peer"}  # an earlier recording
+    assert Reading.from_json(old).owner_peer is None
+    with pytest.raises(ValueError, match="owner_peer"):
+        Reading.from_json({**reading.to_json(), "owner_peer": "[/b]"})
+
+
+def test_a_heartbeat_names_its_latest_round_mates_and_no_struck_one() -> None:
+    from swarm.claims import MAX_MATES, STRIKES, Vouching
+
+    vouching = Vouching()
+    for round_ in range(MAX_MATES):
+        vouching.averaged_with(["me", f"m{round_}"])
+    vouching.averaged_with(["me", "m3"])  # again: most recent
+    assert list(vouching.mates)[-2:] == ["me", "m3"] and len(vouching.mates) == MAX_MATES
+    assert "m0" not in vouching.mates  # the oldest forgotten
+    for step in range(STRIKES):
+        vouching.strike("m3", step)
+    assert "m3" not in vouching.mates

@@ -60,6 +60,7 @@ def heartbeat(**overrides: Any) -> dict[str, Any]:
         rounds=40,
         last_error=None,
         ignored={},
+        averaged_with=[],
         serving=False,
         last_round_steps=0,
         round_wait_seconds=0.0,
