@@ -294,7 +294,7 @@ class SwarmAverager(Downloading):
         # Success: the buffers now hold the group's weighted mean. Its members (hivemind's
         # authenticated peer ids, not what they wrote in their info) are vouched for.
         members = [peer.to_base58() for peer in gathered if hasattr(peer, "to_base58")]
-        self.vouching.averaged_with(members)
+        self.vouching.averaged_with(members, me=self.peer_id)
         for member in members:  # it came: its missed rings are forgiven
             self._missed.pop(member, None)
         self._refused_donors.difference_update(members)  # on this θ now: a donor again

@@ -110,13 +110,23 @@ class Vouching:
         self._strikes: dict[str, tuple[int, int]] = {}  # peer id -> (strikes, last round struck)
         self._disproven: OrderedDict[str, int] = OrderedDict()  # peer id -> claims not borne out
 
-    def averaged_with(self, peer_ids: list[str]) -> None:
+    def averaged_with(self, peer_ids: list[str], me: str | None = None) -> None:
         """A verified round's members: believed from now on, their strikes forgiven (not the
         claims a download disproved: a member can average honestly and still lie about its
-        step, see :meth:`disprove`)."""
+        step, see :meth:`disprove`). ``me``: this peer's id, left out of :attr:`mates`; in a
+        group of more than ``MAX_MATES`` others, the mates are the ``MAX_MATES / 2`` either side
+        of ``me`` in the group sorted by id, round the end: so two members name each other or
+        neither (all keeping the last 16 of hivemind's order, which every member sees alike,
+        left the group's first members named by nobody, a review found)."""
         for peer in peer_ids:
             self.vouched.add(peer)
             self._strikes.pop(peer, None)
+        named = sorted(set(peer_ids) - {me})
+        if me is not None and len(named) > MAX_MATES:
+            ring = sorted({*named, me})
+            at, half = ring.index(me), MAX_MATES // 2
+            named = [ring[(at + k) % len(ring)] for k in range(-half, half + 1) if k]
+        for peer in named:
             self.mates[peer] = None
             self.mates.move_to_end(peer)
         while len(self.mates) > MAX_MATES:

@@ -18,7 +18,7 @@ import math
 import os
 import re
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +60,7 @@ class Reading:
     """Peers caught lying, by peer id: by this reader (absurd heartbeats) or by most live peers."""
     owner_peer: str | None = None
     """The peer id whose heartbeat the run's owner signed (the manifest's key), if one is live:
-    where the monitor starts counting whose flags to believe (:func:`vouched_from`)."""
+    whose flags, and whose round mates' flags, the monitor counts (:func:`owners_mates`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -153,8 +153,8 @@ class SwarmSnapshot:
     """Peers ignored for lying (peer id -> why); they are not in ``peers``."""
     flag_voters: list[str] = field(default_factory=list)
     """The live peers whose flags (their heartbeats' ``ignored``) counted in :attr:`ignored`:
-    those linked to the run's owner by rounds averaged together (:func:`vouched_from`), or every
-    live peer when the monitor knows of no such link (no owner's peer seen)."""
+    the run's owner's peer and its round mates (:func:`owners_mates`), or every live peer when
+    the monitor knows of neither (no owner's peer seen)."""
     departed: dict[str, Departed] = field(default_factory=dict)
     """Peers that left in the last 5 minutes (or since the user last cleared them): how, when."""
 
@@ -245,7 +245,8 @@ class SwarmMonitor:
         self._names: dict[str, str] = {}
         self._lagging: set[str] = set()
         self._ignored = Ignored()  # peers told as ignored (bounded: oldest forgotten)
-        self._vouched: set[str] = set()  # the last reading's peers linked to the owner's (see _ignored)
+        # The owner's peer and its round mates seen so far -> when last seen live (see _ignored).
+        self._voters: OrderedDict[str, float] = OrderedDict()
         self._round = 0
         self._told = 0  # the last round told as an event
         self._seen: dict[int, dict[str, RoundSeen]] = {}  # outer step -> peer -> its round there
@@ -311,9 +312,17 @@ class SwarmMonitor:
         def event(kind: str, message: str, peer_id: str | None = None) -> None:
             new.append(MonitorEvent(now, kind, message, peer_id))
 
-        ignored, voters = _ignored(reading, self._vouched)
-        if voters.vouched:
-            self._vouched = set(voters.peers)
+        ignored, voters = _ignored(reading, self._voters)
+        if voters.vouched:  # remembered while they live (an addition: never replaced wholesale)
+            for pid in voters.peers:
+                self._voters[pid] = now
+                self._voters.move_to_end(pid)
+        for pid in [pid for pid in self._voters if pid in reading.peers]:
+            self._voters[pid] = now
+        for pid in [pid for pid, seen in self._voters.items() if now - seen > DEPARTED_SECONDS]:
+            del self._voters[pid]
+        while len(self._voters) > MAX_VOTERS:
+            self._voters.popitem(last=False)
         for pid in sorted(set(ignored) - set(self._ignored)):
             event("ignored", f"ignoring {self._names.get(pid, pid[-8:])}: {ignored[pid]}", pid)
             last = self._known.get(pid) or reading.peers.get(pid)
@@ -475,45 +484,52 @@ class Trail:
 class Voters:
     peers: frozenset[str]
     vouched: bool
-    """True when they are linked to the owner's peer (or to peers the monitor linked before)."""
+    """True when they are the owner's peer and its round mates (see :func:`owners_mates`)."""
 
 
-def vouched_from(roots: Iterable[str], peers: dict[str, PeerHeartbeat]) -> set[str]:
-    """``roots`` (those live) and every live peer linked to them by rounds averaged together,
-    a link counted only where both sides name each other in ``averaged_with`` (a fresh key can
-    name any peer; no honest peer names a key it never averaged with)."""
-    linked = {r for r in roots if r in peers}
-    frontier = list(linked)
-    while frontier:
-        named = peers[frontier.pop()]
-        for mate in named.averaged_with:
-            if mate not in linked and mate in peers and named.peer_id in peers[mate].averaged_with:
-                linked.add(mate)
-                frontier.append(mate)
-    return linked
+MAX_VOTERS = 1024  # round mates of the owner's peer a monitor remembers (fresh keys are free)
 
 
-def _ignored(reading: Reading, vouched_before: set[str] = frozenset()) -> tuple[dict[str, str], Voters]:
+def owners_mates(owner_peer: str | None, peers: dict[str, PeerHeartbeat]) -> set[str]:
+    """The live peers that averaged with the owner's peer by both sides' word: each names the
+    other in ``averaged_with`` (a fresh key can name any peer; the owner's peer names only the
+    peers it averaged with). Not their own mates in turn: a key that averaged once with an
+    honest peer could name any number of fresh keys, each naming it back (a review's repro:
+    five such keys outvoted an honest pair and the owner's own peer)."""
+    owner = peers.get(owner_peer) if owner_peer else None
+    if owner is None:
+        return set()
+    return {m for m in owner.averaged_with if m in peers and owner.peer_id in peers[m].averaged_with}
+
+
+def _ignored(reading: Reading, remembered: Iterable[str] = ()) -> tuple[dict[str, str], Voters]:
     """Who to leave out: the reader's own findings, and any peer flagged by most voters (one
-    liar flagging honest peers moves nothing; the flags are claims too). The voters are the live
-    peers linked to the run's owner's peer by rounds averaged together, both sides saying so
-    (:func:`vouched_from`; or, with the owner gone, to the peers this monitor linked before):
-    before, every live peer voted, and one fresh key more than the honest peers, each flagging
-    them all, hid every honest peer from `status`, the TUI and the widget. With no owner's peer
-    ever seen (it left before this monitor's first reading), every live peer votes, as before."""
+    liar flagging honest peers moves nothing; the flags are claims too). The voters are the
+    run's owner's peer (the heartbeat signed with the manifest's key) and its round mates
+    (:func:`owners_mates`), with those a monitor saw so before (``remembered``, while they
+    live: the owner's peer restarted or left): before, every live peer voted, and one fresh key
+    more than the honest peers, each flagging them all, hid every honest peer from `status`,
+    the TUI and the widget. The owner's peer is never hidden by flags. With neither (a monitor
+    that never saw the owner's peer: a one-shot `status` after it left), every live peer votes,
+    as before."""
     live = {
         pid: p
         for pid, p in reading.peers.items()
         if pid not in reading.ignored and p.stage is not Stage.LEAVING
     }
-    roots = {reading.owner_peer} if reading.owner_peer in live else vouched_before
-    linked = vouched_from(roots, live)
+    linked = {pid for pid in remembered if pid in live} | owners_mates(reading.owner_peer, live)
+    if reading.owner_peer in live:
+        linked.add(reading.owner_peer)
     voters = Voters(frozenset(linked), True) if linked else Voters(frozenset(live), False)
     counts: dict[str, list[str]] = {}
     for pid in sorted(voters.peers):
         for flagged, why in list(live[pid].ignored.items())[:16]:
             counts.setdefault(flagged, []).append(why)
-    flagged = {pid: whys[0] for pid, whys in counts.items() if 2 * len(whys) > len(voters.peers)}
+    flagged = {
+        pid: whys[0]
+        for pid, whys in counts.items()
+        if 2 * len(whys) > len(voters.peers) and pid != reading.owner_peer
+    }
     return {**flagged, **reading.ignored}, voters
 
 

@@ -179,9 +179,11 @@ class PeerHeartbeat(BaseModel):
     averaged_with: list[Annotated[str, StringConstraints(pattern=PEER_ID_PATTERN)]] = Field(
         default_factory=list, max_length=16
     )
-    """The peers this one last averaged with (most recent last, itself left out): what the
-    monitor links back to the run's owner to know whose flags (:attr:`ignored`) to count. A claim
-    too, counted only where both sides make it (:func:`swarm.monitor.vouched_from`)."""
+    """The peers this one last averaged with (most recent last, itself left out; in a group of
+    more than 16 others, the 8 either side of it by id): the monitor counts the flags
+    (:attr:`ignored`) of the owner's peer and of the peers it names here that name it back
+    (:func:`swarm.monitor.owners_mates`). A claim too; copied with ``tuple()`` (one C call: the
+    outer step's thread, with ``--overlap``, adds to it while the heartbeat is built)."""
     round_wait_seconds: float = Field(default=0.0, ge=0)
     """How long this peer's barrier now waits for a round mate still training (learned from the
     last rounds' arrivals, :mod:`swarm.deadlines`; 0: not known)."""

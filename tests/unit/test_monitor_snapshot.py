@@ -130,18 +130,72 @@ def test_fresh_keys_outnumbering_the_honest_peers_cannot_flag_them_out_of_sight(
     assert sorted(blind.flag_voters) == sorted([mate, *keys[1:]])
 
 
-def test_a_link_to_the_owner_needs_both_sides() -> None:
-    from swarm.monitor import vouched_from
+def test_a_vote_needs_a_round_with_the_owners_peer_by_both_sides_word() -> None:
+    from swarm.monitor import owners_mates
 
     beats = {
-        peer_id(0): heartbeat(0, 1000, 5, averaged_with=[peer_id(1)]),
+        peer_id(0): heartbeat(0, 1000, 5, averaged_with=[peer_id(1), peer_id(4)]),
         peer_id(1): heartbeat(1, 1000, 5, averaged_with=[peer_id(0), peer_id(2)]),
-        peer_id(2): heartbeat(2, 1000, 5, averaged_with=[peer_id(1)]),  # two links away
+        peer_id(2): heartbeat(2, 1000, 5, averaged_with=[peer_id(1)]),  # the owner's mate's mate
         peer_id(3): heartbeat(3, 1000, 5, averaged_with=[peer_id(0), peer_id(1)]),  # one-sided
-        peer_id(4): heartbeat(4, 1000, 5, averaged_with=[peer_id(2)]),  # named by nobody
+        peer_id(4): heartbeat(4, 1000, 5),  # named by the owner's peer, naming nobody
     }
-    assert vouched_from([peer_id(0)], beats) == {peer_id(0), peer_id(1), peer_id(2)}
-    assert vouched_from(["gone"], beats) == set()
+    assert owners_mates(peer_id(0), beats) == {peer_id(1)}
+    assert owners_mates("gone", beats) == set() and owners_mates(None, beats) == set()
+
+
+def test_a_key_that_averaged_once_cannot_bring_fresh_keys_in_to_vote() -> None:
+    """A review (stop 68) of the first version, which followed links from mate to mate: a key
+    R that averaged once with an honest peer named five fresh keys that named it back, and the
+    seven outvoted the honest pair, the owner's own peer hidden too. Now only the owner's peer
+    and its own round mates vote, and the owner's peer is never hidden by flags."""
+    owner, honest, r = peer_id(0), peer_id(1), peer_id(2)
+    fresh = [peer_id(i) for i in range(3, 8)]
+    lie = {owner: "made up", honest: "made up"}
+    beats = {
+        owner: heartbeat(0, 1000, 5, averaged_with=[honest]),
+        honest: heartbeat(1, 1000, 5, averaged_with=[owner, r]),
+        r: heartbeat(2, 1000, 5, averaged_with=[honest, *fresh], ignored=lie),
+        **{k: heartbeat(3 + i, 1000, 5, averaged_with=[r, *fresh], ignored=lie) for i, k in enumerate(fresh)},
+    }
+    snapshot = SwarmMonitor().ingest(Reading(1000, "r", beats, owner_peer=owner))
+    assert {owner, honest} <= set(snapshot.peers) and snapshot.flag_voters == sorted([owner, honest])
+    # A key that averaged with the owner's peer itself votes, but cannot hide it.
+    beats[owner] = heartbeat(0, 1000, 5, averaged_with=[honest, r])
+    beats[r] = heartbeat(2, 1000, 5, averaged_with=[owner, *fresh], ignored=lie)
+    beats[honest] = heartbeat(1, 1000, 5, averaged_with=[owner], ignored={r: "never came"})
+    snapshot = SwarmMonitor().ingest(Reading(1000, "r", beats, owner_peer=owner))
+    assert owner in snapshot.peers and snapshot.flag_voters == sorted([owner, honest, r])
+
+
+def test_the_owners_mates_are_remembered_while_they_live_not_replaced() -> None:
+    """A review (stop 68): the first version replaced its memory with each reading's voters, so
+    one reading of the owner's peer naming nobody (restarted) left the owner alone in it, and
+    once it left every live peer voted again: three keys hid the honest pair."""
+    owner, mates, keys = peer_id(0), [peer_id(1), peer_id(2)], [peer_id(i) for i in range(3, 6)]
+    monitor = SwarmMonitor()
+
+    def read(t: float, owner_names: list[str] | None):
+        beats = {m: heartbeat(i + 1, t, 5, averaged_with=[owner]) for i, m in enumerate(mates)}
+        beats.update(
+            {k: heartbeat(3 + i, t, 5, ignored=dict.fromkeys(mates, "made up")) for i, k in enumerate(keys)}
+        )
+        if owner_names is not None:
+            beats[owner] = heartbeat(0, t, 5, averaged_with=owner_names)
+        return monitor.ingest(Reading(t, "r", beats, owner_peer=owner if owner_names is not None else None))
+
+    assert read(1000, mates).flag_voters == sorted([owner, *mates])
+    assert read(1001, []).flag_voters == sorted([owner, *mates])  # restarted: names nobody yet
+    gone = read(1002, None)
+    assert gone.flag_voters == sorted(mates) and set(mates) <= set(gone.peers)
+    # Forgotten once they have not been seen for as long as departed peers are shown.
+    from swarm.narration import DEPARTED_SECONDS
+
+    monitor.ingest(Reading(1003, "r", {k: heartbeat(3, 1003, 5) for k in keys[:1]}))
+    later = monitor.ingest(
+        Reading(1004 + DEPARTED_SECONDS, "r", {k: heartbeat(3, 1004 + DEPARTED_SECONDS, 5) for k in keys[:1]})
+    )
+    assert later.flag_voters == [keys[0]]  # nobody remembered is live: every live peer votes
 
 
 def test_a_readings_owner_peer_survives_a_recording_and_a_bad_one_is_refused() -> None:
@@ -157,11 +211,30 @@ def test_a_heartbeat_names_its_latest_round_mates_and_no_struck_one() -> None:
     from swarm.claims import MAX_MATES, STRIKES, Vouching
 
     vouching = Vouching()
-    for round_ in range(MAX_MATES):
-        vouching.averaged_with(["me", f"m{round_}"])
-    vouching.averaged_with(["me", "m3"])  # again: most recent
-    assert list(vouching.mates)[-2:] == ["me", "m3"] and len(vouching.mates) == MAX_MATES
+    for round_ in range(MAX_MATES + 1):
+        vouching.averaged_with(["me", f"m{round_}"], me="me")
+    vouching.averaged_with(["me", "m3"], me="me")  # again: most recent
+    assert list(vouching.mates)[-2:] == [f"m{MAX_MATES}", "m3"] and len(vouching.mates) == MAX_MATES
     assert "m0" not in vouching.mates  # the oldest forgotten
     for step in range(STRIKES):
         vouching.strike("m3", step)
     assert "m3" not in vouching.mates
+
+
+def test_in_a_big_group_two_members_name_each_other_or_neither() -> None:
+    """A review (stop 68): every member kept the last 16 of hivemind's member order, the same
+    for all, so in a group of 24 the first 8 were named by nobody (the owner's peer among them
+    in 19 of 50 rounds: it voted alone). Now the 8 either side of each member by id."""
+    from swarm.claims import MAX_MATES, Vouching
+
+    group = [f"p{k:02d}" for k in range(30)]
+    named = {}
+    for me in group:
+        vouching = Vouching()
+        vouching.averaged_with(group[::-1], me=me)
+        named[me] = set(vouching.mates)
+        assert len(named[me]) == MAX_MATES and me not in named[me]
+    assert all((b in named[a]) == (a in named[b]) for a in group for b in group)
+    small = Vouching()
+    small.averaged_with(group[:5], me="p00")
+    assert list(small.mates) == group[1:5]
