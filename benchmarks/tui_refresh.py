@@ -28,7 +28,8 @@ RESULTS = Path(__file__).parent / "results"
 
 async def measure(peers: int, refreshes: int) -> dict:
     ingest_ms = _ingest_ms(peers, refreshes + 2)
-    app = SwarmApp(FakeSource(peers=peers, steps=1), poll=False, clock=False)
+    # freeze_startup as `workbench monitor` runs it (tui.app.run_app)
+    app = SwarmApp(FakeSource(peers=peers, steps=1), poll=False, clock=False, freeze_startup=True)
     monitor = SwarmMonitor()
     times, updates = [], []
     async with app.run_test(size=(160, 50)) as pilot:

@@ -16,12 +16,13 @@ from textual.app import ComposeResult
 from textual.cache import LRUCache
 from textual.containers import Vertical
 from textual.reactive import reactive
+from textual.widget import Widget
 from textual.widgets import DataTable, Label, RichLog, Sparkline, Static
 from textual.widgets.data_table import ColumnKey, RowKey
-from textual_plotext import PlotextPlot
 
 from swarm.monitor import SwarmSnapshot
 from swarm.records import refused
+from tui import chart
 from tui.format import (
     STAGE_STYLE,
     bytes_saved,
@@ -130,8 +131,20 @@ def summary_text(s: SwarmSnapshot, *, published: Any = None, updates_paused: boo
 class RunSummary(Static):
     """One line about the whole run: round, peers, tokens/s, bytes, ETA, steering, warnings."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lines = 0
+
     def show(self, snapshot: SwarmSnapshot, *, published: Any = None, updates_paused: bool = False) -> None:
-        self.update(summary_text(snapshot, published=published, updates_paused=updates_paused))
+        text = summary_text(snapshot, published=published, updates_paused=updates_paused)
+        # A layout (which re-renders every widget on the screen) only when the line wraps
+        # differently: the summary's box is as tall as its lines (app.tcss), not as wide.
+        lines = len(Text.from_markup(text).wrap(self.app.console, max(1, self.content_size.width)))
+        self.update(text, layout=lines != self._lines)
+        self._lines = lines
+
+    def on_resize(self) -> None:
+        self._lines = 0  # the next show measures again (the resize itself lays the screen out)
 
 
 class PeersTable(DataTable):
@@ -352,10 +365,10 @@ CHART_PEERS = 8
 """The most peers the loss chart draws a line for (the mean line covers all it could show)."""
 
 
-class LossChart(PlotextPlot):
+class LossChart(Widget):
     """Each peer's loss over the last ``WINDOWS[window]`` seconds, and their mean: the peers the
     table shows, in its order (its filter narrows the chart too), ``CHART_PEERS`` at most, the
-    row under the cursor always among them."""
+    row under the cursor always among them. Drawn in braille by :mod:`tui.chart`."""
 
     window: reactive[int] = reactive(2, init=False)  # index into WINDOWS: 120 s
 
@@ -365,6 +378,7 @@ class LossChart(PlotextPlot):
         self.order: list[str] | None = None  # peer ids as the table shows them (None: by name)
         self.shown: list[str] = []  # the peers drawn, by id
         self.heading = ""
+        self.lines: list[chart.Line] = []
 
     def validate_window(self, window: int) -> int:
         return min(max(window, 0), len(WINDOWS) - 1)
@@ -382,9 +396,6 @@ class LossChart(PlotextPlot):
         s = self.snapshot
         if s is None:
             return
-        plt = self.plt
-        plt.clear_data()
-        plt.clear_figure()
         window = WINDOWS[self.window]
         since = s.time - window
         label = "all" if window == float("inf") else human_duration(window)
@@ -400,27 +411,35 @@ class LossChart(PlotextPlot):
         # Past CHART_PEERS lines the chart is unreadable: which ones it shows, said in its title.
         of = f" of {len(drawn)} of {len(series)} peers" if len(series) > len(drawn) else ""
         self.heading = f"loss{of} (window {label}, +/-)"
-        plt.title(self.heading)
         self.shown = [peer_id for peer_id, _ in drawn]
-        for peer_id, points in sorted(drawn, key=lambda item: s.peers[item[0]].name):
-            plt.plot(
-                [t - s.time for t, _ in points],
-                [v for _, v in points],
-                marker="braille",
-                label=s.peers[peer_id].name,
+        lines = [
+            chart.Line(
+                s.peers[peer_id].name, [(t - s.time, v) for t, v in points], LINE_STYLES[k % len(LINE_STYLES)]
             )
+            for k, (peer_id, points) in enumerate(sorted(drawn, key=lambda item: s.peers[item[0]].name))
+        ]
         if len(series) > 1:
             mean = _mean_series([points for _, points in series])
             if mean:
-                plt.plot(
-                    [t - s.time for t, _ in mean],
-                    [v for _, v in mean],
-                    marker="braille",
-                    label="mean",
-                    color="white",
-                )
-        plt.xlabel("seconds ago")
+                lines.append(chart.Line("mean", [(t - s.time, v) for t, v in mean], "bold"))
+        self.lines = lines
         self.refresh()
+
+    def render(self) -> Text:
+        return chart.render(
+            self.lines,
+            self.size.width,
+            self.size.height,
+            title=self.heading,
+            xlabel="seconds ago",
+            absolute_x=True,
+            x_until=0.0,  # the right edge is now
+        )
+
+
+LINE_STYLES = ("#729fcf", "#8ae234", "#ef2929", "#34e2e2", "#ad7fa8", "#fce94f", "#fcaf3e", "#c17d11")
+"""A colour per peer's line, eight that differ on any terminal theme (Tango's; the ANSI names
+showed two pairs alike), the mean in the text's own colour, bold."""
 
 
 BANDWIDTH_WINDOW = 30.0
@@ -471,10 +490,15 @@ class Rates(Vertical):
         self.query_one("#throughput", Sparkline).data = list(self._throughput) or [0.0]
         self.query_one("#bandwidth", Sparkline).data = list(self._bandwidth) or [0.0]
         rate = self._throughput[-1] if self._throughput else 0
-        self.query_one("#throughput-label", Label).update(f"tokens/s  [b]{human_rate(rate)}[/b]")
+        # layout=False: a label's box is one line the column's width (app.tcss), whatever it
+        # says; a layout on every reading re-rendered every widget on the screen.
+        self.query_one("#throughput-label", Label).update(
+            f"tokens/s  [b]{human_rate(rate)}[/b]", layout=False
+        )
         bandwidth = self._bandwidth[-1] if self._bandwidth else 0
         self.query_one("#bandwidth-label", Label).update(
-            f"bandwidth, all peers  [b]{human_bytes(bandwidth)}/s[/b] [dim](last {BANDWIDTH_WINDOW:.0f} s)[/]"
+            f"bandwidth, all peers  [b]{human_bytes(bandwidth)}/s[/b] [dim](last {BANDWIDTH_WINDOW:.0f} s)[/]",
+            layout=False,
         )
 
 

@@ -731,3 +731,41 @@ async def test_the_loss_chart_follows_the_tables_filter_and_cursor() -> None:
         await pilot.press("slash", *app.snapshot.peers[peer_id(1)].name, "enter")
         await pilot.pause()
         assert chart.shown == [peer_id(1)]
+
+
+FROZEN = """
+import asyncio, gc
+from tests.ui.fake import FakeSource
+from tui.app import SwarmApp
+
+async def main(freeze):
+    app = SwarmApp(FakeSource(peers=4, steps=2), poll=False, clock=False, freeze_startup=freeze)
+    async with app.run_test(size=(120, 40)) as pilot:
+        before = gc.get_freeze_count()
+        for _ in range(2):
+            app.show(app.source.poll())
+            await pilot.pause()
+        print(before, gc.get_freeze_count())
+
+asyncio.run(main(False))
+asyncio.run(main(True))
+"""
+
+
+def test_the_monitors_own_process_freezes_its_startup_objects_once_the_first_reading_is_shown() -> None:
+    """`workbench monitor` (run_app) freezes what its startup left alive out of the garbage
+    collector's full collections (the worst refreshes with 256 peers were theirs); an app among
+    others (a test's) does not. In a process of its own: a freeze is for the process's life."""
+    import inspect
+    import subprocess
+    import sys
+
+    import tui.app
+
+    done = subprocess.run([sys.executable, "-c", FROZEN], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (plain_before, plain_after), (before, after) = [
+        map(int, line.split()) for line in done.stdout.splitlines()
+    ]
+    assert plain_after == plain_before and before == plain_before and after > before + 10_000
+    assert "freeze_startup=True" in inspect.getsource(tui.app.run_app)
