@@ -13,12 +13,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rich.cells import cell_len
 from rich.text import Text
 
 # The bit of each dot in a braille cell (U+2800 + bits), by [row][column].
 _DOT = ((0x01, 0x08), (0x02, 0x10), (0x04, 0x20), (0x40, 0x80))
 FRAME = "dim"
 LEGEND_MARK = "▄▄"
+LIMIT = 1e150
+"""Values beyond ±LIMIT are drawn at it: spans of any two values stay finite (a loss of -1e308
+beside 1e308 overflowed), and so do ticks and positions."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +49,36 @@ def nice_ticks(low: float, high: float, most: int) -> list[float]:
 
 
 def tick_label(value: float, step: float) -> str:
-    """``value`` with as many decimals as the ticks' spacing needs (no "-0")."""
-    decimals = next((d for d in range(7) if abs(step * 10**d - round(step * 10**d)) < 1e-6 * 10**d), 6)
-    text = f"{value:.{decimals}f}"
+    """``value`` with as many decimals as the ticks' spacing needs (no "-0"); in scientific
+    notation, with the digits that tell ticks apart, for large values or fine steps."""
+    if not (step > 0 and math.isfinite(step)):
+        return f"{value:.6g}"
+    if step >= 1e-4 and abs(value) < 1e6:
+        decimals = next((d for d in range(7) if abs(step * 10**d - round(step * 10**d)) < 1e-6 * 10**d), 6)
+        text = f"{value:.{decimals}f}"
+    else:
+        digits = min(12, max(1, math.ceil(math.log10(max(abs(value), step) / step)) + 1))
+        text = f"{value:.{digits}g}"
     return text.lstrip("-") if float(text) == 0 else text
+
+
+def fit(text: str, width: int) -> str:
+    """``text`` cut to ``width`` terminal cells (a CJK character takes two)."""
+    if cell_len(text) <= width:
+        return text
+    out, used = [], 0
+    for char in text:
+        used += cell_len(char)
+        if used > width:
+            break
+        out.append(char)
+    return "".join(out)
+
+
+def centered(text: str, width: int) -> str:
+    text = fit(text, max(width, 0))
+    left = (width - cell_len(text)) // 2
+    return " " * left + text + " " * (width - left - cell_len(text))
 
 
 def render(
@@ -65,21 +95,32 @@ def render(
     absolute values with ``absolute_x`` (seconds ago); the x axis from the first point to the
     last, or to ``x_until`` if that is further (now, on a chart of the past)."""
     out = Text(no_wrap=True, overflow="crop")
-    out.append(title.center(width)[:width], style="bold")
-    points = [[(x, y) for x, y in line.points if math.isfinite(x) and math.isfinite(y)] for line in lines]
+    out.append(centered(title, width), style="bold")
+    points = [
+        [
+            (min(max(x, -LIMIT), LIMIT), min(max(y, -LIMIT), LIMIT))
+            for x, y in line.points
+            if math.isfinite(x) and math.isfinite(y)
+        ]
+        for line in lines
+    ]
     xs = [x for series in points for x, _ in series]
     ys = [y for series in points for _, y in series]
     rows = height - 5  # title, frame top and bottom, x ticks, x label
     if rows < 2 or width < 16 or not xs:
         if not xs and height > 1:
-            out.append("\n" + "no data yet".center(width)[:width], style=FRAME)
+            out.append("\n" + centered("no data yet", width), style=FRAME)
         return out
-    x_low, x_high = min(xs), max(xs) if x_until is None else max(*xs, x_until)
+    until = x_until if x_until is not None and math.isfinite(x_until) else None
+    x_low, x_high = min(xs), max(xs) if until is None else max(*xs, min(max(until, -LIMIT), LIMIT))
     y_low, y_high = min(ys), max(ys)
-    if y_high - y_low < 1e-12 * max(1.0, abs(y_high)):
-        y_low, y_high = y_low - 0.5, y_high + 0.5
-    if x_high <= x_low:
-        x_low, x_high = x_low - 1.0, x_high + 1.0
+    if y_high - y_low <= 1e-9 * max(abs(y_low), abs(y_high)) or y_high == y_low:  # flat: a band round it
+        pad = max(0.5, 1e-3 * abs(y_high))
+        y_low, y_high = y_low - pad, y_high + pad
+    if x_high - x_low <= 1e-9 * max(abs(x_low), abs(x_high)) or x_high == x_low:
+        pad = max(1.0, 1e-3 * abs(x_high))
+        # One instant: on a chart that ends at ``x_until`` (now), widened into the past only.
+        x_low, x_high = (x_low - pad, x_high) if until is not None else (x_low - pad, x_high + pad)
     y_ticks = nice_ticks(y_low, y_high, max(2, min(6, rows // 3 + 1)))
     y_step = min(b - a for a, b in zip(y_ticks, y_ticks[1:])) if len(y_ticks) > 1 else y_high - y_low
     y_labels = [tick_label(v, y_step) for v in y_ticks]
@@ -91,6 +132,12 @@ def render(
     styles: list[list[str | None]] = [[None] * columns for _ in range(rows)]
     dots_x, dots_y = 2 * columns - 1, 4 * rows - 1
 
+    def place_x(x: float) -> int:  # the dot column of x (its character: // 2)
+        return min(max(round((x - x_low) / (x_high - x_low) * dots_x), 0), dots_x)
+
+    def place_y(y: float) -> int:  # the dot row of y, from the top (its character: // 4)
+        return min(max(round((y_high - y) / (y_high - y_low) * dots_y), 0), dots_y)
+
     def dot(px: int, py: int, style: str) -> None:
         row, column = py // 4, px // 2
         cells[row][column] |= _DOT[py % 4][px % 2]
@@ -99,8 +146,7 @@ def render(
     for line, series in zip(lines, points):
         last = None
         for x, y in series:
-            px = round((x - x_low) / (x_high - x_low) * dots_x)
-            py = round((y_high - y) / (y_high - y_low) * dots_y)
+            px, py = place_x(x), place_y(y)
             if last is None:
                 dot(px, py, line.style)
             else:
@@ -113,9 +159,8 @@ def render(
                     )
             last = (px, py)
 
-    label_at = {
-        round((y_high - v) / (y_high - y_low) * (rows - 1)): label for v, label in zip(y_ticks, y_labels)
-    }
+    # A tick on the row where a line at its value is drawn (a rows - 1 scale put 1 in 10 a row off).
+    label_at = {place_y(v) // 4: label for v, label in zip(y_ticks, y_labels)}
     legend = [line for line, series in zip(lines, points) if series][:rows]
     out.append("\n" + " " * (gutter - 1) + "┌" + "─" * columns + "┐", style=FRAME)
     for row in range(rows):
@@ -124,10 +169,10 @@ def render(
         out.append((label or "").rjust(gutter - 1) + ("┤" if label is not None else "│"), style=FRAME)
         start = 0
         if row < len(legend):
-            entry = f"{LEGEND_MARK} {legend[row].label}"[: max(0, columns - 1)]
+            entry = fit(f"{LEGEND_MARK} {legend[row].label}", max(0, columns - 1))
             out.append(LEGEND_MARK[: len(entry)], style=legend[row].style)
             out.append(entry[len(LEGEND_MARK) :])
-            start = len(entry)
+            start = cell_len(entry)
         run, run_style = [], None
         for column in range(start, columns):
             bits, style = cells[row][column], styles[row][column]
@@ -142,7 +187,7 @@ def render(
         out.append("│", style=FRAME)
     x_ticks = nice_ticks(x_low, x_high, max(2, min(8, columns // 10)))
     x_step = min(b - a for a, b in zip(x_ticks, x_ticks[1:])) if len(x_ticks) > 1 else x_high - x_low
-    places = {round((v - x_low) / (x_high - x_low) * (columns - 1)): v for v in x_ticks}
+    places = {place_x(v) // 2: v for v in x_ticks}
     bottom = "".join("┬" if c in places else "─" for c in range(columns))
     out.append("\n" + " " * (gutter - 1) + "└" + bottom + "┘", style=FRAME)
     under = [" "] * (width + 1)
@@ -155,5 +200,5 @@ def render(
         under[at : at + len(label)] = label
         taken = at + len(label) - 1
     out.append("\n" + "".join(under[:width]), style=FRAME)
-    out.append("\n" + xlabel.center(width)[:width])
+    out.append("\n" + centered(xlabel, width))
     return out

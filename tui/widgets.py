@@ -426,15 +426,18 @@ class LossChart(Widget):
         self.refresh()
 
     def render(self) -> Text:
-        return chart.render(
-            self.lines,
-            self.size.width,
-            self.size.height,
-            title=self.heading,
-            xlabel="seconds ago",
-            absolute_x=True,
-            x_until=0.0,  # the right edge is now
-        )
+        try:
+            return chart.render(
+                self.lines,
+                self.size.width,
+                self.size.height,
+                title=self.heading,
+                xlabel="seconds ago",
+                absolute_x=True,
+                x_until=0.0,  # the right edge is now
+            )
+        except Exception as error:  # a chart the data broke: said there, the monitor goes on
+            return Text(f"loss chart unavailable: {type(error).__name__}: {error}", style="red")
 
 
 LINE_STYLES = ("#729fcf", "#8ae234", "#ef2929", "#34e2e2", "#ad7fa8", "#fce94f", "#fcaf3e", "#c17d11")

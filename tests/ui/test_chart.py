@@ -39,16 +39,55 @@ def test_any_size_and_any_data_draws_within_its_box() -> None:
         [chart.Line("nan", [(-2.0, math.nan), (-1.0, 1.0), (0.0, math.inf)])],
         [chart.Line("narrow", [(-1.0, 2.61), (0.0, 2.64)]), chart.Line("huge", [(-1e9, 1e30), (0.0, -1e30)])],
         [chart.Line(f"peer-{k}", [(-60.0 + t, 3 - t / 50 + k / 100) for t in range(61)]) for k in range(9)],
+        # A review (stop 68): a flat 1e17 (padding of ±0.5 lost in it) divided by zero and
+        # crashed the monitor; -1e308 beside 1e308 overflowed; a CJK name widened its row.
+        [chart.Line("flat-huge", [(-3.0, 1e17), (0.0, 1e17)])],
+        [chart.Line("extremes", [(-1e308, -1e308), (1e308, 1e308)])],
+        [
+            chart.Line("tiny", [(-1.0, 1e-300), (0.0, 2e-300)]),
+            chart.Line("finer", [(0.0, 2.0), (1e-9, 2.0 + 1e-9)]),
+        ],
+        [chart.Line("学習ノード東京第一", [(-1.0, 1.0), (0.0, 2.0)])],
     ]
     for lines in data:
         for width in (0, 1, 5, 16, 17, 30, 64, 97):
             for height in (0, 1, 2, 5, 6, 7, 12, 41):
-                text = chart.render(
-                    lines, width, height, title="loss (window 2m00s, +/-)", xlabel="seconds ago"
-                )
-                drawn = rows(text)
-                assert len(drawn) <= max(height, 1), (width, height, drawn)
-                assert all(cell_len(r) <= max(width, 0) or width < 16 for r in drawn), (width, height, drawn)
+                for until in (None, 0.0):
+                    text = chart.render(
+                        lines,
+                        width,
+                        height,
+                        title="loss (window 2m00s, +/-)",
+                        xlabel="seconds ago",
+                        x_until=until,
+                    )
+                    drawn = rows(text)
+                    assert len(drawn) <= max(height, 1), (width, height, drawn)
+                    assert all(cell_len(r) <= max(width, 0) for r in drawn), (width, height, drawn)
+
+
+def test_a_tick_sits_on_the_row_its_value_is_drawn_on() -> None:
+    """A review (stop 68): ticks were placed on a rows - 1 scale and dots on 4 * rows - 1, so a
+    flat line at a tick's value was drawn a row away from its label in 91 of 870 cases."""
+    for height in range(7, 30):
+        for top in (1.3, 2.0, 3.7, 10.0):
+            ticks = chart.nice_ticks(0.0, top, max(2, min(6, (height - 5) // 3 + 1)))
+            for value in ticks:
+                lines = [
+                    chart.Line("edges", [(0.0, 0.0), (1.0, top)]),
+                    chart.Line("at", [(0.0, value), (1.0, value)]),
+                ]
+                drawn = rows(chart.render(lines, 40, height))[2:-3]
+                label = chart.tick_label(value, min(b - a for a, b in zip(ticks, ticks[1:])))
+                row = next(r for r in drawn if "┤" in r and r.split("┤")[0].strip() == label)
+                assert row.rstrip().rstrip("│")[-1] != " ", (height, top, value, drawn)  # the flat line's end
+
+
+def test_the_first_reading_of_a_chart_of_the_past_shows_no_future() -> None:
+    """A review (stop 68): one instant was widened both ways, so the first reading's axis read
+    "1.0 0.5 0.0 0.5 1.0 seconds ago" with the data in the middle."""
+    text = chart.render([chart.Line("a", [(0.0, 2.0)])], 60, 12, x_until=0.0)  # a heartbeat of now
+    assert all(float(tick) <= 0 for tick in rows(text)[-2].split())
 
 
 def test_round_ticks() -> None:

@@ -445,7 +445,7 @@ def run_demo_tui(config: RunConfig, *, peers: int, run_dir: Path, console, timeo
     with stopped_by_signals(), swarm:
         swarm.start(timeout)
         source = DemoSource.of(swarm)
-        app = SwarmApp(source)
+        app = SwarmApp(source, freeze_startup=True)  # the demo's own process, as `workbench monitor`'s
         stop = threading.Event()
 
         def supervise() -> None:
