@@ -35,6 +35,7 @@ from swarm.records import (
     RunManifest,
     Stage,
     applied,
+    mate_tag,
     parse_record,
 )
 
@@ -152,6 +153,9 @@ class SwarmSnapshot:
     ignored: dict[str, str] = field(default_factory=dict)
     """Peers ignored for lying (peer id -> why); they are not in ``peers``."""
     flag_voters: list[str] = field(default_factory=list)
+    flags_from_owner: bool = False
+    """Whether :attr:`flag_voters` are the owner's peer and its round mates (False: every live
+    peer, the monitor having seen neither)."""
     """The live peers whose flags (their heartbeats' ``ignored``) counted in :attr:`ignored`:
     the run's owner's peer and its round mates (:func:`owners_mates`), or every live peer when
     the monitor knows of neither (no owner's peer seen)."""
@@ -202,6 +206,7 @@ class SwarmSnapshot:
             "events": [e.to_json() for e in self.new_events],
             "ignored": [{"peer_id": k, "reason": v} for k, v in sorted(self.ignored.items())],
             "flag_voters": list(self.flag_voters),
+            "flags_from": "owner" if self.flags_from_owner else "all",
             "departed": [d.to_json() for d in sorted(self.departed.values(), key=lambda d: d.time)],
         }
 
@@ -399,6 +404,7 @@ class SwarmMonitor:
             lagging=sorted(lagging),
             ignored=ignored,
             flag_voters=sorted(voters.peers),
+            flags_from_owner=voters.vouched,
             departed=dict(self._departed),
         )
 
@@ -499,7 +505,12 @@ def owners_mates(owner_peer: str | None, peers: dict[str, PeerHeartbeat]) -> set
     owner = peers.get(owner_peer) if owner_peer else None
     if owner is None:
         return set()
-    return {m for m in owner.averaged_with if m in peers and owner.peer_id in peers[m].averaged_with}
+    named, tag = set(owner.averaged_with), mate_tag(owner.peer_id)
+    return {
+        pid
+        for pid, p in peers.items()
+        if pid != owner_peer and mate_tag(pid) in named and tag in p.averaged_with
+    }
 
 
 def _ignored(reading: Reading, remembered: Iterable[str] = ()) -> tuple[dict[str, str], Voters]:

@@ -35,7 +35,7 @@ LIAR = """
 import sys, time
 from hivemind.utils import get_dht_time
 from swarm.dht import NetworkConfig
-from swarm.records import PeerHeartbeat, RunKeys, Stage
+from swarm.records import PeerHeartbeat, RunKeys, Stage, mate_tag
 from swarm.session import connect
 
 mode, address, run_id = sys.argv[1:4]
@@ -58,7 +58,7 @@ while True:
     }[mode]
     for session in sessions:
         if mode == "flagging":
-            claim["averaged_with"] = named + [s.peer_id for s in sessions if s is not session]
+            claim["averaged_with"] = [mate_tag(p) for p in named + [s.peer_id for s in sessions if s is not session]]
         beat = PeerHeartbeat(peer_id=session.peer_id, name="liar", inner_step=0, inner_steps=5, time=get_dht_time(), **claim)
         session.store.store(session.keys.peers, beat, ttl=10)
     time.sleep(0.5)

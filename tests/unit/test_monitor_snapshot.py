@@ -11,8 +11,12 @@ import swarm.dht
 from swarm.errors import SwarmError
 from swarm.monitor import Reading, SwarmMonitor
 from swarm.progress import ProgressBoard
-from swarm.records import HEARTBEAT_TTL, RunKeys, Stage
+from swarm.records import HEARTBEAT_TTL, RunKeys, Stage, mate_tag
 from tests.ui.fake import heartbeat, peer_id
+
+
+def tags(ids) -> list[str]:
+    return [mate_tag(i) for i in ids]
 
 
 def test_a_paused_peer_adds_nothing_to_the_swarms_speed() -> None:
@@ -86,7 +90,7 @@ def test_a_peer_flagged_again_after_it_came_back_is_shown_as_ignored_not_dropped
     assert [e.kind for e in read(1004, {0, 1, 2}).new_events if e.peer_id == liar] == []  # once
 
 
-def test_fresh_keys_outnumbering_the_honest_peers_cannot_flag_them_out_of_sight() -> None:
+def test_fresh_keys_outnumbering_the_honest_peers_cannot_flag_them_out_of_sight(capsys) -> None:
     """Stop 67's list (docs/security.md, Sybils): every live peer's flags counted, so one fresh
     key more than the honest peers, each flagging them all, hid every honest peer from `status`,
     the TUI and the widget. Now only peers linked to the owner's peer by rounds averaged
@@ -98,17 +102,17 @@ def test_fresh_keys_outnumbering_the_honest_peers_cannot_flag_them_out_of_sight(
     def read(t: float, owner_here: bool = True, **reading):
         beats = {
             owner: heartbeat(
-                0, t, 5, averaged_with=[mate], ignored={keys[0]: "never came, 3 rounds running"}
+                0, t, 5, averaged_with=tags([mate]), ignored={keys[0]: "never came, 3 rounds running"}
             ),
             mate: heartbeat(
-                1, t, 5, averaged_with=[owner], ignored={keys[0]: "never came, 3 rounds running"}
+                1, t, 5, averaged_with=tags([owner]), ignored={keys[0]: "never came, 3 rounds running"}
             ),
             **{
                 key: heartbeat(
                     i + 2,
                     t,
                     5,
-                    averaged_with=[owner, mate, *(k for k in keys if k != key)],
+                    averaged_with=tags([owner, mate, *(k for k in keys if k != key)]),
                     ignored={owner: "made up", mate: "made up"},
                 )
                 for i, key in enumerate(keys)
@@ -121,23 +125,30 @@ def test_fresh_keys_outnumbering_the_honest_peers_cannot_flag_them_out_of_sight(
     snapshot = read(1000, owner_peer=owner)
     assert {owner, mate} <= set(snapshot.peers) and snapshot.flag_voters == sorted([owner, mate])
     assert set(snapshot.ignored) == {keys[0]}  # the voters' own flags count
-    assert snapshot.to_json()["flag_voters"] == sorted([owner, mate])
+    from workbench.cli.status import render
+
+    render(json.loads(json.dumps(snapshot.to_json())))
+    assert "flags counted from 2: the owner's peer and its round mates" in capsys.readouterr().out
+    assert (
+        snapshot.to_json()["flag_voters"] == sorted([owner, mate])
+        and snapshot.to_json()["flags_from"] == "owner"
+    )
     # The owner gone, the peers linked to it before still vote (not the keys).
     later = read(1001, owner_here=False)
     assert mate in later.peers and later.flag_voters == [mate]
     # A monitor that never saw the owner's peer cannot tell: every live peer votes, as before.
     blind = SwarmMonitor().ingest(Reading(1002, "r", {p: b for p, b in later.peers.items() if p != owner}))
-    assert sorted(blind.flag_voters) == sorted([mate, *keys[1:]])
+    assert sorted(blind.flag_voters) == sorted([mate, *keys[1:]]) and blind.to_json()["flags_from"] == "all"
 
 
 def test_a_vote_needs_a_round_with_the_owners_peer_by_both_sides_word() -> None:
     from swarm.monitor import owners_mates
 
     beats = {
-        peer_id(0): heartbeat(0, 1000, 5, averaged_with=[peer_id(1), peer_id(4)]),
-        peer_id(1): heartbeat(1, 1000, 5, averaged_with=[peer_id(0), peer_id(2)]),
-        peer_id(2): heartbeat(2, 1000, 5, averaged_with=[peer_id(1)]),  # the owner's mate's mate
-        peer_id(3): heartbeat(3, 1000, 5, averaged_with=[peer_id(0), peer_id(1)]),  # one-sided
+        peer_id(0): heartbeat(0, 1000, 5, averaged_with=tags([peer_id(1), peer_id(4)])),
+        peer_id(1): heartbeat(1, 1000, 5, averaged_with=tags([peer_id(0), peer_id(2)])),
+        peer_id(2): heartbeat(2, 1000, 5, averaged_with=tags([peer_id(1)])),  # the owner's mate's mate
+        peer_id(3): heartbeat(3, 1000, 5, averaged_with=tags([peer_id(0), peer_id(1)])),  # one-sided
         peer_id(4): heartbeat(4, 1000, 5),  # named by the owner's peer, naming nobody
     }
     assert owners_mates(peer_id(0), beats) == {peer_id(1)}
@@ -153,17 +164,20 @@ def test_a_key_that_averaged_once_cannot_bring_fresh_keys_in_to_vote() -> None:
     fresh = [peer_id(i) for i in range(3, 8)]
     lie = {owner: "made up", honest: "made up"}
     beats = {
-        owner: heartbeat(0, 1000, 5, averaged_with=[honest]),
-        honest: heartbeat(1, 1000, 5, averaged_with=[owner, r]),
-        r: heartbeat(2, 1000, 5, averaged_with=[honest, *fresh], ignored=lie),
-        **{k: heartbeat(3 + i, 1000, 5, averaged_with=[r, *fresh], ignored=lie) for i, k in enumerate(fresh)},
+        owner: heartbeat(0, 1000, 5, averaged_with=tags([honest])),
+        honest: heartbeat(1, 1000, 5, averaged_with=tags([owner, r])),
+        r: heartbeat(2, 1000, 5, averaged_with=tags([honest, *fresh]), ignored=lie),
+        **{
+            k: heartbeat(3 + i, 1000, 5, averaged_with=tags([r, *fresh]), ignored=lie)
+            for i, k in enumerate(fresh)
+        },
     }
     snapshot = SwarmMonitor().ingest(Reading(1000, "r", beats, owner_peer=owner))
     assert {owner, honest} <= set(snapshot.peers) and snapshot.flag_voters == sorted([owner, honest])
     # A key that averaged with the owner's peer itself votes, but cannot hide it.
-    beats[owner] = heartbeat(0, 1000, 5, averaged_with=[honest, r])
-    beats[r] = heartbeat(2, 1000, 5, averaged_with=[owner, *fresh], ignored=lie)
-    beats[honest] = heartbeat(1, 1000, 5, averaged_with=[owner], ignored={r: "never came"})
+    beats[owner] = heartbeat(0, 1000, 5, averaged_with=tags([honest, r]))
+    beats[r] = heartbeat(2, 1000, 5, averaged_with=tags([owner, *fresh]), ignored=lie)
+    beats[honest] = heartbeat(1, 1000, 5, averaged_with=tags([owner]), ignored={r: "never came"})
     snapshot = SwarmMonitor().ingest(Reading(1000, "r", beats, owner_peer=owner))
     assert owner in snapshot.peers and snapshot.flag_voters == sorted([owner, honest, r])
 
@@ -176,12 +190,12 @@ def test_the_owners_mates_are_remembered_while_they_live_not_replaced() -> None:
     monitor = SwarmMonitor()
 
     def read(t: float, owner_names: list[str] | None):
-        beats = {m: heartbeat(i + 1, t, 5, averaged_with=[owner]) for i, m in enumerate(mates)}
+        beats = {m: heartbeat(i + 1, t, 5, averaged_with=tags([owner])) for i, m in enumerate(mates)}
         beats.update(
             {k: heartbeat(3 + i, t, 5, ignored=dict.fromkeys(mates, "made up")) for i, k in enumerate(keys)}
         )
         if owner_names is not None:
-            beats[owner] = heartbeat(0, t, 5, averaged_with=owner_names)
+            beats[owner] = heartbeat(0, t, 5, averaged_with=tags(owner_names))
         return monitor.ingest(Reading(t, "r", beats, owner_peer=owner if owner_names is not None else None))
 
     assert read(1000, mates).flag_voters == sorted([owner, *mates])
@@ -238,3 +252,18 @@ def test_in_a_big_group_two_members_name_each_other_or_neither() -> None:
     small = Vouching()
     small.averaged_with(group[:5], me="p00")
     assert list(small.mates) == group[1:5]
+
+
+def test_a_heartbeat_names_its_mates_in_twelve_characters_each() -> None:
+    """Tags, not peer ids: 16 ids doubled a heartbeat (765 -> 1,631 bytes), read by every board
+    read of every peer and monitor."""
+    import msgpack
+    from pydantic import ValidationError
+
+    ids = [f"12D3KooW{k:044d}" for k in range(16)]
+    assert len({mate_tag(i) for i in ids}) == 16 and all(len(mate_tag(i)) == 12 for i in ids)
+    plain = len(msgpack.packb(heartbeat(0, 1000.0, 5).model_dump(mode="json")))
+    full = len(msgpack.packb(heartbeat(0, 1000.0, 5, averaged_with=tags(ids)).model_dump(mode="json")))
+    assert full - plain < 16 * 14
+    with pytest.raises(ValidationError):
+        heartbeat(0, 1000.0, 5, averaged_with=ids[:1])  # a whole peer id is not a tag

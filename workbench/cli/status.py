@@ -139,6 +139,16 @@ def render(data: dict[str, Any]) -> None:
         console.print(line)
     for liar in data.get("ignored", []):
         console.print(f"  [red]ignored[/red] {escape(liar['peer_id'][-12:])}: {escape(liar['reason'])}")
+    if data.get("ignored") and data.get("flag_voters"):
+        voters = len(data["flag_voters"])
+        console.print(
+            f"  [dim](peers' flags counted from {voters}: "
+            + (
+                "the owner's peer and its round mates)[/dim]"
+                if data.get("flags_from") == "owner"
+                else "every live peer, the owner's peer not seen)[/dim]"
+            )
+        )
     for gone in data.get("departed", []):
         when = time.strftime("%H:%M:%S", time.localtime(gone["time"]))
         console.print(
