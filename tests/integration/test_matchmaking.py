@@ -20,6 +20,7 @@ from tests.processes import members_context
 
 ROUNDS = 10
 CANCELLED_PER_ROUND = 3
+SETTLE = 3  # rounds after the cancellations stop
 
 
 def _member(rank: int, barrier, addresses, ids, out) -> None:
@@ -73,8 +74,8 @@ def _member(rank: int, barrier, addresses, ids, out) -> None:
             )
 
         sizes = []
-        for _ in range(ROUNDS):
-            if rank == 0:  # steps given up on mid-matchmaking
+        for round_ in range(ROUNDS + SETTLE):
+            if rank == 0 and round_ < ROUNDS:  # steps given up on mid-matchmaking
                 for _ in range(CANCELLED_PER_ROUND):
                     control = step()
                     time.sleep(0.3)
@@ -114,10 +115,15 @@ def test_a_member_that_cancelled_steps_mid_matchmaking_still_finds_its_group():
     for rank, sizes in results.items():
         if not isinstance(sizes, list):  # (pytest cuts a long assertion message)
             pytest.fail(f"member {rank} failed:\n{sizes}", pytrace=False)
-        # A round fails now and then (1 in 5 to 25 here): this member's hivemind formed the
-        # group for a step it had just cancelled (the cancel reaches the averager process after
-        # the group formed), so its new step finds nobody; it declines that group's ring and the
-        # other member fails at once (MemberDeclined; it used to wait 6 s). A frozen
-        # matchmaking fails every round after it: the last three rounds did not all fail.
-        trailing = len(sizes) - len("".join(map(str, sizes)).rstrip("0"))
-        assert trailing < 3, results
+        # A round with cancellations fails now and then (1 in 5 to 25 here, every other round
+        # beside three busy loops): this member's hivemind formed the group for a step it had just
+        # cancelled (the cancel reaches the averager process after the group formed), so its new
+        # step finds nobody; it declines that group's ring and the other member fails at once
+        # (MemberDeclined; it used to wait 6 s). Under load that race can be lost round after
+        # round, which the old check (the last three rounds did not all fail) took for a frozen
+        # matchmaking (2 of 3 runs beside three busy loops; the sizes alternated 2, 0, 2, 0 and
+        # then failed five running). A frozen matchmaking fails every round after it, the rounds
+        # with no step cancelled too: those do not all fail. (13 of 13 runs passed beside three
+        # and four busy loops. Without keep_tasks_alive this test, old check or new, passed 5 of
+        # 5 here: test_group_averager_tasks shows that mechanism deterministically.)
+        assert any(size == 2 for size in sizes[ROUNDS:]), f"{results}"
