@@ -185,7 +185,7 @@ def render(
         if run:
             out.append("".join(run), style=run_style or "")
         out.append("│", style=FRAME)
-    x_ticks = nice_ticks(x_low, x_high, max(2, min(8, columns // 10)))
+    x_ticks = nice_ticks(x_low, x_high, max(2, min(10, columns // 8)))  # a label every 8 columns at most
     x_step = min(b - a for a, b in zip(x_ticks, x_ticks[1:])) if len(x_ticks) > 1 else x_high - x_low
     places = {place_x(v) // 2: v for v in x_ticks}
     bottom = "".join("┬" if c in places else "─" for c in range(columns))
