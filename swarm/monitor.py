@@ -18,7 +18,7 @@ import math
 import os
 import re
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,12 +153,13 @@ class SwarmSnapshot:
     ignored: dict[str, str] = field(default_factory=dict)
     """Peers ignored for lying (peer id -> why); they are not in ``peers``."""
     flag_voters: list[str] = field(default_factory=list)
-    flags_from_owner: bool = False
-    """Whether :attr:`flag_voters` are the owner's peer and its round mates (False: every live
-    peer, the monitor having seen neither)."""
     """The live peers whose flags (their heartbeats' ``ignored``) counted in :attr:`ignored`:
     the run's owner's peer and its round mates (:func:`owners_mates`), or every live peer when
     the monitor knows of neither (no owner's peer seen)."""
+    flags_from: str = "all"
+    """Who :attr:`flag_voters` are: ``owner`` (the owner's peer and its round mates), ``mates``
+    (round mates of the owner's peer this monitor saw, the owner's peer gone now) or ``all``
+    (every live peer: the monitor saw neither)."""
     departed: dict[str, Departed] = field(default_factory=dict)
     """Peers that left in the last 5 minutes (or since the user last cleared them): how, when."""
 
@@ -206,7 +207,7 @@ class SwarmSnapshot:
             "events": [e.to_json() for e in self.new_events],
             "ignored": [{"peer_id": k, "reason": v} for k, v in sorted(self.ignored.items())],
             "flag_voters": list(self.flag_voters),
-            "flags_from": "owner" if self.flags_from_owner else "all",
+            "flags_from": self.flags_from,
             "departed": [d.to_json() for d in sorted(self.departed.values(), key=lambda d: d.time)],
         }
 
@@ -404,7 +405,9 @@ class SwarmMonitor:
             lagging=sorted(lagging),
             ignored=ignored,
             flag_voters=sorted(voters.peers),
-            flags_from_owner=voters.vouched,
+            flags_from=("owner" if reading.owner_peer in voters.peers else "mates")
+            if voters.vouched
+            else "all",
             departed=dict(self._departed),
         )
 
@@ -505,11 +508,13 @@ def owners_mates(owner_peer: str | None, peers: dict[str, PeerHeartbeat]) -> set
     owner = peers.get(owner_peer) if owner_peer else None
     if owner is None:
         return set()
-    named, tag = set(owner.averaged_with), mate_tag(owner.peer_id)
+    tags = {pid: mate_tag(pid) for pid in peers}
+    shared = {tag for tag, n in Counter(tags.values()).items() if n > 1}  # a made collision: neither
+    named, mine = set(owner.averaged_with) - shared, tags[owner.peer_id]
     return {
         pid
         for pid, p in peers.items()
-        if pid != owner_peer and mate_tag(pid) in named and tag in p.averaged_with
+        if pid != owner_peer and tags[pid] in named and mine in p.averaged_with
     }
 
 

@@ -47,14 +47,16 @@ the TUI) and no control characters (an escape sequence in a name cleared the ter
 DEVICE_PATTERN = r"^[\w .:()/+-]{0,32}$"
 PEER_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 """Letters, digits, - and _ (libp2p writes peer ids in base58; the simulator, sim-0, ...)."""
-MATE_TAG_PATTERN = r"^[A-Za-z0-9_-]{12}$"
+MATE_TAG_PATTERN = r"^[A-Za-z0-9_-]{20}$"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def mate_tag(peer_id: str) -> str:
-    """A peer id in 12 characters (72 bits of its SHA-256): what a heartbeat's ``averaged_with``
-    names. A key made to share an honest peer's tag takes about 2^72 tries."""
-    return base64.urlsafe_b64encode(hashlib.sha256(peer_id.encode()).digest()[:9]).decode()
+    """A peer id in 20 characters (120 bits of its SHA-256): what a heartbeat's ``averaged_with``
+    names. Two keys sharing a tag take about 2^60 tries (72 bits, a review found, left 2^36:
+    hours on a GPU), a key sharing an honest peer's 2^120; and the monitor counts no tag two
+    live peers share (:func:`swarm.monitor.owners_mates`)."""
+    return base64.urlsafe_b64encode(hashlib.sha256(peer_id.encode()).digest()[:15]).decode()
 
 
 _NAME = TypeAdapter(Annotated[str, StringConstraints(pattern=NAME_PATTERN)])
@@ -184,14 +186,15 @@ class PeerHeartbeat(BaseModel):
     """Why this peer's last round went wrong (fell back to a local step, rejected update, ...)."""
     ignored: dict[str, str] = Field(default_factory=dict, max_length=16)
     """Peers this one caught lying (peer id -> why), for the UIs; a claim like any other."""
-    averaged_with: list[Annotated[str, StringConstraints(pattern=MATE_TAG_PATTERN)]] = Field(
+    averaged_with: list[Annotated[str, StringConstraints(max_length=128)]] = Field(
         default_factory=list, max_length=16
     )
     """The peers this one last averaged with, each as :func:`mate_tag` of its peer id (most recent
     last, itself left out; in a group of more than 16 others, the 8 either side of it by id):
     the monitor counts the flags (:attr:`ignored`) of the owner's peer and of the peers it names
     here that name it back (:func:`swarm.monitor.owners_mates`). A claim too. Tags, not ids:
-    16 peer ids doubled a heartbeat (765 -> 1,631 bytes), and every board read reads them all."""
+    16 peer ids doubled a heartbeat (765 -> 1,631 bytes), and every board read reads them all.
+    An entry that is not a tag is dropped, not the heartbeat (another release's form)."""
     round_wait_seconds: float = Field(default=0.0, ge=0)
     """How long this peer's barrier now waits for a round mate still training (learned from the
     last rounds' arrivals, :mod:`swarm.deadlines`; 0: not known)."""
@@ -238,6 +241,11 @@ class PeerHeartbeat(BaseModel):
         if any(not re.fullmatch(PEER_ID_PATTERN, k) or len(v) > 200 for k, v in value.items()):
             raise ValueError("ignored: peer ids (letters and digits) up to 128 characters, reasons up to 200")
         return {k: printable(v) for k, v in value.items()}
+
+    @field_validator("averaged_with")
+    @classmethod
+    def _tags_only(cls, value: list[str]) -> list[str]:
+        return [tag for tag in value if re.fullmatch(MATE_TAG_PATTERN, tag)]
 
     @field_validator("last_error", "last_round_alone", "control_refusal")
     @classmethod

@@ -128,14 +128,14 @@ def test_fresh_keys_outnumbering_the_honest_peers_cannot_flag_them_out_of_sight(
     from workbench.cli.status import render
 
     render(json.loads(json.dumps(snapshot.to_json())))
-    assert "flags counted from 2: the owner's peer and its round mates" in capsys.readouterr().out
+    assert "flags are counted from 2: the owner's peer and its round mates" in capsys.readouterr().out
     assert (
         snapshot.to_json()["flag_voters"] == sorted([owner, mate])
         and snapshot.to_json()["flags_from"] == "owner"
     )
     # The owner gone, the peers linked to it before still vote (not the keys).
     later = read(1001, owner_here=False)
-    assert mate in later.peers and later.flag_voters == [mate]
+    assert mate in later.peers and later.flag_voters == [mate] and later.flags_from == "mates"
     # A monitor that never saw the owner's peer cannot tell: every live peer votes, as before.
     blind = SwarmMonitor().ingest(Reading(1002, "r", {p: b for p, b in later.peers.items() if p != owner}))
     assert sorted(blind.flag_voters) == sorted([mate, *keys[1:]]) and blind.to_json()["flags_from"] == "all"
@@ -261,9 +261,30 @@ def test_a_heartbeat_names_its_mates_in_twelve_characters_each() -> None:
     from pydantic import ValidationError
 
     ids = [f"12D3KooW{k:044d}" for k in range(16)]
-    assert len({mate_tag(i) for i in ids}) == 16 and all(len(mate_tag(i)) == 12 for i in ids)
+    assert len({mate_tag(i) for i in ids}) == 16 and all(len(mate_tag(i)) == 20 for i in ids)
     plain = len(msgpack.packb(heartbeat(0, 1000.0, 5).model_dump(mode="json")))
     full = len(msgpack.packb(heartbeat(0, 1000.0, 5, averaged_with=tags(ids)).model_dump(mode="json")))
-    assert full - plain < 16 * 14
+    assert full - plain < 16 * 22
+    # An entry that is not a tag (a whole peer id, another release's form) is dropped, not the
+    # heartbeat (a review: the whole peer vanished from every board read).
+    assert heartbeat(0, 1000.0, 5, averaged_with=[ids[0], *tags(ids[1:3])]).averaged_with == tags(ids[1:3])
     with pytest.raises(ValidationError):
-        heartbeat(0, 1000.0, 5, averaged_with=ids[:1])  # a whole peer id is not a tag
+        heartbeat(0, 1000.0, 5, averaged_with=tags(ids) * 2)  # 32: over the bound
+
+
+def test_a_tag_two_live_peers_share_counts_for_neither(monkeypatch) -> None:
+    """A review (stop 68): a pair of keys made to share a tag (72 bits then: a birthday search of
+    2^36), one of them a real round mate of the owner's peer, brought the other in to vote."""
+    import swarm.monitor
+
+    owner, mate, twin = peer_id(0), peer_id(1), peer_id(2)
+    real = swarm.monitor.mate_tag
+    monkeypatch.setattr(swarm.monitor, "mate_tag", lambda pid: real(mate) if pid == twin else real(pid))
+    beats = {
+        owner: heartbeat(0, 1000, 5, averaged_with=tags([mate])),
+        mate: heartbeat(1, 1000, 5, averaged_with=tags([owner])),
+        twin: heartbeat(2, 1000, 5, averaged_with=tags([owner])),
+    }
+    assert swarm.monitor.owners_mates(owner, beats) == set()
+    del beats[twin]
+    assert swarm.monitor.owners_mates(owner, beats) == {mate}

@@ -139,16 +139,14 @@ def render(data: dict[str, Any]) -> None:
         console.print(line)
     for liar in data.get("ignored", []):
         console.print(f"  [red]ignored[/red] {escape(liar['peer_id'][-12:])}: {escape(liar['reason'])}")
-    if data.get("ignored") and data.get("flag_voters"):
-        voters = len(data["flag_voters"])
-        console.print(
-            f"  [dim](peers' flags counted from {voters}: "
-            + (
-                "the owner's peer and its round mates)[/dim]"
-                if data.get("flags_from") == "owner"
-                else "every live peer, the owner's peer not seen)[/dim]"
-            )
-        )
+    voters = data.get("flag_voters")
+    if data.get("ignored") and isinstance(voters, list) and voters:
+        whose = {
+            "owner": "the owner's peer"
+            + (" and its round mates" if len(voters) > 1 else " (no round mates seen yet)"),
+            "mates": "the owner's peer's round mates (the owner's peer gone)",
+        }.get(data.get("flags_from"), "every live peer (the owner's peer not seen)")
+        console.print(f"  [dim](other peers' flags are counted from {len(voters)}: {whose})[/dim]")
     for gone in data.get("departed", []):
         when = time.strftime("%H:%M:%S", time.localtime(gone["time"]))
         console.print(
