@@ -11,6 +11,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).parents[2] / "notebooks"
@@ -36,14 +37,19 @@ def test_the_committed_notebooks_are_what_build_py_writes() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_notebook_runs(name: str) -> None:
+def test_notebook_runs(name: str, tmp_path: Path) -> None:
     notebook = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     assert notebook.metadata.kernelspec.name == "python3"
     tagged = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, "one cell tagged 'parameters'"
     tagged[0].source = SMALL[name]
+    # The kernel's channels on Unix sockets in this test's own folder, not TCP ports: jupyter_client
+    # picks free ports and the kernel binds them later, and a peer started meanwhile by another
+    # test (its port 0) took one: "Address already in use", "Kernel died before replying to
+    # kernel_info" (1 of 3 fresh-clone runs of make test, stop 68).
+    kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(tmp_path / "kernel"))
     NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+        notebook, km=kernel, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
     ).execute()
     outputs = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
