@@ -230,11 +230,14 @@ def helper(script: str, *args: str, wrap: Callable[[list[str]], list[str]] = lis
     )
 
 
-def workbench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+def workbench(
+    *args: str, timeout: float = 90, wrap: Callable[[list[str]], list[str]] = list
+) -> subprocess.CompletedProcess:
     """``python -m workbench args...`` to its end: a CLI command (status, steer, a refused join).
     One still running after ``timeout`` s fails the test with every thread's stack (workbench
-    dumps them on SIGUSR1) and what it printed: where it hung, not only that it did."""
-    argv = [sys.executable, "-m", "workbench", *args]
+    dumps them on SIGUSR1) and what it printed: where it hung, not only that it did. ``wrap``:
+    where it runs, as :func:`helper`'s."""
+    argv = wrap([sys.executable, "-m", "workbench", *args])
     process = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
     )

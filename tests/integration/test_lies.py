@@ -117,37 +117,6 @@ def test_a_lying_heartbeat_moves_nothing(spawn, tmp_path, mode):
     assert math.isclose(norms[0][step], norms[1][step], rel_tol=1e-6), (step, norms)
 
 
-def test_fresh_keys_flagging_the_honest_peers_do_not_hide_them(spawn, tmp_path):
-    """Three fresh keys, one more than the honest pair, each flagging both honest peers as liars
-    and naming them (and each other) as round mates: every live peer's flags counted, and
-    `workbench status` showed the keys alone, the pair "ignored for lying". Now only the peers
-    linked to the owner's peer by rounds averaged together (both sides saying so) vote."""
-    run_id = "lies-flagging"
-    common = [*FAST, "--run-id", run_id, *steady(tmp_path)]
-    first = spawn("a", "start", *common, "--min-peers", "2")
-    second = spawn("b", "join", first.address(), *common)
-    first.wait_event("round", lambda e: e["outer_step"] >= 1)
-    second.wait_event("round", lambda e: e["outer_step"] >= 1)
-    liar = helper(LIAR, "flagging", first.address(), run_id, "3")
-    try:
-        assert liar.stdout.readline().strip() == "ready"
-        snapshot, deadline = {}, time.monotonic() + 120
-        while time.monotonic() < deadline:  # until the keys' flags are there to be counted
-            status = workbench("status", first.address(), "--run-id", run_id, "--json", timeout=60)
-            if status.returncode == 0:
-                snapshot = json.loads(status.stdout.splitlines()[-1])
-                keys = [p for p in snapshot["peers"] if p["name"] == "liar" and p["ignored"]]
-                if len(keys) == 3 or snapshot["ignored"]:
-                    break
-        names = {p["peer_id"]: p["name"] for p in snapshot["peers"]}
-        assert sorted(names.values()) == ["a", "b", "liar", "liar", "liar"], snapshot
-        assert not snapshot["ignored"], snapshot["ignored"]
-        assert sorted(names[p] for p in snapshot["flag_voters"]) == ["a", "b"], snapshot["flag_voters"]
-    finally:
-        kill_group(liar)
-    interrupt_all((first, second))
-
-
 @pytest.mark.faults
 @pytest.mark.parametrize("honest", [2, 1])
 def test_fresh_keys_outnumbering_the_honest_peers_one_step_ahead_do_not_keep_a_joiner_downloading(
@@ -953,3 +922,36 @@ def test_one_fresh_key_waiting_beside_a_lone_peer_costs_it_one_round_then_a_wind
     window = [r for r in rounds if "strangers that came to no group before" in str(r["alone_reason"])]
     assert len(held) <= 1 and len(window) >= 6, summary
     assert not first.events("state_downloaded"), summary
+
+
+@machines(pytest.mark.faults)
+def test_fresh_keys_flagging_the_honest_peers_do_not_hide_them(spawn, tmp_path, machines):
+    """Three fresh keys, one more than the honest pair, each flagging both honest peers as liars
+    and naming them (and each other) as round mates: every live peer's flags counted, and
+    `workbench status` showed the keys alone, the pair "ignored for lying". Now only the owner's
+    peer and its round mates (both sides saying so) vote. In network namespaces the peers run
+    with the README's flags, and the keys and `status` on a third machine."""
+    run_id = f"lies-flagging-{machines}"
+    common = [*FAST, "--run-id", run_id, *steady(tmp_path)]
+    with contextlib.ExitStack() as stack:
+        peers, first, second, address, wrap, _ = _a_pair(stack, spawn, tmp_path, machines, common)
+        second.wait_event("round", lambda e: e["group_size"] == 2, timeout=120)  # it names a too
+        liar = helper(LIAR, "flagging", address, run_id, "3", wrap=wrap)
+        try:
+            assert liar.stdout.readline().strip() == "ready"
+            snapshot, deadline = {}, time.monotonic() + 120
+            while time.monotonic() < deadline:  # until the keys' flags are there to be counted
+                status = workbench("status", address, "--run-id", run_id, "--json", timeout=60, wrap=wrap)
+                if status.returncode == 0:
+                    snapshot = json.loads(status.stdout.splitlines()[-1])
+                    keys = [p for p in snapshot["peers"] if p["name"] == "liar" and p["ignored"]]
+                    if len(keys) == 3 or snapshot["ignored"]:
+                        break
+            names = {p["peer_id"]: p["name"] for p in snapshot["peers"]}
+            assert sorted(names.values()) == ["a", "b", "liar", "liar", "liar"], snapshot
+            assert not snapshot["ignored"], snapshot["ignored"]
+            assert sorted(names[p] for p in snapshot["flag_voters"]) == ["a", "b"], snapshot["flag_voters"]
+            assert snapshot["flags_from"] == "owner"
+        finally:
+            kill_group(liar)
+        interrupt_all(peers.started)
