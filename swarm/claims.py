@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from swarm.bounds import BOUNDS
-from swarm.records import CLOCK_SLACK, MAX_VERSION, PeerHeartbeat
+from swarm.records import CLOCK_SLACK, MAX_VERSION, PeerHeartbeat, mate_tag
 
 if TYPE_CHECKING:  # swarm.sketch imports torch: 1,557 modules against 636, for the monitor and status
     from swarm.sketch import Sketch
@@ -98,8 +98,9 @@ class Vouching:
 
     def __init__(self) -> None:
         self.vouched: set[str] = set()
-        self.mates: OrderedDict[str, None] = OrderedDict()
-        """The latest round mates, most recent last (at most :data:`MAX_MATES`): the heartbeat's
+        self.mates: OrderedDict[str, str] = OrderedDict()
+        """The latest round mates, most recent last (at most :data:`MAX_MATES`), each with its
+        :func:`~swarm.records.mate_tag` (made once here, not at every heartbeat): the heartbeat's
         ``averaged_with``."""
         self.witnessed: set[str] = set()
         """The peers whose θ is the last state this peer downloaded (its donor, and the witnesses
@@ -127,7 +128,7 @@ class Vouching:
             at, half = ring.index(me), MAX_MATES // 2
             named = [ring[(at + k) % len(ring)] for k in range(-half, half + 1) if k]
         for peer in named:
-            self.mates[peer] = None
+            self.mates[peer] = self.mates.get(peer) or mate_tag(peer)
             self.mates.move_to_end(peer)
         while len(self.mates) > MAX_MATES:
             self.mates.popitem(last=False)

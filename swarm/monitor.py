@@ -323,8 +323,6 @@ class SwarmMonitor:
             for pid in voters.peers:
                 self._voters[pid] = now
                 self._voters.move_to_end(pid)
-        for pid in [pid for pid in self._voters if pid in reading.peers]:
-            self._voters[pid] = now
         for pid in [pid for pid, seen in self._voters.items() if now - seen > DEPARTED_SECONDS]:
             del self._voters[pid]
         while len(self._voters) > MAX_VOTERS:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from optim import robust
-from swarm.records import PROTOCOL, PeerHeartbeat, Stage, is_name, mate_tag, printable
+from swarm.records import PROTOCOL, PeerHeartbeat, Stage, is_name, printable
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,9 @@ def heartbeat_of(peer: Any) -> PeerHeartbeat:
         rounds=peer.config.total_rounds if peer.config.peer.rounds else 0,
         last_error=stats.last_error[:300] if stats.last_error else None,
         ignored={peer: why[:200] for peer, why in list(peer.board.ignored.items())[-16:]},
-        averaged_with=[mate_tag(p) for p in tuple(peer.averager.vouching.mates) if p != peer.peer_id][-16:]
+        averaged_with=[tag for p, tag in tuple(peer.averager.vouching.mates.items()) if p != peer.peer_id][
+            -16:
+        ]
         if peer.averager
         else [],
         serving=bool(peer.averager and peer.averager.serving.answering),
