@@ -77,6 +77,13 @@ def _host_part(host: str) -> str:
         return f"/dns4/{host}"
 
 
+def peer_ids(texts: Iterable[str]) -> list[str]:
+    """The peer ids (base58) the bootstrap addresses name, in order, each once; a bad address
+    raises :class:`AddressError` as :func:`parse_peer_address` does."""
+    ids = (parse_peer_address(text).value_for_protocol("p2p") for text in texts)
+    return list(dict.fromkeys(ids))
+
+
 def parse_peer_addresses(texts: Iterable[str]) -> list[Multiaddr]:
     """Parse several bootstrap addresses; at least one is needed to join."""
     addresses = [parse_peer_address(text) for text in texts]

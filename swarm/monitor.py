@@ -62,6 +62,10 @@ class Reading:
     owner_peer: str | None = None
     """The peer id whose heartbeat the run's owner signed (the manifest's key), if one is live:
     whose flags, and whose round mates' flags, the monitor counts (:func:`owners_mates`)."""
+    anchors: tuple[str, ...] = ()
+    """The peers this reader trusts: the ones it joined the run through (the multiaddrs its user
+    gave) and the peers it runs. When the monitor knows no owner's peer (it left), the live ones
+    among them and their round mates vote on flags in its place (:func:`_ignored`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +73,7 @@ class Reading:
             "run_id": self.run_id,
             "ignored": dict(self.ignored),
             "owner_peer": self.owner_peer,
+            "anchors": list(self.anchors),
             "peers": [p.model_dump(mode="json") for p in self.peers.values()],
             "manifest": self.manifest.model_dump(mode="json") if self.manifest else None,
             "control": self.control.model_dump(mode="json") if self.control else None,
@@ -91,6 +96,13 @@ class Reading:
             isinstance(owner_peer, str) and re.fullmatch(PEER_ID_PATTERN, owner_peer)
         ):
             raise ValueError(f"a reading's owner_peer is a peer id, not {owner_peer!r}")
+        anchors = data.get("anchors") or []  # (absent in recordings before 2026-12-07, stop 69)
+        if not (
+            isinstance(anchors, list)
+            and len(anchors) <= MAX_ANCHORS
+            and all(isinstance(a, str) and re.fullmatch(PEER_ID_PATTERN, a) for a in anchors)
+        ):
+            raise ValueError(f"a reading's anchors are at most {MAX_ANCHORS} peer ids, not {anchors!r}")
         when = float(data["time"])
         peers = [parse_record(PeerHeartbeat, p) for p in listed]
         return cls(
@@ -101,7 +113,12 @@ class Reading:
             control=parse_record(ControlState, data["control"]) if data.get("control") else None,
             ignored={str(k): str(v) for k, v in ignored.items()},
             owner_peer=owner_peer,
+            anchors=tuple(anchors),
         )
+
+
+MAX_ANCHORS = 64
+"""Peers a reader trusts (each from a multiaddr its user gave): more are left out."""
 
 
 def strict_json(value: Any) -> Any:
@@ -154,12 +171,14 @@ class SwarmSnapshot:
     """Peers ignored for lying (peer id -> why); they are not in ``peers``."""
     flag_voters: list[str] = field(default_factory=list)
     """The live peers whose flags (their heartbeats' ``ignored``) counted in :attr:`ignored`:
-    the run's owner's peer and its round mates (:func:`owners_mates`), or every live peer when
-    the monitor knows of neither (no owner's peer seen)."""
+    the run's owner's peer and its round mates (:func:`owners_mates`); without them the peers
+    the monitor's user joined through and their round mates; every live peer when it knows
+    none of those (see :attr:`flags_from`)."""
     flags_from: str = "all"
     """Who :attr:`flag_voters` are: ``owner`` (the owner's peer and its round mates), ``mates``
-    (round mates of the owner's peer this monitor saw, the owner's peer gone now) or ``all``
-    (every live peer: the monitor saw neither)."""
+    (round mates of the owner's peer this monitor saw, the owner's peer gone now), ``joined``
+    (the monitor saw neither: the live peers its user joined it through, or runs, and their
+    round mates; :attr:`Reading.anchors`) or ``all`` (every live peer: it knows none of those)."""
     departed: dict[str, Departed] = field(default_factory=dict)
     """Peers that left in the last 5 minutes (or since the user last cleared them): how, when."""
 
@@ -403,9 +422,7 @@ class SwarmMonitor:
             lagging=sorted(lagging),
             ignored=ignored,
             flag_voters=sorted(voters.peers),
-            flags_from=("owner" if reading.owner_peer in voters.peers else "mates")
-            if voters.vouched
-            else "all",
+            flags_from=voters.source,
             departed=dict(self._departed),
         )
 
@@ -492,17 +509,20 @@ class Voters:
     peers: frozenset[str]
     vouched: bool
     """True when they are the owner's peer and its round mates (see :func:`owners_mates`)."""
+    source: str = "all"
+    """Who they are, as :attr:`SwarmSnapshot.flags_from` says."""
 
 
 MAX_VOTERS = 1024  # round mates of the owner's peer a monitor remembers (fresh keys are free)
 
 
 def owners_mates(owner_peer: str | None, peers: dict[str, PeerHeartbeat]) -> set[str]:
-    """The live peers that averaged with the owner's peer by both sides' word: each names the
-    other in ``averaged_with`` (a fresh key can name any peer; the owner's peer names only the
-    peers it averaged with). Not their own mates in turn: a key that averaged once with an
-    honest peer could name any number of fresh keys, each naming it back (a review's repro:
-    five such keys outvoted an honest pair and the owner's own peer)."""
+    """The live peers that averaged with the owner's peer (or any one peer: an anchor, see
+    :func:`_ignored`) by both sides' word: each names the other in ``averaged_with`` (a fresh
+    key can name any peer; the owner's peer names only the peers it averaged with). Not their
+    own mates in turn: a key that averaged once with an honest peer could name any number of
+    fresh keys, each naming it back (a review's repro: five such keys outvoted an honest pair
+    and the owner's own peer)."""
     owner = peers.get(owner_peer) if owner_peer else None
     if owner is None:
         return set()
@@ -516,25 +536,42 @@ def owners_mates(owner_peer: str | None, peers: dict[str, PeerHeartbeat]) -> set
     }
 
 
+def _voters(reading: Reading, live: dict[str, PeerHeartbeat], remembered: Iterable[str]) -> Voters:
+    """Whose flags count, the most trusted first: the owner's peer and its round mates (with
+    the mates a monitor saw so before, while they live: the owner's peer restarted or left);
+    else the reader's anchors (the peers its user joined through, or runs) and their round
+    mates; else every live peer."""
+    linked = {pid for pid in remembered if pid in live} | owners_mates(reading.owner_peer, live)
+    if reading.owner_peer in live:
+        linked.add(reading.owner_peer)
+    if linked:
+        return Voters(frozenset(linked), True, "owner" if reading.owner_peer in live else "mates")
+    anchored = {pid for pid in reading.anchors[:MAX_ANCHORS] if pid in live}
+    for anchor in sorted(anchored):
+        anchored |= owners_mates(anchor, live)
+    if anchored:
+        return Voters(frozenset(anchored), False, "joined")
+    return Voters(frozenset(live), False, "all")
+
+
 def _ignored(reading: Reading, remembered: Iterable[str] = ()) -> tuple[dict[str, str], Voters]:
     """Who to leave out: the reader's own findings, and any peer flagged by most voters (one
-    liar flagging honest peers moves nothing; the flags are claims too). The voters are the
-    run's owner's peer (the heartbeat signed with the manifest's key) and its round mates
-    (:func:`owners_mates`), with those a monitor saw so before (``remembered``, while they
-    live: the owner's peer restarted or left): before, every live peer voted, and one fresh key
-    more than the honest peers, each flagging them all, hid every honest peer from `status`,
-    the TUI and the widget. The owner's peer is never hidden by flags. With neither (a monitor
-    that never saw the owner's peer: a one-shot `status` after it left), every live peer votes,
-    as before."""
+    liar flagging honest peers moves nothing; the flags are claims too). The voters
+    (:func:`_voters`) are the run's owner's peer (the heartbeat signed with the manifest's key)
+    and its round mates (:func:`owners_mates`): before, every live peer voted, and one fresh
+    key more than the honest peers, each flagging them all, hid every honest peer from
+    `status`, the TUI and the widget. A monitor that never saw the owner's peer (a one-shot
+    `status` after it left) counts the peers its user joined through and their round mates
+    instead (since stop 69: before, every live peer, and the keys outvoted the honest peers
+    again), and every live peer only when it knows none of those either. The owner's peer, and
+    an anchor whose flags count, are never hidden by flags."""
     live = {
         pid: p
         for pid, p in reading.peers.items()
         if pid not in reading.ignored and p.stage is not Stage.LEAVING
     }
-    linked = {pid for pid in remembered if pid in live} | owners_mates(reading.owner_peer, live)
-    if reading.owner_peer in live:
-        linked.add(reading.owner_peer)
-    voters = Voters(frozenset(linked), True) if linked else Voters(frozenset(live), False)
+    voters = _voters(reading, live, remembered)
+    trusted = {reading.owner_peer} | (set(reading.anchors) if voters.source == "joined" else set())
     counts: dict[str, list[str]] = {}
     for pid in sorted(voters.peers):
         for flagged, why in list(live[pid].ignored.items())[:16]:
@@ -542,7 +579,7 @@ def _ignored(reading: Reading, remembered: Iterable[str] = ()) -> tuple[dict[str
     flagged = {
         pid: whys[0]
         for pid, whys in counts.items()
-        if 2 * len(whys) > len(voters.peers) and pid != reading.owner_peer
+        if 2 * len(whys) > len(voters.peers) and pid not in trusted
     }
     return {**flagged, **reading.ignored}, voters
 
@@ -630,13 +667,17 @@ def replay(path: str | Path, **options: Any) -> Iterator[SwarmSnapshot]:
             yield monitor.ingest(reading)
 
 
-def dht_reader(board, store, keys, *, owner: str | None = None) -> Callable[[], Reading]:
-    """A :class:`Reading` source over a live DHT (heartbeats, manifest, owner's control)."""
+def dht_reader(
+    board, store, keys, *, owner: str | None = None, anchors: Iterable[str] = ()
+) -> Callable[[], Reading]:
+    """A :class:`Reading` source over a live DHT (heartbeats, manifest, owner's control).
+    ``anchors``: the peer ids its user trusts (:attr:`Reading.anchors`)."""
     from swarm.dht import dht_time
     from swarm.manifest import find_manifest, owner_mismatch
     from swarm.steering import ControlWatcher
 
     state: dict[str, Any] = {"manifest": None, "watcher": None, "told": False}
+    anchors = tuple(dict.fromkeys(anchors))[:MAX_ANCHORS]
 
     def read() -> Reading:
         if state["manifest"] is None:
@@ -665,6 +706,7 @@ def dht_reader(board, store, keys, *, owner: str | None = None) -> Callable[[], 
             owner_peer=next(
                 (pid for pid, writer in getattr(board, "writers", {}).items() if writer == owner_key), None
             ),
+            anchors=anchors,
         )
 
     return read

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,12 +42,22 @@ class LiveSource:
 
     interval = 1.0
 
-    def __init__(self, session, *, owner: str | None = None, record_to: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        session,
+        *,
+        owner: str | None = None,
+        record_to: str | Path | None = None,
+        anchors: Iterable[str] = (),
+    ) -> None:
+        """``anchors``: the peer ids this view trusts (joined through, or run by this machine):
+        their flags count when the owner's peer is not there (:attr:`swarm.monitor.Reading.anchors`)."""
         self.session = session
         self.keys: RunKeys = session.keys
         self.title = f"run {self.keys.run_id}"
         self.monitor = SwarmMonitor(
-            dht_reader(session.board, session.store, self.keys, owner=owner), record_to=record_to
+            dht_reader(session.board, session.store, self.keys, owner=owner, anchors=anchors),
+            record_to=record_to,
         )
         self.faults: FaultInjector | None = None
         self._steering = None
@@ -67,13 +77,18 @@ class LiveSource:
         key: str | Path | None = None,
         connect_timeout: float = 20.0,
         record_to: str | Path | None = None,
+        anchors: Iterable[str] = (),
     ) -> LiveSource:
+        """Join the run through ``peers`` (multiaddrs); those peers, and ``anchors`` (peer ids:
+        the peers this machine runs), are trusted (see :meth:`__init__`)."""
+        from swarm.addresses import peer_ids
         from swarm.dht import NetworkConfig
         from swarm.session import connect
 
         keys = RunKeys(run_id, secret)
         network = NetworkConfig(initial_peers=list(peers), client_mode=True, connect_timeout=connect_timeout)
-        return cls(connect(network, keys, signing_key=key), owner=owner, record_to=record_to)
+        trusted = [*anchors, *peer_ids(peers)]
+        return cls(connect(network, keys, signing_key=key), owner=owner, record_to=record_to, anchors=trusted)
 
     def poll(self) -> SwarmSnapshot:
         with self._lock:
@@ -251,7 +266,8 @@ class DemoSource(LiveSource):
     """The live view of a ``workbench demo``: steering with peer-0's key, faults for every peer."""
 
     def __init__(self, session, swarm) -> None:
-        super().__init__(session)
+        started = (peer.last("started") for peer in swarm.peers)
+        super().__init__(session, anchors=[event["peer_id"] for event in started if event])
         self.title = f"demo {self.keys.run_id} ({swarm.count} local peers)"
         self.faults = LocalFaults(swarm, on_kill=self.monitor.note_killed)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -319,6 +320,7 @@ class _Peers:
 
     def __init__(self, spawn, tmp_path, lab=None) -> None:
         self.spawn, self.tmp_path, self.lab, self.started = spawn, tmp_path, lab, []
+        self.machine: dict[int, int] = {}  # id(a started peer) -> its machine in the lab
 
     def __enter__(self) -> _Peers:
         return self
@@ -334,13 +336,15 @@ class _Peers:
         else:
             flags = [*args, *readme_flags(self.lab, i)]
             self.started.append(lab_peer(self.lab, i, name, flags, self.tmp_path))
+        self.machine[id(self.started[-1])] = i
         return self.started[-1]
 
     def address(self, peer) -> str:
         """The address others join ``peer`` at (on its machine's network, in a lab)."""
         if self.lab is None:
             return peer.address()
-        return next(a for a in peer.wait_event("started")["addresses"] if self.lab.address(0) in a)
+        host = f"/ip4/{self.lab.address(self.machine[id(peer)])}/"
+        return next(a for a in peer.wait_event("started")["addresses"] if a.startswith(host))
 
     def wait_all(self) -> None:
         """Until every peer ends its run (each as long as it keeps writing events)."""
@@ -952,6 +956,21 @@ def test_fresh_keys_flagging_the_honest_peers_do_not_hide_them(spawn, tmp_path, 
             assert not snapshot["ignored"], snapshot["ignored"]
             assert sorted(names[p] for p in snapshot["flag_voters"]) == ["a", "b"], snapshot["flag_voters"]
             assert snapshot["flags_from"] == "owner"
+            # The owner's peer gone, a one-shot `status` knows no owner's peer: every live peer
+            # voted, and the keys hid b. Now b, which it joins through, and b's round mates do.
+            first.process.send_signal(signal.SIGINT)
+            assert first.wait(timeout=60) == 0, first.stderr()[-3000:]
+            there, deadline = peers.address(second), time.monotonic() + 120
+            while time.monotonic() < deadline:  # until a's heartbeat says it left
+                status = workbench("status", there, "--run-id", run_id, "--json", timeout=60, wrap=wrap)
+                if status.returncode == 0:
+                    snapshot = json.loads(status.stdout.splitlines()[-1])
+                    names = {p["peer_id"]: p["name"] for p in snapshot["peers"]}
+                    if "a" not in names.values() and len(names) >= 3:
+                        break
+            assert sorted(names.values()) == ["b", "liar", "liar", "liar"], snapshot
+            assert not snapshot["ignored"] and snapshot["flags_from"] == "joined", snapshot
+            assert [names[p] for p in snapshot["flag_voters"]] == ["b"], snapshot["flag_voters"]
         finally:
             kill_group(liar)
         interrupt_all(peers.started)

@@ -128,7 +128,8 @@ def test_fresh_keys_outnumbering_the_honest_peers_cannot_flag_them_out_of_sight(
     from workbench.cli.status import render
 
     render(json.loads(json.dumps(snapshot.to_json())))
-    assert "flags are counted from 2: the owner's peer and its round mates" in capsys.readouterr().out
+    said = " ".join(capsys.readouterr().out.split())  # (wrapped at the terminal's width)
+    assert "flags are counted from 2: the owner's peer and its round mates" in said
     assert (
         snapshot.to_json()["flag_voters"] == sorted([owner, mate])
         and snapshot.to_json()["flags_from"] == "owner"
@@ -288,3 +289,75 @@ def test_a_tag_two_live_peers_share_counts_for_neither(monkeypatch) -> None:
     assert swarm.monitor.owners_mates(owner, beats) == set()
     del beats[twin]
     assert swarm.monitor.owners_mates(owner, beats) == {mate}
+
+
+def test_a_monitor_that_never_saw_the_owners_peer_counts_the_peers_it_joined_through(capsys) -> None:
+    """Stop 68's list (docs/security.md, Sybils): a one-shot `status` after the owner's peer
+    left counted every live peer's flags, and three fresh keys flagging an honest pair hid it
+    again. Now the peers its user joined through (``anchors``) and their round mates, both
+    sides saying so, vote; an anchor is never hidden by flags; a key naming the anchor as its
+    mate, unnamed by it, is no voter."""
+    from workbench.cli.status import render
+
+    a, b, keys = peer_id(0), peer_id(1), [peer_id(i) for i in range(2, 5)]
+    flags = {a: "made up", b: "made up"}
+    beats = {
+        a: heartbeat(0, 1000, 5, averaged_with=tags([b])),
+        b: heartbeat(1, 1000, 5, averaged_with=tags([a]), ignored={keys[0]: "claimed outer step 99"}),
+        **{
+            key: heartbeat(i + 2, 1000, 5, averaged_with=tags([a, b, *keys]), ignored=flags)
+            for i, key in enumerate(keys)
+        },
+    }
+    blind = SwarmMonitor().ingest(Reading(1000, "r", beats))  # the old way: the keys win
+    assert blind.flags_from == "all" and not {a, b} & set(blind.peers)
+
+    for anchors in [(a,), (b, peer_id(9)), (peer_id(9), a)]:  # a gone peer in the list: no matter
+        snapshot = SwarmMonitor().ingest(Reading(1000, "r", beats, anchors=anchors))
+        assert snapshot.flags_from == "joined" and snapshot.flag_voters == sorted([a, b]), anchors
+        assert {a, b} <= set(snapshot.peers) and set(snapshot.ignored) == set(), anchors
+        # (b's flag on keys[0] is one vote of two: not most)
+
+    # An anchor alone (no mates) is not hidden by every key flagging it, and its flags count.
+    alone = {k: v for k, v in beats.items() if k != b}
+    alone[a] = heartbeat(0, 1000, 5, ignored={keys[1]: "claimed outer step 99"})
+    snapshot = SwarmMonitor().ingest(Reading(1000, "r", alone, anchors=(a,)))
+    assert snapshot.flag_voters == [a] and a in snapshot.peers and set(snapshot.ignored) == {keys[1]}
+    render(json.loads(json.dumps(snapshot.to_json())))
+    said = " ".join(capsys.readouterr().out.split())  # (wrapped at the terminal's width)
+    assert "counted from 1: the peers given on the command line and their round mates" in said
+    # The owner's peer, when there, outranks the anchors: a key given on the command line
+    # votes with nobody's support.
+    snapshot = SwarmMonitor().ingest(Reading(1000, "r", beats, owner_peer=a, anchors=(keys[0],)))
+    assert snapshot.flags_from == "owner" and snapshot.flag_voters == sorted([a, b])
+    # A monitor that remembers the owner's mates keeps them over its anchors.
+    monitor = SwarmMonitor()
+    monitor.ingest(Reading(1000, "r", beats, owner_peer=a))
+    later = monitor.ingest(Reading(1001, "r", {k: v for k, v in beats.items() if k != a}, anchors=(keys[0],)))
+    assert later.flags_from == "mates" and later.flag_voters == [b] and b in later.peers
+
+
+def test_a_readings_anchors_survive_a_recording_and_bad_ones_are_refused() -> None:
+    reading = Reading(1000.0, "r", {peer_id(0): heartbeat(0, 1000.0, 5)}, anchors=(peer_id(0), peer_id(1)))
+    again = Reading.from_json(json.loads(json.dumps(reading.to_json())))
+    assert again.anchors == (peer_id(0), peer_id(1))
+    old = {k: v for k, v in reading.to_json().items() if k != "anchors"}  # an earlier recording
+    assert Reading.from_json(old).anchors == ()
+    for bad in ["[/b]", [1], ["[/b]"], [peer_id(0)] * 65]:
+        with pytest.raises(ValueError, match="anchors"):
+            Reading.from_json({**reading.to_json(), "anchors": bad})
+
+
+def test_the_peers_a_view_joins_through_are_its_anchors() -> None:
+    """`status`, `workbench monitor` and the notebook's view hand the monitor the peer ids of
+    the multiaddrs they join through."""
+    from swarm.addresses import AddressError, peer_ids
+
+    first, second = (
+        "QmXyzB8iV6WGF5CqH3HbXiFNPbYcvMk1pW6uDSpBX3mJ5U",
+        "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN",
+    )
+    one = f"/ip4/127.0.0.1/tcp/31337/p2p/{first}"
+    assert peer_ids([one, f"/dns/example.org/tcp/4/p2p/{second}", one]) == [first, second]
+    with pytest.raises(AddressError, match="lacks the peer id"):
+        peer_ids(["/ip4/127.0.0.1/tcp/31337"])

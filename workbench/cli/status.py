@@ -74,6 +74,7 @@ def add_status_parser(commands) -> None:
 
 def open_observer(args: argparse.Namespace, *, signing_key: str | None = None):
     """(session, monitor reader) for a read-only client of the run named by ``args``."""
+    from swarm.addresses import peer_ids
     from swarm.monitor import dht_reader
     from swarm.session import connect
 
@@ -84,7 +85,9 @@ def open_observer(args: argparse.Namespace, *, signing_key: str | None = None):
         initial_peers=list(args.peers), client_mode=True, connect_timeout=args.connect_timeout
     )
     session = connect(network, keys, signing_key=signing_key)
-    return session, dht_reader(session.board, session.store, keys, owner=args.owner)
+    # The peers the user joined through vote on flags when the owner's peer is not there.
+    anchors = peer_ids(args.peers)
+    return session, dht_reader(session.board, session.store, keys, owner=args.owner, anchors=anchors)
 
 
 def render(data: dict[str, Any]) -> None:
@@ -145,7 +148,8 @@ def render(data: dict[str, Any]) -> None:
             "owner": "the owner's peer"
             + (" and its round mates" if len(voters) > 1 else " (no round mates seen yet)"),
             "mates": "the owner's peer's round mates (the owner's peer gone)",
-        }.get(data.get("flags_from"), "every live peer (the owner's peer not seen)")
+            "joined": "the peers given on the command line and their round mates (the owner's peer not seen)",
+        }.get(data.get("flags_from"), "every live peer (neither the owner's peer nor a peer given here seen)")
         console.print(f"  [dim](other peers' flags are counted from {len(voters)}: {whose})[/dim]")
     for gone in data.get("departed", []):
         when = time.strftime("%H:%M:%S", time.localtime(gone["time"]))

@@ -642,6 +642,7 @@ class Experiment:
                     owner=config.peer.owner,
                     key=owner_key if not self.initial_peers else None,
                     connect_timeout=config.network.connect_timeout,
+                    anchors=[started["peer_id"]],  # its own peer first: this machine runs it
                 )
             except SwarmError:
                 # A short run can end before the view connects: its rows are in the peer's
