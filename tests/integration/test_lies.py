@@ -151,7 +151,10 @@ def test_fresh_keys_outnumbering_the_honest_peers_one_step_ahead_do_not_keep_a_j
     # When it joined, and never again; with one honest peer, once more at most: the lone owner
     # is itself sent away by the keys' majority (the run's first peers: not defended), steps
     # alone, and may be past the state the joiner took when the joiner's first round begins.
-    assert len(downloads) <= (1 if honest > 1 else 2), (downloads, summary)
+    assert len(downloads) <= (1 + _behind_at_once(third, peers, joined) if honest > 1 else 2), (
+        downloads,
+        summary,
+    )
     assert sum(r["group_size"] == honest + 1 for r in rounds) >= 6, summary
     assert "ignoring peer" in third.stderr()  # the keys, struck out
 
@@ -209,8 +212,25 @@ def test_fresh_keys_one_step_ahead_on_another_machine_do_not_keep_a_joiner_downl
     rounds = [r for r in third.events("round") if joined < r["outer_step"] <= joined + 8]
     summary = [(r["outer_step"], r["group_size"], r["alone_reason"], r["resync"]) for r in rounds]
     downloads = [(e["outer_step"], e.get("reason")) for e in third.events("state_downloaded")]
-    assert len(downloads) == 1, (downloads, summary)
+    assert len(downloads) == 1 + _behind_at_once(third, (first, second), joined), (downloads, summary)
     assert sum(r["group_size"] == 3 for r in rounds) >= 6, summary
+
+
+def _behind_at_once(joiner, honest, joined: int) -> bool:
+    """Whether ``joiner`` took the state at step ``joined`` after the honest peers' group for
+    the next round had begun: it could not be in that round, the honest peers were past its
+    step when its own began, and a second download is what an honest joiner does then, keys
+    or not (`make faults`, stop 69: the joiner's download landed 0.26 s after the pair began
+    averaging, 30 ms before they stepped). A download that the keys' claims caused comes
+    earlier, while the pair still trains."""
+    took = joiner.events("state_downloaded")[0]["time"]
+    began = [
+        r["time"] - r["averaging_seconds"]
+        for peer in honest
+        for r in peer.events("round")
+        if r["outer_step"] == joined + 1
+    ]
+    return bool(began) and took > min(began)
 
 
 SQUATTER = """
