@@ -78,9 +78,10 @@ def _host_part(host: str) -> str:
 
 
 def peer_ids(texts: Iterable[str]) -> list[str]:
-    """The peer ids (base58) the bootstrap addresses name, in order, each once; a bad address
-    raises :class:`AddressError` as :func:`parse_peer_address` does."""
-    ids = (parse_peer_address(text).value_for_protocol("p2p") for text in texts)
+    """The peer ids (base58) the bootstrap addresses name, in order, each once: the last
+    ``/p2p/`` part (before it, through a relay, the relay's); a bad address raises
+    :class:`AddressError` as :func:`parse_peer_address` does."""
+    ids = (str(parse_peer_address(text)).rpartition("/p2p/")[2] for text in texts)
     return list(dict.fromkeys(ids))
 
 

@@ -96,7 +96,8 @@ class Reading:
             isinstance(owner_peer, str) and re.fullmatch(PEER_ID_PATTERN, owner_peer)
         ):
             raise ValueError(f"a reading's owner_peer is a peer id, not {owner_peer!r}")
-        anchors = data.get("anchors") or []  # (absent in recordings before 2026-12-07, stop 69)
+        anchors = data.get("anchors")  # (absent in recordings before 2026-12-07, stop 69)
+        anchors = [] if anchors is None else anchors
         if not (
             isinstance(anchors, list)
             and len(anchors) <= MAX_ANCHORS
@@ -564,14 +565,17 @@ def _ignored(reading: Reading, remembered: Iterable[str] = ()) -> tuple[dict[str
     `status` after it left) counts the peers its user joined through and their round mates
     instead (since stop 69: before, every live peer, and the keys outvoted the honest peers
     again), and every live peer only when it knows none of those either. The owner's peer, and
-    an anchor whose flags count, are never hidden by flags."""
+    the peers its user joined through, are never hidden by flags."""
     live = {
         pid: p
         for pid, p in reading.peers.items()
         if pid not in reading.ignored and p.stage is not Stage.LEAVING
     }
     voters = _voters(reading, live, remembered)
-    trusted = {reading.owner_peer} | (set(reading.anchors) if voters.source == "joined" else set())
+    # The anchors in every mode: without --owner, the oldest manifest names the owner, and a
+    # back-dated one made the attacker's own peer "the owner's peer" and its keys its mates,
+    # which then hid the peers the user joined through (a review, stop 69).
+    trusted = {reading.owner_peer, *reading.anchors}
     counts: dict[str, list[str]] = {}
     for pid in sorted(voters.peers):
         for flagged, why in list(live[pid].ignored.items())[:16]:
