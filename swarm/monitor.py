@@ -273,6 +273,8 @@ class SwarmMonitor:
         self._ignored = Ignored()  # peers told as ignored (bounded: oldest forgotten)
         # The owner's peer and its round mates seen so far -> when last seen live (see _ignored).
         self._voters: OrderedDict[str, float] = OrderedDict()
+        # The same for the anchors (Reading.anchors) and their round mates, used without those.
+        self._anchored: OrderedDict[str, float] = OrderedDict()
         self._round = 0
         self._told = 0  # the last round told as an event
         self._seen: dict[int, dict[str, RoundSeen]] = {}  # outer step -> peer -> its round there
@@ -338,15 +340,17 @@ class SwarmMonitor:
         def event(kind: str, message: str, peer_id: str | None = None) -> None:
             new.append(MonitorEvent(now, kind, message, peer_id))
 
-        ignored, voters = _ignored(reading, self._voters)
-        if voters.vouched:  # remembered while they live (an addition: never replaced wholesale)
-            for pid in voters.peers:
-                self._voters[pid] = now
-                self._voters.move_to_end(pid)
-        for pid in [pid for pid, seen in self._voters.items() if now - seen > DEPARTED_SECONDS]:
-            del self._voters[pid]
-        while len(self._voters) > MAX_VOTERS:
-            self._voters.popitem(last=False)
+        ignored, voters = _ignored(reading, self._voters, self._anchored)
+        # Remembered while they live (an addition: never replaced wholesale).
+        memory = {"owner": self._voters, "mates": self._voters, "joined": self._anchored}.get(voters.source)
+        for pid in voters.peers if memory is not None else ():
+            memory[pid] = now
+            memory.move_to_end(pid)
+        for kept in (self._voters, self._anchored):
+            for pid in [pid for pid, seen in kept.items() if now - seen > DEPARTED_SECONDS]:
+                del kept[pid]
+            while len(kept) > MAX_VOTERS:
+                kept.popitem(last=False)
         for pid in sorted(set(ignored) - set(self._ignored)):
             event("ignored", f"ignoring {self._names.get(pid, pid[-8:])}: {ignored[pid]}", pid)
             last = self._known.get(pid) or reading.peers.get(pid)
@@ -537,25 +541,34 @@ def owners_mates(owner_peer: str | None, peers: dict[str, PeerHeartbeat]) -> set
     }
 
 
-def _voters(reading: Reading, live: dict[str, PeerHeartbeat], remembered: Iterable[str]) -> Voters:
+def _voters(
+    reading: Reading,
+    live: dict[str, PeerHeartbeat],
+    remembered: Iterable[str],
+    anchored_before: Iterable[str] = (),
+) -> Voters:
     """Whose flags count, the most trusted first: the owner's peer and its round mates (with
     the mates a monitor saw so before, while they live: the owner's peer restarted or left);
     else the reader's anchors (the peers its user joined through, or runs) and their round
-    mates; else every live peer."""
+    mates (with those it saw so before, ``anchored_before``: an anchor left); else every live
+    peer."""
     linked = {pid for pid in remembered if pid in live} | owners_mates(reading.owner_peer, live)
     if reading.owner_peer in live:
         linked.add(reading.owner_peer)
     if linked:
         return Voters(frozenset(linked), True, "owner" if reading.owner_peer in live else "mates")
-    anchored = {pid for pid in reading.anchors[:MAX_ANCHORS] if pid in live}
-    for anchor in sorted(anchored):
+    anchors = {pid for pid in reading.anchors[:MAX_ANCHORS] if pid in live}
+    anchored = anchors | {pid for pid in anchored_before if pid in live}
+    for anchor in sorted(anchors):
         anchored |= owners_mates(anchor, live)
     if anchored:
         return Voters(frozenset(anchored), False, "joined")
     return Voters(frozenset(live), False, "all")
 
 
-def _ignored(reading: Reading, remembered: Iterable[str] = ()) -> tuple[dict[str, str], Voters]:
+def _ignored(
+    reading: Reading, remembered: Iterable[str] = (), anchored_before: Iterable[str] = ()
+) -> tuple[dict[str, str], Voters]:
     """Who to leave out: the reader's own findings, and any peer flagged by most voters (one
     liar flagging honest peers moves nothing; the flags are claims too). The voters
     (:func:`_voters`) are the run's owner's peer (the heartbeat signed with the manifest's key)
@@ -571,7 +584,7 @@ def _ignored(reading: Reading, remembered: Iterable[str] = ()) -> tuple[dict[str
         for pid, p in reading.peers.items()
         if pid not in reading.ignored and p.stage is not Stage.LEAVING
     }
-    voters = _voters(reading, live, remembered)
+    voters = _voters(reading, live, remembered, anchored_before)
     # The anchors in every mode: without --owner, the oldest manifest names the owner, and a
     # back-dated one made the attacker's own peer "the owner's peer" and its keys its mates,
     # which then hid the peers the user joined through (a review, stop 69).

@@ -361,6 +361,33 @@ def test_a_monitor_that_never_saw_the_owners_peer_counts_the_peers_it_joined_thr
     assert later.flags_from == "mates" and later.flag_voters == [b] and b in later.peers
 
 
+def test_a_watching_monitor_remembers_its_anchors_round_mates_after_the_anchor_left() -> None:
+    """A review (stop 69): the anchors' mates were not remembered as the owner's are, so a TUI
+    whose anchor left fell back to every live peer voting, and the keys hid the anchor's mate."""
+    a, b, keys = peer_id(0), peer_id(1), [peer_id(i) for i in range(2, 5)]
+    beats = {
+        a: heartbeat(0, 1000, 5, averaged_with=tags([b])),
+        b: heartbeat(1, 1000, 5, averaged_with=tags([a])),
+        **{
+            k: heartbeat(i + 2, 1000, 5, averaged_with=tags([a, b]), ignored={a: "made up", b: "made up"})
+            for i, k in enumerate(keys)
+        },
+    }
+    monitor = SwarmMonitor()
+    assert monitor.ingest(Reading(1000, "r", beats, anchors=(a,))).flag_voters == sorted([a, b])
+    gone = {k: v for k, v in beats.items() if k != a}
+    later = monitor.ingest(Reading(1001, "r", gone, anchors=(a,)))
+    assert later.flags_from == "joined" and later.flag_voters == [b] and b in later.peers
+    assert b not in SwarmMonitor().ingest(Reading(1001, "r", gone, anchors=(a,))).peers  # a fresh one: all
+    # Forgotten 5 minutes after it was last seen live, as the owner's mates are.
+    absent = {k: v for k, v in gone.items() if k != b}
+    monitor.ingest(Reading(1400, "r", {k: v.model_copy(update={"time": 1400}) for k, v in absent.items()}))
+    back = monitor.ingest(
+        Reading(1401, "r", {k: v.model_copy(update={"time": 1401}) for k, v in gone.items()})
+    )
+    assert back.flags_from == "all"
+
+
 def test_a_readings_anchors_survive_a_recording_and_bad_ones_are_refused() -> None:
     reading = Reading(1000.0, "r", {peer_id(0): heartbeat(0, 1000.0, 5)}, anchors=(peer_id(0), peer_id(1)))
     again = Reading.from_json(json.loads(json.dumps(reading.to_json())))
