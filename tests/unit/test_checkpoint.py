@@ -210,6 +210,26 @@ def test_flipped_bytes_nan_weights_or_a_missing_part_pass_over_the_newest_checkp
         "is incomplete (no inner_optimizer)": lambda path: checkpoint.save(
             tmp_path, {"step": 2, "model": {}, "outer": {}}
         ),
+        # Not checked before stop 69 (a review): NaN moments resumed, and the peer was told to
+        # lower its --inner-lr at its first step.
+        "holds NaN/Inf in the inner optimizer's state": lambda path: checkpoint.save(
+            tmp_path,
+            {
+                **good,
+                "step": 2,
+                "inner_optimizer": {"state": {0: {"exp_avg": torch.full((4,), float("nan"))}}},
+            },
+        ),
+        "holds NaN/Inf in the error feedback": lambda path: checkpoint.save(
+            tmp_path, {**good, "step": 2, "feedback": [torch.ones(2), torch.full((2,), float("inf"))]}
+        ),
+        "holds NaN/Inf in the outer state": lambda path: checkpoint.save(
+            tmp_path,
+            {**good, "step": 2, "outer": {**good["outer"], "pending": [[torch.full((2,), float("nan"))]]}},
+        ),
+        "holds NaN/Inf in the peer's own round state": lambda path: checkpoint.save(
+            tmp_path, {**good, "step": 2, "local": {"offset": [torch.full((2,), float("-inf"))]}}
+        ),
     }
     for why, spoil in cases.items():
         for name in ("checkpoint.pt", "checkpoint.prev.pt"):
@@ -712,6 +732,66 @@ def test_a_trimmed_mean_checkpoint_of_an_earlier_release_still_resumes(tmp_path)
         tmp_path, run_id="r", fingerprint=mine, fingerprinted=fingerprinted, also=(old,)
     )
     assert payload["fingerprint"] == old
+
+
+def test_a_mean_runs_checkpoint_does_not_resume_into_a_trimmed_mean_peer(tmp_path) -> None:
+    """A review (stop 69): a trimmed-mean peer's earlier-release fingerprint (without
+    --aggregate) is a mean peer's fingerprint now, so a mean run's checkpoint resumed silently
+    into `--resume ... --aggregate trimmed-mean` (the other way round was refused)."""
+    from workbench.config import RunConfig
+    from workbench.run import joining
+    from workbench.run.model import build_model, tiny
+
+    model = build_model(tiny(), seed=0)
+    mean, trimmed = RunConfig(), RunConfig()
+    trimmed.averaging.aggregate = "trimmed-mean"
+    fingerprint, summary = joining.fingerprint(mean, model)
+    state = {"model": {}, "inner_optimizer": {}, "outer": {"params": [torch.ones(2)]}}
+    checkpoint.save(
+        tmp_path,
+        {"run_id": "r", "fingerprint": fingerprint, "summary": summary,
+         "fingerprinted": joining.fingerprinted_flags(mean, model), **state},
+    )  # fmt: skip
+    assert fingerprint == joining.fingerprint(trimmed, model, before_aggregate=True)[0]
+    with pytest.raises(CheckpointError, match=r"--aggregate mean \(this peer: trimmed-mean\)"):
+        checkpoint.load_for(
+            tmp_path,
+            run_id="r",
+            fingerprint=joining.fingerprint(trimmed, model)[0],
+            fingerprinted=joining.fingerprinted_flags(trimmed, model),
+            also=(fingerprint,),
+        )
+
+
+def test_a_checkpoint_that_cannot_be_put_in_place_is_a_checkpoint_error(tmp_path, monkeypatch) -> None:
+    """A review (stop 69): only the write itself was turned into a CheckpointError; a rename
+    that failed (a full disk) or a folder that cannot be synced (FUSE, network file systems)
+    raised a bare OSError out of the round loop and stopped the peer, the second after the
+    checkpoint was written."""
+    import errno
+    import os
+
+    checkpoint.save(tmp_path, {"step": 1})
+    real_replace = os.replace
+
+    def full(*args):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(CheckpointError, match="No space left on device.*earlier checkpoints are kept"):
+        checkpoint.save(tmp_path, {"step": 2})
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not list(tmp_path.glob("*.tmp")) and checkpoint.load(tmp_path)[0]["step"] == 1
+    real_fsync = os.fsync
+
+    def no_folder_sync(fd):  # type: ignore[no-untyped-def]
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_folder_sync)
+    assert checkpoint.save(tmp_path, {"step": 3}).name == "checkpoint.pt"
+    assert checkpoint.load(tmp_path)[0]["step"] == 3
 
 
 def test_a_resume_with_another_inner_lr_says_so() -> None:

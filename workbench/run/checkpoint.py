@@ -19,6 +19,7 @@ import os
 import pickle
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -151,16 +152,33 @@ def save(directory: str | Path, payload: dict[str, Any]) -> Path:
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
-        if path.exists() and str(path.resolve()) not in _passed_over:
-            os.replace(path, directory / PREVIOUS)
-        os.replace(temporary, path)  # (a corrupt newest one is replaced: the previous one stays)
+        try:
+            if path.exists() and str(path.resolve()) not in _passed_over:
+                os.replace(path, directory / PREVIOUS)
+            os.replace(temporary, path)  # (a corrupt newest one is replaced: the previous one stays)
+        except OSError as error:  # raised out of the round loop, it stopped the peer (a review)
+            temporary.unlink(missing_ok=True)
+            raise CheckpointError(
+                f"could not put the checkpoint in place in {directory} ({one_line(error)}): the "
+                "earlier checkpoints are kept; free some space or give another --run-dir"
+            ) from None
         _passed_over.discard(str(path.resolve()))
+        _sync_folder(directory)
+    return path
+
+
+def _sync_folder(directory: Path) -> None:
+    """Make the renames in ``directory`` survive a power cut. Some file systems (FUSE, network
+    ones) refuse to sync a folder: the checkpoint is written all the same, so that is said at
+    debug level, not raised (it stopped a peer at its first checkpoint there, a review)."""
+    try:
         folder = os.open(directory, os.O_RDONLY)
         try:
-            os.fsync(folder)  # the renames themselves survive a power cut
+            os.fsync(folder)
         finally:
             os.close(folder)
-    return path
+    except OSError as error:
+        logger.debug("could not sync the folder %s after writing a checkpoint: %s", directory, error)
 
 
 def _read(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -198,18 +216,39 @@ def _read(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
     if missing:
         raise CheckpointError(f"{path} is incomplete (no {', '.join(missing)})")
     outer = payload.get("outer") if isinstance(payload.get("outer"), dict) else {}
-    model = payload.get("model")
-    # θ and its momentum are never infinite; a model's state may be (a -inf attention mask kept
-    # as a buffer), so only NaN refuses it.
+    inner = payload.get("inner_optimizer")
+    # θ, its momentum and every other state of training are never infinite; a model's state may
+    # be (a -inf attention mask kept as a buffer), so only NaN refuses it. Before stop 69 the
+    # inner optimizer's moments, the error feedback and the eager/streaming state were not
+    # checked: NaN moments resumed, and the peer's first step was told to lower its --inner-lr
+    # (a review), never falling back to the good previous checkpoint.
     weights = {
-        "the model": (list(model.values()) if isinstance(model, dict) else [], torch.isnan),
-        "the global params": (list(outer.get("params") or []), _not_finite),
-        "the outer momentum": (list(outer.get("momentum") or []), _not_finite),
+        "the model": (payload.get("model"), torch.isnan),
+        "the global params": (outer.get("params"), _not_finite),
+        "the outer momentum": (outer.get("momentum"), _not_finite),
+        "the outer state": (outer, _not_finite),
+        "the inner optimizer's state": (inner.get("state") if isinstance(inner, dict) else None, _not_finite),
+        "the error feedback": ([payload.get("feedback"), payload.get("take_back")], _not_finite),
+        "the peer's own round state": (payload.get("local"), _not_finite),
     }
-    for what, (tensors, bad) in weights.items():
-        if any(bool(bad(t).any()) for t in tensors if torch.is_tensor(t) and t.is_floating_point()):
+    for what, (held, bad) in weights.items():
+        if any(bool(bad(t).any()) for t in _tensors(held) if t.is_floating_point()):
             raise CheckpointError(f"{path} holds {'NaN' if bad is torch.isnan else 'NaN/Inf'} in {what}")
     return payload
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value`` (nested dicts, lists and tuples; walked without recursion: a
+    checkpoint may be a file somebody gave)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if torch.is_tensor(item):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 def _not_finite(tensor: torch.Tensor) -> torch.Tensor:
@@ -431,7 +470,11 @@ def load_for(
             "the run's state is downloaded)"
         )
     theirs = payload.get("fingerprinted")
-    if payload.get("fingerprint") in also:
+    recorded = theirs if isinstance(theirs, dict) else {}
+    if payload.get("fingerprint") in also and all(
+        str(recorded[flag]) == mine for flag, mine in (fingerprinted or {}).items() if flag in recorded
+    ):  # an earlier release's fingerprint, unless a flag it recorded says otherwise (a mean run's
+        # checkpoint resumed into --aggregate trimmed-mean: a review, stop 69)
         return payload, path
     if payload.get("fingerprint") != fingerprint and isinstance(theirs, dict) and fingerprinted:
         differ = [
