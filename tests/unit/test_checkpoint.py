@@ -641,17 +641,21 @@ def test_a_checkpoint_that_cannot_be_written_stops_nothing(tmp_path, monkeypatch
             "cannot write the checkpoint: No space left on device; the earlier checkpoints are kept"
         )
 
+    def bare(self, payload):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")  # a step that says no CheckpointError
+
     monkeypatch.setattr(checkpoint, "training_state", lambda *args: {})
-    monkeypatch.setattr(Peer, "_write_checkpoint", full)
-    events: list[tuple[str, dict]] = []
-    peer = Peer.__new__(Peer)
-    peer.run_dir, peer.name = Path(tmp_path), "a"
-    peer.diloco = type("Rounds", (), {"outer_step_count": 12})()
-    peer.model = peer.inner_optimizer = peer.batches = None
-    peer.emit = lambda event, **fields: events.append((event, fields))
-    assert peer.save_checkpoint() is None
-    assert events == [("checkpoint_failed", {"error": events[0][1]["error"], "outer_step": 12})]
-    assert "No space left" in events[0][1]["error"]
+    for failing in (full, bare):
+        monkeypatch.setattr(Peer, "_write_checkpoint", failing)
+        events: list[tuple[str, dict]] = []
+        peer = Peer.__new__(Peer)
+        peer.run_dir, peer.name = Path(tmp_path), "a"
+        peer.diloco = type("Rounds", (), {"outer_step_count": 12})()
+        peer.model = peer.inner_optimizer = peer.batches = None
+        peer.emit = lambda event, **fields: events.append((event, fields))  # noqa: B023
+        assert peer.save_checkpoint() is None
+        assert events == [("checkpoint_failed", {"error": events[0][1]["error"], "outer_step": 12})]
+        assert "No space left" in events[0][1]["error"]
 
 
 def test_a_refused_resume_names_the_flags_that_differ(tmp_path) -> None:

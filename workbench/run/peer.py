@@ -817,7 +817,9 @@ class Peer:
         with not_interrupted():
             try:
                 path = self._write_checkpoint(payload)
-            except checkpoint.CheckpointError as error:  # a full disk: the run goes on
+            # A full disk: the run goes on. (OSError: a backstop for a step of the save that
+            # does not say it as a CheckpointError; one stopped the peer, a review of stop 69.)
+            except (checkpoint.CheckpointError, OSError) as error:
                 logger.error(
                     "%s: no checkpoint at outer step %d: %s; training goes on, and the next checkpoint "
                     "is tried at its time",
