@@ -33,9 +33,13 @@ class Bound:
         return f"in {'(' if self.open_low else '['}{low}, {high}{')' if self.open_high else ']'}"
 
     def contains(self, value: float) -> bool:
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int too large for a float (a traceback, exit 1: a review)
+            return False
         above = value > self.low if self.open_low else value >= self.low
         below = value < self.high if self.open_high else value <= self.high
-        return math.isfinite(value) and above and below
+        return finite and above and below
 
 
 _DAY = 86_400.0
@@ -104,8 +108,16 @@ def check(name: str, value: float) -> float:
     if bound.integer and isinstance(value, float) and not value.is_integer():
         raise ValueError(f"{flag} must be an integer (got {value!r})")
     if not bound.contains(value):
-        raise ValueError(f"{flag} must be {bound.describe()} (got {value!r})")
+        raise ValueError(f"{flag} must be {bound.describe()} (got {shown(value)})")
     return int(value) if bound.integer else float(value)
+
+
+def shown(value: float) -> str:
+    """``value`` for an error line: a huge integer by its size (its 400 digits were the line;
+    past 4,300 Python refuses to write it at all)."""
+    if isinstance(value, int) and abs(value) >= 10**18:
+        return f"an integer of {len(str(abs(value))) if value.bit_length() < 14_000 else 'over 4,000'} digits"
+    return repr(value)
 
 
 def parser(name: str) -> Callable[[str], float]:

@@ -84,6 +84,10 @@ def test_env_alone_and_switches(monkeypatch):
         ("zzzz = 1\n", "unknown key 'zzzz' (see `workbench config keys`)"),
         ('"inner\\nsteps" = 3\n', "unknown key 'inner\\nsteps' (did you mean inner_steps?)"),  # one line
         ("inner_steps = " + "9" * 5000 + "\n", "a number is too long"),
+        # A review (stop 69): an int too large for a float was a traceback (OverflowError, exit 1).
+        ("seed = " + "9" * 400 + "\n", "seed must be in [0, 2147483647] (got an integer of 400 digits)"),
+        # ...and a table named after a setting set what it held instead, without a word.
+        ("outer_lr = { inner_steps = 5 }\n", "outer_lr is a setting, not a table"),
     ],
 )
 def test_file_errors_name_the_file_key_and_fix(tmp_path, text, message):
@@ -102,6 +106,80 @@ def test_unreadable_files(tmp_path):
         read_file(tmp_path / "binary.toml")
     with pytest.raises(ConfigError, match="cannot read config file"):
         read_file(tmp_path)  # a folder
+
+
+def test_a_huge_integer_is_one_line_by_every_route(tmp_path, monkeypatch, capsys):
+    """A review (stop 69): ``math.isfinite`` of an int too large for a float raised
+    OverflowError out of every bound's check: a traceback and exit 1 from a flag, a file, a
+    variable, ``Experiment`` and `steer`."""
+    from workbench.notebook.experiment import Experiment
+
+    huge = "9" * 400
+    assert main(["start", "--inner-steps", huge]) == 2
+    assert "--inner-steps: must be in [1, 100000] (got an integer of 400 digits)" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"WORKBENCH_BATCH_SIZE.*must be in \[1, 65536\]"):
+        resolve(["start"], monkeypatch, WORKBENCH_BATCH_SIZE=huge)
+    for value in (10**400, 10**5000):  # (past 4,300 digits Python would not even write it)
+        with pytest.raises(ValueError, match=r"inner_steps must be in \[1, 100000\] \(got an integer of"):
+            Experiment(inner_steps=value)
+    assert (
+        main(
+            [
+                "steer",
+                "/ip4/127.0.0.1/tcp/1/p2p/QmXyzB8iV6WGF5CqH3HbXiFNPbYcvMk1pW6uDSpBX3mJ5U",
+                "--from-step",
+                huge,
+            ]
+        )
+        == 2
+    )
+    assert "got an integer of 400 digits" in capsys.readouterr().err
+
+
+def test_a_negative_value_in_any_form_reaches_its_check(capsys):
+    """A review (stop 69): argparse takes ``-1e-3``, ``-inf`` or ``-nan`` for a flag, and said
+    "expected one argument", hiding that the value is out of bounds."""
+    for flag, value, said in [
+        ("--inner-lr", "-1e-3", "--inner-lr: must be in (0, 1) (got -0.001)"),
+        ("--outer-lr", "-inf", "--outer-lr: must be in (0, 10] (got -inf)"),
+        ("--round-seconds", "-nan", "--round-seconds: must be in [0, 86400] (got nan)"),
+        ("--inner-steps", "-5", "--inner-steps: must be in [1, 100000] (got -5)"),
+    ]:
+        assert main(["start", flag, value]) == 2
+        assert said in capsys.readouterr().err
+    from workbench.cli.options import attach_dash_values
+
+    assert attach_dash_values(["start", "--outer-lr", "-1e-3", "--", "--x", "-1e-3"]) == [
+        "start", "--outer-lr=-1e-3", "--", "--x", "-1e-3",
+    ]  # fmt: skip
+
+
+def test_a_switch_a_file_or_variable_sets_is_undone_by_its_no_flag(tmp_path, monkeypatch):
+    """A review (stop 69): --overlap, --streaming and --client-mode had no ``--no-`` form, so
+    ``overlap = true`` in a file (docs/configuration.md's example) or WORKBENCH_OVERLAP could
+    not be overridden by a flag, as every other setting can."""
+    path = tmp_path / "run.toml"
+    path.write_text("overlap = true\nstreaming = true\nclient_mode = true\n")
+    config, sources = resolve(
+        ["join", "/ip4/127.0.0.1/tcp/1/p2p/QmXyzB8iV6WGF5CqH3HbXiFNPbYcvMk1pW6uDSpBX3mJ5U", "--config", str(path),
+         "--no-overlap", "--no-streaming", "--no-client-mode"],
+        monkeypatch,
+    )  # fmt: skip
+    assert not config.diloco.overlap and not config.data.streaming and not config.network.client_mode
+    assert sources["overlap"] == sources["streaming"] == sources["client_mode"] == "flag"
+    config, _ = resolve(["start", "--no-overlap"], monkeypatch, WORKBENCH_OVERLAP="1")
+    assert not config.diloco.overlap
+    # Off is no flag at all in a join command rebuilt from a config (not --no-overlap).
+    from workbench.cli.argv import setting_arguments
+
+    assert setting_arguments(config, ["overlap", "client_mode"]) == []
+
+
+def test_a_config_file_saved_with_a_byte_order_mark_reads(tmp_path):
+    """Notepad's UTF-8 starts with a byte-order mark: "not valid TOML (at line 1, column 1)"."""
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"\xef\xbb\xbfinner_steps = 7\n")
+    assert read_file(path) == {"inner_steps": 7}
 
 
 def test_bad_environment_values(monkeypatch):

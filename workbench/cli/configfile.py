@@ -54,7 +54,7 @@ def settings_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 def read_file(path: str | os.PathLike) -> dict[str, Any]:
     """A TOML file's keys, tables flattened (``[diloco] outer_lr`` -> ``outer_lr``)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # (Notepad's byte-order mark: a review)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist (check the path given to --config)") from None
     except (OSError, UnicodeDecodeError) as error:
@@ -67,6 +67,13 @@ def read_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{path}: a number is too long ({str(error).split(';')[0]})") from None
     flat: dict[str, Any] = {}
     for key, value in document.items():
+        if isinstance(value, dict) and _takes_a_value(key.replace("-", "_")):
+            # ``outer_lr = { inner_steps = 5 }`` was a table, flattened: it set inner_steps, and
+            # outer_lr nothing, without a word (a review, stop 69)
+            raise ConfigError(
+                f"{path}: {key} is a setting, not a table: write {key} = <value> (a table's name "
+                "only groups keys, like [diloco])"
+            )
         entries = value.items() if isinstance(value, dict) else [(key, value)]
         for name, item in entries:
             if isinstance(item, dict):
@@ -76,6 +83,15 @@ def read_file(path: str | os.PathLike) -> dict[str, Any]:
                 raise ConfigError(f"{path}: '{name}' is set twice")
             flat[name] = item
     return flat
+
+
+def _takes_a_value(key: str) -> bool:
+    """Whether ``key`` is a number or a switch of some command (a table may share a text
+    setting's name: ``[data]`` groups the data's keys)."""
+    from workbench.settings.commands import PEER_COMMANDS, command_settings
+
+    found = [command_settings(c)[key] for c in (*PEER_COMMANDS, "simulate") if key in command_settings(c)]
+    return any(item.numeric or item.kind == "switch" for item in found)
 
 
 def _setting(key: str, command: str | None = None) -> Setting:

@@ -5,6 +5,7 @@ they build; shared by the CLI, ``config``, ``status``/``steer``, the demo launch
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -54,18 +55,27 @@ def apply_settings(
     return layer(args, subparser(parser, command), rest, known_elsewhere=known)
 
 
+_DASH_VALUE = re.compile(r"-(\d|\.\d|inf|nan)", re.IGNORECASE)
+
+
 def attach_dash_values(argv: Sequence[str]) -> list[str]:
-    """``--shard -1/4`` as ``--shard=-1/4``: argparse takes a value that starts with '-' (other
-    than a plain negative number) for a flag and says "expected one argument", which hides the
-    real mistake; attached, the value reaches its own check ("shard must be in 0..3")."""
+    """``--shard -1/4`` as ``--shard=-1/4``, ``--inner-lr -1e-3`` as ``--inner-lr=-1e-3``:
+    argparse takes a value that starts with '-' (other than a plain negative number such as
+    ``-1``) for a flag and says "expected one argument", which hides the real mistake;
+    attached, the value reaches its own check ("must be in (0, 1)"). Only after a ``--flag``
+    without a value of its own, and not past ``--``."""
     out: list[str] = []
     items = iter(argv)
     for item in items:
-        following = next(items, None) if item == "--shard" else None
+        if item == "--":
+            out += [item, *items]
+            break
+        flag = item.startswith("--") and len(item) > 2 and "=" not in item
+        following = next(items, None) if flag else None
         if following is None:
             out.append(item)
-        elif following.startswith("-") and following[1:2].isdigit():
-            out.append(f"--shard={following}")
+        elif _DASH_VALUE.match(following):
+            out.append(f"{item}={following}")
         else:
             out += [item, following]
     return out

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.bounds import BOUNDS
+from swarm.bounds import BOUNDS, shown
 from swarm.bounds import parser as bounded
 
 MISSING: Any = dataclasses.MISSING
@@ -56,6 +56,10 @@ class Setting:
     None where building it takes more than a copy (see workbench.cli.options.build_config)."""
     negation: str | None = None
     """A switch's ``--no-`` form, with this help (``--no-eager``)."""
+    off_unless_given: bool = False
+    """The switch is off when not given (its ``--no-`` form only undoes a config file's or an
+    environment variable's ``true``), so False rebuilds with no flag; else (``--no-eager``:
+    on by default with ``--overlap``) False rebuilds as the ``--no-`` form."""
     bare: str | None = None
     """The value of the flag given without one (``--tensorboard`` alone), for an optional value."""
     default_env: str | None = None
@@ -146,6 +150,10 @@ class Setting:
                     f"{origin} must be {expected} (like {self.flag}), got {type(value).__name__} {value!r}"
                 )
             value = int(value) if isinstance(value, numbers.Integral) else float(value)
+            if isinstance(value, int) and abs(value) >= 10**18:  # no bound reaches it; its digits
+                # made the error line (past 4,300 of them Python refuses to write it: a review)
+                wanted = f"be {BOUNDS[self.bound].describe()}" if self.bound else "be a smaller number"
+                raise ValueError(f"{origin} must {wanted} (got {shown(value)})")
             try:
                 value = parse(str(value)) if parse else value
             except argparse.ArgumentTypeError as error:
@@ -196,7 +204,7 @@ class Setting:
 
     def render(self, value: Any) -> list[str]:
         """The flags that give ``value`` (nothing for None, or an unset switch)."""
-        if value is None or (value is False and self.negation is None):
+        if value is None or (value is False and (self.negation is None or self.off_unless_given)):
             return []
         if value is True:
             return [self.flag]

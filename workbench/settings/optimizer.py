@@ -139,6 +139,8 @@ class Optimizer:
         None,
         "average each round in the background while the next round trains (implies --delay 1)",
         kind="switch",
+        negation="off, whatever a --config file or WORKBENCH_* variable says (the default)",
+        off_unless_given=True,
         target="diloco.overlap",
     )
     eager: bool | None = setting(

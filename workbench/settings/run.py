@@ -91,6 +91,8 @@ class ModelAndData:
         None,
         "stream the dataset's records instead of downloading and preparing it whole",
         kind="switch",
+        negation="off, whatever a --config file or WORKBENCH_* variable says (the default)",
+        off_unless_given=True,
         target="data.streaming",
     )
     data: str | None = setting(
@@ -257,7 +259,12 @@ class Network:
         target="network.announce",
     )
     client_mode: bool = setting(
-        False, "accept no inbound connections (behind NAT)", kind="switch", target="network.client_mode"
+        False,
+        "accept no inbound connections (behind NAT)",
+        kind="switch",
+        negation="off, whatever a --config file or WORKBENCH_* variable says (the default)",
+        off_unless_given=True,
+        target="network.client_mode",
     )
     identity: str | None = setting(
         None,
