@@ -173,6 +173,10 @@ def test_a_switch_a_file_or_variable_sets_is_undone_by_its_no_flag(tmp_path, mon
     from workbench.cli.argv import setting_arguments
 
     assert setting_arguments(config, ["overlap", "client_mode"]) == []
+    # Off is off where the switch has no use: not refused as if it were on (a first version).
+    path.write_text('method = "dp"\noverlap = false\n')
+    assert resolve(["start", "--config", str(path)], monkeypatch)[0].method == "dp"
+    assert resolve(["start", "--method", "streaming", "--no-overlap"], monkeypatch)[0].method == "streaming"
 
 
 def test_a_config_file_saved_with_a_byte_order_mark_reads(tmp_path):

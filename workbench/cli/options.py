@@ -108,6 +108,9 @@ def _model_shape(args: argparse.Namespace):
     return replace(shape, block_size=args.block_size) if args.block_size else shape
 
 
+ALL_COMMANDS = (*PEER_COMMANDS, "simulate", "demo")
+
+
 def build_config(args: argparse.Namespace, *, simulated: bool = False) -> RunConfig:
     """The config tree from parsed flags (or :func:`workbench.settings.commands.values_of`);
     raises ValueError/SwarmError on a bad value (``simulated``: for the simulator, which needs
@@ -118,6 +121,11 @@ def build_config(args: argparse.Namespace, *, simulated: bool = False) -> RunCon
     from swarm.errors import SwarmError
 
     parts: dict[str, dict[str, Any]] = {"data": {}, "train": {}, "averaging": {}, "network": {}, "peer": {}}
+    for key, item in command_settings(args.command if args.command in ALL_COMMANDS else "start").items():
+        if item.kind == "switch" and item.off_unless_given and getattr(args, key, None) is False:
+            # --no-overlap undoes a file's overlap = true: off, as not given (an explicit off was
+            # refused where the switch has no use, with --method dp)
+            setattr(args, key, None)
     for key, item in command_settings("demo" if args.command == "demo" else "start").items():
         value = getattr(args, key, None)
         part, _, name = (item.target or "").partition(".")
