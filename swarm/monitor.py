@@ -30,6 +30,7 @@ from swarm.narration import DEPARTED_SECONDS, Departed, RoundSeen, left_how, rou
 from swarm.records import (
     IDLE,
     PEER_ID_PATTERN,
+    RUN_ID_PATTERN,
     ControlState,
     PeerHeartbeat,
     RunManifest,
@@ -37,6 +38,7 @@ from swarm.records import (
     applied,
     mate_tag,
     parse_record,
+    printable,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,15 +106,32 @@ class Reading:
             and all(isinstance(a, str) and re.fullmatch(PEER_ID_PATTERN, a) for a in anchors)
         ):
             raise ValueError(f"a reading's anchors are at most {MAX_ANCHORS} peer ids, not {anchors!r}")
-        when = float(data["time"])
+        # A recording is a file somebody may hand over (a review, stop 69): its time went to
+        # time.localtime (NaN, 1e20: a traceback), its run id into Rich markup and the terminal
+        # ("[/b]": a traceback; "\x1b[2J": the screen cleared), its reasons unbounded.
+        when = data["time"]
+        if isinstance(when, bool) or not isinstance(when, (int, float)) or not 0 <= when <= MAX_TIME:
+            raise ValueError(f"a reading's time is seconds since 1970, not {str(when)[:40]!r}")
+        when = float(when)
+        run_id = data["run_id"]
+        if not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id):
+            raise ValueError(f"a reading's run_id is a run id, not {str(run_id)[:80]!r}")
+        if len(ignored) > MAX_IGNORED or not all(
+            isinstance(k, str) and re.fullmatch(PEER_ID_PATTERN, k) and isinstance(v, str) and len(v) <= 1000
+            for k, v in ignored.items()
+        ):
+            raise ValueError(
+                f"a reading's ignored peers are at most {MAX_IGNORED} peer ids, each with a reason of "
+                "up to 1,000 characters"
+            )
         peers = [parse_record(PeerHeartbeat, p) for p in listed]
         return cls(
             time=when,
-            run_id=str(data["run_id"]),
+            run_id=run_id,
             peers={p.peer_id: p for p in peers if p is not None and implausible(p, when) is None},
             manifest=parse_record(RunManifest, data["manifest"]) if data.get("manifest") else None,
             control=parse_record(ControlState, data["control"]) if data.get("control") else None,
-            ignored={str(k): str(v) for k, v in ignored.items()},
+            ignored={k: printable(v) for k, v in ignored.items()},
             owner_peer=owner_peer,
             anchors=tuple(anchors),
         )
@@ -120,6 +139,10 @@ class Reading:
 
 MAX_ANCHORS = 64
 """Peers a reader trusts (each from a multiaddr its user gave): more are left out."""
+MAX_TIME = 1e11
+"""A recorded reading's time, at most (the year 5138): past it ``time.localtime`` fails."""
+MAX_IGNORED = 4096
+"""Ignored peers a recorded reading may list (a live reader remembers 1,024)."""
 
 
 def strict_json(value: Any) -> Any:
@@ -641,7 +664,9 @@ def open_recording(path: str | Path) -> IO[str]:
     with open(path, "rb") as raw:  # a recording cut short (a crash, a full disk) ends mid-line
         raw.seek(max(0, end - (1 << 20)))
         tail = raw.read()
-    if not tail.endswith(b"\n") and b"\n" in tail:
+    if not tail.endswith(b"\n") and tail.count(b"\n") == 0 and end == len(tail):
+        handle.write("\n")  # the header alone, its newline lost: the next reading glued to it (a review)
+    elif not tail.endswith(b"\n") and b"\n" in tail:
         # The cut reading is dropped (it was lost already): glued to the next one, or left as a
         # bad line before it, the readings recorded after it could not be replayed.
         handle.truncate(end - len(tail) + tail.rindex(b"\n") + 1)
@@ -674,7 +699,7 @@ def replay(path: str | Path, **options: Any) -> Iterator[SwarmSnapshot]:
                 continue
             try:
                 reading = Reading.from_json(json.loads(line))
-            except (ValueError, KeyError, TypeError) as error:
+            except (ValueError, KeyError, TypeError, RecursionError) as error:  # ([[[...: a review)
                 if not line.endswith("\n") and handle.read(1) == "":
                     logger.warning(
                         "%s:%d: the recording ends mid-line (cut short); replayed up to it", path, number

@@ -1356,3 +1356,28 @@ def test_a_demo_whose_peers_ended_apart_does_not_say_they_agree(capsys, monkeypa
     result["params_max_abs_diff"] = 3e-8
     assert main(argv) == 0
     assert "params agree to 3.0e-08" in " ".join(capsys.readouterr().err.split())
+
+
+def test_export_writes_no_formula_and_no_escape_and_skips_nothing_silently(tmp_path, capsys):
+    """A review (stop 69): a peer's name is the peer's to choose; `export --csv` wrote
+    ``=HYPERLINK(...)`` as a cell a spreadsheet runs, and an escape sequence raw to the
+    terminal. A line nested 100,000 deep was a RecursionError traceback."""
+    import csv
+    import io
+
+    folder = tmp_path / "a"
+    folder.mkdir()
+    events = [
+        {"event": "round", "time": 1.0, "peer": '=HYPERLINK("http://x","y")', "outer_step": 1, "loss": 2.0},
+        {"event": "round", "time": 2.0, "peer": "\x1b[2Jboom", "outer_step": 2, "loss": -1.5},
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert main(["export", str(tmp_path), "--csv"]) == 0
+    out = capsys.readouterr().out
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [r["peer"] for r in rows] == ['\'=HYPERLINK("http://x","y")', "\\x1b[2Jboom"]
+    assert rows[1]["loss"] == "-1.5" and "\x1b" not in out  # a number stays a number
+    (folder / "metrics.jsonl").write_text("[" * 100_000 + "\n" + json.dumps(events[0]) + "\n")
+    assert main(["export", str(tmp_path), "--csv"]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl:1 is not a JSON line" in err and "Traceback" not in err

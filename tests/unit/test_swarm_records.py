@@ -792,3 +792,52 @@ async def test_a_leader_that_accepts_and_then_says_nothing_is_told_as_silent() -
             assert (await anext(answers)).suggested_leader == kept
         finally:
             Stream.__anext__ = original
+
+
+def test_a_hostile_recording_is_refused_line_by_line_and_shows_nothing_raw(tmp_path, capsys) -> None:
+    """A review (stop 69): a recording is a file a user may be handed. Its run id went into
+    Rich markup and the terminal ("[/b]": a traceback; an escape cleared the screen), its time
+    to time.localtime (NaN, 1e20, 400 digits: tracebacks), its ignored reasons unbounded and
+    raw, and a line nested 100,000 deep was a RecursionError."""
+    from workbench.cli.command import main
+
+    good = Reading(1000.0, "r", {}).to_json()
+    bad_lines = {
+        "run id markup": {**good, "run_id": "[/b]"},
+        "run id escape": {**good, "run_id": "\x1b[2Jx"},
+        "time NaN": '{"time": NaN, "run_id": "r"}',
+        "time far": {**good, "time": 1e20},
+        "time huge": '{"time": ' + "9" * 400 + ', "run_id": "r"}',
+        "time true": {**good, "time": True},
+        "many ignored": {**good, "ignored": {f"Qm{i:044d}": "x" for i in range(5000)}},
+        "long reason": {**good, "ignored": {"Qm" + "1" * 44: "x" * 1001}},
+        "ignored id escape": {**good, "ignored": {"\x1b]0;pwned\x07X": "r"}},
+        "nested": "[" * 100_000,
+    }
+    for why, line in bad_lines.items():
+        path = tmp_path / f"{why.replace(' ', '_')}.jsonl"
+        text = line if isinstance(line, str) else json.dumps(line)
+        path.write_text('{"format": "workbench-monitor/1"}\n' + text + "\n" + json.dumps(good) + "\n")
+        with pytest.raises(SwarmError, match=":2: not a monitor reading"):
+            list(replay(path))
+        assert main(["status", "--replay", str(path)]) == 2, why
+        assert "Traceback" not in capsys.readouterr().err
+    # A reason with control characters is shown as escapes (a live reader's are its own).
+    path = tmp_path / "escapes.jsonl"
+    reason = {**good, "ignored": {"Qm" + "1" * 44: "\x1b[2Jmade up"}}
+    path.write_text('{"format": "workbench-monitor/1"}\n' + json.dumps(reason) + "\n")
+    assert main(["status", "--replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\\x1b[2Jmade up" in out
+
+
+def test_a_recording_of_its_header_alone_without_its_newline_records_on(tmp_path) -> None:
+    """A review (stop 69): the next reading was appended on the header's line, and the file was
+    no recording any more."""
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"format": "workbench-monitor/1"}')
+    live = SwarmMonitor(record_to=path)
+    for reading in readings()[:2]:
+        live.ingest(reading)
+    live.close()
+    assert [s.time for s in replay(path)] == [1.0, 2.0]

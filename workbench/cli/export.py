@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.monitor import strict_json
+from swarm.records import printable
 
 
 class ExportError(ValueError):
@@ -126,7 +127,7 @@ def _events_of(
             continue
         try:
             event = decoder.decode(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON; nested past Python's stack; 5,000 digits
             if last:
                 continue  # the last line of a peer still writing (or killed mid-line)
             if not line.startswith('{"event": '):
@@ -137,7 +138,7 @@ def _events_of(
             glued = line.rfind('{"event": ')
             try:
                 event = decoder.decode(line[glued:]) if glued > 0 else None
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 event = None
             if not isinstance(event, dict):
                 continue
@@ -254,9 +255,7 @@ def run_export_command(args: argparse.Namespace) -> int:
             writer = csv.DictWriter(out, fieldnames=list(columns), extrasaction="ignore")
             writer.writeheader()
             for row in rows:
-                writer.writerow(
-                    {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in row.items()}
-                )
+                writer.writerow({k: _cell(v) for k, v in row.items()})
         else:
             for row in rows:
                 out.write(json.dumps(strict_json(row), allow_nan=False) + "\n")
@@ -266,6 +265,18 @@ def run_export_command(args: argparse.Namespace) -> int:
     if args.out:
         print(f"wrote {len(rows)} rows to {args.out}", file=sys.stderr)
     return 0
+
+
+def _cell(value: Any) -> Any:
+    """A CSV cell: a text that a spreadsheet would run as a formula (``=HYPERLINK(...)``, a
+    peer's name is the peer's to choose) starts with ``'``, and control characters are shown
+    as escapes (stdout may be a terminal; a review, stop 69)."""
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    if isinstance(value, str):
+        value = printable(value)
+        return "'" + value if value[:1] in ("=", "+", "-", "@", "\t", "\r") else value
+    return value
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -96,7 +96,7 @@ def render(data: dict[str, Any]) -> None:
     from rich.table import Table
 
     control = data.get("control") or {}
-    title = f"run {data['run_id']}: {len(data['peers'])} peers, round {data['outer_round']}" + (
+    title = f"run {escape(str(data['run_id']))}: {len(data['peers'])} peers, round {data['outer_round']}" + (
         f", control v{control['version']}" if control else ""
     )
     table = Table(title=title, title_justify="left")
