@@ -402,6 +402,54 @@ def test_compare_says_what_it_takes():
     pytest.importorskip("matplotlib")
     with pytest.raises(ValueError, match="compare takes Experiments, got str 'foo'"):
         compare([_bigram(steps=4), "foo"])
+    # A generator was read to its end by that check: an empty plot, no error (a review, stop 69).
+    with pytest.raises(ValueError, match="has not run"):
+        compare(e for e in [_bigram(steps=4)])
+
+
+def test_a_custom_models_seed_is_checked_as_the_keyword_is():
+    """A review (stop 69): ``int(seed)`` ran before the settings' check: ``seed=None`` (taken
+    with a preset) was a TypeError, ``seed="abc"`` int()'s own error naming no keyword."""
+    assert Experiment(model=_Bigram, loss_fn=_loss, peers=2, seed=None).config.peer.seed == 0
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        Experiment(model=_Bigram, loss_fn=_loss, peers=2, seed="abc")
+
+
+def test_keywords_of_other_types_are_taken_or_named():
+    """A review (stop 69): NumPy speeds were refused; ``codec=None`` on the simulator was refused
+    where None is "not given" everywhere else; ``run_dir=123``, ``initial_peers=[123]`` and
+    ``wait("5")`` were errors from deep inside (pathlib, str.strip, a comparison)."""
+    import numpy as np
+
+    assert Experiment(backend="sim", peers=2, speeds=np.array([1.0, 0.5])).speeds == [1.0, 0.5]
+    assert Experiment(backend="sim", peers=2, speeds=[1, np.float32(0.5)]).speeds == [1.0, 0.5]
+    Experiment(backend="sim", codec=None)
+    with pytest.raises(ValueError, match="run_dir is a folder's path, got int 123"):
+        Experiment(run_dir=123)
+    with pytest.raises(ValueError, match=r"initial_peers is a list of multiaddrs \(strings\)"):
+        Experiment(backend="swarm", initial_peers=[123])
+    done = _bigram(steps=4).run()
+    with pytest.raises(ValueError, match="timeout is seconds to wait"):
+        done.wait("5")
+    done.wait(timeout=120)
+
+
+def test_a_script_ending_while_a_simulation_runs_stops_it_instead_of_aborting(tmp_path):
+    """A review (stop 69): the interpreter's exit cut the run's daemon thread inside torch:
+    "terminate called without an active exception", SIGABRT (exit 134), for a script or a
+    notebook run by papermill that ends with a run still going."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from workbench.notebook.experiment import Experiment\n"
+        "e = Experiment(backend='sim', peers=2, rounds=200, inner_steps=2, model='tiny')\n"
+        "e.run(); time.sleep(1)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
 
 
 class _Logits(nn.Module):  # forward(x, y) that forgets the loss

@@ -27,14 +27,17 @@ module works too; it is called with the run's seed set, once per virtual peer.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import math
 import numbers
+import os
 import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -96,7 +99,12 @@ def _custom_model(flags: dict[str, Any], backend: str) -> Callable[[], torch.nn.
             "a Python module trains on backend='sim'; real peers load a preset or a Hugging Face folder "
             "(model='./my-llama'), or wrap your module with optim.DiLoCo directly"
         )
-    seed = int(flags.get("seed", 0))
+    seed = flags.get("seed")
+    if seed is not None:  # checked as the keyword is (int(None), int("abc"): a review)
+        from workbench.settings.commands import command_settings
+
+        seed = command_settings("simulate")["seed"].check(seed, "seed")
+    seed = seed or 0
     if isinstance(model, torch.nn.Module):
         template = copy.deepcopy(model)
         make = lambda: copy.deepcopy(template)  # noqa: E731
@@ -148,6 +156,25 @@ def _try_on_a_batch(make: Callable[[], torch.nn.Module], config: RunConfig) -> N
         raise ValueError(f"{what} must return a loss of one number (a 0-d float tensor), got {shape}")
     if not loss.requires_grad:
         raise ValueError(f"{what} returned a loss with no gradient: compute it from the model's output")
+
+
+_RUNNING: weakref.WeakSet[Experiment] = weakref.WeakSet()
+"""Experiments started in this process (see :func:`_stop_at_exit`)."""
+AT_EXIT_SECONDS = 10.0
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """A script (or a kernel run by papermill or nbconvert) ending while a run goes on: its
+    daemon thread was cut inside torch, and the process aborted (``terminate called without an
+    active exception``, SIGABRT, a review). Each run is asked to stop (a simulation at the end
+    of its round, real peers leaving), and waited for up to :data:`AT_EXIT_SECONDS` in all."""
+    running = [e for e in list(_RUNNING) if e.running]
+    for experiment in running:
+        experiment.stop()
+    deadline = time.monotonic() + AT_EXIT_SECONDS
+    for experiment in running:
+        experiment._done.wait(max(0.0, deadline - time.monotonic()))  # noqa: SLF001
 
 
 _THREADS_LOCK = threading.Lock()
@@ -298,15 +325,23 @@ class Experiment:
         if initial_peers:
             from swarm.addresses import parse_peer_addresses
 
+            if not all(isinstance(a, str) for a in initial_peers):  # ([123]: an AttributeError, a review)
+                raise ValueError(f"initial_peers is a list of multiaddrs (strings), got {initial_peers!r}")
             parse_peer_addresses(initial_peers)  # a bad address is an error here, not in the run
+        if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
+            raise ValueError(f"run_dir is a folder's path, got {type(run_dir).__name__} {run_dir!r}")
+        if hasattr(speeds, "tolist"):  # a NumPy array (np.arange, np.linspace)
+            speeds = speeds.tolist()
         if speeds is not None and (
             not isinstance(speeds, (list, tuple))
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in speeds)
+            or not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in speeds)
         ):
             raise ValueError(f"speeds is a list of numbers, one per peer, e.g. [1, 1, 0.5] (got {speeds!r})")
+        if speeds is not None:
+            speeds = [float(v) for v in speeds]  # (np.float32 too)
         if speeds is not None and backend != "sim":
             raise ValueError("speeds= sets the simulator's virtual clock: use it with backend='sim'")
-        if backend == "sim" and flags.get("codec", "none") != "none":
+        if backend == "sim" and flags.get("codec") not in (None, "none"):  # (None: not given, as elsewhere)
             raise ValueError(
                 f"codec={flags['codec']!r} is the wire codec of real peers' all-reduce, and the simulator "
                 f"has no wire: use update_codec={flags['codec']!r} to compress the updates it averages"
@@ -431,6 +466,7 @@ class Experiment:
                 self._done.set()
 
         self._thread = threading.Thread(target=guarded, name=f"experiment-{self.name}", daemon=True)
+        _RUNNING.add(self)
         self._thread.start()
         return self
 
@@ -438,8 +474,12 @@ class Experiment:
         """Block until the run ends; re-raises its error."""
         if self._thread is None:
             raise RuntimeError("call run() first")
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout is seconds to wait, >= 0, or None to wait for the end (got {timeout})")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0
+        ):  # (wait("5"): a TypeError from the comparison, a review)
+            raise ValueError(
+                f"timeout is seconds to wait, >= 0, or None to wait for the end (got {timeout!r})"
+            )
         if timeout == math.inf:  # (Event.wait raised OverflowError on it)
             timeout = None
         try:
@@ -851,6 +891,7 @@ def compare(experiments: list[Experiment], *, x: str = "tokens", ax=None):
         raise ValueError("x must be 'tokens' or 'bytes'")
     if isinstance(experiments, Experiment):
         experiments = [experiments]
+    experiments = list(experiments)  # a generator was read by the check below: nothing plotted (a review)
     if not experiments:
         raise ValueError("compare takes a list of experiments (got none)")
     strangers = [e for e in experiments if not isinstance(e, Experiment)]
