@@ -681,6 +681,8 @@ def replay(path: str | Path, **options: Any) -> Iterator[SwarmSnapshot]:
     line before it is a SwarmError."""
     monitor = SwarmMonitor(**options)
     path = Path(path)
+    if path.exists() and not (path.is_file() or path.is_dir()):  # (a FIFO waited for a writer for ever)
+        raise SwarmError(f"{path} is not a file: a recording is one (`workbench status --record FILE`)")
     try:
         handle = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 - closed below; not text: no recording
     except OSError as error:

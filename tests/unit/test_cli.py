@@ -1381,3 +1381,18 @@ def test_export_writes_no_formula_and_no_escape_and_skips_nothing_silently(tmp_p
     assert main(["export", str(tmp_path), "--csv"]) == 2
     err = capsys.readouterr().err
     assert "metrics.jsonl:1 is not a JSON line" in err and "Traceback" not in err
+
+
+def test_a_fifo_given_as_a_recording_or_metrics_is_refused_not_waited_on(tmp_path, capsys):
+    """A review (stop 69): `status --replay FIFO` and `export` of a metrics.jsonl that is a FIFO
+    waited for a writer for ever."""
+    import os
+
+    fifo = tmp_path / "run.jsonl"
+    os.mkfifo(fifo)
+    assert main(["status", "--replay", str(fifo)]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    (tmp_path / "a").mkdir()
+    os.mkfifo(tmp_path / "a" / "metrics.jsonl")
+    assert main(["export", str(tmp_path)]) == 2
+    assert "metrics.jsonl is not a file" in capsys.readouterr().err

@@ -72,6 +72,8 @@ def read_events(
         raise ExportError(f"no metrics.jsonl under {root}: was the run started with --run-dir {root}?")
     rows, seen, dropped = [], set(), 0
     for path in files:
+        if path.exists() and not (path.is_file() or path.is_dir()):  # a FIFO: read for ever
+            raise ExportError(f"{path} is not a file (a peer writes its metrics.jsonl as one)")
         events, rolled_back = _events_of(path, kinds, seen)
         dropped += rolled_back
         rows.extend(events)
