@@ -1259,10 +1259,39 @@ def test_the_observers_take_the_run_id_the_peers_take(command, monkeypatch) -> N
     """`WORKBENCH_RUN_ID=myrun workbench doctor ADDR` looked for run 'workbench' beside a peer
     started with it, while WORKBENCH_RUN_SECRET was taken (a review, stop 60)."""
     extra = ["/ip4/127.0.0.1/tcp/1", *(["--key", "k"] if command == "steer" else [])]
-    assert build_parser().parse_args([command, *extra]).run_id == "workbench"
+    monkeypatch.delenv("WORKBENCH_RUN_ID", raising=False)
+    assert _observed([command, *extra]).run_id == "workbench"
     monkeypatch.setenv("WORKBENCH_RUN_ID", "myrun")
-    assert build_parser().parse_args([command, *extra]).run_id == "myrun"
-    assert build_parser().parse_args([command, *extra, "--run-id", "other"]).run_id == "other"
+    assert _observed([command, *extra]).run_id == "myrun"
+    assert _observed([command, *extra, "--run-id", "other"]).run_id == "other"
+
+
+def _observed(argv: list[str]):
+    """An observer command's args as it runs with them (its WORKBENCH_* variables taken)."""
+    from workbench.cli.status import observer_settings
+
+    return observer_settings(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("command", ["status", "doctor", "steer", "monitor"])
+def test_the_observers_check_their_variables_as_the_peers_do_and_name_them(
+    command, monkeypatch, capsys
+) -> None:
+    """A review (stop 69): an empty WORKBENCH_RUN_ID or WORKBENCH_SECRET fell back to the
+    default in `status`, `steer`, `doctor` and `monitor` (`start` refuses them), and a bad
+    WORKBENCH_CONNECT_TIMEOUT was said as ``--connect-timeout``, a flag never given."""
+    extra = ["/ip4/127.0.0.1/tcp/1/p2p/QmXyzB8iV6WGF5CqH3HbXiFNPbYcvMk1pW6uDSpBX3mJ5U"]
+    extra += ["--key", "k", "--outer-lr", "0.5"] if command == "steer" else []
+    for variable, value, said in [
+        ("WORKBENCH_RUN_ID", "", "WORKBENCH_RUN_ID = '': invalid run id"),
+        ("WORKBENCH_SECRET", "", "WORKBENCH_SECRET = (set, not shown): a run secret must be at least 8"),
+        ("WORKBENCH_CONNECT_TIMEOUT", "abc", "WORKBENCH_CONNECT_TIMEOUT='abc' must be a number"),
+    ]:
+        monkeypatch.setenv(variable, value)
+        assert main([command, *extra]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "--connect-timeout" not in err, err
+        monkeypatch.delenv(variable)
 
 
 @pytest.mark.parametrize("command", ["status", "doctor", "steer", "monitor"])
@@ -1276,14 +1305,14 @@ def test_the_observers_take_the_secret_owner_and_timeout_variables_the_peers_tak
     monkeypatch.setenv("WORKBENCH_SECRET", "correcthorse42")
     monkeypatch.setenv("WORKBENCH_OWNER", "0123456789abcdef")
     monkeypatch.setenv("WORKBENCH_CONNECT_TIMEOUT", "7")
-    args = build_parser().parse_args([command, *extra])
+    args = _observed([command, *extra])
     assert (args.secret, args.owner, args.connect_timeout) == ("correcthorse42", "0123456789abcdef", 7.0)
     # Both set: as the peers take it, WORKBENCH_SECRET (the setting's variable) over --secret's
     # default WORKBENCH_RUN_SECRET, or the observers looked for another run than the peers ran.
     monkeypatch.setenv("WORKBENCH_RUN_SECRET", "the-run-secret")
-    assert build_parser().parse_args([command, *extra]).secret == "correcthorse42"
+    assert _observed([command, *extra]).secret == "correcthorse42"
     monkeypatch.delenv("WORKBENCH_SECRET")
-    assert build_parser().parse_args([command, *extra]).secret == "the-run-secret"
+    assert _observed([command, *extra]).secret == "the-run-secret"
 
 
 def test_a_joiner_is_warned_of_shared_settings_its_own_machine_filled_in(

@@ -112,6 +112,12 @@ def _check(key: str, value: Any, origin: str, command: str | None = None) -> Any
         raise ConfigError(str(error)) from None
 
 
+def env_value(key: str, text: str, variable: str) -> Any:
+    """A WORKBENCH_* variable's ``text`` for ``key``, checked as `start` checks it (ConfigError
+    naming ``variable``): for the commands that read a few variables without a config file."""
+    return _from_env(key, text, variable, "start")
+
+
 def _from_env(key: str, text: str, variable: str, command: str | None = None) -> Any:
     """An environment variable's text for ``key``, converted like the flag's argument."""
     try:

@@ -127,6 +127,9 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
     check_owner(args.owner)  # a malformed --owner is the user's to fix: one line, exit 2
     # So is a --secret too short or a bad --run-id: said now, not as a failed bootstrap after the
     # port probes ("check the address and that the peer's firewall lets TCP in").
+    from workbench.cli.status import observer_settings
+
+    observer_settings(args)
     RunKeys(args.run_id, args.secret)
     checks: list[Check] = []
     try:

@@ -66,8 +66,10 @@ def run_monitor_command(args: argparse.Namespace, argv: list[str]) -> int:
     else:
         from swarm.addresses import parse_peer_addresses
         from swarm.records import check_owner
+        from workbench.cli.status import observer_settings
 
         parse_peer_addresses(args.peers)  # a bad address first: it needs no terminal to be said
+        observer_settings(args)
         check_owner(args.owner)
         if not args.web:
             _need_a_terminal("monitor")

@@ -31,26 +31,47 @@ def add_observer_options(parser: argparse.ArgumentParser) -> None:
 
     # WORKBENCH_RUN_ID as the peers take it (`status` beside a peer started with it looked for
     # run 'workbench', while WORKBENCH_RUN_SECRET was taken)
+    # Their WORKBENCH_* variables are read after parsing (observer_settings), checked as `start`
+    # checks them and named in the error: an empty one fell back to the default silently here
+    # (`start` refuses it), and a bad timeout was said as --connect-timeout (a review, stop 69).
     parser.add_argument(
-        "--run-id",
-        default=os.environ.get("WORKBENCH_RUN_ID") or "workbench",
-        help="the run's name (default: $WORKBENCH_RUN_ID, else workbench)",
+        "--run-id", default=None, help="the run's name (default: $WORKBENCH_RUN_ID, else workbench)"
     )
     parser.add_argument(
         "--connect-timeout",
         type=bounded("connect_timeout"),
-        # A string default goes through ``type`` (a bad variable: one line, exit 2).
-        default=os.environ.get("WORKBENCH_CONNECT_TIMEOUT") or 20.0,
+        default=None,
         help="seconds to reach the peers (default: $WORKBENCH_CONNECT_TIMEOUT, else 20)",
     )
     add_run_access_options(parser)
-    # The variables the peers take too: `start` with WORKBENCH_SECRET made a private run that
-    # `status` in the same shell could not find (it read WORKBENCH_RUN_SECRET only).
-    parser.set_defaults(
-        # in the peers' order: WORKBENCH_SECRET (the setting's variable) over --secret's default
-        secret=os.environ.get("WORKBENCH_SECRET") or os.environ.get("WORKBENCH_RUN_SECRET"),
-        owner=os.environ.get("WORKBENCH_OWNER"),
-    )
+    parser.set_defaults(secret=None, owner=os.environ.get("WORKBENCH_OWNER"))
+
+
+OBSERVED = (
+    # (key, its variables in the peers' order, the default): `start` with WORKBENCH_SECRET made a
+    # private run that `status` in the same shell could not find (it read WORKBENCH_RUN_SECRET only)
+    ("run_id", ("WORKBENCH_RUN_ID",), "workbench"),
+    ("connect_timeout", ("WORKBENCH_CONNECT_TIMEOUT",), 20.0),
+    ("secret", ("WORKBENCH_SECRET", "WORKBENCH_RUN_SECRET"), None),
+)
+
+
+def observer_settings(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` of `status`, `steer`, `doctor` or `monitor` with --run-id, --connect-timeout and
+    --secret not given on the command line taken from their WORKBENCH_* variables, each checked
+    as `start` checks it (a ConfigError naming the variable), else the defaults. Idempotent."""
+    from workbench.cli.configfile import ConfigError, env_value
+
+    for key, variables, default in OBSERVED:
+        if getattr(args, key, None) is not None:
+            continue
+        variable = next((v for v in variables if v in os.environ), None)
+        try:
+            value = default if variable is None else env_value(key, os.environ[variable], variable)
+        except ConfigError as error:
+            raise SwarmError(str(error)) from None
+        setattr(args, key, value)
+    return args
 
 
 def add_status_parser(commands) -> None:
@@ -80,6 +101,7 @@ def open_observer(args: argparse.Namespace, *, signing_key: str | None = None):
 
     if not args.peers:
         raise SwarmError("give the multiaddr of any peer of the run (what `workbench start` printed)")
+    observer_settings(args)
     keys = RunKeys(args.run_id, args.secret)
     network = NetworkConfig(
         initial_peers=list(args.peers), client_mode=True, connect_timeout=args.connect_timeout
@@ -213,6 +235,7 @@ def run_status_command(args: argparse.Namespace) -> int:
         return 0
     from swarm.monitor import SwarmMonitor
 
+    observer_settings(args)
     RunKeys(args.run_id, args.secret)  # a bad run id, secret or owner fails before connecting
     check_owner(args.owner)
     new_record = bool(args.record) and not Path(args.record).exists()

@@ -60,8 +60,9 @@ def run_steer_command(args: argparse.Namespace) -> int:
     from swarm.manifest import find_manifest, owner_mismatch
     from swarm.records import RunKeys, Stage, check_owner, refused
     from swarm.steering import Steering, aliases_of, live_peer_id
-    from workbench.cli.status import open_observer
+    from workbench.cli.status import observer_settings, open_observer
 
+    observer_settings(args)
     RunKeys(args.run_id, args.secret)
     check_owner(args.owner)
     if (
