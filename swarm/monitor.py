@@ -535,8 +535,6 @@ class Trail:
 @dataclass(frozen=True)
 class Voters:
     peers: frozenset[str]
-    vouched: bool
-    """True when they are the owner's peer and its round mates (see :func:`owners_mates`)."""
     source: str = "all"
     """Who they are, as :attr:`SwarmSnapshot.flags_from` says."""
 
@@ -544,17 +542,20 @@ class Voters:
 MAX_VOTERS = 1024  # round mates of the owner's peer a monitor remembers (fresh keys are free)
 
 
-def owners_mates(owner_peer: str | None, peers: dict[str, PeerHeartbeat]) -> set[str]:
+def owners_mates(
+    owner_peer: str | None, peers: dict[str, PeerHeartbeat], tags: dict[str, str] | None = None
+) -> set[str]:
     """The live peers that averaged with the owner's peer (or any one peer: an anchor, see
     :func:`_ignored`) by both sides' word: each names the other in ``averaged_with`` (a fresh
     key can name any peer; the owner's peer names only the peers it averaged with). Not their
     own mates in turn: a key that averaged once with an honest peer could name any number of
     fresh keys, each naming it back (a review's repro: five such keys outvoted an honest pair
-    and the owner's own peer)."""
+    and the owner's own peer). ``tags``: each peer's :func:`mate_tag`, when the caller asks
+    for several peers' mates (one SHA-256 per peer per reading, not per peer asked about)."""
     owner = peers.get(owner_peer) if owner_peer else None
     if owner is None:
         return set()
-    tags = {pid: mate_tag(pid) for pid in peers}
+    tags = tags if tags is not None else {pid: mate_tag(pid) for pid in peers}
     shared = {tag for tag, n in Counter(tags.values()).items() if n > 1}  # a made collision: neither
     named, mine = set(owner.averaged_with) - shared, tags[owner.peer_id]
     return {
@@ -575,18 +576,19 @@ def _voters(
     else the reader's anchors (the peers its user joined through, or runs) and their round
     mates (with those it saw so before, ``anchored_before``: an anchor left); else every live
     peer."""
-    linked = {pid for pid in remembered if pid in live} | owners_mates(reading.owner_peer, live)
+    tags = {pid: mate_tag(pid) for pid in live}
+    linked = {pid for pid in remembered if pid in live} | owners_mates(reading.owner_peer, live, tags)
     if reading.owner_peer in live:
         linked.add(reading.owner_peer)
     if linked:
-        return Voters(frozenset(linked), True, "owner" if reading.owner_peer in live else "mates")
+        return Voters(frozenset(linked), "owner" if reading.owner_peer in live else "mates")
     anchors = {pid for pid in reading.anchors[:MAX_ANCHORS] if pid in live}
     anchored = anchors | {pid for pid in anchored_before if pid in live}
     for anchor in sorted(anchors):
-        anchored |= owners_mates(anchor, live)
+        anchored |= owners_mates(anchor, live, tags)
     if anchored:
-        return Voters(frozenset(anchored), False, "joined")
-    return Voters(frozenset(live), False, "all")
+        return Voters(frozenset(anchored), "joined")
+    return Voters(frozenset(live), "all")
 
 
 def _ignored(

@@ -658,6 +658,21 @@ def test_a_checkpoint_that_cannot_be_written_stops_nothing(tmp_path, monkeypatch
         assert "No space left" in events[0][1]["error"]
 
 
+def _written_by(tmp_path, config, model) -> tuple[str, str]:
+    """A checkpoint in ``tmp_path`` of run "r" as a peer started with ``config`` writes it (the
+    fingerprint, its summary and the flags it covers); (fingerprint, summary)."""
+    from workbench.run import joining
+
+    fingerprint, summary = joining.fingerprint(config, model)
+    checkpoint.save(
+        tmp_path,
+        {"run_id": "r", "fingerprint": fingerprint, "summary": summary,
+         "fingerprinted": joining.fingerprinted_flags(config, model),
+         "model": {}, "inner_optimizer": {}, "outer": {"params": [torch.ones(2)]}},
+    )  # fmt: skip
+    return fingerprint, summary
+
+
 def test_a_refused_resume_names_the_flags_that_differ(tmp_path) -> None:
     """`--resume` with another --update-codec, --outer-momentum or --clip-norm printed two
     identical summaries ("diloco H=5 outer lr 0.7 codec none" twice): the user could not tell
@@ -670,13 +685,8 @@ def test_a_refused_resume_names_the_flags_that_differ(tmp_path) -> None:
     started = RunConfig()
     started.diloco.codec, started.diloco.outer_momentum = "int8", 0.8
     now = RunConfig()
-    fingerprint, summary = joining.fingerprint(started, model)
+    fingerprint, summary = _written_by(tmp_path, started, model)
     state = {"model": {}, "inner_optimizer": {}, "outer": {"params": [torch.ones(2)]}}
-    checkpoint.save(
-        tmp_path,
-        {"run_id": "r", "fingerprint": fingerprint, "summary": summary,
-         "fingerprinted": joining.fingerprinted_flags(started, model), **state},
-    )  # fmt: skip
     mine, my_summary = joining.fingerprint(now, model)
     with pytest.raises(CheckpointError) as refused:
         checkpoint.load_for(
@@ -749,13 +759,7 @@ def test_a_mean_runs_checkpoint_does_not_resume_into_a_trimmed_mean_peer(tmp_pat
     model = build_model(tiny(), seed=0)
     mean, trimmed = RunConfig(), RunConfig()
     trimmed.averaging.aggregate = "trimmed-mean"
-    fingerprint, summary = joining.fingerprint(mean, model)
-    state = {"model": {}, "inner_optimizer": {}, "outer": {"params": [torch.ones(2)]}}
-    checkpoint.save(
-        tmp_path,
-        {"run_id": "r", "fingerprint": fingerprint, "summary": summary,
-         "fingerprinted": joining.fingerprinted_flags(mean, model), **state},
-    )  # fmt: skip
+    fingerprint, _ = _written_by(tmp_path, mean, model)
     assert fingerprint == joining.fingerprint(trimmed, model, before_aggregate=True)[0]
     with pytest.raises(CheckpointError, match=r"--aggregate mean \(this peer: trimmed-mean\)"):
         checkpoint.load_for(
