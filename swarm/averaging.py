@@ -508,13 +508,25 @@ class SwarmAverager(Downloading):
             for peer in getattr(self.averager, "decliners", list)()
             if self._count_miss(peer, outer_step) >= MISSED_RINGS
         ]
-        for peer, what in [*spoilers, *((peer, "declined this peer's rings") for peer in declined)]:
+        # A member this peer could not connect to on a new ring of its group, or that never
+        # answered there, is left out of the round at once and never struck: a dead address it
+        # posted or a silent listener, or its firewall (an honest peer that cannot take gloo's
+        # connections turns its own plane off after three rings, and takes hivemind's path).
+        # Before, it was in every retry: each one failed until the averaging deadline, and three
+        # switched this peer's plane off (docs/security.md).
+        unreachable = list(getattr(self.averager, "unreachable", list)())
+        spared = {*declined, *unreachable}
+        for peer, what in [
+            *spoilers,
+            *((peer, "declined this peer's rings") for peer in declined),
+            *((peer, "could not be reached on this peer's ring") for peer in unreachable),
+        ]:
             self._silent_leaders[peer] = outer_step
             heartbeat = self.board.last_seen.get(peer) if self.board is not None else None
             logger.info("round %d: %s %s", outer_step + 1, peer[-8:], what)
             # A round mate is only left out of this round's retries: one frozen, or late under
             # load, must not be ignored for the run (it averaged with this one before).
-            if heartbeat is not None and peer not in self.vouching.vouched and peer not in declined:
+            if heartbeat is not None and peer not in self.vouching.vouched and peer not in spared:
                 self.barrier.strike(heartbeat, outer_step, what)
         while len(self._silent_leaders) > MAX_SILENT:  # fresh keys are free
             self._silent_leaders.pop(next(iter(self._silent_leaders)))

@@ -77,6 +77,12 @@ FLOOD = 128
 members has 7 connections and a listener, and a flood of strangers' connections to a kept
 ring's listener is what it guards against (see the module's docstring)."""
 WATCH_SECONDS = 0.2
+CONNECT_FACTOR = 5
+"""gloo gives up connecting a pair after 5 times its group's timeout (measured with torch 2.13:
+1 s -> 5.0 s, 2 s -> 10 s, 8 s -> 40 s): a new ring's group timeout is its arrival time / 5, and
+every operation on it passes its own timeout."""
+HELLO_TAG = 7  # the hello's point-to-point messages on a new ring
+_LAZY = threading.Lock()  # TORCH_GLOO_LAZY_INIT is read as a device is created (os.environ: process-wide)
 OPEN_FILES_CAP = 65536  # the soft limit is raised to the hard one, up to this
 
 
@@ -106,7 +112,13 @@ def raise_open_files_limit() -> None:
 
 class RingUnreachable(RuntimeError):
     """The group's ring could not be set up (rendezvous or connections), as opposed to a member
-    leaving once the ring was up."""
+    leaving once the ring was up. ``absent``: the ranks that never posted their ring address at
+    the board; ``unreachable``: those this member could not connect to or hear from on the new
+    ring (:meth:`DirectPlane._hello`); both empty when gloo's error names nobody."""
+
+    def __init__(self, message: str, *, absent: Sequence[int] = (), unreachable: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.absent, self.unreachable = tuple(absent), tuple(unreachable)
 
 
 class MemberMissing(RuntimeError):
@@ -162,6 +174,23 @@ def _usable(ring: Any, ring_id: bytes, reusable: frozenset[bytes] | None) -> boo
     """Whether a kept ring is used this round: every member still holds it (``reusable``: the
     ids all of them say they hold; None trusts this side's cache)."""
     return ring is not None and (reusable is None or ring_id in reusable)
+
+
+def _lazy_device(host: str) -> Any:
+    """A gloo device bound to ``host`` whose rings connect each pair on its first use instead
+    of all of them as the ring is made (torch reads ``TORCH_GLOO_LAZY_INIT`` as it creates the
+    device): a pair that cannot be connected then fails on its own, naming its member, where
+    the eager full mesh failed as a whole ("Connect timeout [none]") and blamed nobody."""
+    with _LAZY:
+        before = os.environ.get("TORCH_GLOO_LAZY_INIT")
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+        try:
+            return torch.distributed.ProcessGroupGloo.create_device(hostname=host)
+        finally:
+            if before is None:
+                del os.environ["TORCH_GLOO_LAZY_INIT"]
+            else:
+                os.environ["TORCH_GLOO_LAZY_INIT"] = before
 
 
 def _round_tag(seed: bytes) -> torch.Tensor:
@@ -228,13 +257,15 @@ class DirectPlane:
         # if every member still holds that ring.
         self._rings: dict[tuple[str, ...], tuple[bytes, torch.distributed.ProcessGroup, list[bytes]]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ring-arrival")
-        self._send = lambda ring, wire: ring.allreduce([wire])  # tests put an impostor here
+        self._reduce = torch.distributed.AllreduceOptions()  # its timeout: the round's (all_reduce)
+        self._send = lambda ring, wire: ring.allreduce([wire], self._reduce)  # tests put an impostor here
         self._seal = _seal  # and here
         self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._drawn: tuple[bytes, int, Sketcher] | None = None  # the next round's R (draw())
         self.timeline: list[tuple[str, float]] | None = None
         """A list to append each round's phases to as they end, ``(phase, time.perf_counter())``
         (``benchmarks.allreduce --phases``); None in a peer."""
+        self._stores: dict[bytes, RingStore] = {}  # each kept ring's rendezvous, by ring id (see _connect)
         self._files: int | None = None  # the baseline of open files while rings are kept (_keep)
         self._rings_lock = threading.Lock()  # the flood watch closes the kept rings from its thread
         self._watching = False
@@ -251,6 +282,9 @@ class DirectPlane:
             self._rings[key] = (ring_id, ring, keys)
             while len(self._rings) > MAX_RINGS:
                 self._rings.pop(next(iter(self._rings)))
+            kept = {ring_id for ring_id, _, _ in self._rings.values()}
+            for old in [r for r in self._stores if r not in kept]:
+                del self._stores[old]
             now = open_files()
             self._files = now if self._files is None or now is None else min(self._files, now)
         if not self._watching and self._files is not None:
@@ -334,6 +368,7 @@ class DirectPlane:
         count = sum(t.numel() for t in tensors)
         abort = threading.Event()
         arrival = min(arrival, timeout)
+        self._reduce.timeout = datetime.timedelta(seconds=timeout)
         key = tuple(members)
         ring_id, ring, keys = self._rings.pop(key, (b"", None, []))  # kept below if the sum checks out
         if not _usable(ring, ring_id, reusable):
@@ -420,10 +455,7 @@ class DirectPlane:
             self.mark("arrival")
             if ring is None:
                 ring_id = hashlib.sha256(b"ring" + seed).digest()[:RING_ID_BYTES]
-                try:
-                    ring = self._connect(board, rank, len(members), timeout)
-                except Exception as error:
-                    raise RingUnreachable(one_line(error)) from None
+                ring = self._connect(board, ring_id, rank, len(members), arrival, tag)
             for index, (lo, hi) in enumerate(bounds):
                 if index:
                     prepare(index)
@@ -513,9 +545,65 @@ class DirectPlane:
         return [ring_id for ring_id, _, _ in self._rings.copy().values()]  # copy(): atomic (GIL)
 
     def _connect(
-        self, board: Rendezvous, rank: int, size: int, timeout: float
+        self, board: Rendezvous, ring_id: bytes, rank: int, size: int, arrival: float, tag: torch.Tensor
     ) -> torch.distributed.ProcessGroup:
+        """A new ring among the group's members, every pair connected and heard from within
+        ``arrival`` s; else :class:`RingUnreachable` naming the members that never posted their
+        address at the board (``absent``) or could not be connected to or never spoke on the
+        ring (``unreachable``), as this member saw for itself. (Before, one member that posted a
+        dead address, or let its listener take connections and never answered, failed gloo's
+        whole connection after up to 5x the round's timeout, naming nobody: it joined every
+        retry too, and three such rings switched the plane off.)"""
         options = torch.distributed.ProcessGroupGloo._Options()
-        options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=self.host)]
-        options._timeout = datetime.timedelta(seconds=timeout)
-        return torch.distributed.ProcessGroupGloo(RingStore(board, timeout), rank, size, options)
+        options._devices = [_lazy_device(self.host)]
+        options._timeout = datetime.timedelta(seconds=arrival / CONNECT_FACTOR)
+        store = RingStore(board, arrival)
+        try:
+            ring = torch.distributed.ProcessGroupGloo(
+                store, rank, size, options
+            )  # posts this member's address
+        except Exception as error:
+            raise RingUnreachable(one_line(error)) from None
+        absent = store.fetch_others(rank, size, arrival)
+        if absent:
+            raise RingUnreachable(
+                f"member{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} never posted "
+                f"{'their' if len(absent) > 1 else 'its'} ring address within {arrival:.0f} s",
+                absent=absent,
+            )
+        unreachable = self._hello(ring, rank, size, tag, arrival)
+        if unreachable:
+            raise RingUnreachable(
+                f"member{'s' * (len(unreachable) > 1)} {', '.join(map(str, unreachable))} could not be "
+                f"connected to or never answered on the new ring within {arrival:.0f} s",
+                unreachable=unreachable,
+            )
+        self._stores[ring_id] = store  # gloo holds it (a pair connects through it on first use)
+        return ring
+
+    def _hello(self, ring: Any, rank: int, size: int, tag: torch.Tensor, budget: float) -> list[int]:
+        """Connect every pair of a new ring and exchange the round's tag over each, all pairs at
+        once: the ranks that could not be connected, or did not send the tag, within ``budget``
+        s. Each pair's own (gloo connects a lazy ring's pairs one at a time: one member that
+        never connects would have held up every pair after it, and been blamed on them)."""
+        started = time.monotonic()
+        others = [other for other in range(size) if other != rank]
+
+        def left() -> datetime.timedelta:
+            return datetime.timedelta(seconds=max(0.001, budget - (time.monotonic() - started)))
+
+        def came(other: int) -> bool:
+            heard = torch.zeros(1, dtype=torch.int64)
+            sent = tag.clone()
+            try:
+                works = [ring.recv([heard], other, HELLO_TAG), ring.send([sent], other, HELLO_TAG)]
+                for work in works:
+                    work.wait(left())
+            except Exception as error:  # noqa: BLE001 - a pair that failed: its member is named
+                logger.debug("ring member %d did not answer: %s", other, one_line(error))
+                return False
+            return bool(heard.item() == tag.item())
+
+        with ThreadPoolExecutor(len(others), thread_name_prefix="ring-hello") as pool:
+            answered = list(pool.map(came, others))
+        return [other for other, ok in zip(others, answered) if not ok]

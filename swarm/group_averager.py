@@ -375,8 +375,16 @@ class GroupAverager(StateSharing, DecentralizedAverager):
 
     def no_shows(self) -> list[str]:
         """The members of this peer's failed rings that never came to them, as it saw for itself
-        (base58; :meth:`_meeting_failed`), each told once."""
-        return _take_ids(self._no_shows)
+        (base58; :meth:`_meeting_failed`), or came to the meeting and then never posted their
+        ring address (:meth:`swarm.ring_driver.RingDriver.spoilers`), each told once."""
+        absent = self._driver.spoilers("absent") if self._driver is not None else []
+        return sorted({*_take_ids(self._no_shows), *absent})
+
+    def unreachable(self) -> list[str]:
+        """The members of new rings of groups this peer led that it could not connect to or
+        never answered on the ring (base58; :meth:`swarm.ring_driver.RingDriver.spoilers`),
+        each told once."""
+        return self._driver.spoilers("unreachable") if self._driver is not None else []
 
     def decliners(self) -> list[str]:
         """The members of this peer's groups that declined their rings at its board (base58;
@@ -447,6 +455,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             if masks
             else 1.0,
             gathered={peer: gathered.reported(m) for peer, m in zip(group_info.peer_ids, members)},
+            leads=board.held_here,
+            holder=board.holder.to_base58() if board.holder is not None else "",
         )
         self._posted[group_info.group_id] = (
             asyncio.get_running_loop().create_future(),

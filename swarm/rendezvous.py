@@ -267,13 +267,33 @@ class RingStore(torch.distributed.Store):
         super().__init__()
         self._board, self._timeout = board, timeout
         self._seen: dict[str, bytes] = {}
+        self._posted: list[str] = []  # the keys gloo set (a member's address: "<prefix>/<rank>")
 
     def set(self, key: str, value: bytes) -> None:
         self._board.set(f"ring{key}", bytes(value))
+        self._posted.append(key)
 
-    def get(self, key: str) -> bytes:
+    def fetch_others(self, rank: int, size: int, timeout: float) -> list[int]:
+        """Read every other member's address ahead of gloo (its lazy connections then find them
+        here), all within ``timeout`` s: the ranks whose address never came. Read here, one
+        missing address costs ``timeout`` once, not once per pair behind it. Nothing is read
+        when gloo did not post exactly one key of this member's, named as the board names a
+        member's keys (another torch: gloo then reads them itself)."""
+        if len(self._posted) != 1 or not self._posted[0].endswith(f"/{rank}"):
+            return []
+        prefix = self._posted[0][: -len(str(rank))]
+        deadline, absent = time.monotonic() + timeout, []
+        for other in range(size):
+            if other != rank:
+                try:
+                    self.get(f"{prefix}{other}", max(0.0, deadline - time.monotonic()))
+                except RendezvousError:
+                    absent.append(other)
+        return absent
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
         if key not in self._seen:
-            self._seen[key] = self._board.get(f"ring{key}", self._timeout)
+            self._seen[key] = self._board.get(f"ring{key}", self._timeout if timeout is None else timeout)
         return self._seen[key]
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:

@@ -58,6 +58,8 @@ class Ticket:
     arrival: float
     mask_scale: float
     gathered: dict[Any, Any]  # peer id -> its gathered user data: the step's result
+    leads: bool = False  # this peer holds the group's board (its matchmaking leader)
+    holder: str = ""  # who holds it, where this member knows for itself (base58; "" unknown)
 
 
 @dataclass(frozen=True)
@@ -337,6 +339,8 @@ class RingDriver:
         self._steps: OrderedDict[bytes, DirectStep] = OrderedDict()
         self._steps_lock = threading.Lock()
         self._unreachable = 0  # consecutive rings this peer could not set up
+        self._spoilers: dict[str, set[str]] = {"absent": set(), "unreachable": set()}
+        self._spoilers_lock = threading.Lock()
         self._switched_off = 0  # times the plane was switched off (each retry waits twice as long)
         self._retry_at: float | None = None  # (time.monotonic()) when it is tried again
         self.clock = time.monotonic
@@ -425,6 +429,27 @@ class RingDriver:
             )
         return Outcome(ticket.group_id, True)
 
+    def _name_spoilers(self, ticket: Ticket, error: RingUnreachable) -> None:
+        """A new ring failed to set up: the members it named (never posted their address at the
+        board, or could not be connected to or never answered on the ring:
+        :meth:`swarm.dataplane.DirectPlane._connect`), for :meth:`spoilers`, before the step
+        hears of the failure (its retry leaves them out). The group's leader names any member:
+        the addresses are on its own board. A follower names only its leader (what the leader
+        posted at its own board is its own): the others' addresses it read there, the leader
+        could have made up (the rule of
+        :meth:`swarm.group_averager.GroupAverager._meeting_failed`)."""
+        with self._spoilers_lock:
+            for kind, ranks in (("absent", error.absent), ("unreachable", error.unreachable)):
+                named = {ticket.members[r] for r in ranks if 0 <= r < len(ticket.members)}
+                self._spoilers[kind].update(named if ticket.leads else named & {ticket.holder})
+
+    def spoilers(self, kind: str) -> list[str]:
+        """The members of this peer's groups named ``kind`` ("absent", "unreachable") since
+        last asked (base58), each told once."""
+        with self._spoilers_lock:
+            named, self._spoilers[kind] = self._spoilers[kind], set()
+        return sorted(named)
+
     def _decline(self, ticket: Ticket) -> None:
         """hivemind formed a group for a step this peer gave up on (cancelled before the
         averager process heard of it): tell the others, who would wait out the arrival timeout."""
@@ -458,6 +483,7 @@ class RingDriver:
                 arrival=ticket.arrival,
             )
         except RingUnreachable as error:
+            self._name_spoilers(ticket, error)
             self._unreachable += 1
             if self._unreachable >= 3:  # not one member that left: this peer's plane is blocked
                 self._switch_off(error)

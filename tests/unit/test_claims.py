@@ -937,6 +937,35 @@ def test_a_round_failed_with_doubted_strangers_is_stale_only_on_a_believed_claim
     assert report.failed and report.stale is (ahead == "vouched"), report
 
 
+def test_a_member_a_new_ring_could_not_reach_is_left_out_of_the_round_at_once_and_never_struck():
+    """A member of a new ring this peer led that it could not connect to, or that never answered
+    there (a dead address, a silent listener: swarm.dataplane.DirectPlane._connect), was in
+    every retry of the round, each failing; now it is left out of the round's retries the first
+    time, and never struck: an honest peer behind a firewall that blocks gloo's ports fails the
+    same way until its own plane turns itself off (its next rounds take hivemind's path)."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from swarm.averaging import SwarmAverager
+    from swarm.records import PROTOCOL
+
+    board = FakeBoard(beat("dead", 4, protocol=PROTOCOL), beat("honest", 4, protocol=PROTOCOL))
+    told: list[list[str]] = []
+    me = SwarmAverager.__new__(SwarmAverager)
+    me.averager = SimpleNamespace(
+        no_shows=list, decliners=list, silent_leaders=list, unreachable=lambda: told.pop(0) if told else []
+    )
+    me.board, me.peer_id, me._silent_leaders, me._missed = board, "me", {}, OrderedDict()
+    me.barrier = averager(board)
+    me.vouching = me.barrier.vouching
+    for step in range(4, 10):
+        assert me.round_peers(step) == ("dead", "honest", "me")  # each round: let in again
+        told.append(["dead"])
+        me._blame_spoilers(step)
+        assert me.round_peers(step) == ("honest", "me")  # its retries without it
+    assert not board.ignored and me.barrier.vouching._strikes.get("dead") is None
+
+
 def test_a_member_that_never_comes_to_the_ring_is_left_out_from_its_second_time_and_struck():
     """A fresh key with a heartbeat joined each group and never came to its ring: every attempt
     failed into the next (a red-team review, 2026-12-06). What the peer's averager saw for itself

@@ -374,6 +374,43 @@ def test_three_unreachable_rings_in_a_row_turn_the_plane_off():
     assert enabled.value == 0 and driver._retry_at == now[0] + 600
 
 
+def test_the_leader_names_the_members_a_new_ring_could_not_reach_before_the_step_fails():
+    """The members a new ring named (never posted an address; could not be connected to or
+    never answered: swarm.dataplane.DirectPlane._connect) are told by the group's leader, each
+    once, before its step fails (the retry leaves them out); a follower tells only its leader:
+    the others' addresses it read are on the leader's board. A ring made unreachable by a member does not
+    switch the plane off when the retry without it sets one up."""
+    error = RingUnreachable("member 2 could not be connected to", unreachable=(2,), absent=(0, 9))
+    driver, tickets_out, outcomes_in, _, enabled, _ = _driver(Plane(error))
+    members = ("a", "b", "c")
+    step, control = driver.expect(b"led"), Control()
+    step.attach(control)
+    settle, named = step.settle, []
+
+    def settled(value, error) -> None:  # what the step's caller may read the moment it fails
+        named.append({kind: set(ids) for kind, ids in driver._spoilers.items()})
+        settle(value, error)
+
+    step.settle = settled
+    tickets_out.send(_ticket(b"led", members=members, rank=1, leads=True))
+    step.allow_allreduce()
+    assert outcomes_in.poll(10) and not outcomes_in.recv().ok
+    with pytest.raises(AllreduceFailed):
+        step.result(timeout=1)
+    assert named == [{"absent": {"a"}, "unreachable": {"c"}}]
+    assert driver.spoilers("absent") == ["a"] and driver.spoilers("unreachable") == ["c"]  # (rank 9: none)
+    assert driver.spoilers("absent") == driver.spoilers("unreachable") == []  # told once
+    _round(driver, tickets_out, outcomes_in, b"followed", members=members, rank=1, holder="b")
+    assert driver.spoilers("absent") == driver.spoilers("unreachable") == []
+    driver.plane.error = None  # the retry, without them, sets up its ring
+    _round(driver, tickets_out, outcomes_in, b"retry", members=("a", "b"), rank=1, leads=True)
+    driver.plane.error = error
+    _round(driver, tickets_out, outcomes_in, b"followed c", members=members, rank=1, holder="c")
+    assert driver.spoilers("absent") == [] and driver.spoilers("unreachable") == ["c"]  # its leader
+    _round(driver, tickets_out, outcomes_in, b"again", members=members, rank=1, leads=True)
+    assert enabled.value == 1  # two in a row since the last ring set up
+
+
 def test_the_drivers_thread_ends_with_the_averager_process():
     # The averager process holds the only writing end of the tickets' pipe (GroupAverager.start
     # closes the peer's copy): once it exits, the ring's thread reads the end and stops, rather
@@ -475,7 +512,7 @@ async def test_the_groups_leader_holds_its_board_and_blames_only_what_it_saw_its
 
     def member(peer: PeerID, led_by: PeerID | None, holder_answers=None) -> GroupAverager:
         averager = Member.__new__(Member)
-        averager.peer_id, averager.serializer = peer, MSGPackSerializer
+        averager.peer_id, averager.serializer, averager._driver = peer, MSGPackSerializer, None
         averager._leaders, averager._posted, averager._boards = (
             OrderedDict(),
             OrderedDict(),
