@@ -1004,7 +1004,8 @@ import swarm.ring_driver as ring_driver
 from workbench.cli import main
 
 # A peer like any other, except that the ring address it posts at every board is dead: port 1
-# of its host, where nothing listens (the lowest address: gloo has the others connect to it).
+# of 0.0.0.0 (the connecting machine), where nothing listens, lower than any member's address:
+# gloo has the higher address connect to the lower, so the others must connect to it.
 # It never turns its own plane off, and gives up its own side of a ring at once, back in time
 # for the round's retry: every new ring with it keeps failing.
 posted = rendezvous.RingStore.set
@@ -1012,7 +1013,7 @@ posted = rendezvous.RingStore.set
 def dead(self, key, value):
     value = bytearray(value)
     assert value[18:20] == bytes([2, 0]), "not the IPv4 address gloo posts in torch 2.13: " + value.hex()
-    value[20:22] = (1).to_bytes(2, "big")
+    value[20:26] = (1).to_bytes(2, "big") + bytes(4)  # port 1 of 0.0.0.0 (this machine)
     posted(self, key, bytes(value))
 
 rendezvous.RingStore.set = dead
