@@ -17,7 +17,10 @@ member info and every fallback, and moves only the tensor bytes over TCP with gl
 4. the ring runs once every member has shown up (at the board for a new ring, in a gloo
    exchange with a short timeout on a kept one): a member hivemind's matchmaking counted in but
    that gave up on the group fails the round in seconds, not at gloo's timeout, and one whose
-   step was cancelled after its group formed says so there (:meth:`DirectPlane.decline`);
+   step was cancelled after its group formed says so there (:meth:`DirectPlane.decline`). A new
+   ring's pairs then connect each on its own and exchange a hello, within the same time: a
+   member that never posts its ring address, posts a dead one or never answers is named
+   (:meth:`DirectPlane._connect`), and the group's leader leaves it out of the round's retries;
 5. the sum is checked before it is used: every member sends every other, over their own pair
    of the ring (gloo's all-to-all: nobody relays it), a sketch of what it sent, sealed with a
    key it posted at the board when the ring was set up (an HMAC: someone in its place in the
