@@ -19,7 +19,7 @@ member info and every fallback, and moves only the tensor bytes over TCP with gl
    that gave up on the group fails the round in seconds, not at gloo's timeout, and one whose
    step was cancelled after its group formed says so there (:meth:`DirectPlane.decline`). A new
    ring's pairs then connect each on its own and exchange a hello, within the same time: a
-   member that never posts its ring address, posts a dead one or never answers is named
+   member that never posts its ring address, or posts one that refuses connections, is named
    (:meth:`DirectPlane._connect`), and the group's leader leaves it out of the round's retries;
 5. the sum is checked before it is used: every member sends every other, over their own pair
    of the ring (gloo's all-to-all: nobody relays it), a sketch of what it sent, sealed with a
@@ -85,7 +85,6 @@ CONNECT_FACTOR = 5
 1 s -> 5.0 s, 2 s -> 10 s, 8 s -> 40 s): a new ring's group timeout is its arrival time / 5, and
 every operation on it passes its own timeout."""
 HELLO_TAG = 7  # the hello's point-to-point messages on a new ring
-_LAZY = threading.Lock()  # TORCH_GLOO_LAZY_INIT is read as a device is created (os.environ: process-wide)
 OPEN_FILES_CAP = 65536  # the soft limit is raised to the hard one, up to this
 
 
@@ -181,19 +180,9 @@ def _usable(ring: Any, ring_id: bytes, reusable: frozenset[bytes] | None) -> boo
 
 def _lazy_device(host: str) -> Any:
     """A gloo device bound to ``host`` whose rings connect each pair on its first use instead
-    of all of them as the ring is made (torch reads ``TORCH_GLOO_LAZY_INIT`` as it creates the
-    device): a pair that cannot be connected then fails on its own, naming its member, where
-    the eager full mesh failed as a whole ("Connect timeout [none]") and blamed nobody."""
-    with _LAZY:
-        before = os.environ.get("TORCH_GLOO_LAZY_INIT")
-        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-        try:
-            return torch.distributed.ProcessGroupGloo.create_device(hostname=host)
-        finally:
-            if before is None:
-                del os.environ["TORCH_GLOO_LAZY_INIT"]
-            else:
-                os.environ["TORCH_GLOO_LAZY_INIT"] = before
+    of all of them as the ring is made: a pair that cannot be connected then fails on its own,
+    where the eager full mesh failed as a whole ("Connect timeout [none]") and named nobody."""
+    return torch.distributed.ProcessGroupGloo.create_device(hostname=host, lazy_init=True)
 
 
 def _round_tag(seed: bytes) -> torch.Tensor:
@@ -268,7 +257,6 @@ class DirectPlane:
         self.timeline: list[tuple[str, float]] | None = None
         """A list to append each round's phases to as they end, ``(phase, time.perf_counter())``
         (``benchmarks.allreduce --phases``); None in a peer."""
-        self._stores: dict[bytes, RingStore] = {}  # each kept ring's rendezvous, by ring id (see _connect)
         self._files: int | None = None  # the baseline of open files while rings are kept (_keep)
         self._rings_lock = threading.Lock()  # the flood watch closes the kept rings from its thread
         self._watching = False
@@ -285,9 +273,6 @@ class DirectPlane:
             self._rings[key] = (ring_id, ring, keys)
             while len(self._rings) > MAX_RINGS:
                 self._rings.pop(next(iter(self._rings)))
-            kept = {ring_id for ring_id, _, _ in self._rings.values()}
-            for old in [r for r in self._stores if r not in kept]:
-                del self._stores[old]
             now = open_files()
             self._files = now if self._files is None or now is None else min(self._files, now)
         if not self._watching and self._files is not None:
@@ -458,7 +443,7 @@ class DirectPlane:
             self.mark("arrival")
             if ring is None:
                 ring_id = hashlib.sha256(b"ring" + seed).digest()[:RING_ID_BYTES]
-                ring = self._connect(board, ring_id, rank, len(members), arrival, tag)
+                ring = self._connect(board, rank, len(members), arrival, tag)
             for index, (lo, hi) in enumerate(bounds):
                 if index:
                     prepare(index)
@@ -548,65 +533,88 @@ class DirectPlane:
         return [ring_id for ring_id, _, _ in self._rings.copy().values()]  # copy(): atomic (GIL)
 
     def _connect(
-        self, board: Rendezvous, ring_id: bytes, rank: int, size: int, arrival: float, tag: torch.Tensor
+        self, board: Rendezvous, rank: int, size: int, arrival: float, tag: torch.Tensor
     ) -> torch.distributed.ProcessGroup:
         """A new ring among the group's members, every pair connected and heard from within
-        ``arrival`` s; else :class:`RingUnreachable` naming the members that never posted their
-        address at the board (``absent``) or could not be connected to or never spoke on the
-        ring (``unreachable``), as this member saw for itself. (Before, one member that posted a
-        dead address, or let its listener take connections and never answered, failed gloo's
-        whole connection after up to 5x the round's timeout, naming nobody: it joined every
-        retry too, and three such rings switched the plane off.)"""
+        ``arrival`` s (the addresses: twice that); else :class:`RingUnreachable`, naming the
+        members that never posted their address at the board (``absent``) or whose address
+        refused this member's connection (``unreachable``). (Before, one member that posted a
+        dead address failed gloo's whole connection, naming nobody, after up to 5x the round's
+        timeout on the side that waited for it: it joined every retry too, and three such rings
+        switched the plane off.) Nobody else is named: a pair that connected and then stayed
+        silent may be a silent member, or someone else in its place at a listener (gloo pairs
+        a connection by the rank it says it is; a review of this defence: an outsider, or
+        another member, connecting first as one member to the other got honest members named)."""
         options = torch.distributed.ProcessGroupGloo._Options()
-        options._devices = [_lazy_device(self.host)]
         options._timeout = datetime.timedelta(seconds=arrival / CONNECT_FACTOR)
-        store = RingStore(board, arrival)
+        store = RingStore(board, 2 * arrival)
         try:
+            options._devices = [_lazy_device(self.host)]
             ring = torch.distributed.ProcessGroupGloo(
                 store, rank, size, options
             )  # posts this member's address
-        except Exception as error:
+            absent = store.fetch_others(rank, size, 2 * arrival)
+            if absent:
+                raise RingUnreachable(
+                    f"{_members(absent)} never posted a ring address within {2 * arrival:.0f} s",
+                    absent=absent,
+                )
+            unreachable, silent = self._hello(ring, rank, size, tag, arrival)
+        except RingUnreachable:
+            raise
+        except Exception as error:  # a device, a thread or a board request that failed: nobody named
             raise RingUnreachable(one_line(error)) from None
-        absent = store.fetch_others(rank, size, arrival)
-        if absent:
-            raise RingUnreachable(
-                f"member{'s' * (len(absent) > 1)} {', '.join(map(str, absent))} never posted "
-                f"{'their' if len(absent) > 1 else 'its'} ring address within {arrival:.0f} s",
-                absent=absent,
-            )
-        unreachable = self._hello(ring, rank, size, tag, arrival)
-        if unreachable:
-            raise RingUnreachable(
-                f"member{'s' * (len(unreachable) > 1)} {', '.join(map(str, unreachable))} could not be "
-                f"connected to or never answered on the new ring within {arrival:.0f} s",
-                unreachable=unreachable,
-            )
-        self._stores[ring_id] = store  # gloo holds it (a pair connects through it on first use)
+        if unreachable or silent:
+            said = [f"{_members(unreachable)} refused this member's connection"] if unreachable else []
+            said += [f"no hello from {_members(silent)} within {arrival:.0f} s"] if silent else []
+            raise RingUnreachable("; ".join(said), unreachable=unreachable)
         return ring
 
-    def _hello(self, ring: Any, rank: int, size: int, tag: torch.Tensor, budget: float) -> list[int]:
-        """Connect every pair of a new ring and exchange the round's tag over each, all pairs at
-        once: the ranks that could not be connected, or did not send the tag, within ``budget``
-        s. Each pair's own (gloo connects a lazy ring's pairs one at a time: one member that
-        never connects would have held up every pair after it, and been blamed on them)."""
+    def _hello(
+        self, ring: Any, rank: int, size: int, tag: torch.Tensor, budget: float
+    ) -> tuple[list[int], list[int]]:
+        """Connect every pair of a new ring and exchange the round's tag over each within
+        ``budget`` s: (the ranks whose address refused this member's connection, the ranks it
+        did not hear the tag from otherwise). Only the first are the member's own doing: this
+        member dialled the address it posted (gloo has the higher of two addresses connect to
+        the lower), so no one else could have refused it; a pair that connected and then stayed
+        silent may be someone else's doing (:meth:`_connect`). The pairs are connected one at a
+        time, as gloo makes a lazy ring's pairs without a lock; the tags are then awaited
+        together."""
         started = time.monotonic()
-        others = [other for other in range(size) if other != rank]
-
-        def left() -> datetime.timedelta:
-            return datetime.timedelta(seconds=max(0.001, budget - (time.monotonic() - started)))
-
-        def came(other: int) -> bool:
-            heard = torch.zeros(1, dtype=torch.int64)
-            sent = tag.clone()
+        unreachable, silent = [], []
+        pending: list[tuple[int, list[Any], torch.Tensor, torch.Tensor]] = []
+        for other in range(size):
+            if other == rank:
+                continue
+            heard, sent = torch.zeros(1, dtype=torch.int64), tag.clone()
             try:
                 works = [ring.recv([heard], other, HELLO_TAG), ring.send([sent], other, HELLO_TAG)]
+            except Exception as error:  # noqa: BLE001 - this pair failed: named if it dialled
+                (unreachable if _dialled(error) else silent).append(other)
+                logger.debug("ring member %d could not be connected: %s", other, one_line(error))
+                continue
+            pending.append((other, works, heard, sent))
+        for other, works, heard, _ in pending:
+            try:
                 for work in works:
-                    work.wait(left())
-            except Exception as error:  # noqa: BLE001 - a pair that failed: its member is named
-                logger.debug("ring member %d did not answer: %s", other, one_line(error))
-                return False
-            return bool(heard.item() == tag.item())
+                    work.wait(datetime.timedelta(seconds=max(0.001, budget - (time.monotonic() - started))))
+            except Exception as error:  # noqa: BLE001 - silent: named by nobody
+                silent.append(other)
+                logger.debug("no hello from ring member %d: %s", other, one_line(error))
+                continue
+            if heard.item() != tag.item():
+                silent.append(other)
+        return unreachable, sorted(silent)
 
-        with ThreadPoolExecutor(len(others), thread_name_prefix="ring-hello") as pool:
-            answered = list(pool.map(came, others))
-        return [other for other, ok in zip(others, answered) if not ok]
+
+def _members(ranks: Sequence[int]) -> str:
+    return f"member{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+
+
+def _dialled(error: BaseException) -> bool:
+    """Whether gloo's error is this side's connection to the other's address failing (refused,
+    or unanswered: "timed out connecting ... remote=[host]:port"), not a wait for the other to
+    connect ("Connect timeout [none]") or a read on a pair that connected."""
+    text = str(error)
+    return "connecting" in text and "remote=" in text
