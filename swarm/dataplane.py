@@ -259,6 +259,7 @@ class DirectPlane:
         (``benchmarks.allreduce --phases``); None in a peer."""
         self._files: int | None = None  # the baseline of open files while rings are kept (_keep)
         self._rings_lock = threading.Lock()  # the flood watch closes the kept rings from its thread
+        self._parked: list[tuple[float, Any]] = []  # (until when, a new ring that failed): see _connect
         self._watching = False
         self.floods = 0
         """How many times strangers' connections made this plane close its kept rings."""
@@ -545,14 +546,15 @@ class DirectPlane:
         silent may be a silent member, or someone else in its place at a listener (gloo pairs
         a connection by the rank it says it is; a review of this defence: an outsider, or
         another member, connecting first as one member to the other got honest members named)."""
+        now = time.monotonic()
+        self._parked = [(until, parked) for until, parked in self._parked if until > now][-MAX_RINGS:]
         options = torch.distributed.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=arrival / CONNECT_FACTOR)
         store = RingStore(board, 2 * arrival)
+        ring = None
         try:
             options._devices = [_lazy_device(self.host)]
-            ring = torch.distributed.ProcessGroupGloo(
-                store, rank, size, options
-            )  # posts this member's address
+            ring = torch.distributed.ProcessGroupGloo(store, rank, size, options)  # posts its address
             absent = store.fetch_others(rank, size, 2 * arrival)
             if absent:
                 raise RingUnreachable(
@@ -560,14 +562,19 @@ class DirectPlane:
                     absent=absent,
                 )
             unreachable, silent = self._hello(ring, rank, size, tag, arrival)
-        except RingUnreachable:
-            raise
-        except Exception as error:  # a device, a thread or a board request that failed: nobody named
-            raise RingUnreachable(one_line(error)) from None
-        if unreachable or silent:
-            said = [f"{_members(unreachable)} refused this member's connection"] if unreachable else []
-            said += [f"no hello from {_members(silent)} within {arrival:.0f} s"] if silent else []
-            raise RingUnreachable("; ".join(said), unreachable=unreachable)
+            if unreachable or silent:
+                said = [f"{_members(unreachable)} refused this member's connection"] if unreachable else []
+                said += [f"no hello from {_members(silent)} within {arrival:.0f} s"] if silent else []
+                raise RingUnreachable("; ".join(said), unreachable=unreachable)
+        except Exception as error:
+            # The failed ring's listener stays open a while: a member still connecting to it
+            # then meets silence, not a refusal it would name this member for (a slow member
+            # dialling late, or one kept waiting on purpose by another that gave up early).
+            if ring is not None:
+                self._parked.append((time.monotonic() + 3 * arrival, ring))
+            if isinstance(error, RingUnreachable):
+                raise
+            raise RingUnreachable(one_line(error)) from None  # a device, a thread, a board request
         return ring
 
     def _hello(

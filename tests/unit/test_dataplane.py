@@ -677,6 +677,36 @@ def test_a_member_that_spoils_a_new_rings_connections_is_named_by_every_other(ho
     assert list(named.values()) == [() if how == "silent" else (spoiler,)] * 2, named
 
 
+def _member_late_or_early(rank: int, values, early: bool, out) -> None:
+    """A member of a new ring of three: the early one (on 127.0.0.1, the lower address, so the
+    others dial it) gives up on the ring at once and stays; the late ones (on 127.0.0.2) begin
+    their hello 0.5 s on."""
+    plane = DirectPlane("127.0.0.1" if early else "127.0.0.2")
+    hello = plane._hello
+    if early:
+        plane._hello = lambda *args: ([], [1 - rank])
+    else:
+        plane._hello = lambda *args: time.sleep(0.5) or hello(*args)
+    try:
+        plane._connect(SharedBoard(values, b"g"), rank, 3, 2.0, torch.tensor([42]))
+        out.put((rank, "connected", ()))
+    except RingUnreachable as error:
+        out.put((rank, str(error), error.unreachable))
+    if early:
+        time.sleep(4)  # a peer goes on after a failed ring
+
+
+def test_a_member_that_gave_up_on_a_ring_is_not_named_by_one_dialling_it_late():
+    """A review of the defence: a member that gave up on a new ring closed its listener, and a
+    member dialling it later (slower, or kept waiting on purpose by another) was refused and
+    named it. The failed ring's listener now stays open a while: the late member meets silence
+    and names nobody."""
+    results = _members(_member_late_or_early, 3, lambda r: (r == 1,))
+    for rank, why, unreachable in results:
+        if rank != 1:
+            assert unreachable == () and why != "connected", (rank, why)
+
+
 def test_someone_taking_a_members_place_at_a_listener_gets_nobody_named():
     """A review of the defence above: gloo pairs a connection to a listener by the rank the
     connecting side says it is, and keeps the first. Someone who read the addresses (another
