@@ -85,6 +85,10 @@ CONNECT_FACTOR = 5
 1 s -> 5.0 s, 2 s -> 10 s, 8 s -> 40 s): a new ring's group timeout is its arrival time / 5, and
 every operation on it passes its own timeout."""
 HELLO_TAG = 7  # the hello's point-to-point messages on a new ring
+PARKED = 5
+"""A new ring that failed keeps its listener open for this many times the arrival time
+(:meth:`DirectPlane._connect`): the others read the addresses within 2x it and dial within 2x
+it of their hello's start (:meth:`DirectPlane._hello`)."""
 OPEN_FILES_CAP = 65536  # the soft limit is raised to the hard one, up to this
 
 
@@ -570,8 +574,8 @@ class DirectPlane:
             # The failed ring's listener stays open a while: a member still connecting to it
             # then meets silence, not a refusal it would name this member for (a slow member
             # dialling late, or one kept waiting on purpose by another that gave up early).
-            if ring is not None:
-                self._parked.append((time.monotonic() + 3 * arrival, ring))
+            if ring is not None:  # (the others dial within 2x + 2x the arrival time of their start)
+                self._parked.append((time.monotonic() + PARKED * arrival, ring))
             if isinstance(error, RingUnreachable):
                 raise
             raise RingUnreachable(one_line(error)) from None  # a device, a thread, a board request
@@ -594,6 +598,9 @@ class DirectPlane:
         for other in range(size):
             if other == rank:
                 continue
+            if time.monotonic() - started > budget:  # members that keep this one waiting hold no
+                silent.append(other)  # dial back past the budget (one waited on costs at most
+                continue  # gloo's connect, the arrival time: a dial within 2x the budget)
             heard, sent = torch.zeros(1, dtype=torch.int64), tag.clone()
             try:
                 works = [ring.recv([heard], other, HELLO_TAG), ring.send([sent], other, HELLO_TAG)]
