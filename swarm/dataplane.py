@@ -119,8 +119,8 @@ def raise_open_files_limit() -> None:
 class RingUnreachable(RuntimeError):
     """The group's ring could not be set up (rendezvous or connections), as opposed to a member
     leaving once the ring was up. ``absent``: the ranks that never posted their ring address at
-    the board; ``unreachable``: those this member could not connect to or hear from on the new
-    ring (:meth:`DirectPlane._hello`); both empty when gloo's error names nobody."""
+    the board; ``unreachable``: those whose posted address refused this member's own dial on
+    the new ring (:meth:`DirectPlane._hello`); both empty when nobody can be named."""
 
     def __init__(self, message: str, *, absent: Sequence[int] = (), unreachable: Sequence[int] = ()) -> None:
         super().__init__(message)
@@ -588,8 +588,10 @@ class DirectPlane:
         ``budget`` s: (the ranks whose address refused this member's connection, the ranks it
         did not hear the tag from otherwise). Only the first are the member's own doing: this
         member dialled the address it posted (gloo has the higher of two addresses connect to
-        the lower), so no one else could have refused it; a pair that connected and then stayed
-        silent may be someone else's doing (:meth:`_connect`). The pairs are connected one at a
+        the lower), and a member's listener stays open past the others' dials even when its
+        ring failed (:data:`PARKED`), so nobody but it could have refused (or this member's own
+        network: its own view only); a pair that connected and then stayed silent may be
+        someone else's doing (:meth:`_connect`). The pairs are connected one at a
         time, as gloo makes a lazy ring's pairs without a lock; the tags are then awaited
         together."""
         started = time.monotonic()
