@@ -508,10 +508,10 @@ class SwarmAverager(Downloading):
             for peer in getattr(self.averager, "decliners", list)()
             if self._count_miss(peer, outer_step) >= MISSED_RINGS
         ]
-        # A member this peer could not connect to on a new ring of its group, or that never
-        # answered there, is left out of the round at once and never struck: a dead address it
-        # posted or a silent listener, or its firewall (an honest peer that cannot take gloo's
-        # connections turns its own plane off after three rings, and takes hivemind's path).
+        # A member whose ring address refused this peer's own dial on a new ring of its group
+        # is left out of the round at once and never struck: a dead address it posted, or its
+        # firewall (an honest peer that cannot take gloo's connections turns its own plane off
+        # after three rings, and takes hivemind's path).
         # Before, it was in every retry: each one failed until the averaging deadline, and three
         # switched this peer's plane off (docs/security.md).
         unreachable = list(getattr(self.averager, "unreachable", list)())

@@ -381,8 +381,8 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         return sorted({*_take_ids(self._no_shows), *absent})
 
     def unreachable(self) -> list[str]:
-        """The members of new rings of groups this peer led that it could not connect to or
-        never answered on the ring (base58; :meth:`swarm.ring_driver.RingDriver.spoilers`),
+        """The members of new rings of groups this peer led whose address refused its own dial
+        (or its leader's, for a follower; base58: :meth:`swarm.ring_driver.RingDriver.spoilers`),
         each told once."""
         return self._driver.spoilers("unreachable") if self._driver is not None else []
 
@@ -455,7 +455,6 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             if masks
             else 1.0,
             gathered={peer: gathered.reported(m) for peer, m in zip(group_info.peer_ids, members)},
-            leads=board.held_here,
             holder=board.holder.to_base58() if board.holder is not None else "",
         )
         self._posted[group_info.group_id] = (

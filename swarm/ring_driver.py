@@ -58,8 +58,7 @@ class Ticket:
     arrival: float
     mask_scale: float
     gathered: dict[Any, Any]  # peer id -> its gathered user data: the step's result
-    leads: bool = False  # this peer holds the group's board (its matchmaking leader)
-    holder: str = ""  # who holds it, where this member knows for itself (base58; "" unknown)
+    holder: str = ""  # who holds its board, as this member knows for itself (base58; "" unknown)
 
 
 @dataclass(frozen=True)
@@ -430,18 +429,20 @@ class RingDriver:
         return Outcome(ticket.group_id, True)
 
     def _name_spoilers(self, ticket: Ticket, error: RingUnreachable) -> None:
-        """A new ring failed to set up: the members it named (never posted their address at the
-        board, or could not be connected to or never answered on the ring:
+        """A new ring failed to set up: the members it named (never posted an address at the
+        board, or posted one that refused this member's own dial:
         :meth:`swarm.dataplane.DirectPlane._connect`), for :meth:`spoilers`, before the step
-        hears of the failure (its retry leaves them out). The group's leader names any member:
-        the addresses are on its own board. A follower names only its leader (what the leader
-        posted at its own board is its own): the others' addresses it read there, the leader
-        could have made up (the rule of
+        hears of the failure (its retry leaves them out). The group's leader (the board's
+        holder is this member) names any member: the addresses are on its own board. A follower
+        names only its leader (what the leader posted at its own board is its own): the others'
+        addresses it read there, the leader could have made up. A member that does not know
+        who holds the board names nobody (the rule of
         :meth:`swarm.group_averager.GroupAverager._meeting_failed`)."""
+        leads = ticket.holder == ticket.members[ticket.rank]
         with self._spoilers_lock:
             for kind, ranks in (("absent", error.absent), ("unreachable", error.unreachable)):
                 named = {ticket.members[r] for r in ranks if 0 <= r < len(ticket.members)}
-                self._spoilers[kind].update(named if ticket.leads else named & {ticket.holder})
+                self._spoilers[kind].update(named if leads else named & {ticket.holder})
 
     def spoilers(self, kind: str) -> list[str]:
         """The members of this peer's groups named ``kind`` ("absent", "unreachable") since

@@ -392,7 +392,7 @@ def test_the_leader_names_the_members_a_new_ring_could_not_reach_before_the_step
         settle(value, error)
 
     step.settle = settled
-    tickets_out.send(_ticket(b"led", members=members, rank=1, leads=True))
+    tickets_out.send(_ticket(b"led", members=members, rank=1, holder="b"))
     step.allow_allreduce()
     assert outcomes_in.poll(10) and not outcomes_in.recv().ok
     with pytest.raises(AllreduceFailed):
@@ -400,14 +400,31 @@ def test_the_leader_names_the_members_a_new_ring_could_not_reach_before_the_step
     assert named == [{"absent": {"a"}, "unreachable": {"c"}}]
     assert driver.spoilers("absent") == ["a"] and driver.spoilers("unreachable") == ["c"]  # (rank 9: none)
     assert driver.spoilers("absent") == driver.spoilers("unreachable") == []  # told once
-    _round(driver, tickets_out, outcomes_in, b"followed", members=members, rank=1, holder="b")
-    assert driver.spoilers("absent") == driver.spoilers("unreachable") == []
-    driver.plane.error = None  # the retry, without them, sets up its ring
-    _round(driver, tickets_out, outcomes_in, b"retry", members=("a", "b"), rank=1, leads=True)
-    driver.plane.error = error
+    for holder in ("d", ""):  # a follower of a leader not named; one that does not know its leader
+        _round(
+            driver,
+            tickets_out,
+            outcomes_in,
+            b"followed" + holder.encode(),
+            members=(*members, "d"),
+            rank=1,
+            holder=holder,
+        )
+        assert driver.spoilers("absent") == driver.spoilers("unreachable") == []
+        driver.plane.error = None  # the retry, without them, sets up its ring
+        _round(
+            driver,
+            tickets_out,
+            outcomes_in,
+            b"retry" + holder.encode(),
+            members=("a", "b"),
+            rank=1,
+            holder="b",
+        )
+        driver.plane.error = error
     _round(driver, tickets_out, outcomes_in, b"followed c", members=members, rank=1, holder="c")
     assert driver.spoilers("absent") == [] and driver.spoilers("unreachable") == ["c"]  # its leader
-    _round(driver, tickets_out, outcomes_in, b"again", members=members, rank=1, leads=True)
+    _round(driver, tickets_out, outcomes_in, b"again", members=members, rank=1, holder="b")
     assert enabled.value == 1  # two in a row since the last ring set up
 
 
