@@ -489,17 +489,27 @@ class SwarmAverager(Downloading):
         came to the ring of a group this peer led, or a leader that never opened its board
         (:meth:`swarm.group_averager.GroupAverager.no_shows`), from its second time since it
         last averaged with this one: an honest peer late to a ring under load, or that gave up
-        on the group as hivemind formed it, comes to the next. A fresh key with a heartbeat
+        on the group as hivemind formed it, comes to the next; the same for a member that sent
+        this peer nothing in a group on hivemind's path (its leader, for a follower:
+        :meth:`swarm.group_averager.GroupAverager.stalled`). A fresh key with a heartbeat
         "waiting" at the round's step did either every attempt, and every round of a pair
         ended alone at the averaging deadline (red-team reviews, 2026-12-06)."""
-        spoilers = [
-            (peer, "accepted this peer into its group and never began it")
-            for peer in getattr(self.averager, "silent_leaders", list)()
-        ] + [
-            (peer, "was in this peer's group and never came to its ring")
-            for peer in getattr(self.averager, "no_shows", list)()
-            if self._count_miss(peer, outer_step) >= MISSED_RINGS
-        ]
+        spoilers = (
+            [
+                (peer, "accepted this peer into its group and never began it")
+                for peer in getattr(self.averager, "silent_leaders", list)()
+            ]
+            + [
+                (peer, "was in this peer's group and never came to its ring")
+                for peer in getattr(self.averager, "no_shows", list)()
+                if self._count_miss(peer, outer_step) >= MISSED_RINGS
+            ]
+            + [
+                (peer, "was in this peer's group and sent it nothing on hivemind's path")
+                for peer in getattr(self.averager, "stalled", list)()
+                if self._count_miss(peer, outer_step) >= MISSED_RINGS
+            ]
+        )
         # Declines are only left out of the round, never struck: an honest peer that fell
         # behind declines the groups formed as it gave up its step (1 round in 5 to 25 under
         # load, docs/reliability.md), a slow joiner maybe every round; a decline costs 0.1 s.

@@ -13,12 +13,15 @@ and keeps for its own part that same encoding, decoded. Every member copies what
 of them hold the same bits (the mean rounded once, by the reducer's codec), as on the direct
 plane, where gloo's ring hands every member the same sum.
 
-A member that drops out fails the round as soon as it is seen: its reducer fails, or it is banned
-as a sender (no parts by the senders' timeout, or its stream ended early) (:attr:`MeanReplies.doomed`). hivemind would wait for the rest, up to its reducers' timeout, and
-call a round a success in which some parts stayed this member's own; the members' check then
-failed it, once its own wait for the missing member's post ran out. Seen as a 25 s stall about
-once in 150 rounds of a private run: a member whose matchmaking gave up after the leader had
-counted it in.
+A member that drops out fails the round (:attr:`MeanReplies.doomed`): its reducer fails, or it
+is banned as a sender (no parts by the senders' timeout, or its stream ended early). hivemind
+would call a round a success in which some parts stayed this member's own; the members' check
+then failed it, once its own wait for the missing member's post ran out. Seen as a 25 s stall
+about once in 150 rounds of a private run: a member whose matchmaking gave up after the leader
+had counted it in. The round fails once every member has had the senders' timeout (10 s by
+default) of this member's runner's start to begin, unless the runner ends before: a member that
+stopped at the first drop cut its own streams to the others before they began, and an honest
+member then looked to the group's leader like one that sent nothing (:class:`Stalls`).
 
 A group answers this way only if every member says it takes the mean (``MEAN``, gathered with the
 others: :func:`swarm.gathered.own`); a group with an older peer runs hivemind's own exchange, with
@@ -28,6 +31,7 @@ the senders' weights as the group counts them (:class:`CountedWeights`).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import torch
@@ -41,7 +45,46 @@ MEAN = 1
 """The version of this exchange a member gathers (``gathered.BUTTERFLY``)."""
 
 
-class MeanReplies(AllReduceRunner):
+class Stalls(AllReduceRunner):
+    """A runner that tells which senders stalled it, as it saw for itself: a sender that sent no
+    part within the senders' timeout of this runner's start (hivemind's channel proves who each
+    stream is from), or whose stream then stood idle that long while this reducer read it. An
+    honest member opens its streams to every reducer as its own runner starts, and makes its
+    parts from its own tensors, so no other member can hold it back; a stream that ends early
+    or fails is not counted (a member that another's failure made give up closes its streams
+    the same way). A fresh key with a heartbeat that joined the peers' groups saying it takes no
+    direct rings sent their groups to hivemind's path and then sent nothing: every round of a
+    pair ended alone, 22-27 s each (a review, 2026-12-07)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.started_at = time.monotonic()
+        self.idle: set[Any] = set()
+        """Senders whose stream stood idle for the senders' timeout while this reducer read it."""
+
+    def _stalled_reading(self, sender_index: int) -> None:
+        self.idle.add(self.sender_peer_ids[sender_index])
+
+    @property
+    def reduces(self) -> bool:
+        """Whether this member reduces a part: only then do the senders come to it."""
+        own = self.ordered_peer_ids.index(self.peer_id)
+        return self.tensor_part_container.num_parts_by_peer[own] != 0
+
+    def yet_to_begin(self) -> set[Any]:
+        """The senders that have sent this reducer nothing so far (none if it reduces nothing)."""
+        if not self.reduces:
+            return set()
+        return {peer for peer in self.sender_peer_ids if peer not in self.active_senders}
+
+    def stalled(self) -> set[Any]:
+        """The senders that stalled this reducer so far: those idle for the senders' timeout,
+        and, once that long has passed since this runner started, those that sent nothing."""
+        due = self.sender_timeout is not None and time.monotonic() >= self.started_at + self.sender_timeout
+        return self.idle | (self.yet_to_begin() if due else set())
+
+
+class MeanReplies(Stalls):
     """hivemind's :class:`AllReduceRunner` whose reducers answer with each part's mean, encoded
     with ``codec`` (a ``runtime_pb2.CompressionType``); it yields the means, not differences."""
 
@@ -124,12 +167,15 @@ class MeanReplies(AllReduceRunner):
                 encoded = await self._reply(parts, mean)
                 parts += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        except TimeoutError:  # (hivemind's wait for the sender's next part)
+            self._stalled_reading(sender_index)
+            raise
         finally:
             if parts != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
 
-class CountedWeights(AllReduceRunner):
+class CountedWeights(Stalls):
     """hivemind's own exchange (replies with differences), for a group with a member that does
     not take the mean (an older release): its reducers weigh a sender's parts by the weight the
     group counts it by (``weights``), not by the weight the sender's messages carry. Read from the
@@ -149,5 +195,9 @@ class CountedWeights(AllReduceRunner):
                 message.weight = weight
                 yield message
 
-        async for reply in super()._accumulate_parts_streaming(counted(), sender_index):
-            yield reply
+        try:
+            async for reply in super()._accumulate_parts_streaming(counted(), sender_index):
+                yield reply
+        except TimeoutError:  # (hivemind's wait for the sender's next part)
+            self._stalled_reading(sender_index)
+            raise

@@ -30,7 +30,7 @@ from hivemind.utils.asyncio import achain, as_aiter, azip, enter_asynchronously
 
 from optim.diloco import OuterState
 from swarm import gathered
-from swarm.butterfly import CountedWeights, MeanReplies
+from swarm.butterfly import CountedWeights, MeanReplies, Stalls
 from swarm.consensus import CHECKED_CODECS, FAILED, Post, TensorSketcher, disagreement, scaled
 from swarm.dataplane import DIRECT_CODECS, DirectPlane, bindable, one_line, or_error
 from swarm.faults import fault_value
@@ -127,6 +127,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         self._silent_ids: set[str] = set()  # (the averager process's)
         self._no_shows = mp.Array("c", EXPECTED_BYTES)  # members that never came to a ring (ids)
         self._decliners = mp.Array("c", EXPECTED_BYTES)  # members that declined one (ids)
+        self._stalled = mp.Array("c", EXPECTED_BYTES)  # members that sent nothing on hivemind's path (ids)
         self._leaders: OrderedDict[bytes, Any] = OrderedDict()  # group id -> who led it (this process's)
         self._formed: Any = None  # the group hivemind formed in the current look for one
         self.assembled = mp.Value("d", 0.0)  # when a group last formed (time.time())
@@ -280,6 +281,7 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         _put_ids(self._silent, ())
         _put_ids(self._no_shows, ())  # (any left unread: an earlier step's)
         _put_ids(self._decliners, ())
+        _put_ids(self._stalled, ())
         watch_leaders(self._matchmaking, self._note_silent, self._note_leader)
         keys = self._matchmaking.group_key_manager
         if isinstance(keys, SignedGroupKeys):
@@ -385,6 +387,11 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         (or its leader's, for a follower; base58: :meth:`swarm.ring_driver.RingDriver.spoilers`),
         each told once."""
         return self._driver.spoilers("unreachable") if self._driver is not None else []
+
+    def stalled(self) -> list[str]:
+        """The members of this peer's groups on hivemind's path that sent it nothing within the
+        senders' timeout, or then stalled (base58; :meth:`_name_stalls`), each told once."""
+        return _take_ids(self._stalled)
 
     def decliners(self) -> list[str]:
         """The members of this peer's groups that declined their rings at its board (base58;
@@ -591,17 +598,32 @@ class GroupAverager(StateSharing, DecentralizedAverager):
                 self.last_updated = get_dht_time()
                 self._state_updated.set()
 
+        # A member that dropped out fails the round (``doomed``), once every member has had the
+        # senders' timeout of this runner's start to begin (10 s by default), unless the runner
+        # ends before. Cut short at the first drop, this member's streams to the others ended
+        # before they began, and a group's leader saw an honest member that another had failed
+        # send it nothing (a test of :meth:`_name_stalls`: a key that refused one member's
+        # stream had the leader name that member). Not the runner's whole course: a reducer
+        # that stalls holds it up to the reducers' timeout, twice as long.
         copying, doomed = asyncio.create_task(copy_means()), asyncio.create_task(runner.doomed.wait())
+        failed = None
         try:
             await asyncio.wait({copying, doomed}, return_when=asyncio.FIRST_COMPLETED)
+            left = runner.started_at + (runner.sender_timeout or 0.0) - time.monotonic()
+            if not copying.done() and left > 0:
+                await asyncio.wait({copying}, timeout=left)
         finally:
             for task in (copying, doomed):
                 task.cancel()
             await asyncio.gather(copying, doomed, return_exceptions=True)
-        if runner.doomed.is_set():  # no member can hold the group's mean: the round fails now
+        if copying.done() and not copying.cancelled():
+            failed = copying.exception()
+        self._name_stalls(group_info, runner)
+        if runner.doomed.is_set():  # no member can hold the group's mean: the round fails
             gone = ", ".join(str(p)[-8:] for p in runner.dropped)
             raise AllreduceException(f"members dropped out of hivemind's all-reduce ({gone})")
-        copying.result()  # its error, if it failed
+        if failed is not None:
+            raise failed
 
     def _runner(self, kind: type, tensors, group_info, **kwargs: Any) -> Any:
         """An all-reduce runner of ``kind`` for this group, registered for its members' calls."""
@@ -625,10 +647,30 @@ class GroupAverager(StateSharing, DecentralizedAverager):
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
             return
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update, alpha=self._averaging_alpha)
-            self.last_updated = get_dht_time()
-            self._state_updated.set()
+        failed = None
+        try:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        except Exception as error:  # (told after who stalled it)
+            failed = error
+        self._name_stalls(group_info, runner)
+        if failed is not None:
+            raise failed
+
+    def _name_stalls(self, group_info, runner: Stalls) -> None:
+        """The members that stalled this peer's part of a group's all-reduce on hivemind's path
+        (:class:`swarm.butterfly.Stalls`), for the peer's process (:meth:`stalled`), by the
+        ring's rule: the group's leader names any, a follower only its leader. A leader forwards
+        the group's membership to each follower: one that told a follower another group would
+        have the others see that follower send nothing."""
+        leader = self._leaders.get(bytes(group_info.group_id))
+        if leader is None:
+            return
+        mine = set(runner.sender_peer_ids) if leader == self.peer_id else {leader}
+        named = runner.stalled() & mine
+        _add_ids(self._stalled, {peer.to_base58() for peer in named if peer != self.peer_id})
 
     async def _checked_butterfly(self, group_info, members: list[Any], min_vector_size: int, **kwargs: Any):
         """hivemind's all-reduce, then the check that every member got the group's mean (a

@@ -158,10 +158,10 @@ def test_a_member_left_with_its_own_values_fails_the_round_for_both(codec):
         assert "did not get the group's mean" in outcome, (attempts, outcome)
 
 
-def _dropping_member(rank: int, addresses, out, barrier, stop) -> None:
+def _dropping_member(rank: int, addresses, out, names, barrier, stop) -> None:
     mp.set_start_method("fork", force=True)  # the averager process inherits the patch below
     try:
-        _drop_rounds(rank, addresses, out, barrier, stop)
+        _drop_rounds(rank, addresses, out, names, barrier, stop)
     except BaseException:
         import traceback
 
@@ -169,7 +169,7 @@ def _dropping_member(rank: int, addresses, out, barrier, stop) -> None:
         raise
 
 
-def _drop_rounds(rank: int, addresses, out, barrier, stop) -> None:
+def _drop_rounds(rank: int, addresses, out, names, barrier, stop) -> None:
     from hivemind import DHT
 
     from swarm.averaging import CODECS
@@ -202,22 +202,25 @@ def _drop_rounds(rank: int, addresses, out, barrier, stop) -> None:
         except Exception as error:  # noqa: BLE001 - reported to the test
             outcome = str(error)
         out.put((rank, outcome))
+        names.put((rank, (averager.peer_id.to_base58(), averager.stalled())))
         barrier.wait(timeout=150)  # the test read the outcomes and said whether to go on
     averager.shutdown()
     dht.shutdown()
 
 
 @pytest.mark.timeout(ATTEMPTS * 150 + 60)
-def test_a_member_that_drops_out_of_the_all_reduce_fails_the_round_at_once():
+def test_a_member_that_drops_out_of_the_all_reduce_fails_the_round_and_is_named():
     """swarm.butterfly: a member that gives up after the group formed (it never sends nor
-    reduces) fails the round for the others as soon as they ban it, with why. Before, they waited
-    on hivemind's reducer timeout and then on the missing member's post to the check, and failed
-    only with "the members' check did not complete" (a 25 s stall in a private run)."""
+    reduces) fails the round for the others within the senders' timeout, with why, and is named
+    by the group's leader (or by the followers, if it led). Before, they waited on hivemind's
+    reducer timeout and then on the missing member's post to the check, and failed only with
+    "the members' check did not complete" (a 25 s stall in a private run)."""
     context = members_context()
-    out, addresses = context.Queue(), context.Queue()
+    out, names, addresses = context.Queue(), context.Queue(), context.Queue()
     barrier, stop = context.Barrier(4), context.Value("b", 0)
     members = [
-        context.Process(target=_dropping_member, args=(r, addresses, out, barrier, stop)) for r in range(3)
+        context.Process(target=_dropping_member, args=(r, addresses, out, names, barrier, stop))
+        for r in range(3)
     ]
     for m in members:
         m.start()
@@ -226,6 +229,7 @@ def test_a_member_that_drops_out_of_the_all_reduce_fails_the_round_at_once():
         for _ in range(ATTEMPTS):  # until a group held all three: a group without member 2 averages
             barrier.wait(timeout=150)
             outcomes = dict(out.get(timeout=150) for _ in members)
+            named = dict(names.get(timeout=150) for _ in members)  # (its id, whom it named)
             rounds.append(outcomes)
             tracebacks = [o for o in outcomes.values() if isinstance(o, str) and "Traceback" in o]
             stop.value = int(bool(tracebacks) or all(isinstance(outcomes[r], str) for r in range(2)))
@@ -243,3 +247,8 @@ def test_a_member_that_drops_out_of_the_all_reduce_fails_the_round_at_once():
     for rank in range(2):
         assert "dropped out of hivemind's all-reduce" in last[rank], rounds
     assert "gave up" in last[2] or "group" in last[2], rounds
+    # It sent nothing: the group's leader names it (swarm.butterfly.Stalls), or a follower that
+    # it led; nobody names a member that took part.
+    dropped, honest = named[2][0], {named[0][0], named[1][0]}
+    assert any(dropped in named[r][1] for r in range(2)), (named, rounds)
+    assert not honest & {*named[0][1], *named[1][1]}, (named, rounds)

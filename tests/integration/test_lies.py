@@ -701,7 +701,8 @@ from workbench.run.training import load_data, trained_shapes
 # every follower and never begins, and a follower that joins every honest peer's group (a
 # well-formed request: the run's schema) and would never come to its ring. "beating": it also
 # publishes a heartbeat "waiting" at the swarm's step (a round mate, as far as the barrier knows);
-# "joining": that heartbeat, and it only joins the peers' groups.
+# "joining": that heartbeat, and it only joins the peers' groups; "hivemind": the same, saying
+# it takes no direct rings (so its groups average on hivemind's path), where it sends nothing.
 address, run_id, mode, flags = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 config = build_config(build_parser().parse_args(["join", address, "--run-id", run_id, *flags]))
 shapes = [torch.zeros(t.shape) for t in trained_shapes(config, load_data(config)[1])]
@@ -716,7 +717,7 @@ async def lead(request, context):
     await asyncio.sleep(120)  # never begins, never disbands
 
 async def join(p2p, leader, busy):
-    own = gathered.own(True, 1.0, b"", {"outer_step": 0})  # (this release's, whatever it holds)
+    own = gathered.own(mode != "hivemind", 1.0, b"", {"outer_step": 0})  # (this release's)
     request = averaging_pb2.JoinRequest(
         schema_hash=compute_schema_hash(shapes), expiration=get_dht_time() + 100, client_mode=False,
         gather=MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(own)]), group_key=prefix + ".0b")
@@ -741,7 +742,7 @@ def beat():
         time.sleep(0.3)
 
 async def main():
-    if mode in ("beating", "joining"):
+    if mode != "silent":
         threading.Thread(target=beat, daemon=True).start()
     p2p = await session.dht.replicate_p2p()
     await p2p.add_protobuf_handler(
@@ -749,7 +750,7 @@ async def main():
     print("ready", flush=True)
     busy = set()
     while True:
-        if mode != "joining":
+        if mode == "silent" or mode == "beating":
             session.dht.store(prefix + ".0b", True, get_dht_time() + 0.25, subkey=session.store.subkey, return_future=True)
         found = await asyncio.wrap_future(session.dht.get(prefix + ".0b", latest=True, return_future=True))
         for subkey, entry in (found.value.items() if found is not None and isinstance(found.value, dict) else ()):
@@ -814,6 +815,29 @@ def test_a_fresh_key_with_a_heartbeat_that_joins_and_never_comes_is_ignored(spaw
     a third machine)."""
     said = _ignored_for_the_run(
         spawn, tmp_path, machines, "joining", "sybil was in this peer's group and never came to its ring"
+    )
+    joined = [line for line in said if line.startswith("followed")][-1]
+    assert joined != "followed 0 joined 0", joined  # (it was in groups: the attack happened)
+
+
+@machines(pytest.mark.faults)  # make test: on 127.0.0.1 only
+def test_a_fresh_key_that_sends_its_groups_to_hivemind_s_path_and_sends_nothing_is_ignored(
+    spawn, tmp_path, machines
+):
+    """The joining key, saying it takes no direct rings: each group it joined averaged on
+    hivemind's path, where it sent nothing and reduced nothing. Every round of the pair ended
+    alone, 22-27 s each, the key in every retry (a review, 2026-12-07). A reducer sees for
+    itself who sent it nothing within the senders' timeout (hivemind's channel proves each
+    stream's sender): the group's leader names such a member, a follower only its leader; from
+    the second time running the key is left out of the round's retries and struck, and three
+    rounds later ignored for the run (in network namespaces: the README's flags, the key on a
+    third machine)."""
+    said = _ignored_for_the_run(
+        spawn,
+        tmp_path,
+        machines,
+        "hivemind",
+        "sybil was in this peer's group and sent it nothing on hivemind's path",
     )
     joined = [line for line in said if line.startswith("followed")][-1]
     assert joined != "followed 0 joined 0", joined  # (it was in groups: the attack happened)

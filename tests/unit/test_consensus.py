@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -219,3 +221,65 @@ def test_a_group_with_a_member_not_taking_the_mean_runs_hiveminds_exchange_on_co
     differences = {k: v for k, v in mean_taker.items() if k != gathered.BUTTERFLY}
     kind, weights = reduce_with([honest, differences])
     assert kind is CountedWeights and weights["liar"] <= 16 * weights["a"], weights
+
+
+def _stalls_runner(kind: type, own_fraction: float = 1.0, timeout: float = 0.3):
+    """A real runner of ``kind`` for three members, this one first, with no network: (the
+    runner, the members' ids)."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.allreduce import AveragingMode
+    from hivemind.p2p import PeerID, ServicerBase
+
+    peers = [PeerID(bytes([i + 1]) * 34) for i in range(3)]
+    extra = {"codec": 0} if kind.__name__ == "MeanReplies" else {}
+    runner = kind(
+        p2p=SimpleNamespace(peer_id=peers[0]), servicer_type=ServicerBase, prefix="stalls", group_id=b"g",
+        tensors=[torch.zeros(3 << 18)], ordered_peer_ids=peers, peer_fractions=(own_fraction, 1.0, 1.0),
+        modes=[AveragingMode.CLIENT if own_fraction == 0 else AveragingMode.NODE, *[AveragingMode.NODE] * 2],
+        sender_timeout=timeout, reducer_timeout=2 * timeout, weights={p: 1.0 for p in peers}, **extra,
+    )  # fmt: skip
+    return runner, peers
+
+
+@pytest.mark.parametrize("kind", ["MeanReplies", "CountedWeights"])
+def test_a_reducer_tells_the_senders_that_sent_it_nothing_or_stalled_and_only_those(kind):
+    """swarm.butterfly.Stalls: a sender that sent this reducer nothing within the senders'
+    timeout of its runner's start is told; one that began is not; before the timeout nobody is; a member that reduces nothing (client
+    mode) sees no senders and tells none. A sender whose stream then stood idle for the
+    timeout is told too; one whose stream ended early is not (another's failure ends it so)."""
+    import asyncio
+
+    from hivemind.utils.asyncio import aiter_with_timeout
+
+    from swarm import butterfly
+
+    cls = getattr(butterfly, kind)
+
+    async def told() -> None:
+        runner, (me, began, silent) = _stalls_runner(cls)
+        runner.active_senders.add(began)
+        assert runner.stalled() == set()  # not yet due: nobody
+        await asyncio.sleep(0.35)
+        assert runner.stalled() == {silent}  # due: the one that sent nothing, only
+        client, _ = _stalls_runner(cls, own_fraction=0.0, timeout=0.01)
+        await asyncio.sleep(0.05)
+        assert client.stalled() == set()
+
+        async def idle():
+            await asyncio.sleep(10)
+            yield None
+
+        async def ended():
+            return
+            yield None
+
+        for stream, sender in ((idle(), 1), (ended(), 2)):
+            runner, peers = _stalls_runner(cls, timeout=0.1)
+            runner.active_senders.update(peers)
+            with contextlib.suppress(Exception):
+                async for _ in runner._accumulate_parts_streaming(aiter_with_timeout(stream, 0.1), sender):
+                    pass
+            assert runner.stalled() == ({peers[1]} if sender == 1 else set())
+
+    asyncio.run(told())

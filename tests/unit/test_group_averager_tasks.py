@@ -295,8 +295,9 @@ def test_a_step_whose_leader_broke_the_pipe_leaves_no_unretrieved_task_error(mon
 
     averager = _bare_for_step(plane=False, leader_assemble_group=None)
     averager._no_shows.value = b"an earlier step's"  # (unread: not blamed on this step's)
+    averager._stalled.value = b"an earlier step's"
     assert asyncio.run(averager._step(step=None)) is None
-    assert averager._no_shows.value == b""
+    assert averager._no_shows.value == averager._stalled.value == b""
 
 
 def test_a_group_formed_as_its_step_was_given_up_on_is_offered_to_be_declined(monkeypatch):
@@ -368,4 +369,5 @@ def _bare_for_step(*, plane: bool, **matchmaking):  # type: ignore[no-untyped-de
     averager._expected, averager._plane_enabled = mp.Array("c", 64), SimpleNamespace(value=int(plane))
     averager._allowed, averager._silent, averager._silent_ids = mp.Array("c", 64), mp.Array("c", 64), set()
     averager._no_shows, averager._decliners = mp.Array("c", 64), mp.Array("c", 64)
+    averager._stalled = mp.Array("c", 64)
     return averager
