@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from swarm.errors import SwarmError
+
 
 class Fault(enum.Enum):
     KILL = "kill"  # SIGKILL: the round falls back, the peer drops out
@@ -105,7 +107,7 @@ class FaultPlan:
         for key, value in data.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"fault {key} must be a finite number (got {value!r})")
-            values[key] = max(0.0, float(value))
+            values[key] = float(value)  # (a negative one is refused where the plan is made)
         return cls(**values)
 
     @classmethod
@@ -131,6 +133,19 @@ class FaultPlan:
         plan = dataclasses.replace(cls.read(path), **changes)
         plan.write(path)
         return plan
+
+
+def check_fault_file(path: str | os.PathLike[str]) -> None:
+    """SwarmError if ``path`` (``--fault-file``) is there and holds no usable plan, before the
+    peer starts. Read only as the peer ran, a typo in it (an unknown fault, a negative or
+    quoted value, no JSON) was one warning, and the peer ran on with no faults, exit 0 (a
+    review, stop 71). No file yet is no faults: a test or the lab writes it later."""
+    try:
+        FaultPlan.read(path)
+    except json.JSONDecodeError as error:
+        raise SwarmError(f"--fault-file {path} is not JSON ({error}): write one JSON object") from None
+    except (ValueError, OSError) as error:
+        raise SwarmError(f"--fault-file {path}: {error}") from None
 
 
 class FaultReader:

@@ -199,39 +199,71 @@ def test_flipped_bytes_nan_weights_or_a_missing_part_pass_over_the_newest_checkp
         checkpoint.save(tmp_path, {**good, "step": 2})
         _flip(path)
 
-    cases = {  # each writes a bad newest checkpoint over a good one at step 1
-        "does not match its checksum": flipped,
-        "holds NaN in the model": lambda path: checkpoint.save(
-            tmp_path, {**good, "step": 2, "model": {"w": torch.full((256,), float("nan"))}}
+    cases = [  # each writes a bad newest checkpoint over a good one at step 1
+        ("does not match its checksum", flipped),
+        (
+            "holds NaN/Inf in the model",
+            lambda path: checkpoint.save(
+                tmp_path, {**good, "step": 2, "model": {"w": torch.full((256,), float("nan"))}}
+            ),
         ),
-        "holds NaN/Inf in the global params": lambda path: checkpoint.save(
-            tmp_path, {**good, "step": 2, "outer": {"params": [torch.full((4,), float("inf"))]}}
+        # +inf weights passed before stop 71 (a review): a streaming peer resumed on them, and was
+        # told to lower its --inner-lr at its first step (-inf stays allowed: an attention mask).
+        (
+            "holds NaN/Inf in the model",
+            lambda path: checkpoint.save(
+                tmp_path,
+                {**good, "step": 2, "model": {"w": torch.ones(256), "b": torch.tensor([float("inf")])}},
+            ),
         ),
-        "is incomplete (no inner_optimizer)": lambda path: checkpoint.save(
-            tmp_path, {"step": 2, "model": {}, "outer": {}}
+        (
+            "holds NaN/Inf in the global params",
+            lambda path: checkpoint.save(
+                tmp_path, {**good, "step": 2, "outer": {"params": [torch.full((4,), float("inf"))]}}
+            ),
+        ),
+        (
+            "is incomplete (no inner_optimizer)",
+            lambda path: checkpoint.save(tmp_path, {"step": 2, "model": {}, "outer": {}}),
         ),
         # Not checked before stop 69 (a review): NaN moments resumed, and the peer was told to
         # lower its --inner-lr at its first step.
-        "holds NaN/Inf in the inner optimizer's state": lambda path: checkpoint.save(
-            tmp_path,
-            {
-                **good,
-                "step": 2,
-                "inner_optimizer": {"state": {0: {"exp_avg": torch.full((4,), float("nan"))}}},
-            },
+        (
+            "holds NaN/Inf in the inner optimizer's state",
+            lambda path: checkpoint.save(
+                tmp_path,
+                {
+                    **good,
+                    "step": 2,
+                    "inner_optimizer": {"state": {0: {"exp_avg": torch.full((4,), float("nan"))}}},
+                },
+            ),
         ),
-        "holds NaN/Inf in the error feedback": lambda path: checkpoint.save(
-            tmp_path, {**good, "step": 2, "feedback": [torch.ones(2), torch.full((2,), float("inf"))]}
+        (
+            "holds NaN/Inf in the error feedback",
+            lambda path: checkpoint.save(
+                tmp_path, {**good, "step": 2, "feedback": [torch.ones(2), torch.full((2,), float("inf"))]}
+            ),
         ),
-        "holds NaN/Inf in the outer state": lambda path: checkpoint.save(
-            tmp_path,
-            {**good, "step": 2, "outer": {**good["outer"], "pending": [[torch.full((2,), float("nan"))]]}},
+        (
+            "holds NaN/Inf in the outer state",
+            lambda path: checkpoint.save(
+                tmp_path,
+                {
+                    **good,
+                    "step": 2,
+                    "outer": {**good["outer"], "pending": [[torch.full((2,), float("nan"))]]},
+                },
+            ),
         ),
-        "holds NaN/Inf in the peer's own round state": lambda path: checkpoint.save(
-            tmp_path, {**good, "step": 2, "local": {"offset": [torch.full((2,), float("-inf"))]}}
+        (
+            "holds NaN/Inf in the peer's own round state",
+            lambda path: checkpoint.save(
+                tmp_path, {**good, "step": 2, "local": {"offset": [torch.full((2,), float("-inf"))]}}
+            ),
         ),
-    }
-    for why, spoil in cases.items():
+    ]
+    for why, spoil in cases:
         for name in ("checkpoint.pt", "checkpoint.prev.pt"):
             (tmp_path / name).unlink(missing_ok=True)
         checkpoint.save(tmp_path, {**good, "step": 1})
@@ -241,6 +273,53 @@ def test_flipped_bytes_nan_weights_or_a_missing_part_pass_over_the_newest_checkp
         assert why in str(refused.value)
         payload, path = checkpoint.load(tmp_path, required=checkpoint.REQUIRED)
         assert payload["step"] == 1 and path.name == "checkpoint.prev.pt", why
+
+
+def test_a_checkpoint_whose_state_does_not_fit_the_peer_is_passed_over_with_its_name(tmp_path) -> None:
+    """A checkpoint that passes its checksums but whose state the peer cannot take (another
+    release's OuterState fields, a state dict missing keys, a step "x", a parameter at -inf) was
+    a traceback or a misleading line ("the downloaded state does not fit this model"), and the
+    good previous checkpoint was never tried (a review, stop 71). Now it is passed over as a
+    corrupt one is, named with why; a -inf buffer (an attention mask) is taken."""
+    model = torch.nn.Linear(4, 2)
+    model.register_buffer("mask", torch.full((2,), float("-inf")))
+    good = {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "inner_optimizer": {},
+        "outer": {"step": 1},
+    }
+
+    def use(payload, path) -> None:  # as a peer puts a checkpoint's state to use
+        model.load_state_dict(payload["model"])
+        float(payload["outer"]["step"])
+        if set(payload["outer"]) - {"step"}:
+            raise TypeError(
+                f"OuterState.__init__() got an unexpected keyword argument {sorted(payload['outer'])[0]!r}"
+            )
+        checkpoint.check_parameters(model, path)
+
+    spoiled = {
+        "unexpected keyword argument": {**good, "outer": {"step": 2, "extra": 1}},
+        "Missing key(s) in state_dict": {**good, "model": {"weight": torch.ones(2, 4)}},
+        "could not convert string to float": {**good, "outer": {"step": "x"}},
+        "holds NaN/Inf in the model's weight": {
+            **good,
+            "model": {**good["model"], "weight": torch.full((2, 4), float("-inf"))},
+        },
+    }
+    for why, payload in spoiled.items():
+        for name in ("checkpoint.pt", "checkpoint.prev.pt"):
+            (tmp_path / name).unlink(missing_ok=True)
+        checkpoint.save(tmp_path, good)
+        checkpoint.save(tmp_path, payload)
+        taken, path = checkpoint.load(tmp_path, required=checkpoint.REQUIRED, use=use)
+        assert path.name == "checkpoint.prev.pt" and taken["outer"]["step"] == 1, why
+        (tmp_path / "checkpoint.prev.pt").unlink()
+        with pytest.raises(CheckpointError, match="cannot resume") as refused:
+            checkpoint.load(tmp_path, required=checkpoint.REQUIRED, use=use)
+        assert why in str(refused.value) and "checkpoint.pt" in str(refused.value), why
+    checkpoint.save(tmp_path, good)  # the -inf mask: taken
+    assert checkpoint.load(tmp_path, required=checkpoint.REQUIRED, use=use)[1].name == "checkpoint.pt"
 
 
 def test_after_passing_over_a_corrupt_checkpoint_the_next_save_keeps_the_good_previous_one(tmp_path) -> None:

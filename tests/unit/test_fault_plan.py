@@ -26,6 +26,7 @@ def test_a_plan_round_trips_and_updates_merge(tmp_path):
         ('{"serve_noise": "lots"}', ["serve_noise", "finite number"]),
         ('{"serve_noise": true}', ["serve_noise", "finite number"]),
         ("[1, 2]", ["one JSON object"]),
+        ('{"throttle_ms": -500}', ["throttle_ms", ">= 0", "-500"]),  # (read as 0 before stop 71)
     ],
 )
 def test_a_bad_plan_is_refused_by_name(text, words):
@@ -97,3 +98,32 @@ def test_a_peer_frozen_again_thaws_after_the_last_freeze(monkeypatch):
     assert signals == ["SIGSTOP", "SIGSTOP"] and timers == [[3.0, "cancelled"], [3.0, "pending"]]
     with pytest.raises(launch.LaunchError, match="at most 3600 s"):
         peer.freeze(float("nan"))
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"explode": 1}', ["unknown fault(s) explode", "known:"]),
+        ('{"throttle_ms": "fast"}', ["throttle_ms", "finite number"]),
+        ('{"throttle_ms": -500}', ["throttle_ms", ">= 0"]),
+        ("{\n,", ["is not JSON", "write one JSON object"]),
+        (None, ["Is a directory"]),
+    ],
+)
+def test_a_peer_given_a_bad_fault_file_stops_before_it_starts_with_one_line(tmp_path, capsys, text, words):
+    """A typo in a fault file was one warning as the peer ran, which then ran with no faults and
+    exited 0 (a review, stop 71): `start` refuses it first, exit 2, and makes no run folder. No
+    file yet is no faults (a test or the lab writes it later)."""
+    from workbench.cli.command import EXIT_USER_ERROR, main
+
+    path = tmp_path / "faults.json"
+    if text is None:
+        path.mkdir()
+    else:
+        path.write_text(text)
+    run_dir = tmp_path / "run"
+    assert main(["start", "--fault-file", str(path), "--run-dir", str(run_dir)]) == EXIT_USER_ERROR
+    said = capsys.readouterr().err.strip()
+    assert said.startswith(f"error: --fault-file {path}") and len(said.splitlines()) == 1, said
+    assert all(word in said for word in words), said
+    assert not run_dir.exists()

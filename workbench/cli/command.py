@@ -358,6 +358,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
         if config.peer.resume:  # before the peer creates its folder, key and metrics (Peer.run reads it)
             check_present(config.peer.resume)
+        if config.peer.fault_file:
+            from swarm.faults import check_fault_file
+
+            check_fault_file(config.peer.fault_file)
         if config.peer.run_dir:
             check_no_checkpoint(config.peer.run_dir, config.peer.resume)
 

@@ -19,7 +19,7 @@ import os
 import pickle
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,6 +41,11 @@ class CheckpointError(SwarmError):
 
 class GlobalParamsError(CheckpointError):
     """The swarm's model could not be written (``global_params.pt``: a full disk)."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint of another run, owner or model: not passed over for the previous one (the
+    folder is another peer's, or the flags are not the ones its peer was started with)."""
 
 
 class CheckpointUnreadable(CheckpointError):
@@ -218,12 +223,15 @@ def _read(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
     outer = payload.get("outer") if isinstance(payload.get("outer"), dict) else {}
     inner = payload.get("inner_optimizer")
     # θ, its momentum and every other state of training are never infinite; a model's state may
-    # be (a -inf attention mask kept as a buffer), so only NaN refuses it. Before stop 69 the
+    # hold -inf (an attention mask kept as a buffer), so NaN and +inf refuse it (a parameter at
+    # -inf is refused once the state is put in the model: :func:`check_parameters`). A streaming
+    # peer's +inf weights were resumed, and its first step told it to lower its --inner-lr (a
+    # review, stop 71). Before stop 69 the
     # inner optimizer's moments, the error feedback and the eager/streaming state were not
     # checked: NaN moments resumed, and the peer's first step was told to lower its --inner-lr
     # (a review), never falling back to the good previous checkpoint.
     weights = {
-        "the model": (payload.get("model"), torch.isnan),
+        "the model": (payload.get("model"), _nan_or_positive_inf),
         "the global params": (outer.get("params"), _not_finite),
         "the outer momentum": (outer.get("momentum"), _not_finite),
         "the outer state": (outer, _not_finite),
@@ -233,7 +241,7 @@ def _read(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
     }
     for what, (held, bad) in weights.items():
         if any(bool(bad(t).any()) for t in _tensors(held) if t.is_floating_point()):
-            raise CheckpointError(f"{path} holds {'NaN' if bad is torch.isnan else 'NaN/Inf'} in {what}")
+            raise CheckpointError(f"{path} holds NaN/Inf in {what}")
     return payload
 
 
@@ -255,6 +263,18 @@ def _not_finite(tensor: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(tensor)
 
 
+def _nan_or_positive_inf(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.isnan(tensor) | torch.isposinf(tensor)
+
+
+def check_parameters(model: Any, path: Path) -> None:
+    """CheckpointError if a parameter of ``model``, just given a checkpoint's state, is not
+    finite (a buffer may hold -inf: an attention mask)."""
+    for name, parameter in model.named_parameters():
+        if not bool(torch.isfinite(parameter.detach()).all()):
+            raise CheckpointError(f"{path} holds NaN/Inf in the model's {name}")
+
+
 def check_present(directory: str | Path) -> None:
     """CheckpointError unless ``directory`` holds a checkpoint file: checked before a peer starts,
     so a ``--resume`` that cannot happen creates no run folder, key or metrics (the files are read
@@ -271,20 +291,29 @@ def check_present(directory: str | Path) -> None:
         )
 
 
-def load(directory: str | Path, *, required: tuple[str, ...] = ()) -> tuple[dict[str, Any], Path]:
+Use = Callable[[dict[str, Any], Path], None]
+
+
+def load(
+    directory: str | Path, *, required: tuple[str, ...] = (), use: Use | None = None
+) -> tuple[dict[str, Any], Path]:
     """The newest good checkpoint in ``directory`` (holding the ``required`` keys) and its path;
-    raises CheckpointError."""
+    raises CheckpointError. ``use``: puts a checkpoint's state to use (a peer's training state);
+    a checkpoint it fails on (its structure is not this release's, or it was edited) is passed
+    over for the previous one, as a corrupt one is."""
     directory = Path(directory)
     check_present(directory)
     try:
-        return _read(directory / NAME, required), directory / NAME
+        return _usable(directory / NAME, required, use), directory / NAME
+    except CheckpointMismatch:
+        raise
     except CheckpointUnreadable as newest:
         raise CheckpointError(f"cannot resume: {newest}") from None
     except CheckpointError as newest:
         if not (directory / PREVIOUS).exists():
             raise CheckpointError(f"cannot resume: {newest}") from None
         try:
-            payload = _read(directory / PREVIOUS, required)
+            payload = _usable(directory / PREVIOUS, required, use)
         except CheckpointError as previous:
             raise CheckpointError(
                 f"cannot resume: {newest}; and {previous}: nothing to resume from; start without "
@@ -294,6 +323,26 @@ def load(directory: str | Path, *, required: tuple[str, ...] = ()) -> tuple[dict
         if (directory / NAME).exists():
             _passed_over.add(str((directory / NAME).resolve()))
         return payload, directory / PREVIOUS
+
+
+def _usable(path: Path, required: tuple[str, ...], use: Use | None) -> dict[str, Any]:
+    """:func:`_read`, then put to ``use``: its failures are this checkpoint's."""
+    payload = _read(path, required)
+    if use is None:
+        return payload
+    try:
+        use(payload, path)
+    except CheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a file's content, whatever it fails with
+        # (an OuterState of another release's fields, a state dict missing keys, a step "x")
+        # The whole message on one line (a state dict's says what is missing on its second).
+        said = " ".join(f"{type(error).__name__}: {error}".split())
+        raise CheckpointError(
+            f"{path} does not fit this peer's training state ({said[:400]}): written by "
+            "another release, or edited"
+        ) from None
+    return payload
 
 
 def check_no_checkpoint(directory: str | Path, resume: str | Path | None) -> None:
@@ -372,6 +421,12 @@ def restore_training(
         feedback.residuals = payload.get("feedback")
     if feedback is not None and hasattr(rounds, "take_back_later"):
         rounds.take_back_later(payload.get("take_back"))
+    restore_position(payload, batches)
+
+
+def restore_position(payload: dict[str, Any], batches: Any) -> None:
+    """Where a checkpoint's data stream and random generators were (:func:`restore_training`'s
+    last part; a peer puts them back once its batches exist, after the rest)."""
     if payload.get("data") is not None and batches is not None:
         batches.load_state_dict(payload["data"])
     rng = payload.get("torch_rng")
@@ -446,6 +501,7 @@ def load_for(
     fingerprinted: dict[str, str] | None = None,
     also: tuple[str, ...] = (),
     owner: str | None = None,
+    use: Use | None = None,
 ) -> tuple[dict[str, Any], Path]:
     """:func:`load`, refusing a checkpoint of another run or model (``--resume``); ``also``:
     other fingerprints this peer's settings had in earlier releases; ``summary``:
@@ -453,10 +509,30 @@ def load_for(
     ``fingerprinted``: what the fingerprint covers, flag by flag, to name the flags that differ
     (the summaries alone read the same for another --update-codec or --outer-momentum).
     ``owner``: the run's owner (its manifest's); a checkpoint written in a run of another owner
-    under the same id is refused (one of an earlier release names none: taken)."""
-    payload, path = load(directory, required=REQUIRED)
+    under the same id is refused (one of an earlier release names none: taken). ``use``: as
+    :func:`load`'s, once the checkpoint is known to be this run's and this model's."""
+
+    def fits(payload: dict[str, Any], path: Path) -> None:
+        _belongs(payload, path, run_id, fingerprint, summary, fingerprinted, also, owner)
+        if use is not None:
+            use(payload, path)
+
+    return load(directory, required=REQUIRED, use=fits)
+
+
+def _belongs(
+    payload: dict[str, Any],
+    path: Path,
+    run_id: str,
+    fingerprint: str,
+    summary: str,
+    fingerprinted: dict[str, str] | None,
+    also: tuple[str, ...],
+    owner: str | None,
+) -> None:
+    """CheckpointMismatch unless ``payload`` is this run's and this model's (:func:`load_for`)."""
     if payload.get("run_id") != run_id:
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"{path} belongs to run '{payload.get('run_id')}', not '{run_id}': pass --run-id {payload.get('run_id')}, "
             "or join without --resume (with another --run-dir)"
         )
@@ -464,7 +540,7 @@ def load_for(
     if owner and isinstance(written_in, str) and written_in != owner:
         # A run started anew under the same id by someone else: the old θ took over the new
         # run (its owner, at outer step 0, downloaded the resumed joiner's state: a review).
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"{path} was written in another run named '{run_id}' (owner {written_in}; this one's is "
             f"{owner}): its state is not this run's: join without --resume (with another --run-dir; "
             "the run's state is downloaded)"
@@ -475,7 +551,7 @@ def load_for(
         str(recorded[flag]) == mine for flag, mine in (fingerprinted or {}).items() if flag in recorded
     ):  # an earlier release's fingerprint, unless a flag it recorded says otherwise (a mean run's
         # checkpoint resumed into --aggregate trimmed-mean: a review, stop 69)
-        return payload, path
+        return
     if payload.get("fingerprint") != fingerprint and isinstance(theirs, dict) and fingerprinted:
         differ = [
             f"{flag} {theirs.get(flag, '?')} (this peer: {mine})"
@@ -483,16 +559,15 @@ def load_for(
             if str(theirs.get(flag)) != mine
         ]
         if differ:
-            raise CheckpointError(
+            raise CheckpointMismatch(
                 f"{path} was written by a peer started with other settings: {'; '.join(differ)}: "
                 "resume with the flags the peer was started with"
             )
     if payload.get("fingerprint") != fingerprint:
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"{path} was written for model fingerprint {payload.get('fingerprint')}"
             + (f" ({payload['summary']})" if payload.get("summary") else "")
             + f", this peer's is {fingerprint}"
             + (f" ({summary})" if summary else "")
             + ": resume with the flags the peer was started with"
         )
-    return payload, path

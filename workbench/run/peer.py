@@ -865,12 +865,12 @@ class Peer:
         }
 
     def resume(self, directory: str) -> None:
-        """Continue from the checkpoint in ``directory`` (``--resume``): refuses another run or model."""
+        """Continue from the checkpoint in ``directory`` (``--resume``): refuses another run or
+        model. Its training state was put back as it was read (:meth:`_load_checkpoint`); here
+        where its data stream and random generators were."""
         payload, path = self._checkpoint or self._load_checkpoint(directory)
         self._checkpoint = None
-        checkpoint.resume_training(
-            payload, self.steering, self.diloco, self.model, self.inner_optimizer, self.batches
-        )
+        checkpoint.restore_position(payload, self.batches)
         if changed := checkpoint.changed_flags(payload.get("schedule"), self._schedule()):
             logger.info("%s: %s", self.name, changed)  # as load_moments says AdamW's
         stats = self.stats
@@ -968,7 +968,21 @@ class Peer:
             # A joiner's run is its owner's: a checkpoint of another owner's run of that id is
             # not resumed into it. (`start --resume` continues a run under this peer's key.)
             owner=self.manifest.owner if self.manifest and self.config.network.initial_peers else None,
+            use=self._restore,
         )
+
+    def _restore(self, payload: dict[str, Any], path: Path) -> None:
+        """A checkpoint's training state into this peer; what fails here (a checkpoint of
+        another release's structure, or edited) passes it over for the previous one
+        (:func:`workbench.run.checkpoint.load`). Before, it was a traceback or a misleading
+        line ("the downloaded state does not fit this model"), the previous one never tried."""
+        checkpoint.resume_training(
+            payload, self.steering, self.diloco, self.model, self.inner_optimizer, None
+        )
+        checkpoint.check_parameters(self.model, path)
+        step = self.diloco.outer_step_count
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"its outer step is {step!r}, not a count of rounds")
 
     def inner_step(self, x: torch.Tensor, y: torch.Tensor, info: dict[str, Any]) -> tuple[float, Any]:
         """One AdamW step; for data-parallel, with the swarm's mean gradient (and its report)."""
