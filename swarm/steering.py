@@ -243,6 +243,12 @@ class Steering:
         floor = current.from_step if current else 0
         if from_step is None:
             from_step = max(ahead + 2, floor)
+            if current is not None and floor > ahead + 2:
+                logger.warning(
+                    "v%d (%s) is not applied yet, at outer step %d: this change follows it; to replace "
+                    "it instead, give --from-step %d (or any step before %d)",
+                    current.version, current.changes(), floor, ahead + 2, floor,
+                )  # fmt: skip
         elif from_step <= ahead:
             # Each peer would apply it at its next round's start, wherever that is: not together.
             raise SwarmError(
@@ -250,11 +256,11 @@ class Steering:
                 f"would apply the change at its own next round; use --from-step {ahead + 2} or later "
                 "(or leave it out: two rounds ahead)"
             )
-        elif from_step < floor:
-            raise SwarmError(
-                f"--from-step {from_step}: the owner's last change (v{current.version}) applies from outer "
-                f"step {floor}, and changes apply in order; use --from-step {floor} or later"
-            )
+        elif current is not None and from_step < floor:
+            # The versions not applied yet whose step comes after this one are replaced: this one
+            # is made on the settings the peers hold now, and theirs are dropped. Refused before,
+            # one --from-step 10^9 held every later change back for the run (a review, stop 71).
+            fields = self._replacing(current, fields, updates, from_step)
         fields["from_step"] = from_step
         try:
             control = ControlState.model_validate(fields)
@@ -275,6 +281,27 @@ class Steering:
             )
         logger.info("published control version %d: %s", control.version, control.changes())
         return control
+
+    @staticmethod
+    def _replacing(
+        current: ControlState, fields: dict[str, Any], updates: dict[str, Any], from_step: int
+    ) -> dict[str, Any]:
+        """``fields`` of a new version due at ``from_step``, before versions of ``current`` not
+        applied yet: made on the newest version due by then and the ``updates``, the later
+        versions dropped (said in the log)."""
+        versions = (current.step(), *current.earlier)
+        dropped = [v for v in versions if v.from_step > from_step]
+        held = current.due(from_step, after=0)  # (due by then: kept, and built on)
+        settings = ("outer_lr", "inner_steps", "codec", "round_seconds")
+        fields = {**fields, **{k: getattr(held, k) if held else None for k in settings}}
+        fields.update({k: v for k, v in updates.items() if v is not None and k in settings})
+        fields["earlier"] = [v for v in fields["earlier"] if v.from_step <= from_step]
+        for version in dropped:
+            logger.warning(
+                "replaces v%d (%s from outer step %d), not applied yet: dropped",
+                version.version, version.changes(), version.from_step,
+            )  # fmt: skip
+        return fields
 
     def pause(self, peer: str) -> ControlState:
         """Pause ``peer`` (its id, or a name only one live peer has: the record names the id)."""

@@ -269,7 +269,9 @@ def test_a_change_the_run_cannot_take_is_refused_and_steer_says_so(spawn, tmp_pa
     steer = ["steer", address, "--run-id", "refuse", "--key", key, "--wait", "60"]
     bad = workbench(*steer, "--inner-steps", "6", "--json")
     assert bad.returncode == 1, (bad.stdout, bad.stderr)
-    assert "1 peer(s) refused v1 and apply nothing of it: a: streaming on real peers needs" in bad.stderr
+    assert (
+        "1 peer(s) refused v1 and apply none of its settings: a: streaming on real peers needs" in bad.stderr
+    )
     said = json.loads(bad.stdout)
     assert said["applied"] == 0 and list(said["refused"]) == [first.wait_event("started")["peer_id"]]
     good = workbench(*steer, "--inner-steps", "4", "--json")  # a value the run takes: applied

@@ -65,6 +65,22 @@ def test_a_peer_resumed_from_a_steered_checkpoint_does_not_write_it_again() -> N
     assert written == [dict(version=4, checkpoints=2, settings={"outer_lr": 0.5, "inner_steps": 4})]
 
 
+def test_a_data_parallel_peer_refuses_a_change_of_outer_lr_h_or_codec_and_applies_the_rest_later() -> None:
+    """On a data-parallel run the owner's `steer --outer-lr` printed "1/1 peers applied" and
+    exited 0; the peer logged "ignored", and every later version (carrying the value) said it
+    again (a review, stop 71). A version that changes them is refused whole, so `steer` says
+    so; a later one carrying the same values applies (a checkpoint request)."""
+    watcher, written = Watcher(), []
+    peer = steering(watcher, written)
+    watcher.control = ControlState(version=1, outer_lr=0.2, round_seconds=30.0)
+    peer.apply(Outer(), data_parallel=True)
+    assert peer.refused[0] == 1 and "data-parallel" in peer.refused[1]
+    assert peer.round_seconds is None  # nothing of it
+    watcher.control = ControlState(version=2, outer_lr=0.2, checkpoint=1)
+    peer.apply(Outer(), data_parallel=True)
+    assert peer.version == 2 and peer.refused[0] == 1 and len(written) == 1
+
+
 def test_a_checkpoint_refused_while_a_round_averages_is_written_at_a_later_round() -> None:
     """The peer's checkpoint is refused while an overlapped round still averages (it returns
     None): the request was used up unwritten. It is now tried again at each round boundary."""
@@ -522,3 +538,47 @@ def test_the_runs_own_rules_decide_what_a_peer_takes() -> None:
     trimmed = config("--aggregate", "trimmed-mean")
     assert "--aggregate trimmed-mean" in steered_problem(trimmed, change(codec="topk"))
     assert steered_problem(config(), change(codec="topk", outer_lr=0.4)) is None
+
+
+def test_a_change_before_a_pending_one_replaces_it_and_peers_apply_it_at_its_step(caplog) -> None:
+    """One --from-step 10^9 (a typo) held every later change back for the run: a plain change
+    followed it (at 10^9) and an earlier --from-step was refused ("changes apply in order"), for
+    the record's 7 days (a review, stop 71). A --from-step before a version not applied yet now
+    replaces it: the new version is made on the settings the peers hold, the pending one is
+    dropped (said), and a peer applies the new one at its step, never the dropped one's lr."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from swarm.identity import key_hash
+    from swarm.records import PeerHeartbeat, Stage
+    from swarm.steering import Steering
+
+    class Store:
+        public_key = "the owner's key"
+
+        def read(self, key, schema):
+            return {}
+
+        def store(self, key, value, **options):
+            return True
+
+    peer = PeerHeartbeat(
+        peer_id="QmPeer", name="peer", stage=Stage.TRAINING, outer_step=40, inner_step=0, inner_steps=5,
+        loss=1.0, samples_per_second=1.0, bytes_sent=0, bytes_received=0, device="cpu", time=time.time(),
+    )  # fmt: skip
+    board = SimpleNamespace(fetch=lambda: {"QmPeer": peer})
+    steering = Steering(Store(), RunKeys("r"), owner=key_hash(Store.public_key), board=board)
+    assert steering.publish(inner_steps=50).from_step == 42  # v1: applied by the peers (below)
+    typo = steering.publish(outer_lr=0.5, from_step=10**9)  # v2: pending
+    with caplog.at_level(logging.WARNING, logger="swarm.steering"):
+        follows = steering.publish(codec="fp16")  # v3, no --from-step: after v2, and said so
+        assert follows.from_step == 10**9 and "give --from-step 42" in caplog.text
+        caplog.clear()
+        fixed = steering.publish(outer_lr=0.1, from_step=45)  # v4: replaces v2 and v3
+        assert "replaces v2" in caplog.text and "replaces v3" in caplog.text
+    assert typo.version == 2 and fixed.version == 4 and fixed.from_step == 45
+    assert (fixed.outer_lr, fixed.inner_steps, fixed.codec) == (0.1, 50, None)  # v1's H, not v2/v3's
+    assert [v.version for v in fixed.earlier] == [1]
+    assert fixed.due(44, after=1) is None and fixed.due(45, after=1).outer_lr == 0.1
+    assert fixed.due(10**9, after=1).version == 4  # the dropped versions never come due

@@ -44,7 +44,9 @@ def add_steer_parser(commands) -> None:
     parser.add_argument("--resume", action="append", default=[], metavar="PEER", help="resume a paused peer")
     parser.add_argument("--checkpoint", action="store_true", help="ask every peer to write a checkpoint now")
     parser.add_argument(
-        "--from-step", type=bounded("from_step"), help="outer step to apply at (default: 2 rounds ahead)"
+        "--from-step",
+        type=bounded("from_step"),
+        help="outer step to apply at (default: 2 rounds ahead; one before a change not applied yet replaces it)",
     )
     parser.add_argument(
         "--wait",
@@ -163,10 +165,17 @@ def run_steer_command(args: argparse.Namespace) -> int:
             # A value the run cannot take: nothing of the version applies on these peers, and
             # every later change carries it (a change is made on top of the last): say which.
             first = next(iter(refusals))
+            # Pauses are not tied to a step: the record's list holds whatever its version (it
+            # said "apply nothing of it" while the peer paused, a review, stop 71).
+            pauses = (
+                " (its --pause/--resume apply all the same: pauses are not tied to an outer step)"
+                if args.pause or args.resume
+                else ""
+            )
             print(
-                f"error: {len(refusals)} peer(s) refused v{control.version} and apply nothing of it: "
-                f"{peers[first].name if first in peers else first[-8:]}: {refusals[first]} (later changes "
-                f"carry v{control.version}'s values: publish one the run takes, e.g. another "
+                f"error: {len(refusals)} peer(s) refused v{control.version} and apply none of its settings: "
+                f"{peers[first].name if first in peers else first[-8:]}: {refusals[first]}{pauses} (later "
+                f"changes carry v{control.version}'s values: publish one the run takes, e.g. another "
                 "--inner-steps or --update-codec)",
                 file=sys.stderr,
             )

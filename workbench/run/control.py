@@ -89,6 +89,8 @@ class Steering:
         """The owner's time box for rounds (None: the peer's own ``--round-seconds``)."""
         self.settings: dict[str, Any] = {}
         """Every setting steering changed on this peer, newest value (a checkpoint keeps them)."""
+        self._carried: tuple[Any, Any, Any] = (None, None, None)
+        """A data-parallel peer: the outer lr, H and codec the last version it read carried."""
         self.refused: tuple[int, str] = (0, "")
         """The last version refused (nothing of it applied) and why, for the heartbeat: the
         owner's `steer` counted it as applied (a review)."""
@@ -136,8 +138,17 @@ class Steering:
             except ValueError as error:
                 self._refuse(control, str(error), outer)
                 return  # nothing of it (its time box, its checkpoint): never half-applied
-        elif control.outer_lr or control.inner_steps or control.codec:
-            logger.warning("%s: outer lr, H and codec do not apply to data-parallel; ignored", self.name)
+        elif (control.outer_lr, control.inner_steps, control.codec) != self._carried:
+            # A version that changes them is refused whole (the owner's `steer` then says so:
+            # it printed "1/1 peers applied", a review, stop 71); later versions carry the same
+            # values, and apply (a checkpoint request, a time box).
+            self._carried = (control.outer_lr, control.inner_steps, control.codec)
+            self._refuse(
+                control,
+                "outer lr, H and update codec do not apply to a data-parallel run (it has no outer step)",
+                outer,
+            )
+            return
         if control.round_seconds is not None and control.round_seconds != self.round_seconds:
             self.round_seconds = control.round_seconds
             changes["round_seconds"] = control.round_seconds
