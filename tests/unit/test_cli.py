@@ -362,6 +362,20 @@ def test_demo_with_a_bad_peer_count_exits_2(
     assert "peers" in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("data", ["missing.txt", "empty.txt"])
+def test_demo_with_bad_data_says_so_once_before_starting_peers(
+    data: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Each peer failed on it, and the demo said "peer-0 exited with status 2 before
+    finishing", exit 1 (a review, stop 71)."""
+    (tmp_path / "empty.txt").write_text("")
+    run_dir = tmp_path / "run"
+    assert main(["demo", "--data", str(tmp_path / data), "--run-dir", str(run_dir)]) == EXIT_USER_ERROR
+    line = one_error_line(capsys)
+    assert str(tmp_path / data) in line and "peer-0" not in line, line
+    assert not run_dir.exists()
+
+
 @pytest.mark.parametrize(
     ("argv", "hint"),
     [

@@ -258,6 +258,18 @@ def test_config_show_output_is_a_config_file(run_toml, tmp_path, capsys):
     assert first == again
 
 
+def test_config_show_takes_a_joiners_file_as_join_does(tmp_path, capsys):
+    """A joiner's file (``client_mode = true``) was refused by `config show` with start's rule
+    ("the first peer of a run must accept connections") while `join --config` took it (a review,
+    stop 71); `start` still refuses it."""
+    joiner = tmp_path / "joiner.toml"
+    joiner.write_text("client_mode = true\n")
+    assert main(["config", "show", "--config", str(joiner)]) == 0
+    assert "client_mode = true" in capsys.readouterr().out
+    assert main(["start", "--config", str(joiner)]) == 2
+    assert "the first peer of a run must accept connections" in capsys.readouterr().err
+
+
 def test_config_show_writes_text_with_a_newline_as_toml_reads_it(tmp_path, capsys):
     """A --tokenizer path holding a newline was written between plain quotes over two lines,
     which TOML refuses: `config show > resolved.toml` could not be read back."""

@@ -60,7 +60,10 @@ def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     rest = list(argv)[list(argv).index("show") + 1 :]
     known = {key for name in (*PEER_COMMANDS, "simulate") for key in settings_of(subparser(parser, name))}
     sources = layer(args, show, rest, known_elsewhere=known)
-    args.command = "start"
+    # A joiner's file (--client-mode, which the first peer of a run cannot take) is checked as
+    # `join` checks it: `config show` refused it, and `join --config` took it (a review, stop 71).
+    args.command = "join" if getattr(args, "client_mode", None) else "start"
+    args.peers = getattr(args, "peers", None) or []
     try:
         config = build_config(args)  # the same checks a run makes: a bad value fails here, not at start time
     except (ValueError, SwarmError) as error:  # named like `start` names it (--host is a SwarmError)

@@ -520,6 +520,12 @@ def run_demo_command(config: RunConfig, args: argparse.Namespace) -> int:
     from workbench.run.model import pick_device
 
     pick_device(config.peer.device)  # --device cuda without a GPU: said once, before 4 peers say it
+    # A bad --data or --dataset (missing, empty, too small for the model's context), said once
+    # as what it is, exit 2: each peer failed on it, and the demo reported "peer-0 exited with
+    # status 2 before finishing", exit 1 (a review, stop 71). Peer 0's shard, as each peer gets one.
+    from workbench.run.training import load_data
+
+    load_data(replace(config, peer=replace(config.peer, shard=0, num_shards=args.peers)))
     run_dir = make_folder(args.run_dir or tempfile.mkdtemp(prefix="workbench-demo-"))
     config = replace(
         config, peer=replace(config.peer, run_id=f"demo-{uuid.uuid4().hex[:8]}", min_peers=args.peers)
