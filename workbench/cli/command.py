@@ -333,7 +333,17 @@ def _main(argv: Sequence[str] | None = None) -> int:
             "fingerprint does not cover them: drop them here unless the run was started with the same",
             file=sys.stderr,
         )
-    # torch comes with this: after the settings are checked (their errors in 0.2 s, not 2-3 s)
+    # The heavy imports, after the settings are checked (their errors in 0.2 s, not 2-3 s), with
+    # stop signals held back and delivered after: a Ctrl+C that landed inside one (numpy's, in
+    # hivemind's import of scipy) left a module half-imported, and the peer failed later with a
+    # RecursionError traceback, or trained on with the signal lost (a review, stop 71).
+    from workbench.run.stopping import not_interrupted
+
+    with not_interrupted():
+        import torch  # noqa: F401
+
+        if args.command in ("start", "join"):  # (the demo's peers import it, not its launcher)
+            import hivemind  # noqa: F401
     from workbench.run.data import DataError
 
     try:
