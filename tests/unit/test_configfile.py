@@ -441,3 +441,25 @@ def test_simulates_speeds_as_a_toml_list(tmp_path):
     assert speeds.check("1,1", "run.toml: speeds") == "1,1"
     with pytest.raises(ValueError, match="a list of numbers"):
         speeds.check([1, True], "run.toml: speeds")
+
+
+@pytest.mark.parametrize(
+    "line, said",
+    [
+        ('speeds = "1,abc"', "positive numbers separated by commas"),
+        ('speeds = ""', "positive numbers separated by commas"),
+        ('speeds = "nan,1"', "positive numbers separated by commas"),
+        ('straggler = ["abc"]', "RANK:FRACTION"),
+    ],
+)
+def test_simulates_speeds_and_stragglers_are_checked_by_every_command_that_reads_the_file(
+    tmp_path, capsys, line, said
+):
+    """Checked only by `simulate`, ``speeds = "1,abc"`` passed `config show` (and start, join,
+    demo), and ``speeds = ""`` was taken as none (a review, stop 71)."""
+    path = tmp_path / "run.toml"
+    path.write_text(line + "\n")
+    for command in (["config", "show"], ["simulate", "--steps", "1"]):
+        assert main([*command, "--config", str(path)]) == 2, command
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err

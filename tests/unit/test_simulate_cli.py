@@ -110,7 +110,7 @@ def test_the_config_shows_the_streaming_merge_weight_the_run_uses(capsys, corpus
         (["--straggler", "9:0.5"], "straggler"),
         (["--peers", "0"], "peers"),
         (["--density", "0"], "density"),
-        (["--speeds", "1,fast"], "--speeds '1,fast' must be numbers"),
+        (["--speeds", "1,fast"], "argument --speeds: must be positive numbers"),
         (["--peers", "2", "--speeds", "1,1,1"], "one positive speed per peer"),
         (["--method", "dp", "--round-seconds", "5"], "--round-seconds apply to round-based methods"),
         (["--round-seconds", "-1"], "--round-seconds: must be in [0, 86400]"),

@@ -2,10 +2,37 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 from dataclasses import dataclass
 
 from workbench.settings import setting
 from workbench.settings.run import VIRTUAL_ROUND_SECONDS
+
+
+def speeds_text(text: str) -> str:
+    """``--speeds``: numbers separated by commas, checked where given (a flag, a file, a
+    variable). Checked only by `simulate` itself, ``speeds = "1,abc"`` passed `config show` and
+    every peer command, and ``speeds = ""`` was taken as none (a review, stop 71)."""
+    try:
+        speeds = [float(part) for part in text.split(",")]
+    except ValueError:
+        speeds = []
+    if not speeds or not all(0 < speed < math.inf for speed in speeds):
+        raise argparse.ArgumentTypeError("must be positive numbers separated by commas, e.g. 1,1,0.5,0.5")
+    return text
+
+
+def straggler_text(text: str) -> str:
+    """``--straggler``: RANK:FRACTION, checked where given (as :func:`speeds_text`)."""
+    rank, colon, fraction = text.partition(":")
+    try:
+        int(rank), float(fraction)
+    except ValueError:
+        colon = ""
+    if not colon:
+        raise argparse.ArgumentTypeError("must look like RANK:FRACTION, e.g. 3:0.5")
+    return text
 
 
 @dataclass(kw_only=True)
@@ -25,6 +52,7 @@ class Bench:
         "a peer that runs only FRACTION of each round's steps, e.g. 3:0.5 (repeatable)",
         kind="list",
         metavar="RANK:FRACTION",
+        parse=straggler_text,
     )
     dropout: float = setting(0.0, "probability a peer misses a round", bound="dropout")
     speeds: str | None = setting(
@@ -33,6 +61,7 @@ class Bench:
         "takes --step-seconds; the JSON reports virtual_seconds and each peer's utilization",
         metavar="S1,S2,...",
         joined=",",
+        parse=speeds_text,
     )
     round_seconds: float = setting(0.0, VIRTUAL_ROUND_SECONDS, bound="round_seconds", metavar="T")
     step_seconds: float = setting(
