@@ -235,7 +235,8 @@ class Steering:
             others = f"all {len(peers)} live peers are joining or downloading" if peers else "no live peer"
             raise SwarmError(
                 f"cannot tell the run's outer step: {others}; try again once a peer trains, or give "
-                "--from-step with the step to apply the change at"
+                "the step to apply the change at (`workbench steer --from-step N`; the monitor's form "
+                "has no such field)"
             )
         ahead = max(steps) if own else (steps[len(steps) // 2] if steps else -1)
         # Versions apply in order: one due before the version it follows would carry that

@@ -170,6 +170,13 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
         value = self.draft.get(key)
         return "" if value is None else str(value)
 
+    def on_mount(self) -> None:
+        # The first box takes the keys at once: the dialog had the focus, and a user typing a
+        # value typed into nothing until Tab (a review, stop 71).
+        first = self.query_one("#outer-lr", Input)
+        if not first.disabled:
+            first.focus()
+
     def compose(self) -> ComposeResult:
         disabled = self.reason is not None
         with VerticalScroll(id="dialog"):

@@ -128,8 +128,18 @@ def run_steer_command(args: argparse.Namespace) -> int:
             from_step=args.from_step,
         )
         if not args.json:
+            # What this version changes, not the whole record: `--resume beta` printed
+            # {'outer_lr': 0.5}, an lr set two versions earlier, and not the resume (a review).
+            before = current.changes() if current else {}
+            changed = {k: v for k, v in control.changes().items() if k != "paused" and before.get(k) != v}
+            moves = [
+                f"paused {', '.join(pause_ids)}" if pause_ids else "",
+                f"resumed {', '.join(args.resume)}" if args.resume else "",
+            ]
+            said = "; ".join(m for m in moves if m)
             print(
-                f"published control v{control.version} (from outer step {control.from_step}): {control.changes()}"
+                f"published control v{control.version} (from outer step {control.from_step}): "
+                f"{changed or 'no setting changed'}{'; ' + said if said else ''}"
             )
         deadline = time.monotonic() + args.wait
         applied, total, peers, refusals = 0, 0, {}, {}
