@@ -416,6 +416,12 @@ def _explain_start_failure(error: BaseException, config: NetworkConfig) -> str:
         )
     if "address already in use" in text.lower():
         return f"port {config.port} on {config.host} is already in use: pick another --port or use 0"
+    if "cannot assign requested address" in text.lower():  # (p2pd's raw line before, a review)
+        return (
+            f"--host {config.host} is not an address of this machine, so nothing can listen on it: use "
+            "one of its own (`ip -4 addr`), or 0.0.0.0 for every interface (with --announce for the "
+            "address others dial)"
+        )
     if skew := _clock_skew(text):
         return (
             f"this machine's clock is {abs(skew):.0f} s {'behind' if skew > 0 else 'ahead of'} the peer it "

@@ -301,3 +301,16 @@ def test_the_identity_checks_daemon_asks_no_router_to_open_a_port(monkeypatch, t
         )
     )
     assert taken is False and made["nat_port_map"] is False and made["dht_mode"] == "client", made
+
+
+def test_a_host_that_is_not_this_machines_is_said_with_the_fix() -> None:
+    """`start --host 10.99.99.99` printed p2pd's raw "bind: cannot assign requested address"
+    (a review, stop 71)."""
+    from swarm.dht import NetworkConfig, _explain_start_failure
+
+    error = RuntimeError(
+        "Daemon failed to start: 2026/12/07 18:39:24 failed to listen on any addresses: "
+        "[listen tcp4 10.99.99.99:0: bind: cannot assign requested address]"
+    )
+    said = _explain_start_failure(error, NetworkConfig(host="10.99.99.99"))
+    assert said.startswith("--host 10.99.99.99 is not an address of this machine") and "0.0.0.0" in said
