@@ -209,6 +209,12 @@ def test_dataset_mistakes_are_clear(tmp_path: Path) -> None:
         (ValueError, DataError), match="cannot open dataset 'nope.jsonl': no such file or folder"
     ):
         ByteCorpus.load(DataConfig(dataset="nope.jsonl"))
+    # An empty file: datasets said "An error occurred while generating the dataset" (stop 71)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(
+        (ValueError, DataError), match="empty.jsonl: empty; point --dataset at files with data"
+    ):
+        ByteCorpus.load(DataConfig(dataset=str(tmp_path / "empty.jsonl")))
 
 
 def test_the_simulator_trains_the_folder_s_model_on_the_tokenizer_s_ids(

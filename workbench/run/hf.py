@@ -315,6 +315,12 @@ def open_dataset(name: str, *, subset: str | None, split: str, streaming: bool):
                     f"{path}: expected data files of one kind ({', '.join(DATA_SUFFIXES)}), found "
                     f"{sorted({p.suffix for p in files}) or 'none'}"
                 )
+            empty = [str(p) for p in files if p.stat().st_size == 0]
+            if empty:  # datasets said "An error occurred while generating the dataset" (a review)
+                raise ValueError(
+                    f"{', '.join(empty[:3])}{' and more' if len(empty) > 3 else ''}: empty; point "
+                    "--dataset at files with data"
+                )
             # The split's names, without a slice ("train[:50%]") or the others it adds ("+test").
             wanted = [part.split("[", 1)[0].strip() for part in split.split("+")]
             splits = (
