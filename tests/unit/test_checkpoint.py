@@ -916,3 +916,43 @@ def test_a_checkpoint_that_would_run_code_is_refused_unread(tmp_path) -> None:
     assert not proof.exists()
     checkpoint.save(tmp_path / "own", payload)  # the peers' own: read as before
     assert checkpoint.load(tmp_path / "own", required=checkpoint.REQUIRED)[0]["model"]["w"].sum() == 2
+
+
+def test_a_checkpoint_passed_over_leaves_none_of_its_steered_settings(tmp_path) -> None:
+    """The newest checkpoint (written after the owner steered H 8, int8, outer lr 0.3) fails as
+    its state goes in; the previous one (before the steer) is taken, and the peer ran with the
+    newer one's H, codec and lr all the same: the previous one retunes only what it steered (a
+    review, stop 71)."""
+    from optim.averager import LocalAverager
+    from optim.diloco import DiLoCo, DiLoCoConfig
+    from workbench.run.control import Steering
+
+    def peer():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        inner = torch.optim.AdamW(model.parameters())
+        config = DiLoCoConfig(inner_steps=2, codec="fp16", error_feedback=True, outer_lr=0.7)
+        return model, inner, DiLoCo(model, inner, LocalAverager(), config)
+
+    model, inner, outer = peer()
+    checkpoint.save(tmp_path, {**checkpoint.training_state(outer, model, inner, None), "steered": {}})
+    outer.retune(inner_steps=8, codec="int8", outer_lr=0.3)
+    bad = checkpoint.training_state(outer, model, inner, None)
+    bad["model"] = {"weight": bad["model"]["weight"]}  # no bias: edited, or another release's
+    steered = {"inner_steps": 8, "codec": "int8", "outer_lr": 0.3}
+    checkpoint.save(tmp_path, {**bad, "control_version": 1, "steered": steered})
+
+    model2, inner2, outer2 = peer()
+    steering = Steering(
+        None, name="a", peer_id="QmA", joiner=False, emit=lambda *a, **k: None,
+        publish=lambda: None, beat=lambda stage: None, checkpoint=lambda: "",
+    )  # fmt: skip
+
+    def use(payload, path) -> None:
+        checkpoint.resume_training(payload, steering, outer2, model2, inner2, None)
+
+    _, path = checkpoint.load(tmp_path, required=checkpoint.REQUIRED, use=use)
+    assert path.name == "checkpoint.prev.pt" and steering.version == 0 and steering.settings == {}
+    config = outer2.config
+    assert (config.inner_steps, config.codec, config.outer_lr) == (2, "fp16", 0.7)
+    assert outer2.outer_optimizer.param_groups[0]["lr"] == 0.7

@@ -76,9 +76,16 @@ def test_a_data_parallel_peer_refuses_a_change_of_outer_lr_h_or_codec_and_applie
     peer.apply(Outer(), data_parallel=True)
     assert peer.refused[0] == 1 and "data-parallel" in peer.refused[1]
     assert peer.round_seconds is None  # nothing of it
-    watcher.control = ControlState(version=2, outer_lr=0.2, checkpoint=1)
+    v1 = ControlState(version=1, outer_lr=0.2, round_seconds=30.0)
+    watcher.control = ControlState(version=2, outer_lr=0.2, checkpoint=1, earlier=[v1.step()])
     peer.apply(Outer(), data_parallel=True)
     assert peer.version == 2 and peer.refused[0] == 1 and len(written) == 1
+    # A joiner (or a resumed peer) reading v2 first: it carries v1's lr, changes none (a review
+    # of the first version, which refused it, dropping the owner's checkpoint request).
+    joiner, joined = steering(watcher, [], joiner=False), []
+    joiner.checkpoint = lambda: joined.append(1) or "checkpoint.pt"
+    joiner.apply(Outer(), data_parallel=True)
+    assert joiner.version == 2 and joiner.refused == (0, "") and joined == [1]
 
 
 def test_a_checkpoint_refused_while_a_round_averages_is_written_at_a_later_round() -> None:

@@ -476,20 +476,41 @@ def load_moments(optimizer: Any, saved: dict[str, Any], *, say: bool = True) -> 
 
 
 def resume_training(
-    payload: dict[str, Any], steering: Any, rounds: Any, model: Any, inner_optimizer: Any, batches: Any
+    payload: dict[str, Any],
+    steering: Any,
+    rounds: Any,
+    model: Any,
+    inner_optimizer: Any,
+    batches: Any,
+    *,
+    check: Callable[[], None] | None = None,
 ) -> None:
     """A resumed peer's state from its checkpoint: the settings the owner had steered when it
     was written (``steering``: :class:`workbench.run.control.Steering`), then the training state.
     In that order: a steered codec makes a new error feedback, which must then take the
     checkpoint's residuals (put back before it, they were dropped, and the resumed peer lost what
-    compression had held back since the steer)."""
-    steering.restore(
-        int(payload.get("control_version", 0)),
-        payload.get("steered") or {},
-        rounds,
-        checkpoints=int(payload.get("control_checkpoints", 0)),
-    )
-    restore_training(payload, rounds, model, inner_optimizer, batches)
+    compression had held back since the steer). ``check``: run last; if anything fails, the
+    steered settings are undone, so that the checkpoint tried next (the previous one) does not
+    run with them (it retunes only the ones it steered itself: a review, stop 71, where H 8,
+    int8 and lr 0.3 of a checkpoint passed over stayed under the previous one's H 2, fp16, 0.7)."""
+    settings = getattr(rounds, "config", None)
+    unsteered = {key: getattr(settings, key, None) for key in ("outer_lr", "inner_steps", "codec")}
+    try:
+        steering.restore(
+            int(payload.get("control_version", 0)),
+            payload.get("steered") or {},
+            rounds,
+            checkpoints=int(payload.get("control_checkpoints", 0)),
+        )
+        restore_training(payload, rounds, model, inner_optimizer, batches)
+        if check is not None:
+            check()
+    except Exception:
+        if settings is not None and hasattr(rounds, "retune"):
+            rounds.retune(**unsteered)
+        steering.restore(0, {}, rounds)
+        steering.round_seconds = None
+        raise
 
 
 def load_for(

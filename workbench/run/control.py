@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from swarm.records import Stage
+from swarm.records import EARLIER_KEPT, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,18 @@ def steered_problem(config: Any, control: Any) -> str | None:
     return None
 
 
+def _changes_outer_settings(latest: Any, control: Any) -> bool:
+    """Whether ``control`` (a version of the record ``latest``) changes the outer lr, H or codec
+    from the version before it, as the record keeps it (the first version: whether it sets
+    them; one whose predecessor the record no longer keeps: not known, so not refused)."""
+    versions = [latest.step(), *latest.earlier]
+    before = next((v for v in versions if v.version < control.version), None)
+    if before is None and control.version > 1 and len(latest.earlier) >= EARLIER_KEPT:
+        return False
+    keys = ("outer_lr", "inner_steps", "codec")
+    return any(getattr(control, k) != (getattr(before, k) if before else None) for k in keys)
+
+
 class Steering:
     """Applies the owner's :class:`swarm.steering.ControlState` versions to one peer.
 
@@ -89,8 +101,6 @@ class Steering:
         """The owner's time box for rounds (None: the peer's own ``--round-seconds``)."""
         self.settings: dict[str, Any] = {}
         """Every setting steering changed on this peer, newest value (a checkpoint keeps them)."""
-        self._carried: tuple[Any, Any, Any] = (None, None, None)
-        """A data-parallel peer: the outer lr, H and codec the last version it read carried."""
         self.refused: tuple[int, str] = (0, "")
         """The last version refused (nothing of it applied) and why, for the heartbeat: the
         owner's `steer` counted it as applied (a review)."""
@@ -138,11 +148,10 @@ class Steering:
             except ValueError as error:
                 self._refuse(control, str(error), outer)
                 return  # nothing of it (its time box, its checkpoint): never half-applied
-        elif (control.outer_lr, control.inner_steps, control.codec) != self._carried:
+        elif _changes_outer_settings(latest, control):
             # A version that changes them is refused whole (the owner's `steer` then says so:
             # it printed "1/1 peers applied", a review, stop 71); later versions carry the same
-            # values, and apply (a checkpoint request, a time box).
-            self._carried = (control.outer_lr, control.inner_steps, control.codec)
+            # values, and apply (a checkpoint request, a time box), on a joiner too.
             self._refuse(
                 control,
                 "outer lr, H and update codec do not apply to a data-parallel run (it has no outer step)",

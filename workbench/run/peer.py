@@ -976,13 +976,16 @@ class Peer:
         another release's structure, or edited) passes it over for the previous one
         (:func:`workbench.run.checkpoint.load`). Before, it was a traceback or a misleading
         line ("the downloaded state does not fit this model"), the previous one never tried."""
+
+        def fits() -> None:
+            checkpoint.check_parameters(self.model, path)
+            step = self.diloco.outer_step_count
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"its outer step is {step!r}, not a count of rounds")
+
         checkpoint.resume_training(
-            payload, self.steering, self.diloco, self.model, self.inner_optimizer, None
+            payload, self.steering, self.diloco, self.model, self.inner_optimizer, None, check=fits
         )
-        checkpoint.check_parameters(self.model, path)
-        step = self.diloco.outer_step_count
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"its outer step is {step!r}, not a count of rounds")
 
     def inner_step(self, x: torch.Tensor, y: torch.Tensor, info: dict[str, Any]) -> tuple[float, Any]:
         """One AdamW step; for data-parallel, with the swarm's mean gradient (and its report)."""
