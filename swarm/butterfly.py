@@ -61,9 +61,37 @@ class Stalls(AllReduceRunner):
         self.started_at = time.monotonic()
         self.idle: set[Any] = set()
         """Senders whose stream stood idle for the senders' timeout while this reducer read it."""
+        self.cut: dict[Any, float] = {}
+        """Senders whose stream ended (or broke) before all their parts came, and when."""
+        self.reading: dict[Any, float] = {}
+        """Senders whose next part this reducer is waiting for, since when."""
 
-    def _stalled_reading(self, sender_index: int) -> None:
-        self.idle.add(self.sender_peer_ids[sender_index])
+    async def _watched(self, stream: Any, sender_index: int) -> Any:
+        """``stream`` (a sender's parts, read with hivemind's timeout), noting what the sender did."""
+        peer, received = self.sender_peer_ids[sender_index], 0
+        iterator = stream.__aiter__()
+        while True:
+            self.reading[peer] = time.monotonic()
+            try:
+                message = await iterator.__anext__()
+            except StopAsyncIteration:
+                if received < self.tensor_part_reducer.num_parts:
+                    self.cut[peer] = time.monotonic()
+                return
+            except TimeoutError:  # (hivemind's wait for the sender's next part)
+                self.idle.add(peer)
+                raise
+            except Exception:
+                self.cut[peer] = time.monotonic()
+                raise
+            finally:
+                self.reading.pop(peer, None)
+            received += 1
+            yield message
+
+    def reading_since_before(self, moment: float) -> bool:
+        """Whether this reducer has waited for a sender's next part since before ``moment``."""
+        return any(since < moment for since in list(self.reading.values()))
 
     @property
     def reduces(self) -> bool:
@@ -78,10 +106,17 @@ class Stalls(AllReduceRunner):
         return {peer for peer in self.sender_peer_ids if peer not in self.active_senders}
 
     def stalled(self) -> set[Any]:
-        """The senders that stalled this reducer so far: those idle for the senders' timeout,
-        and, once that long has passed since this runner started, those that sent nothing."""
-        due = self.sender_timeout is not None and time.monotonic() >= self.started_at + self.sender_timeout
-        return self.idle | (self.yet_to_begin() if due else set())
+        """The senders that stalled this reducer so far: those idle for the senders' timeout;
+        those whose stream ended before all their parts came within half that timeout of this
+        runner's start (an honest member ends its streams early only once it has waited that
+        timeout of its own start, or when its step is given up: a key sent one part and hung
+        up, a review); and, once the timeout has passed since this runner started, those that
+        sent nothing."""
+        if self.sender_timeout is None:
+            return set(self.idle)
+        due = time.monotonic() >= self.started_at + self.sender_timeout
+        early = {peer for peer, when in self.cut.items() if when < self.started_at + self.sender_timeout / 2}
+        return self.idle | early | (self.yet_to_begin() if due else set())
 
 
 class MeanReplies(Stalls):
@@ -155,7 +190,7 @@ class MeanReplies(Stalls):
             weight = self.weights.get(self.sender_peer_ids[sender_index], 0.0)
             async for part in amap_in_executor(
                 lambda message: deserialize_torch_tensor(message.tensor_part),
-                stream,
+                self._watched(stream, sender_index),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 try:
@@ -167,9 +202,6 @@ class MeanReplies(Stalls):
                 encoded = await self._reply(parts, mean)
                 parts += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
-        except TimeoutError:  # (hivemind's wait for the sender's next part)
-            self._stalled_reading(sender_index)
-            raise
         finally:
             if parts != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -191,13 +223,9 @@ class CountedWeights(Stalls):
         weight = self.weights.get(self.sender_peer_ids[sender_index], 0.0)
 
         async def counted() -> Any:
-            async for message in stream:
+            async for message in self._watched(stream, sender_index):
                 message.weight = weight
                 yield message
 
-        try:
-            async for reply in super()._accumulate_parts_streaming(counted(), sender_index):
-                yield reply
-        except TimeoutError:  # (hivemind's wait for the sender's next part)
-            self._stalled_reading(sender_index)
-            raise
+        async for reply in super()._accumulate_parts_streaming(counted(), sender_index):
+            yield reply

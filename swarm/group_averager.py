@@ -609,9 +609,19 @@ class GroupAverager(StateSharing, DecentralizedAverager):
         failed = None
         try:
             await asyncio.wait({copying, doomed}, return_when=asyncio.FIRST_COMPLETED)
-            left = runner.started_at + (runner.sender_timeout or 0.0) - time.monotonic()
+            timeout = runner.sender_timeout or 0.0
+            left = runner.started_at + timeout - time.monotonic()
             if not copying.done() and left > 0:
                 await asyncio.wait({copying}, timeout=left)
+            # And for a part asked before then, up to the timeout more: a key that sent one
+            # part and then went silent was seen idle only after the round had failed (a review).
+            limit = runner.started_at + 2 * timeout
+            while (
+                not copying.done()
+                and runner.reading_since_before(runner.started_at + timeout)
+                and time.monotonic() < limit
+            ):
+                await asyncio.wait({copying}, timeout=0.1)
         finally:
             for task in (copying, doomed):
                 task.cancel()

@@ -261,6 +261,17 @@ class Steering:
             # The versions not applied yet whose step comes after this one are replaced: this one
             # is made on the settings the peers hold now, and theirs are dropped. Refused before,
             # one --from-step 10^9 held every later change back for the run (a review, stop 71).
+            # Not one a live peer may have applied already (a peer claims its step): the record
+            # cannot take a setting back to the flags the run started with, and that peer would
+            # keep it while the others never take it (a review of the first version).
+            reached = max((p.outer_step for p in counted.values()), default=-1)  # (any claim: safe side)
+            applied = [v for v in (current.step(), *current.earlier) if from_step < v.from_step <= reached]
+            if applied:
+                raise SwarmError(
+                    f"--from-step {from_step}: v{applied[0].version} ({applied[0].changes()}) applies from outer "
+                    f"step {applied[0].from_step}, which a live peer has reached (outer step {reached}): it cannot "
+                    f"be replaced; publish the settings you want with --from-step {floor} or later"
+                )
             fields = self._replacing(current, fields, updates, from_step)
         fields["from_step"] = from_step
         try:

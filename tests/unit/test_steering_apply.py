@@ -589,3 +589,45 @@ def test_a_change_before_a_pending_one_replaces_it_and_peers_apply_it_at_its_ste
     assert [v.version for v in fixed.earlier] == [1]
     assert fixed.due(44, after=1) is None and fixed.due(45, after=1).outer_lr == 0.1
     assert fixed.due(10**9, after=1).version == 4  # the dropped versions never come due
+
+
+def test_a_change_a_live_peer_may_have_applied_is_not_replaced() -> None:
+    """A replacement writes None ("keep") for what it drops: a peer past the dropped version's
+    step had applied it and kept it while the others never took it (a review of stop 71's first
+    version: lr 0.5 on one peer, 0.7 on the other, both at version 2). Refused, saying why."""
+    import time
+    from types import SimpleNamespace
+
+    import pytest
+
+    from swarm.errors import SwarmError
+    from swarm.identity import key_hash
+    from swarm.records import PeerHeartbeat, Stage
+    from swarm.steering import Steering
+
+    class Store:
+        public_key = "the owner's key"
+
+        def read(self, key, schema):
+            return {}
+
+        def store(self, key, value, **options):
+            return True
+
+    def beat(peer: str, step: int) -> PeerHeartbeat:
+        return PeerHeartbeat(
+            peer_id=peer, name=peer[-4:], stage=Stage.TRAINING, outer_step=step, inner_step=0, inner_steps=5,
+            loss=1.0, samples_per_second=1.0, bytes_sent=0, bytes_received=0, device="cpu", time=time.time(),
+        )  # fmt: skip
+
+    peers = {"QmSlow": beat("QmSlow", 8)}
+    steering = Steering(
+        Store(),
+        RunKeys("r"),
+        owner=key_hash(Store.public_key),
+        board=SimpleNamespace(fetch=lambda: dict(peers)),
+    )
+    steering.publish(outer_lr=0.5, from_step=12)
+    peers.update(QmFast=beat("QmFast", 12), QmOther=beat("QmOther", 9))  # one has reached step 12
+    with pytest.raises(SwarmError, match="v1 .* applies from outer step 12, which a live peer has reached"):
+        steering.publish(inner_steps=8, from_step=11)
