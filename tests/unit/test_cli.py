@@ -895,6 +895,33 @@ def test_the_web_monitor_checks_its_inputs_before_it_serves(capsys, tmp_path: Pa
 # --- doctor ----------------------------------------------------------------------------------------
 
 
+def test_doctor_tells_a_libp2p_listener_from_anything_else_on_the_port() -> None:
+    """A web server on the port was told "check the /p2p/ id against the one the peer printed"
+    as a peer with another id was (a review, stop 71): a libp2p listener says its multistream
+    header first; anything else says nothing, or something else."""
+    import contextlib
+    import socket
+    import threading
+
+    from workbench.cli.doctor import MULTISTREAM, speaks_libp2p
+
+    def serve(first: bytes) -> int:
+        listener = socket.create_server(("127.0.0.1", 0))
+
+        def answer() -> None:
+            connection, _ = listener.accept()
+            with connection, listener, contextlib.suppress(OSError):
+                connection.sendall(first)
+                connection.recv(1)  # (until the probe hangs up, or resets)
+
+        threading.Thread(target=answer, daemon=True).start()
+        return listener.getsockname()[1]
+
+    assert speaks_libp2p("127.0.0.1", serve(MULTISTREAM), timeout=2.0) is True
+    assert speaks_libp2p("127.0.0.1", serve(b""), timeout=0.5) is False  # a web server: waits
+    assert speaks_libp2p("127.0.0.1", serve(b"SSH-2.0-OpenSSH_9.6\r\n"), timeout=2.0) is False
+
+
 def test_doctor_tells_a_refused_port_from_a_bad_name_and_a_silent_firewall(monkeypatch):
     import socket
 
@@ -1095,6 +1122,7 @@ def test_doctor_tells_a_wrong_peer_id_on_a_live_port_from_a_firewall(monkeypatch
         raise SwarmError("could not reach any bootstrap peer")
 
     monkeypatch.setattr(doctor, "_observer", unreachable)
+    monkeypatch.setattr(doctor, "speaks_libp2p", lambda host, port, *, timeout: True)  # another peer id
     args = argparse.Namespace(peers=[ADDRESS], owner=None, connect_timeout=5.0, run_id="r", secret=None)
     for port, said in (("ok", "not the peer named by the address's /p2p/ id"), ("warn", "firewall")):
         monkeypatch.setattr(

@@ -72,6 +72,32 @@ def _kind(ip: str) -> str:
     return "private" if parsed.is_private else "public"
 
 
+MULTISTREAM = b"\x13/multistream/1.0.0\n"
+"""What a libp2p listener (a peer's hivemind daemon) sends first on every TCP connection."""
+
+
+def speaks_libp2p(host: str, port: int, *, timeout: float) -> bool | None:
+    """Whether what answers at ``host:port`` is a libp2p listener (None: could not tell)."""
+    try:
+        probe = socket.create_connection((host, port), timeout=timeout)
+    except OSError:
+        return None
+    first = b""
+    with probe:
+        probe.settimeout(min(timeout, 2.0))
+        try:
+            while len(first) < len(MULTISTREAM):
+                chunk = probe.recv(len(MULTISTREAM) - len(first))
+                if not chunk:
+                    break
+                first += chunk
+        except TimeoutError:
+            return False  # (a web server waits for a request: nothing comes)
+        except OSError:
+            return None
+    return first == MULTISTREAM
+
+
 def probe_port(host: str, port: int, *, timeout: float) -> Check:
     """Whether ``host:port`` accepts a TCP connection within ``timeout`` seconds; when it does
     not, the fix for what the error says (the name, nothing listening, no answer, no route)."""
@@ -166,13 +192,26 @@ def diagnose(args: argparse.Namespace) -> list[Check]:
         # A port that answers and a DHT that reached nobody: not a firewall (a daemon that did not
         # start, or another hivemind version, fail otherwise and keep the general advice).
         answered = any(c.status == "ok" for c in ports) and "could not reach any bootstrap peer" in str(error)
-        fix = (
-            "its TCP port answers, so something listens there, but not the peer named by the address's "
-            "/p2p/ id: check that id against the one the peer printed (a peer started with another "
-            "--run-dir or key file has a new id)"
-            if answered
-            else "check the address and that the peer's firewall lets TCP in"
-        )
+        targets = [t for t in map(_tcp_target, addresses) if t is not None]
+        # A web server (or anything else) on that port said "check the peer id" too (a review).
+        strangers = [
+            f"{host}:{port}"
+            for host, port in targets
+            if answered and speaks_libp2p(host, port, timeout=args.connect_timeout) is False
+        ]
+        if strangers:
+            fix = (
+                f"something answers at {', '.join(strangers)}, but not a peer (no libp2p there): check "
+                "the port against the one the peer printed in its join command"
+            )
+        elif answered:
+            fix = (
+                "its TCP port answers, so something listens there, but not the peer named by the address's "
+                "/p2p/ id: check that id against the one the peer printed (a peer started with another "
+                "--run-dir or key file has a new id)"
+            )
+        else:
+            fix = "check the address and that the peer's firewall lets TCP in"
         checks.append(Check("bootstrap", "fail", str(error), fix))
         return checks
     try:
