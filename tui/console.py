@@ -3,6 +3,7 @@ peers, through the source (it holds no networking of its own)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from rich.text import Text
@@ -40,8 +41,18 @@ class OwnerConsole(PolledApp):
         if toggled:  # the failed publish's pause or resume, whichever row the cursor is on now
             known = self.snapshot.peers.get(toggled[0]) if self.snapshot else None
             peer = (toggled[0], toggled[1] if len(toggled) > 1 else known.name if known else toggled[0])
+        # The H the peers train with, for the form's hint: the record holds only steered values
+        # (it said "unchanged", a review, stop 71); the most common among live heartbeats.
+        counts = Counter(
+            p.inner_steps for p in (self.snapshot.peers.values() if self.snapshot else ()) if p.inner_steps
+        )
         screen = SteerScreen(
-            reason=self.source.steering_reason(), current=current, peer=peer, paused=paused, draft=draft
+            reason=self.source.steering_reason(),
+            current=current,
+            peer=peer,
+            paused=paused,
+            draft=draft,
+            running_h=counts.most_common(1)[0][0] if counts else None,
         )
         self.push_screen(screen, self._steer_chosen)
 

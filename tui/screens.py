@@ -157,10 +157,12 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
         peer: tuple[str, str] | None,
         paused: list[str],
         draft: dict[str, Any] | None = None,
+        running_h: int | None = None,
     ) -> None:
         super().__init__()
         self.reason = reason
         self.current = current
+        self.running_h = running_h  # the H most live peers train with (unsteered: not in the record)
         self.peer = peer  # (peer id, name) of the highlighted row
         self.paused = paused
         self.draft = draft or {}  # what a publish that failed sent: the form starts with it
@@ -194,7 +196,10 @@ class SteerScreen(ModalScreen[dict[str, Any] | None]):
                 yield Label("inner steps H")
                 yield Input(
                     self._drafted("inner_steps"),
-                    placeholder=str(self.current.get("inner_steps") or "unchanged"),
+                    placeholder=str(
+                        self.current.get("inner_steps")
+                        or (f"unchanged ({self.running_h} now)" if self.running_h else "unchanged")
+                    ),
                     id="inner-steps",
                     disabled=disabled,
                 )
