@@ -494,22 +494,19 @@ class SwarmAverager(Downloading):
         :meth:`swarm.group_averager.GroupAverager.stalled`). A fresh key with a heartbeat
         "waiting" at the round's step did either every attempt, and every round of a pair
         ended alone at the averaging deadline (red-team reviews, 2026-12-06)."""
-        spoilers = (
-            [
-                (peer, "accepted this peer into its group and never began it")
-                for peer in getattr(self.averager, "silent_leaders", list)()
-            ]
-            + [
-                (peer, "was in this peer's group and never came to its ring")
-                for peer in getattr(self.averager, "no_shows", list)()
+        spoilers = [
+            (peer, "accepted this peer into its group and never began it")
+            for peer in getattr(self.averager, "silent_leaders", list)()
+        ]
+        for told, what in (
+            ("no_shows", "was in this peer's group and never came to its ring"),
+            ("stalled", "was in this peer's group and sent it nothing on hivemind's path"),
+        ):
+            spoilers += [
+                (peer, what)
+                for peer in getattr(self.averager, told, list)()
                 if self._count_miss(peer, outer_step) >= MISSED_RINGS
             ]
-            + [
-                (peer, "was in this peer's group and sent it nothing on hivemind's path")
-                for peer in getattr(self.averager, "stalled", list)()
-                if self._count_miss(peer, outer_step) >= MISSED_RINGS
-            ]
-        )
         # Declines are only left out of the round, never struck: an honest peer that fell
         # behind declines the groups formed as it gave up its step (1 round in 5 to 25 under
         # load, docs/reliability.md), a slow joiner maybe every round; a decline costs 0.1 s.

@@ -46,13 +46,12 @@ MEAN = 1
 
 
 class Stalls(AllReduceRunner):
-    """A runner that tells which senders stalled it, as it saw for itself: a sender that sent no
-    part within the senders' timeout of this runner's start (hivemind's channel proves who each
-    stream is from), or whose stream then stood idle that long while this reducer read it. An
-    honest member opens its streams to every reducer as its own runner starts, and makes its
-    parts from its own tensors, so no other member can hold it back; a stream that ends early
-    or fails is not counted (a member that another's failure made give up closes its streams
-    the same way). A fresh key with a heartbeat that joined the peers' groups saying it takes no
+    """A runner that tells which senders stalled it, as it saw for itself (hivemind's channel
+    proves who each stream is from): :meth:`stalled`. An honest member opens its streams to
+    every reducer as its own runner starts, and makes its parts from its own tensors, so no
+    other member can hold it back; one that another's failure made give up ends its streams
+    only once it has waited the senders' timeout of its own start, so a stream that ends early
+    counts only well before then. A fresh key with a heartbeat that joined the peers' groups saying it takes no
     direct rings sent their groups to hivemind's path and then sent nothing: every round of a
     pair ended alone, 22-27 s each (a review, 2026-12-07)."""
 

@@ -29,6 +29,7 @@ from swarm.records import (
     LONG_TTL,
     MAX_VERSION,
     ControlState,
+    ControlStep,
     PeerHeartbeat,
     RunKeys,
     Stage,
@@ -242,6 +243,7 @@ class Steering:
         # Versions apply in order: one due before the version it follows would carry that
         # version's settings to peers before its step.
         floor = current.from_step if current else 0
+        replaced: list[ControlStep] = []
         if from_step is None:
             from_step = max(ahead + 2, floor)
             if current is not None and floor > ahead + 2:
@@ -272,7 +274,7 @@ class Steering:
                     f"step {applied[0].from_step}, which a live peer has reached (outer step {reached}): it cannot "
                     f"be replaced; publish the settings you want with --from-step {floor} or later"
                 )
-            fields = self._replacing(current, fields, updates, from_step)
+            fields, replaced = self._replacing(current, fields, updates, from_step)
         fields["from_step"] = from_step
         try:
             control = ControlState.model_validate(fields)
@@ -291,29 +293,28 @@ class Steering:
                 f"moment and replaced this one ({control.changes()}); check `workbench status` and "
                 "publish again if it is still wanted"
             )
+        for version in replaced:  # (said once the replacement is stored, not before)
+            logger.warning(
+                "replaces v%d (%s from outer step %d), not applied yet: dropped",
+                version.version, version.changes(), version.from_step,
+            )  # fmt: skip
         logger.info("published control version %d: %s", control.version, control.changes())
         return control
 
     @staticmethod
     def _replacing(
         current: ControlState, fields: dict[str, Any], updates: dict[str, Any], from_step: int
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], list[ControlStep]]:
         """``fields`` of a new version due at ``from_step``, before versions of ``current`` not
-        applied yet: made on the newest version due by then and the ``updates``, the later
-        versions dropped (said in the log)."""
-        versions = (current.step(), *current.earlier)
-        dropped = [v for v in versions if v.from_step > from_step]
+        applied yet: made on the newest version due by then and the ``updates``; and the later
+        versions, which it drops."""
+        dropped = [v for v in (current.step(), *current.earlier) if v.from_step > from_step]
         held = current.due(from_step, after=0)  # (due by then: kept, and built on)
         settings = ("outer_lr", "inner_steps", "codec", "round_seconds")
         fields = {**fields, **{k: getattr(held, k) if held else None for k in settings}}
         fields.update({k: v for k, v in updates.items() if v is not None and k in settings})
         fields["earlier"] = [v for v in fields["earlier"] if v.from_step <= from_step]
-        for version in dropped:
-            logger.warning(
-                "replaces v%d (%s from outer step %d), not applied yet: dropped",
-                version.version, version.changes(), version.from_step,
-            )  # fmt: skip
-        return fields
+        return fields, dropped
 
     def pause(self, peer: str) -> ControlState:
         """Pause ``peer`` (its id, or a name only one live peer has: the record names the id)."""

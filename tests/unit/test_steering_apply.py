@@ -547,13 +547,10 @@ def test_the_runs_own_rules_decide_what_a_peer_takes() -> None:
     assert steered_problem(config(), change(codec="topk", outer_lr=0.4)) is None
 
 
-def test_a_change_before_a_pending_one_replaces_it_and_peers_apply_it_at_its_step(caplog) -> None:
-    """One --from-step 10^9 (a typo) held every later change back for the run: a plain change
-    followed it (at 10^9) and an earlier --from-step was refused ("changes apply in order"), for
-    the record's 7 days (a review, stop 71). A --from-step before a version not applied yet now
-    replaces it: the new version is made on the settings the peers hold, the pending one is
-    dropped (said), and a peer applies the new one at its step, never the dropped one's lr."""
-    import logging
+def _owners_publisher(peers: dict[str, int]) -> Any:
+    """A :class:`swarm.steering.Steering` of the owner's key over a board whose live peers train
+    at the given steps (no DHT: every store is taken, nothing read back but what was stored);
+    ``peers`` may change under it."""
     import time
     from types import SimpleNamespace
 
@@ -570,12 +567,39 @@ def test_a_change_before_a_pending_one_replaces_it_and_peers_apply_it_at_its_ste
         def store(self, key, value, **options):
             return True
 
-    peer = PeerHeartbeat(
-        peer_id="QmPeer", name="peer", stage=Stage.TRAINING, outer_step=40, inner_step=0, inner_steps=5,
-        loss=1.0, samples_per_second=1.0, bytes_sent=0, bytes_received=0, device="cpu", time=time.time(),
-    )  # fmt: skip
-    board = SimpleNamespace(fetch=lambda: {"QmPeer": peer})
-    steering = Steering(Store(), RunKeys("r"), owner=key_hash(Store.public_key), board=board)
+    def board() -> dict[str, PeerHeartbeat]:
+        return {
+            peer: PeerHeartbeat(
+                peer_id=peer,
+                name=peer[-4:],
+                stage=Stage.TRAINING,
+                outer_step=step,
+                inner_step=0,
+                inner_steps=5,
+                loss=1.0,
+                samples_per_second=1.0,
+                bytes_sent=0,
+                bytes_received=0,
+                device="cpu",
+                time=time.time(),
+            )  # fmt: skip
+            for peer, step in peers.items()
+        }
+
+    return Steering(
+        Store(), RunKeys("r"), owner=key_hash(Store.public_key), board=SimpleNamespace(fetch=board)
+    )
+
+
+def test_a_change_before_a_pending_one_replaces_it_and_peers_apply_it_at_its_step(caplog) -> None:
+    """One --from-step 10^9 (a typo) held every later change back for the run: a plain change
+    followed it (at 10^9) and an earlier --from-step was refused ("changes apply in order"), for
+    the record's 7 days (a review, stop 71). A --from-step before a version not applied yet now
+    replaces it: the new version is made on the settings the peers hold, the pending one is
+    dropped (said), and a peer applies the new one at its step, never the dropped one's lr."""
+    import logging
+
+    steering = _owners_publisher({"QmPeer": 40})
     assert steering.publish(inner_steps=50).from_step == 42  # v1: applied by the peers (below)
     typo = steering.publish(outer_lr=0.5, from_step=10**9)  # v2: pending
     with caplog.at_level(logging.WARNING, logger="swarm.steering"):
@@ -595,39 +619,13 @@ def test_a_change_a_live_peer_may_have_applied_is_not_replaced() -> None:
     """A replacement writes None ("keep") for what it drops: a peer past the dropped version's
     step had applied it and kept it while the others never took it (a review of stop 71's first
     version: lr 0.5 on one peer, 0.7 on the other, both at version 2). Refused, saying why."""
-    import time
-    from types import SimpleNamespace
-
     import pytest
 
     from swarm.errors import SwarmError
-    from swarm.identity import key_hash
-    from swarm.records import PeerHeartbeat, Stage
-    from swarm.steering import Steering
 
-    class Store:
-        public_key = "the owner's key"
-
-        def read(self, key, schema):
-            return {}
-
-        def store(self, key, value, **options):
-            return True
-
-    def beat(peer: str, step: int) -> PeerHeartbeat:
-        return PeerHeartbeat(
-            peer_id=peer, name=peer[-4:], stage=Stage.TRAINING, outer_step=step, inner_step=0, inner_steps=5,
-            loss=1.0, samples_per_second=1.0, bytes_sent=0, bytes_received=0, device="cpu", time=time.time(),
-        )  # fmt: skip
-
-    peers = {"QmSlow": beat("QmSlow", 8)}
-    steering = Steering(
-        Store(),
-        RunKeys("r"),
-        owner=key_hash(Store.public_key),
-        board=SimpleNamespace(fetch=lambda: dict(peers)),
-    )
+    peers = {"QmSlow": 8}
+    steering = _owners_publisher(peers)
     steering.publish(outer_lr=0.5, from_step=12)
-    peers.update(QmFast=beat("QmFast", 12), QmOther=beat("QmOther", 9))  # one has reached step 12
+    peers.update(QmFast=12, QmOther=9)  # one has reached step 12
     with pytest.raises(SwarmError, match="v1 .* applies from outer step 12, which a live peer has reached"):
         steering.publish(inner_steps=8, from_step=11)
