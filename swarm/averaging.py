@@ -56,6 +56,10 @@ MAX_SILENT = 1024
 MISSED_RINGS = 2
 """A member that never came to a ring of this peer's group is left out of the round from its
 second time running (:meth:`SwarmAverager._count_miss`, :meth:`SwarmAverager._blame_spoilers`)."""
+MISS_WINDOW = 2
+"""Misses "running" are at most this many rounds apart: a key that got into one group of this
+peer's in two (its join busy with the last group) and spoiled each was never twice running at
+1, and a leader paid the senders' timeout (10 s) every other round (stop 71)."""
 
 # wire codec name -> hivemind codec
 CODECS: dict[str, Callable[[], Any]] = {
@@ -540,11 +544,11 @@ class SwarmAverager(Downloading):
 
     def _count_miss(self, peer: str, outer_step: int) -> int:
         """``peer`` never came to the ring of a group of this averager's in round ``outer_step``:
-        how many times running, since it last averaged with this one, each in this round or the
-        one after the last (an honest peer whose step was cancelled just as its group formed,
-        once in a while, must not add up over a run)."""
+        how many times running, since it last averaged with this one, each within
+        :data:`MISS_WINDOW` rounds of the last (an honest peer whose step was cancelled just as
+        its group formed, once in a while, must not add up over a run)."""
         count, last = self._missed.pop(peer, (0, outer_step))
-        count = count + 1 if outer_step - last <= 1 else 1
+        count = count + 1 if outer_step - last <= MISS_WINDOW else 1
         self._missed[peer] = (count, outer_step)
         while len(self._missed) > MAX_SILENT:  # fresh keys are free
             self._missed.popitem(last=False)

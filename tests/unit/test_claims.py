@@ -1012,3 +1012,35 @@ def test_a_member_that_never_comes_to_the_ring_is_left_out_from_its_second_time_
         assert me.round_peers(step) == ("late", "me")
     assert "sybil" in board.ignored and "was in this peer's group" in board.ignored["sybil"]
     assert me.round_peers(8) == ("late", "me")  # ignored for the run
+
+
+def test_a_member_that_spoils_one_group_in_two_is_twice_running():
+    """A key whose join was busy with the last group got into one group of a leader's in two and
+    sent it nothing on hivemind's path each time: "this round or the one after" never counted it
+    twice, and the leader paid the senders' timeout every other round (stop 71, measured in
+    rounds 11 and 13). Misses two rounds apart are running now; three apart still start over."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from swarm.averaging import SwarmAverager
+    from swarm.records import PROTOCOL
+
+    board = FakeBoard(beat("sybil", 4, protocol=PROTOCOL), beat("late", 4, protocol=PROTOCOL))
+    told: list[list[str]] = []
+    me = SwarmAverager.__new__(SwarmAverager)
+    me.averager = SimpleNamespace(
+        no_shows=list, stalled=lambda: told.pop(0) if told else [], decliners=list, silent_leaders=list
+    )
+    me.board, me.peer_id, me._silent_leaders, me._missed = board, "me", {}, OrderedDict()
+    me.barrier = averager(board)
+    me.vouching = me.barrier.vouching
+    for step in (10, 12, 14, 16):  # one round in two
+        told.append(["sybil"])
+        me._blame_spoilers(step)
+        assert ("sybil" in me.round_peers(step)) is (step == 10)  # left out from its second
+    assert "sybil" in board.ignored  # struck at 12, 14 and 16: ignored for the run
+    for step in (10, 13, 16, 19):  # an honest stranger late once every three rounds
+        told.append(["late"])
+        me._blame_spoilers(step)
+        assert "late" in me.round_peers(step)
+    assert "late" not in board.ignored and me.barrier.vouching._strikes.get("late") is None

@@ -91,6 +91,21 @@ def test_a_few_small_files_held_out_by_name_fall_back_to_a_byte_split(tmp_path: 
     assert 0.04 * total <= len(c.val) <= 0.06 * total, (len(c.train), len(c.val))
 
 
+def test_a_big_file_held_out_by_name_falls_back_to_a_byte_split(tmp_path: Path) -> None:
+    """The other way: a 1 MB corpus whose name hashes into the eval set, beside a 16 KB README,
+    was held out whole (98.5 % of the data) and the peer trained on the README, saying only
+    "train=16000, val=1080000" (a review, stop 72). Held-out files over three times the
+    fraction asked for: the tail is held out instead."""
+    from workbench.run.data import _is_eval_file
+
+    big = next(n for n in (f"corpus{i}.txt" for i in range(10_000)) if _is_eval_file(n, 0.05))
+    (tmp_path / "README.md").write_bytes(b"# notes\n" * 2000)
+    (tmp_path / big).write_bytes(b"the quick brown fox jumps. " * 40_000)
+    c = ByteCorpus.load(DataConfig(path=str(tmp_path), eval_fraction=0.05))
+    total = len(c.train) + len(c.val)
+    assert 0.04 * total <= len(c.val) <= 0.06 * total, (len(c.train), len(c.val))
+
+
 def test_single_file_falls_back_to_byte_split(tmp_path: Path) -> None:
     path = tmp_path / "one.md"
     data = _text(3, 2_000).encode()

@@ -241,17 +241,20 @@ class ByteCorpus:
                 f"point --data at non-empty text files."
             )
         held = sum(len(part) for part in val_parts)
+        whole = held + sum(map(len, train_parts))
         by_file = bool(train_parts and val_parts) and (
-            # files held out by name: a few small ones could be all of it (a package folder's
-            # eval set was the one line `__version__ = "3.21"`, 21 of 332,781 bytes)
+            # Files held out by name: a few small ones could be all of it (a package folder's
+            # eval set was the one line `__version__ = "3.21"`, 21 of 332,781 bytes), and one
+            # big one most of it (a 1 MB corpus beside a 16 KB README: 98.5 % held out, the
+            # peer trained on the README; a review, stop 72).
             config.dataset is not None
-            or held >= config.eval_fraction / 4 * (held + sum(map(len, train_parts)))
+            or config.eval_fraction / 4 * whole <= held <= min(3 * config.eval_fraction, 0.5) * whole
         )
         if by_file:
             train_bytes, val_bytes = b"\n".join(train_parts), b"\n".join(val_parts)
         else:
-            # Too few files (or too small) for a split by file (e.g. a single file): hold out
-            # the tail instead.
+            # Too few files (or too small, or too big) for a split by file (e.g. a single file):
+            # hold out the tail instead.
             stream = b"\n".join(train_parts + val_parts)
             cut = len(stream) - max(1, int(len(stream) * config.eval_fraction))
             train_bytes, val_bytes = stream[:cut], stream[cut:]

@@ -86,6 +86,11 @@ class Peer:
         """``on_started(addresses, key, kept)``: called once the peer is reachable, with its
         addresses, its key file and whether that file is kept (else deleted when the peer exits)."""
         self.config = config
+        self.schedule_steps = config.round_steps
+        """The inner steps of a sync at the run's start: the unit of the inner lr schedule's
+        clock, which counts syncs, so that steering H neither restarts the warmup nor skips it
+        (the clock counted syncs times the H of the moment: H 50 -> 5 after the warmup sent the lr
+        from 0.94 back to 0.55, a review, stop 72)."""
         self.on_started = on_started
         run_dir = config.peer.run_dir
         self.run_dir = Path(run_dir) if run_dir else None
@@ -531,7 +536,8 @@ class Peer:
         time box ran out during it (one step, then the sync)."""
         cfg = self.config
         world = self.node.world_size if self.node is not None else 1
-        total_inner = self.config.total_rounds * self.config.round_steps if cfg.peer.rounds else None
+        unit = self.schedule_steps
+        total_inner = cfg.total_rounds * unit if cfg.peer.rounds else None
         steps, compute, samples, dp_report, paused = 0, 0.0, 0, None, 0.0
         cap = joining.steps_this_round(
             self.board,
@@ -551,8 +557,11 @@ class Peer:
             self.faults.apply(self.averager)
             self.beat(Stage.TRAINING)
             # The schedule follows the run's clock, not this peer's: a late joiner must not
-            # restart warmup (or the cosine) and push updates far larger than the others'.
-            run_step = self.diloco.outer_step_count * self.config.round_steps + self.diloco.inner_step_count
+            # restart warmup (or the cosine) and push updates far larger than the others'. Its
+            # unit is a sync (the start's H steps, whatever H is now: see schedule_steps).
+            run_step = (
+                self.diloco.outer_step_count * unit + self.diloco.inner_step_count * unit / cfg.round_steps
+            )
             for group in self.inner_optimizer.param_groups:
                 group["lr"] = cfg.train.inner_lr * cfg.train.lr_factor(run_step, total_inner)
             x, y = next(self.batches)
