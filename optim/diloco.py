@@ -268,8 +268,8 @@ class DiLoCo:
         is applied as it would have been (as the overlapped path does, whose refused round
         applies nothing a round later); the clock counts the round either way. Before stop 57
         the queued mean stayed queued: applied a round late, and with eager updates the next
-        round started from a point holding none of it. (For ``delay`` 1, the flags' only one: a
-        longer queue would need a place held for the refused round.)"""
+        round started from a point holding none of it. (``delay`` is at most 1: a longer queue
+        would need a place held for the refused round, :data:`optim.config.MAX_DELAY`.)"""
         if self._pending:
             self.apply_outer_step(self._pending.pop(0), checked=True)  # finite when queued
         else:

@@ -264,7 +264,9 @@ class StreamingDiLoCo:
                 for p, g in zip(self.params, self.global_params):
                     p.copy_(g.to(p.device, p.dtype))
             self.inner_optimizer.state.clear()
-            self.samples_since[f] = 0
+            # Every fragment's count too: another's next Δ holds only the steps from here (it
+            # went out with all of them: twice its weight, a review, stop 72).
+            self.samples_since = [0] * len(self.samples_since)
             zeros = [torch.zeros_like(d) for d in deltas]
             return Outgoing(zeros, dict(info or {}, norm=0.0, weight=0.0), 0.0, 0.0, 0, True, self.syncs)
         local_norm = global_norm(deltas)

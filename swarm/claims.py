@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -240,14 +240,15 @@ class StateVerdict:
 
 def judge_state(
     step: int,
-    mine: Sequence[Sketch],
+    mine: Sequence[Sketch] | Mapping[str, Sequence[Sketch]],
     answers: dict[str, tuple[int, list[Sketch]] | None],
     *,
     donor: str,
     vouched: set[str],
     claims: dict[str, int] | None = None,
 ) -> StateVerdict:
-    """Accept a state downloaded from ``donor`` at outer step ``step`` (sketched as ``mine``)?
+    """Accept a state downloaded from ``donor`` at outer step ``step`` (sketched as ``mine``:
+    under the one seed all were asked with, or each peer's under the seed it was asked with)?
 
     ``answers``: the other peers asked, each with (its outer step, its θ's sketches under the
     same seed), or None if it did not answer. Peers that averaged with this one (``vouched``)
@@ -263,7 +264,8 @@ def judge_state(
 
     at_step = {peer: got[1] for peer, got in answers.items() if got is not None and got[0] == step}
     steps = [got[0] for got in answers.values() if got is not None]
-    agree = {peer for peer, sketches in at_step.items() if state_mismatch(mine, sketches) is None}
+    served = mine if isinstance(mine, Mapping) else dict.fromkeys(at_step, mine)
+    agree = {peer for peer, sketches in at_step.items() if state_mismatch(served[peer], sketches) is None}
     disagree = set(at_step) - agree
     witnesses = (vouched & set(at_step)) or set(at_step)
     if witnesses:

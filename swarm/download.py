@@ -6,8 +6,10 @@ Each try asks the averager process for the donors' offers of the direct transpor
 straight into this process's memory (one copy of the state, nothing handed across processes).
 Without offers, or when the slices cannot all be had, hivemind's stream from one donor at a time
 (:meth:`swarm.group_averager.GroupAverager.load_state_from_peers`). Either way, other peers'
-sketches of their θ, taken under a seed no donor sees, decide whether the state is taken
-(:func:`swarm.claims.judge_state`).
+sketches of their θ, taken under seeds no donor sees in time to aim a θ at them, decide whether
+the state is taken (:func:`swarm.claims.judge_state`): on the direct path one seed, drawn once
+the donors' hashes bind their state; on the stream, which nothing binds before it ends, a seed
+for each witness, so that one colluding with the donor gives away only its own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from optim.config import MAX_DELAY
 from optim.contribution import global_norm
 from optim.diloco import OuterState
 from optim.state import shape_mismatch
@@ -66,8 +69,8 @@ class Downloading:
 
         Any peer can declare itself the most advanced and serve a made-up θ. So each state is
         checked before it is used: while it streams, up to ``VERIFIERS`` other peers (those this
-        one averaged with first) are asked for their θ's sketches under a seed the donor never
-        sees, and the θ that arrived is sketched under it (:func:`swarm.claims.judge_state`
+        one averaged with first) are asked for their θ's sketches under seeds the donor never
+        sees (see the module's text), and the θ that arrived is sketched under each (:func:`swarm.claims.judge_state`
         decides). A refused donor is skipped for the rest of this call; one contradicted by
         peers this one averaged with, until it averages with this one. ``avoid``: peers known
         to hold a θ that this one must leave (its round mates that share the θ the group
@@ -109,7 +112,7 @@ class Downloading:
                         ", ".join(sorted(d[-8:] for d in self._stalled)),
                     )
                 return None
-            state, donor, seed, answers, claims = got
+            state, donor, seeds, answers, claims = got
             skipped.add(donor)
             if state is None:
                 distrusted.add(donor)
@@ -128,7 +131,7 @@ class Downloading:
             vouched = set(self.vouching.vouched)
             verdict = judge_state(
                 state.outer_step,
-                state_sketches(state.params, seed),
+                _sketched(state.params, seeds),
                 answers,
                 donor=donor,
                 vouched=vouched,
@@ -245,7 +248,7 @@ class Downloading:
     def _fetch_state(
         self, skipped: set[str], distrusted: set[str], deadline: float
     ) -> tuple[Any, ...] | None:
-        """(the state, or None if malformed; its donor; the seed; the witnesses' answers; the
+        """(the state, or None if malformed; its donor; each witness's seed; their answers; the
         steps the peers asked claim) from the best donors not skipped (its witnesses: peers not
         distrusted), or None. Over the direct transport when donors offer it, else (or if it
         fails) hivemind's stream."""
@@ -271,14 +274,14 @@ class Downloading:
                 self._unfinished.update(self.averager.streamed_from(tag))
         if not result:
             return None
-        metadata, tensors, donor, seed, answers = result
+        metadata, tensors, donor, seeds, answers = result
         try:
             state = _parse_state(metadata, tensors, self.state_shapes)
         except (SwarmError, KeyError, TypeError, ValueError) as error:
             logger.warning(
                 "%s served an incomplete or malformed state (%s); trying another donor", donor[-8:], error
             )
-            return None, donor, seed, answers, claims
+            return None, donor, seeds, answers, claims
         # A peer still joining answers for the state's step or not at all: one whose download
         # failed holds the seed's init at outer step 0, which says nothing of a later state.
         answers = {
@@ -286,12 +289,12 @@ class Downloading:
             for peer, got in answers.items()
             if peer not in joining or (got is not None and got[0] == state.outer_step)
         }
-        return state, donor, seed, answers, claims
+        return state, donor, seeds, answers, claims
 
     def _fetch_direct(
         self, skipped: set[str], verifiers: dict[str, int], deadline: float
     ) -> tuple[Any, ...] | None:
-        """(metadata, tensors, the first donor, the seed, the witnesses' answers) over the direct
+        """(metadata, tensors, the first donor, {witness: the seed}, the witnesses' answers) over the direct
         transport (:mod:`swarm.state_transfer`), straight into this process's memory; None if
         no donor offers it or the slices could not all be had."""
         asked = time.perf_counter()
@@ -381,7 +384,7 @@ class Downloading:
                 one_line(error),
             )
             return None
-        return parsed, tensors, first.peer, seed, answers
+        return parsed, tensors, first.peer, dict.fromkeys(answers, seed), answers
 
     def _wait(
         self,
@@ -412,6 +415,13 @@ class Downloading:
         return True
 
 
+def _sketched(params: list[torch.Tensor], seeds: dict[str, bytes]) -> dict[str, list[Any]]:
+    """The served θ's sketches under each witness's seed (each seed sketched once: the direct
+    path's witnesses share one, bound by the donors' hashes before it is drawn)."""
+    by_seed = {seed: state_sketches(params, seed) for seed in set(seeds.values())}
+    return {peer: by_seed[seed] for peer, seed in seeds.items()}
+
+
 def _until(future: Future) -> Callable[[float], Any]:
     """A pause that ends when ``future`` is done."""
     return lambda seconds: wait([future], timeout=seconds)
@@ -433,6 +443,13 @@ def _parse_state(
     inner_keys = metadata.get("inner_keys") or []
     if not isinstance(inner_keys, list):
         raise SwarmError("its inner optimizer's keys are not a list")
+    if pending > MAX_QUEUED:
+        # Each is a float copy of θ here: 90 of 1-byte tensors within the byte limit grew a
+        # joiner by 4x what the limit allows, and the state was taken (a review, stop 72).
+        raise SwarmError(
+            f"it says it holds {pending} queued updates; a peer holds at most {MAX_QUEUED} "
+            "(its --delay and one in flight)"
+        )
     if count < 1 or pending < 0 or len(tensors) != (2 + pending) * count + len(inner_keys):
         raise SwarmError(
             f"{len(tensors)} tensors for {count} params: the donor left mid-download (hivemind ends a "
@@ -446,8 +463,10 @@ def _parse_state(
         )
     rest = tensors[2 * count :]
     served = [rest[i * count : (i + 1) * count] for i in range(pending)]
-    # Shapes first: a float copy of a donor's 1-byte tensors is 4x what it sent.
+    # Shapes and dtypes first: a float copy of a donor's 1-byte tensors is 4x what it sent.
     _check_shapes(tensors[:count], tensors[count : 2 * count], served, inner_keys, rest[pending * count :])
+    if not all(t.is_floating_point() for t in tensors[: (2 + pending) * count]):
+        raise SwarmError("its θ, outer momentum or queued updates are not floating-point tensors")
     queued = [[t.float() for t in q] for q in served]
     state = OuterState(
         outer_step=step,
@@ -461,6 +480,9 @@ def _parse_state(
     return state
 
 
+MAX_QUEUED = MAX_DELAY + 1
+"""Queued updates a served state may hold: an honest peer's ``--delay`` means and the one in
+flight (:meth:`optim.diloco.DiLoCo.outer_state`)."""
 MOMENTUM_RATIO = 10.0
 """A served outer momentum may be at most this many times θ's norm, a queued update at most θ's
 norm. An honest pseudo-gradient is a small fraction of θ (momentum sums them with weights

@@ -605,8 +605,9 @@ class StateSharing:
     ):
         """hivemind's download, skipping the donors in ``exclude`` (base58 peer ids). While the
         state streams, up to ``VERIFIERS`` of ``verifiers`` (never the donor) are asked for their
-        θ's sketches under a seed drawn for this donor, which the donor never sees. A result is
-        (metadata, tensors, the donor's peer id, the seed, {verifier: (outer step, sketches) or
+        θ's sketches, each under a seed of its own drawn for this donor (which the donor never
+        sees, unless a witness colludes: it then knows that witness's). A result is (metadata,
+        tensors, the donor's peer id, {verifier: its seed}, {verifier: (outer step, sketches) or
         None}). ``tag``: names this download for :meth:`streamed_from`."""
         future = MPFuture()
         request = dict(
@@ -641,11 +642,15 @@ class StateSharing:
                     return
                 donor = peer.to_base58()
                 self._note_streamed(tag, [*stalled, donor])  # being streamed from
-                seed = secrets.token_bytes(SEED_BYTES)
                 asked = [v for v in verifiers if v != donor][:VERIFIERS]
                 # Asked while the state streams (not after): a round can end during a download,
-                # and the witnesses' θ should be of the step the donor serves.
-                witnesses = asyncio.ensure_future(self._sketches_from(asked, seed, timeout=10.0))
+                # and the witnesses' θ should be of the step the donor serves. Nothing binds the
+                # stream before it ends, so each witness gets a seed of its own: with one seed
+                # for all, a witness colluding with the donor passed it on, the donor aimed a θ
+                # at it (about -θ, with the same 8 projections and norm) and every honest witness
+                # confirmed that θ (a review, stop 72). Now a colluder's seed fools its own vote.
+                seeds = {v: secrets.token_bytes(SEED_BYTES) for v in asked}
+                witnesses = asyncio.ensure_future(self._sketches_each(seeds, timeout=10.0))
                 try:
                     got, stalled_here = await asyncio.wait_for(self._download_from(peer), left)
                 except asyncio.TimeoutError:
@@ -655,7 +660,7 @@ class StateSharing:
                     self._note_streamed(tag, [])
                     answers = await witnesses
                     with contextlib.suppress(InvalidStateError):  # (given up on meanwhile)
-                        future.set_result((*got, donor, seed, answers))
+                        future.set_result((*got, donor, seeds, answers))
                     return
                 witnesses.cancel()
                 if stalled_here:  # not one that refused at once or could not be dialed
@@ -888,6 +893,15 @@ class StateSharing:
                 return peer, None
 
         return dict(await asyncio.gather(*map(ask, peers)))
+
+    async def _sketches_each(
+        self, seeds: dict[str, bytes], timeout: float
+    ) -> dict[str, tuple[int, list[Sketch]] | None]:
+        """:meth:`_sketches_from` with a seed of its own for each peer (``seeds``)."""
+        answers = await asyncio.gather(
+            *(self._sketches_from([p], seed, timeout) for p, seed in seeds.items())
+        )
+        return {peer: got for answer in answers for peer, got in answer.items()}
 
     def _served(self, state: OuterState) -> OuterState:
         """``state`` as this peer serves it (the lab's faults: θ with made-up noise, labelled

@@ -977,7 +977,8 @@ def test_eager_needs_the_one_step_delay() -> None:
     with pytest.raises(ValueError, match="eager updates need delay=1"):
         DiLoCoConfig(eager=True)
     assert not DiLoCoConfig().eager_updates and DiLoCoConfig(delay=1).eager_updates
-    assert not DiLoCoConfig(delay=2).eager_updates  # eager stands in for one round only
+    with pytest.raises(ValueError, match="delay must be 0 or 1"):  # a refused round broke its queue
+        DiLoCoConfig(delay=2)
 
 
 def test_eager_peers_hold_one_consensus_theta_and_a_download_resets_the_offset() -> None:

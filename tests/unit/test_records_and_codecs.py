@@ -391,7 +391,7 @@ def test_a_peer_waiting_for_min_peers_witnesses_a_state_at_its_own_step_only() -
                 return None  # nobody else serves (nor over hivemind's stream, below)
             metadata = dict(outer_step=4, num_params=1, num_pending=0, inner_keys=[])
             answers = {peer: got(b"seed") for peer, got in self.answers.items() if peer in verifiers}
-            return metadata, [made_up[0], torch.zeros(8)], "liar", b"seed", answers
+            return metadata, [made_up[0], torch.zeros(8)], "liar", dict.fromkeys(answers, b"seed"), answers
 
     sketched = lambda step, params: lambda seed: (step, state_sketches(params, seed))  # noqa: E731
     probe = Probe({"waiting": sketched(4, theta)})
@@ -448,7 +448,13 @@ def test_a_donor_its_round_mates_contradict_is_refused_not_ignored() -> None:
                 return None
             seed, theirs = b"seed", [torch.ones(8)]
             served = OuterState(outer_step=5, params=[torch.zeros(8)], momentum=[torch.zeros(8)])
-            return served, "other-side", seed, {"mate": (5, state_sketches(theirs, seed))}, {"mate": 5}
+            return (
+                served,
+                "other-side",
+                {"mate": seed},
+                {"mate": (5, state_sketches(theirs, seed))},
+                {"mate": 5},
+            )
 
     probe = Probe()
     probe.vouching.averaged_with(["mate"])
@@ -633,6 +639,29 @@ def test_a_state_with_numbers_no_honest_peer_holds_is_a_malformed_donor() -> Non
             _parse_state(metadata, tensors)
 
 
+def test_a_state_with_more_queued_updates_than_a_peer_holds_or_bytes_for_floats_is_refused() -> None:
+    """The byte limit bounds what a donor sends, not what the joiner makes of it: the honest θ
+    (the witnesses agree) with 90 queued updates and its momentum as 1-byte zeros fit a 1 M
+    parameter model's 96 MiB limit, each became a float copy of θ (368 MiB held) and the state
+    was taken with 90 updates queued (a review, stop 72). More than a peer's --delay and one in
+    flight, or θ, momentum or queued updates that are not floating point: a malformed donor."""
+    from swarm.download import MAX_QUEUED, _parse_state
+    from swarm.errors import SwarmError
+
+    params = [torch.randn(3, 2), torch.randn(4)]
+    zeros = [torch.zeros(p.shape, dtype=torch.uint8) for p in params]
+    meta = {"outer_step": 7, "num_params": 2, "num_pending": MAX_QUEUED}
+    small = [p * 0.01 for p in params]
+    assert MAX_QUEUED == 2 and len(_parse_state(meta, [*params, *small, *small, *small]).pending) == 2
+    with pytest.raises(SwarmError, match="holds 90 queued updates; a peer holds at most 2"):
+        _parse_state({**meta, "num_pending": 90}, [*params, *small, *(zeros * 90)])
+    for tensors in ([*params, *zeros, *small, *small], [*params, *small, *small, *zeros]):
+        with pytest.raises(SwarmError, match="not floating-point"):
+            _parse_state(meta, tensors)
+    as_half = [p.half() for p in [*params, *small, *small, *small]]  # a float of any width is one
+    assert _parse_state(meta, as_half).params[0].dtype == torch.float32
+
+
 def test_a_state_that_does_not_fit_this_model_or_counts_in_infinities_is_a_malformed_donor() -> None:
     """A donor serving the honest θ in other shapes (a (4, 8) weight as (32,)) passes the
     witnesses, who sketch θ flattened; the joiner then exited with "the run trains another
@@ -737,7 +766,7 @@ def test_a_peer_far_into_the_run_takes_an_older_state_only_if_another_peer_holds
                 return None
             state = OuterState(outer_step=served[donor], params=[torch.zeros(2)], momentum=[torch.zeros(2)])
             answers = {peer: (step, state_sketches(state.params, b"seed")) for peer, step in witness.items()}
-            return state, donor, b"seed", answers, {}  # no answer: the donor's word
+            return state, donor, dict.fromkeys(answers, b"seed"), answers, {}  # no answer: the donor's word
 
     assert Probe().download_state(since=232).outer_step == 0  # what it did: the first offer taken
     taken = Probe().download_state(since=232, oldest_unconfirmed=231)
@@ -803,7 +832,7 @@ def test_a_donor_whose_state_left_this_peer_behind_is_not_asked_first_again() ->
             if "liar" in skipped:
                 return None
             served = OuterState(outer_step=14, params=[torch.zeros(2)], momentum=[torch.zeros(2)])
-            return served, "liar", b"seed", {}, {}
+            return served, "liar", {}, {}, {}
 
     probe = Probe()
     probe.vouching.averaged_with(["liar"])

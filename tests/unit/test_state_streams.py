@@ -8,6 +8,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 from multiaddr import Multiaddr
 
@@ -586,3 +587,76 @@ def test_a_private_run_serves_its_state_to_its_peers_only(monkeypatch):
     assert set(reads) == {"run_peers"} and len(reads) <= took / 0.1 + 2, (len(reads), took)
     assert asyncio.run(parts(joiner)) == 64  # known now, until its heartbeat expires: no read
     assert len(reads) <= took / 0.1 + 2
+
+
+def _aimed_at(theta: torch.Tensor, seed: bytes) -> torch.Tensor:
+    """θ reflected across the rows of ``seed``'s R (R θ' = R θ, |θ'| = |θ|, θ' about -θ): what a
+    donor that knows a witness's seed serves to fool that witness's sketch."""
+    from swarm.sketch import CHUNK, ROWS, _matrices
+
+    x = theta.reshape(-1).double()
+    chunks = -(-x.numel() // CHUNK)
+    outer, inner = _matrices(seed, chunks, False)
+    padded = torch.zeros(chunks * CHUNK, dtype=torch.float64)
+    padded[: x.numel()] = x
+    rows = (outer.double()[:, :, None] * inner[:, None, :]).reshape(ROWS, -1)
+    rows[:, x.numel() :] = 0
+    projected = rows.T @ torch.linalg.solve(rows @ rows.T, rows @ padded)
+    return (2 * projected - padded)[: x.numel()].float().view(theta.shape)
+
+
+def test_a_witness_colluding_with_a_streaming_donor_cannot_lend_it_the_others_seeds():
+    """hivemind's stream binds nothing before it ends, and every witness got the same seed while
+    it ran: one witness colluding with the donor passed it on, the donor held its first chunk
+    back and served a θ aimed at that seed (about -θ, with the same 8 projections and norm),
+    and the honest witnesses, round mates of the joiner, confirmed it (a review, stop 72). Each
+    witness now gets a seed of its own: the colluder's fools only its own vote."""
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils import MPFuture
+
+    from swarm.claims import judge_state
+    from swarm.download import _parse_state, _sketched
+    from swarm.sketch import state_sketches
+
+    torch.manual_seed(0)
+    shapes = [(64, 80), (300,)]
+    honest = [torch.randn(shape) * 0.02 for shape in shapes]
+    joiner, leaked, seeds = _stream_joiner(1 << 30), asyncio.Event(), {}
+
+    async def donors(exclude):  # type: ignore[no-untyped-def]
+        return [PeerID.from_base58(DONOR)]
+
+    async def sketches(peers, seed, timeout, token=None):  # type: ignore[no-untyped-def]
+        (peer,) = peers
+        seeds[peer] = seed
+        if peer == "colluder":
+            leaked.set()
+        return {peer: (7, state_sketches(honest, seed))}  # the colluder's R sees no difference
+
+    async def download_from(peer):  # type: ignore[no-untyped-def]
+        await asyncio.wait_for(leaked.wait(), 5)  # the first chunk held back for the seed
+        aimed = [_aimed_at(t, seeds["colluder"] + i.to_bytes(4, "little")) for i, t in enumerate(honest)]
+        metadata = dict(outer_step=7, num_params=len(shapes), num_pending=0, inner_keys=[])
+        return (metadata, [*aimed, *(torch.zeros(shape) for shape in shapes)]), False
+
+    joiner._donors, joiner._sketches_from, joiner._download_from = donors, sketches, download_from
+
+    async def main():  # type: ignore[no-untyped-def]
+        future = MPFuture()
+        await joiner._load_state_from_peers(future, timeout=10, verifiers=["colluder", "a", "b"], tag=1)
+        return future.result()
+
+    metadata, tensors, donor, served_seeds, answers = asyncio.run(main())
+    assert len(set(served_seeds.values())) == 3 and served_seeds == seeds
+    state = _parse_state(metadata, tensors, shapes)
+    cosine = torch.nn.functional.cosine_similarity(state.params[0].reshape(-1), honest[0].reshape(-1), dim=0)
+    assert cosine < -0.9  # the attack is real: θ' is about -θ
+    mine = _sketched(state.params, served_seeds)
+    verdict = judge_state(7, mine, answers, donor=donor, vouched={"a", "b"})
+    assert not verdict.accept and verdict.contradicted, verdict.why
+    # What one seed for all did: every witness's sketch matched the aimed θ.
+    shared = state_sketches(state.params, served_seeds["colluder"])
+    fooled = {p: (7, state_sketches(honest, served_seeds["colluder"])) for p in answers}
+    assert judge_state(7, shared, fooled, donor=donor, vouched={"a", "b"}).accept

@@ -502,6 +502,26 @@ def test_a_streaming_peer_whose_update_goes_nan_sends_nothing_and_takes_the_grou
     assert all(bool(torch.isfinite(p).all()) for p in models[2].parameters())  # back on the swarm's θ
 
 
+def test_after_a_diverged_fragment_every_fragment_counts_its_samples_from_the_restart():
+    """The diverged peer restarts every fragment from θ, but only the one syncing had its sample
+    count reset: the next fragment's Δ held the 2 steps since the restart and went out weighing
+    4 (32 samples for 16), twice its share of the mean (a review, stop 72)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    averager = _Recording()
+    outer = StreamingDiLoCo(model, inner, averager, streaming(inner_steps=4, fragments=2))
+    for step in range(1, 5):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        inner.step()
+        inner.zero_grad()
+        if step == 2:  # fragment 0 syncs after this step: the peer diverges
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan")
+        outer.after_inner_step(samples=8)
+    assert [info["weight"] for info in averager.sent] == [0.0, 16.0]
+
+
 def test_bf16_parameters_keep_a_fragment_s_theta_when_nothing_trains() -> None:
     """As DiLoCo's: θ is fp32 and the model starts from θ in bf16. A fragment's Δ was θ minus
     the model, so it held θ's own rounding, and rounds without any training moved θ."""
