@@ -280,6 +280,13 @@ class SwarmAverager(Downloading):
             if doubted or not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
                 if strangers:  # (renewed while they keep not coming)
                     self._no_shows_until = outer_step + 1 + DOUBT_ROUNDS
+                elif mates and budget < self.averaging_deadline.ceiling:
+                    # Out of the learned time with round mates still averaging: learn anew from
+                    # the ceiling (as the barrier does). Learned from successes only, a few fast
+                    # rounds taught 15 s, and once honest all-reduces needed 20 s (a slower
+                    # link, congestion) every round failed at 15 s, for the rest of the run
+                    # (a review, stop 72).
+                    self.averaging_deadline.forget()
                 if doubted:
                     # Strangers that keep not coming averaged with nobody here: this peer's θ is
                     # not presumed stale on their account (one key sorting first sent a lone peer
@@ -449,13 +456,17 @@ class SwarmAverager(Downloading):
 
     def _ready_mates(self, beats: Iterable[PeerHeartbeat], outer_step: int) -> list[PeerHeartbeat]:
         """The others ready to average this round (at its step, not done; waiting or averaging,
-        any stage when overlapped)."""
+        any stage when overlapped). Overlapped, a mate in its run's last round has its clock at
+        the run's length while that round averages: a mate until it says it is finishing, as
+        the barrier counts it (:meth:`swarm.barrier.RoundBarrier.done_for`). Counted as done
+        here, a last round whose first attempt failed was never retried: it ended alone, and
+        the run on as many θ as peers (a review, stop 72)."""
         return [
             p
             for p in beats
             if p.peer_id != self.peer_id
             and p.outer_step == outer_step + self.lag
-            and not p.done  # (overlapped: one that finished its run is at outer_step + 1 too)
+            and not self.barrier.done_for(p, outer_step)
             and (self.overlapped or p.stage in (Stage.WAITING, Stage.AVERAGING))
         ]
 

@@ -236,7 +236,9 @@ class RoundBarrier:
             others = [
                 p
                 for p in self.board.fetch().values()
-                if p.peer_id != self.peer_id and p.stage is not Stage.PAUSED and not self._done(p, outer_step)
+                if p.peer_id != self.peer_id
+                and p.stage is not Stage.PAUSED
+                and not self.done_for(p, outer_step)
             ]
             if not others:
                 return Verdict.ALONE
@@ -352,7 +354,7 @@ class RoundBarrier:
                 waited_for = waiting
             self.sleep(_poll_pause(now - started, [d - now for d in (grace, started + limit)]))
 
-    def _done(self, peer: PeerHeartbeat, outer_step: int) -> bool:
+    def done_for(self, peer: PeerHeartbeat, outer_step: int) -> bool:
         """Whether ``peer`` is done with its rounds, so no mate for round ``outer_step``.
 
         Overlapped, a peer's clock reaches its run's length as soon as it ends its last round's
@@ -411,7 +413,7 @@ class RoundBarrier:
             for p in others
             if p.peer_id in self.vouching.witnessed
             and p.stage is not Stage.PAUSED
-            and not self._done(p, outer_step)  # (overlapped: at its last round it is a mate)
+            and not self.done_for(p, outer_step)  # (overlapped: at its last round it is a mate)
         ]
         return 2 * sum(not ahead(p) for p in here) > len(here)
 

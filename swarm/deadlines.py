@@ -12,7 +12,8 @@ A round mate that keeps arriving after the learned wait is then averaged without
 finds itself behind, downloads the state and is back in the next round it makes in time. A
 barrier that gave up on a round mate it has averaged with forgets what it learned (the mate
 may have slowed down for good: it could never make the learned wait again), and waits up to
-the configured value until it has learned anew.
+the configured value until it has learned anew; so does a round that ran out of its learned
+averaging time with round mates still averaging (all-reduces that slowed down for good).
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ network; tests/integration/test_lies.py plays the same lies against real peers."
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections import OrderedDict
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -789,7 +792,7 @@ def test_a_stranger_ready_that_never_comes_costs_one_round_then_one_attempt():
     )
     me.vouching, me._no_shows_until, me._silent_leaders = Vouching(), -1, {}
     me.config = SimpleNamespace(matchmaking_time=0.1)
-    me.averaging_deadline = SimpleNamespace(seconds=1.6, observe=lambda seconds: None)
+    me.averaging_deadline = SimpleNamespace(seconds=1.6, ceiling=1.6, observe=lambda seconds: None)
     me.averager = SimpleNamespace(direct_rounds=SimpleNamespace(value=0), _fault_file=None)
     me.wait_for_round_mates = lambda step: Verdict.AVERAGE
     me.barrier = RoundBarrier(
@@ -817,6 +820,89 @@ def test_a_stranger_ready_that_never_comes_costs_one_round_then_one_attempt():
     attempts.clear()
     me._round([torch.ones(2)], weight=1.0, info={"outer_step": 30})
     assert len(attempts) > 3
+
+
+def _retrying_averager(board: FakeBoard, *, overlapped: bool = False, deadline=None):  # type: ignore[no-untyped-def]
+    """A bare SwarmAverager whose round retries :meth:`_attempt` (set by the test) until its
+    deadline: ``deadline`` (a LearnedDeadline) or 2 s."""
+    from types import SimpleNamespace
+
+    from swarm.averaging import SwarmAverager
+
+    me = SwarmAverager.__new__(SwarmAverager)
+    me.board, me.peer_id, me.lag, me.overlapped, me.claim_next = board, "me", int(overlapped), overlapped, 0.0
+    me.vouching, me._no_shows_until, me._silent_leaders, me._missed = Vouching(), -1, {}, OrderedDict()
+    me._refused_donors = set()
+    me.config = SimpleNamespace(matchmaking_time=0.1, aggregate="mean")
+    me.averaging_deadline = deadline or SimpleNamespace(
+        seconds=2.0, ceiling=2.0, observe=lambda seconds: None
+    )
+    me.averager = SimpleNamespace(direct_rounds=SimpleNamespace(value=0), _fault_file=None)
+    me.wait_for_round_mates = lambda step: Verdict.AVERAGE
+    me._blame_spoilers = lambda step: None
+    me.barrier = RoundBarrier(
+        board=board, peer_id="me", beat=lambda stage: None,
+        config=SimpleNamespace(round_wait=60.0, matchmaking_time=0.1), vouching=me.vouching, overlapped=overlapped,
+    )  # fmt: skip
+    return me
+
+
+def test_an_overlapped_run_s_last_round_is_retried_like_the_others():
+    """Overlapped, a mate in its run's last round has its clock at the run's length while that
+    round averages: the barrier counts it a mate, but the retries counted it done, so a last
+    round whose first attempt failed ended alone at once (1 attempt; 38 in round 10 of 20), and
+    the run ended on as many θ as peers (a review, stop 72)."""
+    import time
+
+    for rounds in (20, 10):
+        me = _retrying_averager(FakeBoard(beat("mate", 10, Stage.AVERAGING, rounds=rounds)), overlapped=True)
+        me.vouching.averaged_with(["mate"])
+        attempts: list[int] = []
+
+        def attempt(tensors, weight, info, deadline, n, attempts=attempts):  # type: ignore[no-untyped-def]
+            attempts.append(n)
+            time.sleep(0.02)
+            return None, "could not find a group"
+
+        me._attempt = attempt
+        report = me._round([torch.ones(2)], weight=1.0, info={"outer_step": 9})  # round 10
+        assert report.failed and len(attempts) > 3, (rounds, attempts)
+
+
+def test_a_learned_averaging_deadline_that_runs_out_with_round_mates_is_learned_anew(monkeypatch):
+    """Learned from successful rounds only, the averaging deadline fell to its floor (15 s)
+    after a few fast rounds; once honest all-reduces needed 20 s (a slower link joined), every
+    round failed at 15 s and nothing was learned again: alone for the rest of the run, though
+    the 30 s timeout allowed them (a review, stop 72). A round that runs out of the learned
+    time with round mates still averaging forgets it: the next rounds have the ceiling."""
+    from swarm import averaging as averaging_module
+    from swarm.deadlines import LearnedDeadline
+
+    clock = FakeClock()
+    monkeypatch.setattr(averaging_module, "time", SimpleNamespace(monotonic=clock, time=clock))
+    deadline = LearnedDeadline(ceiling=30.0, floor=15.0, factor=3.0, margin=2.2)
+    board = FakeBoard()
+    me = _retrying_averager(board, deadline=deadline)
+    me.vouching.averaged_with(["mate"])
+    me.numel, me.bytes_per_element, me.formed_after = 2, 4, 0.0
+    me.averager.get_tensors = lambda: contextlib.nullcontext([torch.zeros(2)])
+    need = [1.0]
+
+    def attempt(tensors, weight, info, until, n):  # type: ignore[no-untyped-def]
+        if until - clock() >= need[0]:
+            clock.sleep(need[0])
+            return {"mate": {}, "me": {}}, ""
+        clock.sleep(until - clock())
+        return None, "averaging failed: TimeoutError"
+
+    me._attempt = attempt
+    sizes = []
+    for step in range(16):
+        need[0] = 1.0 if step < 8 else 20.0  # the all-reduces slow down after round 8
+        board.beats["mate"] = beat("mate", step, Stage.AVERAGING)
+        sizes.append(me._round([torch.ones(2)], weight=1.0, info={"outer_step": step}).group_size)
+    assert sizes[:8] == [2] * 8 and sizes[8] == 1 and sizes[9:] == [2] * 7, sizes
+    assert deadline.seconds == 30.0  # 3 x 20 s + 2.2 s: the ceiling
 
 
 def _hanging_step_averager(board, expected: tuple[str, ...], *, no_shows_until: int, vouched=()):
@@ -929,7 +1015,7 @@ def test_a_round_failed_with_doubted_strangers_is_stale_only_on_a_believed_claim
         me.vouching.averaged_with(["b-ahead"])
     me.averager._fault_file = None
     me.averager.direct_rounds = SimpleNamespace(value=0)
-    me.averaging_deadline = SimpleNamespace(seconds=30.0)
+    me.averaging_deadline = SimpleNamespace(seconds=30.0, ceiling=30.0)
     me.wait_for_round_mates = lambda step: Verdict.AVERAGE
     me._attempt = lambda *args, **kwargs: (None, "could not find a group")
     me._blame_spoilers = lambda step: None
