@@ -135,7 +135,7 @@ def parse_announce_addresses(texts: Sequence[str]) -> list[str]:
                 "TCP): e.g. /ip4/203.0.113.7/tcp/31337 or /dns4/peer.example.org/tcp/31337"
             )
         host = address.value_for_protocol(names[0])
-        if names[0] in ("ip4", "ip6") and ipaddress.ip_address(host).is_unspecified:
+        if names[0] in ("ip4", "ip6") and plain_ip(host).is_unspecified:
             raise AddressError(
                 f"--announce '{text}': {host} is no address others can dial (it means every interface "
                 "here): give this machine's public IP, as others reach it"
@@ -155,7 +155,7 @@ def reached_at(host: str, connections: Iterable[Multiaddr]) -> bool:
     this peer's connections to it (``connections``: their remote multiaddrs, as hivemind's
     daemon lists them)? A relayed connection's IP is the relay's, so it vouches for nothing."""
     try:
-        ip = ipaddress.ip_address(host)
+        ip = plain_ip(host)
     except ValueError:
         return False
     return ip in direct_ips(connections)
@@ -167,13 +167,24 @@ def direct_ips(addresses: Iterable[Multiaddr]) -> list[ipaddress.IPv4Address | i
     found = []
     for address in addresses:
         names = [protocol.name for protocol in address.protocols()]
+        if names[:1] == ["ip6zone"] and "ip6" in names:
+            # A link-local connection (/ip6zone/eth0/ip6/fe80::...; this multiaddr release lists
+            # a made-up ip4 between them): the peer at fe80::, not "this machine".
+            names = names[names.index("ip6") :]
         if "p2p-circuit" in names or not names or names[0] not in ("ip4", "ip6"):
             continue
         try:
-            found.append(ipaddress.ip_address(address.value_for_protocol(names[0])))
+            found.append(plain_ip(address.value_for_protocol(names[0])))
         except ValueError:
             continue
     return found
+
+
+def plain_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The IP ``text`` names, an IPv4-mapped IPv6 one as its IPv4 (``::ffff:127.0.0.1`` is
+    loopback, and the same peer as ``127.0.0.1``); ValueError if it is none."""
+    ip = ipaddress.ip_address(text)
+    return ip.ipv4_mapped if ip.version == 6 and ip.ipv4_mapped is not None else ip
 
 
 def origin(ip: str) -> str:

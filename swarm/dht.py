@@ -357,10 +357,19 @@ RETRY_PAUSE = 1.0
 def _bootstrap_unreachable(error: BaseException, config: NetworkConfig) -> bool:
     """Whether ``error`` (from starting hivemind's DHT) says no bootstrap peer could be reached."""
     text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    if any(local in text.lower() for local in LOCAL_BIND_FAILURES):
+        # The daemon could not listen here ("Daemon failed to start: ... bind: ..."): this
+        # machine's --host or --port, said at once (it was retried for --connect-timeout and
+        # said as an unreachable bootstrap peer on `join`, a review, stop 72).
+        return False
     # A bootstrap peer that never answers (a firewall dropping packets) keeps hivemind's daemon
     # from starting: "Daemon failed to start in N seconds" is about the peer, not this machine.
     unreachable = "bootstrap" in text or "connect" in text or "failed to start" in text.lower()
     return bool(config.initial_peers) and (unreachable or isinstance(error, TimeoutError))
+
+
+LOCAL_BIND_FAILURES = ("address already in use", "cannot assign requested address")
+"""What p2pd says when it cannot listen on this machine's ``--host``/``--port``."""
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -414,9 +423,9 @@ def _explain_start_failure(error: BaseException, config: NetworkConfig) -> str:
             f"could not reach any bootstrap peer ({peers}) within {config.connect_timeout:.0f} s: check that "
             "the peer is running, the address and peer id are exactly what it printed, and its port is open"
         )
-    if "address already in use" in text.lower():
+    if LOCAL_BIND_FAILURES[0] in text.lower():
         return f"port {config.port} on {config.host} is already in use: pick another --port or use 0"
-    if "cannot assign requested address" in text.lower():  # (p2pd's raw line before, a review)
+    if LOCAL_BIND_FAILURES[1] in text.lower():  # (p2pd's raw line before, a review)
         return (
             f"--host {config.host} is not an address of this machine, so nothing can listen on it: use "
             "one of its own (`ip -4 addr`), or 0.0.0.0 for every interface (with --announce for the "

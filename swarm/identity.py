@@ -94,6 +94,7 @@ def remove_ephemeral(path: Path) -> None:
 def load_private_key(path: str | Path):  # -> hivemind.utils.crypto.RSAPrivateKey
     """The RSA key in a libp2p identity file, with an error that says what to do if it is bad."""
     from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
     from hivemind.proto import crypto_pb2
     from hivemind.utils.crypto import RSAPrivateKey
 
@@ -107,6 +108,8 @@ def load_private_key(path: str | Path):  # -> hivemind.utils.crypto.RSAPrivateKe
         if proto.key_type != crypto_pb2.KeyType.RSA:
             raise ValueError("not an RSA key")
         der = serialization.load_der_private_key(proto.data, password=None)
+        if not isinstance(der, rsa.RSAPrivateKey):  # (an EC key marked RSA failed at its first signature)
+            raise ValueError("not an RSA key")
     except Exception as error:
         raise SwarmError(
             f"{path} is not a workbench/hivemind key file ({type(error).__name__}): point --identity (or "

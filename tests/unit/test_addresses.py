@@ -183,6 +183,7 @@ def test_announce_addresses_parse() -> None:
         pytest.param("/ip4/203.0.113.7/tcp/1/p2p-circuit", ["a host and a TCP port"], id="circuit"),
         pytest.param("/ip4/203.0.113.7/tcp/5/http", ["a host and a TCP port"], id="http"),
         pytest.param("/ip4/0.0.0.0/tcp/5", ["no address others can dial", "public IP"], id="unspecified"),
+        pytest.param("/ip6/::ffff:0.0.0.0/tcp/5", ["no address others can dial"], id="unspecified-mapped"),
     ],
 )
 def test_bad_announce_addresses_get_a_one_line_hint(text: str, hints: list[str]) -> None:
@@ -226,6 +227,21 @@ def test_an_offered_listener_must_be_where_the_donor_is_reached():
         )
     ]
     assert not reached_at("10.0.0.5", relayed)
+
+
+def test_mapped_and_link_local_connections_are_the_peers_they_name():
+    """(A review, stop 72.) A link-local connection (/ip6zone/eth0/ip6/fe80::...) had no IP, so
+    its peer counted as this machine and skipped the per-address limits; an IPv4-mapped
+    loopback one counted as another machine, and a mapped address never matched its IPv4 form."""
+    from multiaddr import Multiaddr
+
+    from swarm.addresses import far_ip, reached_at
+
+    assert far_ip([Multiaddr("/ip6zone/eth0/ip6/fe80::1/tcp/5")]) == "fe80::/64"
+    assert far_ip([Multiaddr("/ip6/::ffff:127.0.0.1/tcp/5")]) is None
+    assert far_ip([Multiaddr("/ip6/::ffff:10.0.0.5/tcp/5")]) == "10.0.0.5"
+    assert reached_at("10.0.0.5", [Multiaddr("/ip6/::ffff:10.0.0.5/tcp/5")])
+    assert reached_at("::ffff:10.0.0.5", [Multiaddr("/ip4/10.0.0.5/tcp/5")])
 
 
 def test_a_udp_port_without_quic_is_rejected() -> None:
@@ -314,3 +330,28 @@ def test_a_host_that_is_not_this_machines_is_said_with_the_fix() -> None:
     )
     said = _explain_start_failure(error, NetworkConfig(host="10.99.99.99"))
     assert said.startswith("--host 10.99.99.99 is not an address of this machine") and "0.0.0.0" in said
+
+
+def test_a_join_that_cannot_listen_here_is_said_at_once_not_as_an_unreachable_peer() -> None:
+    """On `join` every "Daemon failed to start" was an unreachable bootstrap peer: a --host not
+    on this machine, or a --port in use, was retried for --connect-timeout and then said as
+    "could not reach any bootstrap peer ... check that the peer is running" (a review, stop 72)."""
+    from swarm.dht import NetworkConfig, _bootstrap_unreachable, _explain_start_failure
+
+    peer = "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    failed = "Daemon failed to start: 2026/12/07 18:39:24 failed to listen on any addresses: [listen tcp4 {}: bind: {}]"
+    for host, port, why, said in [
+        (
+            "10.99.99.99",
+            0,
+            "cannot assign requested address",
+            "--host 10.99.99.99 is not an address of this machine",
+        ),
+        ("0.0.0.0", 31337, "address already in use", "port 31337 on 0.0.0.0 is already in use"),
+    ]:
+        error = RuntimeError(failed.format(f"{host}:{port}", why))
+        config = NetworkConfig(host=host, port=port, initial_peers=[peer])
+        assert not _bootstrap_unreachable(error, config)
+        assert _explain_start_failure(error, config).startswith(said)
+    silent = RuntimeError("Daemon failed to start in 15.0 seconds")  # a peer dropping packets: retried
+    assert _bootstrap_unreachable(silent, NetworkConfig(initial_peers=[peer]))

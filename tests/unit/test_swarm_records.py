@@ -70,6 +70,22 @@ def test_a_garbage_key_file_gives_a_clear_error(tmp_path) -> None:
         load_private_key(tmp_path / "missing.key")
 
 
+def test_a_key_file_marked_rsa_holding_another_key_gives_a_clear_error(tmp_path) -> None:
+    """An EC key in a file marked RSA loaded, and the peer's first signature raised a TypeError
+    traceback (a review, stop 72)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from hivemind.proto import crypto_pb2
+
+    der = ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    bad = tmp_path / "ec.key"
+    bad.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString())
+    with pytest.raises(SwarmError, match="not a workbench/hivemind key file"):
+        load_private_key(bad)
+
+
 # --- validators --------------------------------------------------------------------------------------
 
 
