@@ -84,7 +84,11 @@ class DataParallel:
             self.outer_step_count += 1
             return report
         refused = (
-            check_round(global_norm(grads), report.group_info, ratio=self.outlier_ratio)
+            # (A trimmed mean is bounded by the members' norms, not their weighted mean: without
+            # ``trimmed`` honest steps were refused, a review, stop 72.)
+            check_round(
+                global_norm(grads), report.group_info, ratio=self.outlier_ratio, trimmed=report.robust_mean
+            )
             if report.group_size > 1
             else None
         )

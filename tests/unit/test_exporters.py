@@ -115,6 +115,38 @@ def test_wandb_offline_runs_hold_the_history(tmp_path: Path, monkeypatch) -> Non
     assert losses == [(1, 4.0), (2, 3.0), (3, 2.0)], (kinds, files[0].stat().st_size)
 
 
+def test_wandb_that_cannot_start_online_is_one_line_and_closes_the_others(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`--wandb-mode online` with no API key: wandb's own UsageError came out of `export` and a
+    peer's start as a traceback, and a TensorBoard writer made before it was left open (a
+    review, stop 72). One line with the fix now, exit 2."""
+    wandb = pytest.importorskip("wandb")
+    from workbench.run import exporters
+
+    def no_key(**kwargs):  # type: ignore[no-untyped-def]
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    closed: list[str] = []
+    monkeypatch.setattr(wandb, "init", no_key)
+    monkeypatch.setattr(exporters.TensorBoardExporter, "close", lambda self: closed.append("tensorboard"))
+    run_dir = _run_dir(tmp_path)
+    argv = [
+        "export",
+        str(run_dir),
+        "--wandb",
+        "p",
+        "--wandb-mode",
+        "online",
+        "--tensorboard",
+        str(tmp_path / "tb"),
+    ]
+    assert main(argv) == 2
+    error = capsys.readouterr().err
+    assert "cannot start W&B (No API key configured" in error and "wandb login" in error, error
+    assert error.count("\n") == 1 and closed == ["tensorboard"], (error, closed)
+
+
 def _wandb_history(path: Path) -> tuple[list[dict], list[str]]:
     """The logged rows of an offline run: its records (LevelDB log framing after a 7-byte
     ':W&B' header: 32 KiB blocks, each record with a crc32, a length and a type) parsed with

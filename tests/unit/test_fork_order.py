@@ -181,6 +181,16 @@ def test_a_data_parallel_peer_clips_its_gradient_and_its_state_keeper_clips_noth
     build_outer(cfg, model, inner, outer)
     assert outer.dp is not None and outer.dp.clip_norm == 0.5 and outer.dp.averager is outer.averager
     assert outer.rounds.config.clip_norm == 0.0 and cfg.diloco.clip_norm == 0.5
+    assert outer.dp.outlier_ratio == 10.0  # DiLoCo's default check, on each step's gradients
+    # ... which --outlier-ratio sets, 0 turning it off (dp refused the flag, and checked at 10
+    # whatever the user wanted: a review, stop 72)
+    for ratio in ("0", "4"):
+        cfg = config("--method", "dp", "--outlier-ratio", ratio)
+        outer = start_averagers(
+            cfg, list(model.parameters()), dht=None, keys=None, board=None, beat=lambda stage: None
+        )
+        build_outer(cfg, model, inner, outer)
+        assert outer.dp.outlier_ratio == float(ratio)
 
 
 @pytest.mark.parametrize("joins", [False, True])

@@ -47,7 +47,7 @@ group.close()
 """
 
 
-def _run(role_0: str, role_1: str) -> dict[int, tuple[str, float]]:
+def _run(role_0: str, role_1: str, script: str = RANK) -> dict[int, tuple]:
     """Both ranks in processes of their own (plain interpreters: a multiprocessing child of
     pytest's worker took 10 s more to start); each prints what it met and when."""
     port = _free_port()
@@ -56,7 +56,7 @@ def _run(role_0: str, role_1: str) -> dict[int, tuple[str, float]]:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
         ranks.append(
             subprocess.Popen(
-                [sys.executable, "-c", RANK, role],
+                [sys.executable, "-c", script, role],
                 env=env,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -94,3 +94,43 @@ def test_a_rank_that_stops_answering_fails_the_step_in_bounded_time():
     assert what.startswith("node rank 0: the node's step failed: a rank is gone or did not answer within 3 s")
     assert 2.5 < seconds < 15, results
     assert "\n" not in what
+
+
+SHAPES = """
+import json, os, sys
+import torch
+from workbench.run import node
+
+rank = int(os.environ["RANK"])
+group = node.NodeGroup()
+torch.manual_seed(0)
+model = torch.nn.ModuleDict({"used": torch.nn.Linear(2, 1), "unused": torch.nn.Linear(2, 1)})
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+before = model["unused"].weight.detach().clone()
+if rank == 0:
+    group.command(node.STEP, 0.1)
+else:
+    group.command()
+model["used"](torch.ones(1, 2)).sum().backward()
+group.average_gradients(model)
+optimizer.step()
+moved = not torch.equal(before, model["unused"].weight)
+if rank == 1:
+    with torch.no_grad():
+        model["used"].weight.fill_(float("nan"))  # this rank's θ went NaN
+if rank == 0:
+    group.command(node.CHECK)
+else:
+    group.command()
+print(json.dumps([moved, group.max_param_diff(model)]), flush=True)
+group.close()
+"""
+
+
+def test_a_node_leaves_unused_parameters_alone_and_sees_a_rank_gone_nan():
+    """(A review, stop 72.) A parameter no rank used got a zero gradient from the node's average,
+    so AdamW decayed it (0.99 where one process keeps 1.0); and the end-of-run check read a
+    rank whose θ went NaN as agreeing (0.0: gloo's MAX drops a NaN)."""
+    said = _run("", "", SHAPES)
+    for moved, diff in said.values():
+        assert moved is False and diff == float("inf"), said

@@ -510,3 +510,25 @@ def test_data_parallel_refuses_a_step_with_a_members_outsized_gradient() -> None
         inner.step()
         moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
         assert moved is not skipped and ("QmBig" in (report.error or "")) is skipped, report.error
+
+
+def test_data_parallel_takes_a_trimmed_mean_of_honest_gradients() -> None:
+    """Under ``--aggregate trimmed-mean`` the mean is bounded by the members' norms, not their
+    weighted mean (DiLoCo's check knows; dp's did not): three honest gradients (1,0), (0,1) and
+    (1,1), whose median (1,1) is longer than their mean, made every member skip the step as
+    "a member sent more than it declared" (a review, stop 72)."""
+    from optim.averager import RoundReport
+
+    members = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([1.0, 1.0])]
+
+    class Trimmed:
+        def all_reduce(self, tensors, *, weight, info=None):  # type: ignore[no-untyped-def]
+            tensors[0].copy_(torch.stack(members).median(dim=0).values)
+            infos = [dict(peer=f"Qm{i}", norm=float(g.norm()), weight=weight) for i, g in enumerate(members)]
+            return RoundReport(group_size=3, group_info=infos, robust_mean=True)
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    model.weight.grad = members[0].clone().view(1, 2)
+    dp = DataParallel(model, torch.optim.SGD(model.parameters(), lr=0.1), Trimmed(), outlier_ratio=10.0)
+    report = dp.before_inner_step(samples=8)
+    assert report.error is None and model.weight.grad.tolist() == [[1.0, 1.0]], report.error

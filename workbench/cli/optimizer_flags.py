@@ -64,7 +64,12 @@ def outer_config(args: argparse.Namespace) -> DiLoCoConfig:
     chosen = method(args.method)
     base = chosen.config(args.inner_steps)
     if chosen.every_step:  # gradients every step; --inner-steps and the outer flags do not apply
-        return replace(base, clip_norm=args.clip_norm or 0.0)
+        ratio = getattr(args, "outlier_ratio", None)
+        return replace(
+            base,
+            clip_norm=args.clip_norm or 0.0,
+            outlier_ratio=base.outlier_ratio if ratio is None else ratio,
+        )
     overrides = given(args)
     for name in STREAMING_KNOBS:
         overrides.pop(name, None)

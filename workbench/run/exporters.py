@@ -126,15 +126,26 @@ class WandbExporter:
             raise ExporterError(f"cannot write W&B's runs under {directory}: {error}") from None
         if not os.access(directory, os.W_OK):  # wandb would write them to the temp folder, unsaid
             raise ExporterError(f"cannot write W&B's runs under {directory}: it is read-only")
-        self.run = wandb.init(
-            project=project,
-            name=name,
-            dir=str(directory),
-            mode=mode,
-            config=config or {},
-            reinit="create_new",
-            settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
-        )
+        try:
+            self.run = wandb.init(
+                project=project,
+                name=name,
+                dir=str(directory),
+                mode=mode,
+                config=config or {},
+                reinit="create_new",
+                settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+            )
+        except Exception as error:  # noqa: BLE001 - wandb's own errors (no API key, no network...)
+            # (A traceback before, out of `start` and `export --wandb-mode online` with no API
+            # key: a review, stop 72.)
+            hint = (
+                "run `wandb login`, or use --wandb-mode offline"
+                if mode == "online"
+                else "see wandb's message"
+            )
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ExporterError(f"cannot start W&B ({reason}): {hint}") from None
         self._last_step = -1
 
     def write(self, event: dict[str, Any]) -> None:
@@ -159,12 +170,17 @@ def make_exporters(
     config: dict | None = None,
 ) -> list[Exporter]:
     exporters: list[Exporter] = []
-    if tensorboard:
-        exporters.append(TensorBoardExporter(tensorboard))
-    if wandb_project:
-        exporters.append(
-            WandbExporter(wandb_project, directory=wandb_dir, name=name, mode=wandb_mode, config=config)
-        )
+    try:
+        if tensorboard:
+            exporters.append(TensorBoardExporter(tensorboard))
+        if wandb_project:
+            exporters.append(
+                WandbExporter(wandb_project, directory=wandb_dir, name=name, mode=wandb_mode, config=config)
+            )
+    except ExporterError:
+        for exporter in exporters:  # (TensorBoard's writer was left open)
+            exporter.close()
+        raise
     return exporters
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import socket
@@ -129,18 +130,23 @@ class NodeGroup:
 
     @torch.no_grad()
     def average_gradients(self, model: torch.nn.Module) -> None:
-        """Each gradient ← its mean over the node's ranks (one flat all-reduce)."""
+        """Each gradient ← its mean over the node's ranks (one flat all-reduce); a parameter
+        that no rank used keeps no gradient, as in one process (a zero one, AdamW decayed it
+        and moved it by its momentum: 0.99 on a 2-rank node where one process keeps 1.0, a
+        review, stop 72)."""
         params = [p for p in model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.detach().reshape(-1).float().cpu() for g in grads])
+        used = torch.tensor([float(p.grad is not None) for p in params])
+        flat = torch.cat([*(g.detach().reshape(-1).float().cpu() for g in grads), used])
         with self._failing("step"):
             dist.all_reduce(flat, group=self.work)
         self.pending = False
+        used = flat[-len(params) :] if params else used
         flat /= self.world_size
         offset = 0
-        for p, g in zip(params, grads):
+        for p, g, any_rank in zip(params, grads, used.tolist()):
             n = g.numel()
-            p.grad = flat[offset : offset + n].view_as(g).to(g.device, g.dtype)
+            p.grad = flat[offset : offset + n].view_as(g).to(g.device, g.dtype) if any_rank else None
             offset += n
 
     @torch.no_grad()
@@ -150,7 +156,10 @@ class NodeGroup:
         reference = flat.clone()
         with self._failing("check"):
             dist.broadcast(reference, src=0, group=self.work)
-            diff = torch.tensor([float((flat - reference).abs().max()) if flat.numel() else 0.0])
+            # NaN as inf: gloo's MAX drops a NaN, so a rank whose θ went NaN read as agreeing
+            # (a review, stop 72).
+            gap = (flat - reference).abs().max() if flat.numel() else torch.tensor(0.0)
+            diff = torch.tensor([float(torch.nan_to_num(gap, nan=math.inf))])
             dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=self.work)
         self.pending = False
         return float(diff)
