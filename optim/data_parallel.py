@@ -72,6 +72,9 @@ class DataParallel:
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
         info = dict(info or {}, norm=norm if math.isfinite(norm) else None)  # checked by the others
         report = self.averager.all_reduce(grads, weight=float(samples), info=info)
+        # Sent whatever the group makes of it (a skipped step's bytes went over the wire too,
+        # as DiLoCo's refused rounds count theirs; a review, stop 72).
+        report.payload_bytes = sum(g.numel() * 4 for g in grads)
         if not all_finite(grads):
             if not own_finite or report.group_size <= 1:  # this peer's own gradient: it diverged
                 raise FloatingPointError("the averaged gradient holds NaN/Inf: lower the learning rate")
@@ -107,7 +110,6 @@ class DataParallel:
                 p.grad = None
                 continue
             p.grad = g.to(p.device, p.dtype)
-        report.payload_bytes = sum(g.numel() * 4 for g in grads)
         report.seconds = time.monotonic() - start
         self.outer_step_count += 1
         return report

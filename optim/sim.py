@@ -153,7 +153,13 @@ class InProcessSwarm:
                     if w:
                         mean.add_(contribution[index].float(), alpha=w / total)
                 means.append(mean)
-            self._result = (means, [slot_info for _, w, slot_info in slots if w])  # type: ignore[misc]
+            # Each member's info with the weight the mean counted it by, as a real group reports
+            # it (swarm.gathered.reported): dp's info says none, and the robust checks counted
+            # every dp member as weight 0 and checked nobody (a review, stop 72).
+            self._result = (
+                means,
+                [dict(slot_info, weight=w) for (_, _, slot_info), w in zip(slots, weights) if w],  # type: ignore[misc]
+            )
         self._barrier.wait()  # the sum is there
         means, group_info = self._result
         for tensor, mean in zip(tensors, means):
@@ -303,7 +309,12 @@ def simulate(
                     history.append(
                         {
                             "round": round_index + 1,
-                            "step": min((round_index + 1) * peer.inner_steps, config.steps),
+                            # The most steps any peer ran (time boxes run fewer than H a round:
+                            # the schedule's count stretched the curves 2.5x, a review, stop 72),
+                            # as the notebook's rows count them.
+                            "step": max(
+                                sum(steps.get(r, 0) for r in range(round_index + 1)) for steps in ran
+                            ),
                             "eval_loss": _evaluate_global(peer, evaluate),
                             "bytes_per_peer": bytes_sent[0],
                         }

@@ -196,6 +196,11 @@ def origin(ip: str) -> str:
         return ip
     if parsed.version == 6 and parsed.ipv4_mapped is not None:
         return str(parsed.ipv4_mapped)
+    if parsed.version == 6 and parsed.is_link_local:
+        # Every host of a link holds fe80::/64: each address is its own party (as one /64 all
+        # the LAN's joiners shared one host's limits, a review, stop 72; one host can take many,
+        # as it could when these counted as this machine, and the total caps still hold).
+        return str(parsed)
     if parsed.version == 6:
         return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
     return str(parsed)

@@ -237,7 +237,10 @@ def test_mapped_and_link_local_connections_are_the_peers_they_name():
 
     from swarm.addresses import far_ip, reached_at
 
-    assert far_ip([Multiaddr("/ip6zone/eth0/ip6/fe80::1/tcp/5")]) == "fe80::/64"
+    assert far_ip([Multiaddr("/ip6zone/eth0/ip6/fe80::1/tcp/5")]) == "fe80::1"
+    assert (
+        far_ip([Multiaddr("/ip6zone/eth0/ip6/fe80::aaaa:1/tcp/5")]) == "fe80::aaaa:1"
+    )  # another host of the link
     assert far_ip([Multiaddr("/ip6/::ffff:127.0.0.1/tcp/5")]) is None
     assert far_ip([Multiaddr("/ip6/::ffff:10.0.0.5/tcp/5")]) == "10.0.0.5"
     assert reached_at("10.0.0.5", [Multiaddr("/ip6/::ffff:10.0.0.5/tcp/5")])

@@ -1100,11 +1100,14 @@ def test_a_member_that_never_comes_to_the_ring_is_left_out_from_its_second_time_
     assert me.round_peers(8) == ("late", "me")  # ignored for the run
 
 
-def test_a_member_that_spoils_one_group_in_two_is_twice_running():
+@pytest.mark.parametrize("fragments", [1, 4])
+def test_a_member_that_spoils_one_group_in_two_is_twice_running(fragments: int):
     """A key whose join was busy with the last group got into one group of a leader's in two and
     sent it nothing on hivemind's path each time: "this round or the one after" never counted it
     twice, and the leader paid the senders' timeout every other round (stop 71, measured in
-    rounds 11 and 13). Misses two rounds apart are running now; three apart still start over."""
+    rounds 11 and 13). Misses two rounds apart are running now; three apart still start over. A
+    streaming fragment's averager counts its own rounds, F syncs apart (a review, stop 72: on the
+    sync clock no key was ever twice running there)."""
     from collections import OrderedDict
     from types import SimpleNamespace
 
@@ -1120,12 +1123,13 @@ def test_a_member_that_spoils_one_group_in_two_is_twice_running():
     me.board, me.peer_id, me._silent_leaders, me._missed = board, "me", {}, OrderedDict()
     me.barrier = averager(board)
     me.vouching = me.barrier.vouching
-    for step in (10, 12, 14, 16):  # one round in two
+    me.syncs_apart = fragments
+    for step in (fragments * r for r in (10, 12, 14, 16)):  # one round in two
         told.append(["sybil"])
         me._blame_spoilers(step)
-        assert ("sybil" in me.round_peers(step)) is (step == 10)  # left out from its second
+        assert ("sybil" in me.round_peers(step)) is (step == 10 * fragments)  # left out from its second
     assert "sybil" in board.ignored  # struck at 12, 14 and 16: ignored for the run
-    for step in (10, 13, 16, 19):  # an honest stranger late once every three rounds
+    for step in (fragments * r for r in (10, 13, 16, 19)):  # an honest stranger late once in three rounds
         told.append(["late"])
         me._blame_spoilers(step)
         assert "late" in me.round_peers(step)

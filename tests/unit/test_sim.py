@@ -512,6 +512,57 @@ def test_data_parallel_refuses_a_step_with_a_members_outsized_gradient() -> None
         assert moved is not skipped and ("QmBig" in (report.error or "")) is skipped, report.error
 
 
+def test_simulated_data_parallel_peers_refuse_an_outsized_member_and_count_what_they_sent() -> None:
+    """The simulator's groups reported no weights (a real group reports each member's counted
+    weight, swarm.gathered.reported, and dp's own info has none), so its dp checked nobody: a
+    member sending 10^4x gradients took the eval loss from 5.8 to 1e16 where real dp peers
+    refuse every such step. And a skipped step counted no bytes, though it sent its gradient
+    (a review, stop 72)."""
+    from optim.sim import SimConfig, simulate
+
+    errors: list[str | None] = []
+
+    def make_peer(rank: int, swarm: InProcessSwarm) -> VirtualPeer:
+        model = init_model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.01)
+        dp = DataParallel(model, inner, swarm.averager(rank), outlier_ratio=10.0)
+        if rank == 2:  # the lab's oversize fault: its gradients 10^4 times the others'
+            step = dp.before_inner_step
+
+            def oversized(**kwargs):  # type: ignore[no-untyped-def]
+                for p in model.parameters():
+                    p.grad.mul_(1e4)
+                return step(**kwargs)
+
+            dp.before_inner_step = oversized
+        checked = dp.before_inner_step
+
+        def recorded(**kwargs):  # type: ignore[no-untyped-def]
+            report = checked(**kwargs)
+            errors.append(report.error)
+            return report
+
+        dp.before_inner_step = recorded
+        return VirtualPeer(model=model, inner_optimizer=inner, outer=dp, batches=stream(rank), inner_steps=1)
+
+    result = simulate(make_peer, mse, SimConfig(peers=3, steps=4))
+    assert len(errors) == 12 and all("sim-2" in (e or "") for e in errors), errors
+    assert result.final_eval_loss == pytest.approx(result.initial_eval_loss)
+    assert result.bytes_per_peer == 4 * 5 * 4  # 4 steps of the model's 5 fp32 values, each sent
+
+
+def test_the_simulator_s_history_counts_the_steps_run_under_time_boxes() -> None:
+    """``SimResult.history``'s step was the schedule's (round x H: 5, 10, 15, 20) where time boxes
+    ran 2 steps a round (a review, stop 72): the most steps any peer ran, as the notebook's."""
+    from optim.sim import SimConfig, simulate
+
+    result = simulate(
+        factory("diloco", H=5), mse, SimConfig(peers=2, steps=20, round_seconds=2, eval_every=1)
+    )
+    assert result.steps_per_peer == [8, 8]
+    assert [row["step"] for row in result.history] == [2, 4, 6, 8]
+
+
 def test_data_parallel_takes_a_trimmed_mean_of_honest_gradients() -> None:
     """Under ``--aggregate trimmed-mean`` the mean is bounded by the members' norms, not their
     weighted mean (DiLoCo's check knows; dp's did not): three honest gradients (1,0), (0,1) and

@@ -100,6 +100,7 @@ def start_averagers(
                 serve_state=f == 0,
                 serving=serving,
                 vouching=vouching,
+                syncs_apart=len(fragments),
                 **common,
             )
             for f, indices in enumerate(fragments)
