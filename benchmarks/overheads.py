@@ -202,7 +202,7 @@ def join(params: int, donors: int, plane: str = "direct") -> dict:
         allow_state_sharing=False, data_plane=plane, start=True,
     )  # fmt: skip
     connected = time.perf_counter()
-    state, *_ = _Joiner(averager)._fetch_state(set(), set(), time.monotonic() + 300)
+    state, *_ = _Joiner(averager)._fetch_state(set(), set(), time.monotonic() + 300) or (None,)
     done = time.perf_counter()
     if state is None:
         raise SystemExit(
@@ -213,8 +213,13 @@ def join(params: int, donors: int, plane: str = "direct") -> dict:
     served_by = int(averager.download[2])
     del state, tensors
     again = time.perf_counter()  # a second joiner at the same step: the donors' snapshots are taken
-    _Joiner(averager)._fetch_state(set(), set(), time.monotonic() + 300)
+    again_state, *_ = _Joiner(averager)._fetch_state(set(), set(), time.monotonic() + 300) or (None,)
     second = time.perf_counter() - again
+    if again_state is None:  # (its time was written as a download's: a review, stop 72)
+        raise SystemExit(
+            f"benchmarks.overheads: the second joiner downloaded no state from {donors} donor(s)"
+        )
+    del again_state
     stop.set()
     averager.shutdown()
     session.dht.shutdown()
@@ -316,6 +321,7 @@ def _tcp_seconds(size: int, into_fresh_memory: bool = False) -> float:
     with socket.create_connection(server.getsockname()) as client:
         for _ in range(size // len(block)):
             client.sendall(block)
+        client.sendall(block[: size % len(block)])  # all of it (the rest was dropped: 3 MB sent nothing)
     thread.join()
     return time.perf_counter() - start
 

@@ -52,6 +52,14 @@ def test_heterogeneity_rows_say_how_far_each_mode_got(tmp_path, monkeypatch) -> 
     lines = report.heterogeneity()
     assert "| fixed | 100.0 | 4 | 20 / 20 | 2.5000 | 0.50 | — |" in lines
     assert "| timeboxed (8.00 s) | 100.0 | 6 | 19-21 / 10-12 | 2.3000 | 0.80 | at 60.0 s (0.60x) |" in lines
+    # One slow peer of four: the fast ones are the first three, not the first half (a review, stop 72)
+    steps = {"p0": [40] * 2, "p1": [40] * 2, "p2": [40, 39], "p3": [21, 22]}
+    data.update(peers=4, rows=[rows[0], dict(rows[1], steps_per_round=steps)])
+    (tmp_path / "heterogeneity.json").write_text(json.dumps(data))
+    assert (
+        "| timeboxed (8.00 s) | 100.0 | 6 | 39-40 / 21-22 | 2.3000 | 0.80 | at 60.0 s (0.60x) |"
+        in report.heterogeneity()
+    )
 
 
 def test_allreduce_rows_show_the_middle_half_of_the_attempts_ratios(tmp_path, monkeypatch) -> None:
