@@ -28,6 +28,37 @@ def test_the_previous_checkpoint_is_kept_and_used_when_the_newest_is_corrupt(tmp
     assert payload["step"] == 1 and path.name == "checkpoint.prev.pt"
 
 
+@pytest.mark.parametrize("renamed", [True, False], ids=["between-renames", "before-renames"])
+def test_a_save_stopped_before_it_was_put_in_place_is_resumed_from(tmp_path, monkeypatch, renamed) -> None:
+    """SIGKILL (or a power cut) after a save's write but before its renames: the resume took the
+    checkpoint before, though the new one lay complete beside it (a review, stop 71). It is put
+    in place now, as the save would have. One stopped as it wrote (incomplete) is passed over."""
+    import os
+
+    checkpoint.save(tmp_path, {"step": 1})
+    checkpoint.save(tmp_path, {"step": 2})
+    real = os.replace
+
+    def killed(source, target):  # type: ignore[no-untyped-def]
+        # The process is gone before the new file goes into place (or before any rename).
+        if str(source).endswith(".tmp") or not renamed:
+            raise KeyboardInterrupt
+        return real(source, target)
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, {"step": 3})
+    monkeypatch.setattr(checkpoint.os, "replace", real)
+    assert (tmp_path / "checkpoint.pt.tmp").exists() and (tmp_path / "checkpoint.pt").exists() is not renamed
+    payload, path = checkpoint.load(tmp_path)
+    assert payload["step"] == 3 and path.name == "checkpoint.pt"
+    assert checkpoint.load(tmp_path)[0]["step"] == 3 and not (tmp_path / "checkpoint.pt.tmp").exists()
+    assert checkpoint._read(tmp_path / "checkpoint.prev.pt")["step"] == 2
+    unfinished = tmp_path / "checkpoint.pt.tmp"  # a save stopped as it wrote
+    unfinished.write_bytes((tmp_path / "checkpoint.pt").read_bytes()[:100])
+    assert checkpoint.load(tmp_path)[0]["step"] == 3
+
+
 def test_no_good_checkpoint_names_both_problems(tmp_path) -> None:
     (tmp_path / "checkpoint.pt").write_bytes(b"garbage")
     (tmp_path / "checkpoint.prev.pt").write_bytes(b"")

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "workbench-checkpoint/1"
 NAME, PREVIOUS = "checkpoint.pt", "checkpoint.prev.pt"
+UNFINISHED = NAME + ".tmp"
+"""A save's file before it is put in place: complete once it is fsynced, before the renames."""
 
 
 class CheckpointError(SwarmError):
@@ -139,7 +141,7 @@ def save(directory: str | Path, payload: dict[str, Any]) -> Path:
     """Write ``payload`` atomically as ``directory/checkpoint.pt``; keeps the previous one."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    path, temporary = directory / NAME, directory / f"{NAME}.tmp"
+    path, temporary = directory / NAME, directory / UNFINISHED
     # Ctrl+C or SIGTERM during a write takes effect after it: interrupted inside torch.save they
     # left a half-written temp file and two tracebacks (the checkpoint itself was safe).
     with not_interrupted():
@@ -284,7 +286,7 @@ def check_present(directory: str | Path) -> None:
         raise CheckpointError(
             f"--resume {directory}: no such folder (give the --run-dir of the stopped peer)"
         )
-    if not (directory / NAME).exists() and not (directory / PREVIOUS).exists():
+    if not any((directory / name).exists() for name in (NAME, PREVIOUS, UNFINISHED)):
         raise CheckpointError(
             f"cannot resume: {directory / NAME} does not exist (a peer writes one with "
             "--checkpoint-every N, or when the run owner asks with `workbench steer --checkpoint`)"
@@ -303,6 +305,9 @@ def load(
     over for the previous one, as a corrupt one is."""
     directory = Path(directory)
     check_present(directory)
+    finished = _finish_save(directory, required, use)
+    if finished is not None:
+        return finished, directory / NAME
     try:
         return _usable(directory / NAME, required, use), directory / NAME
     except CheckpointMismatch:
@@ -323,6 +328,37 @@ def load(
         if (directory / NAME).exists():
             _passed_over.add(str((directory / NAME).resolve()))
         return payload, directory / PREVIOUS
+
+
+def _finish_save(directory: Path, required: tuple[str, ...], use: Use | None) -> dict[str, Any] | None:
+    """The checkpoint of a save stopped between its write and its renames (a SIGKILL, a power
+    cut), put in place as the save would have and returned; None if there is none, or it is
+    incomplete (stopped as it wrote: the older ones are used). Before, a resume took
+    ``checkpoint.prev.pt``, one checkpoint older, beside a complete newer one (a review, stop 71)."""
+    unfinished = directory / UNFINISHED
+    if not unfinished.exists():
+        return None
+    try:
+        payload = _usable(unfinished, required, use)
+    except (CheckpointMismatch, CheckpointUnreadable):
+        raise
+    except CheckpointError as why:
+        logger.info(
+            "%s: a save stopped as it wrote (%s); resuming from the checkpoints before it", unfinished, why
+        )
+        return None
+    path = directory / NAME
+    try:
+        if path.exists() and str(path.resolve()) not in _passed_over:
+            os.replace(path, directory / PREVIOUS)
+        os.replace(unfinished, path)
+        _sync_folder(directory)
+    except OSError as error:
+        raise CheckpointError(f"cannot put {unfinished} in place ({one_line(error)})") from None
+    logger.warning(
+        "resuming from %s: the newest checkpoint, whose save was stopped before it was put in place", path
+    )
+    return payload
 
 
 def _usable(path: Path, required: tuple[str, ...], use: Use | None) -> dict[str, Any]:
