@@ -179,6 +179,27 @@ def test_a_switch_a_file_or_variable_sets_is_undone_by_its_no_flag(tmp_path, mon
     assert resolve(["start", "--method", "streaming", "--no-overlap"], monkeypatch)[0].method == "streaming"
 
 
+def test_the_demo_s_display_switches_from_a_file_or_variable_are_undone_by_a_flag(tmp_path, monkeypatch):
+    """`headless = true` (or WORKBENCH_HEADLESS) and `no_tui = true` had no flag to undo them,
+    against docs/configuration.md's promise (a review, stop 72): --no-headless and --tui."""
+    path = tmp_path / "demo.toml"
+    path.write_text("headless = true\nno_tui = true\n")
+    for key in [k for k in __import__("os").environ if k.startswith("WORKBENCH_")]:
+        monkeypatch.delenv(key)
+    parser = build_parser()
+    for argv, expected in [
+        (["demo", "--config", str(path)], (True, True)),
+        (["demo", "--config", str(path), "--no-headless", "--tui"], (False, False)),
+    ]:
+        args = parser.parse_args(argv)
+        apply_settings(parser, args, argv)
+        assert (args.headless, args.no_tui) == expected, argv
+    monkeypatch.setenv("WORKBENCH_HEADLESS", "1")
+    args = parser.parse_args(["demo", "--no-headless"])
+    apply_settings(parser, args, ["demo", "--no-headless"])
+    assert args.headless is False
+
+
 def test_a_config_file_saved_with_a_byte_order_mark_reads(tmp_path):
     """Notepad's UTF-8 starts with a byte-order mark: "not valid TOML (at line 1, column 1)"."""
     path = tmp_path / "run.toml"
@@ -256,6 +277,23 @@ def test_config_show_output_is_a_config_file(run_toml, tmp_path, capsys):
     first, _ = resolve(["start", "--config", str(run_toml)])
     again, _ = resolve(["start", "--config", str(resolved)])
     assert first == again
+
+
+def test_config_show_keeps_a_switch_turned_off_over_a_variable_s_on(tmp_path, capsys, monkeypatch):
+    """`--no-overlap` beside WORKBENCH_OVERLAP=yes: `config show` printed `# overlap = false`,
+    commented out as the method's preset, so the file it saved lost the flag and the variable
+    turned overlap back on (a review, stop 72)."""
+    monkeypatch.setenv("WORKBENCH_OVERLAP", "yes")
+    assert main(["config", "show", "--no-overlap", "--sources"]) == 0
+    shown = capsys.readouterr().out
+    assert any(
+        line.startswith("overlap = false") and line.endswith("# flag") for line in shown.splitlines()
+    ), shown
+    assert main(["config", "show", "--no-overlap"]) == 0
+    saved = tmp_path / "saved.toml"
+    saved.write_text(capsys.readouterr().out)
+    config, _ = resolve(["start", "--config", str(saved)], monkeypatch, WORKBENCH_OVERLAP="yes")
+    assert not config.diloco.overlap
 
 
 def test_config_show_takes_a_joiners_file_as_join_does(tmp_path, capsys):

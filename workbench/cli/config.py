@@ -64,11 +64,15 @@ def run_config_command(parser: argparse.ArgumentParser, args: argparse.Namespace
     # `join` checks it: `config show` refused it, and `join --config` took it (a review, stop 71).
     args.command = "join" if getattr(args, "client_mode", None) else "start"
     args.peers = getattr(args, "peers", None) or []
+    # A switch turned off by a flag, file or variable (build_config reads it as not given): shown
+    # as given, so that the file `config show` prints keeps it over a variable's `true` (it was
+    # commented out as the method's preset, a review, stop 72).
+    turned_off = {key for key in settings_of(show) if getattr(args, key, None) is False}
     try:
         config = build_config(args)  # the same checks a run makes: a bad value fails here, not at start time
     except (ValueError, SwarmError) as error:  # named like `start` names it (--host is a SwarmError)
         raise ValueError(f"{error}{_where_from(str(error), sources)}") from None
-    settings = {key: getattr(args, key) for key in settings_of(show)}
+    settings = {key: False if key in turned_off else getattr(args, key) for key in settings_of(show)}
     if settings.get("secret"):  # never printed (the join command's --secret SECRET, the logs)
         settings["secret"] = None
         sources["secret"] += " (set, never printed: keep it in WORKBENCH_RUN_SECRET or pass --secret)"

@@ -56,6 +56,8 @@ class Setting:
     None where building it takes more than a copy (see workbench.cli.options.build_config)."""
     negation: str | None = None
     """A switch's ``--no-`` form, with this help (``--no-eager``)."""
+    off_flag: str | None = None
+    """The ``negation``'s flag where ``--no-`` + the flag reads wrong (``--no-tui``'s: ``--tui``)."""
     off_unless_given: bool = False
     """The switch is off when not given (its ``--no-`` form only undoes a config file's or an
     environment variable's ``true``), so False rebuilds with no flag; else (``--no-eager``:
@@ -67,6 +69,11 @@ class Setting:
     joined: str | None = None
     """A text of items (``--speeds 1,1,0.5``): a list given as data (TOML, a keyword) is joined
     with this separator into the flag's text."""
+
+    @property
+    def off(self) -> str:
+        """The flag that turns this switch off (with a ``negation``)."""
+        return self.off_flag or "--no-" + self.flag[2:]
 
     def initial(self) -> Any:
         """The default, read now (``default_env``; a fresh list for a list)."""
@@ -98,9 +105,7 @@ class Setting:
         if self.kind == "switch":
             group.add_argument(*flags, action="store_true", **kwargs)
             if self.negation is not None:
-                group.add_argument(
-                    "--no-" + self.flag[2:], dest=self.key, action="store_false", help=self.negation
-                )
+                group.add_argument(self.off, dest=self.key, action="store_false", help=self.negation)
             return
         if self.kind == "list":
             group.add_argument(*flags, action="append", metavar=self.metavar, **kwargs)
@@ -209,7 +214,7 @@ class Setting:
         if value is True:
             return [self.flag]
         if value is False:
-            return ["--no-" + self.flag[2:]]
+            return [self.off]
         if self.kind == "list":
             return [part for item in value for part in (self.flag, str(item))]
         return [self.flag, repr(value) if isinstance(value, float) else str(value)]

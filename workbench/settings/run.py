@@ -207,7 +207,7 @@ class Averaging:
     data_plane: str = setting(
         "direct",
         "direct (default): a group whose members all accept connections moves its tensors over "
-        "its own gloo ring (4-8x hivemind's speed from 10 MB up, 2-3x at 1 MB), and a joiner downloads the state in checked slices "
+        "its own gloo ring (4-8x hivemind's speed from 10 MB up, 2-4x at 1 MB), and a joiner downloads the state in checked slices "
         "from several donors over TCP; hivemind: always hivemind's all-reduce and state stream "
         "(relayed through NAT, slower)",
         choices=("direct", "hivemind"),
@@ -345,9 +345,20 @@ class Demo:
 
     peers: int = setting(4, "number of peers (default: 4)", bound="peers")
     headless: bool = setting(
-        False, "show progress lines instead of a UI (automatic without a terminal)", kind="switch"
+        False,
+        "show progress lines instead of a UI (automatic without a terminal)",
+        kind="switch",
+        negation="a UI even where a config file or WORKBENCH_HEADLESS asks for progress lines",
+        off_unless_given=True,
     )
-    no_tui: bool = setting(False, "a simple live table instead of the swarm monitor app", kind="switch")
+    no_tui: bool = setting(
+        False,
+        "a simple live table instead of the swarm monitor app",
+        kind="switch",
+        negation="the swarm monitor app even where a config file or WORKBENCH_NO_TUI asks for the table",
+        off_unless_given=True,
+        off_flag="--tui",
+    )
     json: bool = setting(False, "print one JSON result object on stdout at the end", kind="switch")
     run_dir: str | None = setting(
         None,
