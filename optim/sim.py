@@ -153,13 +153,10 @@ class InProcessSwarm:
                     if w:
                         mean.add_(contribution[index].float(), alpha=w / total)
                 means.append(mean)
-            # Each member's info with the weight the mean counted it by, as a real group reports
-            # it (swarm.gathered.reported): dp's info says none, and the robust checks counted
-            # every dp member as weight 0 and checked nobody (a review, stop 72).
-            self._result = (
-                means,
-                [dict(slot_info, weight=w) for (_, _, slot_info), w in zip(slots, weights) if w],  # type: ignore[misc]
-            )
+            # Each member's info with the weight it gathered, as a real group reports it
+            # (swarm.gathered.reported; the robust checks cap it): dp's info says none, and the
+            # checks counted every dp member as weight 0 and checked nobody (a review, stop 72).
+            self._result = (means, [dict(slot_info, weight=w) for _, w, slot_info in slots if w])  # type: ignore[misc]
         self._barrier.wait()  # the sum is there
         means, group_info = self._result
         for tensor, mean in zip(tensors, means):
