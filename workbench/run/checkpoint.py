@@ -307,7 +307,7 @@ def load(
     check_present(directory)
     finished = _finish_save(directory, required, use)
     if finished is not None:
-        return finished, directory / NAME
+        return finished
     try:
         return _usable(directory / NAME, required, use), directory / NAME
     except CheckpointMismatch:
@@ -330,7 +330,9 @@ def load(
         return payload, directory / PREVIOUS
 
 
-def _finish_save(directory: Path, required: tuple[str, ...], use: Use | None) -> dict[str, Any] | None:
+def _finish_save(
+    directory: Path, required: tuple[str, ...], use: Use | None
+) -> tuple[dict[str, Any], Path] | None:
     """The checkpoint of a save stopped between its write and its renames (a SIGKILL, a power
     cut), put in place as the save would have and returned; None if there is none, or it is
     incomplete (stopped as it wrote: the older ones are used). Before, a resume took
@@ -353,12 +355,17 @@ def _finish_save(directory: Path, required: tuple[str, ...], use: Use | None) ->
             os.replace(path, directory / PREVIOUS)
         os.replace(unfinished, path)
         _sync_folder(directory)
-    except OSError as error:
-        raise CheckpointError(f"cannot put {unfinished} in place ({one_line(error)})") from None
+    except OSError as error:  # (its state is in the peer already: resumed from where it is)
+        logger.warning(
+            "resuming from %s, the newest checkpoint (cannot put it in place: %s)",
+            unfinished,
+            one_line(error),
+        )
+        return payload, unfinished
     logger.warning(
         "resuming from %s: the newest checkpoint, whose save was stopped before it was put in place", path
     )
-    return payload
+    return payload, path
 
 
 def _usable(path: Path, required: tuple[str, ...], use: Use | None) -> dict[str, Any]:
