@@ -59,6 +59,14 @@ class NetworkConfig:
                 "requests, averaging or state), so no one would dial that address; drop --client-mode "
                 "if the port is forwarded, else drop --announce"
             )
+        if self.announce and self.port == 0:
+            # The port is picked at start: no announced one can lead to it (taken without a
+            # word, the peer was undialable at the address it printed; a review, stop 72).
+            raise SwarmError(
+                f"--announce {self.announce[0]} needs a fixed --port: with --port 0 this peer listens on "
+                "a port picked at start, which the announced address cannot lead to; give --port P (the "
+                "port your router forwards to this machine, usually the one you announce)"
+            )
         if not 1 <= self.connect_timeout <= 600:
             raise SwarmError(f"connect timeout must be within 1..600 s (got {self.connect_timeout})")
 

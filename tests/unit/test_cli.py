@@ -291,9 +291,14 @@ def test_flags_reach_the_config() -> None:
         pytest.param(["start", "--name", "[/b]"], "invalid peer name", id="name-markup"),
         pytest.param(["start", "--config", ""], "--config is empty", id="config-empty"),
         pytest.param(
-            ["start", "--client-mode", "--announce", "/ip4/203.0.113.7/tcp/31337"],
+            ["start", "--client-mode", "--port", "31337", "--announce", "/ip4/203.0.113.7/tcp/31337"],
             "--announce has no use with --client-mode",
             id="client-mode-announce",
+        ),
+        pytest.param(  # a port picked at start: the announced one cannot lead to it (stop 72)
+            ["start", "--announce", "/ip4/203.0.113.7/tcp/31337"],
+            "needs a fixed --port",
+            id="announce-port-picked",
         ),
         pytest.param(["start", "--error-feedback"], "add --update-codec int8", id="error-feedback-lossless"),
         pytest.param(  # its join command would never connect

@@ -127,7 +127,7 @@ def test_nan_is_refused(cls: type, kwargs: dict[str, Any]) -> None:
             NetworkConfig,
             dict(initial_peers=[f"/ip4/1.2.3.4/tcp/4000/p2p/{PEER_ID}"], host="0.0.0.0", port=31337),
         ),
-        (NetworkConfig, dict(announce=["/ip4/203.0.113.7/tcp/31337"], connect_timeout=1.0)),
+        (NetworkConfig, dict(announce=["/ip4/203.0.113.7/tcp/31337"], port=31337, connect_timeout=1.0)),
     ],
     ids=_case_id,
 )

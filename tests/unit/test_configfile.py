@@ -34,7 +34,7 @@ def run_toml(tmp_path):
         'model = "tiny"\n'
         "rounds = 7\n"
         "[diloco]\ninner_steps = 20\nouter_lr = 0.5\nupdate_codec = 'int8'\nerror_feedback = true\n"
-        '[network]\nannounce = ["/ip4/203.0.113.7/tcp/31337"]\n'
+        '[network]\nannounce = ["/ip4/203.0.113.7/tcp/31337"]\nport = 31337\n'
         "peers = 8  # the demo's: ignored by start\n"
     )
     return path
@@ -453,7 +453,7 @@ def test_simulate_reads_the_same_file_as_the_peers(tmp_path, capsys, monkeypatch
     path.write_text(
         'model = "tiny"\nsteps = 8\nbatch_size = 4\npeers = 2\n'
         "[diloco]\ninner_steps = 4\nouter_lr = 0.5\nouter_momentum = 0.3\n"
-        '[network]\nannounce = ["/ip4/203.0.113.7/tcp/31337"]\n[averaging]\ncodec = "int8"\n'
+        '[network]\nannounce = ["/ip4/203.0.113.7/tcp/31337"]\nport = 31337\n[averaging]\ncodec = "int8"\n'
     )
     assert main(["simulate", "--config", str(path), "--outer-lr", "0.6", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
