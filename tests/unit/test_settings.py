@@ -63,6 +63,8 @@ def test_every_setting_with_a_target_lands_there_in_the_config() -> None:
             args.wandb = "proj"
         if key in ("streaming", "dataset_subset"):  # each shapes how a dataset is read
             args.dataset = "some/dataset"
+        if key == "announce":  # to a fixed port
+            args.port = 5
         if key == "client_mode":  # a joiner's: the first peer of a run must be reachable
             args.command, args.peers = (
                 "join",
