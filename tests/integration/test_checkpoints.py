@@ -130,3 +130,34 @@ def test_a_steered_peer_resumes_with_the_flags_it_started_with(spawn):
     assert not again.events("control_applied")  # its own run: nothing steered it again
     later = [r for r in joiner.events("round") if r["outer_step"] > took["outer_step"] + 1]
     assert later and not any(r["resync"] for r in later), joiner.events("round")
+
+
+def test_the_run_s_first_peer_resumed_takes_the_state_its_round_mates_trained_on(spawn):
+    """The run's first peer killed and resumed from its checkpoint while its round mate trained on
+    (a review, stop 72): it trained alone on the checkpoint's old state for rounds, saying no
+    other peer was there, until it noticed the mate ahead, and wrote checkpoints of that state.
+    Now it waits for one of the round mates its checkpoint recorded to come back to its address,
+    and takes their state before its first round."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    common = [*FAST, "--run-id", "rejoin"]
+    first = spawn("a", "start", *common, "--port", port, "--checkpoint-every", "1")
+    second = spawn("b", "join", first.address(), *common)
+    first.wait_event("round", lambda e: e["group_size"] == 2 and e["outer_step"] >= 3)
+    first.kill()
+    saved = max(e["outer_step"] for e in first.events("checkpoint"))
+    ahead = second.wait_event("round", lambda e: e["outer_step"] >= saved + 5)["outer_step"]  # b trains on
+    again = spawn("a", "start", *common, "--port", port, "--resume", str(first.directory))
+    resumed = again.wait_event("resumed_checkpoint", timeout=60)
+    took = again.wait_event(
+        "state_downloaded", lambda e: e["reason"] == "resumed beside its round mates", timeout=60
+    )
+    assert took["outer_step"] >= ahead > resumed["outer_step"] == saved, (took, ahead, resumed)
+    events = again.events()
+    since = events[events.index(resumed) :]
+    assert not [e for e in since[: since.index(took)] if e["event"] == "round"]  # none on the old state
+    again.wait_event("round", lambda e: e["group_size"] == 2 and e["outer_step"] > took["outer_step"])
+    assert "no other peer in this round" not in again.stderr(), again.stderr()[-3000:]

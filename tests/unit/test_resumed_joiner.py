@@ -133,3 +133,19 @@ def test_waiting_for_min_peers_says_so_every_15_seconds(monkeypatch, caplog) -> 
     waiting = [r.getMessage() for r in caplog.records if "waiting for --min-peers 2" in r.getMessage()]
     assert len(waiting) == 2 and "1 peer(s) here so far (25 s left" in waiting[0], waiting
     assert "only 1 of 2 peers after 40 s; starting anyway" in caplog.records[-1].getMessage()
+
+
+def test_a_checkpoint_s_round_mates_are_peer_ids_or_none():
+    """What a resumed first peer waits for (``Peer.run``): the checkpoint's ``mates``, read as
+    peer ids; an earlier release's checkpoint has none, and a malformed list is none of it."""
+    mate = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN"
+    assert joining.checked_mates([mate, 5, "no spaces allowed", "x" * 200]) == [mate]
+    assert joining.checked_mates(None) == [] and joining.checked_mates({"a": 1}) == []
+    assert len(joining.checked_mates([mate] * 100)) == 16  # a heartbeat names at most 16
+
+    seen = iter([{}, {"stranger": None}, {mate: None}])
+    board = SimpleNamespace(fetch=lambda: next(seen))
+    assert joining.wait_for_mates(board, lambda stage: None, [mate], timeout=10.0, name="a")
+    assert not joining.wait_for_mates(board, lambda stage: None, [], timeout=10.0, name="a")  # at once
+    quiet = SimpleNamespace(fetch=dict)
+    assert not joining.wait_for_mates(quiet, lambda stage: None, [mate], timeout=0.6, name="a")

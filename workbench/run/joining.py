@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+from swarm.claims import MAX_MATES
 from swarm.errors import SwarmError
 from swarm.manifest import model_fingerprint
-from swarm.records import RunKeys, RunManifest, Stage
+from swarm.records import PEER_ID_PATTERN, RunKeys, RunManifest, Stage
 from workbench.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -252,6 +254,42 @@ def holds(rounds: Any, state: Any) -> bool:
         if not bool(torch.allclose(mine, theirs.to(mine.dtype), rtol=0.0, atol=1e-5 * scale + 1e-12)):
             return False
     return True
+
+
+def checked_mates(value: Any) -> list[str]:
+    """A checkpoint's round mates: peer ids (a file from an earlier release has none; anything
+    malformed is none)."""
+    if not isinstance(value, list):
+        return []
+    return [m for m in value[:MAX_MATES] if isinstance(m, str) and re.fullmatch(PEER_ID_PATTERN, m)]
+
+
+def wait_for_mates(
+    board: Any, beat: Callable[[Stage], None], mates: list[str], *, timeout: float, name: str
+) -> bool:
+    """Whether one of ``mates`` (peer ids: a heartbeat under one is that peer's own, signed) is
+    live within ``timeout`` seconds: the run's first peer, resumed, waits for the round mates it
+    recorded to come back to its address. False at once without mates."""
+    if not mates or timeout <= 0:
+        return False
+    logger.info(
+        "%s: resumed from a checkpoint of a run with other peers: waiting up to %.0f s for one of "
+        "the %d it last averaged with",
+        name,
+        timeout,
+        len(mates),
+    )
+    deadline, wanted = time.monotonic() + timeout, set(mates)
+    while True:
+        beat(Stage.JOINING)
+        if wanted & set(board.fetch()):
+            return True
+        if time.monotonic() > deadline:
+            logger.info(
+                "%s: none of them came back within %.0f s: it trains on from its checkpoint", name, timeout
+            )
+            return False
+        time.sleep(0.5)
 
 
 def wait_for_peers(

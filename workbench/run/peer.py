@@ -63,6 +63,9 @@ RECORDS_REFRESH = 600.0
 FINAL_DOWNLOADS = 2  # downloads of the others' final θ a finishing peer tries before it leaves as is
 
 
+REJOIN_SECONDS = 30.0
+"""How long the run's first peer, resumed from a checkpoint, waits for one of the round mates it
+recorded to come back to it before it trains on alone (at most ``--min-peers``' wait)."""
 LEFT_BEHIND_ROUNDS = 3
 """Rounds running a peer ends after the others did (and downloads their state) before it says
 that it is too slow for them."""
@@ -126,6 +129,7 @@ class Peer:
         self.final_theta: list[float] = []  # finishing: θ's sketch the others compare (swarm.ending)
         self.settled = False  # finishing: it would leave now on final_theta (swarm.ending)
         self._checkpoint: tuple[dict[str, Any], Path] | None = None  # --resume's, read in setup()
+        self.resumed_mates: list[str] = []  # the round mates its checkpoint recorded
         self._records_kept = time.monotonic()  # when the owner's peer last stored its records
         self._control_kept = (0, 0.0)  # the steering record it stores again: version, expiration
 
@@ -341,6 +345,22 @@ class Peer:
         joined = not cfg.network.initial_peers or self.download_state(
             "joining", oldest_unconfirmed=resumed, keep_own=resumed is not None
         )
+        if (
+            resumed is not None
+            and not cfg.network.initial_peers
+            and joining.wait_for_mates(
+                self.board,
+                self.beat,
+                self.resumed_mates,
+                timeout=min(REJOIN_SECONDS, cfg.peer.wait_timeout),
+                name=self.name,
+            )
+        ):
+            # The run's first peer resumed while its round mates trained on (they come back to
+            # its address): it trained alone on its checkpoint's old state for rounds, saying
+            # nobody was there, and wrote checkpoints of it (a review, stop 72). It takes theirs,
+            # as a resumed joiner does (its own θ kept where they hold it).
+            self.download_state("resumed beside its round mates", oldest_unconfirmed=resumed, keep_own=True)
         if not joined:
             logger.warning(
                 "%s: no peer could serve the global state; %s",
@@ -856,6 +876,9 @@ class Peer:
                 "name": self.name,
                 **payload,
                 "bytes": [self.stats.bytes_sent, self.stats.bytes_received, self.stats.dp_bytes],
+                # The peers it last averaged with: resumed as a run's first peer, it waits for
+                # them before training on alone (see run()).
+                "mates": list(self.averager.vouching.mates) if self.averager is not None else [],
                 "control_version": self.steering.version,
                 "control_checkpoints": self.steering.checkpoints,
                 "steered": dict(self.steering.settings),
@@ -884,6 +907,7 @@ class Peer:
             logger.info("%s: %s", self.name, changed)  # as load_moments says AdamW's
         stats = self.stats
         stats.bytes_sent, stats.bytes_received, stats.dp_bytes = payload.get("bytes", [0, 0, 0])
+        self.resumed_mates = joining.checked_mates(payload.get("mates"))
         self.averager.set_state_priority(self.diloco.outer_step_count)
         self._put_back_steering()
         logger.info("%s: resumed from %s at outer step %d", self.name, path, self.diloco.outer_step_count)
