@@ -40,6 +40,7 @@ class Verdict(enum.Enum):
 
     AVERAGE = "average"  # the others of this round are ready: matchmaking now
     ALONE = "no other peer in this round"  # step with this peer's own update
+    PAUSED = "the other peers are paused by the run's owner"  # alone too (it said "no other peer")
     BEHIND = "other peers are past this round"  # this peer fell behind: fetch the state
 
 
@@ -233,15 +234,14 @@ class RoundBarrier:
             # Its θ is not fetched here either: a peer that ended its last round early (alone)
             # would take the others' last round from them. The peers ending together settle on
             # one θ when they finish (swarm.ending).
-            others = [
+            live = [
                 p
                 for p in self.board.fetch().values()
-                if p.peer_id != self.peer_id
-                and p.stage is not Stage.PAUSED
-                and not self.done_for(p, outer_step)
+                if p.peer_id != self.peer_id and not self.done_for(p, outer_step)
             ]
+            others = [p for p in live if p.stage is not Stage.PAUSED]
             if not others:
-                return Verdict.ALONE
+                return Verdict.PAUSED if live else Verdict.ALONE
             vouched = self.vouching.vouched
             ahead = [p for p in others if behind(p)]
             if self.believed_ahead(behind, others, outer_step=outer_step):

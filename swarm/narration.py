@@ -71,6 +71,8 @@ def round_sentence(step: int, seen: dict[str, RoundSeen], absent: dict[str, Peer
         sizes = Counter(s.group_size for s in averaged)
         if len(sizes) == 1 and next(iter(sizes)) == len(averaged):
             parts.append(f"{len(averaged)} peers averaged{_arrivals(averaged)}")
+        elif len(averaged) == 1:  # one peer of its group seen ("1 peers averaged in groups of 2")
+            parts.append(f"{averaged[0].name} averaged in a group of {averaged[0].group_size}")
         else:  # several groups (or peers we saw only some of)
             groups = " and ".join(
                 str(size) for size, count in sorted(sizes.items()) for _ in range(max(1, count // size))

@@ -196,6 +196,14 @@ def test_a_finishing_peer_is_no_round_mate_for_peers_running_on():
     assert swarm.wait_for_round_mates(4) is Verdict.AVERAGE and swarm.expected == ("mate",)
 
 
+def test_a_peer_whose_only_mates_are_paused_says_so():
+    """Its mates paused by the owner, a peer said "no other peer in this round" every round (a
+    hands-on review, stop 72): alone all the same, saying why."""
+    board = FakeBoard(beat("paused", A, step=4, stage=Stage.PAUSED))
+    assert averager(board, vouched=["paused"]).wait_for_round_mates(4) is Verdict.PAUSED
+    assert averager(FakeBoard(), vouched=[]).wait_for_round_mates(4) is Verdict.ALONE
+
+
 def test_an_overlapped_last_round_averages_with_the_peers_that_end_with_it():
     """Overlapped, every peer's clock is at the run's length while its last round averages in
     the background: it is a mate for that round (the run ended on as many θ as peers, each

@@ -50,6 +50,27 @@ def _run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+def test_a_folder_of_several_runs_is_said_so_as_it_is_exported(tmp_path: Path, capsys) -> None:
+    """`export` of a folder holding three unrelated runs wrote one table of them all, no run
+    column and no word (a hands-on review, stop 72); the peers of one run in two folders are
+    one run."""
+    started = {"event": "started", "time": 0.5, "peer": "a", "run": "r/ed8b0000/1.0", "owner": "ed8b0000"}
+    for folder, run in (("x", "r/ed8b0000/1.0"), ("y", "r/ed8b0000/1.0"), ("z", "other/414e0000/2.0")):
+        (tmp_path / folder).mkdir()
+        lines = [dict(started, run=run, peer=folder), *EVENTS[1:]]
+        (tmp_path / folder / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert main(["export", str(tmp_path / "x"), "--csv"]) == 0
+    assert "runs" not in capsys.readouterr().err
+    for folder in ("y", "z"):
+        (tmp_path / "x" / folder).mkdir()
+        (tmp_path / "x" / folder / "metrics.jsonl").write_text(
+            (tmp_path / folder / "metrics.jsonl").read_text()
+        )
+    assert main(["export", str(tmp_path / "x"), "--csv"]) == 0
+    said = capsys.readouterr().err
+    assert "holds the metrics of 2 runs ('other' of owner 414e0000, 'r' of owner ed8b0000)" in said, said
+
+
 def test_tensorboard_event_files_load_back(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

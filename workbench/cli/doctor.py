@@ -114,7 +114,7 @@ def probe_port(host: str, port: int, *, timeout: float) -> Check:
         )
     except ConnectionRefusedError:
         if _kind(host) == "loopback" or host == "localhost":
-            fix = f"is the peer running on this machine? check the port it printed ({port})"
+            fix = f"is the peer running on this machine? check port {port} against the address it printed"
         else:
             kind = {"name": "dns4"}.get(
                 _kind(host), "ip6" if ":" in host else "ip4"
@@ -315,7 +315,7 @@ def _reachability(targets: list[tuple[str, int]]) -> list[Check]:
         Check(
             "reachability",
             "warn",
-            "the bootstrap peers are on this machine (loopback): only peers on it can dial you so",
+            "the bootstrap peers are on this machine (loopback): only peers on this machine can dial them",
             "for other machines pass --host 0.0.0.0 and --announce /ip4/PUBLIC_IP/tcp/PORT, or join with --client-mode",
         )
     ]

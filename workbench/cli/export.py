@@ -70,12 +70,14 @@ def read_events(
     files = sorted(root.rglob("metrics.jsonl"))
     if not files:
         raise ExportError(f"no metrics.jsonl under {root}: was the run started with --run-dir {root}?")
-    rows, seen, dropped = [], set(), 0
+    rows, seen, dropped, runs = [], set(), 0, set()
     for path in files:
         if path.exists() and not (path.is_file() or path.is_dir()):  # a FIFO: read for ever
             raise ExportError(f"{path} is not a file (a peer writes its metrics.jsonl as one)")
-        events, rolled_back = _events_of(path, kinds, seen)
+        events, rolled_back, run = _events_of(path, kinds, seen)
         dropped += rolled_back
+        if run is not None:  # its run id and owner (a resume publishes the manifest anew)
+            runs.add(run.rsplit("/", 1)[0])
         rows.extend(events)
         if sources is not None:
             folder = str(path.parent.relative_to(root))
@@ -96,15 +98,23 @@ def read_events(
             f"left out {dropped} events of outer steps a resume rolled back (the peer ran them again)",
             file=sys.stderr,
         )
+    if len(runs) > 1:  # (merged without a word, a review, stop 72)
+        named = ", ".join(f"'{r.split('/')[0]}' of owner {r.split('/')[-1][:8]}" for r in sorted(runs)[:4])
+        print(
+            f"{root} holds the metrics of {len(runs)} runs ({named}{', ...' if len(runs) > 4 else ''}), "
+            "exported together: give one run's folder to export it alone",
+            file=sys.stderr,
+        )
     rows.sort(key=lambda e: (e.get("time", 0), str(e.get("peer", ""))))
     return rows
 
 
 def _events_of(
     path: Path, kinds: set[str] | None = None, seen: set[str] | None = None
-) -> tuple[list[dict[str, Any]], int]:
-    """One peer's metrics.jsonl, in the order written: its events of ``kinds`` (None: all), and
-    how many events were left out; ``seen`` gets the kinds of all its events.
+) -> tuple[list[dict[str, Any]], int, str | None]:
+    """One peer's metrics.jsonl, in the order written: its events of ``kinds`` (None: all), how
+    many events were left out, and the run they belong to (its last "started" event's ``run``);
+    ``seen`` gets the kinds of all its events.
 
     A peer resumed from a checkpoint older than its last round (``checkpoint.prev.pt`` after a
     corrupt ``checkpoint.pt``, or a kill between checkpoints) runs those outer steps again: the
@@ -179,7 +189,7 @@ def _events_of(
             "are exported; give each run its own --run-dir to keep both)",
             file=sys.stderr,
         )
-    return [e for e in events if isinstance(e, dict)], dropped
+    return [e for e in events if isinstance(e, dict)], dropped, run
 
 
 def _step_of(event: dict[str, Any] | int | None) -> Any:

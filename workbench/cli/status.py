@@ -118,8 +118,10 @@ def render(data: dict[str, Any]) -> None:
     from rich.table import Table
 
     control = data.get("control") or {}
-    title = f"run {escape(str(data['run_id']))}: {len(data['peers'])} peers, round {data['outer_round']}" + (
-        f", control v{control['version']}" if control else ""
+    count = len(data["peers"])
+    title = (
+        f"run {escape(str(data['run_id']))}: {count} peer{'' if count == 1 else 's'}, round {data['outer_round']}"
+        + (f", control v{control['version']}" if control else "")
     )
     table = Table(title=title, title_justify="left")
     columns = (

@@ -304,7 +304,7 @@ def wait_for_peers(
     if wanted <= 1:
         return
     start = time.monotonic()
-    deadline, told = start + timeout, start
+    deadline, told = start + timeout, start - 15.0  # said at once, then every 15 s
     while True:
         beat(Stage.JOINING)
         present = sum(p.stage is not Stage.DOWNLOADING for p in board.fetch().values())

@@ -799,7 +799,19 @@ class Peer:
                 for b in beats
                 if b.peer_id in vouched and b.stage is not Stage.LEAVING and b.rounds != step
             )
-            if running_on:
+            paused = sorted(b.name for b in beats if b.peer_id in vouched and b.stage is Stage.PAUSED)
+            if paused and not running_on:
+                # (It said "the peers it averaged with had left" of a peer the owner paused, a
+                # review, stop 72: that peer trains on to the run's end once resumed.)
+                logger.warning(
+                    "%s: ended the run at outer step %d while %s, which it averaged with, %s paused by "
+                    "the run's owner; its final θ is its own",
+                    self.name,
+                    step,
+                    ", ".join(paused[:3]) + (f" and {len(paused) - 3} more" if len(paused) > 3 else ""),
+                    "is" if len(paused) == 1 else "are",
+                )
+            elif running_on:
                 logger.info(
                     "%s: done at outer step %d; %s, which it averaged with, run%s on past it",
                     self.name,
