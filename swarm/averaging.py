@@ -80,6 +80,8 @@ class SwarmAverager(Downloading):
 
     keeps_tensors_on_failure = True
     syncs_apart = 1  # (set per averager in __init__; here for bare objects in tests)
+    began_allreduce = False
+    """Whether the last attempt's group formed and began its all-reduce (:meth:`_attempt`)."""
     """Each attempt averages a copy in hivemind's buffers; the caller's tensors get the mean only
     once an attempt succeeded (optim.averager.Averager)."""
 
@@ -285,14 +287,16 @@ class SwarmAverager(Downloading):
             if doubted or not mates or deadline - time.monotonic() < self.config.matchmaking_time + 1.0:
                 if strangers:  # (renewed while they keep not coming)
                     self._no_shows_until = outer_step + 1 + DOUBT_ROUNDS
-                elif mates and budget < self.averaging_deadline.ceiling:
-                    # Out of the learned time with round mates still averaging: learn anew from
-                    # the ceiling (as the barrier does). Learned from successes only, a few fast
-                    # rounds taught 15 s, and once honest all-reduces needed 20 s (a slower
-                    # link, congestion) every round failed at 15 s, for the rest of the run
-                    # (a review, stop 72). The price: until 5 rounds succeed again, a round that
+                elif mates and self.began_allreduce and budget < self.averaging_deadline.ceiling:
+                    # Out of the learned time in an all-reduce (its group formed) with round mates
+                    # still averaging: learn anew from the ceiling (as the barrier does). Learned
+                    # from successes only, a few fast rounds taught 15 s, and once honest
+                    # all-reduces needed 20 s (a slower link, congestion) every round failed at
+                    # 15 s, for the rest of the run (a review, stop 72). The price: until 5 rounds succeed again, a round that
                     # fails anyway (for another reason) fails at the timeout, not the learned time
                     # (a review of the fix: rounds failing 1 in 2, 405 s in 20 rounds for 225 s).
+                    # Not for a group that never formed: a mate that died, its heartbeat not yet
+                    # expired, would have the next rounds wait the whole timeout for it.
                     self.averaging_deadline.forget()
                 if doubted:
                     # Strangers that keep not coming averaged with nobody here: this peer's θ is
@@ -455,6 +459,8 @@ class SwarmAverager(Downloading):
             raise
         except (Exception, asyncio.CancelledError) as error:  # hivemind may cancel a step it gave up on
             return None, f"averaging failed: {type(error).__name__}: {error}"
+        finally:
+            self.began_allreduce = bool(getattr(control, "began_allreduce", False))
         self.formed_after = 0.0
         if gathered and self.averager.assembled.value > asked:
             self.formed_after = self.averager.assembled.value - asked

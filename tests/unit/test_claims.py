@@ -893,6 +893,7 @@ def test_a_learned_averaging_deadline_that_runs_out_with_round_mates_is_learned_
             clock.sleep(need[0])
             return {"mate": {}, "me": {}}, ""
         clock.sleep(until - clock())
+        me.began_allreduce = True  # its group formed; the all-reduce ran out of time
         return None, "averaging failed: TimeoutError"
 
     me._attempt = attempt
@@ -903,6 +904,18 @@ def test_a_learned_averaging_deadline_that_runs_out_with_round_mates_is_learned_
         sizes.append(me._round([torch.ones(2)], weight=1.0, info={"outer_step": step}).group_size)
     assert sizes[:8] == [2] * 8 and sizes[8] == 1 and sizes[9:] == [2] * 7, sizes
     assert deadline.seconds == 30.0  # 3 x 20 s + 2.2 s: the ceiling
+    # A group that never formed (a mate that died, its heartbeat not yet expired) teaches
+    # nothing: the next rounds keep the learned time, not the whole timeout for a dead mate.
+    for seconds in [1.0] * 20:
+        deadline.observe(seconds)
+    me._attempt = lambda tensors, weight, info, until, n: (
+        clock.sleep(until - clock()),
+        (None, "could not find a group"),
+    )[1]
+    me.began_allreduce = False
+    board.beats["mate"] = beat("mate", 20, Stage.AVERAGING)
+    assert me._round([torch.ones(2)], weight=1.0, info={"outer_step": 20}).group_size == 1
+    assert deadline.seconds == 15.0
 
 
 def _hanging_step_averager(board, expected: tuple[str, ...], *, no_shows_until: int, vouched=()):
