@@ -148,11 +148,14 @@ class _BoundedLock:
 
     def __enter__(self) -> _BoundedLock:
         waited = 0.0
+        if not _stopping:  # running again (a notebook's next session): waited for as any lock
+            self.lost = False  # (it stayed lost: ten warnings a second, a review, stop 72)
         while True:
-            got = self._lock.acquire(timeout=LOST_LOCK_WAIT if self.lost else LOCK_WAIT)
+            wait = LOST_LOCK_WAIT if self.lost else LOCK_WAIT
+            got = self._lock.acquire(timeout=wait)
             if got or _stopping:
                 break
-            waited += LOCK_WAIT
+            waited += wait
             logger.warning("waited %.0f s for hivemind's %s, held by another process", waited, self.name)
         if not got and not self.lost:
             self.lost = True
