@@ -160,18 +160,24 @@ def save(directory: str | Path, payload: dict[str, Any]) -> Path:
             temporary.unlink(missing_ok=True)
             raise
         try:
-            if path.exists() and str(path.resolve()) not in _passed_over:
-                os.replace(path, directory / PREVIOUS)
-            os.replace(temporary, path)  # (a corrupt newest one is replaced: the previous one stays)
+            _put_in_place(temporary, path)
         except OSError as error:  # raised out of the round loop, it stopped the peer (a review)
             temporary.unlink(missing_ok=True)
             raise CheckpointError(
                 f"could not put the checkpoint in place in {directory} ({one_line(error)}): the "
                 "earlier checkpoints are kept; free some space or give another --run-dir"
             ) from None
-        _passed_over.discard(str(path.resolve()))
         _sync_folder(directory)
     return path
+
+
+def _put_in_place(temporary: Path, path: Path) -> None:
+    """A save's renames: ``path`` becomes ``checkpoint.prev.pt`` (not one passed over as bad:
+    the previous one stays), then ``temporary`` becomes ``path``; OSError as it fails."""
+    if path.exists() and str(path.resolve()) not in _passed_over:
+        os.replace(path, path.with_name(PREVIOUS))
+    os.replace(temporary, path)  # (a corrupt newest one is replaced: the previous one stays)
+    _passed_over.discard(str(path.resolve()))
 
 
 def _sync_folder(directory: Path) -> None:
@@ -351,9 +357,7 @@ def _finish_save(
         return None
     path = directory / NAME
     try:
-        if path.exists() and str(path.resolve()) not in _passed_over:
-            os.replace(path, directory / PREVIOUS)
-        os.replace(unfinished, path)
+        _put_in_place(unfinished, path)  # as the save would have
         _sync_folder(directory)
     except OSError as error:  # (its state is in the peer already: resumed from where it is)
         logger.warning(
